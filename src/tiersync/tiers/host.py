@@ -1,0 +1,208 @@
+"""The host DRAM tier: a page-aligned arena of host blocks plus its allocator.
+
+The arena mirrors the device block layout: host block ``b`` holds the live
+bytes of device block(s) copied into it for every pool of a
+:class:`~tiersync.layout.KVLayout` (block-major, see ``KVLayout.host_offsets``).
+Memory is an anonymous ``mmap`` (page aligned, lazily faulted) or, for warm
+boot, a segment in ``/dev/shm`` (:mod:`tiersync.tiers.shm`) that outlives the
+process: blocks whose save was published are found again after a restart.
+
+Contract of a save, for warm boot: ``allocate`` (the blocks' old manifest
+entries are invalidated before they are handed out), write the bytes (d2h),
+then ``publish(blocks, keys)``. A block whose publish returned is recovered
+byte-exact by the next process; a block whose save was cut short is not served.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tiersync.errors import ClosedError, UsageError
+from tiersync.tiers.allocator import BlockAllocator
+from tiersync.tiers.eviction import LRUPolicy, S3FIFOPolicy
+
+if TYPE_CHECKING:
+    from tiersync.layout.pool import KVLayout
+    from tiersync.tiers.shm import RecoveredBlock, ShmConfig
+
+log = logging.getLogger("tiersync.host")
+POLICIES = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
+
+
+@dataclass(frozen=True, slots=True)
+class HostArenaConfig:
+    """``num_blocks`` host blocks of ``block_nbytes`` bytes; ``shm`` for warm boot."""
+
+    num_blocks: int
+    block_nbytes: int
+    shm: "ShmConfig | None" = None
+    policy: str = "lru"
+    layout_digest: bytes = b"\0" * 16
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_nbytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise UsageError("must be a positive int", argument=f"HostArenaConfig.{name}", value=v)
+        if self.policy not in POLICIES:
+            raise UsageError("unknown eviction policy", argument="HostArenaConfig.policy",
+                             value=self.policy, choices=sorted(POLICIES))
+        if not isinstance(self.layout_digest, bytes) or len(self.layout_digest) != 16:
+            raise UsageError("must be 16 bytes", argument="HostArenaConfig.layout_digest")
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_nbytes
+
+
+class HostArena:
+    """Host blocks and their allocator. Thread-safe through the allocator's lock."""
+
+    def __init__(self, config: HostArenaConfig, *, on_evict: Callable[[list[int]], None] | None = None) -> None:
+        if not isinstance(config, HostArenaConfig):
+            raise UsageError("must be a HostArenaConfig", argument="config", got=type(config).__name__)
+        self.config = config
+        self._on_evict = on_evict
+        self._segment: Any = None
+        self._mmap: mmap.mmap | None = None
+        self._keys: dict[int, bytes] = {}
+        self.recovered: list[RecoveredBlock] = []
+        buf = self._open_memory(config)
+        self.memory = np.frombuffer(buf, dtype=np.uint8, count=config.nbytes).reshape(
+            config.num_blocks, config.block_nbytes)
+        self.address = self.memory.__array_interface__["data"][0]
+        self.allocator = BlockAllocator(config.num_blocks, policy=POLICIES[config.policy](), on_evict=self._evicted)
+        if self.recovered:
+            self.allocator.adopt_cached([r.block for r in self.recovered])
+            self._keys = {r.block: r.key for r in self.recovered}
+        self._closed = False
+
+    @classmethod
+    def for_layout(cls, layout: "KVLayout", num_blocks: int, *, shm: "ShmConfig | None" = None,
+                   policy: str = "lru", on_evict: Callable[[list[int]], None] | None = None) -> "HostArena":
+        """An arena whose blocks mirror ``layout`` (``layout.host_block_nbytes`` each)."""
+        cfg = HostArenaConfig(num_blocks=num_blocks, block_nbytes=layout.host_block_nbytes, shm=shm,
+                              policy=policy, layout_digest=layout.digest())
+        return cls(cfg, on_evict=on_evict)
+
+    def _open_memory(self, config: HostArenaConfig) -> Any:
+        if config.shm is None:
+            self._mmap = mmap.mmap(-1, config.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer TLB misses on scattered block copies
+                self._mmap.madvise(mmap.MADV_HUGEPAGE)
+            return self._mmap
+        from tiersync.tiers.shm import Geometry, ShmSegment
+
+        geometry = Geometry(config.num_blocks, config.block_nbytes, config.layout_digest)
+        self._segment = ShmSegment.open(config.shm, geometry)
+        self.recovered = list(self._segment.recover())
+        if self._segment.cold_start is None:
+            log.info("warm boot from %s: %d blocks recovered", config.shm.path, len(self.recovered))
+        return self._segment.payload
+
+    def __repr__(self) -> str:
+        a = self.allocator
+        where = self.config.shm.path if self.config.shm else "anonymous"
+        return (f"<HostArena {where} blocks={a.num_blocks} x {self.config.block_nbytes} B "
+                f"locked={a.num_locked} cached={a.num_cached} free={a.num_free}>")
+
+    # -- properties ----------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_blocks
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.config.block_nbytes
+
+    @property
+    def used_nbytes(self) -> int:
+        return (self.num_blocks - self.allocator.num_free) * self.block_nbytes
+
+    @property
+    def persistent(self) -> bool:
+        return self._segment is not None
+
+    def block(self, b: int) -> memoryview:
+        """Writable view of host block ``b`` (its full stride)."""
+        self._check_open()
+        if not isinstance(b, (int, np.integer)) or not 0 <= b < self.num_blocks:
+            raise UsageError("block id out of range", argument="b", block=b, num_blocks=self.num_blocks)
+        return memoryview(self.memory[int(b)])
+
+    def key_of(self, b: int) -> bytes | None:
+        """The key published for block ``b``, or None if none is published."""
+        return self._keys.get(int(b))
+
+    # -- lifecycle of blocks ------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """``n`` LOCKED blocks; their published entries are withdrawn first. See BlockAllocator.allocate."""
+        self._check_open()
+        blocks = self.allocator.allocate(n)
+        self._withdraw(blocks)
+        return blocks
+
+    def publish(self, blocks: Sequence[int], keys: Sequence[bytes]) -> None:
+        """Record that ``blocks`` now hold the data of ``keys`` (after their save completed).
+
+        With shm backing each entry is checksummed and marked valid last, so a
+        restart recovers it. Blocks must be LOCKED by the caller.
+        """
+        self._check_open()
+        blocks = [int(b) for b in blocks]
+        if len(blocks) != len(keys):
+            raise UsageError("needs one key per block", argument="keys", blocks=len(blocks), keys=len(keys))
+        for k in keys:
+            if not isinstance(k, bytes) or not 0 < len(k) <= 32:
+                raise UsageError("keys must be 1..32 bytes", argument="keys", key=k)
+        if not self.allocator.all_locked(blocks):
+            raise UsageError("blocks must be locked while publishing", argument="blocks")
+        for b, k in zip(blocks, keys):
+            if self._segment is not None:
+                self._segment.publish(b, k)
+            self._keys[b] = k
+
+    def _withdraw(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            self._keys.pop(b, None)
+        if self._segment is not None:
+            self._segment.invalidate(blocks)
+
+    def _evicted(self, blocks: list[int]) -> None:
+        if self._on_evict is not None:
+            self._on_evict(blocks)
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Forget and free blocks (CACHED, or LOCKED once by the caller)."""
+        self._check_open()
+        self.allocator.free(blocks)
+        self._withdraw(blocks)
+
+    def close(self) -> None:
+        """Release the memory. Idempotent. Shm segments stay on disk for the next process."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self.memory = None  # type: ignore[assignment]
+        if self._segment is not None:
+            self._segment.close()
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # a view is still exported; the map is freed with it
+                pass
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise ClosedError("host arena is closed")
+
+    def __enter__(self) -> "HostArena":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,216 @@
+"""Async block copies between a KV layout's pools ("device") and a host arena.
+
+Lifecycle: build once with a layout and an arena (``TransferEngine(layout,
+arena)``), post copies (``d2h`` / ``h2d`` / ``d2h_auto_allocate``) which return
+:class:`~tiersync.transfer.future.TransferFuture` at once, poll or wait, and
+``close`` (idempotent). A request is validated whole before anything moves; a
+refused request changes nothing.
+
+Host blocks a transfer touches must stay LOCKED (``arena.allocate`` or
+``arena.allocator.lock``) until its future is done: the engine checks this at
+submission and never locks or unlocks on the caller's behalf, except for
+``d2h_auto_allocate``, whose blocks come back locked for the caller to
+``unlock`` later (then LRU may evict them).
+
+Each request is cut per pool (layer order) into chunks of at most
+``chunk_bytes``; a dispatcher thread admits chunks under the :class:`Pacer`
+(bytes in flight, optional bandwidth cap) and a pool of ``workers`` threads
+copies them with the GIL released.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from tiersync.errors import ClosedError, UsageError
+from tiersync.layout.pool import Device, KVLayout
+from tiersync.tiers.host import HostArena
+from tiersync.transfer.future import Direction, TransferFuture
+from tiersync.transfer.kernel import copy_spans
+from tiersync.transfer.pacing import Pacer
+from tiersync.transfer.spans import Spans, pool_spans, validate_runs
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """``workers`` copy threads; ``max_inflight_bytes`` admitted at once; ``bandwidth_gbps``
+    caps the rate (decimal GB/s, None = no cap); ``chunk_bytes`` is the unit of work."""
+
+    workers: int = 2
+    max_inflight_bytes: int = 256 << 20
+    bandwidth_gbps: float | None = None
+    chunk_bytes: int = 8 << 20
+    streaming_stores: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "max_inflight_bytes", "chunk_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise UsageError("must be a positive int", argument=f"TransferConfig.{name}", value=v)
+        if self.bandwidth_gbps is not None and not self.bandwidth_gbps > 0:
+            raise UsageError("must be positive or None", argument="TransferConfig.bandwidth_gbps")
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    future: TransferFuture
+    layer: int
+    src: int
+    dst: int
+    spans: Spans
+
+
+class TransferEngine:
+    """Moves blocks between ``layout``'s pools and ``arena``. Thread-safe."""
+
+    def __init__(self, layout: KVLayout, arena: HostArena, config: TransferConfig | None = None,
+                 *, metrics: object | None = None) -> None:
+        if not isinstance(layout, KVLayout):
+            raise UsageError("must be a KVLayout", argument="layout", got=type(layout).__name__)
+        if not isinstance(arena, HostArena):
+            raise UsageError("must be a HostArena", argument="arena", got=type(arena).__name__)
+        if arena.block_nbytes < layout.host_block_nbytes:
+            raise UsageError("host blocks are smaller than the layout's host image", argument="arena",
+                             block_nbytes=arena.block_nbytes, needed=layout.host_block_nbytes)
+        unsupported = layout.devices - {Device.CPU}
+        if unsupported:
+            raise UsageError("pools on this device need a device backend that is not available",
+                             argument="layout", devices=sorted(d.value for d in unsupported))
+        self.layout, self.arena = layout, arena
+        self.config = config if config is not None else TransferConfig()
+        self.metrics = metrics
+        rate = None if self.config.bandwidth_gbps is None else self.config.bandwidth_gbps * 1e9
+        self._pacer = Pacer(self.config.max_inflight_bytes, rate)
+        self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="tiersync-copy")
+        self._queue: queue.SimpleQueue[list[_Chunk] | None] = queue.SimpleQueue()
+        self._closed = False
+        self._dispatcher = threading.Thread(target=self._dispatch, name="tiersync-dispatch", daemon=True)
+        self._dispatcher.start()
+
+    def __repr__(self) -> str:
+        return (f"<TransferEngine pools={len(self.layout.pools)} blocks={self.layout.num_blocks} "
+                f"host={self.arena.num_blocks} inflight={self._pacer.inflight} B>")
+
+    # -- posting ------------------------------------------------------------
+    def d2h(self, runs: Iterable[Sequence[int]]) -> TransferFuture:
+        """Copy ``(device_block, host_block, count)`` runs device -> host."""
+        arr = validate_runs(runs, src_blocks=self.layout.num_blocks, dst_blocks=self.arena.num_blocks)
+        return self._post(arr, Direction.D2H)
+
+    def h2d(self, runs: Iterable[Sequence[int]]) -> TransferFuture:
+        """Copy ``(host_block, device_block, count)`` runs host -> device."""
+        arr = validate_runs(runs, src_blocks=self.arena.num_blocks, dst_blocks=self.layout.num_blocks)
+        for i, p in enumerate(self.layout.pools):
+            if not p.writable:
+                raise UsageError("pool is read-only", argument=f"layout.pools[{i}]", tag=p.spec.tag)
+        return self._post(arr, Direction.H2D)
+
+    def d2h_auto_allocate(self, device_blocks: Sequence[int]) -> TransferFuture:
+        """Copy ``device_blocks`` into host blocks the arena picks (free first, then LRU).
+
+        ``future.host_blocks[i]`` receives ``device_blocks[i]``; they stay LOCKED
+        until :meth:`unlock`. Raises CapacityError (nothing allocated) when full.
+        """
+        ids = list(device_blocks)
+        validate_runs([(d, i, 1) for i, d in enumerate(ids)], src_blocks=self.layout.num_blocks,
+                      dst_blocks=max(len(ids), 1), argument="device_blocks")
+        self._check_open()
+        host = self.arena.allocate(len(ids))
+        try:
+            return self._post(np.array([(d, h, 1) for d, h in zip(ids, host)], dtype=np.int64), Direction.D2H)
+        except BaseException:
+            self.arena.allocator.unlock(host)
+            raise
+
+    def unlock(self, host_blocks: Sequence[int]) -> None:
+        """Drop the caller's lock on host blocks; unlocked blocks become evictable."""
+        self.arena.allocator.unlock(host_blocks)
+
+    def _post(self, runs: np.ndarray, direction: Direction) -> TransferFuture:
+        self._check_open()
+        to_host = direction is Direction.D2H
+        host_first = runs[:, 1] if to_host else runs[:, 0]
+        host_ids = np.concatenate([np.arange(s, s + c) for s, c in zip(host_first, runs[:, 2])])
+        if not self.arena.allocator.all_locked(host_ids.tolist()):
+            raise UsageError("host blocks must be locked for the whole transfer", argument="runs")
+        chunks_per_pool = [
+            pool_spans(p.spec, off, self.arena.block_nbytes, runs, to_host=to_host).split(self.config.chunk_bytes)
+            for p, off in zip(self.layout.pools, self.layout.host_offsets)
+        ]
+        per_layer = [0] * self.layout.num_layers
+        for p, chunks in zip(self.layout.pools, chunks_per_pool):
+            per_layer[p.layer] += len(chunks)
+        nbytes = sum(c.nbytes for chunks in chunks_per_pool for c in chunks)
+        fut = TransferFuture(direction, nbytes, per_layer, host_ids.tolist())
+        work = []
+        for p, chunks in zip(self.layout.pools, chunks_per_pool):
+            src, dst = (p.address, self.arena.address) if to_host else (self.arena.address, p.address)
+            work.extend(_Chunk(fut, p.layer, src, dst, c) for c in chunks)
+        self._queue.put(work)
+        return fut
+
+    # -- execution ----------------------------------------------------------
+    def _dispatch(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            for chunk in work:
+                if chunk.future.done():
+                    continue  # failed earlier: skip the rest of it
+                try:
+                    self._pacer.acquire(chunk.spans.nbytes)
+                except ClosedError as exc:
+                    chunk.future._finish(exc)
+                    continue
+                self._pool.submit(self._run, chunk)
+
+    def _run(self, chunk: _Chunk) -> None:
+        fut = chunk.future
+        try:
+            if not fut.done():
+                s = chunk.spans
+                copy_spans(chunk.src, chunk.dst, s.src, s.dst, s.length, streaming=self.config.streaming_stores)
+                if fut._chunk_done(chunk.layer):
+                    fut._finish(None)
+                    self._record(fut, ok=True)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the future
+            fut._finish(exc)
+            self._record(fut, ok=False)
+        finally:
+            self._pacer.release(chunk.spans.nbytes)
+
+    def _record(self, fut: TransferFuture, *, ok: bool) -> None:
+        if self.metrics is None:
+            return
+        if ok:
+            self.metrics.transfer_done(fut.direction.value, fut.nbytes, fut.seconds or 0.0)
+        else:
+            self.metrics.transfer_failed(fut.direction.value)
+
+    # -- lifecycle ----------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("transfer engine is closed")
+
+    def close(self, wait: bool = True) -> None:
+        """Stop accepting work; with ``wait`` finish what was posted. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        if wait:
+            self._dispatcher.join()
+        self._pool.shutdown(wait=wait)
+        self._pacer.close()
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,111 @@
+"""Block runs -> validated, coalesced byte spans.
+
+A *run* is ``(src_block, dst_block, count)``: copy ``count`` consecutive blocks.
+:func:`validate_runs` checks a whole request before anything moves (all or
+nothing); :func:`pool_spans` turns runs into the byte spans of one pool on the
+device side and its segment of the block-major host image, merging spans that
+are adjacent on both sides.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tiersync.errors import UsageError
+from tiersync.layout.pool import PoolSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Spans:
+    """Parallel int64 arrays: source offsets, destination offsets, lengths."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    def split(self, max_bytes: int) -> list["Spans"]:
+        """Cut into consecutive pieces of at most ~``max_bytes`` (a span is never split)."""
+        if len(self) == 0:
+            return []
+        csum = np.cumsum(self.length)
+        cuts = np.searchsorted(csum, np.arange(max_bytes, int(csum[-1]), max_bytes), side="left") + 1
+        edges = [0, *sorted(set(int(c) for c in cuts if 0 < c < len(self))), len(self)]
+        return [Spans(self.src[a:b], self.dst[a:b], self.length[a:b]) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+def validate_runs(runs: Iterable, *, src_blocks: int, dst_blocks: int, argument: str = "runs") -> np.ndarray:
+    """Return runs as an (n, 3) int64 array, or raise :class:`UsageError`.
+
+    Refuses: a malformed run, a count <= 0, an index out of range on either side,
+    and a block named twice on either side (overlapping runs).
+    """
+    try:
+        arr = np.array([tuple(r) for r in runs], dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise UsageError("each run must be (src_block, dst_block, count) of ints", argument=argument) from exc
+    if arr.size == 0:
+        raise UsageError("no runs given", argument=argument)
+    if arr.ndim != 2 or arr.shape[1] != 3:
+        raise UsageError("each run must be (src_block, dst_block, count)", argument=argument)
+    src, dst, cnt = arr[:, 0], arr[:, 1], arr[:, 2]
+    if (cnt <= 0).any():
+        i = int(np.argmax(cnt <= 0))
+        raise UsageError("count must be positive", argument=f"{argument}[{i}]", count=int(cnt[i]))
+    for name, start, limit in (("source", src, src_blocks), ("destination", dst, dst_blocks)):
+        bad = (start < 0) | (start + cnt > limit)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise UsageError(
+                f"{name} blocks out of range", argument=f"{argument}[{i}]",
+                first=int(start[i]), count=int(cnt[i]), num_blocks=limit,
+            )
+        ids = expand(start, cnt)
+        if len(np.unique(ids)) != len(ids):
+            u, c = np.unique(ids, return_counts=True)
+            raise UsageError(f"{name} block named twice", argument=argument, block=int(u[np.argmax(c > 1)]))
+    return arr
+
+
+def expand(start: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Block ids of runs: ``[s, s+1, ..., s+c-1]`` for each (s, c), concatenated."""
+    total = int(count.sum())
+    offs = np.repeat(start - np.concatenate(([0], np.cumsum(count)[:-1])), count)
+    return offs + np.arange(total, dtype=np.int64)
+
+
+def pool_spans(spec: PoolSpec, host_offset: int, host_stride: int, runs: np.ndarray, *, to_host: bool) -> Spans:
+    """Spans of one pool for ``runs``. ``to_host``: runs are (device, host, n), else (host, device, n)."""
+    dev_first, host_first = (runs[:, 0], runs[:, 1]) if to_host else (runs[:, 1], runs[:, 0])
+    dev_ids = expand(dev_first, runs[:, 2])
+    host_ids = expand(host_first, runs[:, 2])
+    r_off = np.array([r.offset for r in spec.regions], dtype=np.int64)
+    r_len = np.array([r.nbytes for r in spec.regions], dtype=np.int64)
+    r_host = np.concatenate(([0], np.cumsum(r_len)[:-1]))
+    dev = (spec.base_offset + dev_ids[:, None] * spec.block_stride + r_off[None, :]).ravel()
+    host = (host_offset + host_ids[:, None] * host_stride + r_host[None, :]).ravel()
+    length = np.broadcast_to(r_len, (len(dev_ids), len(r_len))).ravel()
+    src, dst = (dev, host) if to_host else (host, dev)
+    return coalesce(Spans(src, dst, np.ascontiguousarray(length)))
+
+
+def coalesce(spans: Spans) -> Spans:
+    """Merge spans adjacent in both source and destination (order by source first)."""
+    if len(spans) <= 1:
+        return spans
+    order = np.argsort(spans.src, kind="stable")
+    s, d, n = spans.src[order], spans.dst[order], spans.length[order]
+    joins = (s[:-1] + n[:-1] == s[1:]) & (d[:-1] + n[:-1] == d[1:])
+    if not joins.any():
+        return Spans(s, d, n)
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lengths = np.add.reduceat(n, starts)
+    return Spans(np.ascontiguousarray(s[starts]), np.ascontiguousarray(d[starts]), lengths.astype(np.int64))
