@@ -100,13 +100,18 @@ def _regions(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, ar
     return tuple(Region(o, n) for o, n in merged)
 
 
-def _check_dtype_kind(kind: str, name: str, argument: str) -> None:
+def _check_dtype_kind(dtype: Any, name: str, argument: str) -> None:
+    import numpy as np  # already loaded: ``dtype`` is a numpy dtype
+
+    kind = dtype.kind
+    if kind == "V" and dtype.fields is None and dtype.subdtype is None and dtype.type is not np.void:
+        return  # ml_dtypes scalar types (bfloat16, float8_*): kind 'V' but fixed-size numeric
     if kind in _REJECTED_KINDS:
         raise UsageError("dtype has no fixed-size numeric layout", argument=argument, dtype=name)
 
 
 def _from_numpy(a: Any, tag: str, layer: int, argument: str) -> DevicePool:
-    _check_dtype_kind(a.dtype.kind, str(a.dtype), argument)
+    _check_dtype_kind(a.dtype, str(a.dtype), argument)
     base = a
     while getattr(base, "base", None) is not None and hasattr(base.base, "__array_interface__"):
         base = base.base
@@ -147,7 +152,7 @@ def _from_jax(x: Any, tag: str, layer: int, argument: str) -> DevicePool:
         )
     import numpy as np
 
-    _check_dtype_kind(np.dtype(x.dtype).kind, str(x.dtype), argument)
+    _check_dtype_kind(np.dtype(x.dtype), str(x.dtype), argument)
     item = np.dtype(x.dtype).itemsize
     strides, acc = [], item
     for n in reversed(x.shape):

@@ -43,9 +43,9 @@ class Region:
     nbytes: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.offset, int) or self.offset < 0:
+        if not isinstance(self.offset, int) or isinstance(self.offset, bool) or self.offset < 0:
             raise UsageError("must be a non-negative int", argument="Region.offset", value=self.offset)
-        if not isinstance(self.nbytes, int) or self.nbytes <= 0:
+        if not isinstance(self.nbytes, int) or isinstance(self.nbytes, bool) or self.nbytes <= 0:
             raise UsageError("must be a positive int", argument="Region.nbytes", value=self.nbytes)
 
     @property
@@ -72,10 +72,14 @@ class PoolSpec:
     def __post_init__(self) -> None:
         _positive_int(self.num_blocks, "PoolSpec.num_blocks")
         _positive_int(self.block_stride, "PoolSpec.block_stride")
-        if not isinstance(self.base_offset, int) or self.base_offset < 0:
+        if not isinstance(self.base_offset, int) or isinstance(self.base_offset, bool) or self.base_offset < 0:
             raise UsageError("must be a non-negative int", argument="PoolSpec.base_offset")
         if not isinstance(self.tag, str):
             raise UsageError("must be a str", argument="PoolSpec.tag", value=self.tag)
+        if not isinstance(self.dtype, str) or not self.dtype:
+            raise UsageError("must be a non-empty str", argument="PoolSpec.dtype", value=self.dtype)
+        if isinstance(self.regions, (str, bytes)) or not hasattr(self.regions, "__iter__"):
+            raise UsageError("must be a sequence of Region", argument="PoolSpec.regions", got=type(self.regions).__name__)
         regions = tuple(self.regions)
         if not regions:
             raise UsageError("needs at least one region", argument="PoolSpec.regions")
@@ -152,10 +156,11 @@ class KVLayout:
         pools = tuple(self.pools)
         if not pools:
             raise UsageError("needs at least one pool", argument="pools")
-        n = pools[0].spec.num_blocks
         for i, p in enumerate(pools):
             if not isinstance(p, DevicePool):
                 raise UsageError("must hold DevicePool objects", argument=f"pools[{i}]", got=type(p).__name__)
+        n = pools[0].spec.num_blocks
+        for i, p in enumerate(pools):
             if p.spec.num_blocks != n:
                 raise UsageError(
                     "all pools must have the same num_blocks",

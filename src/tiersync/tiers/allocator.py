@@ -67,7 +67,7 @@ class BlockAllocator:
         return self.num_blocks - self.num_free - self.num_cached
 
     def all_locked(self, blocks: Iterable[int]) -> bool:
-        ids = np.fromiter(blocks, dtype=np.int64)
+        ids = self._ids(blocks, "blocks")
         return bool((self._state[ids] == BlockState.LOCKED).all()) if ids.size else True
 
     # -- transitions ---------------------------------------------------------
@@ -164,7 +164,10 @@ class BlockAllocator:
 
     def _ids(self, blocks: Sequence[int], argument: str, unique: bool = False) -> np.ndarray:
         try:
-            ids = np.asarray(list(blocks), dtype=np.int64).reshape(-1)
+            raw = np.asarray(list(blocks)).reshape(-1)
+            if raw.size and raw.dtype.kind not in "iu":  # a plain int64 cast truncates floats, parses strings
+                raise TypeError(raw.dtype)
+            ids = raw.astype(np.int64)
         except (TypeError, ValueError, OverflowError) as exc:
             raise UsageError("must be a sequence of int block ids", argument=argument) from exc
         if ids.size and ((ids < 0) | (ids >= self.num_blocks)).any():

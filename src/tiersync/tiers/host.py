@@ -190,7 +190,11 @@ class HostArena:
         self._closed = True
         self.memory = None  # type: ignore[assignment]
         if self._segment is not None:
-            self._segment.close()
+            try:
+                self._segment.close()
+            except UsageError:  # views of the memory are still alive somewhere
+                log.warning("host arena closed while views of %s are alive: the segment stays "
+                            "attached (and locked) until they are released", self.config.shm.path)
         if self._mmap is not None:
             try:
                 self._mmap.close()

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiersync.errors import ClosedError, UsageError
-from tiersync.layout.pool import Device, KVLayout
+from tiersync.layout.pool import Device, KVLayout, PoolSpec
 from tiersync.tiers.host import HostArena
 from tiersync.transfer.future import Direction, TransferFuture
 from tiersync.transfer.kernel import copy_spans
 from tiersync.transfer.pacing import Pacer
-from tiersync.transfer.spans import Spans, pool_spans, validate_runs
+from tiersync.transfer.spans import Spans, expand, pool_spans, validate_runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,17 +52,18 @@ class TransferConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise UsageError("must be a positive int", argument=f"TransferConfig.{name}", value=v)
-        if self.bandwidth_gbps is not None and not self.bandwidth_gbps > 0:
+        bw = self.bandwidth_gbps
+        if bw is not None and (not isinstance(bw, (int, float)) or isinstance(bw, bool) or not bw > 0):
             raise UsageError("must be positive or None", argument="TransferConfig.bandwidth_gbps")
 
 
 @dataclass(frozen=True, slots=True)
 class _Chunk:
+    """One work item: parts ``(pool, layer, src_addr, dst_addr, spans)`` copied in order."""
+
     future: TransferFuture
-    layer: int
-    src: int
-    dst: int
-    spans: Spans
+    parts: tuple
+    nbytes: int
 
 
 class TransferEngine:
@@ -82,6 +83,9 @@ class TransferEngine:
             raise UsageError("pools on this device need a device backend that is not available",
                              argument="layout", devices=sorted(d.value for d in unsupported))
         self.layout, self.arena = layout, arena
+        groups: dict[tuple, int] = {}  # pools with equal stride and regions share one span plan
+        self._geometry = [groups.setdefault((p.spec.block_stride, p.spec.regions), len(groups))
+                          for p in layout.pools]
         self.config = config if config is not None else TransferConfig()
         self.metrics = metrics
         rate = None if self.config.bandwidth_gbps is None else self.config.bandwidth_gbps * 1e9
@@ -89,6 +93,8 @@ class TransferEngine:
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="tiersync-copy")
         self._queue: queue.SimpleQueue[list[_Chunk] | None] = queue.SimpleQueue()
         self._closed = False
+        self._state_lock = threading.Lock()  # orders posts against close: no work after the stop marker
+        self._host_memory = arena.memory  # keeps the arena's mapping alive while copies may touch it
         self._dispatcher = threading.Thread(target=self._dispatch, name="tiersync-dispatch", daemon=True)
         self._dispatcher.start()
 
@@ -124,7 +130,7 @@ class TransferEngine:
         try:
             return self._post(np.array([(d, h, 1) for d, h in zip(ids, host)], dtype=np.int64), Direction.D2H)
         except BaseException:
-            self.arena.allocator.unlock(host)
+            self.arena.free(host)  # they hold nothing: back to FREE, not CACHED
             raise
 
     def unlock(self, host_blocks: Sequence[int]) -> None:
@@ -133,26 +139,54 @@ class TransferEngine:
 
     def _post(self, runs: np.ndarray, direction: Direction) -> TransferFuture:
         self._check_open()
+        self.arena._check_open()
         to_host = direction is Direction.D2H
         host_first = runs[:, 1] if to_host else runs[:, 0]
-        host_ids = np.concatenate([np.arange(s, s + c) for s, c in zip(host_first, runs[:, 2])])
+        host_ids = expand(host_first, runs[:, 2])
         if not self.arena.allocator.all_locked(host_ids.tolist()):
             raise UsageError("host blocks must be locked for the whole transfer", argument="runs")
-        chunks_per_pool = [
-            pool_spans(p.spec, off, self.arena.block_nbytes, runs, to_host=to_host).split(self.config.chunk_bytes)
-            for p, off in zip(self.layout.pools, self.layout.host_offsets)
-        ]
+        parts = self._plan(runs, to_host)
         per_layer = [0] * self.layout.num_layers
-        for p, chunks in zip(self.layout.pools, chunks_per_pool):
-            per_layer[p.layer] += len(chunks)
-        nbytes = sum(c.nbytes for chunks in chunks_per_pool for c in chunks)
-        fut = TransferFuture(direction, nbytes, per_layer, host_ids.tolist())
-        work = []
-        for p, chunks in zip(self.layout.pools, chunks_per_pool):
-            src, dst = (p.address, self.arena.address) if to_host else (self.arena.address, p.address)
-            work.extend(_Chunk(fut, p.layer, src, dst, c) for c in chunks)
-        self._queue.put(work)
+        for _, layer, _, _, _ in parts:
+            per_layer[layer] += 1
+        fut = TransferFuture(direction, sum(p[4].nbytes for p in parts), per_layer, host_ids.tolist())
+        work = [_Chunk(fut, tuple(group), sum(p[4].nbytes for p in group)) for group in self._pack(parts)]
+        with self._state_lock:
+            self._check_open()
+            self._queue.put(work)
         return fut
+
+    def _plan(self, runs: np.ndarray, to_host: bool) -> list[tuple]:
+        """(pool, layer, src_addr, dst_addr, spans) parts, layer order. Spans are computed once
+        per distinct pool geometry, relative to the pool's first block and its host segment;
+        the per-pool offsets go into the two base addresses."""
+        by_geometry: dict[int, list[Spans]] = {}
+        parts = []
+        for i, (p, off) in enumerate(zip(self.layout.pools, self.layout.host_offsets)):
+            spec = p.spec
+            geo = self._geometry[i]
+            if geo not in by_geometry:
+                rel = PoolSpec(spec.num_blocks, spec.block_stride, spec.regions)
+                spans = pool_spans(rel, 0, self.arena.block_nbytes, runs, to_host=to_host)
+                by_geometry[geo] = spans.split(self.config.chunk_bytes)
+            dev = p.address + spec.base_offset
+            host = self.arena.address + off
+            src, dst = (dev, host) if to_host else (host, dev)
+            parts.extend((i, p.layer, src, dst, piece) for piece in by_geometry[geo])
+        return parts
+
+    def _pack(self, parts: list[tuple]) -> list[list[tuple]]:
+        """Group consecutive parts into work items of about ``chunk_bytes`` each."""
+        groups: list[list[tuple]] = []
+        size = self.config.chunk_bytes
+        for part in parts:
+            if groups and size + part[4].nbytes <= self.config.chunk_bytes:
+                groups[-1].append(part)
+                size += part[4].nbytes
+            else:
+                groups.append([part])
+                size = part[4].nbytes
+        return groups
 
     # -- execution ----------------------------------------------------------
     def _dispatch(self) -> None:
@@ -164,26 +198,32 @@ class TransferEngine:
                 if chunk.future.done():
                     continue  # failed earlier: skip the rest of it
                 try:
-                    self._pacer.acquire(chunk.spans.nbytes)
+                    self._pacer.acquire(chunk.nbytes)
                 except ClosedError as exc:
                     chunk.future._finish(exc)
                     continue
-                self._pool.submit(self._run, chunk)
+                try:
+                    self._pool.submit(self._run, chunk)
+                except RuntimeError:  # pool shut down by close(wait=False)
+                    self._pacer.release(chunk.nbytes)
+                    chunk.future._finish(ClosedError("transfer engine closed before the copy ran"))
 
     def _run(self, chunk: _Chunk) -> None:
         fut = chunk.future
         try:
-            if not fut.done():
-                s = chunk.spans
-                copy_spans(chunk.src, chunk.dst, s.src, s.dst, s.length, streaming=self.config.streaming_stores)
-                if fut._chunk_done(chunk.layer):
+            for _, layer, src, dst, spans in chunk.parts:
+                if fut.done():
+                    return  # failed elsewhere
+                copy_spans(src, dst, spans.src, spans.dst, spans.length, streaming=self.config.streaming_stores)
+                if fut._chunk_done(layer):
                     fut._finish(None)
                     self._record(fut, ok=True)
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
-            fut._finish(exc)
-            self._record(fut, ok=False)
+            if not fut.done():
+                fut._finish(exc)
+                self._record(fut, ok=False)
         finally:
-            self._pacer.release(chunk.spans.nbytes)
+            self._pacer.release(chunk.nbytes)
 
     def _record(self, fut: TransferFuture, *, ok: bool) -> None:
         if self.metrics is None:
@@ -200,14 +240,17 @@ class TransferEngine:
 
     def close(self, wait: bool = True) -> None:
         """Stop accepting work; with ``wait`` finish what was posted. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         if wait:
             self._dispatcher.join()
         self._pool.shutdown(wait=wait)
         self._pacer.close()
+        if wait:
+            self._host_memory = None  # no copy can touch the arena any more
 
     def __enter__(self) -> "TransferEngine":
         return self

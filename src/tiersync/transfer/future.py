@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 
+from tiersync.errors import UsageError
+
 
 class Direction(enum.Enum):
     D2H = "d2h"
@@ -76,11 +78,16 @@ class TransferFuture:
         self._future.add_done_callback(lambda _f: fn(self))
 
     def layer_done(self, layer: int) -> bool:
-        return self._layer_events[layer].is_set()
+        return self._layer_events[self._layer_index(layer)].is_set()
+
+    def _layer_index(self, layer: int) -> int:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < len(self._layer_events):
+            raise UsageError("no such layer", argument="layer", value=layer, num_layers=len(self._layer_events))
+        return layer
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         """Block until ``layer`` is copied; raises the transfer's error if it failed first."""
-        if not self._layer_events[layer].wait(timeout):
+        if not self._layer_events[self._layer_index(layer)].wait(timeout):
             raise TimeoutError(f"layer {layer} not done after {timeout} s")
         if self._remaining[layer] != 0:
             self._future.result()

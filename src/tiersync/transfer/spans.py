@@ -49,11 +49,16 @@ def validate_runs(runs: Iterable, *, src_blocks: int, dst_blocks: int, argument:
     and a block named twice on either side (overlapping runs).
     """
     try:
-        arr = np.array([tuple(r) for r in runs], dtype=np.int64)
+        raw = np.array([tuple(r) for r in runs])
     except (TypeError, ValueError, OverflowError) as exc:
         raise UsageError("each run must be (src_block, dst_block, count) of ints", argument=argument) from exc
-    if arr.size == 0:
+    if raw.size == 0:
         raise UsageError("no runs given", argument=argument)
+    if raw.dtype.kind not in "iu" or (raw.dtype.kind == "u" and raw.max() > np.iinfo(np.int64).max):
+        # floats would be truncated and strings parsed by a plain int64 cast
+        raise UsageError("each run must be (src_block, dst_block, count) of ints", argument=argument,
+                         dtype=str(raw.dtype))
+    arr = raw.astype(np.int64)
     if arr.ndim != 2 or arr.shape[1] != 3:
         raise UsageError("each run must be (src_block, dst_block, count)", argument=argument)
     src, dst, cnt = arr[:, 0], arr[:, 1], arr[:, 2]
@@ -61,7 +66,7 @@ def validate_runs(runs: Iterable, *, src_blocks: int, dst_blocks: int, argument:
         i = int(np.argmax(cnt <= 0))
         raise UsageError("count must be positive", argument=f"{argument}[{i}]", count=int(cnt[i]))
     for name, start, limit in (("source", src, src_blocks), ("destination", dst, dst_blocks)):
-        bad = (start < 0) | (start + cnt > limit)
+        bad = (start < 0) | (start > limit) | (cnt > limit - start)  # no int64 overflow of start + cnt
         if bad.any():
             i = int(np.argmax(bad))
             raise UsageError(
@@ -101,8 +106,11 @@ def coalesce(spans: Spans) -> Spans:
     """Merge spans adjacent in both source and destination (order by source first)."""
     if len(spans) <= 1:
         return spans
-    order = np.argsort(spans.src, kind="stable")
-    s, d, n = spans.src[order], spans.dst[order], spans.length[order]
+    if (spans.src[1:] >= spans.src[:-1]).all():
+        s, d, n = spans.src, spans.dst, spans.length
+    else:
+        order = np.argsort(spans.src, kind="stable")
+        s, d, n = spans.src[order], spans.dst[order], spans.length[order]
     joins = (s[:-1] + n[:-1] == s[1:]) & (d[:-1] + n[:-1] == d[1:])
     if not joins.any():
         return Spans(s, d, n)

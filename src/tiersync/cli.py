@@ -1,0 +1,201 @@
+"""The ``tiersync`` command.
+
+Subcommands::
+
+    tiersync bench d2h|h2d [--quick] [--json] [--workers N]   time block copies
+    tiersync shm list [--dir D] [--json]                      segments in /dev/shm
+    tiersync shm reclaim PATH...                              unlink dead segments
+    tiersync demo [--quick] [--json]                          the end-to-end demo
+    tiersync metrics [--port P]                               print or serve metrics
+
+Exit status: 0 success; 1 a tiersync error; 2 bad usage; 3 a bench refused to
+report because its byte-exact round trip failed. Importing this module is
+cheap: each subcommand imports what it needs when it runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+EXIT_ERROR, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
+BENCH_SUITES = ("d2h", "h2d")  # keep in step with tiersync.bench.SUITES (checked by the tests)
+TINY_ENV = "TIERSYNC_BENCH_TINY"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; each subcommand sets ``func(args) -> int``."""
+    p = argparse.ArgumentParser(prog="tiersync", description="Move LLM KV caches between tiers, fast.")
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    _add_bench(sub)
+    _add_shm(sub)
+    d = sub.add_parser("demo", help="run the end-to-end demo")
+    d.add_argument("--quick", action="store_true", help="a small, fast run")
+    d.add_argument("--json", action="store_true", help="print one JSON object")
+    d.set_defaults(func=cmd_demo)
+    m = sub.add_parser("metrics", help="print the Prometheus metrics, or serve them with --port")
+    m.add_argument("--port", type=int, default=None, help="serve /metrics on this port until interrupted")
+    m.add_argument("--addr", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    m.set_defaults(func=cmd_metrics)
+    return p
+
+
+def _add_bench(sub: Any) -> None:
+    b = sub.add_parser("bench", help="run a benchmark suite",
+                       description="Time a suite against its baselines, after a byte-exact round trip.")
+    b.add_argument("suite", choices=BENCH_SUITES)
+    b.add_argument("--quick", action="store_true", help="smaller shapes, 5 timed iterations (< 60 s)")
+    b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    b.add_argument("--workers", type=int, default=2, help="copy threads of the transfer engine (default 2)")
+    b.add_argument("--iterations", type=int, default=None, help="timed iterations (default 20, quick 5)")
+    b.add_argument("--warmups", type=int, default=None, help="warm-up iterations (default 3)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the block ids and data")
+    b.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: a few MiB
+    b.add_argument("--inject-corruption", action="store_true", help=argparse.SUPPRESS)  # tests only
+    b.set_defaults(func=cmd_bench)
+
+
+def _add_shm(sub: Any) -> None:
+    s = sub.add_parser("shm", help="inspect or reclaim shared-memory segments")
+    ss = s.add_subparsers(dest="shm_command", metavar="ACTION", required=True)
+    ls = ss.add_parser("list", help="list tiersync segments and their headers")
+    ls.add_argument("--dir", default="/dev/shm", help="directory to scan (default /dev/shm)")
+    ls.add_argument("--json", action="store_true", help="print a JSON list")
+    ls.set_defaults(func=cmd_shm_list)
+    rc = ss.add_parser("reclaim", help="unlink segments no live process has attached")
+    rc.add_argument("paths", nargs="+", metavar="PATH")
+    rc.set_defaults(func=cmd_shm_reclaim)
+
+
+# -- subcommands -------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run one suite; print its JSON object or table. RoundTripError propagates (exit 3)."""
+    from tiersync.bench import run_suite
+    from tiersync.bench.common import BenchConfig, dump_json, render_table
+
+    config = BenchConfig(
+        suite=args.suite, quick=args.quick, tiny=args.tiny or os.environ.get(TINY_ENV) == "1",
+        workers=args.workers, iterations=args.iterations, warmups=args.warmups, seed=args.seed,
+        inject_corruption=args.inject_corruption, progress=not args.json and sys.stderr.isatty(),
+    )
+    rep = run_suite(config)
+    print(dump_json(rep) if args.json else render_table(rep))
+    return 0
+
+
+def cmd_shm_list(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from tiersync.tiers.shm import ShmSegment
+
+    infos = [asdict(i) if hasattr(i, "__dataclass_fields__") else dict(vars(i))
+             for i in ShmSegment.list_segments(args.dir)]
+    for i in infos:
+        p = i.get("problem")
+        i["problem"] = None if p is None else getattr(p, "value", str(p))
+    if args.json:
+        import json
+
+        print(json.dumps(infos, default=str))
+        return 0
+    if not infos:
+        print(f"no tiersync segments in {args.dir}")
+    for i in infos:
+        state = f"UNUSABLE ({i['problem']})" if i["problem"] else (
+            f"model={i.get('model_id')} blocks={i.get('num_blocks')} x {i.get('block_nbytes')} B "
+            f"valid={i.get('valid_blocks')}")
+        print(f"{i['path']}  {i['size']} B  {state}")
+    return 0
+
+
+def cmd_shm_reclaim(args: argparse.Namespace) -> int:
+    """Reclaim every path; report each failure and exit 1 if any failed."""
+    from tiersync.errors import TierSyncError
+    from tiersync.tiers.shm import ShmSegment
+
+    failed = 0
+    for path in args.paths:
+        try:
+            ShmSegment.reclaim(path)
+            print(f"reclaimed {path}")
+        except TierSyncError as exc:
+            failed += 1
+            print(f"tiersync shm reclaim: {exc}", file=sys.stderr)
+    return EXIT_ERROR if failed else 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Forward ``--quick``/``--json`` (as an argv list) to ``tiersync.demo.main``."""
+    from tiersync import demo
+
+    argv = [flag for flag, on in (("--quick", args.quick), ("--json", args.json)) if on]
+    rc = demo.main(argv)
+    return rc if isinstance(rc, int) else 0
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from tiersync.telemetry import Metrics, start_exporter
+
+    metrics = Metrics.default()
+    if args.port is None:
+        sys.stdout.write(metrics.render().decode())
+        return 0
+    server = start_exporter(args.port, addr=args.addr, metrics=metrics)
+    print(f"serving http://{args.addr}:{server.server_port}/metrics (Ctrl-C to stop)", file=sys.stderr)
+    try:
+        import threading
+
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        server.shutdown()
+    return 0
+
+
+# -- entry point -------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from tiersync import __version__
+
+        print(f"tiersync {__version__}")
+        return 0
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tiersync.errors import IntegrityError, TierSyncError, UsageError
+
+    name = f"tiersync {args.command}"
+    try:
+        return args.func(args)
+    except IntegrityError as exc:
+        print(f"{name}: REFUSED: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):
+            import json
+
+            print(json.dumps({"suite": getattr(args, "suite", None), "refused": True, "error": str(exc)}))
+        return EXIT_REFUSED
+    except UsageError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except TierSyncError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `tiersync bench d2h | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""A paged KV pool standing in for device memory, and a prefix map of host blocks.
+
+:class:`PagedKV` holds, per layer, a ``k`` and a ``v`` tensor of shape
+``(num_blocks, block_size, kv_heads, head_dim)`` (torch CPU), bound in place
+as a :class:`~tiersync.layout.KVLayout`. It scatters a model's contiguous KV
+into chosen blocks and gathers blocks back into contiguous KV.
+
+:class:`PrefixIndex` keys each *full* block of a prompt by a chained hash
+(xxh3_128 of the parent key and the block's token ids), so a key names the
+whole prefix up to and including its block. It is a deliberately simple local
+map from key to host block; it forgets blocks the host arena evicts.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from tiersync.layout import KVLayout, kv_layout
+from tiersync.demo.model import KVGeometry
+
+KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class PagedKV:
+    """``num_blocks`` blocks of ``block_size`` tokens per layer, k and v, as one layout."""
+
+    def __init__(self, geometry: KVGeometry, num_blocks: int, block_size: int = 16) -> None:
+        self.geometry, self.num_blocks, self.block_size = geometry, num_blocks, block_size
+        shape = (num_blocks, block_size, geometry.kv_heads, geometry.head_dim)
+        self.pools = [(torch.zeros(shape, dtype=geometry.dtype), torch.zeros(shape, dtype=geometry.dtype))
+                      for _ in range(geometry.num_layers)]
+        self.layout: KVLayout = kv_layout(self.pools, tags=["k", "v"])
+
+    @property
+    def block_nbytes(self) -> int:
+        """Live KV bytes of one block over all layers (what one block transfer moves)."""
+        return self.layout.block_nbytes
+
+    def wipe(self) -> None:
+        """Zero every block in place (the tensors, and so the layout, stay the same)."""
+        for k, v in self.pools:
+            k.zero_()
+            v.zero_()
+
+    def scatter(self, layers: KVLayers, blocks: Sequence[int]) -> None:
+        """Write ``layers`` (seq tokens each) into ``blocks``; the last block may be partial."""
+        seq = layers[0][0].shape[-2]
+        if len(blocks) * self.block_size < seq:
+            raise ValueError(f"{len(blocks)} blocks cannot hold {seq} tokens")
+        full, rest = divmod(seq, self.block_size)
+        ids = torch.as_tensor(list(blocks[:full]), dtype=torch.long)
+        for (pk, pv), (k, v) in zip(self.pools, layers):
+            for pool, src in ((pk, k), (pv, v)):
+                tokens = src[0].permute(1, 0, 2)  # (seq, kv_heads, head_dim)
+                if full:
+                    pool[ids] = tokens[: full * self.block_size].reshape(full, self.block_size, *tokens.shape[1:])
+                if rest:
+                    pool[blocks[full], :rest] = tokens[full * self.block_size:]
+
+    def gather(self, blocks: Sequence[int]) -> KVLayers:
+        """Contiguous per-layer ``(k, v)``, (1, kv_heads, len(blocks) * block_size, head_dim)."""
+        ids = torch.as_tensor(list(blocks), dtype=torch.long)
+        out = []
+        for pk, pv in self.pools:
+            pair = []
+            for pool in (pk, pv):
+                picked = pool[ids].reshape(-1, *pool.shape[2:])  # (tokens, kv_heads, head_dim)
+                pair.append(picked.permute(1, 0, 2).unsqueeze(0).contiguous())
+            out.append((pair[0], pair[1]))
+        return out
+
+
+def block_keys(tokens: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
+    """Chained keys of the full blocks of ``tokens``: key_i = xxh3_128(key_{i-1} + tokens of block i)."""
+    ids = np.asarray(tokens, dtype="<i8")
+    keys, parent = [], root
+    for i in range(len(ids) // block_size):
+        parent = xxhash.xxh3_128_digest(parent + ids[i * block_size:(i + 1) * block_size].tobytes())
+        keys.append(parent)
+    return keys
+
+
+class PrefixIndex:
+    """Local map: block key -> host block. Pass :meth:`forget` as the arena's ``on_evict``."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[bytes, int] = {}
+        self._by_block: dict[int, bytes] = {}
+        self._mutex = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def record(self, keys: Sequence[bytes], host_blocks: Sequence[int]) -> None:
+        """Remember that ``host_blocks[i]`` holds the block keyed ``keys[i]`` (after publish)."""
+        with self._mutex:
+            for k, b in zip(keys, host_blocks):
+                self._by_key[k] = int(b)
+                self._by_block[int(b)] = k
+
+    def forget(self, host_blocks: Sequence[int]) -> None:
+        """Drop entries of evicted or freed host blocks."""
+        with self._mutex:
+            for b in host_blocks:
+                key = self._by_block.pop(int(b), None)
+                if key is not None:
+                    self._by_key.pop(key, None)
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> list[int]:
+        """Host blocks of the longest run ``keys[0..n)`` all present; stops at the first miss."""
+        found = []
+        with self._mutex:
+            for k in keys:
+                b = self._by_key.get(k)
+                if b is None:
+                    break
+                found.append(b)
+        return found

@@ -1,0 +1,411 @@
+"""Protocol events: frozen slotted dataclasses, one per op, plus status enums.
+
+Each event knows its :class:`~tiersync.net.frames.Op`, how to encode its metadata
+and how to parse it back. Constructing an event with bad fields raises
+:class:`UsageError`; parsing bad metadata from a peer raises
+:class:`~tiersync.net.errors.ProtocolError` (MALFORMED) instead.
+Enum fields travel as u8; their values are wire format — never renumber.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar, Union
+
+from tiersync.errors import UsageError
+from tiersync.net.codec import KEY_SIZE, MetaReader, MetaWriter
+from tiersync.net.frames import Op, ProtocolConfig
+
+NONCE_SIZE = 16
+PROOF_SIZE = 32
+_U64_MAX = (1 << 64) - 1
+
+
+class ErrorCode(enum.IntEnum):
+    INTERNAL = 1
+    BAD_REQUEST = 2
+    AUTH_FAILED = 3
+    NOT_FOUND = 4
+    LEASE_EXPIRED = 5
+    CAPACITY = 6
+    UNSUPPORTED = 7
+    SHUTTING_DOWN = 8
+
+
+class OfferStatus(enum.IntEnum):
+    """Answer to an OFFER. ACCEPT / PARTIAL_EXIST are followed by a COMMIT_REPLY."""
+
+    ACCEPT = 1
+    PARTIAL_EXIST = 2
+    ALL_EXIST = 3
+    REFUSED = 4
+
+
+class LeaseStatus(enum.IntEnum):
+    GRANTED = 1
+    MISSING = 2
+
+
+class CommitStatus(enum.IntEnum):
+    COMMITTED = 1
+    FAILED = 2
+
+
+def _u64(name: str, v: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= _U64_MAX:
+        raise UsageError("must be an int in [0, 2**64)", argument=name, value=v)
+
+
+def _bytes(name: str, v: object, sizes: tuple[int, ...]) -> None:
+    if not isinstance(v, bytes) or len(v) not in sizes:
+        raise UsageError(f"must be bytes of length {sizes}", argument=name)
+
+
+def _keys(name: str, keys: object) -> None:
+    if not isinstance(keys, tuple) or any(not isinstance(k, bytes) or len(k) != KEY_SIZE for k in keys):
+        raise UsageError("must be a tuple of 16-byte keys", argument=name)
+
+
+def _u64s(name: str, values: object) -> None:
+    if not isinstance(values, tuple):
+        raise UsageError("must be a tuple of ints", argument=name)
+    for v in values:
+        _u64(name, v)
+
+
+def _enum(name: str, v: object, kind: type[enum.IntEnum]) -> None:
+    if not isinstance(v, kind):
+        raise UsageError(f"must be a {kind.__name__}", argument=name, value=v)
+
+
+def _text(name: str, v: object) -> None:
+    if not isinstance(v, str):
+        raise UsageError("must be a str", argument=name)
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Client -> server, first frame: who I am and a fresh nonce."""
+
+    OP: ClassVar[Op] = Op.HELLO
+    node_id: str
+    nonce: bytes
+
+    def __post_init__(self) -> None:
+        _text("node_id", self.node_id)
+        _bytes("nonce", self.nonce, (NONCE_SIZE,))
+
+    def meta(self) -> bytes:
+        return MetaWriter().text(self.node_id).blob(self.nonce).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Hello":
+        return cls(r.text(cfg.max_string), r.blob(NONCE_SIZE))
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """Server -> client: the server nonce and the server's proof (empty when no token)."""
+
+    OP: ClassVar[Op] = Op.CHALLENGE
+    nonce: bytes
+    proof: bytes
+
+    def __post_init__(self) -> None:
+        _bytes("nonce", self.nonce, (NONCE_SIZE,))
+        _bytes("proof", self.proof, (0, PROOF_SIZE))
+
+    def meta(self) -> bytes:
+        return MetaWriter().blob(self.nonce).blob(self.proof).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Challenge":
+        return cls(r.blob(NONCE_SIZE), r.blob(PROOF_SIZE))
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    """Client -> server: the client's proof (empty when it has no token)."""
+
+    OP: ClassVar[Op] = Op.AUTH
+    proof: bytes
+
+    def __post_init__(self) -> None:
+        _bytes("proof", self.proof, (0, PROOF_SIZE))
+
+    def meta(self) -> bytes:
+        return MetaWriter().blob(self.proof).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Auth":
+        return cls(r.blob(PROOF_SIZE))
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Server -> client: handshake accepted; requests may flow both ways."""
+
+    OP: ClassVar[Op] = Op.READY
+    session_id: int
+
+    def __post_init__(self) -> None:
+        _u64("session_id", self.session_id)
+
+    def meta(self) -> bytes:
+        return MetaWriter().u64(self.session_id).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Ready":
+        return cls(r.u64())
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Answer to request ``request_id``; with ``request_id == 0`` it ends the connection."""
+
+    OP: ClassVar[Op] = Op.ERROR
+    request_id: int
+    code: ErrorCode
+    message: str = ""
+
+    def __post_init__(self) -> None:
+        _u64("request_id", self.request_id)
+        _enum("code", self.code, ErrorCode)
+        _text("message", self.message)
+
+    def meta(self) -> bytes:
+        return MetaWriter().u8(self.code).text(self.message).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Error":
+        return cls(rid, ErrorCode(r.u8()), r.text(cfg.max_string))
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    OP: ClassVar[Op] = Op.PING
+    request_id: int
+    token: int = 0
+
+    def __post_init__(self) -> None:
+        _u64("request_id", self.request_id)
+        _u64("token", self.token)
+
+    def meta(self) -> bytes:
+        return MetaWriter().u64(self.token).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Ping":
+        return cls(rid, r.u64())
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    OP: ClassVar[Op] = Op.PONG
+    request_id: int
+    token: int = 0
+
+    __post_init__ = Ping.__post_init__
+    meta = Ping.meta
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Pong":
+        return cls(rid, r.u64())
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """Writer -> destination: blocks ``keys`` (sizes in bytes) pullable under ``lease_id``."""
+
+    OP: ClassVar[Op] = Op.OFFER
+    request_id: int
+    lease_id: int
+    keys: tuple[bytes, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _u64("request_id", self.request_id)
+        _u64("lease_id", self.lease_id)
+        _keys("keys", self.keys)
+        _u64s("sizes", self.sizes)
+        if len(self.sizes) != len(self.keys):
+            raise UsageError("must have one size per key", argument="sizes")
+
+    def meta(self) -> bytes:
+        return MetaWriter().u64(self.lease_id).keys(self.keys).u64s(self.sizes).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Offer":
+        return cls(rid, r.u64(), r.keys(cfg.max_keys), r.u64s(cfg.max_keys))
+
+
+@dataclass(frozen=True, slots=True)
+class OfferReply:
+    """``existing``: keys the destination already holds (the overlap)."""
+
+    OP: ClassVar[Op] = Op.OFFER_REPLY
+    request_id: int
+    status: OfferStatus
+    existing: tuple[bytes, ...] = ()
+
+    def __post_init__(self) -> None:
+        _u64("request_id", self.request_id)
+        _enum("status", self.status, OfferStatus)
+        _keys("existing", self.existing)
+
+    def meta(self) -> bytes:
+        return MetaWriter().u8(self.status).keys(self.existing).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "OfferReply":
+        return cls(rid, OfferStatus(r.u8()), r.keys(cfg.max_keys))
+
+
+@dataclass(frozen=True, slots=True)
+class ReadLease:
+    """Reader -> source: validate and pin all ``keys`` for ``ttl_s`` seconds (all-or-nothing)."""
+
+    OP: ClassVar[Op] = Op.READ_LEASE
+    request_id: int
+    keys: tuple[bytes, ...]
+    ttl_s: int = 120
+
+    def __post_init__(self) -> None:
+        _u64("request_id", self.request_id)
+        _keys("keys", self.keys)
+        _u64("ttl_s", self.ttl_s)
+
+    def meta(self) -> bytes:
+        return MetaWriter().keys(self.keys).u64(self.ttl_s).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "ReadLease":
+        return cls(rid, r.keys(cfg.max_keys), r.u64())
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseReply:
+    """GRANTED: ``lease_id``, clamped ``ttl_s``, one size per key. MISSING: ``missing`` keys."""
+
+    OP: ClassVar[Op] = Op.LEASE_REPLY
+    request_id: int
+    status: LeaseStatus
+    lease_id: int = 0
+    ttl_s: int = 0
+    sizes: tuple[int, ...] = ()
+    missing: tuple[bytes, ...] = ()
+
+    def __post_init__(self) -> None:
+        _u64("request_id", self.request_id)
+        _enum("status", self.status, LeaseStatus)
+        _u64("lease_id", self.lease_id)
+        _u64("ttl_s", self.ttl_s)
+        _u64s("sizes", self.sizes)
+        _keys("missing", self.missing)
+
+    def meta(self) -> bytes:
+        w = MetaWriter().u8(self.status).u64(self.lease_id).u64(self.ttl_s)
+        return w.u64s(self.sizes).keys(self.missing).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "LeaseReply":
+        return cls(rid, LeaseStatus(r.u8()), r.u64(), r.u64(), r.u64s(cfg.max_keys), r.keys(cfg.max_keys))
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """Ask for ``length`` bytes of block ``key`` from ``offset`` under ``lease_id``."""
+
+    OP: ClassVar[Op] = Op.PULL
+    request_id: int
+    lease_id: int
+    key: bytes
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        for name in ("request_id", "lease_id", "offset", "length"):
+            _u64(name, getattr(self, name))
+        _bytes("key", self.key, (KEY_SIZE,))
+
+    def meta(self) -> bytes:
+        w = MetaWriter().u64(self.lease_id).blob(self.key)
+        return w.u64(self.offset).u64(self.length).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Pull":
+        return cls(rid, r.u64(), r.blob(KEY_SIZE), r.u64(), r.u64())
+
+
+@dataclass(frozen=True, slots=True)
+class Data:
+    """Answer to a PULL: the bytes. ``payload`` may be any buffer; it is sent without a copy."""
+
+    OP: ClassVar[Op] = Op.DATA
+    request_id: int
+    payload: bytes | bytearray | memoryview
+
+    def __post_init__(self) -> None:
+        _u64("request_id", self.request_id)
+        if not isinstance(self.payload, (bytes, bytearray, memoryview)):
+            raise UsageError("must be a bytes-like buffer", argument="payload")
+
+    def meta(self) -> bytes:
+        return b""
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Data":
+        raise AssertionError("DATA is built by the Connection")  # pragma: no cover
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Reader -> source: done with ``lease_id``; the answer says whether it was still held."""
+
+    OP: ClassVar[Op] = Op.RELEASE
+    request_id: int
+    lease_id: int
+
+    def __post_init__(self) -> None:
+        _u64("request_id", self.request_id)
+        _u64("lease_id", self.lease_id)
+
+    def meta(self) -> bytes:
+        return MetaWriter().u64(self.lease_id).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Release":
+        return cls(rid, r.u64())
+
+
+@dataclass(frozen=True, slots=True)
+class CommitReply:
+    """Final answer to an accepted OFFER or to a RELEASE."""
+
+    OP: ClassVar[Op] = Op.COMMIT_REPLY
+    request_id: int
+    status: CommitStatus
+    message: str = ""
+
+    def __post_init__(self) -> None:
+        _u64("request_id", self.request_id)
+        _enum("status", self.status, CommitStatus)
+        _text("message", self.message)
+
+    def meta(self) -> bytes:
+        return MetaWriter().u8(self.status).text(self.message).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "CommitReply":
+        return cls(rid, CommitStatus(r.u8()), r.text(cfg.max_string))
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionClosed:
+    """Local event: the peer closed the stream cleanly between frames. Never sent."""
+
+
+Event = Union[Hello, Challenge, Auth, Ready, Error, Ping, Pong, Offer, OfferReply, ReadLease,
+              LeaseReply, Pull, Data, Release, CommitReply]
+EVENT_TYPES: dict[Op, type] = {cls.OP: cls for cls in Event.__args__}  # type: ignore[attr-defined]
+assert set(EVENT_TYPES) == set(Op)

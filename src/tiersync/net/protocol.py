@@ -1,0 +1,358 @@
+"""Sans-IO connection state machine for the tiersync wire protocol (h11 style).
+
+Feed bytes with :meth:`Connection.receive_data`, pull events with
+:meth:`Connection.next_event` (an event, or :data:`NEED_DATA`), and turn events
+into bytes with :meth:`Connection.send`. The object does no I/O.
+
+Handshake (table ``_HANDSHAKE``)::
+
+    client: HELLO ->            <- CHALLENGE      AUTH ->          <- READY
+    server: states IDLE -> MUST_CHALLENGE -> AWAIT_AUTH -> MUST_READY -> READY
+
+In READY both sides may send requests (PING, OFFER, READ_LEASE, PULL, RELEASE)
+and must answer the peer's outstanding ones (table ``_ANSWERS``); an ERROR with
+request id 0 ends the connection. Errors:
+
+- peer input that breaks the protocol -> :class:`ProtocolError`; the connection
+  is then *poisoned* and every later call raises :class:`ClosedError`;
+- local misuse (wrong state, unknown request id, oversize frame) ->
+  :class:`UsageError`; the connection stays usable.
+
+Memory: nothing is allocated from a peer-declared size beyond
+:class:`ProtocolConfig` bounds; payload buffers grow only as bytes arrive.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+from tiersync.errors import ClosedError, UsageError
+from tiersync.net import events as ev
+from tiersync.net.codec import MetaReader
+from tiersync.net.errors import ProtocolError, ProtocolFault
+from tiersync.net.frames import HEADER_SIZE, FrameHeader, Op, ProtocolConfig, checksum, decode_header, encode_header
+
+
+class _NeedData:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA = _NeedData()
+"""Returned by :meth:`Connection.next_event` when more bytes are needed."""
+
+
+class Role(enum.Enum):
+    CLIENT = "client"
+    SERVER = "server"
+
+
+class State(enum.Enum):
+    IDLE = "idle"
+    AWAIT_CHALLENGE = "await_challenge"
+    MUST_AUTH = "must_auth"
+    AWAIT_READY = "await_ready"
+    MUST_CHALLENGE = "must_challenge"
+    AWAIT_AUTH = "await_auth"
+    MUST_READY = "must_ready"
+    READY = "ready"
+    CLOSED = "closed"
+    POISONED = "poisoned"
+
+
+class Direction(enum.Enum):
+    SEND = "send"
+    RECV = "recv"
+
+
+_S, _R = Direction.SEND, Direction.RECV
+_HANDSHAKE: dict[tuple[Role, State, Direction, Op], State] = {
+    (Role.CLIENT, State.IDLE, _S, Op.HELLO): State.AWAIT_CHALLENGE,
+    (Role.CLIENT, State.AWAIT_CHALLENGE, _R, Op.CHALLENGE): State.MUST_AUTH,
+    (Role.CLIENT, State.MUST_AUTH, _S, Op.AUTH): State.AWAIT_READY,
+    (Role.CLIENT, State.AWAIT_READY, _R, Op.READY): State.READY,
+    (Role.SERVER, State.IDLE, _R, Op.HELLO): State.MUST_CHALLENGE,
+    (Role.SERVER, State.MUST_CHALLENGE, _S, Op.CHALLENGE): State.AWAIT_AUTH,
+    (Role.SERVER, State.AWAIT_AUTH, _R, Op.AUTH): State.MUST_READY,
+    (Role.SERVER, State.MUST_READY, _S, Op.READY): State.READY,
+}
+
+# Request op -> response ops allowed first (ERROR is always allowed and final).
+_ANSWERS: dict[Op, frozenset[Op]] = {
+    Op.PING: frozenset({Op.PONG}),
+    Op.OFFER: frozenset({Op.OFFER_REPLY}),
+    Op.READ_LEASE: frozenset({Op.LEASE_REPLY}),
+    Op.PULL: frozenset({Op.DATA}),
+    Op.RELEASE: frozenset({Op.COMMIT_REPLY}),
+}
+_RESPONSES = frozenset({Op.PONG, Op.OFFER_REPLY, Op.LEASE_REPLY, Op.DATA, Op.COMMIT_REPLY, Op.ERROR})
+
+
+def _then(event: object) -> frozenset[Op] | None:
+    """Responses still allowed after ``event`` (None: the request is finished)."""
+    if isinstance(event, ev.OfferReply) and event.status in (ev.OfferStatus.ACCEPT, ev.OfferStatus.PARTIAL_EXIST):
+        return frozenset({Op.COMMIT_REPLY})
+    return None
+
+
+class Connection:
+    """One side of a framed connection. Not thread-safe; guard it with one lock.
+
+    ``role``: which side of the handshake this is. ``config``: bounds.
+    """
+
+    def __init__(self, role: Role, config: ProtocolConfig | None = None) -> None:
+        if not isinstance(role, Role):
+            raise UsageError("must be a Role", argument="role", value=role)
+        self.role = role
+        self.config = config or ProtocolConfig()
+        self.state = State.IDLE
+        self._buf = bytearray()
+        self._eof = False
+        self._header: FrameHeader | None = None
+        self._payload: bytearray | memoryview | None = None
+        self._filled = 0
+        self._mine: dict[int, frozenset[Op]] = {}    # requests I sent -> responses I may receive
+        self._theirs: dict[int, frozenset[Op]] = {}  # requests I received -> responses I may send
+        self._sinks: dict[int, memoryview] = {}
+
+    # ---------------------------------------------------------------- sending
+    def send(self, event: ev.Event) -> list[bytes | memoryview]:
+        """Encode ``event``; returns buffers to write in order (payloads are not copied).
+
+        Raises UsageError when the event is not allowed now (state, request id,
+        size), ClosedError when the connection is closed or poisoned.
+        """
+        self._check_open()
+        op = event.OP
+        rid = getattr(event, "request_id", 0)
+        self._check_send_allowed(op, rid)
+        meta = event.meta()
+        payload = memoryview(event.payload).cast("B") if isinstance(event, ev.Data) else memoryview(b"")
+        if len(meta) > self.config.max_meta_size or len(meta) + len(payload) > self.config.max_frame_size:
+            raise UsageError("frame exceeds max_frame_size", argument="event",
+                             meta_len=len(meta), payload_len=len(payload))
+        self._apply_send(op, rid, event)
+        head = encode_header(op, rid, meta, len(payload), checksum(payload))
+        return [head + meta, payload] if len(payload) else [head + meta]
+
+    def _check_send_allowed(self, op: Op, rid: int) -> None:
+        if self.state is not State.READY:
+            if op is Op.ERROR or (self.role, self.state, _S, op) in _HANDSHAKE:
+                return
+            raise UsageError(f"cannot send {op.name} in state {self.state.value}", argument="event")
+        if op in _ANSWERS:
+            if rid == 0 or rid in self._mine:
+                raise UsageError("request id must be nonzero and not outstanding", argument="event", request_id=rid)
+        elif op in _RESPONSES:
+            if op is Op.ERROR and rid == 0:
+                return
+            if op not in self._theirs.get(rid, ()) and not (op is Op.ERROR and rid in self._theirs):
+                raise UsageError(f"no outstanding peer request {rid} answerable by {op.name}", argument="event")
+        else:
+            raise UsageError(f"cannot send {op.name} after the handshake", argument="event")
+
+    def _apply_send(self, op: Op, rid: int, event: object) -> None:
+        if op is Op.ERROR and (rid == 0 or self.state is not State.READY):
+            self.state = State.CLOSED
+        elif self.state is not State.READY:
+            self.state = _HANDSHAKE[(self.role, self.state, _S, op)]
+        elif op in _ANSWERS:
+            self._mine[rid] = _ANSWERS[op]
+        else:
+            self._advance(self._theirs, rid, event)
+
+    @staticmethod
+    def _advance(table: dict[int, frozenset[Op]], rid: int, event: object) -> None:
+        nxt = _then(event)
+        if nxt is None:
+            del table[rid]
+        else:
+            table[rid] = nxt
+
+    # -------------------------------------------------------------- receiving
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Buffer bytes from the peer; ``b""`` means end of stream.
+
+        Raises UsageError after end of stream, ClosedError when poisoned/closed.
+        """
+        self._check_open()
+        if self._eof:
+            raise UsageError("data after end of stream", argument="data")
+        if not data:
+            self._eof = True
+            return
+        self._buf += data
+
+    def expect_payload_into(self, request_id: int, buffer: memoryview | bytearray) -> None:
+        """Land the DATA answer to my request ``request_id`` in ``buffer`` (exact size).
+
+        Use :meth:`payload_sink` / :meth:`payload_received` to receive straight
+        into it. A DATA frame of another size raises ProtocolError(MALFORMED).
+        """
+        if request_id not in self._mine or Op.DATA not in self._mine[request_id]:
+            raise UsageError("no outstanding PULL with this id", argument="request_id", request_id=request_id)
+        view = memoryview(buffer).cast("B")
+        if view.readonly:
+            raise UsageError("must be writable", argument="buffer")
+        self._sinks[request_id] = view
+
+    def payload_sink(self) -> memoryview | None:
+        """The unfilled tail of the caller buffer being received into, or None.
+
+        When not None, the caller may ``recv_into`` it and report the count with
+        :meth:`payload_received` instead of calling :meth:`receive_data`.
+        """
+        if self._header is None or not isinstance(self._payload, memoryview) or self._buf:
+            return None
+        return self._payload[self._filled:]
+
+    def payload_received(self, n: int) -> None:
+        """Record ``n`` bytes written into :meth:`payload_sink`. Raises UsageError when out of range."""
+        sink = self.payload_sink()
+        if sink is None or not 0 < n <= len(sink):
+            raise UsageError("no payload sink or count out of range", argument="n", value=n)
+        self._filled += n
+
+    def next_event(self) -> object:
+        """Return the next event, :data:`NEED_DATA`, or :class:`~tiersync.net.events.ConnectionClosed`.
+
+        Raises ProtocolError (peer's fault; the connection is then poisoned) and
+        ClosedError when poisoned. After the connection ended it keeps returning ConnectionClosed.
+        """
+        if self.state is State.POISONED:
+            raise ClosedError("connection poisoned by an earlier protocol error")
+        try:
+            return self._next_event()
+        except ProtocolError:
+            self.state = State.POISONED
+            self._buf.clear()
+            self._payload = None
+            raise
+
+    def _next_event(self) -> object:
+        if self._header is None:
+            if len(self._buf) < HEADER_SIZE:
+                return self._at_boundary()
+            self._start_frame()
+        header = self._header
+        assert header is not None
+        if len(self._buf) < header.meta_len:
+            return self._need_more()
+        if self._payload is None:
+            self._begin_payload(header)
+        self._fill_payload(header)
+        if self._filled < header.payload_len:
+            return self._need_more()
+        return self._finish_frame(header)
+
+    def _at_boundary(self) -> object:
+        if self.state is State.CLOSED and not self._buf:
+            return ev.ConnectionClosed()
+        if not self._eof:
+            return NEED_DATA
+        if self._buf:
+            raise ProtocolError("stream ended inside a frame header", fault=ProtocolFault.TRUNCATED)
+        self.state = State.CLOSED
+        return ev.ConnectionClosed()
+
+    def _need_more(self) -> object:
+        if self._eof:
+            raise ProtocolError("stream ended inside a frame", fault=ProtocolFault.TRUNCATED)
+        return NEED_DATA
+
+    def _start_frame(self) -> None:
+        header = decode_header(bytes(self._buf[:HEADER_SIZE]), self.config)
+        del self._buf[:HEADER_SIZE]
+        self._check_recv_allowed(header.op, header.request_id)
+        self._header = header
+
+    def _begin_payload(self, header: FrameHeader) -> None:
+        meta = bytes(self._buf[:header.meta_len])
+        if checksum(meta) != header.meta_checksum:
+            raise ProtocolError("metadata checksum mismatch", fault=ProtocolFault.BAD_CHECKSUM)
+        self._meta = meta
+        del self._buf[:header.meta_len]
+        if header.payload_len and header.op is not Op.DATA:
+            raise ProtocolError(f"{header.op.name} carries no payload", fault=ProtocolFault.MALFORMED)
+        sink = self._sinks.pop(header.request_id, None) if header.op is Op.DATA else None
+        if sink is not None and len(sink) != header.payload_len:
+            raise ProtocolError("DATA size differs from the expected size", fault=ProtocolFault.MALFORMED,
+                                expected=len(sink), got=header.payload_len)
+        self._payload = sink if sink is not None else bytearray()
+        self._filled = 0
+
+    def _fill_payload(self, header: FrameHeader) -> None:
+        take = min(len(self._buf), header.payload_len - self._filled)
+        if not take:
+            return
+        if isinstance(self._payload, memoryview):
+            self._payload[self._filled:self._filled + take] = self._buf[:take]
+        else:
+            with memoryview(self._buf) as view:
+                self._payload += view[:take]
+        del self._buf[:take]
+        self._filled += take
+
+    def _finish_frame(self, header: FrameHeader) -> object:
+        payload = self._payload
+        self._header, self._payload, self._filled = None, None, 0
+        if checksum(payload) != header.payload_checksum:
+            raise ProtocolError("payload checksum mismatch", fault=ProtocolFault.BAD_CHECKSUM)
+        event = self._parse(header, payload)
+        self._apply_recv(header.op, header.request_id, event)
+        return event
+
+    def _parse(self, header: FrameHeader, payload: bytearray | memoryview) -> object:
+        if header.op is Op.DATA:
+            if self._meta:
+                raise ProtocolError("DATA carries no metadata", fault=ProtocolFault.MALFORMED)
+            return ev.Data(header.request_id, payload)
+        reader = MetaReader(self._meta)
+        parse: Callable = ev.EVENT_TYPES[header.op].parse
+        try:
+            event = parse(header.request_id, reader, self.config)
+        except ValueError as exc:  # UsageError from field checks, bad enum values
+            raise ProtocolError(f"invalid {header.op.name} fields: {exc}", fault=ProtocolFault.MALFORMED) from exc
+        reader.finish()
+        return event
+
+    def _check_recv_allowed(self, op: Op, rid: int) -> None:
+        if self.state is State.CLOSED:
+            raise ProtocolError("frame after the connection ended", fault=ProtocolFault.UNEXPECTED)
+        if self.state is not State.READY:
+            if op is Op.ERROR or (self.role, self.state, _R, op) in _HANDSHAKE:
+                return
+        elif op in _ANSWERS:
+            if rid != 0 and rid not in self._theirs:
+                return
+        elif op is Op.ERROR and (rid == 0 or rid in self._mine):
+            return
+        elif op in _RESPONSES and op in self._mine.get(rid, ()):
+            return
+        raise ProtocolError(f"unexpected {op.name} in state {self.state.value}",
+                            fault=ProtocolFault.UNEXPECTED, request_id=rid)
+
+    def _apply_recv(self, op: Op, rid: int, event: object) -> None:
+        if op is Op.ERROR and (rid == 0 or self.state is not State.READY):
+            self.state = State.CLOSED
+        elif self.state is not State.READY:
+            self.state = _HANDSHAKE[(self.role, self.state, _R, op)]
+        elif op in _ANSWERS:
+            self._theirs[rid] = _ANSWERS[op]
+        else:
+            self._sinks.pop(rid, None)
+            self._advance(self._mine, rid, event)
+
+    def _check_open(self) -> None:
+        if self.state is State.POISONED:
+            raise ClosedError("connection poisoned by an earlier protocol error")
+        if self.state is State.CLOSED:
+            raise ClosedError("connection closed")
+
+    @property
+    def outstanding(self) -> int:
+        """Requests I sent that are not yet finished."""
+        return len(self._mine)

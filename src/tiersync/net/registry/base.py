@@ -1,0 +1,117 @@
+"""The registry interface, its config and the store record."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from tiersync.errors import UsageError
+
+KEY_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryConfig:
+    """Registry timing and limits (seconds, counts).
+
+    ``heartbeat_interval_s``: how often stores should heartbeat (default 300).
+    ``store_ttl_s``: a store not heard from for this long is dead (its blocks
+    are no longer reported). ``block_ttl_s``: an ownership entry not re-published
+    for this long expires. ``batch_size``: most keys per lookup call over the
+    wire. ``rpc_timeout_s``: deadline of one gRPC call.
+    """
+
+    heartbeat_interval_s: float = 300.0
+    store_ttl_s: float = 900.0
+    block_ttl_s: float = 3600.0
+    batch_size: int = 256
+    rpc_timeout_s: float = 2.0
+    key_prefix: str = "tiersync:"
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "store_ttl_s", "block_ttl_s", "rpc_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise UsageError("must be > 0", argument=name)
+        if self.store_ttl_s < self.heartbeat_interval_s:
+            raise UsageError("must be >= heartbeat_interval_s", argument="store_ttl_s")
+        if not 1 <= self.batch_size <= 65536:
+            raise UsageError("must be in [1, 65536]", argument="batch_size")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreInfo:
+    """A store node: where it listens, how many free blocks it has, its pool group."""
+
+    store_id: str
+    address: str
+    free_blocks: int
+    pool_group: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store_id, str) or not self.store_id or len(self.store_id) > 256:
+            raise UsageError("must be a non-empty str (<= 256 chars)", argument="store_id")
+        if not isinstance(self.address, str) or len(self.address) > 512:
+            raise UsageError("must be a str (<= 512 chars)", argument="address")
+        if not isinstance(self.free_blocks, int) or self.free_blocks < 0:
+            raise UsageError("must be an int >= 0", argument="free_blocks")
+        if not isinstance(self.pool_group, str) or len(self.pool_group) > 256:
+            raise UsageError("must be a str (<= 256 chars)", argument="pool_group")
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    """Raise UsageError unless every key is 16 bytes."""
+    for key in keys:
+        if not isinstance(key, bytes) or len(key) != KEY_SIZE:
+            raise UsageError("keys must be 16-byte bytes", argument="keys")
+
+
+def rank_targets(stores: Iterable[StoreInfo], pool_group: str, count: int,
+                 exclude: Iterable[str] = ()) -> list[StoreInfo]:
+    """Same pool group first, then most free blocks first; ties by store id. Full stores are skipped."""
+    skip = set(exclude)
+    live = [s for s in stores if s.store_id not in skip and s.free_blocks > 0]
+    live.sort(key=lambda s: (s.pool_group != pool_group, -s.free_blocks, s.store_id))
+    return live[:count]
+
+
+class Registry(ABC):
+    """Block ownership and store membership. Implementations are thread-safe.
+
+    Owners of dead stores (no heartbeat within ``store_ttl_s``) and expired
+    ownership entries are never reported.
+    """
+
+    @abstractmethod
+    def register_store(self, info: StoreInfo) -> None:
+        """Add or replace a store record; counts as a heartbeat."""
+
+    @abstractmethod
+    def heartbeat(self, store_id: str, free_blocks: int) -> bool:
+        """Refresh a store and its free count. False: unknown or expired (re-register)."""
+
+    @abstractmethod
+    def remove_store(self, store_id: str) -> None:
+        """Forget a store (idempotent); its blocks stop being reported."""
+
+    @abstractmethod
+    def get_store(self, store_id: str) -> StoreInfo | None:
+        """The live store record, or None when unknown or expired."""
+
+    @abstractmethod
+    def publish(self, store_id: str, keys: Sequence[bytes]) -> None:
+        """Record that ``store_id`` holds ``keys`` (refreshes their TTL)."""
+
+    @abstractmethod
+    def unpublish(self, store_id: str, keys: Sequence[bytes]) -> None:
+        """Record that ``store_id`` no longer holds ``keys`` (idempotent)."""
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[bytes]) -> list[tuple[str, ...]]:
+        """Live owners per key, in input order; ``()`` means none known."""
+
+    @abstractmethod
+    def placement_targets(self, pool_group: str, count: int, exclude: Sequence[str] = ()) -> list[StoreInfo]:
+        """Up to ``count`` live stores with free blocks, ranked by :func:`rank_targets`."""
+
+    def close(self) -> None:
+        """Release resources (connections); idempotent."""

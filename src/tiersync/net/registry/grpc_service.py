@@ -1,0 +1,157 @@
+"""gRPC control plane for the registry (``grpcio`` imported here only).
+
+The service ``tiersync.Registry`` is defined with grpcio's generic handlers and
+bytes messages encoded by :mod:`tiersync.net.registry.messages`, so there is no
+protoc/codegen step and no generated files to keep in sync; the schema lives
+in one small Python module shared by client and server.
+
+:class:`RegistryClient` implements :class:`Registry`. On an outage
+``lookup`` and ``placement_targets`` never raise: they log, count
+(``client.failures``) and return what they have (unanswered keys get ``()``).
+Writes raise :class:`RegistryUnavailableError`.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from tiersync.errors import TierSyncError
+from tiersync.net.registry import messages as m
+from tiersync.net.registry.base import Registry, RegistryConfig, StoreInfo, check_keys
+from tiersync.net.registry.errors import RegistryUnavailableError
+
+log = logging.getLogger(__name__)
+SERVICE = "tiersync.Registry"
+
+
+def _methods(backend: Registry) -> dict[str, callable]:
+    def publish(data: bytes) -> bytes:
+        backend.publish(*m.dec_store_keys(data))
+        return b""
+
+    def unpublish(data: bytes) -> bytes:
+        backend.unpublish(*m.dec_store_keys(data))
+        return b""
+
+    def register(data: bytes) -> bytes:
+        for info in m.dec_infos(data):
+            backend.register_store(info)
+        return b""
+
+    def remove(data: bytes) -> bytes:
+        backend.remove_store(m.dec_text(data))
+        return b""
+
+    def get(data: bytes) -> bytes:
+        info = backend.get_store(m.dec_text(data))
+        return m.enc_infos([info] if info is not None else [])
+
+    return {
+        "Lookup": lambda data: m.enc_owners(backend.lookup(m.dec_keys(data))),
+        "Publish": publish, "Unpublish": unpublish, "RegisterStore": register, "RemoveStore": remove,
+        "Heartbeat": lambda data: b"\x01" if backend.heartbeat(*m.dec_heartbeat(data)) else b"\x00",
+        "GetStore": get,
+        "Targets": lambda data: m.enc_infos(backend.placement_targets(*m.dec_targets(data))),
+    }
+
+
+def _wrap(fn):
+    def handler(data: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            return fn(data)
+        except TierSyncError as exc:  # malformed message or bad argument: the caller's fault
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+    return handler
+
+
+class RegistryServer:
+    """A running registry service; ``address`` is "127.0.0.1:port"."""
+
+    def __init__(self, server: grpc.Server, address: str) -> None:
+        self._server, self.address = server, address
+
+    def stop(self, grace: float | None = None) -> None:
+        self._server.stop(grace).wait(5)
+
+
+def serve_registry(backend: Registry, port: int = 0, host: str = "127.0.0.1", workers: int = 4) -> RegistryServer:
+    """Serve ``backend`` over gRPC on ``host:port`` (0 picks a free port) and return the handle."""
+    server = grpc.server(ThreadPoolExecutor(max_workers=workers))
+    handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(fn)) for name, fn in _methods(backend).items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    return RegistryServer(server, f"{host}:{bound}")
+
+
+class RegistryClient(Registry):
+    """:class:`Registry` over gRPC at ``address``. Thread-safe."""
+
+    def __init__(self, address: str, config: RegistryConfig | None = None) -> None:
+        self.config = config or RegistryConfig()
+        self.address = address
+        self.failures = 0
+        self._channel = grpc.insecure_channel(address)
+        self._stubs: dict[str, grpc.UnaryUnaryMultiCallable] = {}
+
+    def _rpc(self, name: str, payload: bytes) -> bytes:
+        stub = self._stubs.get(name)
+        if stub is None:
+            stub = self._stubs[name] = self._channel.unary_unary(f"/{SERVICE}/{name}")
+        try:
+            return stub(payload, timeout=self.config.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            raise RegistryUnavailableError(f"registry call {name} failed: {exc.code().name}",
+                                           peer=self.address) from exc
+
+    def lookup(self, keys: Sequence[bytes]) -> list[tuple[str, ...]]:
+        """Owners per key; never raises on an outage — unanswered batches come back as ``()``."""
+        check_keys(keys)
+        out: list[tuple[str, ...]] = []
+        step = self.config.batch_size
+        for start in range(0, len(keys), step):
+            try:
+                out.extend(m.dec_owners(self._rpc("Lookup", m.enc_keys(keys[start:start + step]))))
+            except TierSyncError as exc:
+                self.failures += 1
+                log.warning("registry lookup degraded: %s", exc)
+                break
+        return out + [()] * (len(keys) - len(out))
+
+    def placement_targets(self, pool_group: str, count: int, exclude: Sequence[str] = ()) -> list[StoreInfo]:
+        """Ranked targets; ``[]`` on an outage (counted in ``failures``)."""
+        try:
+            return m.dec_infos(self._rpc("Targets", m.enc_targets(pool_group, count, tuple(exclude))))
+        except TierSyncError as exc:
+            self.failures += 1
+            log.warning("registry targets degraded: %s", exc)
+            return []
+
+    def register_store(self, info: StoreInfo) -> None:
+        self._rpc("RegisterStore", m.enc_infos([info]))
+
+    def heartbeat(self, store_id: str, free_blocks: int) -> bool:
+        return self._rpc("Heartbeat", m.enc_heartbeat(store_id, free_blocks)) == b"\x01"
+
+    def remove_store(self, store_id: str) -> None:
+        self._rpc("RemoveStore", m.enc_text(store_id))
+
+    def get_store(self, store_id: str) -> StoreInfo | None:
+        infos = m.dec_infos(self._rpc("GetStore", m.enc_text(store_id)))
+        return infos[0] if infos else None
+
+    def publish(self, store_id: str, keys: Sequence[bytes]) -> None:
+        check_keys(keys)
+        for start in range(0, len(keys), 4096):
+            self._rpc("Publish", m.enc_store_keys(store_id, keys[start:start + 4096]))
+
+    def unpublish(self, store_id: str, keys: Sequence[bytes]) -> None:
+        check_keys(keys)
+        for start in range(0, len(keys), 4096):
+            self._rpc("Unpublish", m.enc_store_keys(store_id, keys[start:start + 4096]))
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,118 @@
+"""Redis registry backend (``redis`` package, imported here only).
+
+Data model (prefix ``config.key_prefix``)::
+
+    <p>stores            hash  store id -> JSON {address, free_blocks, pool_group, expires_at}
+    <p>blk:<16 raw bytes> zset  store id -> expires_at
+
+Expiry times come from ``clock`` (wall-clock seconds by default, shared by all
+processes using the same Redis). Ownership keys also get a Redis PEXPIRE of
+``block_ttl_s`` so abandoned keys are garbage-collected by Redis itself.
+Redis failures raise :class:`RegistryUnavailableError` (a RemoteError).
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+
+from tiersync.net.registry.base import Registry, RegistryConfig, StoreInfo, check_keys, rank_targets
+from tiersync.net.registry.errors import RegistryUnavailableError
+
+
+class RedisRegistry(Registry):
+    """:class:`Registry` over Redis at ``url`` (e.g. ``redis://127.0.0.1:6379/0``)."""
+
+    def __init__(self, url: str, config: RegistryConfig | None = None, clock: Callable[[], float] = time.time) -> None:
+        import redis
+
+        self.config = config or RegistryConfig()
+        self._clock = clock
+        self._url = url
+        self._redis = redis.Redis.from_url(url, socket_timeout=self.config.rpc_timeout_s,
+                                           socket_connect_timeout=self.config.rpc_timeout_s)
+        self._errors = (redis.RedisError, OSError)
+        p = self.config.key_prefix.encode()
+        self._stores_key, self._blk = p + b"stores", p + b"blk:"
+
+    def _call(self, fn: Callable, *args):
+        try:
+            return fn(*args)
+        except self._errors as exc:
+            raise RegistryUnavailableError(f"redis failed: {exc}", peer=self._url) from exc
+
+    def _record(self, info: StoreInfo, expires_at: float) -> str:
+        return json.dumps({"address": info.address, "free_blocks": info.free_blocks,
+                           "pool_group": info.pool_group, "expires_at": expires_at})
+
+    def _live_stores(self) -> dict[str, StoreInfo]:
+        raw = self._call(self._redis.hgetall, self._stores_key)
+        now, out = self._clock(), {}
+        for sid, blob in raw.items():
+            rec = json.loads(blob)
+            if rec["expires_at"] > now:
+                sid = sid.decode()
+                out[sid] = StoreInfo(sid, rec["address"], rec["free_blocks"], rec["pool_group"])
+        return out
+
+    def register_store(self, info: StoreInfo) -> None:
+        record = self._record(info, self._clock() + self.config.store_ttl_s)
+        self._call(self._redis.hset, self._stores_key, info.store_id, record)
+
+    def heartbeat(self, store_id: str, free_blocks: int) -> bool:
+        info = self.get_store(store_id)
+        if info is None:
+            return False
+        info = StoreInfo(store_id, info.address, free_blocks, info.pool_group)
+        self.register_store(info)
+        return True
+
+    def remove_store(self, store_id: str) -> None:
+        self._call(self._redis.hdel, self._stores_key, store_id)
+
+    def get_store(self, store_id: str) -> StoreInfo | None:
+        blob = self._call(self._redis.hget, self._stores_key, store_id)
+        if blob is None:
+            return None
+        rec = json.loads(blob)
+        if rec["expires_at"] <= self._clock():
+            return None
+        return StoreInfo(store_id, rec["address"], rec["free_blocks"], rec["pool_group"])
+
+    def publish(self, store_id: str, keys: Sequence[bytes]) -> None:
+        check_keys(keys)
+        expires = self._clock() + self.config.block_ttl_s
+        ttl_ms = int(self.config.block_ttl_s * 1000)
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.zadd(self._blk + key, {store_id: expires})
+            pipe.pexpire(self._blk + key, ttl_ms)
+        self._call(pipe.execute)
+
+    def unpublish(self, store_id: str, keys: Sequence[bytes]) -> None:
+        check_keys(keys)
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.zrem(self._blk + key, store_id)
+        self._call(pipe.execute)
+
+    def lookup(self, keys: Sequence[bytes]) -> list[tuple[str, ...]]:
+        if not keys:
+            return []
+        now = self._clock()
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hgetall(self._stores_key)
+        for key in keys:
+            pipe.zrangebyscore(self._blk + key, f"({now!r}", "+inf")
+        results = self._call(pipe.execute)
+        live = {sid.decode() for sid, blob in results[0].items() if json.loads(blob)["expires_at"] > now}
+        out = []
+        for members in results[1:]:
+            out.append(tuple(m.decode() for m in members if m.decode() in live))
+        return out
+
+    def placement_targets(self, pool_group: str, count: int, exclude: Sequence[str] = ()) -> list[StoreInfo]:
+        return rank_targets(self._live_stores().values(), pool_group, count, exclude)
+
+    def close(self) -> None:
+        self._redis.close()

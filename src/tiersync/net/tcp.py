@@ -1,0 +1,281 @@
+"""TCP transport: tuned sockets, zero-copy scatter-gather I/O, deadlines, token + TLS.
+
+Sockets get SO_SNDBUF/SO_RCVBUF (16 MiB default) and TCP_NODELAY. Sends use
+``socket.sendmsg`` over the frame's buffers (header+metadata, payload view),
+resuming after partial sends; payloads are received with ``recv_into`` straight
+into the caller's buffer. Every blocking call runs under a deadline and raises
+:class:`NetTimeoutError` (with ``peer``) when it passes.
+"""
+from __future__ import annotations
+
+import itertools
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tiersync.errors import ClosedError, UsageError
+from tiersync.net import auth
+from tiersync.net import events as ev
+from tiersync.net.errors import (AuthError, NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault,
+                                 RequestError)
+from tiersync.net.frames import ProtocolConfig
+from tiersync.net.protocol import NEED_DATA, Connection, Role
+from tiersync.net.tls import TlsConfig, client_context
+from tiersync.net.transport import Channel, Handler, Server, Transport
+
+_IOV_MAX = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class TcpConfig:
+    """Settings of one TCP transport (both client and server side).
+
+    ``token``: shared secret; when set, peers must prove it (HMAC) and so must we.
+    ``tls``: optional :class:`TlsConfig`. Timeouts are seconds (> 0).
+    Raises UsageError on invalid values.
+    """
+
+    sndbuf: int = 16 << 20
+    rcvbuf: int = 16 << 20
+    nodelay: bool = True
+    connect_timeout_s: float = 5.0
+    op_timeout_s: float = 120.0
+    token: bytes | None = None
+    tls: TlsConfig | None = None
+    node_id: str = "tiersync"
+    recv_chunk: int = 256 << 10
+    backlog: int = 64
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("sndbuf", "rcvbuf", "recv_chunk", "backlog"):
+            if getattr(self, name) <= 0:
+                raise UsageError("must be > 0", argument=name)
+        for name in ("connect_timeout_s", "op_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise UsageError("must be > 0 seconds", argument=name)
+        if self.token is not None and (not isinstance(self.token, bytes) or len(self.token) < 16):
+            raise UsageError("must be bytes of at least 16", argument="token")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split "host:port". Raises UsageError when malformed."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise UsageError("must be 'host:port'", argument="address", value=address)
+    return host.strip("[]"), int(port)
+
+
+class Deadline:
+    """Absolute deadline for one operation against ``peer``."""
+
+    __slots__ = ("_end", "peer", "_timeout")
+
+    def __init__(self, timeout: float, peer: str) -> None:
+        self._timeout, self.peer = timeout, peer
+        self._end = time.monotonic() + timeout
+
+    def remaining(self) -> float:
+        """Seconds left; raises NetTimeoutError when none are."""
+        left = self._end - time.monotonic()
+        if left <= 0:
+            raise NetTimeoutError("operation timed out", peer=self.peer, timeout_s=self._timeout)
+        return left
+
+
+def tune(sock: socket.socket, cfg: TcpConfig) -> None:
+    """Apply buffer sizes and TCP_NODELAY."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.sndbuf)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.rcvbuf)
+    if cfg.nodelay:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class FramedSocket:
+    """A socket plus a sans-IO :class:`Connection`: writes events, reads events."""
+
+    def __init__(self, sock: socket.socket, conn: Connection, peer: str, cfg: TcpConfig) -> None:
+        self.sock, self.conn, self.peer, self.cfg = sock, conn, peer, cfg
+        self._rbuf = bytearray(cfg.recv_chunk)
+        self._rview = memoryview(self._rbuf)
+
+    def write(self, event: object, deadline: Deadline) -> None:
+        views = [memoryview(b).cast("B") for b in self.conn.send(event) if len(b)]
+        with _io_errors(self.peer):
+            if isinstance(self.sock, ssl.SSLSocket):  # SSLSocket has no sendmsg
+                for view in views:
+                    self.sock.settimeout(deadline.remaining())
+                    self.sock.sendall(view)
+                return
+            while views:
+                self.sock.settimeout(deadline.remaining())
+                sent = self.sock.sendmsg(views[:_IOV_MAX])
+                while sent:
+                    if sent >= len(views[0]):
+                        sent -= len(views.pop(0))
+                    else:
+                        views[0], sent = views[0][sent:], 0
+
+    def read(self, deadline: Deadline) -> object:
+        """Next event (or ConnectionClosed); receives payloads into registered sinks."""
+        while True:
+            event = self.conn.next_event()
+            if event is not NEED_DATA:
+                return event
+            with _io_errors(self.peer):
+                self.sock.settimeout(deadline.remaining())
+                sink = self.conn.payload_sink()
+                n = self.sock.recv_into(sink if sink is not None else self._rview)
+            if n == 0:
+                self.conn.receive_data(b"")
+            elif sink is not None:
+                self.conn.payload_received(n)
+            else:
+                self.conn.receive_data(self._rview[:n])
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class _io_errors:
+    """Map socket exceptions to the RemoteError family, naming the peer."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None or not isinstance(exc, OSError):
+            return False
+        if isinstance(exc, socket.timeout):
+            raise NetTimeoutError("socket operation timed out", peer=self.peer) from exc
+        if isinstance(exc, ssl.SSLError):
+            raise AuthError(f"TLS failure: {exc.reason or exc}", peer=self.peer) from exc
+        raise PeerClosedError(f"connection failed: {exc}", peer=self.peer) from exc
+
+
+class TcpChannel(Channel):
+    """Client side of one TCP connection. Use :meth:`TcpTransport.connect` to build."""
+
+    def __init__(self, framed: FramedSocket) -> None:
+        self._framed = framed
+        self.peer = framed.peer
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def handshake(self, deadline: Deadline) -> None:
+        """Run HELLO/CHALLENGE/AUTH/READY. Raises AuthError when either side lacks the token."""
+        token, nonce = self._framed.cfg.token, auth.new_nonce()
+        self._framed.write(ev.Hello(self._framed.cfg.node_id, nonce), deadline)
+        challenge = self._expect(ev.Challenge, deadline)
+        if token is not None and not auth.proof_ok(auth.server_proof(token, nonce, challenge.nonce), challenge.proof):
+            raise AuthError("server failed to prove the shared token", peer=self.peer)
+        self._framed.write(ev.Auth(auth.client_proof(token, nonce, challenge.nonce)), deadline)
+        self._expect(ev.Ready, deadline)
+
+    def _expect(self, kind: type, deadline: Deadline):
+        event = self._framed.read(deadline)
+        if isinstance(event, ev.Error) and event.code is ev.ErrorCode.AUTH_FAILED:
+            raise AuthError(f"peer refused authentication: {event.message}", peer=self.peer)
+        if not isinstance(event, kind):
+            raise PeerClosedError(f"handshake ended by {type(event).__name__}", peer=self.peer)
+        return event
+
+    def new_request_id(self) -> int:
+        return next(self._ids)
+
+    def request(self, event: object, *, timeout: float | None = None, into: memoryview | None = None) -> object:
+        with self._lock:
+            self._check_open()
+            deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
+            try:
+                self._framed.write(event, deadline)
+                if into is not None:
+                    self._framed.conn.expect_payload_into(event.request_id, into)
+                return self._answer(event.request_id, deadline)
+            except (PeerClosedError, ProtocolError, NetTimeoutError, AuthError):
+                self._shut()
+                raise
+
+    def next_answer(self, request_id: int, *, timeout: float | None = None) -> object:
+        with self._lock:
+            self._check_open()
+            try:
+                return self._answer(request_id, Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer))
+            except (PeerClosedError, ProtocolError, NetTimeoutError, AuthError):
+                self._shut()
+                raise
+
+    def _answer(self, request_id: int, deadline: Deadline) -> object:
+        event = self._framed.read(deadline)
+        if isinstance(event, ev.ConnectionClosed):
+            raise PeerClosedError("peer closed the connection", peer=self.peer)
+        if isinstance(event, ev.Error):
+            if event.request_id == 0:
+                raise PeerClosedError(f"peer ended the connection: {event.message}", peer=self.peer)
+            raise RequestError(event.message or "request failed", code=event.code, peer=self.peer)
+        if getattr(event, "request_id", None) != request_id:
+            raise ProtocolError("peer sent a request on a client channel", fault=ProtocolFault.UNEXPECTED,
+                                peer=self.peer)
+        return event
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("channel closed", peer=self.peer)
+
+    def _shut(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._framed.close()
+
+    def close(self) -> None:
+        """Close now; a request running in another thread fails with PeerClosedError."""
+        self._shut()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+class TcpTransport(Transport):
+    """Connects and serves over TCP with ``config``."""
+
+    def __init__(self, config: TcpConfig | None = None) -> None:
+        self.config = config or TcpConfig()
+
+    def connect(self, address: str, *, timeout: float | None = None) -> TcpChannel:
+        host, port = parse_address(address)
+        deadline = Deadline(timeout or self.config.connect_timeout_s, address)
+        with _io_errors(address):
+            sock = socket.create_connection((host, port), timeout=deadline.remaining())
+        try:
+            tune(sock, self.config)
+            sock = self._wrap_tls(sock, host, deadline, address)
+            channel = TcpChannel(FramedSocket(sock, Connection(Role.CLIENT, self.config.protocol), address, self.config))
+            channel.handshake(deadline)
+        except BaseException:
+            sock.close()
+            raise
+        return channel
+
+    def _wrap_tls(self, sock: socket.socket, host: str, deadline: Deadline, peer: str) -> socket.socket:
+        tls = self.config.tls
+        if tls is None:
+            return sock
+        with _io_errors(peer):
+            sock.settimeout(deadline.remaining())
+            return client_context(tls).wrap_socket(sock, server_hostname=tls.server_hostname or host)
+
+    def serve(self, address: str, handler: Handler) -> Server:
+        from tiersync.net.tcp_server import TcpServer
+
+        return TcpServer(address, handler, self.config)

@@ -1,0 +1,164 @@
+"""Transport interface (TCP today; UCX/NIXL later) and transport-independent helpers.
+
+A :class:`Transport` opens authenticated :class:`Channel` s to peers and serves
+a :class:`Handler`. :class:`ChannelPool` keeps idle channels per peer, and
+:func:`pull_striped` splits one block transfer across several streams.
+"""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+from tiersync.errors import ClosedError, UsageError
+from tiersync.net import events as ev
+
+Handler = Callable[[object], Iterable[object]]
+"""Called with each request event from a peer; yields the answer events, in order."""
+
+
+class Channel(ABC):
+    """One authenticated connection to ``peer``. Thread-safe: requests are serialised."""
+
+    peer: str
+
+    @abstractmethod
+    def request(self, event: object, *, timeout: float | None = None, into: memoryview | None = None) -> object:
+        """Send request ``event`` and return the peer's first answer.
+
+        ``into``: for a PULL, the destination buffer (exact size) the payload lands
+        in without an intermediate copy. Raises RequestError when the peer answers
+        ERROR, NetTimeoutError past the deadline, PeerClosedError/ProtocolError on a
+        broken connection (the channel is then closed), ClosedError when closed.
+        """
+
+    @abstractmethod
+    def new_request_id(self) -> int:
+        """A request id not used before on this channel (nonzero)."""
+
+    @abstractmethod
+    def next_answer(self, request_id: int, *, timeout: float | None = None) -> object:
+        """Wait for a further answer to ``request_id`` (e.g. COMMIT_REPLY after ACCEPT)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close the connection; idempotent."""
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """True once closed (by us or because the connection broke)."""
+
+
+class Server(ABC):
+    address: str
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop accepting, close every connection; idempotent."""
+
+
+class Transport(ABC):
+    @abstractmethod
+    def connect(self, address: str, *, timeout: float | None = None) -> Channel:
+        """Open and authenticate a channel. Raises AuthError, NetTimeoutError, PeerClosedError."""
+
+    @abstractmethod
+    def serve(self, address: str, handler: Handler) -> Server:
+        """Listen on ``address`` ("host:port", port 0 picks one) and serve ``handler``."""
+
+
+class ChannelPool:
+    """Idle channels per peer, at most ``max_idle_per_peer`` kept. Thread-safe."""
+
+    def __init__(self, transport: Transport, max_idle_per_peer: int = 8) -> None:
+        if max_idle_per_peer < 1:
+            raise UsageError("must be >= 1", argument="max_idle_per_peer")
+        self._transport = transport
+        self._max = max_idle_per_peer
+        self._idle: dict[str, list[Channel]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @contextmanager
+    def acquire(self, address: str) -> Iterator[Channel]:
+        """A channel to ``address``; returned to the pool unless it broke."""
+        channel = self._take(address) or self._transport.connect(address)
+        try:
+            yield channel
+        except BaseException:
+            channel.close()
+            raise
+        self._give(address, channel)
+
+    def _take(self, address: str) -> Channel | None:
+        with self._lock:
+            if self._closed:
+                raise ClosedError("channel pool closed")
+            idle = self._idle.get(address, [])
+            while idle:
+                channel = idle.pop()
+                if not channel.closed:
+                    return channel
+        return None
+
+    def _give(self, address: str, channel: Channel) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if self._closed or channel.closed or len(idle) >= self._max:
+                keep = False
+            else:
+                idle.append(channel)
+                keep = True
+        if not keep:
+            channel.close()
+
+    def idle_count(self, address: str) -> int:
+        with self._lock:
+            return len(self._idle.get(address, []))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channels = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for channel in channels:
+            channel.close()
+
+
+def split_ranges(length: int, streams: int, min_chunk: int = 1 << 20) -> list[tuple[int, int]]:
+    """Split ``length`` bytes into at most ``streams`` contiguous (offset, size) parts."""
+    if streams < 1:
+        raise UsageError("must be >= 1", argument="streams")
+    parts = max(1, min(streams, -(-length // max(1, min_chunk))))
+    step = -(-length // parts) if length else 0
+    return [(off, min(step, length - off)) for off in range(0, length, step)] if length else [(0, 0)]
+
+
+def pull_striped(pool: ChannelPool, address: str, lease_id: int, key: bytes, dest: memoryview,
+                 *, streams: int = 4, min_chunk: int = 1 << 20, timeout: float | None = None) -> None:
+    """Pull block ``key`` (``len(dest)`` bytes) under ``lease_id`` into ``dest`` over several streams.
+
+    Each part travels on its own pooled channel, landing straight in its slice
+    of ``dest``. Raises the first part's error (RemoteError subclasses) after
+    every part has finished.
+    """
+    view = memoryview(dest).cast("B")
+    ranges = split_ranges(len(view), streams, min_chunk)
+
+    def one(part: tuple[int, int]) -> None:
+        offset, size = part
+        with pool.acquire(address) as channel:
+            rid = channel.new_request_id()
+            channel.request(ev.Pull(rid, lease_id, key, offset, size), timeout=timeout,
+                            into=view[offset:offset + size])
+
+    if len(ranges) == 1:
+        one(ranges[0])
+        return
+    with ThreadPoolExecutor(max_workers=len(ranges)) as pool_exec:
+        futures = [pool_exec.submit(one, part) for part in ranges]
+    for future in futures:
+        future.result()

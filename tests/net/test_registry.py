@@ -1,0 +1,176 @@
+"""Registry behaviour, one suite run against every backend: memory, redis, memory-behind-gRPC.
+
+TTLs are driven by an injected clock (no sleeps). The Redis backend talks to a
+real ``redis-server`` started on a free loopback port in a temp dir; those
+cases are skipped, with the reason printed, only when the binary is absent.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import socket
+import subprocess
+import uuid
+
+import pytest
+
+from tiersync.errors import UsageError
+from tiersync.net.registry.base import RegistryConfig, StoreInfo
+from tiersync.net.registry.memory import MemoryRegistry
+
+CFG = RegistryConfig(heartbeat_interval_s=300, store_ttl_s=600, block_ttl_s=3600, rpc_timeout_s=2.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        print("SKIP redis backend: redis-server binary not found on PATH")
+        pytest.skip("redis-server binary not found on PATH")
+    port, workdir = _free_port(), tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(workdir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(200):  # bounded: redis prints a few dozen lines before it is ready
+            line = proc.stdout.readline()
+            if not line or "Ready to accept connections" in line:
+                break
+        assert proc.poll() is None, "redis-server exited during start-up"
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(params=["memory", "redis", "grpc"])
+def registry(request):
+    clock = Clock()
+    if request.param == "memory":
+        reg = MemoryRegistry(CFG, clock)
+        yield reg, clock
+        return
+    if request.param == "redis":
+        from tiersync.net.registry.redis_backend import RedisRegistry
+
+        url = request.getfixturevalue("redis_url")
+        reg = RedisRegistry(url, _with_prefix(f"t{uuid.uuid4().hex}:"), clock)
+        yield reg, clock
+        reg.close()
+        return
+    from tiersync.net.registry.grpc_service import RegistryClient, serve_registry
+
+    server = serve_registry(MemoryRegistry(CFG, clock))
+    client = RegistryClient(server.address, CFG)
+    yield client, clock
+    client.close()
+    server.stop()
+
+
+def _with_prefix(prefix: str) -> RegistryConfig:
+    return dataclasses.replace(CFG, key_prefix=prefix)
+
+
+def keys(n: int, seed: int = 0) -> list[bytes]:
+    return [seed.to_bytes(4, "little") + i.to_bytes(12, "little") for i in range(n)]
+
+
+def _stores(reg) -> None:
+    reg.register_store(StoreInfo("a", "127.0.0.1:7001", 100, "g1"))
+    reg.register_store(StoreInfo("b", "127.0.0.1:7002", 500, "g2"))
+    reg.register_store(StoreInfo("c", "127.0.0.1:7003", 50, "g1"))
+
+
+def test_lookup_reports_owners_in_input_order_across_batches(registry):
+    reg, _ = registry
+    _stores(reg)
+    ks = keys(600)
+    reg.publish("a", ks[:400])
+    reg.publish("b", ks[300:])
+    missing = keys(3, seed=9)
+    got = reg.lookup(ks + missing)
+    assert len(got) == 603
+    assert all(set(o) == {"a"} for o in got[:300])
+    assert all(set(o) == {"a", "b"} for o in got[300:400])
+    assert all(set(o) == {"b"} for o in got[400:600])
+    assert got[600:] == [(), (), ()]
+    assert reg.lookup([]) == []
+
+
+def test_unpublish_and_remove_store_hide_blocks(registry):
+    reg, _ = registry
+    _stores(reg)
+    ks = keys(10)
+    reg.publish("a", ks)
+    reg.publish("b", ks[:5])
+    reg.unpublish("a", ks[:2])
+    assert [set(o) for o in reg.lookup(ks[:3])] == [{"b"}, {"b"}, {"a", "b"}]
+    reg.remove_store("b")
+    assert reg.lookup(ks[:3]) == [(), (), ("a",)]
+    assert reg.get_store("b") is None
+    reg.remove_store("b")  # idempotent
+
+
+def test_store_expires_without_heartbeat_and_heartbeat_keeps_it(registry):
+    reg, clock = registry
+    _stores(reg)
+    ks = keys(4)
+    reg.publish("a", ks)
+    reg.publish("b", ks)
+    clock.now += 500
+    assert reg.heartbeat("a", 42) is True
+    clock.now += 200  # b last heard 700 s ago > store_ttl 600; a 200 s ago
+    assert [set(o) for o in reg.lookup(ks)] == [{"a"}] * 4
+    assert reg.get_store("a") == StoreInfo("a", "127.0.0.1:7001", 42, "g1")
+    assert reg.get_store("b") is None
+    assert reg.heartbeat("b", 1) is False  # must re-register
+    reg.register_store(StoreInfo("b", "127.0.0.1:7002", 500, "g2"))
+    assert [set(o) for o in reg.lookup(ks)] == [{"a", "b"}] * 4
+
+
+def test_block_entries_expire_unless_republished(registry):
+    reg, clock = registry
+    _stores(reg)
+    old, fresh = keys(3), keys(3, seed=1)
+    reg.publish("a", old)
+    for _ in range(7):  # 3500 s of heartbeats keep the store alive
+        clock.now += 500
+        assert reg.heartbeat("a", 10)
+    reg.publish("a", fresh)
+    clock.now += 200   # old published 3700 s ago > block_ttl 3600
+    assert reg.heartbeat("a", 10)
+    assert reg.lookup(old + fresh) == [()] * 3 + [("a",)] * 3
+
+
+def test_placement_prefers_same_pool_group_then_most_free(registry):
+    reg, clock = registry
+    _stores(reg)
+    reg.register_store(StoreInfo("full", "127.0.0.1:7004", 0, "g1"))
+    ids = [s.store_id for s in reg.placement_targets("g1", 10)]
+    assert ids == ["a", "c", "b"]  # g1 by free blocks desc, then g2; full store skipped
+    assert [s.store_id for s in reg.placement_targets("g2", 2)] == ["b", "a"]
+    assert [s.store_id for s in reg.placement_targets("g1", 10, exclude=["a"])] == ["c", "b"]
+    clock.now += 700
+    assert reg.placement_targets("g1", 10) == []
+
+
+def test_bad_keys_are_usage_errors(registry):
+    reg, _ = registry
+    with pytest.raises(UsageError):
+        reg.publish("a", [b"short"])
+    with pytest.raises(UsageError):
+        StoreInfo("", "x", 1)

@@ -1,0 +1,183 @@
+"""TCP transport between real processes on 127.0.0.1 (spawned servers, no sleeps)."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+from contextlib import contextmanager
+
+import pytest
+
+from _peer import run_block_server
+from tiersync.net import events as ev
+from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, RequestError
+from tiersync.net.source import MemoryBlockSource
+from tiersync.net.tcp import TcpConfig, TcpTransport
+from tiersync.net.tls import TlsConfig
+from tiersync.net.transport import ChannelPool, pull_striped, split_ranges
+
+TOKEN = b"t" * 32
+BIG, SMALL = b"B" * 16, b"S" * 16
+BLOCKS = {BIG: os.urandom(6 << 20), SMALL: b"hello world"}
+CTX = multiprocessing.get_context("spawn")
+
+
+@contextmanager
+def server_process(config: TcpConfig):
+    address_q, stop = CTX.Queue(), CTX.Event()
+    proc = CTX.Process(target=run_block_server, args=(config, BLOCKS, address_q, stop), daemon=True)
+    proc.start()
+    try:
+        yield address_q.get(timeout=30)
+    finally:
+        stop.set()
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def peer():
+    # A small send buffer on the server forces partial sendmsg calls.
+    with server_process(TcpConfig(token=TOKEN, sndbuf=64 << 10)) as address:
+        yield address
+
+
+def test_lease_pull_release_across_processes_is_byte_exact(peer):
+    transport = TcpTransport(TcpConfig(token=TOKEN))
+    channel = transport.connect(peer)
+    lease = channel.request(ev.ReadLease(channel.new_request_id(), (BIG, SMALL)))
+    assert lease.status is ev.LeaseStatus.GRANTED and lease.sizes == (len(BLOCKS[BIG]), 11)
+    dest = bytearray(lease.sizes[0])
+    data = channel.request(ev.Pull(channel.new_request_id(), lease.lease_id, BIG, 0, len(dest)),
+                           into=memoryview(dest))
+    assert data.payload.obj is dest and dest == BLOCKS[BIG]
+    small = channel.request(ev.Pull(channel.new_request_id(), lease.lease_id, SMALL, 6, 5))
+    assert bytes(small.payload) == b"world"
+    done = channel.request(ev.Release(channel.new_request_id(), lease.lease_id))
+    assert done.status is ev.CommitStatus.COMMITTED
+    again = channel.request(ev.Release(channel.new_request_id(), lease.lease_id))
+    assert again.status is ev.CommitStatus.FAILED  # lease no longer held: no commit
+    channel.close()
+
+
+def test_striped_pull_over_several_streams_and_pool_reuse(peer):
+    pool = ChannelPool(TcpTransport(TcpConfig(token=TOKEN)), max_idle_per_peer=8)
+    with pool.acquire(peer) as channel:
+        lease = channel.request(ev.ReadLease(channel.new_request_id(), (BIG,)))
+    first = channel
+    dest = bytearray(len(BLOCKS[BIG]))
+    pull_striped(pool, peer, lease.lease_id, BIG, memoryview(dest), streams=4, min_chunk=1 << 20)
+    assert dest == BLOCKS[BIG]
+    assert len(split_ranges(len(dest), 4, 1 << 20)) == 4
+    # Four parts ran on pooled channels; a part that starts after another finished
+    # reuses its channel, so 1..4 distinct channels, all returned to the pool.
+    assert 1 <= pool.idle_count(peer) <= 4
+    with pool.acquire(peer) as channel:
+        assert not channel.closed
+        assert channel.request(ev.Ping(channel.new_request_id(), 9)).token == 9
+    assert first in pool._idle[peer]
+    pool.close()
+    assert first.closed
+
+
+def test_missing_key_and_bad_range_answers(peer):
+    channel = TcpTransport(TcpConfig(token=TOKEN)).connect(peer)
+    reply = channel.request(ev.ReadLease(channel.new_request_id(), (SMALL, b"?" * 16)))
+    assert reply.status is ev.LeaseStatus.MISSING and reply.missing == (b"?" * 16,)
+    lease = channel.request(ev.ReadLease(channel.new_request_id(), (SMALL,)))
+    with pytest.raises(RequestError) as info:
+        channel.request(ev.Pull(channel.new_request_id(), lease.lease_id, SMALL, 5, 100))
+    assert info.value.code is ev.ErrorCode.BAD_REQUEST and info.value.peer == peer
+    assert channel.request(ev.Ping(channel.new_request_id())).request_id  # channel still usable
+    channel.close()
+
+
+@pytest.mark.parametrize("token", [None, b"w" * 32])
+def test_peer_without_the_token_is_refused(peer, token):
+    with pytest.raises(AuthError) as info:
+        TcpTransport(TcpConfig(token=token)).connect(peer)
+    assert info.value.peer == peer
+
+
+def test_server_without_the_token_is_refused_by_the_client():
+    server = TcpTransport(TcpConfig()).serve("127.0.0.1:0", MemoryBlockSource({}))
+    try:
+        with pytest.raises(AuthError):
+            TcpTransport(TcpConfig(token=TOKEN)).connect(server.address)
+    finally:
+        server.close()
+
+
+def test_deadline_names_the_peer():
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) but never answers
+    address = f"127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        with pytest.raises(NetTimeoutError) as info:
+            TcpTransport(TcpConfig(connect_timeout_s=0.3)).connect(address)
+        assert info.value.peer == address and isinstance(info.value, TimeoutError)
+    finally:
+        silent.close()
+
+
+def test_server_going_away_fails_requests_cleanly():
+    server = TcpTransport(TcpConfig()).serve("127.0.0.1:0", MemoryBlockSource({}))
+    channel = TcpTransport(TcpConfig()).connect(server.address)
+    server.close()
+    with pytest.raises(PeerClosedError):
+        channel.request(ev.Ping(channel.new_request_id()))
+    assert channel.closed
+
+
+def test_garbage_from_one_client_does_not_hurt_others():
+    server = TcpTransport(TcpConfig()).serve("127.0.0.1:0", MemoryBlockSource({SMALL: b"x"}))
+    host, port = server.address.split(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            raw.sendall(os.urandom(200))
+            raw.settimeout(5)
+            assert raw.recv(100) == b""  # server hung up on the bad peer
+        channel = TcpTransport(TcpConfig()).connect(server.address)
+        assert channel.request(ev.Ping(channel.new_request_id(), 3)).token == 3
+        channel.close()
+    finally:
+        server.close()
+
+
+def test_split_ranges_cover_exactly():
+    assert split_ranges(10, 3, min_chunk=1) == [(0, 4), (4, 4), (8, 2)]
+    assert split_ranges(5, 8, min_chunk=4) == [(0, 3), (3, 2)]
+    assert split_ranges(0, 4) == [(0, 0)]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    pytest.importorskip("cryptography")
+    from _certs import make_ca, make_leaf
+
+    d = tmp_path_factory.mktemp("pki")
+    ca, rogue = make_ca(d), make_ca(d, "rogue-ca")
+    return {"ca": ca[2], "server": make_leaf(d, ca, "server"), "client": make_leaf(d, ca, "client"),
+            "rogue": make_leaf(d, rogue, "rogue"), "rogue_ca": rogue[2]}
+
+
+def test_mutual_tls_with_token_across_processes(pki):
+    cert, key = pki["server"]
+    server_cfg = TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"], cert, key, require_peer_cert=True))
+    with server_process(server_cfg) as address:
+        ccert, ckey = pki["client"]
+        good = TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"], ccert, ckey)))
+        channel = good.connect(address)
+        lease = channel.request(ev.ReadLease(channel.new_request_id(), (BIG,)))
+        dest = bytearray(lease.sizes[0])
+        channel.request(ev.Pull(channel.new_request_id(), lease.lease_id, BIG, 0, len(dest)), into=memoryview(dest))
+        assert dest == BLOCKS[BIG]
+        channel.close()
+        no_cert = TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"])))
+        with pytest.raises((AuthError, PeerClosedError)):
+            no_cert.connect(address)
+        rcert, rkey = pki["rogue"]
+        with pytest.raises((AuthError, PeerClosedError)):
+            TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"], rcert, rkey))).connect(address)
+        with pytest.raises(AuthError):  # client does not trust the server's CA
+            TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["rogue_ca"], ccert, ckey))).connect(address)
