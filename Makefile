@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-EXTRAS ?= dev,demo,net
+EXTRAS ?= dev,demo,net,jax
 
 .PHONY: demo test bench install clean
 
