@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 EXIT_ERROR, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
-BENCH_SUITES = ("d2h", "h2d")  # keep in step with tiersync.bench.SUITES (checked by the tests)
+BENCH_SUITES = ("d2h", "h2d", "storage")  # keep in step with tiersync.bench.SUITES (checked by the tests)
 TINY_ENV = "TIERSYNC_BENCH_TINY"
 
 
@@ -53,6 +53,7 @@ def _add_bench(sub: Any) -> None:
     b.add_argument("--iterations", type=int, default=None, help="timed iterations (default 20, quick 5)")
     b.add_argument("--warmups", type=int, default=None, help="warm-up iterations (default 3)")
     b.add_argument("--seed", type=int, default=0, help="seed of the block ids and data")
+    b.add_argument("--cases", default=None, help="run only the cases whose name contains this text")
     b.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: a few MiB
     b.add_argument("--inject-corruption", action="store_true", help=argparse.SUPPRESS)  # tests only
     b.set_defaults(func=cmd_bench)
@@ -79,7 +80,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(
         suite=args.suite, quick=args.quick, tiny=args.tiny or os.environ.get(TINY_ENV) == "1",
         workers=args.workers, iterations=args.iterations, warmups=args.warmups, seed=args.seed,
-        inject_corruption=args.inject_corruption, progress=not args.json and sys.stderr.isatty(),
+        inject_corruption=args.inject_corruption, cases=args.cases, progress=not args.json and sys.stderr.isatty(),
     )
     rep = run_suite(config)
     print(dump_json(rep) if args.json else render_table(rep))

@@ -17,7 +17,7 @@ from tiersync.tiers import storage_format as fmt
 from tiersync.tiers.storage import ReadStatus, StorageConfig, StorageTier
 
 CHILD = os.path.join(os.path.dirname(__file__), "_storage_child.py")
-KILLS = 24
+KILLS = 20
 
 
 def spawn(*args):
@@ -49,7 +49,6 @@ def test_sigkill_during_writes_never_loses_acked_or_serves_wrong_bytes():
     directory = tempfile.mkdtemp(prefix="tiersync-crash-")
     rng = random.Random(1234)
     acked: dict[bytes, int] = {}
-    start = time.monotonic()
     try:
         for run in range(KILLS):
             child = spawn("write", directory, f"run{run}")
@@ -58,6 +57,7 @@ def test_sigkill_during_writes_never_loses_acked_or_serves_wrong_bytes():
                 line = child.stdout.readline()
                 assert line.startswith("ACK"), line
                 acked.update(parse_ack(line))
+            time.sleep(rng.random() * 0.004)  # a random moment inside the next write (not polling)
             child.send_signal(signal.SIGKILL)
             rest = child.stdout.read()  # acks printed before the kill landed count too
             for line in rest.splitlines():
@@ -72,4 +72,3 @@ def test_sigkill_during_writes_never_loses_acked_or_serves_wrong_bytes():
         assert not [n for n in os.listdir(directory) if n.startswith(fmt.TMP_PREFIX)]
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    assert time.monotonic() - start < 30

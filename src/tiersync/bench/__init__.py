@@ -13,6 +13,7 @@ from typing import Any
 SUITES: dict[str, str] = {
     "d2h": "tiersync.bench.copy",
     "h2d": "tiersync.bench.copy",
+    "storage": "tiersync.bench.storage",
 }
 
 

@@ -54,6 +54,7 @@ class BenchConfig:
     seed: int = 0
     inject_corruption: bool = False
     progress: bool = False
+    cases: str | None = None  # run only cases whose name contains this substring
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers <= 0:

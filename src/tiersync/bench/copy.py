@@ -156,7 +156,11 @@ def run(config: BenchConfig) -> dict[str, Any]:
         raise ValueError(f"copy suite runs d2h or h2d, not {direction!r}")
     metrics = Metrics()
     t0 = time.perf_counter()
-    all_cases = cases(config.mode)
+    all_cases = [c for c in cases(config.mode) if config.cases is None or config.cases in c.name]
+    if not all_cases:
+        from tiersync.errors import UsageError
+
+        raise UsageError("no case matches", argument="--cases", value=config.cases)
     results: list[dict[str, Any]] = []
     checked = 0
     steps = len(all_cases) * (config.n_warmups + config.n_iterations)

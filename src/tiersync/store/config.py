@@ -1,0 +1,81 @@
+"""Configuration and result types of the KV cache store."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tiersync.errors import UsageError
+from tiersync.store.residency import Residency
+
+if TYPE_CHECKING:
+    from tiersync.tiers.shm import ShmConfig
+    from tiersync.transfer.engine import TransferConfig
+
+POLICIES = ("lru", "s3fifo")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """``host_blocks`` host blocks (``shm`` for warm boot); ``policy`` orders eviction in
+    every tier. With a storage tier, when free host blocks fall under ``low_watermark``
+    (fraction of ``host_blocks``) the coldest unpinned host entries are demoted to
+    storage, ``demote_batch`` per segment, until ``high_watermark`` are free."""
+
+    host_blocks: int
+    policy: str = "lru"
+    shm: "ShmConfig | None" = None
+    low_watermark: float = 0.03
+    high_watermark: float = 0.05
+    demote_batch: int = 128
+    transfer: "TransferConfig | None" = None
+
+    def __post_init__(self) -> None:
+        for name in ("host_blocks", "demote_batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise UsageError("must be a positive int", argument=f"StoreConfig.{name}", value=v)
+        if self.policy not in POLICIES:
+            raise UsageError("unknown eviction policy", argument="StoreConfig.policy", value=self.policy,
+                             choices=POLICIES)
+        if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
+            raise UsageError("needs 0 <= low_watermark <= high_watermark <= 1", argument="StoreConfig.low_watermark",
+                             low=self.low_watermark, high=self.high_watermark)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The hit prefix of a lookup: ``keys[i]`` is pinned once and has copies in ``residency[i]``."""
+
+    keys: tuple[bytes, ...]
+    residency: tuple[Residency, ...]
+    requested: int
+
+    @property
+    def num_hits(self) -> int:
+        return len(self.keys)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.keys) == self.requested
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    """``saved`` keys are now host-resident; ``skipped`` were already present (or being saved)."""
+
+    saved: tuple[bytes, ...]
+    skipped: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    entries: int
+    host_entries: int
+    storage_entries: int
+    host_free_blocks: int
+    host_evictable: int
+    storage_evictable: int
+    pinned: int

@@ -1,0 +1,385 @@
+"""KV cache store: a prefix-keyed index over host DRAM and storage, split from the byte movers.
+
+Bookkeeping (:mod:`tiersync.store.index`) decides; the :class:`TransferEngine` (device <->
+host) and :class:`StorageTier` (host <-> storage) move bytes. The store owns every host
+block it uses: a block holding an entry stays LOCKED once in the arena's allocator, so
+the allocator never evicts it on its own; the store evicts by its policy and frees.
+
+Pin algebra (the reference system's), exactly:
+
+- ``lookup(keys)`` returns the longest visible prefix and adds ONE pin to each key
+  returned. Keys after the first miss are not pinned.
+- ``load(keys, ...)`` needs every key pinned. When it succeeds it consumes ONE pin per
+  key; when it fails (its future raises, or it raises at once) every pin is kept.
+- ``release(keys)`` drops ONE pin per key (a key named twice drops two); unpinned keys
+  raise :class:`UsageError` and nothing changes.
+- ``save(...)`` neither needs nor leaves pins; the entries it creates are invisible
+  until their d2h copy is done and published.
+- Pinned entries (and those with a store operation in flight) are never evicted from
+  any tier and never demoted; eviction takes the coldest idle entries of a tier.
+
+Thread-safe: one lock guards the index; it is never held while waiting for I/O.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from collections.abc import Sequence
+
+from tiersync.errors import CapacityError, ClosedError, IntegrityError, RemoteError, UsageError
+from tiersync.layout.pool import KVLayout
+from tiersync.store.demotion import DemotionMixin
+from tiersync.store.config import LookupResult, SaveResult, StoreConfig, StoreStats
+from tiersync.store.futures import StoreFuture
+from tiersync.store.index import Entry, PinIndex
+from tiersync.store.residency import Residency
+from tiersync.telemetry.store_metrics import StoreMetrics
+from tiersync.tiers.eviction import LRUPolicy, S3FIFOPolicy
+from tiersync.tiers.host import HostArena
+from tiersync.tiers.storage import ReadStatus, StorageTier
+from tiersync.transfer.engine import TransferEngine
+
+log = logging.getLogger("tiersync.store")
+_POLICY = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
+HOST, STORAGE = Residency.HOST, Residency.STORAGE
+
+
+class KVCacheStore(DemotionMixin):
+    """Prefix-keyed KV blocks in host DRAM (and optionally storage) for one ``layout``.
+
+    ``arena`` may be given (e.g. warm-booted from /dev/shm by the caller); otherwise one
+    of ``config.host_blocks`` blocks is made. Published blocks of a warm-booted arena
+    (``arena.recovered``) and the blocks found in ``storage`` rebuild the index.
+    """
+
+    def __init__(self, layout: KVLayout, config: StoreConfig, *, arena: HostArena | None = None,
+                 storage: StorageTier | None = None, metrics: StoreMetrics | None = None) -> None:
+        if not isinstance(config, StoreConfig):
+            raise UsageError("must be a StoreConfig", argument="config", got=type(config).__name__)
+        if storage is not None and not isinstance(storage, StorageTier):
+            raise UsageError("must be a StorageTier or None", argument="storage", got=type(storage).__name__)
+        self.config, self.layout, self.storage = config, layout, storage
+        self.arena = arena if arena is not None else HostArena.for_layout(
+            layout, config.host_blocks, shm=config.shm, policy=config.policy)
+        self._own_arena = arena is None
+        self.engine = TransferEngine(layout, self.arena, config.transfer)
+        self.metrics = metrics if metrics is not None else StoreMetrics()
+        self._lock = threading.RLock()
+        policy = _POLICY[config.policy]
+        self._index = PinIndex(policy(), policy())
+        self._demoting = False
+        self._demote_idle = threading.Condition(self._lock)
+        self._demote_backoff_until = 0.0
+        self._closed = False
+        self._adopt_recovered()
+        if storage is not None:
+            for k in storage.keys():
+                self._index.add_storage(k)
+        self._gauge()
+
+    def _adopt_recovered(self) -> None:
+        recovered = sorted(self.arena.recovered, key=lambda r: r.seq)
+        if not recovered:
+            return
+        self.arena.allocator.lock([r.block for r in recovered])  # CACHED -> owned (LOCKED once)
+        for r in recovered:
+            e = self._index.get(r.key)
+            if e is not None and e.residency & HOST:  # same key published twice: keep the newest
+                self.arena.free([self._index.clear(e, HOST)])
+            self._index.add_host(r.key, r.block)
+        log.info("store index rebuilt from %d warm-booted host blocks", len(recovered))
+
+    # -- queries -------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """Longest prefix of ``keys`` that is loadable; pins each returned key once.
+
+        A key not in the index is looked for in storage segments written since the
+        last scan (by this or another process) before it counts as a miss.
+        """
+        keys = _check_keys(keys)
+        with self._lock:
+            self._check_open()
+            hits = self._prefix(keys)
+            if len(hits) < len(keys) and self.storage is not None:
+                self._absorb(self.storage.refresh())
+                hits = self._prefix(keys)
+            self._index.pin(hits)
+            res = tuple(e.residency for e in hits)
+        for r in res:
+            self.metrics.hits.labels("host" if r & HOST else "storage").inc()
+        self.metrics.misses.inc(len(keys) - len(hits))
+        return LookupResult(tuple(keys[: len(hits)]), res, len(keys))
+
+    def _prefix(self, keys: list[bytes]) -> list[Entry]:
+        hits = []
+        for k in keys:
+            e = self._index.visible(k)
+            if e is None:
+                break
+            hits.append(e)
+        return hits
+
+    def _absorb(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            self._index.add_storage(k)
+
+    def residency(self, keys: Sequence[bytes]) -> list[Residency]:
+        """Current copies of each key (``Residency.NONE`` when unknown). Pins nothing."""
+        with self._lock:
+            out = []
+            for k in _check_keys(keys):
+                e = self._index.get(k)
+                out.append(Residency.NONE if e is None or e.pending else e.residency)
+            return out
+
+    def pins(self, key: bytes) -> int:
+        with self._lock:
+            e = self._index.get(key)
+            return 0 if e is None else e.pins
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            ix = self._index
+            return StoreStats(len(ix), ix.counts[HOST], ix.counts[STORAGE], self.arena.allocator.num_free,
+                              ix.evictable(HOST), ix.evictable(STORAGE),
+                              sum(1 for e in ix.entries() if e.pins))
+
+    def mark(self, keys: Sequence[bytes], flag: Residency, present: bool = True) -> None:
+        """Record DEVICE / REMOTE copies of known keys (bookkeeping only; not loadable from here)."""
+        if flag not in (Residency.DEVICE, Residency.REMOTE):
+            raise UsageError("only DEVICE or REMOTE can be marked", argument="flag", value=flag)
+        with self._lock:
+            for k in _check_keys(keys):
+                e = self._index.get(k)
+                if e is not None:
+                    self._index.mark(e, flag, present)
+
+    # -- pins ----------------------------------------------------------------
+    def release(self, keys: Sequence[bytes]) -> None:
+        """Drop one pin per key (all-or-nothing; UsageError naming ``keys`` if one is not pinned)."""
+        keys = _check_keys(keys)
+        with self._lock:
+            self._index.unpin(keys)
+
+    # -- saves: device -> host -----------------------------------------------
+    def save(self, device_blocks: Sequence[int], keys: Sequence[bytes]) -> StoreFuture[SaveResult]:
+        """Copy ``device_blocks[i]`` to host as ``keys[i]``; all-or-nothing.
+
+        Keys already present (any tier) or being saved are skipped and reported.
+        Host blocks come from free space, then by evicting idle host entries (never
+        pinned ones); when that is not enough it raises :class:`CapacityError` and
+        nothing changes. The future's result is a :class:`SaveResult`; if the copy
+        fails, the new entries are dropped and the future raises.
+        """
+        keys, dev = _check_keys(keys), [int(d) for d in device_blocks]
+        if len(dev) != len(keys):
+            raise UsageError("needs one key per device block", argument="keys", keys=len(keys), blocks=len(dev))
+        fut: StoreFuture[SaveResult] = StoreFuture()
+        with self._lock:
+            self._check_open()
+            new, skipped, seen = [], [], set()
+            for d, k in zip(dev, keys):
+                e = self._index.get(k)
+                if k in seen or (e is not None and (e.visible or e.pending)):
+                    skipped.append(k)
+                else:
+                    seen.add(k)
+                    new.append((d, k))
+            if not new:
+                fut._set(SaveResult((), tuple(skipped)))
+                return fut
+            blocks = self._allocate_host(len(new))
+            entries = [self._index.add_pending(k, b) for (_, k), b in zip(new, blocks)]
+            try:
+                tf = self.engine.d2h([(d, b, 1) for (d, _), b in zip(new, blocks)])
+            except BaseException:
+                self._drop_pending(entries, blocks)
+                raise
+        tf.add_done_callback(lambda t: self._saved(t, entries, blocks, tuple(skipped), fut))
+        return fut
+
+    def _saved(self, tf, entries: list[Entry], blocks: list[int], skipped, fut: StoreFuture) -> None:
+        exc = tf.exception()
+        with self._lock:
+            if exc is None and not self._closed:
+                try:
+                    self.arena.publish(blocks, [e.key for e in entries])
+                except Exception as e:  # noqa: BLE001 - delivered through the future
+                    exc = e
+            if exc is not None or self._closed:
+                self._drop_pending(entries, blocks)
+            else:
+                for e in entries:
+                    self._index.commit(e)
+            self._gauge()
+        if exc is not None:
+            fut._fail(exc)
+            return
+        if self._closed:
+            fut._fail(ClosedError("store closed during save"))
+            return
+        self.metrics.bytes.labels("host", "in").inc(len(blocks) * self.arena.block_nbytes)
+        fut._set(SaveResult(tuple(e.key for e in entries), skipped))
+        self._maybe_demote()
+
+    def _drop_pending(self, entries: list[Entry], blocks: list[int]) -> None:
+        for e in entries:
+            self._index.abort(e)
+        self.arena.free(blocks)
+
+    def _allocate_host(self, n: int) -> list[int]:
+        """``n`` owned host blocks: free first, then evicting idle host entries. CapacityError else."""
+        need = n - self.arena.allocator.num_free
+        victims = self._index.victims(HOST, need)
+        if victims is None:
+            raise CapacityError("host tier full: not enough free blocks or unpinned entries", requested=n,
+                                free=self.arena.allocator.num_free + self._index.evictable(HOST),
+                                used=self.arena.num_blocks - self.arena.allocator.num_free)
+        if victims:
+            self.arena.free([self._index.clear(e, HOST) for e in victims])
+            self.metrics.evictions.labels("host").inc(len(victims))
+        return self.arena.allocate(n)
+
+    # -- loads: (storage ->) host -> device ----------------------------------
+    def load(self, keys: Sequence[bytes], device_blocks: Sequence[int]) -> StoreFuture[None]:
+        """Copy pinned ``keys`` into ``device_blocks``; storage-only entries are promoted to host first.
+
+        Every key must be pinned (by ``lookup``) and loadable, else UsageError naming
+        ``keys``. Success consumes one pin per key; failure (CapacityError raised at
+        once when promotion finds no host room, or the future raising, e.g.
+        IntegrityError for a block that failed its checksum) keeps every pin.
+        """
+        keys, dev = _check_keys(keys), [int(d) for d in device_blocks]
+        if len(dev) != len(keys):
+            raise UsageError("needs one device block per key", argument="device_blocks",
+                             keys=len(keys), blocks=len(dev))
+        fut: StoreFuture[None] = StoreFuture()
+        with self._lock:
+            self._check_open()
+            entries = self._pinned_entries(keys)
+            cold = [e for e in dict.fromkeys(entries) if not e.residency & HOST]
+            blocks = self._allocate_host(len(cold)) if cold else []
+            self._index.hold(entries)
+        if not cold:
+            self._to_device(entries, dev, fut)
+            return fut
+        rf = self.storage.read([e.key for e in cold], [self.arena.block(b) for b in blocks])
+        rf.add_done_callback(lambda f: self._promoted(f, cold, blocks, entries, dev, fut))
+        return fut
+
+    def _pinned_entries(self, keys: list[bytes]) -> list[Entry]:
+        entries = []
+        for k in keys:
+            e = self._index.get(k)
+            if e is None or e.pins == 0 or not e.visible:
+                raise UsageError("key is not pinned or not loadable: lookup first", argument="keys", key=k.hex())
+            entries.append(e)
+        return entries
+
+    def _promoted(self, rf, cold: list[Entry], blocks: list[int], entries, dev, fut: StoreFuture) -> None:
+        try:
+            self._promote_finish(rf, cold, blocks, entries, dev, fut)
+        except BaseException as exc:  # noqa: BLE001 - never strand a future
+            fut._fail(exc)
+
+    def _promote_finish(self, rf, cold: list[Entry], blocks: list[int], entries, dev, fut: StoreFuture) -> None:
+        exc = rf.exception()
+        statuses = [ReadStatus.UNREADABLE] * len(cold) if exc is not None else rf.result()
+        with self._lock:
+            good = [(e, b) for e, b, s in zip(cold, blocks, statuses) if s is ReadStatus.OK]
+            bad = [(e, b, s) for e, b, s in zip(cold, blocks, statuses) if s is not ReadStatus.OK]
+            if good:
+                self.arena.publish([b for _, b in good], [e.key for e, _ in good])
+                for e, b in good:
+                    self._index.set_host(e, b)
+            for e, b, s in bad:
+                self.arena.free([b])
+                if s is not ReadStatus.UNREADABLE:
+                    self._index.clear(e, STORAGE)  # gone or corrupt on disk: never served
+            if bad:
+                self._index.unhold(entries)
+            self._gauge()
+        self.metrics.promotions.inc(len(good))
+        self.metrics.bytes.labels("storage", "out").inc(len(good) * self.arena.block_nbytes)
+        if bad:
+            e, _, s = bad[0]
+            if s is ReadStatus.CORRUPT:
+                self.metrics.corrupt.labels("storage").inc(sum(1 for *_, x in bad if x is ReadStatus.CORRUPT))
+            fut._fail(_read_error(s, e.key, exc))
+            return
+        self._to_device(entries, dev, fut)
+        self._maybe_demote()
+
+    def _to_device(self, entries: list[Entry], dev: list[int], fut: StoreFuture) -> None:
+        try:
+            tf = self.engine.h2d([(e.host_block, d, 1) for e, d in zip(entries, dev)])
+        except BaseException as exc:  # noqa: BLE001 - pins kept, delivered through the future
+            with self._lock:
+                self._index.unhold(entries)
+            fut._fail(exc)
+            return
+        tf.add_done_callback(lambda t: self._loaded(t, entries, fut))
+
+    def _loaded(self, tf, entries: list[Entry], fut: StoreFuture) -> None:
+        exc = tf.exception()
+        with self._lock:
+            self._index.unhold(entries)
+            if exc is None:
+                self._index.unpin([e.key for e in entries])
+        if exc is not None:
+            fut._fail(exc)
+        else:
+            self.metrics.bytes.labels("host", "out").inc(len(entries) * self.arena.block_nbytes)
+            fut._set(None)
+            self._maybe_demote()
+
+    # -- lifecycle -----------------------------------------------------------
+    def _gauge(self) -> None:
+        self.metrics.entries.labels("host").set(self._index.counts[HOST])
+        self.metrics.entries.labels("storage").set(self._index.counts[STORAGE])
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("store is closed")
+
+    def close(self) -> None:
+        """Finish copies in flight, then stop. Idempotent. Closes the arena if the store made it."""
+        if self._closed:
+            return
+        self.engine.close(wait=True)
+        if self.storage is not None:
+            self.storage.close()
+        with self._lock:
+            self._closed = True
+        # The engine keeps a reference to the arena's memory (its threads form a cycle),
+        # and an shm arena refuses to unmap while one is alive: drop and collect it first.
+        self.engine = None  # type: ignore[assignment]
+        if self.arena.persistent:
+            gc.collect()
+        if self._own_arena:
+            self.arena.close()
+
+    def __enter__(self) -> "KVCacheStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    if isinstance(keys, (bytes, str)):
+        raise UsageError("must be a sequence of keys, not one key", argument="keys")
+    out = list(keys)
+    for k in out:
+        if not isinstance(k, bytes) or not 0 < len(k) <= 32:
+            raise UsageError("keys must be 1..32 bytes", argument="keys", key=k)
+    return out
+
+
+def _read_error(status: ReadStatus, key: bytes, exc: BaseException | None) -> Exception:
+    if status is ReadStatus.CORRUPT:
+        return IntegrityError("storage block failed its checksum; not served", key=key.hex())
+    if status is ReadStatus.MISSING:
+        return RemoteError("storage block vanished (deleted by another process?)", key=key.hex())
+    return RemoteError("storage block unreadable", key=key.hex(), error=repr(exc) if exc else None)

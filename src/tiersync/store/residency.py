@@ -1,0 +1,24 @@
+"""Where an entry's bytes are, and the status of store operations."""
+from __future__ import annotations
+
+import enum
+
+
+class Residency(enum.IntFlag):
+    """Tiers holding a copy of an entry. The store tracks HOST and STORAGE itself;
+    DEVICE and REMOTE are recorded for callers (:meth:`KVCacheStore.mark`)."""
+
+    NONE = 0
+    DEVICE = 1
+    HOST = 2
+    STORAGE = 4
+    REMOTE = 8
+
+
+LOADABLE = Residency.HOST | Residency.STORAGE
+
+
+class OpStatus(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"

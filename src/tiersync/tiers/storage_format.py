@@ -1,0 +1,144 @@
+"""On-disk format of the storage tier: immutable segment files of block records.
+
+A segment holds the blocks of one write batch::
+
+    [segment header, 64 B][descriptor 0, 96 B]...[descriptor n-1] | pad to ALIGN
+    [payload 0 | pad to ALIGN][payload 1 | pad]...
+
+Segment header (little-endian): magic ``b"TSSEGMT1"``, version u32, record count
+u32, cache-identity digest (16 B), writer sequence u64, creation time ns u64,
+xxh3_64 of the header and all descriptors (with this field zero) u64, pad.
+
+Descriptor = the per-record header: magic ``b"TREC"``, version u16, key length
+u16, cache-identity digest (16 B), key (32 B, zero padded), payload offset u64,
+payload length u64, xxh3_64 of the payload u64, xxh3_64 of this descriptor u64.
+
+Payloads start on ``ALIGN`` (4096) boundaries so they can be read and written
+with ``O_DIRECT``. A segment is written under a temporary name, fsynced, renamed
+into place and the directory fsynced, so a visible segment is complete; what
+can still go wrong (bit rot, truncation, a foreign writer) is caught by the
+checksums: a descriptor or header that fails is skipped and counted at scan, a
+payload is checksummed on every read and never served when it fails.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+MAGIC = b"TSSEGMT1"
+REC_MAGIC = b"TREC"
+VERSION = 1
+ALIGN = 4096
+MAX_KEY_NBYTES = 32
+SUFFIX = ".seg"
+TMP_PREFIX = ".tmp-"
+
+_HEAD = struct.Struct("<8sII16sQQQ")          # 56 B, padded to 64
+HEAD_NBYTES = 64
+_DESC = struct.Struct("<4sHH16s32sQQQQ")      # 88 B, padded to 96
+DESC_NBYTES = 96
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """Where one block's bytes are inside a segment."""
+
+    key: bytes
+    offset: int
+    length: int
+    checksum: int
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedSegment:
+    """Result of parsing a segment's header area: good records and counts of bad ones."""
+
+    records: tuple[Record, ...]
+    seq: int
+    corrupt: int
+    truncated: int
+    foreign: bool = False
+    unreadable: bool = False
+
+
+def header_nbytes(count: int) -> int:
+    return align_up(HEAD_NBYTES + DESC_NBYTES * count)
+
+
+def layout_records(keys: list[bytes], lengths: list[int]) -> list[tuple[bytes, int, int]]:
+    """(key, offset, length) for a batch, payloads aligned after the header area."""
+    off = header_nbytes(len(keys))
+    out = []
+    for k, n in zip(keys, lengths):
+        out.append((k, off, n))
+        off += align_up(n)
+    return out
+
+
+def encode_header(identity: bytes, seq: int, created_ns: int, records: list[Record]) -> bytes:
+    """The header area (padded to ALIGN) for ``records``."""
+    descs = b"".join(_encode_desc(identity, r) for r in records)
+    head = _HEAD.pack(MAGIC, VERSION, len(records), identity, seq, created_ns, 0)
+    body = head.ljust(HEAD_NBYTES, b"\0") + descs
+    check = xxhash.xxh3_64_intdigest(body)
+    head = _HEAD.pack(MAGIC, VERSION, len(records), identity, seq, created_ns, check)
+    return (head.ljust(HEAD_NBYTES, b"\0") + descs).ljust(header_nbytes(len(records)), b"\0")
+
+
+def _encode_desc(identity: bytes, r: Record) -> bytes:
+    fields = (REC_MAGIC, VERSION, len(r.key), identity, r.key.ljust(MAX_KEY_NBYTES, b"\0"),
+              r.offset, r.length, r.checksum)
+    check = xxhash.xxh3_64_intdigest(_DESC.pack(*fields, 0))
+    return _DESC.pack(*fields, check).ljust(DESC_NBYTES, b"\0")
+
+
+def parse_head(buf: bytes) -> tuple[int, bytes, int] | None:
+    """(count, identity, seq) of a segment header, or None if it is not one."""
+    if len(buf) < HEAD_NBYTES:
+        return None
+    magic, version, count, identity, seq, _created, _check = _HEAD.unpack_from(buf)
+    if magic != MAGIC or version != VERSION:
+        return None
+    return count, identity, seq
+
+
+def parse_segment(buf: bytes, identity: bytes, file_size: int) -> ParsedSegment:
+    """Validate a segment's header area ``buf`` (at least ``header_nbytes(count)`` bytes)."""
+    head = parse_head(buf)
+    if head is None:
+        return ParsedSegment((), 0, corrupt=1, truncated=0)
+    count, ident, seq = head
+    if ident != identity:
+        return ParsedSegment((), seq, 0, 0, foreign=True)
+    end = HEAD_NBYTES + DESC_NBYTES * count
+    if len(buf) < end:
+        return ParsedSegment((), seq, corrupt=0, truncated=max(count, 1))
+    # Each descriptor carries its own checksum, so a damaged segment header only costs
+    # the records it no longer counts; the whole-area checksum is informational.
+    records, corrupt, truncated = [], 0, 0
+    for i in range(count):
+        rec = _decode_desc(buf[HEAD_NBYTES + i * DESC_NBYTES:HEAD_NBYTES + (i + 1) * DESC_NBYTES], identity)
+        if rec is None:
+            corrupt += 1
+        elif rec.offset + rec.length > file_size:
+            truncated += 1
+        else:
+            records.append(rec)
+    return ParsedSegment(tuple(records), seq, corrupt, truncated)
+
+
+def _decode_desc(raw: bytes, identity: bytes) -> Record | None:
+    magic, version, klen, ident, key, off, length, csum, check = _DESC.unpack_from(raw)
+    if magic != REC_MAGIC or version != VERSION or ident != identity or not 0 < klen <= MAX_KEY_NBYTES:
+        return None
+    if xxhash.xxh3_64_intdigest(_DESC.pack(magic, version, klen, ident, key, off, length, csum, 0)) != check:
+        return None
+    if off % ALIGN:
+        return None
+    return Record(key[:klen], off, length, csum)

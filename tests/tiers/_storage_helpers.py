@@ -1,0 +1,40 @@
+"""Helpers of the storage-tier tests: deterministic block bytes and tmpfs mounts."""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import tempfile
+
+import numpy as np
+import xxhash
+
+IDENT = bytes(range(16))
+
+
+def block_bytes(key: bytes, nbytes: int) -> bytes:
+    """The only bytes ``key`` may ever hold: derived from the key itself."""
+    seed = xxhash.xxh3_64_intdigest(key)
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def key(i: int, tag: str = "k") -> bytes:
+    return xxhash.xxh3_128_digest(f"{tag}-{i}".encode())
+
+
+@contextlib.contextmanager
+def tmpfs(size: str):
+    """Mount a private tmpfs of ``size``; yields its path, or None when mounting is not allowed."""
+    path = tempfile.mkdtemp(prefix="tiersync-tmpfs-")
+    ok = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True).returncode == 0
+    try:
+        yield path if ok else None
+    finally:
+        if ok:
+            subprocess.run(["umount", "-l", path], capture_output=True)
+        os.rmdir(path)
+
+
+def remount_ro(path: str) -> bool:
+    return subprocess.run(["mount", "-o", "remount,ro", path], capture_output=True).returncode == 0

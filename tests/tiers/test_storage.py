@@ -1,0 +1,230 @@
+"""Storage tier: round trips, restart scan, identity isolation, corruption, full disk, permissions."""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+
+from _storage_helpers import IDENT, block_bytes, key, remount_ro, tmpfs
+from tiersync.errors import CapacityError, ClosedError, UsageError
+from tiersync.tiers import storage_io
+from tiersync.tiers import storage_format as fmt
+from tiersync.tiers.storage import ReadStatus, StorageConfig, StorageTier
+
+NB = 16384
+
+
+@pytest.fixture
+def sdir():
+    d = tempfile.mkdtemp(prefix="tiersync-storage-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def open_tier(path, ident=IDENT, **kw) -> StorageTier:
+    return StorageTier(StorageConfig(path, ident, workers=2, **kw))
+
+
+def write(tier, keys, nbytes=NB):
+    bufs = [np.frombuffer(bytearray(block_bytes(k, nbytes)), dtype=np.uint8) for k in keys]
+    tier.write(keys, [memoryview(b) for b in bufs]).result(10)
+
+
+def read(tier, keys, nbytes=NB):
+    outs = [bytearray(nbytes) for _ in keys]
+    st = tier.read(keys, [memoryview(o) for o in outs]).result(10)
+    return st, [bytes(o) for o in outs]
+
+
+def segments(path):
+    return sorted(n for n in os.listdir(path) if n.endswith(fmt.SUFFIX))
+
+
+def test_round_trip_and_restart_scan(sdir):
+    keys = [key(i) for i in range(6)]
+    with open_tier(sdir) as t:
+        write(t, keys[:4])
+        write(t, keys[4:], nbytes=NB)
+        assert t.num_blocks == 6 and len(segments(sdir)) == 2
+    with open_tier(sdir) as t:  # a new process would do the same
+        assert t.keys() == keys
+        st, data = read(t, keys)
+        assert st == [ReadStatus.OK] * 6 and data == [block_bytes(k, NB) for k in keys]
+        assert t.stats().bytes_read == 6 * NB
+
+
+def test_direct_writes_round_trip(sdir):
+    keys = [key(i, "direct") for i in range(4)]
+    bufs = [mmap.mmap(-1, NB) for _ in keys]  # page-aligned sources: eligible for O_DIRECT
+    for b, k in zip(bufs, keys):
+        b[:] = block_bytes(k, NB)
+    with open_tier(sdir, direct_writes=True) as t:
+        t.write(keys, [memoryview(b) for b in bufs]).result(10)
+        outs = [mmap.mmap(-1, NB) for _ in keys]
+        assert t.read(keys, [memoryview(o) for o in outs]).result(10) == [ReadStatus.OK] * 4
+        assert [o[:] for o in outs] == [block_bytes(k, NB) for k in keys]
+
+
+def test_unaligned_sizes_and_buffered_fallback(sdir):
+    keys = [key(i, "odd") for i in range(3)]
+    with open_tier(sdir, direct_io=False) as t:
+        write(t, keys, nbytes=1000)
+        st, data = read(t, keys, nbytes=1000)
+        assert st == [ReadStatus.OK] * 3 and data == [block_bytes(k, 1000) for k in keys]
+        assert not t.stats().direct_io
+
+
+def test_unknown_key_is_a_miss(sdir):
+    with open_tier(sdir) as t:
+        assert read(t, [key(99)])[0] == [ReadStatus.MISSING]
+        assert not t.contains(key(99))
+
+
+def test_other_identity_is_ignored(sdir):
+    with open_tier(sdir) as t:
+        write(t, [key(1)])
+    with open_tier(sdir, ident=b"\xee" * 16) as other:
+        assert other.num_blocks == 0 and other.stats().foreign_segments == 1
+        assert read(other, [key(1)])[0] == [ReadStatus.MISSING]
+
+
+def test_corrupt_payload_is_detected_on_read_and_never_served(sdir):
+    with open_tier(sdir) as t:
+        write(t, [key(1), key(2)])
+        seg = os.path.join(sdir, segments(sdir)[0])
+        with open(seg, "r+b") as f:  # flip bytes in the second payload
+            f.seek(fmt.header_nbytes(2) + NB + 10)
+            f.write(b"\x00\xff\x00\xff")
+        st, data = read(t, [key(1), key(2)])
+        assert st == [ReadStatus.OK, ReadStatus.CORRUPT] and data[0] == block_bytes(key(1), NB)
+        assert not t.contains(key(2)) and t.stats().read_corrupt == 1
+        assert read(t, [key(2)])[0] == [ReadStatus.MISSING]  # forgotten: a miss from now on
+
+
+def test_corrupt_descriptor_and_truncated_file_are_skipped_and_counted(sdir):
+    with open_tier(sdir) as t:
+        write(t, [key(i) for i in range(3)])
+        write(t, [key(i) for i in range(3, 6)])
+    first, second = (os.path.join(sdir, s) for s in segments(sdir))
+    with open(first, "r+b") as f:
+        f.seek(fmt.HEAD_NBYTES + fmt.DESC_NBYTES + 30)  # inside descriptor 1 (its key)
+        f.write(b"garbage")
+    os.truncate(second, fmt.header_nbytes(3) + NB + 5)  # records 1 and 2 run past the end
+    with open_tier(sdir) as t:
+        s = t.stats()
+        assert s.corrupt == 1 and s.truncated == 2
+        assert sorted(t.keys()) == sorted([key(0), key(2), key(3)])
+        st, data = read(t, [key(0), key(2), key(3)])
+        assert st == [ReadStatus.OK] * 3 and data == [block_bytes(k, NB) for k in (key(0), key(2), key(3))]
+    with open(first, "r+b") as f:
+        f.write(b"not a segment at all")
+    with open_tier(sdir) as t:
+        assert t.stats().corrupt >= 1 and key(0) not in t.keys()
+
+
+def test_truncated_after_scan_reads_as_corrupt(sdir):
+    with open_tier(sdir) as t:
+        write(t, [key(1)])
+        os.truncate(os.path.join(sdir, segments(sdir)[0]), fmt.header_nbytes(1) + 100)
+        assert read(t, [key(1)])[0] == [ReadStatus.CORRUPT]
+
+
+def test_vanished_segment_is_a_miss(sdir):
+    with open_tier(sdir) as t:
+        write(t, [key(1)])
+        os.unlink(os.path.join(sdir, segments(sdir)[0]))
+        assert read(t, [key(1)])[0] == [ReadStatus.MISSING]
+
+
+def test_delete_unlinks_dead_segments_and_orphans_are_cleaned(sdir):
+    with open_tier(sdir) as t:
+        write(t, [key(1), key(2)])
+        t.delete([key(1)])
+        assert len(segments(sdir)) == 1
+        t.delete([key(2)])
+        assert segments(sdir) == []
+        orphan = os.path.join(sdir, fmt.TMP_PREFIX + IDENT.hex() + "-" + t._host + ".999999999.abc-0000000000.seg")
+        open(orphan, "wb").close()
+    with open_tier(sdir):
+        assert not os.path.exists(orphan)
+
+
+def test_full_disk_is_a_clear_error_and_changes_nothing():
+    with tmpfs("2m") as path:
+        if path is None:
+            pytest.skip("needs root and mount(8) to make a small tmpfs")
+        with open_tier(path) as t:
+            written = []
+            with pytest.raises(CapacityError) as ei:
+                for i in range(100):  # 100 x 64 KiB > 2 MiB
+                    write(t, [key(i)], nbytes=65536)
+                    written.append(key(i))
+            assert ei.value.requested == 65536 and written
+            assert sorted(t.keys()) == sorted(written)
+            assert not [n for n in os.listdir(path) if n.startswith(fmt.TMP_PREFIX)]
+            st, data = read(t, written, nbytes=65536)
+            assert st == [ReadStatus.OK] * len(written)
+            assert data == [block_bytes(k, 65536) for k in written]
+
+
+def test_read_only_directory_refuses_writes_serves_reads():
+    with tmpfs("4m") as path:
+        if path is None:
+            pytest.skip("needs root and mount(8) to make a tmpfs")
+        with open_tier(path) as t:
+            write(t, [key(1)])
+        assert remount_ro(path)
+        with open_tier(path) as t:
+            with pytest.raises(UsageError) as ei:
+                write(t, [key(2)])
+            assert ei.value.argument == "StorageConfig.directory"
+            assert t.keys() == [key(1)] and read(t, [key(1)])[0] == [ReadStatus.OK]
+
+
+def test_permission_denied_write_and_read(sdir, monkeypatch):
+    with open_tier(sdir) as t:
+        write(t, [key(1)])
+
+        def denied(*a, **k):
+            raise PermissionError(errno.EACCES, "Permission denied")
+
+        monkeypatch.setattr(storage_io, "open_for_write", denied)
+        monkeypatch.setattr(storage_io, "open_for_read", denied)
+        with pytest.raises(UsageError, match="not writable"):
+            write(t, [key(2)])
+        assert read(t, [key(1)])[0] == [ReadStatus.UNREADABLE]  # a miss, not a crash
+        monkeypatch.undo()
+        assert t.keys() == [key(1)] and read(t, [key(1)])[0] == [ReadStatus.OK]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
+def test_unreadable_directory_for_non_root(sdir):
+    with open_tier(sdir) as t:
+        write(t, [key(1)])
+    os.chmod(sdir, 0o500)
+    try:
+        with open_tier(sdir) as t:
+            with pytest.raises(UsageError):
+                write(t, [key(2)])
+    finally:
+        os.chmod(sdir, 0o700)
+
+
+def test_bad_arguments_and_closed(sdir):
+    with pytest.raises(UsageError, match="StorageConfig.identity"):
+        StorageConfig(sdir, b"short")
+    with pytest.raises(UsageError, match="StorageConfig.capacity_blocks"):
+        StorageConfig(sdir, IDENT, capacity_blocks=0)
+    t = open_tier(sdir)
+    with pytest.raises(UsageError, match="keys"):
+        t.write([b"x" * 33], [memoryview(bytearray(10))])
+    with pytest.raises(UsageError, match="views"):
+        t.write([key(1)], [])
+    t.close()
+    with pytest.raises(ClosedError):
+        t.write([key(1)], [memoryview(bytearray(10))])
