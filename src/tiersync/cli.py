@@ -7,6 +7,7 @@ Subcommands::
     tiersync shm reclaim PATH...                              unlink dead segments
     tiersync demo [--quick] [--json]                          the end-to-end demo
     tiersync metrics [--port P]                               print or serve metrics
+    tiersync store-node --capacity 8GiB --port N [--token T]  serve host DRAM to peers
 
 Exit status: 0 success; 1 a tiersync error; 2 bad usage; 3 a bench refused to
 report because its byte-exact round trip failed. Importing this module is
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 EXIT_ERROR, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
-BENCH_SUITES = ("d2h", "h2d", "storage")  # keep in step with tiersync.bench.SUITES (checked by the tests)
+BENCH_SUITES = ("d2h", "h2d", "storage", "h2h", "registry")  # keep in step with tiersync.bench.SUITES (checked by the tests)
 TINY_ENV = "TIERSYNC_BENCH_TINY"
 
 
@@ -35,11 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run the end-to-end demo")
     d.add_argument("--quick", action="store_true", help="a small, fast run")
     d.add_argument("--json", action="store_true", help="print one JSON object")
+    d.add_argument("--storage-dir", default=None, help="keep the disk tier here (default: a temp dir)")
     d.set_defaults(func=cmd_demo)
     m = sub.add_parser("metrics", help="print the Prometheus metrics, or serve them with --port")
     m.add_argument("--port", type=int, default=None, help="serve /metrics on this port until interrupted")
     m.add_argument("--addr", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     m.set_defaults(func=cmd_metrics)
+    n = sub.add_parser("store-node", help="serve host DRAM to remote readers and writers")
+    n.add_argument("--capacity", required=True, help="host arena size, e.g. 8GiB")
+    n.add_argument("--port", type=int, required=True, help="TCP port (0 picks one; printed)")
+    n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    n.add_argument("--token", default=None, help="shared secret peers must prove (>= 16 bytes)")
+    n.add_argument("--block-size", default="1MiB", help="bytes per host block (default 1MiB)")
+    n.set_defaults(func=cmd_store_node)
     return p
 
 
@@ -129,10 +138,12 @@ def cmd_shm_reclaim(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Forward ``--quick``/``--json`` (as an argv list) to ``tiersync.demo.main``."""
+    """Forward ``--quick``/``--json``/``--storage-dir`` (as an argv list) to ``tiersync.demo.main``."""
     from tiersync import demo
 
     argv = [flag for flag, on in (("--quick", args.quick), ("--json", args.json)) if on]
+    if args.storage_dir is not None:
+        argv += ["--storage-dir", args.storage_dir]
     rc = demo.main(argv)
     return rc if isinstance(rc, int) else 0
 
@@ -153,6 +164,12 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         server.shutdown()
     return 0
+
+
+def cmd_store_node(args: argparse.Namespace) -> int:
+    from tiersync.net.store_node import main as node_main
+
+    return node_main(args.capacity, args.port, args.host, args.token, args.block_size)
 
 
 # -- entry point -------------------------------------------------------------

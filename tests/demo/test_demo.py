@@ -78,3 +78,40 @@ def test_main_forces_hub_offline_when_unset(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv("HF_HUB_OFFLINE")
     assert main(["--tiny", "--prompt-tokens", "8"]) == 2  # refused after the environment is set
     assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_restart_hits_on_disk(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    rc, r = _run(capsys, "--storage-dir", str(tmp_path))
+    assert rc == 0 and r["passed"] and r["host_phase_passed"]
+    assert r["blocks_hit"] == {"host": TINY_SHARED // BLOCK, "storage": 0}, "request 2 first hits the host tier"
+    d, x = r["demote"], r["restart"]
+    assert d["request2_blocks_saved"] == TINY_PROMPT // BLOCK - TINY_SHARED // BLOCK
+    assert d["drained"] and d["host_entries_after"] == 0
+    assert d["storage_entries_after"] == d["blocks"] == r["host_blocks"] == TINY_PROMPT // BLOCK * 2 - TINY_SHARED // BLOCK
+    assert d["bytes"] >= d["blocks"] * BLOCK_BYTES
+    expected = (TINY_PROMPT - 1) // BLOCK  # request 1's shared blocks and request 2's own, last token left to run
+    assert x["passed"] and x["hit_on_disk"] and x["expected_blocks"] == expected
+    assert x["storage_blocks_found"] == d["blocks"]
+    assert x["blocks_hit"] == {"host": 0, "storage": expected} and x["blocks_reused"] == expected
+    assert x["h2d_bytes"] == expected * BLOCK_BYTES and x["disk_bytes"] >= x["h2d_bytes"]
+    assert x["logits_allclose"] and x["argmax_match"] and x["kv_bytes_exact"]
+    assert x["logits_max_abs_diff"] <= r["atol"] and x["ttft_s"] > 0
+    assert r["storage_dir"] == str(tmp_path) and r["storage_dir_kept"] and any(tmp_path.iterdir())
+    rc, again = _run(capsys, "--storage-dir", str(tmp_path))  # a kept directory: its old blocks are cleared first
+    assert rc == 0 and again["passed"] and again["cleared_stale_blocks"] == d["blocks"]
+    assert again["blocks_hit"]["storage"] == 0
+
+
+def test_temporary_storage_dir_is_removed(capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    rc, r = _run(capsys, "--prompt-tokens", "48", "--shared-tokens", "20")
+    assert rc == 0 and r["passed"] and not r["storage_dir_kept"]
+    assert r["restart"]["blocks_hit"] == {"host": 0, "storage": 2}
+    assert not os.path.exists(r["storage_dir"])
+
+
+def test_corrupted_host_block_also_fails_after_restart(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, r = _run(capsys, "--inject-fault")
+    assert rc == 1 and not r["restart"]["passed"]
+    assert not r["restart"]["logits_allclose"], "the corrupted block went to disk and is served from there too"

@@ -200,3 +200,17 @@ def test_corrupt_storage_block_fails_load_keeps_pin_never_serves(tmpdir_path):
         s.release(hit.keys)
         assert s.lookup(keys).num_hits == 1  # the corrupt one is a miss now
         assert s.metrics.value("tiersync_store_corrupt_total", tier="storage") == 1
+
+
+def test_demotion_sweeps_in_batches_until_the_high_watermark(tmpdir_path):
+    """A sweep started under the low watermark goes on, batch after batch, until the high one."""
+    dev, layout = make_layout(num_blocks=16, nbytes=4096)
+    fill(dev, 5)
+    cfg = StoreConfig(host_blocks=16, low_watermark=0.1, high_watermark=0.9, demote_batch=2)
+    keys = keys_for(16)
+    with KVCacheStore(layout, cfg, storage=make_storage(tmpdir_path, layout)) as s:
+        s.save(range(16), keys).result(10)
+        assert s.wait_demotions(10)
+        st = s.stats()
+        assert st.host_free_blocks >= 15, st  # ceil(0.9 * 16) free: seven batches of two, not one
+        assert st.storage_entries >= 14

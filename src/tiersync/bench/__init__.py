@@ -14,6 +14,8 @@ SUITES: dict[str, str] = {
     "d2h": "tiersync.bench.copy",
     "h2d": "tiersync.bench.copy",
     "storage": "tiersync.bench.storage",
+    "h2h": "tiersync.bench.h2h",
+    "registry": "tiersync.bench.registry",
 }
 
 

@@ -1,23 +1,18 @@
-"""A paged KV pool standing in for device memory, and a prefix map of host blocks.
+"""A paged KV pool standing in for device memory.
 
 :class:`PagedKV` holds, per layer, a ``k`` and a ``v`` tensor of shape
 ``(num_blocks, block_size, kv_heads, head_dim)`` (torch CPU), bound in place
 as a :class:`~tiersync.layout.KVLayout`. It scatters a model's contiguous KV
 into chosen blocks and gathers blocks back into contiguous KV.
 
-:class:`PrefixIndex` keys each *full* block of a prompt by a chained hash
-(xxh3_128 of the parent key and the block's token ids), so a key names the
-whole prefix up to and including its block. It is a deliberately simple local
-map from key to host block; it forgets blocks the host arena evicts.
+Prefix keys, the host tier and the disk tier are the real
+:class:`~tiersync.store.KVCacheStore`'s (see :mod:`tiersync.demo.run`).
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
-import numpy as np
 import torch
-import xxhash
 
 from tiersync.layout import KVLayout, kv_layout
 from tiersync.demo.model import KVGeometry
@@ -72,51 +67,3 @@ class PagedKV:
                 pair.append(picked.permute(1, 0, 2).unsqueeze(0).contiguous())
             out.append((pair[0], pair[1]))
         return out
-
-
-def block_keys(tokens: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
-    """Chained keys of the full blocks of ``tokens``: key_i = xxh3_128(key_{i-1} + tokens of block i)."""
-    ids = np.asarray(tokens, dtype="<i8")
-    keys, parent = [], root
-    for i in range(len(ids) // block_size):
-        parent = xxhash.xxh3_128_digest(parent + ids[i * block_size:(i + 1) * block_size].tobytes())
-        keys.append(parent)
-    return keys
-
-
-class PrefixIndex:
-    """Local map: block key -> host block. Pass :meth:`forget` as the arena's ``on_evict``."""
-
-    def __init__(self) -> None:
-        self._by_key: dict[bytes, int] = {}
-        self._by_block: dict[int, bytes] = {}
-        self._mutex = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._by_key)
-
-    def record(self, keys: Sequence[bytes], host_blocks: Sequence[int]) -> None:
-        """Remember that ``host_blocks[i]`` holds the block keyed ``keys[i]`` (after publish)."""
-        with self._mutex:
-            for k, b in zip(keys, host_blocks):
-                self._by_key[k] = int(b)
-                self._by_block[int(b)] = k
-
-    def forget(self, host_blocks: Sequence[int]) -> None:
-        """Drop entries of evicted or freed host blocks."""
-        with self._mutex:
-            for b in host_blocks:
-                key = self._by_block.pop(int(b), None)
-                if key is not None:
-                    self._by_key.pop(key, None)
-
-    def longest_prefix(self, keys: Sequence[bytes]) -> list[int]:
-        """Host blocks of the longest run ``keys[0..n)`` all present; stops at the first miss."""
-        found = []
-        with self._mutex:
-            for k in keys:
-                b = self._by_key.get(k)
-                if b is None:
-                    break
-                found.append(b)
-        return found

@@ -1,28 +1,45 @@
-"""The demo scenario: prefix reuse of a KV cache through the host tier.
+"""The demo scenario: prefix reuse of a KV cache through host DRAM and disk.
+
+Keys are :func:`tiersync.store.keys.block_keys` under a :class:`CacheIdentity`
+naming the model and its weights version; every copy goes through a real
+:class:`~tiersync.store.KVCacheStore` with a :class:`StorageTier` in a directory.
 
 1. Request 1 prefills a long prompt; its KV is scattered into a paged pool
-   (the "device") and its full blocks are offloaded (d2h) to a host arena,
-   each published under a chained prefix key.
+   (the "device") and its full blocks are saved (d2h) to the host tier.
 2. Request 2 shares the first ``shared_tokens`` tokens. The pool is wiped, the
-   longest prefix of blocks found on the host is copied (h2d) into *other*
-   device blocks, a cache is rebuilt from them and only the suffix is run.
-3. Its next-token logits must match a full recompute of request 2's prompt.
+   longest prefix found (on the host) is loaded (h2d) into *other* device
+   blocks, a cache is rebuilt from them and only the suffix is run. Its
+   logits must match a full recompute of request 2's prompt.
+3. Request 2's own KV is saved as a server would; that fills the host tier
+   past its low watermark and the store demotes every idle entry to disk.
+4. Restart: the store is closed and a NEW one opened on the same directory
+   with an empty host tier. Request 2 is served again: all its full blocks
+   before its last token (request 1's shared ones and its own) must hit on
+   disk (promoted to host, then h2d), byte-exact, and its logits must match
+   the full recompute again.
 """
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from tiersync.demo.model import TinyModel, cache_layers, load_config
-from tiersync.demo.paged import PagedKV, PrefixIndex, block_keys
-from tiersync.tiers.host import HostArena
-from tiersync.transfer import TransferEngine
+from tiersync.demo.paged import PagedKV
+from tiersync.store import CacheIdentity, KVCacheStore, Residency, StoreConfig, block_keys
+from tiersync.tiers.storage import StorageConfig, StorageTier
 
 ATOL, RTOL = 1e-4, 1e-5
+MODEL_NAME = "tiersync-demo/tiny-llama"
+TIMEOUT_S = 120
 
 
 @dataclass(frozen=True)
@@ -33,8 +50,9 @@ class Settings:
     shared_tokens: int = 3800
     block_size: int = 16
     seed: int = 0
-    repeats: int = 1  # TTFT and h2d are timed this many times; the fastest run is reported
+    repeats: int = 1  # TTFT and loads are timed this many times; the fastest run is reported
     inject_fault: bool = False  # corrupt one host block: the check must then FAIL
+    storage_dir: str | None = None  # None: a temporary directory, removed at the end
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -48,31 +66,73 @@ class Settings:
 
 @dataclass
 class Rig:
-    """Everything one run holds: model, device pool, host arena, engine, prefix map."""
+    """Everything one run holds: model, device pool, the store (host + disk) and its identity."""
 
     settings: Settings
     model: TinyModel
     paged: PagedKV
-    arena: HostArena
-    engine: TransferEngine
-    index: PrefixIndex
-    root: bytes
+    identity: CacheIdentity
+    storage_dir: str
+    own_dir: bool
+    host_blocks: int
+    store: KVCacheStore | None = None
+    cleared_blocks: int = 0
+
+    def open_store(self) -> float:
+        """Open a store with an empty host tier on ``storage_dir``; seconds it took (scan + prefault)."""
+        t0 = time.perf_counter()
+        storage = StorageTier(StorageConfig(self.storage_dir, self.identity.digest(), workers=2))
+        # Watermarks: no demotion while >= 1 host block is free; once none is, demote every idle entry.
+        # One batch for all of them: a demotion stops after its first batch once the free count is
+        # back over the low watermark, whatever high_watermark says (see the store's demotion loop).
+        n = self.host_blocks
+        cfg = StoreConfig(host_blocks=n, low_watermark=0.5 / n, high_watermark=1.0, demote_batch=n)
+        self.store = KVCacheStore(self.paged.layout, cfg, storage=storage)
+        self.store.arena.memory[:] = 0  # fault the pages in now, as a server does at start-up
+        return time.perf_counter() - t0
+
+    def close_store(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
 
     def close(self) -> None:
-        self.engine.close()
-        self.arena.close()
+        self.close_store()
+        if self.own_dir:
+            shutil.rmtree(self.storage_dir, ignore_errors=True)
+
+
+def cache_identity(s: Settings, paged: PagedKV) -> CacheIdentity:
+    """Model name + weights version (seed and config overrides) + dtype, block size, layout."""
+    overrides = json.dumps(s.model_overrides, sort_keys=True, default=str).encode()
+    version = f"random-seed{s.seed}-{xxhash.xxh3_64_hexdigest(overrides)}"
+    return CacheIdentity(MODEL_NAME, version, "float32", s.block_size, layout_digest=paged.layout.digest())
 
 
 def build_rig(s: Settings) -> Rig:
-    """Model, a pool with room for both requests side by side, and a host arena for request 1."""
+    """Model, a pool with room for both requests side by side, a store with room for both requests' blocks."""
     model = TinyModel(load_config(s.model_overrides), seed=s.seed)
     per_request = -(-s.prompt_tokens // s.block_size)
     paged = PagedKV(model.geometry, 2 * per_request, s.block_size)
-    index = PrefixIndex()
-    arena = HostArena.for_layout(paged.layout, 2 * per_request, on_evict=index.forget)
-    arena.memory[:] = 0  # fault the pages in now, as a server does at start-up, not inside the first d2h
-    engine = TransferEngine(paged.layout, arena)
-    return Rig(s, model, paged, arena, engine, index, root=paged.layout.digest())
+    own = s.storage_dir is None
+    directory = tempfile.mkdtemp(prefix="tiersync-demo-") if own else os.path.abspath(s.storage_dir)
+    full_blocks = s.prompt_tokens // s.block_size
+    new_in_two = full_blocks - s.shared_tokens // s.block_size  # request 2's full blocks not in request 1
+    rig = Rig(s, model, paged, cache_identity(s, paged), directory, own,
+              host_blocks=full_blocks + max(new_in_two, 1))
+    try:
+        rig.open_store()
+        stale = rig.store.storage.keys()
+        if stale:  # a given directory with blocks of this identity from an earlier run: start clean
+            rig.store.close()
+            with StorageTier(StorageConfig(directory, rig.identity.digest(), workers=1)) as st:
+                st.delete(stale)
+            rig.cleared_blocks = len(stale)
+            rig.open_store()
+    except BaseException:
+        rig.close()
+        raise
+    return rig
 
 
 def make_prompts(s: Settings, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,69 +145,64 @@ def make_prompts(s: Settings, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return first, second
 
 
-def coalesce(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """``(src, dst, count)`` runs of block pairs; pairs consecutive on both sides merge."""
-    runs: list[list[int]] = []
-    for a, b in zip(src, dst):
-        if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
-            runs[-1][2] += 1
-        else:
-            runs.append([a, b, 1])
-    return [tuple(r) for r in runs]
+def keys_of(rig: Rig, tokens: torch.Tensor) -> list[bytes]:
+    """Prefix keys of the full blocks of ``tokens`` (the store's own key scheme)."""
+    return block_keys(tokens.numpy(), rig.identity)
 
 
-def offload(rig: Rig, tokens: torch.Tensor, device_blocks: list[int]) -> dict[str, Any]:
-    """d2h the full blocks of ``tokens`` (in ``device_blocks``) and publish them by prefix key."""
-    keys = block_keys(tokens.tolist(), rig.paged.block_size, rig.root)
-    host = rig.arena.allocate(len(keys))
+def save_blocks(rig: Rig, tokens: torch.Tensor, device_blocks: list[int]) -> dict[str, Any]:
+    """Save (d2h) the full blocks of ``tokens`` held in ``device_blocks`` to the host tier."""
+    keys = keys_of(rig, tokens)
     t0 = time.perf_counter()
-    fut = rig.engine.d2h(coalesce(device_blocks[: len(keys)], host))
-    fut.result(timeout=120)
+    res = rig.store.save(device_blocks[: len(keys)], keys).result(TIMEOUT_S)
     seconds = time.perf_counter() - t0
-    rig.arena.publish(host, keys)
-    rig.index.record(keys, host)
-    rig.arena.allocator.unlock(host)  # cached: evictable from now on
-    return {"blocks": len(keys), "bytes": fut.nbytes, "seconds": seconds, "host_blocks": host}
+    return {"blocks": len(res.saved), "skipped": len(res.skipped), "bytes": len(res.saved) * rig.paged.block_nbytes,
+            "seconds": seconds, "keys": keys}
+
+
+def _corrupt_host_block(rig: Rig, key: bytes) -> None:
+    arena = rig.store.arena
+    block = next(b for b in range(arena.num_blocks) if arena.key_of(b) == key)
+    arena.memory[block].view(np.float32)[:] += 1.0
 
 
 def request_one(rig: Rig, tokens: torch.Tensor) -> dict[str, Any]:
-    """Prefill request 1, page its KV into blocks 0.., offload the full blocks."""
+    """Prefill request 1, page its KV into blocks 0.., save the full blocks to the host tier."""
     t0 = time.perf_counter()
     _, cache = rig.model.forward(tokens)
     prefill_s = time.perf_counter() - t0
     layers = cache_layers(cache)
     device_blocks = list(range(-(-len(tokens) // rig.paged.block_size)))
     rig.paged.scatter(layers, device_blocks)
-    out = offload(rig, tokens, device_blocks)
-    if rig.settings.inject_fault:
-        rig.arena.memory[out["host_blocks"][0]].view(np.float32)[:] += 1.0
+    out = save_blocks(rig, tokens, device_blocks)
+    if rig.settings.inject_fault and out["keys"]:
+        _corrupt_host_block(rig, out["keys"][0])
     return {**out, "prefill_s": prefill_s, "device_blocks": device_blocks, "layers": layers}
 
 
 def load_prefix(rig: Rig, tokens: torch.Tensor, first_device_block: int) -> dict[str, Any]:
-    """Find the longest host prefix of ``tokens`` (leaving >= 1 token to run) and h2d it."""
+    """Look up the longest stored prefix of ``tokens`` (leaving >= 1 token to run) and load it."""
     bs = rig.paged.block_size
-    keys = block_keys(tokens.tolist(), bs, rig.root)[: (len(tokens) - 1) // bs]
-    host = rig.index.longest_prefix(keys)
-    stale = [i for i, (b, k) in enumerate(zip(host, keys)) if rig.arena.key_of(b) != k]
-    host = host[: stale[0]] if stale else host  # trust only what the arena says it published
-    if not host:
-        return {"blocks": 0, "bytes": 0, "seconds": 0.0, "device_blocks": []}
-    rig.arena.allocator.lock(host)  # pin for the copy
+    keys = keys_of(rig, tokens)[: (len(tokens) - 1) // bs]
+    hit = rig.store.lookup(keys)  # pins every key it returns
+    on_host = sum(1 for r in hit.residency if r & Residency.HOST)
+    tiers = {"host": on_host, "storage": hit.num_hits - on_host}
+    if not hit.num_hits:
+        return {"blocks": 0, "bytes": 0, "seconds": 0.0, "device_blocks": [], "hit": tiers}
+    device = list(range(first_device_block, first_device_block + hit.num_hits))
+    t0 = time.perf_counter()
     try:
-        device = list(range(first_device_block, first_device_block + len(host)))
-        t0 = time.perf_counter()
-        fut = rig.engine.h2d(coalesce(host, device))
-        fut.result(timeout=120)
-        seconds = time.perf_counter() - t0
-    finally:
-        rig.arena.allocator.unlock(host)
-    rig.arena.allocator.touch(host)
-    return {"blocks": len(host), "bytes": fut.nbytes, "seconds": seconds, "device_blocks": device}
+        rig.store.load(hit.keys, device).result(TIMEOUT_S)  # storage -> host (if cold) -> device
+    except BaseException:
+        rig.store.release(hit.keys)  # a failed load keeps the pins
+        raise
+    seconds = time.perf_counter() - t0
+    return {"blocks": hit.num_hits, "bytes": hit.num_hits * rig.paged.block_nbytes, "seconds": seconds,
+            "device_blocks": device, "hit": tiers}
 
 
 def request_two_reuse(rig: Rig, tokens: torch.Tensor, first_device_block: int) -> dict[str, Any]:
-    """TTFT with reuse: lookup + h2d + rebuild the cache from the pool + run the suffix only."""
+    """TTFT with reuse: lookup + load + rebuild the cache from the pool + run the suffix only."""
     t0 = time.perf_counter()
     loaded = load_prefix(rig, tokens, first_device_block)
     cache = None
@@ -155,9 +210,9 @@ def request_two_reuse(rig: Rig, tokens: torch.Tensor, first_device_block: int) -
         layers = rig.paged.gather(loaded["device_blocks"])
         cache = rig.model.cache_from_layers(layers)
     reused = loaded["blocks"] * rig.paged.block_size
-    logits, _ = rig.model.forward(tokens[reused:], cache)
+    logits, grown = rig.model.forward(tokens[reused:], cache)
     ttft = time.perf_counter() - t0
-    return {**loaded, "ttft_s": ttft, "logits": logits, "reused_tokens": reused}
+    return {**loaded, "ttft_s": ttft, "logits": logits, "reused_tokens": reused, "cache": grown}
 
 
 def request_two_full(rig: Rig, tokens: torch.Tensor) -> dict[str, Any]:
@@ -168,19 +223,54 @@ def request_two_full(rig: Rig, tokens: torch.Tensor) -> dict[str, Any]:
 
 
 def _reuse_from_scratch(rig: Rig, tokens: torch.Tensor, first_device_block: int) -> dict[str, Any]:
-    """Wipe the pool (what request 2 finds must come from the host tier), then reuse."""
+    """Wipe the pool (what request 2 finds must come from the store), then reuse."""
     rig.paged.wipe()
     return request_two_reuse(rig, tokens, first_device_block)
 
 
+def save_and_demote(rig: Rig, tokens: torch.Tensor, reuse: dict[str, Any], first_device_block: int) -> dict[str, Any]:
+    """Save request 2's KV (its prefix is already stored); the host tier runs out and demotes to disk."""
+    layers = cache_layers(reuse["cache"])
+    device_blocks = list(range(first_device_block, first_device_block + -(-len(tokens) // rig.paged.block_size)))
+    rig.paged.scatter(layers, device_blocks)
+    store, storage = rig.store, rig.store.storage
+    written0 = storage.stats().bytes_written
+    t0 = time.perf_counter()
+    saved = save_blocks(rig, tokens, device_blocks)
+    drained = store.wait_demotions(TIMEOUT_S)
+    seconds = time.perf_counter() - t0
+    written = storage.stats().bytes_written - written0
+    st = store.stats()
+    on_disk = sum(1 for r in store.residency(saved["keys"]) if r & Residency.STORAGE)
+    return {"saved_blocks": saved["blocks"], "layers": layers, "drained": drained, "seconds": seconds, "bytes": written,
+            "blocks": written // store.arena.block_nbytes if store.arena.block_nbytes else 0,
+            "host_entries": st.host_entries, "storage_entries": st.storage_entries, "request2_on_disk": on_disk}
+
+
+def serve_after_restart(rig: Rig, tokens: torch.Tensor, first_device_block: int) -> dict[str, Any]:
+    """Close the store, open a NEW one on the same directory (empty host tier), serve ``tokens``."""
+    rig.close_store()
+    open_s = rig.open_store()
+    storage = rig.store.storage
+    found = storage.num_blocks
+    read0 = storage.stats().bytes_read
+    out = _reuse_from_scratch(rig, tokens, first_device_block)
+    return {**out, "open_s": open_s, "storage_blocks_found": found,
+            "disk_bytes": storage.stats().bytes_read - read0}
+
+
 def kv_matches(rig: Rig, loaded: dict[str, Any], reference: list) -> bool:
-    """Do the h2d'd device blocks hold request 1's KV byte for byte?"""
+    """Do the loaded device blocks hold the ``reference`` KV (as it was saved) byte for byte?"""
     if not loaded["blocks"]:
         return True
     n = loaded["blocks"] * rig.paged.block_size
     got = rig.paged.gather(loaded["device_blocks"])
     return all(torch.equal(g[0], r[0][:, :, :n]) and torch.equal(g[1], r[1][:, :, :n])
                for g, r in zip(got, reference))
+
+
+def _fastest(runs) -> dict[str, Any]:
+    return min(runs, key=lambda r: r["ttft_s"])
 
 
 def run_demo(s: Settings) -> dict[str, Any]:
@@ -190,11 +280,16 @@ def run_demo(s: Settings) -> dict[str, Any]:
         first, second = make_prompts(s, rig.model.config.vocab_size)
         rig.model.forward(first[: min(64, len(first))])  # warm-up: first calls pay one-off costs
         one = request_one(rig, first)
-        full = min((request_two_full(rig, second) for _ in range(s.repeats)), key=lambda r: r["ttft_s"])
-        reuse = min((_reuse_from_scratch(rig, second, len(one["device_blocks"])) for _ in range(s.repeats)),
-                    key=lambda r: r["ttft_s"])
+        two_at = len(one["device_blocks"])
+        full = _fastest(request_two_full(rig, second) for _ in range(s.repeats))
+        reuse = _fastest(_reuse_from_scratch(rig, second, two_at) for _ in range(s.repeats))
         exact = kv_matches(rig, reuse, one["layers"])
-        return summarize(rig, one, full, reuse, exact)
+        demote = save_and_demote(rig, second, reuse, two_at)
+        restart = None
+        if demote["saved_blocks"]:  # else nothing pushed the host tier over its watermark
+            restart = _fastest(serve_after_restart(rig, second, two_at) for _ in range(s.repeats))
+            restart["kv_exact"] = kv_matches(rig, restart, demote["layers"])  # request 2's KV as saved
+        return summarize(rig, one, full, reuse, exact, demote, restart)
     finally:
         rig.close()
 
@@ -208,26 +303,60 @@ def _gbps(nbytes: int, seconds: float) -> float | None:
     return nbytes / seconds / 1e9 if seconds > 0 else None
 
 
-def summarize(rig: Rig, one: dict, full: dict, reuse: dict, kv_exact: bool) -> dict[str, Any]:
-    """The JSON-able result: sizes, timings, bandwidths and the correctness check."""
-    s, a, b = rig.settings, full["logits"], reuse["logits"]
-    close = bool(torch.allclose(a, b, atol=ATOL, rtol=RTOL))
-    same_argmax = int(a.argmax()) == int(b.argmax())
+def _logits_check(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    return {"logits_max_abs_diff": float((a - b).abs().max()),
+            "logits_allclose": bool(torch.allclose(a, b, atol=ATOL, rtol=RTOL)),
+            "argmax_match": int(a.argmax()) == int(b.argmax())}
+
+
+def summarize(rig: Rig, one: dict, full: dict, reuse: dict, kv_exact: bool, demote: dict,
+              restart: dict | None) -> dict[str, Any]:
+    """The JSON-able result: sizes, timings, bandwidths and the correctness checks."""
+    s = rig.settings
+    check = _logits_check(full["logits"], reuse["logits"])
+    host_only = reuse["hit"]["storage"] == 0
+    phase2_ok = check["logits_allclose"] and check["argmax_match"] and kv_exact and host_only
+    disk = {"storage_dir": rig.storage_dir, "storage_dir_kept": not rig.own_dir,
+            "cleared_stale_blocks": rig.cleared_blocks,
+            "demote": {"request2_blocks_saved": demote["saved_blocks"], "blocks": demote["blocks"],
+                       "bytes": demote["bytes"], "seconds": demote["seconds"],
+                       "gbps": _gbps(demote["bytes"], demote["seconds"]), "drained": demote["drained"],
+                       "host_entries_after": demote["host_entries"],
+                       "storage_entries_after": demote["storage_entries"]}}
+    if restart is None:
+        disk["restart"] = {"skipped": "request 2 has no full block of its own, so nothing filled the host tier",
+                           "passed": True}
+    else:
+        rc = _logits_check(full["logits"], restart["logits"])
+        expected = (s.prompt_tokens - 1) // s.block_size  # every block of request 2 left before its last token
+        hit_disk = restart["hit"]["storage"] == expected and restart["hit"]["host"] == 0 and restart["blocks"] == expected
+        disk["restart"] = {
+            "open_s": restart["open_s"], "storage_blocks_found": restart["storage_blocks_found"],
+            "blocks_hit": restart["hit"], "expected_blocks": expected, "blocks_reused": restart["blocks"],
+            "reused_tokens": restart["reused_tokens"], "suffix_tokens": s.prompt_tokens - restart["reused_tokens"],
+            "disk_bytes": restart["disk_bytes"], "h2d_bytes": restart["bytes"],
+            "load_s": restart["seconds"], "load_gbps": _gbps(restart["bytes"], restart["seconds"]),
+            "ttft_s": restart["ttft_s"],
+            "speedup": full["ttft_s"] / restart["ttft_s"] if restart["ttft_s"] > 0 else None,
+            **rc, "kv_bytes_exact": restart["kv_exact"], "hit_on_disk": hit_disk,
+            "passed": rc["logits_allclose"] and rc["argmax_match"] and restart["kv_exact"] and hit_disk,
+        }
     return {
-        "model": {"layers": rig.model.geometry.num_layers, "kv_heads": rig.model.geometry.kv_heads,
+        "model": {"name": rig.identity.model, "weights_version": rig.identity.weights_version,
+                  "layers": rig.model.geometry.num_layers, "kv_heads": rig.model.geometry.kv_heads,
                   "head_dim": rig.model.geometry.head_dim, "params": rig.model.num_params,
                   "dtype": "float32"},
         "prompt_tokens": s.prompt_tokens, "shared_tokens": s.shared_tokens, "block_size": s.block_size,
-        "repeats": s.repeats, "block_bytes": rig.paged.block_nbytes,
+        "repeats": s.repeats, "block_bytes": rig.paged.block_nbytes, "host_blocks": rig.host_blocks,
         "blocks_offloaded": one["blocks"], "d2h_bytes": one["bytes"], "d2h_s": one["seconds"],
         "d2h_gbps": _gbps(one["bytes"], one["seconds"]),
-        "blocks_reused": reuse["blocks"], "reused_tokens": reuse["reused_tokens"],
+        "blocks_reused": reuse["blocks"], "blocks_hit": reuse["hit"], "reused_tokens": reuse["reused_tokens"],
         "suffix_tokens": s.prompt_tokens - reuse["reused_tokens"],
         "device_blocks": {"request1": _span(one["device_blocks"]), "request2": _span(reuse["device_blocks"])},
         "h2d_bytes": reuse["bytes"], "h2d_s": reuse["seconds"], "h2d_gbps": _gbps(reuse["bytes"], reuse["seconds"]),
         "prefill1_s": one["prefill_s"], "ttft_no_reuse_s": full["ttft_s"], "ttft_reuse_s": reuse["ttft_s"],
         "speedup": full["ttft_s"] / reuse["ttft_s"] if reuse["ttft_s"] > 0 else None,
-        "logits_max_abs_diff": float((a - b).abs().max()), "atol": ATOL, "rtol": RTOL,
-        "logits_allclose": close, "argmax_match": same_argmax, "kv_bytes_exact": kv_exact,
-        "passed": close and same_argmax and kv_exact,
+        **check, "atol": ATOL, "rtol": RTOL, "kv_bytes_exact": kv_exact, "host_phase_passed": phase2_ok,
+        **disk,
+        "passed": phase2_ok and disk["restart"]["passed"],
     }

@@ -46,9 +46,15 @@ class DemotionMixin:
         n = self.arena.num_blocks
         with self._lock:
             free = self.arena.allocator.num_free
-            if self._closed or self._demoting or free >= math.ceil(self.config.low_watermark * n) \
-                    or time.monotonic() < self._demote_backoff_until:
+            if self._closed or self._demoting or time.monotonic() < self._demote_backoff_until:
                 return
+            # hysteresis: a sweep starts under the low watermark and goes on until the high one
+            sweeping = getattr(self, "_sweeping", False)
+            mark = self.config.high_watermark if sweeping else self.config.low_watermark
+            if free >= math.ceil(mark * n):
+                self._sweeping = False
+                return
+            self._sweeping = True
             want = max(math.ceil(self.config.high_watermark * n) - free, 1)
             victims = self._index.coldest(HOST, want)
             stored = [e for e in victims if e.residency & STORAGE]

@@ -1,0 +1,286 @@
+"""``tiersync bench h2h``: host-to-host pulls over tiersync's TCP transport, on loopback.
+
+A server PROCESS (multiprocessing, spawn) holds the same blocks behind two
+listeners on 127.0.0.1: tiersync's :class:`~tiersync.net.tcp.TcpServer` with a
+:class:`~tiersync.net.source.MemoryBlockSource`, and a raw-socket reference
+that answers a 24-byte request ``(block, offset, length)`` with ``sendall`` of
+the same bytes (iperf3 is not used: the reference must move the same blocks
+request by request, like a pull). The client moves one batch of blocks per
+iteration with ``streams`` threads, each on its own connection, pulling the
+blocks ``i = w, w + streams, ...`` whole (ours: ``Channel.request(PULL, into=)``;
+raw: ``sendall`` the request then ``recv_into`` the destination).
+
+Per case: a byte-exact check of both contenders first (RoundTripError on a
+mismatch), then warm-ups + iterations, interleaved in a rotating order.
+Rows: median GB/s (``ratio`` = ours / raw), and p50/p90/p99 of one block pull
+in ms (``baseline_p50_ms`` ... for raw).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tiersync.bench.common import BenchConfig, RoundTripError, percentile, progress, report, row, throughput
+
+_REQ = struct.Struct("<QQQ")  # raw reference request: block index, offset, length
+_BUF = 16 << 20
+SIZES = {"full": (64 << 10, 1 << 20, 16 << 20), "quick": (64 << 10, 1 << 20, 16 << 20),
+         "tiny": (64 << 10, 1 << 20)}
+STREAMS = {"full": (1, 4, 16), "quick": (1, 4), "tiny": (1, 4)}
+BATCH = {"full": 256 << 20, "quick": 64 << 20, "tiny": 4 << 20}  # bytes per iteration
+
+
+def _key(size: int, i: int) -> bytes:
+    return struct.pack("<QQ", size, i)
+
+
+def _name(size: int, streams: int) -> str:
+    label = f"{size >> 20}m" if size >= 1 << 20 else f"{size >> 10}k"
+    return f"h2h-{label}-{streams}s"
+
+
+def _blocks(seed: int, size: int, n: int) -> list[bytes]:
+    import numpy as np
+
+    rng = np.random.default_rng([seed, size])
+    return [rng.bytes(size) for _ in range(n)]
+
+
+def _count(mode: str, size: int) -> int:
+    return max(BATCH[mode] // size, 4)
+
+
+# -- the server process --------------------------------------------------------
+def _serve(mode: str, seed: int, address_q: Any, stop: Any) -> None:
+    """Server process: both listeners over the same blocks, until ``stop`` is set."""
+    from tiersync.net.source import MemoryBlockSource
+    from tiersync.net.tcp import TcpTransport
+
+    blocks: dict[bytes, bytes] = {}
+    raw: dict[int, memoryview] = {}
+    for s in SIZES[mode]:
+        for i, b in enumerate(_blocks(seed, s, _count(mode, s))):
+            blocks[_key(s, i)] = b
+            raw[s << 20 | i] = memoryview(b)
+    server = TcpTransport().serve("127.0.0.1:0", MemoryBlockSource(blocks))
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_accept, args=(listener, raw), daemon=True).start()
+    address_q.put((server.address, listener.getsockname()[1]))
+    stop.wait(600)
+    server.close()
+    listener.close()
+
+
+def _raw_accept(listener: socket.socket, blocks: dict[int, memoryview]) -> None:
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=_raw_serve, args=(sock, blocks), daemon=True).start()
+
+
+def _raw_serve(sock: socket.socket, blocks: dict[int, memoryview]) -> None:
+    _tune(sock)
+    req = bytearray(_REQ.size)
+    with sock:
+        while _recv_exact(sock, memoryview(req)):
+            idx, off, length = _REQ.unpack(req)
+            sock.sendall(blocks[idx][off:off + length])
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUF)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUF)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view``; False on EOF before the first byte, ConnectionError on EOF inside."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if got == 0:
+                return False
+            raise ConnectionError("raw peer closed mid-message")
+        got += n
+    return True
+
+
+# -- the two contenders (client side) -------------------------------------------
+class _Ours:
+    """``streams`` tiersync channels, one lease over every block of ``size``."""
+
+    def __init__(self, address: str, size: int, n: int, streams: int) -> None:
+        from tiersync.net import events as ev
+        from tiersync.net.tcp import TcpTransport
+
+        self._ev, self.size = ev, size
+        transport = TcpTransport()
+        self.channels = [transport.connect(address) for _ in range(streams)]
+        self.keys = [_key(size, i) for i in range(n)]
+        ch = self.channels[0]
+        reply = ch.request(ev.ReadLease(ch.new_request_id(), tuple(self.keys), ttl_s=600))
+        if reply.status is not ev.LeaseStatus.GRANTED:
+            raise RoundTripError("source refused the lease", status=reply.status.name)
+        self.lease = reply.lease_id
+
+    def pull(self, w: int, i: int, dest: memoryview) -> None:
+        ch = self.channels[w]
+        ch.request(self._ev.Pull(ch.new_request_id(), self.lease, self.keys[i], 0, self.size), into=dest)
+
+    def close(self) -> None:
+        ch = self.channels[0]
+        ch.request(self._ev.Release(ch.new_request_id(), self.lease))
+        for c in self.channels:
+            c.close()
+
+
+class _Raw:
+    def __init__(self, port: int, size: int, streams: int) -> None:
+        self.size = size
+        self.socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+        for s in self.socks:
+            _tune(s)
+
+    def pull(self, w: int, i: int, dest: memoryview) -> None:
+        sock = self.socks[w]
+        sock.sendall(_REQ.pack(self.size << 20 | i, 0, self.size))
+        if not _recv_exact(sock, dest):
+            raise ConnectionError("raw peer closed")
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+
+def _batch(pool: ThreadPoolExecutor, contender: Any, dests: list[memoryview], streams: int) -> list[float]:
+    """Pull every block once over ``streams`` workers; return per-block latencies (s)."""
+
+    def worker(w: int) -> list[float]:
+        lat = []
+        for i in range(w, len(dests), streams):
+            t0 = time.perf_counter()
+            contender.pull(w, i, dests[i])
+            lat.append(time.perf_counter() - t0)
+        return lat
+
+    futures = [pool.submit(worker, w) for w in range(streams)]
+    return [x for f in futures for x in f.result()]
+
+
+def _check(name: str, pool: ThreadPoolExecutor, contender: Any, dests: list[memoryview],
+           expected: list[bytes], streams: int, corrupt: bool) -> None:
+    for d in dests:
+        d[:] = b"\0" * len(d)
+    _batch(pool, contender, dests, streams)
+    if corrupt:
+        dests[len(dests) // 2][len(dests[0]) // 2] ^= 0xFF
+    bad = [i for i, (d, e) in enumerate(zip(dests, expected)) if d != e]
+    if bad:
+        raise RoundTripError(f"{name}: pulled blocks differ from the source", blocks=bad[:8], mismatched=len(bad))
+
+
+# -- one case ---------------------------------------------------------------------
+def _case(config: BenchConfig, addrs: tuple[str, int], size: int, streams: int, bar: Any) -> dict[str, Any]:
+    n = _count(config.mode, size)
+    expected = _blocks(config.seed, size, n)
+    dests = [memoryview(bytearray(size)) for _ in range(n)]
+    ours, raw = _Ours(addrs[0], size, n, streams), _Raw(addrs[1], size, streams)
+    try:
+        with ThreadPoolExecutor(max_workers=streams) as pool:
+            _check("tiersync", pool, ours, dests, expected, streams, config.inject_corruption)
+            _check("raw-socket", pool, raw, dests, expected, streams, False)
+            samples = _time(config, pool, {"tiersync": ours, "raw-socket": raw}, dests, streams, bar)
+    finally:
+        ours.close()
+        raw.close()
+    return _row(size, streams, n, samples)
+
+
+def _time(config: BenchConfig, pool: ThreadPoolExecutor, contenders: dict[str, Any], dests: list[memoryview],
+          streams: int, bar: Any) -> dict[str, tuple[list[float], list[float]]]:
+    """Interleave the contenders; per contender (batch seconds, per-block latencies)."""
+    names = list(contenders)
+    out: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in names}
+    for it in range(config.n_warmups + config.n_iterations):
+        k = it % len(names)
+        for name in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            lat = _batch(pool, contenders[name], dests, streams)
+            dt = time.perf_counter() - t0
+            if it >= config.n_warmups:
+                out[name][0].append(dt)
+                out[name][1].extend(lat)
+        bar.update(1)
+    return out
+
+
+def _latency(values: list[float], stats: dict[str, float]) -> dict[str, float]:
+    return {**stats, **{f"p{q}_ms": percentile(values, q) * 1e3 for q in (50, 90, 99)}}
+
+
+def _row(size: int, streams: int, n: int, samples: dict[str, tuple[list[float], list[float]]]) -> dict[str, Any]:
+    nbytes = size * n
+    ours = _latency(samples["tiersync"][1], throughput(nbytes, samples["tiersync"][0]))
+    base = _latency(samples["raw-socket"][1], throughput(nbytes, samples["raw-socket"][0]))
+    return row(_name(size, streams), ours, "raw-socket", base, block_nbytes=size, streams=streams,
+               blocks=n, nbytes=nbytes, latency="per block pull (ms)",
+               baseline_p50_ms=round(base["p50_ms"], 4), baseline_p99_ms=round(base["p99_ms"], 4),
+               transport="tcp 127.0.0.1", server="separate process (spawn)", roundtrip="ok")
+
+
+def _start_server(config: BenchConfig) -> tuple[Any, Any, tuple[str, int]]:
+    ctx = mp.get_context("spawn")
+    address_q, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_serve, args=(config.mode, config.seed, address_q, stop), daemon=True)
+    proc.start()
+    try:
+        addrs = address_q.get(timeout=60)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, stop, addrs
+
+
+def run(config: BenchConfig) -> dict[str, Any]:
+    """Every (block size, streams) case against the raw reference; RoundTripError rather than report."""
+    t0 = time.perf_counter()
+    cases = [(s, k) for s in SIZES[config.mode] for k in STREAMS[config.mode]
+             if config.cases is None or config.cases in _name(s, k)]
+    proc, stop, addrs = _start_server(config)
+    results: list[dict[str, Any]] = []
+    try:
+        with progress(len(cases) * (config.n_warmups + config.n_iterations), config.progress, "bench h2h") as bar:
+            for size, streams in cases:
+                results.append(_case(config, addrs, size, streams, bar))
+    finally:
+        stop.set()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return report(config, results, roundtrip={"ok": True, "cases": len(cases)}, reference=_reference(),
+                  target=_target(results), elapsed_s=round(time.perf_counter() - t0, 3))
+
+
+def _reference() -> str:
+    return "raw-socket: a server process doing sendall of the same bytes, client recv_into, same streams"
+
+
+def _target(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's target: 4 streams, 1 MiB blocks >= 0.8 x raw; the 1-stream figure beside it."""
+    by = {(r["block_nbytes"], r["streams"]): r for r in results}
+    four, one = by.get((1 << 20, 4)), by.get((1 << 20, 1))
+    out: dict[str, Any] = {"case": "h2h-1m-4s", "min_ratio": 0.8}
+    if four is not None:
+        out.update(ratio=four["ratio"], gbps=four["gbps"], met=four["ratio"] >= 0.8)
+    if one is not None:
+        out.update(one_stream_ratio=one["ratio"], one_stream_gbps=one["gbps"])
+    return out
+

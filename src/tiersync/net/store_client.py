@@ -1,0 +1,122 @@
+"""Client of a store node (:mod:`tiersync.net.store_node`): push blocks to it, read them back.
+
+Every call runs under one deadline (``timeout`` seconds, for the whole call):
+past it, or when the node dies, a :class:`~tiersync.errors.RemoteError`
+(NetTimeoutError, PeerClosedError, RequestError) is raised and nothing is left
+pinned on this side. A refused offer raises :class:`~tiersync.errors.CapacityError`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tiersync.errors import CapacityError, RemoteError, UsageError
+from tiersync.net import events as ev
+from tiersync.net.source import MemoryBlockSource
+from tiersync.net.tcp import Deadline, TcpConfig, TcpTransport
+
+
+@dataclass(frozen=True, slots=True)
+class PushResult:
+    """``offer``: the node's OfferStatus; ``commit``: its CommitStatus (None for ALL_EXIST)."""
+
+    offer: ev.OfferStatus
+    commit: ev.CommitStatus | None
+    existing: tuple[bytes, ...]
+
+
+class StoreNodeClient:
+    """Talks to the store node at ``address`` ("host:port").
+
+    ``bind_host``: where this side serves its blocks for the node to pull
+    (reachable from the node). ``on_pull`` (tests): called with each PULL the
+    node sends us, before it is answered.
+    """
+
+    def __init__(self, address: str, *, token: bytes | None = None, timeout: float = 30.0,
+                 bind_host: str = "127.0.0.1", on_pull: Callable[[ev.Pull], None] | None = None) -> None:
+        if not timeout > 0:
+            raise UsageError("must be > 0 seconds", argument="timeout", value=timeout)
+        self.address, self.token, self.timeout = address, token, timeout
+        self._bind, self._on_pull = bind_host, on_pull
+
+    def _connect(self, deadline: Deadline, node_id: str = "tiersync-client"):
+        cfg = TcpConfig(token=self.token, node_id=node_id, connect_timeout_s=min(self.timeout, 30.0))
+        return TcpTransport(cfg).connect(self.address, timeout=deadline.remaining())
+
+    def offer_and_push(self, keys: Sequence[bytes], buffers: Sequence[object]) -> PushResult:
+        """Offer ``keys`` (16 bytes each) with their bytes ``buffers``; the node pulls what it lacks."""
+        keys = tuple(bytes(k) for k in keys)
+        if len(keys) != len(buffers) or not keys:
+            raise UsageError("needs one buffer per key, at least one", argument="buffers")
+        deadline = Deadline(self.timeout, self.address)
+        source = MemoryBlockSource(dict(zip(keys, buffers)))
+        server = TcpTransport(TcpConfig(token=self.token)).serve(f"{self._bind}:0", self._handler(source))
+        try:
+            lease = source(ev.ReadLease(1, keys, ttl_s=max(int(self.timeout) + 1, 30)))[0]
+            port = server.address.rpartition(":")[2]
+            channel = self._connect(deadline, node_id=f"tiersync-writer@{port}")
+            try:
+                return self._offer(channel, lease, keys, deadline)
+            finally:
+                channel.close()
+        finally:
+            server.close()
+
+    def _handler(self, source: MemoryBlockSource) -> Callable[[object], list]:
+        def handle(event: object) -> list:
+            if isinstance(event, ev.Pull) and self._on_pull is not None:
+                self._on_pull(event)
+            return source(event)
+
+        return handle
+
+    def _offer(self, channel, lease: ev.LeaseReply, keys: tuple[bytes, ...], deadline: Deadline) -> PushResult:
+        rid = channel.new_request_id()
+        reply = channel.request(ev.Offer(rid, lease.lease_id, keys, lease.sizes), timeout=deadline.remaining())
+        if reply.status is ev.OfferStatus.REFUSED:
+            raise CapacityError("store node refused the offer (no free space, or keys in flight)",
+                                requested=len(keys), peer=self.address)
+        if reply.status is ev.OfferStatus.ALL_EXIST:
+            return PushResult(reply.status, None, reply.existing)
+        commit = channel.next_answer(rid, timeout=deadline.remaining())
+        if commit.status is not ev.CommitStatus.COMMITTED:
+            raise RemoteError(f"store node failed the write: {commit.message}", peer=self.address)
+        return PushResult(reply.status, commit.status, reply.existing)
+
+    def read(self, keys: Sequence[bytes], into: Sequence[memoryview | bytearray]) -> list[int]:
+        """Read ``keys`` into ``into`` (one buffer per key, at least the block's size); returns sizes.
+
+        Raises :class:`RemoteError` (``missing`` in its context) when a key is absent.
+        """
+        keys = tuple(bytes(k) for k in keys)
+        if len(keys) != len(into):
+            raise UsageError("needs one buffer per key", argument="into")
+        deadline = Deadline(self.timeout, self.address)
+        channel = self._connect(deadline)
+        try:
+            lease = channel.request(ev.ReadLease(channel.new_request_id(), keys), timeout=deadline.remaining())
+            if lease.status is not ev.LeaseStatus.GRANTED:
+                raise RemoteError("store node lacks keys", peer=self.address, missing=len(lease.missing))
+            try:
+                self._pull_all(channel, lease, keys, into, deadline)
+            except BaseException:
+                if not channel.closed:  # best effort: unpin now rather than at the lease's expiry
+                    channel.request(ev.Release(channel.new_request_id(), lease.lease_id), timeout=1.0)
+                raise
+            done = channel.request(ev.Release(channel.new_request_id(), lease.lease_id),
+                                   timeout=deadline.remaining())
+            if done.status is not ev.CommitStatus.COMMITTED:
+                raise RemoteError("read lease expired before the read finished", peer=self.address)
+            return list(lease.sizes)
+        finally:
+            channel.close()
+
+    @staticmethod
+    def _pull_all(channel, lease: ev.LeaseReply, keys: tuple[bytes, ...], into, deadline: Deadline) -> None:
+        for key, size, buf in zip(keys, lease.sizes, into):
+            view = memoryview(buf).cast("B")
+            if len(view) < size:
+                raise UsageError("buffer smaller than the block", argument="into", need=size, got=len(view))
+            channel.request(ev.Pull(channel.new_request_id(), lease.lease_id, key, 0, size),
+                            timeout=deadline.remaining(), into=view[:size])

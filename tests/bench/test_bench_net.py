@@ -1,0 +1,49 @@
+"""``tiersync bench h2h`` and ``bench registry`` as real subprocesses, tiny shapes (loopback only)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROW_KEYS = {"name", "gbps", "baseline", "baseline_gbps", "ratio"}
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TIERSYNC_BENCH_TINY": "1"}
+    return subprocess.run([sys.executable, "-m", "tiersync.cli", "bench", *args, "--json"], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_h2h_rows_follow_the_contract():
+    out = _bench("h2h")
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["suite"] == "h2h" and rep["roundtrip"]["ok"] and rep["target"]["case"] == "h2h-1m-4s"
+    names = {r["name"] for r in rep["results"]}
+    assert {"h2h-64k-1s", "h2h-64k-4s", "h2h-1m-1s", "h2h-1m-4s"} <= names
+    for r in rep["results"]:
+        assert ROW_KEYS <= set(r) and r["baseline"] == "raw-socket" and r["gbps"] > 0
+        assert r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"], rel=1e-2)
+        assert r["p99_ms"] >= r["p50_ms"] > 0
+
+
+def test_h2h_corruption_refuses():
+    out = _bench("h2h", "--inject-corruption", "--cases", "64k-1s")
+    assert out.returncode == 3 and json.loads(out.stdout)["refused"] is True
+
+
+def test_registry_rows_carry_their_unit():
+    out = _bench("registry")
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["units"] == "lookups/s" and rep["results"]
+    for r in rep["results"]:
+        assert ROW_KEYS <= set(r) and r["unit"] == "lookups/s" and r["baseline"] == "dict-lookup-loop"
+        assert r["gbps"] > 0 and r["ratio"] > 0
+
+
+def test_registry_corruption_refuses():
+    assert _bench("registry", "--inject-corruption").returncode == 3

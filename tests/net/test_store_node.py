@@ -1,0 +1,180 @@
+"""Store node: remote writes and reads against real `tiersync store-node` processes (loopback)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from tiersync.errors import CapacityError, RemoteError
+from tiersync.net import events as ev
+from tiersync.net.errors import AuthError
+from tiersync.net.store_node import StoreNode, StoreNodeClient, StoreNodeServer, parse_size
+from tiersync.net.tcp import TcpConfig, TcpTransport
+
+TOKEN = "store-node-test-token-0123456789"
+BLOCK = 256 << 10
+
+
+def _keys(n: int, tag: int = 0) -> list[bytes]:
+    return [bytes([tag]) + i.to_bytes(15, "little") for i in range(n)]
+
+
+def _bufs(n: int, seed: int = 1) -> list[bytes]:
+    return [os.urandom(BLOCK - 7 * i) for i in range(n)]
+
+
+class Node:
+    """A `tiersync store-node` subprocess on 127.0.0.1, port 0; ``address`` read from its stdout."""
+
+    def __init__(self, capacity: str = "4MiB", token: str | None = TOKEN) -> None:
+        cmd = [sys.executable, "-m", "tiersync.cli", "store-node", "--capacity", capacity, "--port", "0",
+               "--block-size", str(BLOCK)] + (["--token", token] if token else [])
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        assert "listening on" in line, line
+        self.address = line.split("listening on ")[1].split()[0]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def node():
+    n = Node()
+    yield n
+    n.kill()
+
+
+def client(address: str, **kw) -> StoreNodeClient:
+    return StoreNodeClient(address, token=TOKEN.encode(), timeout=kw.pop("timeout", 10.0), **kw)
+
+
+def test_write_then_read_byte_exact_and_all_exist(node):
+    keys, bufs = _keys(6), _bufs(6)
+    c = client(node.address)
+    res = c.offer_and_push(keys, bufs)
+    assert res.offer is ev.OfferStatus.ACCEPT and res.commit is ev.CommitStatus.COMMITTED
+    into = [bytearray(BLOCK) for _ in keys]
+    sizes = c.read(keys, into)
+    assert [bytes(b[:s]) for b, s in zip(into, sizes)] == bufs
+    again = c.offer_and_push(keys, bufs)
+    assert again.offer is ev.OfferStatus.ALL_EXIST and set(again.existing) == set(keys)
+    more, more_bufs = keys[:2] + _keys(2, tag=9), bufs[:2] + _bufs(2)
+    part = c.offer_and_push(more, more_bufs)
+    assert part.offer is ev.OfferStatus.PARTIAL_EXIST and set(part.existing) == set(keys[:2])
+    into = [bytearray(BLOCK) for _ in more]
+    sizes = c.read(more, into)
+    assert [bytes(b[:s]) for b, s in zip(into, sizes)] == more_bufs
+
+
+def test_capacity_full_is_refused_without_eviction(node):
+    c = client(node.address)  # 4 MiB / 256 KiB = 16 blocks
+    first, first_bufs = _keys(12), _bufs(12)
+    c.offer_and_push(first, first_bufs)
+    with pytest.raises(CapacityError):
+        c.offer_and_push(_keys(8, tag=1), _bufs(8))
+    into = [bytearray(BLOCK) for _ in first]  # nothing was evicted to make room
+    sizes = c.read(first, into)
+    assert [bytes(b[:s]) for b, s in zip(into, sizes)] == first_bufs
+    assert c.offer_and_push(_keys(4, tag=2), _bufs(4)).commit is ev.CommitStatus.COMMITTED  # exactly fits
+
+
+def test_node_killed_mid_transfer_then_retry_elsewhere(node):
+    other = Node()
+    try:
+        pulled, killed = threading.Event(), threading.Event()
+
+        def hook(_pull: ev.Pull) -> None:
+            if not killed.is_set():
+                pulled.set()
+                killed.wait(10)
+
+        keys, bufs = _keys(4), _bufs(4)
+        c = client(node.address, timeout=8.0, on_pull=hook)
+        outcome: list[BaseException] = []
+
+        def push() -> None:
+            try:
+                c.offer_and_push(keys, bufs)
+            except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+                outcome.append(exc)
+
+        t = threading.Thread(target=push)
+        t.start()
+        assert pulled.wait(10)
+        node.kill()
+        killed.set()
+        t.join(10)
+        assert not t.is_alive() and len(outcome) == 1 and isinstance(outcome[0], RemoteError), outcome
+        retry = client(other.address)
+        assert retry.offer_and_push(keys, bufs).commit is ev.CommitStatus.COMMITTED
+        into = [bytearray(BLOCK) for _ in keys]
+        sizes = retry.read(keys, into)
+        assert [bytes(b[:s]) for b, s in zip(into, sizes)] == bufs
+    finally:
+        other.kill()
+
+
+def test_peer_without_the_token_is_refused(node):
+    with pytest.raises(AuthError):
+        StoreNodeClient(node.address, token=None, timeout=5.0).read(_keys(1), [bytearray(BLOCK)])
+    with pytest.raises(AuthError):
+        StoreNodeClient(node.address, token=b"wrong-token-wrong-token!", timeout=5.0).offer_and_push(
+            _keys(1), _bufs(1))
+
+
+def test_missing_key_read_is_a_remote_error(node):
+    with pytest.raises(RemoteError):
+        client(node.address).read(_keys(1, tag=7), [bytearray(BLOCK)])
+
+
+def test_lease_expiry_unpins_and_fails_the_release():
+    """In-process node with a fake clock: an expired read lease no longer serves, and unpins."""
+    now = [0.0]
+    node = StoreNode(1 << 20, BLOCK, config=TcpConfig(token=TOKEN.encode()), clock=lambda: now[0])
+    server = StoreNodeServer("127.0.0.1:0", node)
+    try:
+        keys, bufs = _keys(2), _bufs(2)
+        client(server.address).offer_and_push(keys, bufs)
+        ch = TcpTransport(TcpConfig(token=TOKEN.encode())).connect(server.address)
+        lease = ch.request(ev.ReadLease(ch.new_request_id(), tuple(keys), ttl_s=1))
+        assert lease.status is ev.LeaseStatus.GRANTED and lease.ttl_s == 30 and node.active_leases == 1
+        now[0] += 31
+        with pytest.raises(RemoteError) as err:
+            ch.request(ev.Pull(ch.new_request_id(), lease.lease_id, keys[0], 0, 16))
+        assert err.value.code is ev.ErrorCode.LEASE_EXPIRED and node.active_leases == 0
+        done = ch.request(ev.Release(ch.new_request_id(), lease.lease_id))
+        assert done.status is ev.CommitStatus.FAILED
+        assert all(node.arena.allocator.lock_count(b) == 1 for b, _ in node._index.values())
+        ch.close()
+    finally:
+        server.close()
+        node.close()
+
+
+def test_failed_pull_frees_landing_blocks():
+    """The writer's lease is gone before the node pulls: FAILED, and no block stays taken."""
+    node = StoreNode(1 << 20, BLOCK)
+    server = StoreNodeServer("127.0.0.1:0", node)
+    try:
+        free = node.free_blocks
+        c = StoreNodeClient(server.address, timeout=5.0)
+        c._on_pull = lambda pull: (_ for _ in ()).throw(KeyError("writer lost the block"))
+        with pytest.raises(RemoteError):
+            c.offer_and_push(_keys(2), _bufs(2))
+        assert node.free_blocks == free and node.stored == 0
+    finally:
+        server.close()
+        node.close()
+
+
+def test_parse_size():
+    assert parse_size("8GiB") == 8 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("4096") == 4096
+    with pytest.raises(ValueError):
+        parse_size("lots")
