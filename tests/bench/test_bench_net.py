@@ -21,9 +21,11 @@ def test_h2h_rows_follow_the_contract():
     out = _bench("h2h")
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
-    assert rep["suite"] == "h2h" and rep["roundtrip"]["ok"] and rep["target"]["case"] == "h2h-1m-4s"
+    assert rep["suite"] == "h2h" and rep["roundtrip"]["ok"] and rep["target"]["case"] == "h2h-1m-4s-w8"
     names = {r["name"] for r in rep["results"]}
     assert {"h2h-64k-1s", "h2h-64k-4s", "h2h-1m-1s", "h2h-1m-4s"} <= names
+    assert {"h2h-64k-1s-w8", "h2h-1m-4s-w8"} <= names  # pipelined rows, both sides windowed
+    assert {r["window"] for r in rep["results"]} == {1, 8}
     for r in rep["results"]:
         assert ROW_KEYS <= set(r) and r["baseline"] == "raw-socket" and r["gbps"] > 0
         assert r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"], rel=1e-2)

@@ -181,3 +181,27 @@ def test_mutual_tls_with_token_across_processes(pki):
             TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"], rcert, rkey))).connect(address)
         with pytest.raises(AuthError):  # client does not trust the server's CA
             TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["rogue_ca"], ccert, ckey))).connect(address)
+
+
+def test_pull_many_pipelines_into_each_destination():
+    """pull_many keeps several PULLs in flight; every payload lands byte-exact in its own buffer."""
+    from tiersync.net import events as ev
+    from tiersync.net.source import MemoryBlockSource
+    from tiersync.net.tcp import TcpTransport
+
+    blocks = {bytes([i]) * 16: bytes([i]) * (1000 + i) for i in range(20)}
+    transport = TcpTransport()
+    server = transport.serve("127.0.0.1:0", MemoryBlockSource(blocks))
+    try:
+        ch = transport.connect(server.address)
+        lease = ch.request(ev.ReadLease(ch.new_request_id(), tuple(blocks), ttl_s=60)).lease_id
+        dests = {k: memoryview(bytearray(len(v))) for k, v in blocks.items()}
+        ch.pull_many(lease, [(k, 0, d) for k, d in dests.items()], window=4)
+        assert all(bytes(dests[k]) == v for k, v in blocks.items())
+        from tiersync.net.errors import RequestError
+
+        with pytest.raises(RequestError):  # a key not under the lease: an ERROR answer, channel closed
+            ch.pull_many(lease, [(b"\xee" * 16, 0, memoryview(bytearray(8)))], window=2)
+        assert ch.closed
+    finally:
+        server.close()

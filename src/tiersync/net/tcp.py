@@ -8,11 +8,13 @@ into the caller's buffer. Every blocking call runs under a deadline and raises
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import socket
 import ssl
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tiersync.errors import ClosedError, UsageError
@@ -205,6 +207,40 @@ class TcpChannel(Channel):
             except (PeerClosedError, ProtocolError, NetTimeoutError, AuthError):
                 self._shut()
                 raise
+
+    def pull_many(self, lease_id: int, items: Sequence[tuple[bytes, int, memoryview]], *,
+                  window: int = 8, timeout: float | None = None) -> None:
+        """Pull ``(key, offset, dest)`` items under ``lease_id``, keeping ``window`` requests in
+        flight on this one connection so the round trip of one hides behind the next.
+
+        Each payload lands straight in its ``dest`` (exact size). One deadline covers the
+        whole batch. Raises like :meth:`request` (an ERROR answer raises RequestError after
+        the channel is closed, since later answers are still in flight).
+        """
+        if window < 1:
+            raise UsageError("must be >= 1", argument="window", value=window)
+        with self._lock:
+            self._check_open()
+            deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
+            pending: collections.deque[int] = collections.deque()
+            try:
+                for key, offset, dest in items:
+                    if len(pending) >= window:
+                        self._expect_data(pending.popleft(), deadline)
+                    rid = next(self._ids)
+                    self._framed.write(ev.Pull(rid, lease_id, key, offset, len(dest)), deadline)
+                    self._framed.conn.expect_payload_into(rid, dest)
+                    pending.append(rid)
+                while pending:
+                    self._expect_data(pending.popleft(), deadline)
+            except (PeerClosedError, ProtocolError, NetTimeoutError, AuthError, RequestError):
+                self._shut()
+                raise
+
+    def _expect_data(self, request_id: int, deadline: Deadline) -> None:
+        answer = self._answer(request_id, deadline)
+        if not isinstance(answer, ev.Data):
+            raise ProtocolError("expected DATA", fault=ProtocolFault.UNEXPECTED, peer=self.peer)
 
     def next_answer(self, request_id: int, *, timeout: float | None = None) -> object:
         with self._lock:
