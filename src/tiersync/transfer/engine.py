@@ -86,6 +86,9 @@ class TransferEngine:
         groups: dict[tuple, int] = {}  # pools with equal stride and regions share one span plan
         self._geometry = [groups.setdefault((p.spec.block_stride, p.spec.regions), len(groups))
                           for p in layout.pools]
+        self._relative: dict[int, PoolSpec] = {}  # per geometry: the spec with base offset 0
+        for g, p in zip(self._geometry, layout.pools):
+            self._relative.setdefault(g, PoolSpec(p.spec.num_blocks, p.spec.block_stride, p.spec.regions))
         self.config = config if config is not None else TransferConfig()
         self.metrics = metrics
         rate = None if self.config.bandwidth_gbps is None else self.config.bandwidth_gbps * 1e9
@@ -166,8 +169,7 @@ class TransferEngine:
             spec = p.spec
             geo = self._geometry[i]
             if geo not in by_geometry:
-                rel = PoolSpec(spec.num_blocks, spec.block_stride, spec.regions)
-                spans = pool_spans(rel, 0, self.arena.block_nbytes, runs, to_host=to_host)
+                spans = pool_spans(self._relative[geo], 0, self.arena.block_nbytes, runs, to_host=to_host)
                 by_geometry[geo] = spans.split(self.config.chunk_bytes)
             dev = p.address + spec.base_offset
             host = self.arena.address + off

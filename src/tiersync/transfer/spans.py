@@ -9,7 +9,7 @@ are adjacent on both sides.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,10 +24,10 @@ class Spans:
     src: np.ndarray
     dst: np.ndarray
     length: np.ndarray
+    nbytes: int = field(init=False)
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", int(self.length.sum()))
 
     def __len__(self) -> int:
         return len(self.length)
@@ -89,6 +89,7 @@ def expand(start: np.ndarray, count: np.ndarray) -> np.ndarray:
 
 def pool_spans(spec: PoolSpec, host_offset: int, host_stride: int, runs: np.ndarray, *, to_host: bool) -> Spans:
     """Spans of one pool for ``runs``. ``to_host``: runs are (device, host, n), else (host, device, n)."""
+    runs = runs[np.argsort(runs[:, 0], kind="stable")]  # source-ordered runs give sorted spans: no span sort
     dev_first, host_first = (runs[:, 0], runs[:, 1]) if to_host else (runs[:, 1], runs[:, 0])
     dev_ids = expand(dev_first, runs[:, 2])
     host_ids = expand(host_first, runs[:, 2])
