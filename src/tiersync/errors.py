@@ -79,3 +79,13 @@ class IntegrityError(TierSyncError):
 
 class ClosedError(UsageError):
     """The object is closed (or failed earlier) and refuses further calls."""
+
+
+def check_positive_int(value: Any, argument: str, *, allow_none: bool = False) -> None:
+    """Raise :class:`UsageError` naming ``argument`` unless ``value`` is an int > 0 (bools are not ints
+    here); with ``allow_none``, None passes too."""
+    if allow_none and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        suffix = " or None" if allow_none else ""
+        raise UsageError(f"must be a positive int{suffix}", argument=argument, value=value)

@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiersync.errors import UsageError
+from tiersync.errors import UsageError, check_positive_int
 
 ALIGN = 64
 
@@ -45,8 +45,7 @@ class Region:
     def __post_init__(self) -> None:
         if not isinstance(self.offset, int) or isinstance(self.offset, bool) or self.offset < 0:
             raise UsageError("must be a non-negative int", argument="Region.offset", value=self.offset)
-        if not isinstance(self.nbytes, int) or isinstance(self.nbytes, bool) or self.nbytes <= 0:
-            raise UsageError("must be a positive int", argument="Region.nbytes", value=self.nbytes)
+        check_positive_int(self.nbytes, "Region.nbytes")
 
     @property
     def end(self) -> int:
@@ -70,8 +69,8 @@ class PoolSpec:
     dtype: str = "uint8"
 
     def __post_init__(self) -> None:
-        _positive_int(self.num_blocks, "PoolSpec.num_blocks")
-        _positive_int(self.block_stride, "PoolSpec.block_stride")
+        check_positive_int(self.num_blocks, "PoolSpec.num_blocks")
+        check_positive_int(self.block_stride, "PoolSpec.block_stride")
         if not isinstance(self.base_offset, int) or isinstance(self.base_offset, bool) or self.base_offset < 0:
             raise UsageError("must be a non-negative int", argument="PoolSpec.base_offset")
         if not isinstance(self.tag, str):
@@ -198,7 +197,3 @@ class KVLayout:
             h.update(struct.pack("<q", p.layer) + p.spec.describe() + b";")
         return h.digest()
 
-
-def _positive_int(v: Any, name: str) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise UsageError("must be a positive int", argument=name, value=v)

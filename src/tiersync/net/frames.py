@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tiersync.errors import UsageError
+from tiersync.errors import UsageError, check_positive_int
 from tiersync.net.errors import ProtocolError, ProtocolFault
 
 MAGIC = b"TSYN"
@@ -84,9 +84,7 @@ class ProtocolConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_frame_size", "max_meta_size", "max_keys", "max_string"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise UsageError("must be a positive int", argument=name, value=value)
+            check_positive_int(getattr(self, name), name)
         if self.max_meta_size > self.max_frame_size:
             raise UsageError("must not exceed max_frame_size", argument="max_meta_size")
         if self.max_meta_size >= 1 << 32:

@@ -18,6 +18,24 @@ from tiersync.net import events as ev
 LEASE_TTL_MIN_S, LEASE_TTL_MAX_S = 30, 600
 
 
+def dispatch(handler: object, event: object) -> list:
+    """Route one request to ``handler``'s ``_lease``/``_pull``/``_release``/``offer``; answer PING.
+
+    Shared by every block-serving handler. Raises UsageError for a non-request event.
+    """
+    if isinstance(event, ev.Ping):
+        return [ev.Pong(event.request_id, event.token)]
+    if isinstance(event, ev.ReadLease):
+        return [handler._lease(event)]
+    if isinstance(event, ev.Pull):
+        return [handler._pull(event)]
+    if isinstance(event, ev.Release):
+        return [handler._release(event)]
+    if isinstance(event, ev.Offer):
+        return list(handler.offer(event))
+    raise UsageError("not a request", argument="event")
+
+
 class MemoryBlockSource:
     """Callable handler over ``blocks`` (16-byte key -> bytes-like). Thread-safe.
 
@@ -32,17 +50,11 @@ class MemoryBlockSource:
         self._lock = threading.Lock()
 
     def __call__(self, event: object) -> list:
-        if isinstance(event, ev.Ping):
-            return [ev.Pong(event.request_id, event.token)]
-        if isinstance(event, ev.ReadLease):
-            return [self._lease(event)]
-        if isinstance(event, ev.Pull):
-            return [self._pull(event)]
-        if isinstance(event, ev.Release):
-            return [self._release(event)]
-        if isinstance(event, ev.Offer):
-            return [ev.OfferReply(event.request_id, ev.OfferStatus.REFUSED)]
-        raise UsageError("not a request", argument="event")
+        return dispatch(self, event)
+
+    def offer(self, req: ev.Offer) -> list:
+        """A read-only source refuses every offer."""
+        return [ev.OfferReply(req.request_id, ev.OfferStatus.REFUSED)]
 
     def _lease(self, req: ev.ReadLease) -> ev.LeaseReply:
         missing = tuple(k for k in req.keys if k not in self._blocks)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 
 from tiersync.errors import UsageError
 from tiersync.net import events as ev
-from tiersync.net.source import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S
+from tiersync.net.source import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, dispatch
 from tiersync.net.tcp import Deadline, TcpConfig, TcpTransport, parse_address
 from tiersync.net.tcp_server import TcpServer
 from tiersync.tiers.host import HostArena, HostArenaConfig
@@ -68,17 +68,7 @@ class StoreNode:
     def __call__(self, event: object) -> list:
         with self._lock:
             self._expire()
-        if isinstance(event, ev.Ping):
-            return [ev.Pong(event.request_id, event.token)]
-        if isinstance(event, ev.ReadLease):
-            return [self._lease(event)]
-        if isinstance(event, ev.Pull):
-            return [self._pull(event)]
-        if isinstance(event, ev.Release):
-            return [self._release(event)]
-        if isinstance(event, ev.Offer):
-            return list(self.offer(event))
-        raise UsageError("not a request", argument="event")
+        return dispatch(self, event)
 
     def _expire(self) -> None:
         now = self._clock()

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tiersync.errors import ClosedError, UsageError
+from tiersync.iov import consume
 from tiersync.net import auth
 from tiersync.net import events as ev
 from tiersync.net.errors import (AuthError, NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault,
@@ -113,12 +114,7 @@ class FramedSocket:
                 return
             while views:
                 self.sock.settimeout(deadline.remaining())
-                sent = self.sock.sendmsg(views[:_IOV_MAX])
-                while sent:
-                    if sent >= len(views[0]):
-                        sent -= len(views.pop(0))
-                    else:
-                        views[0], sent = views[0][sent:], 0
+                consume(views, self.sock.sendmsg(views[:_IOV_MAX]))
 
     def read(self, deadline: Deadline) -> object:
         """Next event (or ConnectionClosed); receives payloads into registered sinks."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tiersync.errors import UsageError
+from tiersync.errors import UsageError, check_positive_int
 from tiersync.store.residency import Residency
 
 if TYPE_CHECKING:
@@ -31,9 +31,7 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         for name in ("host_blocks", "demote_batch"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise UsageError("must be a positive int", argument=f"StoreConfig.{name}", value=v)
+            check_positive_int(getattr(self, name), f"StoreConfig.{name}")
         if self.policy not in POLICIES:
             raise UsageError("unknown eviction policy", argument="StoreConfig.policy", value=self.policy,
                              choices=POLICIES)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from tiersync.errors import UsageError
+from tiersync.errors import UsageError, check_positive_int
 
 KEY_NBYTES = 16
 _INT32 = (np.iinfo(np.int32).min, np.iinfo(np.int32).max)
@@ -51,8 +51,7 @@ class CacheIdentity:
             v = getattr(self, name)
             if not isinstance(v, str) or not v:
                 raise UsageError("must be a non-empty str", argument=f"CacheIdentity.{name}", value=v)
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
-            raise UsageError("must be a positive int", argument="CacheIdentity.block_size", value=self.block_size)
+        check_positive_int(self.block_size, "CacheIdentity.block_size")
         if not isinstance(self.layout_digest, bytes) or len(self.layout_digest) > 64:
             raise UsageError("must be at most 64 bytes", argument="CacheIdentity.layout_digest")
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from tiersync.errors import CapacityError, UsageError
+from tiersync.errors import CapacityError, UsageError, check_positive_int
 from tiersync.tiers.eviction import EvictionPolicy, LRUPolicy
 
 
@@ -37,8 +37,7 @@ class BlockAllocator:
         self, num_blocks: int, *, policy: EvictionPolicy | None = None,
         on_evict: Callable[[list[int]], None] | None = None,
     ) -> None:
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise UsageError("must be a positive int", argument="num_blocks", value=num_blocks)
+        check_positive_int(num_blocks, "num_blocks")
         self.num_blocks = num_blocks
         self._policy = policy if policy is not None else LRUPolicy()
         self._on_evict = on_evict
@@ -73,8 +72,7 @@ class BlockAllocator:
     # -- transitions ---------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """Return ``n`` LOCKED blocks (free first, then evicted). Raises CapacityError, changing nothing."""
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise UsageError("must be a positive int", argument="n", value=n)
+        check_positive_int(n, "n")
         with self._mutex:
             need = n - len(self._free)
             victims: list[int] = []
@@ -164,7 +162,7 @@ class BlockAllocator:
 
     def _ids(self, blocks: Sequence[int], argument: str, unique: bool = False) -> np.ndarray:
         try:
-            raw = np.asarray(list(blocks)).reshape(-1)
+            raw = (blocks if isinstance(blocks, np.ndarray) else np.asarray(list(blocks))).reshape(-1)
             if raw.size and raw.dtype.kind not in "iu":  # a plain int64 cast truncates floats, parses strings
                 raise TypeError(raw.dtype)
             ids = raw.astype(np.int64)

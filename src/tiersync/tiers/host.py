@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tiersync.errors import ClosedError, UsageError
+from tiersync.errors import ClosedError, UsageError, check_positive_int
 from tiersync.tiers.allocator import BlockAllocator
 from tiersync.tiers.eviction import LRUPolicy, S3FIFOPolicy
 
@@ -46,9 +46,7 @@ class HostArenaConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_nbytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise UsageError("must be a positive int", argument=f"HostArenaConfig.{name}", value=v)
+            check_positive_int(getattr(self, name), f"HostArenaConfig.{name}")
         if self.policy not in POLICIES:
             raise UsageError("unknown eviction policy", argument="HostArenaConfig.policy",
                              value=self.policy, choices=sorted(POLICIES))

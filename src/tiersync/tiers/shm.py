@@ -39,7 +39,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tiersync.errors import ClosedError, UsageError
+from tiersync.errors import ClosedError, UsageError, check_positive_int
 from tiersync.tiers import shm_format as fmt
 from tiersync.tiers.shm_format import ColdStart, SegmentInfo
 
@@ -113,9 +113,7 @@ class Geometry:
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_nbytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UsageError("must be a positive int", argument=name, value=value)
+            check_positive_int(getattr(self, name), name)
         if not isinstance(self.layout_digest, bytes) or len(self.layout_digest) != 16:
             raise UsageError("must be 16 bytes", argument="layout_digest")
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from tiersync.errors import CapacityError, ClosedError, UsageError
+from tiersync.errors import CapacityError, ClosedError, UsageError, check_positive_int
 from tiersync.tiers import storage_format as fmt
 from tiersync.tiers.storage_io import fsync_dir, read_extents, write_file
 
@@ -75,11 +75,8 @@ class StorageConfig:
             raise UsageError("must be a non-empty str", argument="StorageConfig.directory")
         if not isinstance(self.identity, bytes) or len(self.identity) != 16:
             raise UsageError("must be a 16-byte digest", argument="StorageConfig.identity")
-        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers <= 0:
-            raise UsageError("must be a positive int", argument="StorageConfig.workers", value=self.workers)
-        cap = self.capacity_blocks
-        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0):
-            raise UsageError("must be a positive int or None", argument="StorageConfig.capacity_blocks")
+        check_positive_int(self.workers, "StorageConfig.workers")
+        check_positive_int(self.capacity_blocks, "StorageConfig.capacity_blocks", allow_none=True)
 
 
 class ReadStatus(enum.Enum):

@@ -5,6 +5,8 @@ import errno
 import mmap
 import os
 
+from tiersync.iov import consume
+
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _IOV_MAX = 512
 ALIGN = 4096
@@ -41,19 +43,13 @@ def pwritev_all(fd: int, bufs: list, offset: int) -> int:
     """Write every buffer at ``offset`` onward, resuming after short writes. Returns bytes written."""
     views = [memoryview(b).cast("B") for b in bufs]
     views = [v for v in views if len(v)]
-    start, i = offset, 0
-    while i < len(views):
-        n = os.pwritev(fd, views[i:i + _IOV_MAX], offset)
+    start = offset
+    while views:
+        n = os.pwritev(fd, views[:_IOV_MAX], offset)
         if n <= 0:
             raise OSError(errno.EIO, "pwritev wrote nothing")
         offset += n
-        while n > 0 and i < len(views):
-            if n >= len(views[i]):
-                n -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
+        consume(views, n)
     return offset - start
 
 
@@ -105,19 +101,13 @@ def fsync_dir(path: str) -> None:
 def preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
     """Fill ``views`` back to back from ``offset``; returns bytes read (less at end of file)."""
     views = [v for v in views if len(v)]
-    start, i = offset, 0
-    while i < len(views):
-        n = os.preadv(fd, views[i:i + _IOV_MAX], offset)
+    start = offset
+    while views:
+        n = os.preadv(fd, views[:_IOV_MAX], offset)
         if n == 0:
             break
         offset += n
-        while n > 0 and i < len(views):
-            if n >= len(views[i]):
-                n -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
+        consume(views, n)
     return offset - start
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiersync.errors import ClosedError, UsageError
+from tiersync.errors import ClosedError, UsageError, check_positive_int
 from tiersync.layout.pool import Device, KVLayout, PoolSpec
 from tiersync.tiers.host import HostArena
 from tiersync.transfer.future import Direction, TransferFuture
@@ -49,9 +49,7 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         for name in ("workers", "max_inflight_bytes", "chunk_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise UsageError("must be a positive int", argument=f"TransferConfig.{name}", value=v)
+            check_positive_int(getattr(self, name), f"TransferConfig.{name}")
         bw = self.bandwidth_gbps
         if bw is not None and (not isinstance(bw, (int, float)) or isinstance(bw, bool) or not bw > 0):
             raise UsageError("must be positive or None", argument="TransferConfig.bandwidth_gbps")
@@ -146,7 +144,7 @@ class TransferEngine:
         to_host = direction is Direction.D2H
         host_first = runs[:, 1] if to_host else runs[:, 0]
         host_ids = expand(host_first, runs[:, 2])
-        if not self.arena.allocator.all_locked(host_ids.tolist()):
+        if not self.arena.allocator.all_locked(host_ids):
             raise UsageError("host blocks must be locked for the whole transfer", argument="runs")
         parts = self._plan(runs, to_host)
         per_layer = [0] * self.layout.num_layers
