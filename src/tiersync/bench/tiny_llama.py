@@ -1,0 +1,60 @@
+"""A small Llama checkpoint with random (seeded) weights, written to a directory vLLM loads.
+
+``load_format="dummy"`` weights are near zero, so a model's output hardly depends on its
+KV cache and a test comparing outputs could not catch wrong KV. These weights are drawn
+normally with std 0.05: enough that greedy outputs do not collapse into a loop, so
+every token's KV changes the output.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+from tiersync.errors import check_positive_int
+
+__all__ = ["TinyLlama", "write_tiny_llama"]
+
+
+@dataclass(frozen=True, slots=True)
+class TinyLlama:
+    """Shape of the model. The defaults are the 512-hidden, 6-layer Llama of issue 5."""
+
+    hidden_size: int = 512
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 64
+    intermediate_size: int = 1024
+    vocab_size: int = 4096
+    max_position_embeddings: int = 16384
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            check_positive_int(value, f"TinyLlama.{name}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """bf16 K and V of all layers."""
+        return 2 * 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+
+def write_tiny_llama(directory: str, shape: TinyLlama = TinyLlama(), seed: int = 0) -> str:
+    """Write ``config.json`` and ``model.safetensors`` (bf16) into ``directory``; reuse
+    them when the same shape and seed are already there. Returns ``directory``."""
+    stamp = json.dumps({"shape": asdict(shape), "seed": seed}, sort_keys=True)
+    marker = os.path.join(directory, "tiersync-model.json")
+    if os.path.exists(marker) and open(marker).read() == stamp:
+        return directory
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    os.makedirs(directory, exist_ok=True)
+    cfg = LlamaConfig(**asdict(shape), rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", initializer_range=0.05)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(directory, safe_serialization=True)
+    with open(marker, "w") as f:
+        f.write(stamp)
+    return directory

@@ -1,0 +1,2 @@
+"""Serving-engine integrations. Each subpackage imports its engine; nothing here is
+imported by ``import tiersync``."""

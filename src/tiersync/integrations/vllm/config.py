@@ -1,0 +1,85 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config`` (documented keys).
+
+===================  =========================================================================
+key                  meaning (default)
+===================  =========================================================================
+``host_bytes``       host DRAM for offloaded KV per worker, int or "4GiB" ("1GiB")
+``storage_dir``      directory of the disk tier; every offloaded block is also written there,
+                     and it survives engine restarts (None: no disk tier)
+``eviction``         host eviction policy, "lru" or "s3fifo" ("lru")
+``model_id``         the model's name in cache keys (the model path's last component)
+``weights_version``  bump it on a weight update so old KV is never reused ("0")
+``transfer_workers`` copy threads per worker (2)
+``load_timeout_s``   deadline of one load; a late load is reported failed and recomputed (120)
+``role``             prefill->decode: "producer" / "consumer" set by ``kv_role``; read-only
+``pd_host``          producer: address its KV server binds and advertises ("127.0.0.1")
+``pd_port``          producer: port of its KV server (0: any free port)
+``pd_token``         shared secret of the prefill->decode link (None: no check)
+===================  =========================================================================
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from tiersync.errors import UsageError, check_positive_int
+from tiersync.net.store_node import parse_size
+
+__all__ = ["ConnectorConfig"]
+
+_KEYS = {"host_bytes", "storage_dir", "eviction", "model_id", "weights_version", "transfer_workers",
+         "load_timeout_s", "pd_host", "pd_port", "pd_token"}
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """Validated connector settings (see the module docstring for each key)."""
+
+    model_id: str
+    host_bytes: int = 1 << 30
+    storage_dir: str | None = None
+    eviction: str = "lru"
+    weights_version: str = "0"
+    transfer_workers: int = 2
+    load_timeout_s: float = 120.0
+    pd_host: str = "127.0.0.1"
+    pd_port: int = 0
+    pd_token: str | None = None
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.host_bytes, "kv_connector_extra_config.host_bytes")
+        check_positive_int(self.transfer_workers, "kv_connector_extra_config.transfer_workers")
+        for name in ("model_id", "weights_version", "pd_host"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise UsageError("must be a non-empty str", argument=f"kv_connector_extra_config.{name}")
+        if self.eviction not in ("lru", "s3fifo"):
+            raise UsageError("must be 'lru' or 's3fifo'", argument="kv_connector_extra_config.eviction",
+                             value=self.eviction)
+        if self.storage_dir is not None and (not isinstance(self.storage_dir, str) or not self.storage_dir):
+            raise UsageError("must be a directory path or None", argument="kv_connector_extra_config.storage_dir")
+        t = self.load_timeout_s
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
+            raise UsageError("must be a positive number", argument="kv_connector_extra_config.load_timeout_s")
+        if not isinstance(self.pd_port, int) or isinstance(self.pd_port, bool) or not 0 <= self.pd_port < 65536:
+            raise UsageError("must be a port number", argument="kv_connector_extra_config.pd_port")
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None, model: str) -> "ConnectorConfig":
+        """Parse ``kv_connector_extra_config``; unknown keys are refused (a typo must not
+        silently disable the disk tier)."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - _KEYS)
+        if unknown:
+            raise UsageError("unknown key(s)", argument="kv_connector_extra_config", unknown=unknown,
+                             known=sorted(_KEYS))
+        if "host_bytes" in extra and isinstance(extra["host_bytes"], str):
+            extra["host_bytes"] = parse_size(extra["host_bytes"])
+        if "transfer_workers" in extra or "pd_port" in extra:
+            for k in ("transfer_workers", "pd_port"):
+                if isinstance(extra.get(k), str) and extra[k].isdigit():
+                    extra[k] = int(extra[k])
+        if isinstance(extra.get("load_timeout_s"), str):
+            extra["load_timeout_s"] = float(extra["load_timeout_s"])
+        extra.setdefault("model_id", os.path.basename(os.path.normpath(model)) or model)
+        return cls(**extra)

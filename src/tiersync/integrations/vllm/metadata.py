@@ -1,0 +1,61 @@
+"""What the scheduler sends the workers each step, and what the workers send back.
+
+Both cross a process boundary (pickled by vLLM), so they hold only plain values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from tiersync.store.offload import LoadSpec, StoreSpec
+
+__all__ = ["LoadJob", "SaveJob", "StepMeta", "WorkerReport"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    """Load ``spec`` into the engine's ``device_blocks`` (one per key) for ``req_id``."""
+
+    req_id: str
+    spec: LoadSpec
+    device_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveJob:
+    """Copy the engine's ``device_blocks`` into ``spec``'s slots after this step."""
+
+    req_id: str
+    spec: StoreSpec
+    device_blocks: tuple[int, ...]
+
+
+@dataclass
+class StepMeta(KVConnectorMetadata):
+    """One engine step's work: loads run before the forward (layer by layer), saves after."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Keys whose slot (``bad_slots``) or disk copy (``bad_disk``) turned out unusable, and
+    disk writes finished since the last report. Union over workers: a key bad or
+    failed on any rank is bad (a disk copy missing on one rank is then read as a miss)."""
+
+    bad_slots: set[bytes] = field(default_factory=set)
+    bad_disk: set[bytes] = field(default_factory=set)
+    stored_ok: set[bytes] = field(default_factory=set)
+    stored_failed: set[bytes] = field(default_factory=set)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "WorkerReport":
+        if not isinstance(other, WorkerReport):
+            return self
+        failed = self.stored_failed | other.stored_failed
+        return WorkerReport(self.bad_slots | other.bad_slots, self.bad_disk | other.bad_disk,
+                            (self.stored_ok | other.stored_ok) - failed, failed)
+
+    def empty(self) -> bool:
+        return not (self.bad_slots or self.bad_disk or self.stored_ok or self.stored_failed)

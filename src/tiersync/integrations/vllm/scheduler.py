@@ -1,0 +1,149 @@
+"""The scheduler's half of the connector: which blocks of which request are hits, which
+new blocks to offload, and into which host slots (an :class:`OffloadManager`).
+
+Keys are chained xxh3-128 block keys of the request's prompt tokens under the engine's
+:class:`CacheIdentity` (model, weights version, dtypes, block size, parallel layout),
+mixed with the request's LoRA name, cache salt and multimodal hashes. Only full prompt
+blocks are offloaded; at least one prompt token is always left to compute.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiersync.integrations.vllm.metadata import LoadJob, SaveJob, StepMeta, WorkerReport
+from tiersync.store.keys import CacheIdentity, block_keys
+from tiersync.store.offload import LoadSpec, OffloadConfig, OffloadManager
+from tiersync.tiers.storage import StorageConfig, StorageTier
+
+__all__ = ["OffloadScheduler"]
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Any
+    keys: list[bytes]
+    block_ids: list[int] = field(default_factory=list)
+    load: LoadSpec | None = None  # pinned hits waiting for their blocks
+    load_start: int = 0
+    load_ready: tuple[int, ...] | None = None  # device blocks, once allocated
+    offloaded: int = 0  # leading prompt blocks already cached (hit or saved)
+
+
+class OffloadScheduler:
+    """Request bookkeeping for ``kv_both`` offloading (host and disk)."""
+
+    def __init__(self, *, identity: CacheIdentity, num_slots: int, policy: str,
+                 storage_dir: str | None) -> None:
+        self.identity = identity
+        self.block_size = identity.block_size
+        self.manager = OffloadManager(OffloadConfig(num_slots, policy, storage_dir is not None))
+        self._reqs: dict[str, _Tracked] = {}
+        self.hit_blocks = {"host": 0, "disk": 0}
+        if storage_dir is not None:
+            self._scan(storage_dir)
+
+    def _scan(self, storage_dir: str) -> None:
+        """Index what an earlier engine left on disk (rank 0's directory stands for all)."""
+        cfg = StorageConfig(directory=os.path.join(storage_dir, "rank0"), identity=self.identity.digest())
+        with StorageTier(cfg) as tier:
+            self.manager.add_storage(tier.keys())
+
+    def _track(self, request: Any) -> _Tracked:
+        t = self._reqs.get(request.request_id)
+        if t is None:
+            extras = [x for x in (getattr(request, "cache_salt", None),
+                                  getattr(getattr(request, "lora_request", None), "lora_name", None)) if x]
+            extras += [str(f.identifier) for f in (getattr(request, "mm_features", None) or ())]
+            keys = block_keys(list(request.prompt_token_ids or ()), self.identity, extras)
+            t = self._reqs[request.request_id] = _Tracked(request, keys)
+        return t
+
+    def _drop_load(self, t: _Tracked) -> None:
+        if t.load is not None and len(t.load):
+            self.manager.release(t.load.keys)
+        t.load, t.load_ready = None, None
+
+    # -- vLLM scheduler hooks -------------------------------------------------------
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens past ``num_computed_tokens`` this cache can load now (block multiple);
+        the hits stay pinned until the step that loads them is built."""
+        t = self._track(request)
+        self._drop_load(t)
+        usable = max(0, (request.num_tokens - 1) // self.block_size)  # keep >= 1 token to compute
+        start = num_computed_tokens // self.block_size
+        if start >= min(usable, len(t.keys)):
+            return 0
+        spec = self.manager.prepare_load(t.keys[start:usable])
+        if not len(spec):
+            return 0
+        t.load, t.load_start = spec, start
+        return len(spec) * self.block_size
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        t = self._reqs.get(request.request_id)
+        if t is None or t.load is None:
+            return
+        n = min(len(t.load), num_external_tokens // self.block_size)
+        if n < len(t.load):  # the scheduler took fewer tokens than offered
+            self.manager.release(t.load.keys[n:])
+            t.load = LoadSpec(t.load.keys[:n], t.load.slots[:n], t.load.from_storage[:n])
+        if n == 0:
+            t.load = None
+            return
+        t.load_ready = tuple(block_ids[t.load_start:t.load_start + n])
+
+    def build_meta(self, out: Any) -> StepMeta:
+        meta = StepMeta()
+        for t in self._reqs.values():
+            if t.load is not None and t.load_ready is not None:
+                meta.loads.append(LoadJob(t.request.request_id, t.load, t.load_ready))
+                self._count_hits(t.load)
+                t.offloaded = max(t.offloaded, t.load_start + len(t.load))
+                self.manager.release(t.load.keys)  # issued: the worker copies before any later spec
+                t.load, t.load_ready = None, None
+        for req in out.scheduled_new_reqs:
+            t = self._reqs.get(req.req_id)
+            if t is not None:
+                t.block_ids = list(req.block_ids[0])
+                self._plan_save(meta, t, req.num_computed_tokens + out.num_scheduled_tokens[req.req_id])
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            t = self._reqs.get(rid)
+            if t is None:
+                continue
+            new = cached.new_block_ids[i]
+            if new is not None:
+                t.block_ids = list(new[0]) if rid in cached.resumed_req_ids else t.block_ids + list(new[0])
+            self._plan_save(meta, t, cached.num_computed_tokens[i] + out.num_scheduled_tokens[rid])
+        return meta
+
+    def _count_hits(self, spec: LoadSpec) -> None:
+        disk = sum(spec.from_storage)
+        self.hit_blocks["disk"] += disk
+        self.hit_blocks["host"] += len(spec) - disk
+
+    def _plan_save(self, meta: StepMeta, t: _Tracked, computed: int) -> None:
+        full = min(computed // self.block_size, len(t.keys), len(t.block_ids))
+        if full <= t.offloaded:
+            return
+        keys = t.keys[t.offloaded:full]
+        position = {k: t.offloaded + i for i, k in enumerate(keys)}
+        spec = self.manager.prepare_store(keys)
+        t.offloaded = full  # blocks that found no slot are not retried
+        if len(spec):
+            devs = tuple(t.block_ids[position[k]] for k in spec.keys)
+            meta.saves.append(SaveJob(t.request.request_id, spec, devs))
+
+    def on_report(self, report: WorkerReport | None) -> None:
+        if report is None:
+            return
+        self.manager.invalidate(report.bad_slots)
+        self.manager.invalidate(report.bad_disk, storage=True)
+        self.manager.storage_done(report.stored_ok, report.stored_failed)
+
+    def finished(self, request: Any) -> None:
+        t = self._reqs.pop(request.request_id, None)
+        if t is not None:
+            self._drop_load(t)

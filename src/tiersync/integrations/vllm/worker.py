@@ -1,0 +1,189 @@
+"""The worker's half of the connector: it moves bytes between vLLM's KV pool, a host arena
+and the disk tier, by the slot numbers the scheduler chose.
+
+Every slot remembers the key last written into it; a load whose slot holds another key (a
+save that failed, a disk read that failed) is reported to vLLM as a load error, so vLLM
+recomputes those tokens: wrong bytes are never loaded.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tiersync.errors import TierSyncError, UsageError
+from tiersync.integrations.vllm.metadata import LoadJob, SaveJob, WorkerReport
+from tiersync.layout.adapters import kv_layout
+from tiersync.store.keys import CacheIdentity
+from tiersync.tiers.host import HostArena
+from tiersync.tiers.storage import ReadStatus, StorageConfig, StorageTier
+from tiersync.transfer.engine import TransferConfig, TransferEngine
+from tiersync.transfer.future import TransferFuture
+
+__all__ = ["OffloadWorker", "block_major"]
+
+
+def block_major(tensor: Any, num_blocks: int, name: str) -> Any:
+    """``tensor`` as a view whose first dimension is the block index (vLLM backends put it
+    first or second, e.g. ``[2, num_blocks, ...]``). :class:`UsageError` when no dimension
+    has ``num_blocks`` entries."""
+    shape = tuple(tensor.shape)
+    if shape and shape[0] == num_blocks:
+        return tensor
+    for d, n in enumerate(shape):
+        if n == num_blocks:
+            return tensor.movedim(d, 0)
+    raise UsageError("no dimension is the block index", argument=f"kv_caches[{name!r}]",
+                     shape=shape, num_blocks=num_blocks)
+
+
+class OffloadWorker:
+    """Executes :class:`LoadJob` / :class:`SaveJob` for one worker (one parallel rank)."""
+
+    def __init__(self, *, identity: CacheIdentity, num_slots: int, rank: int,
+                 storage_dir: str | None, transfer_workers: int, timeout_s: float) -> None:
+        self._identity, self._num_slots, self._rank = identity, num_slots, rank
+        self._storage_dir, self._timeout = storage_dir, timeout_s
+        self._transfer = TransferConfig(workers=transfer_workers)
+        self._layer_index: dict[str, int] = {}
+        self._slot_key: list[bytes | None] = [None] * num_slots
+        self._engine: TransferEngine | None = None
+        self._arena: HostArena | None = None
+        self._storage: StorageTier | None = None
+        self._load: TransferFuture | None = None
+        self._load_blocks: list[int] = []
+        self._load_errors: set[int] = set()
+        self._report = WorkerReport()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"OffloadWorker(rank={self._rank}, slots={self._num_slots}, layers={len(self._layer_index)})"
+
+    # -- set-up ---------------------------------------------------------------------
+    def register(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
+        """Bind vLLM's per-layer KV tensors (in place) and allocate the host arena."""
+        names = list(kv_caches)
+        tensors = [block_major(kv_caches[n], num_blocks, n) for n in names]
+        layout = kv_layout(tensors)
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._arena = HostArena.for_layout(layout, self._num_slots)
+        self._arena.allocator.allocate(self._num_slots)  # every slot is the scheduler's: keep all locked
+        self._engine = TransferEngine(layout, self._arena, self._transfer)
+        if self._storage_dir is not None:
+            directory = os.path.join(self._storage_dir, f"rank{self._rank}")
+            self._storage = StorageTier(StorageConfig(directory=directory, identity=self._identity.digest()))
+
+    # -- loads ----------------------------------------------------------------------
+    def start_loads(self, jobs: Sequence[LoadJob]) -> None:
+        """Read disk hits into their slots, then post one host->engine copy for all jobs."""
+        self._load, self._load_blocks = None, []
+        runs = []
+        for job in jobs:
+            good = self._stage(job)
+            for i, (slot, dev) in enumerate(zip(job.spec.slots, job.device_blocks)):
+                if not good[i]:
+                    self._load_errors.update(job.device_blocks[i:])  # vLLM recomputes from here
+                    break
+                runs.append((slot, dev, 1))
+                self._load_blocks.append(dev)
+        if runs:
+            self._load = self._engine.h2d(runs)
+
+    def _stage(self, job: LoadJob) -> list[bool]:
+        spec = job.spec
+        disk = [i for i, d in enumerate(spec.from_storage) if d]
+        if disk:
+            self._read_disk([spec.keys[i] for i in disk], [spec.slots[i] for i in disk])
+        good = [self._slot_key[s] == k for k, s in zip(spec.keys, spec.slots)]
+        with self._lock:
+            self._report.bad_slots.update(k for k, ok, d in zip(spec.keys, good, spec.from_storage)
+                                          if not ok and not d)
+        return good
+
+    def _read_disk(self, keys: list[bytes], slots: list[int]) -> None:
+        for s in slots:
+            self._slot_key[s] = None
+        if self._storage is None:
+            bad = set(keys)
+        else:
+            try:
+                status = self._storage.read(keys, [self._arena.block(s) for s in slots]).result(self._timeout)
+            except (TierSyncError, OSError, TimeoutError):
+                status = [ReadStatus.UNREADABLE] * len(keys)
+            bad = set()
+            for k, s, st in zip(keys, slots, status):
+                if st is ReadStatus.OK:
+                    self._slot_key[s] = k
+                else:
+                    bad.add(k)
+        with self._lock:
+            self._report.bad_disk.update(bad)
+
+    def wait_layer(self, name: str) -> None:
+        """Block until ``name``'s KV of this step's loads is in place. A failed or late
+        copy marks every block of the step's loads as a load error."""
+        f = self._load
+        idx = self._layer_index.get(name)
+        if f is None or idx is None:
+            return
+        try:
+            f.wait_layer(idx, timeout=self._timeout)
+        except (TierSyncError, TimeoutError, OSError):
+            self._load_errors.update(self._load_blocks)
+            self._load = None
+
+    def take_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    # -- saves ----------------------------------------------------------------------
+    def run_saves(self, jobs: Sequence[SaveJob]) -> None:
+        """Copy this step's new full blocks to their slots (synchronously: the engine may
+        reuse the blocks after this returns), then start their disk writes."""
+        if self._load is not None:  # the forward is over: every layer has been waited
+            self._load = None
+        runs = [(dev, slot, 1) for job in jobs for dev, slot in zip(job.device_blocks, job.spec.slots)]
+        if not runs:
+            return
+        for job in jobs:
+            for s in job.spec.slots:
+                self._slot_key[s] = None
+        try:
+            self._engine.d2h(runs).result(self._timeout)
+        except (TierSyncError, TimeoutError, OSError):
+            with self._lock:
+                self._report.bad_slots.update(k for job in jobs for k in job.spec.keys)
+                self._report.stored_failed.update(k for job in jobs if job.spec.to_storage for k in job.spec.keys)
+            return
+        for job in jobs:
+            for k, s in zip(job.spec.keys, job.spec.slots):
+                self._slot_key[s] = k
+            if job.spec.to_storage:
+                self._write_disk(job)
+
+    def _write_disk(self, job: SaveJob) -> None:
+        keys = list(job.spec.keys)
+        if self._storage is None:
+            with self._lock:
+                self._report.stored_failed.update(keys)
+            return
+        future = self._storage.write(keys, [self._arena.block(s) for s in job.spec.slots])
+
+        def done(f: Any) -> None:
+            with self._lock:
+                (self._report.stored_failed if f.exception() else self._report.stored_ok).update(keys)
+
+        future.add_done_callback(done)
+
+    def take_report(self) -> WorkerReport | None:
+        with self._lock:
+            report, self._report = self._report, WorkerReport()
+        return None if report.empty() else report
+
+    def close(self) -> None:
+        """Finish disk writes, then release the engine, arena and storage. Idempotent."""
+        for closer in (self._storage, self._engine, self._arena):
+            if closer is not None:
+                closer.close()
+        self._storage = self._engine = self._arena = None

@@ -1,0 +1,224 @@
+"""Bookkeeping for a byte mover that lives in another process: host slots, pins, LRU, storage.
+
+A serving engine's scheduler decides *what* moves and a worker process moves the bytes
+(vLLM runs them in different processes). :class:`OffloadManager` is the scheduler's half:
+it maps block keys to slots of a host arena that only the worker has mapped, and answers
+``lookup`` / ``prepare_load`` / ``prepare_store`` with plain spec objects that the
+scheduler ships to the worker. No bytes move here and nothing is thread-safe.
+
+Contract with the worker (which executes specs strictly in the order they were issued):
+
+- A :class:`StoreSpec` slot may be reused by a later spec as soon as the spec is issued:
+  the worker has finished the copy before it executes anything issued later.
+- A key stays *held* (never evicted, its slot never reused) from :meth:`prepare_store`
+  with ``to_storage`` until :meth:`storage_done` reports the asynchronous disk write.
+- The manager commits optimistically; the worker validates every slot against the key it
+  last wrote there and reports failures (:meth:`invalidate`), so a failed save or read
+  becomes a miss, never wrong bytes.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from tiersync.errors import UsageError, check_positive_int
+from tiersync.store.index import PinIndex
+from tiersync.store.keys import KEY_NBYTES
+from tiersync.store.residency import Residency
+from tiersync.tiers.host import POLICIES
+
+__all__ = ["LoadSpec", "OffloadConfig", "OffloadManager", "StoreSpec"]
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadConfig:
+    """``num_slots`` host slots; ``policy`` orders host eviction; ``storage`` enables the
+    disk tier (every stored block is also written to disk, and disk hits are loaded)."""
+
+    num_slots: int
+    policy: str = "lru"
+    storage: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.num_slots, "OffloadConfig.num_slots")
+        if self.policy not in POLICIES:
+            raise UsageError("unknown eviction policy", argument="OffloadConfig.policy",
+                             value=self.policy, choices=sorted(POLICIES))
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Copy ``slots[i]`` (holding ``keys[i]``) to the engine; read it from disk first when
+    ``from_storage[i]``."""
+
+    keys: tuple[bytes, ...]
+    slots: tuple[int, ...]
+    from_storage: tuple[bool, ...]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSpec:
+    """Copy the engine's blocks of ``keys[i]`` into ``slots[i]``; then write them to disk
+    when ``to_storage``."""
+
+    keys: tuple[bytes, ...]
+    slots: tuple[int, ...]
+    to_storage: bool
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class OffloadManager:
+    """Host-slot and storage index of one cache identity (see the module docstring)."""
+
+    def __init__(self, config: OffloadConfig) -> None:
+        if not isinstance(config, OffloadConfig):
+            raise UsageError("must be an OffloadConfig", argument="config", got=type(config).__name__)
+        self.config = config
+        self._index = PinIndex(POLICIES[config.policy](), POLICIES[config.policy]())
+        self._free = list(range(config.num_slots - 1, -1, -1))
+        self.evictions = 0
+
+    def __repr__(self) -> str:
+        return (f"OffloadManager(slots={self.config.num_slots}, free={len(self._free)}, "
+                f"host={self._index.counts[Residency.HOST]}, storage={self._index.counts[Residency.STORAGE]})")
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def residency(self, key: bytes) -> Residency:
+        e = self._index.get(key)
+        return Residency.NONE if e is None else e.residency
+
+    def pins(self, key: bytes) -> int:
+        e = self._index.get(key)
+        return 0 if e is None else e.pins
+
+    # -- lookups and loads ------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are loadable now (host or disk). Pins nothing."""
+        _check_keys(keys)
+        n = 0
+        for k in keys:
+            if self._index.visible(k) is None:
+                break
+            n += 1
+        return n
+
+    def prepare_load(self, keys: Sequence[bytes]) -> LoadSpec:
+        """Pin the longest loadable prefix of ``keys`` and give each a slot.
+
+        Disk-only keys get a slot (free first, else the coldest idle host entry is
+        evicted) and are promoted to host as of now. The spec may be shorter than
+        ``keys`` (a miss, or no slot for a disk hit); it is empty when nothing is
+        loadable. Every key in the spec stays pinned until :meth:`release`.
+        """
+        n = self.lookup(keys)
+        entries = [self._index.get(k) for k in keys[:n]]
+        self._index.pin(entries)  # pinned first: evicting for disk hits never takes them
+        slots, disk = [], []
+        for i, e in enumerate(entries):
+            from_disk = not (e.residency & Residency.HOST)
+            slot = self._take_slot() if from_disk else e.host_block
+            if slot is None:
+                self._index.unpin([x.key for x in entries[i:]])
+                entries = entries[:i]
+                break
+            if from_disk:
+                self._index.set_host(e, slot)
+            slots.append(slot)
+            disk.append(from_disk)
+        return LoadSpec(tuple(e.key for e in entries), tuple(slots), tuple(disk))
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        """Drop one pin per key (all-or-nothing; :class:`UsageError` for an unpinned key)."""
+        _check_keys(keys)
+        self._index.unpin(keys)
+
+    # -- stores -------------------------------------------------------------------
+    def prepare_store(self, keys: Sequence[bytes]) -> StoreSpec:
+        """Slots for the ``keys`` not already cached, in order; the keys are cached as of now.
+
+        Takes free slots first, then evicts the coldest idle host entries (entries with a
+        disk copy stay loadable from disk). Stops at the first key it finds no slot for,
+        so the spec may be shorter than asked; nothing pinned is ever evicted.
+        """
+        _check_keys(keys)
+        wanted, seen = [], set()
+        for k in keys:
+            e = self._index.get(k)
+            if k not in seen and (e is None or not (e.residency & Residency.HOST)):
+                wanted.append(k)
+                seen.add(k)
+        out_keys, slots = [], []
+        for k in wanted:
+            slot = self._take_slot()
+            if slot is None:
+                break
+            e = self._index.add_host(k, slot)
+            if self.config.storage:
+                self._index.hold([e])
+            out_keys.append(k)
+            slots.append(slot)
+        return StoreSpec(tuple(out_keys), tuple(slots), self.config.storage and bool(out_keys))
+
+    def storage_done(self, ok: Iterable[bytes], failed: Iterable[bytes] = ()) -> None:
+        """The worker's disk writes of ``ok`` are durable, those of ``failed`` are not;
+        both end the hold :meth:`prepare_store` took."""
+        for k, present in [(k, True) for k in ok] + [(k, False) for k in failed]:
+            e = self._index.get(k)
+            if e is None or e.busy == 0:
+                continue  # already invalidated
+            if present:
+                self._index.mark(e, Residency.STORAGE, True)
+            self._index.unhold([e])
+
+    def add_storage(self, keys: Iterable[bytes]) -> int:
+        """Record disk copies found by a directory scan; returns how many were new."""
+        new = 0
+        for k in keys:
+            e = self._index.get(k)
+            new += e is None or not (e.residency & Residency.STORAGE)
+            self._index.add_storage(k)
+        return new
+
+    def invalidate(self, keys: Iterable[bytes], *, storage: bool = False) -> None:
+        """The worker found ``keys`` missing or corrupt in their slot (and on disk when
+        ``storage``): they stop being hits. Pins and holds are kept (the entry becomes
+        a tombstone until they are dropped)."""
+        for k in keys:
+            e = self._index.get(k)
+            if e is None:
+                continue
+            if e.residency & Residency.HOST:
+                self._free_slot(self._index.clear(e, Residency.HOST))
+            if storage and e.residency & Residency.STORAGE:
+                self._index.clear(e, Residency.STORAGE)
+
+    # -- slots --------------------------------------------------------------------
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        victims = self._index.victims(Residency.HOST, 1)
+        if not victims:
+            return None
+        self.evictions += 1
+        return self._index.clear(victims[0], Residency.HOST)
+
+    def _free_slot(self, slot: int | None) -> None:
+        if slot is not None:
+            self._free.append(slot)
+
+
+def _check_keys(keys: Sequence[bytes]) -> None:
+    if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+        raise UsageError("must be a sequence of keys", argument="keys", got=type(keys).__name__)
+    for i, k in enumerate(keys):
+        if not isinstance(k, bytes) or len(k) != KEY_NBYTES:
+            raise UsageError(f"must be {KEY_NBYTES}-byte keys", argument=f"keys[{i}]")
+
