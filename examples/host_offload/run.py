@@ -30,8 +30,10 @@ def engine(model: str, storage_dir: str):
         kv_connector_module_path="tiersync.integrations.vllm",
         kv_connector_extra_config={"host_bytes": "1GiB", "storage_dir": storage_dir},
         kv_load_failure_policy="recompute")
+    # float32: a hit leaves fewer tokens to compute, in other shapes than a full prefill; in
+    # bf16 that rounding can flip a later greedy token, and this script compares them exactly
     return LLM(model=model, skip_tokenizer_init=True, kv_transfer_config=kv, enable_prefix_caching=False,
-               gpu_memory_utilization=0.3, max_model_len=8192, enforce_eager=True, seed=0)
+               gpu_memory_utilization=0.3, max_model_len=8192, enforce_eager=True, seed=0, dtype="float32")
 
 
 def timed(llm, prompt: list[int], n: int) -> tuple[float, float, list[int]]:

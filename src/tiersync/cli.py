@@ -8,6 +8,8 @@ Subcommands::
     tiersync demo [--quick] [--json]                          the end-to-end demo
     tiersync metrics [--port P]                               print or serve metrics
     tiersync store-node --capacity 8GiB --port N [--token T]  serve host DRAM to peers
+                        [--registry HOST:PORT] [--heartbeat-s S]  ... and register there
+    tiersync registry --port N [--redis URL]                  the global block registry (gRPC)
 
 Exit status: 0 success; 1 a tiersync error; 2 bad usage; 3 a bench refused to
 report because its byte-exact round trip failed. Importing this module is
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 EXIT_ERROR, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
-BENCH_SUITES = ("d2h", "h2d", "storage", "h2h", "registry")  # keep in step with tiersync.bench.SUITES (checked by the tests)
+BENCH_SUITES = ("d2h", "h2d", "storage", "h2h", "registry", "weights", "serve")  # keep in step with tiersync.bench.SUITES (checked by the tests)
 TINY_ENV = "TIERSYNC_BENCH_TINY"
 
 
@@ -48,7 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     n.add_argument("--token", default=None, help="shared secret peers must prove (>= 16 bytes)")
     n.add_argument("--block-size", default="1MiB", help="bytes per host block (default 1MiB)")
+    n.add_argument("--registry", default=None, help="register with this registry: HOST:PORT (gRPC) or redis://...")
+    n.add_argument("--store-id", default=None, help="id in the registry (default: the advertised address)")
+    n.add_argument("--advertise", default=None, help="HOST:PORT peers should dial (default: the bound address)")
+    n.add_argument("--pool-group", default="", help="placement group (same group is preferred)")
+    n.add_argument("--heartbeat-s", type=float, default=300.0, help="registry heartbeat interval (default 300)")
     n.set_defaults(func=cmd_store_node)
+    r = sub.add_parser("registry", help="serve the global block registry (gRPC)")
+    r.add_argument("--port", type=int, required=True, help="TCP port (0 picks one; printed)")
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    r.add_argument("--redis", default=None, help="keep the state in Redis at this URL (default: in memory)")
+    r.add_argument("--store-ttl-s", type=float, default=900.0, help="a store unheard for this long is dead")
+    r.add_argument("--block-ttl-s", type=float, default=3600.0, help="an ownership entry not re-published expires")
+    r.set_defaults(func=cmd_registry)
     return p
 
 
@@ -169,7 +183,16 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 def cmd_store_node(args: argparse.Namespace) -> int:
     from tiersync.net.store_node import main as node_main
 
-    return node_main(args.capacity, args.port, args.host, args.token, args.block_size)
+    return node_main(args.capacity, args.port, args.host, args.token, args.block_size, registry=args.registry,
+                     store_id=args.store_id, pool_group=args.pool_group, heartbeat_s=args.heartbeat_s,
+                     advertise=args.advertise)
+
+
+def cmd_registry(args: argparse.Namespace) -> int:
+    from tiersync.net.registry.process import main as registry_main
+
+    return registry_main(args.port, args.host, args.redis, store_ttl_s=args.store_ttl_s,
+                         block_ttl_s=args.block_ttl_s)
 
 
 # -- entry point -------------------------------------------------------------

@@ -30,6 +30,7 @@ def test_h2h_rows_follow_the_contract():
         assert ROW_KEYS <= set(r) and r["baseline"] == "raw-socket" and r["gbps"] > 0
         assert r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"], rel=1e-2)
         assert r["p99_ms"] >= r["p50_ms"] > 0
+        assert r["payload_checksum"].split()[0] in {"TSUM64", "XXH3_64"}  # every payload is verified
 
 
 def test_h2h_corruption_refuses():

@@ -1,5 +1,17 @@
-"""Server process entry points for the transport tests (spawned, loopback only)."""
+"""Server processes for the networking tests (loopback only): block servers, store nodes, registries, Redis."""
 from __future__ import annotations
+
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+
+TOKEN = "store-node-test-token-0123456789"
 
 
 def run_block_server(config, blocks, address_q, stop) -> None:
@@ -11,3 +23,111 @@ def run_block_server(config, blocks, address_q, stop) -> None:
     address_q.put(server.address)
     stop.wait(60)
     server.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true (True) or ``timeout`` passes (False)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+class Proc:
+    """A subprocess; waits (bounded) for a stdout line containing ``marker``.
+
+    A thread reads its output all along (so the pipe never fills); ``tail`` keeps the last lines.
+    """
+
+    def __init__(self, cmd: list[str], marker: str, timeout: float = 60.0) -> None:
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.tail: deque[str] = deque(maxlen=200)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.line = self._wait_for(marker, timeout)
+
+    def _drain(self) -> None:
+        try:
+            for line in self.proc.stdout:
+                self.tail.append(line)
+                self._lines.put(line)
+        except (OSError, ValueError):
+            pass
+        self._lines.put(None)
+
+    def _wait_for(self, marker: str, timeout: float) -> str:
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(end - time.monotonic(), 0.001))
+            except queue.Empty:
+                line = None
+            if line is None:
+                break
+            if marker in line:
+                return line
+        self.kill()
+        raise AssertionError(f"{self.cmd[:4]} did not print {marker!r}: {''.join(self.tail)[-2000:]}")
+
+    def address_after(self, marker: str) -> str:
+        return self.line.split(marker)[1].split()[0]
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+class StoreNodeProc(Proc):
+    """`tiersync store-node` on 127.0.0.1, port 0; ``address`` from its stdout."""
+
+    def __init__(self, capacity: str = "4MiB", *, block: int = 256 << 10, token: str | None = TOKEN,
+                 registry: str | None = None, heartbeat_s: float | None = None, store_id: str | None = None) -> None:
+        cmd = [sys.executable, "-m", "tiersync.cli", "store-node", "--capacity", capacity, "--port", "0",
+               "--block-size", str(block)] + (["--token", token] if token else [])
+        if registry:
+            cmd += ["--registry", registry]
+        if heartbeat_s is not None:
+            cmd += ["--heartbeat-s", str(heartbeat_s)]
+        if store_id:
+            cmd += ["--store-id", store_id]
+        super().__init__(cmd, "listening on ")
+        self.address = self.address_after("listening on ")
+        self.store_id = store_id or self.address
+
+
+class RegistryProc(Proc):
+    """`tiersync registry` on 127.0.0.1 (``port`` 0 picks one); ``address`` from its stdout."""
+
+    def __init__(self, port: int = 0, *, redis: str | None = None, store_ttl_s: float = 900.0) -> None:
+        cmd = [sys.executable, "-m", "tiersync.cli", "registry", "--port", str(port),
+               "--store-ttl-s", str(store_ttl_s)] + (["--redis", redis] if redis else [])
+        super().__init__(cmd, "listening on ")
+        self.address = self.address_after("listening on ")
+        self.port = int(self.address.rpartition(":")[2])
+
+
+class RedisProc(Proc):
+    """A throwaway `redis-server` on 127.0.0.1 (no persistence); ``url`` to reach it."""
+
+    def __init__(self, workdir: str, port: int | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server")
+        self.port = port or free_port()
+        super().__init__([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                          "--appendonly", "no", "--dir", workdir], "Ready to accept connections")
+        self.url = f"redis://127.0.0.1:{self.port}/0"

@@ -4,6 +4,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from tiersync.net import events as ev
+from tiersync.net.frames import SUPPORTED
 from tiersync.net.protocol import NEED_DATA, Connection, Role
 
 KEYS = st.binary(min_size=16, max_size=16)
@@ -38,10 +39,11 @@ def drain(conn: Connection, limit: int = 10_000) -> list:
     raise AssertionError("next_event did not stop")  # bounded: never hangs
 
 
-def ready_pair() -> tuple[Connection, Connection]:
+def ready_pair(checksum=SUPPORTED[0]) -> tuple[Connection, Connection]:
+    """A client and server in READY whose payloads are summed by ``checksum`` (default: the best here)."""
     client, server = Connection(Role.CLIENT), Connection(Role.SERVER)
     deliver(client, server, ev.Hello("client", b"c" * 16))
-    deliver(server, client, ev.Challenge(b"s" * 16, b"p" * 32))
+    deliver(server, client, ev.Challenge(b"s" * 16, b"p" * 32, checksum))
     deliver(client, server, ev.Auth(b"q" * 32))
     deliver(server, client, ev.Ready(1))
     return client, server

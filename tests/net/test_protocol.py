@@ -16,10 +16,12 @@ from _proto_helpers import CHUNKS, deliver, drain, feed, ready_pair, requests, r
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
 from tiersync.net.errors import ProtocolError, ProtocolFault
-from tiersync.net.frames import HEADER_SIZE, MAGIC, Op, ProtocolConfig, checksum, encode_header
+from tiersync.net.frames import (HEADER_SIZE, MAGIC, PROTOCOL_VERSION, SUPPORTED, Op, PayloadChecksum,
+                                 ProtocolConfig, checksum, encode_header, negotiate, payload_checksum)
 from tiersync.net.protocol import NEED_DATA, Connection, Role, State
 
 FAST = settings(max_examples=60, deadline=None)
+TEXT_ST = st.text(max_size=30)
 
 
 @FAST
@@ -136,15 +138,17 @@ def test_unsolicited_response_poisons_the_connection():
         client.send(ev.Ping(1))
 
 
-def _raw(op: int, meta: bytes = b"", payload_len: int = 0, version: int = 1) -> bytes:
-    head = struct.pack("<4sHHIQIQQQ8s", MAGIC, version, op, 0, 1, len(meta), payload_len,
-                       checksum(b""), checksum(meta), bytes(8))
+def _raw(op: int, meta: bytes = b"", payload_len: int = 0, version: int = PROTOCOL_VERSION, algo: int = 0) -> bytes:
+    head = struct.pack("<4sHHIQIQQQB7s", MAGIC, version, op, 0, 1, len(meta), payload_len,
+                       checksum(b""), checksum(meta), algo, bytes(7))
     return head + checksum(head).to_bytes(8, "little") + meta
 
 
 @pytest.mark.parametrize("wire, fault", [
     (b"XXXX" + bytes(60), ProtocolFault.BAD_MAGIC),
-    (_raw(int(Op.HELLO), version=2), ProtocolFault.BAD_VERSION),
+    (_raw(int(Op.HELLO), version=PROTOCOL_VERSION + 1), ProtocolFault.BAD_VERSION),
+    (_raw(int(Op.HELLO), version=1), ProtocolFault.BAD_VERSION),  # pre-negotiation builds are refused
+    (_raw(int(Op.HELLO), algo=200), ProtocolFault.BAD_CHECKSUM),  # an algorithm this build lacks
     (_raw(999), ProtocolFault.UNKNOWN_OP),
     (_raw(int(Op.DATA), payload_len=2**60), ProtocolFault.OVERSIZE),
     (_raw(int(Op.HELLO), b"\xff\xff\xff\xff"), ProtocolFault.MALFORMED),
@@ -193,3 +197,120 @@ def test_event_fields_are_validated_at_construction():
         ev.Ping(-1)
     with pytest.raises(UsageError):
         ProtocolConfig(max_frame_size=0)
+
+
+# -- payload checksum negotiation ------------------------------------------------------------
+@pytest.mark.parametrize("algo", SUPPORTED)
+def test_data_carries_the_negotiated_algorithm_and_round_trips(algo):
+    client, server = ready_pair(algo)
+    assert client.payload_algo is algo and server.payload_algo is algo
+    deliver(client, server, ev.Pull(4, 1, b"k" * 16, 0, 5000))
+    payload = bytes(range(250)) * 20
+    wire = b"".join(bytes(b) for b in server.send(ev.Data(4, payload)))
+    assert wire[48] == int(algo)
+    [got] = feed(client, wire, [100, 3, 4000])
+    assert got == ev.Data(4, payload) and got.payload_sum[0] is algo
+
+
+def test_hello_offers_this_builds_checksums_and_the_server_picks_one_offered():
+    client, server = Connection(Role.CLIENT), Connection(Role.SERVER)
+    hello = ev.Hello("c", b"n" * 16)
+    assert hello.checksums == tuple(int(a) for a in SUPPORTED)
+    with pytest.raises(UsageError):
+        client.send(ev.Hello("c", b"n" * 16, (200,)))  # an id this build cannot verify
+    assert client.state is State.IDLE
+    deliver(client, server, ev.Hello("c", b"n" * 16, (int(PayloadChecksum.XXH3_64),)))
+    assert server.peer_checksums == (0,)
+    if PayloadChecksum.TSUM64 in SUPPORTED:
+        with pytest.raises(UsageError):  # the client did not offer it
+            server.send(ev.Challenge(b"s" * 16, b"", PayloadChecksum.TSUM64))
+    deliver(server, client, ev.Challenge(b"s" * 16, b"", PayloadChecksum.XXH3_64))
+    assert client.payload_algo is server.payload_algo is PayloadChecksum.XXH3_64
+
+
+def test_unknown_offered_ids_are_ignored_by_negotiate():
+    assert negotiate((77, 0)) is PayloadChecksum.XXH3_64
+    assert negotiate(tuple(int(a) for a in SUPPORTED)) is SUPPORTED[0]
+    with pytest.raises(ProtocolError) as info:
+        negotiate((77,))
+    assert info.value.fault is ProtocolFault.MALFORMED
+
+
+@pytest.mark.skipif(PayloadChecksum.TSUM64 not in SUPPORTED, reason="native extension not built")
+def test_a_pick_the_client_did_not_offer_is_the_servers_fault():
+    client, server = Connection(Role.CLIENT), Connection(Role.SERVER)
+    client.send(ev.Hello("c", b"n" * 16, (0,)))
+    deliver(Connection(Role.CLIENT), server, ev.Hello("other", b"n" * 16))  # offers TSUM64 too
+    with pytest.raises(ProtocolError) as info:
+        deliver(server, client, ev.Challenge(b"s" * 16, b"", PayloadChecksum.TSUM64))
+    assert info.value.fault is ProtocolFault.MALFORMED
+
+
+def test_a_known_payload_sum_is_sent_and_a_stale_one_is_refused():
+    algo = SUPPORTED[0]
+    client, server = ready_pair(algo)
+    payload = b"z" * 3000
+    deliver(client, server, ev.Pull(1, 1, b"k" * 16, 0, 3000))
+    [got] = deliver(server, client, ev.Data(1, payload, (algo, payload_checksum(algo, payload))))
+    assert bytes(got.payload) == payload
+    deliver(client, server, ev.Pull(2, 1, b"k" * 16, 0, 3000))
+    with pytest.raises(ProtocolError) as info:
+        deliver(server, client, ev.Data(2, payload, (algo, 12345)))
+    assert info.value.fault is ProtocolFault.BAD_CHECKSUM
+
+
+# -- scatter reads: header plus the predicted payload buffer in one read -------------------------
+def _socket_like_feed(conn: Connection, wire: bytes, chunks: list[int]) -> list:
+    """Feed ``wire`` the way FramedSocket does: payload sink, else scatter read, else buffer."""
+    out, pos, sizes, head = [], 0, list(chunks), bytearray(HEADER_SIZE)
+    while pos < len(wire):
+        n = max(1, sizes.pop(0) if sizes else 1 << 30)
+        sink, target = conn.payload_sink(), conn.scatter_target()
+        if sink is not None:
+            n = min(n, len(sink), len(wire) - pos)
+            sink[:n] = wire[pos:pos + n]
+            conn.payload_received(n)
+        elif target is not None:
+            n = min(n, HEADER_SIZE + len(target), len(wire) - pos)
+            got = wire[pos:pos + n]
+            head[:min(n, HEADER_SIZE)] = got[:HEADER_SIZE]
+            target[:max(0, n - HEADER_SIZE)] = got[HEADER_SIZE:]
+            conn.scatter_received(head, n)
+        else:
+            n = min(n, len(wire) - pos)
+            conn.receive_data(wire[pos:pos + n])
+        pos += n
+        out.extend(drain(conn))
+    return out
+
+
+@FAST
+@given(st.data())
+def test_scatter_reads_deliver_the_same_events_and_bytes(data):
+    client, server = ready_pair()
+    sizes = data.draw(st.lists(st.integers(0, 3000), min_size=1, max_size=6))
+    dests, wire, expected = [], b"", []
+    for rid, size in enumerate(sizes, start=1):
+        for buf in client.send(ev.Pull(rid, 1, b"k" * 16, 0, size)):
+            server.receive_data(bytes(buf))
+        drain(server)
+        dests.append(bytearray(size))
+        client.expect_payload_into(rid, dests[-1])
+        if data.draw(st.booleans()):
+            answer = ev.Data(rid, data.draw(st.binary(min_size=size, max_size=size)))
+        else:  # not the predicted DATA: the bytes read into the buffer go back into the stream
+            answer = ev.Error(rid, ev.ErrorCode.NOT_FOUND, data.draw(TEXT_ST))
+        wire += b"".join(bytes(b) for b in server.send(answer))
+        expected.append(answer)
+    got = _socket_like_feed(client, wire, data.draw(CHUNKS))
+    assert got == expected and client.outstanding == 0
+    for answer, dest in zip(expected, dests):
+        if isinstance(answer, ev.Data):
+            assert dest == answer.payload
+
+
+def test_scatter_received_without_a_target_is_usage_error():
+    client, server = ready_pair()
+    assert client.scatter_target() is None
+    with pytest.raises(UsageError):
+        client.scatter_received(bytearray(HEADER_SIZE), 10)

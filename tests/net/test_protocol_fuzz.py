@@ -25,7 +25,7 @@ from _proto_helpers import CHUNKS, drain, ready_pair, requests, response_for
 from tiersync.errors import ClosedError
 from tiersync.net import events as ev
 from tiersync.net.errors import ProtocolError, ProtocolFault
-from tiersync.net.frames import HEADER_SIZE, MAGIC, Op, ProtocolConfig, checksum
+from tiersync.net.frames import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, Op, ProtocolConfig, checksum
 from tiersync.net.protocol import Connection, Role
 
 FUZZ = settings(max_examples=60, deadline=None)
@@ -125,7 +125,8 @@ def test_valid_stream_with_random_garbage_spliced_in(data):
 @FUZZ
 @given(st.integers(SMALL.max_frame_size + 1, 2**64 - 1))
 def test_declared_payload_beyond_the_bound_is_refused_before_buffering(size):
-    head = struct.pack("<4sHHIQIQQQ8s", MAGIC, 1, int(Op.HELLO), 0, 0, 0, size, 0, checksum(b""), bytes(8))
+    head = struct.pack("<4sHHIQIQQQB7s", MAGIC, PROTOCOL_VERSION, int(Op.HELLO), 0, 0, 0, size, 0, checksum(b""),
+                       0, bytes(7))
     conn = Connection(Role.SERVER, SMALL)
     conn.receive_data(head + checksum(head).to_bytes(8, "little"))
     with pytest.raises(ProtocolError) as info:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import socket
-import subprocess
 import uuid
 
 import pytest
 
+from _peer import RedisProc
 from tiersync.errors import UsageError
 from tiersync.net.registry.base import RegistryConfig, StoreInfo
 from tiersync.net.registry.memory import MemoryRegistry
@@ -29,32 +28,16 @@ class Clock:
         return self.now
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if shutil.which("redis-server") is None:
         print("SKIP redis backend: redis-server binary not found on PATH")
         pytest.skip("redis-server binary not found on PATH")
-    port, workdir = _free_port(), tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = RedisProc(str(tmp_path_factory.mktemp("redis")))
     try:
-        for _ in range(200):  # bounded: redis prints a few dozen lines before it is ready
-            line = proc.stdout.readline()
-            if not line or "Ready to accept connections" in line:
-                break
-        assert proc.poll() is None, "redis-server exited during start-up"
-        yield f"redis://127.0.0.1:{port}/0"
+        yield proc.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        proc.kill()
 
 
 @pytest.fixture(params=["memory", "redis", "grpc"])
@@ -174,3 +157,11 @@ def test_bad_keys_are_usage_errors(registry):
         reg.publish("a", [b"short"])
     with pytest.raises(UsageError):
         StoreInfo("", "x", 1)
+
+
+def test_store_record_keeps_capacity_through_heartbeats(registry):
+    reg, _ = registry
+    reg.register_store(StoreInfo("a", "127.0.0.1:7001", 100, "g1", capacity_blocks=128))
+    assert reg.heartbeat("a", 7)
+    assert reg.get_store("a") == StoreInfo("a", "127.0.0.1:7001", 7, "g1", capacity_blocks=128)
+    assert reg.placement_targets("g1", 1)[0].capacity_blocks == 128

@@ -63,3 +63,36 @@ def test_importing_tiersync_net_stays_cheap():
             "bad = [m for m in ('grpc', 'redis', 'cryptography') if m in sys.modules];"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_backend_outage_is_unavailable_over_grpc_and_degrades_the_client():
+    class Down(MemoryRegistry):
+        def heartbeat(self, store_id, free_blocks):
+            raise RegistryUnavailableError("redis failed: connection refused", peer="redis://x")
+
+    server = serve_registry(Down())
+    channel = grpc.insecure_channel(server.address)
+    client = RegistryClient(server.address, FAST)
+    try:
+        from tiersync.net.registry import messages as m
+
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary(f"/{SERVICE}/Heartbeat")(m.enc_heartbeat("a", 1), timeout=2)
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE  # retryable, not the caller's fault
+        with pytest.raises(RegistryUnavailableError):
+            client.heartbeat("a", 1)
+    finally:
+        client.close()
+        channel.close()
+        server.stop()
+
+
+def test_open_registry_picks_the_backend():
+    from tiersync.errors import UsageError
+    from tiersync.net.registry import open_registry
+
+    client = open_registry("127.0.0.1:1", FAST)
+    assert isinstance(client, RegistryClient) and client.lookup(KEYS[:2]) == [(), ()]
+    client.close()
+    with pytest.raises(UsageError):
+        open_registry("not an address")

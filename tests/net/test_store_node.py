@@ -2,20 +2,17 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import threading
 
 import pytest
 
+from _peer import TOKEN, StoreNodeProc as Node
 from tiersync.errors import CapacityError, RemoteError
 from tiersync.net import events as ev
 from tiersync.net.errors import AuthError
 from tiersync.net.store_node import StoreNode, StoreNodeClient, StoreNodeServer, parse_size
 from tiersync.net.tcp import TcpConfig, TcpTransport
 
-TOKEN = "store-node-test-token-0123456789"
 BLOCK = 256 << 10
 
 
@@ -25,23 +22,6 @@ def _keys(n: int, tag: int = 0) -> list[bytes]:
 
 def _bufs(n: int, seed: int = 1) -> list[bytes]:
     return [os.urandom(BLOCK - 7 * i) for i in range(n)]
-
-
-class Node:
-    """A `tiersync store-node` subprocess on 127.0.0.1, port 0; ``address`` read from its stdout."""
-
-    def __init__(self, capacity: str = "4MiB", token: str | None = TOKEN) -> None:
-        cmd = [sys.executable, "-m", "tiersync.cli", "store-node", "--capacity", capacity, "--port", "0",
-               "--block-size", str(BLOCK)] + (["--token", token] if token else [])
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        assert "listening on" in line, line
-        self.address = line.split("listening on ")[1].split()[0]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
 
 
 @pytest.fixture
@@ -178,3 +158,36 @@ def test_parse_size():
     assert parse_size("8GiB") == 8 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("4096") == 4096
     with pytest.raises(ValueError):
         parse_size("lots")
+
+
+def test_offer_carries_the_writer_address():
+    from tiersync.net.store_node import writer_address
+
+    assert writer_address("10.1.2.3:4000", "127.0.0.1:9") == "10.1.2.3:4000"
+    assert writer_address(":4000", "10.0.0.7:51234") == "10.0.0.7:4000"  # empty host: the IP we saw
+    assert writer_address(":4000", "[::1]:51234") == "[::1]:4000"
+    assert writer_address(":4000", None) is None and writer_address("", "10.0.0.7:1") is None
+    assert writer_address("host:0", None) is None and writer_address("host:x", None) is None
+    offer = ev.Offer(3, 9, (b"k" * 16,), (5,), ":4000")
+    from tiersync.net.codec import MetaReader
+    from tiersync.net.frames import ProtocolConfig
+
+    r = MetaReader(offer.meta())
+    assert ev.Offer.parse(3, r, ProtocolConfig()) == offer
+    r.finish()
+
+
+def test_offer_without_a_source_is_refused_and_a_wildcard_writer_is_dialled_back():
+    node = StoreNode(1 << 20, BLOCK, config=TcpConfig(token=TOKEN.encode()))
+    server = StoreNodeServer("127.0.0.1:0", node)
+    try:
+        ch = TcpTransport(TcpConfig(token=TOKEN.encode())).connect(server.address)
+        reply = ch.request(ev.Offer(ch.new_request_id(), 1, tuple(_keys(1)), (16,)))
+        assert reply.status is ev.OfferStatus.REFUSED and node.free_blocks == 4
+        ch.close()
+        keys, bufs = _keys(2), _bufs(2)
+        res = client(server.address, bind_host="0.0.0.0").offer_and_push(keys, bufs)  # source ":port"
+        assert res.commit is ev.CommitStatus.COMMITTED and node.stored == 2
+    finally:
+        server.close()
+        node.close()

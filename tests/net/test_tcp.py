@@ -4,6 +4,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import subprocess
+import sys
 from contextlib import contextmanager
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from _peer import run_block_server
 from tiersync.net import events as ev
 from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, RequestError
+from tiersync.net.frames import SUPPORTED, PayloadChecksum
 from tiersync.net.source import MemoryBlockSource
 from tiersync.net.tcp import TcpConfig, TcpTransport
 from tiersync.net.tls import TlsConfig
@@ -205,3 +208,69 @@ def test_pull_many_pipelines_into_each_destination():
         assert ch.closed
     finally:
         server.close()
+
+
+# -- builds with and without the native checksum talk to each other -------------------------------
+_FALLBACK_PEER = r"""
+import sys
+sys.modules["tiersync.transfer._kernel"] = None  # this process is a build without the extension
+from tiersync.net import events as ev
+from tiersync.net.frames import SUPPORTED
+from tiersync.net.source import MemoryBlockSource
+from tiersync.net.tcp import TcpTransport
+assert [a.name for a in SUPPORTED] == ["XXH3_64"]
+block = bytes(range(256)) * 8192
+if sys.argv[1] == "serve":
+    server = TcpTransport().serve("127.0.0.1:0", MemoryBlockSource({b"F" * 16: block}))
+    print("listening", server.address, flush=True)
+    sys.stdin.read()
+    server.close()
+else:
+    ch = TcpTransport().connect(sys.argv[2])
+    lease = ch.request(ev.ReadLease(ch.new_request_id(), (b"N" * 16,)))
+    dest = bytearray(lease.sizes[0])
+    ch.request(ev.Pull(ch.new_request_id(), lease.lease_id, b"N" * 16, 0, len(dest)), into=memoryview(dest))
+    print("algo", ch.payload_checksum.name, "exact", dest == block, flush=True)
+"""
+
+
+def _fallback(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _FALLBACK_PEER, *args], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True, **kw)
+
+
+def test_a_native_server_and_a_fallback_client_agree_on_xxh3():
+    block = bytes(range(256)) * 8192
+    server = TcpTransport().serve("127.0.0.1:0", MemoryBlockSource({b"N" * 16: block}))
+    try:
+        proc = _fallback("pull", server.address)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and out.split() == ["algo", "XXH3_64", "exact", "True"]
+    finally:
+        server.close()
+
+
+def test_a_native_client_and_a_fallback_server_agree_on_xxh3():
+    proc = _fallback("serve")
+    try:
+        address = proc.stdout.readline().split()[1]
+        ch = TcpTransport().connect(address)
+        assert ch.payload_checksum is PayloadChecksum.XXH3_64
+        lease = ch.request(ev.ReadLease(ch.new_request_id(), (b"F" * 16,)))
+        dest = bytearray(lease.sizes[0])
+        got = ch.request(ev.Pull(ch.new_request_id(), lease.lease_id, b"F" * 16, 0, len(dest)), into=memoryview(dest))
+        assert dest == bytes(range(256)) * 8192 and got.payload_sum[0] is PayloadChecksum.XXH3_64
+        ch.close()
+    finally:
+        proc.communicate("", timeout=30)
+
+
+@pytest.mark.skipif(PayloadChecksum.TSUM64 not in SUPPORTED, reason="native extension not built")
+def test_two_native_peers_use_tsum64(peer):
+    channel = TcpTransport(TcpConfig(token=TOKEN)).connect(peer)
+    assert channel.payload_checksum is PayloadChecksum.TSUM64
+    lease = channel.request(ev.ReadLease(channel.new_request_id(), (BIG,)))
+    dest = bytearray(lease.sizes[0])
+    channel.pull_many(lease.lease_id, [(BIG, 0, memoryview(dest))] * 3, window=2)
+    assert dest == BLOCKS[BIG]
+    channel.close()

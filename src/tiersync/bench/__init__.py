@@ -16,6 +16,8 @@ SUITES: dict[str, str] = {
     "storage": "tiersync.bench.storage",
     "h2h": "tiersync.bench.h2h",
     "registry": "tiersync.bench.registry",
+    "weights": "tiersync.bench.weights",
+    "serve": "tiersync.bench.serve",
 }
 
 

@@ -12,7 +12,10 @@ raw: ``sendall`` the request then ``recv_into`` the destination). Rows ``-w8`` k
 requests in flight per connection on both sides (ours: ``TcpChannel.pull_many``).
 
 Per case: a byte-exact check of both contenders first (RoundTripError on a
-mismatch), then warm-ups + iterations, interleaved in a rotating order.
+mismatch), then warm-ups + iterations, interleaved in a rotating order. Ours
+verifies every payload (``payload_checksum``: the negotiated algorithm; the
+source sends the checksum it keeps per whole block, the client computes and
+compares); the raw reference checks nothing on the wire.
 Rows: median GB/s (``ratio`` = ours / raw), and p50/p90/p99 of one block pull
 in ms (``baseline_p50_ms`` ... for raw).
 """
@@ -134,6 +137,10 @@ class _Ours:
         if reply.status is not ev.LeaseStatus.GRANTED:
             raise RoundTripError("source refused the lease", status=reply.status.name)
         self.lease = reply.lease_id
+        from tiersync.transfer.kernel import TSUM64
+
+        algo = ch.payload_checksum.name
+        self.checksum = f"{algo} ({TSUM64})" if algo == "TSUM64" else algo
 
     def pull(self, w: int, i: int, dest: memoryview) -> None:
         ch = self.channels[w]
@@ -225,7 +232,7 @@ def _case(config: BenchConfig, addrs: tuple[str, int], size: int, streams: int, 
     finally:
         ours.close()
         raw.close()
-    return _row(size, streams, window, n, samples)
+    return _row(size, streams, window, n, samples, ours.checksum)
 
 
 def _time(config: BenchConfig, pool: ThreadPoolExecutor, contenders: dict[str, Any], dests: list[memoryview],
@@ -250,7 +257,8 @@ def _latency(values: list[float], stats: dict[str, float]) -> dict[str, float]:
     return {**stats, **{f"p{q}_ms": percentile(values, q) * 1e3 for q in (50, 90, 99)}}
 
 
-def _row(size: int, streams: int, window: int, n: int, samples: dict[str, tuple[list[float], list[float]]]) -> dict[str, Any]:
+def _row(size: int, streams: int, window: int, n: int, samples: dict[str, tuple[list[float], list[float]]],
+         checksum: str) -> dict[str, Any]:
     nbytes = size * n
     ours = _latency(samples["tiersync"][1], throughput(nbytes, samples["tiersync"][0]))
     base = _latency(samples["raw-socket"][1], throughput(nbytes, samples["raw-socket"][0]))
@@ -258,7 +266,8 @@ def _row(size: int, streams: int, window: int, n: int, samples: dict[str, tuple[
                window=window, blocks=n, nbytes=nbytes,
                latency="per block pull (ms)" if window == 1 else "mean per block of a pipelined batch (ms)",
                baseline_p50_ms=round(base["p50_ms"], 4), baseline_p99_ms=round(base["p99_ms"], 4),
-               transport="tcp 127.0.0.1", server="separate process (spawn)", roundtrip="ok")
+               transport="tcp 127.0.0.1", server="separate process (spawn)", roundtrip="ok",
+               payload_checksum=checksum)
 
 
 def _start_server(config: BenchConfig) -> tuple[Any, Any, tuple[str, int]]:

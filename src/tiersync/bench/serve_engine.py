@@ -7,6 +7,11 @@ spec's steps on one prompt and prints one JSON line per step prefixed by ``RESUL
 - ``fill``: generate 1 token (untimed; fills whatever cache the engine has);
 - ``ttft``: generate 1 token, timed (seconds from submit to the first token);
 - ``gen``: generate ``max_tokens`` greedy tokens; reports them and the time per output token.
+
+Engines run in float32 unless the spec says otherwise: a loaded prefix leaves fewer tokens to
+compute than a full prefill, so the suffix is computed in other chunk shapes, and in bf16 the
+rounding difference can flip a later greedy token. In float32 it cannot, in practice, so the
+tests and the bench compare greedy tokens exactly.
 """
 from __future__ import annotations
 
@@ -46,35 +51,40 @@ def build_engine(spec: dict) -> Any:
     return LLM(model=spec["model"], skip_tokenizer_init=True, kv_transfer_config=_transfer_config(spec),
                gpu_memory_utilization=0.3, max_model_len=spec.get("max_model_len", 8192),
                max_num_batched_tokens=spec.get("chunk", 4096), enable_chunked_prefill=True,
-               enable_prefix_caching=bool(spec.get("prefix_cache", False)), enforce_eager=True, seed=0)
+               enable_prefix_caching=bool(spec.get("prefix_cache", False)), enforce_eager=True, seed=0,
+               dtype=spec.get("dtype", "float32"))
 
 
-def _generate(llm: Any, prompt: list[int], max_tokens: int) -> dict:
-    """Greedy generation of ``max_tokens``: seconds, tokens, the chosen tokens' logprobs and
-    how many prompt tokens the engine did not compute (prefix cache or connector hits)."""
+def generate(llm: Any, prompt: list[int], max_tokens: int, kv_transfer_params: dict | None = None) -> dict:
+    """Greedy generation of ``max_tokens``: seconds, tokens, the chosen tokens' logprobs, how
+    many prompt tokens the engine did not compute (prefix cache or connector hits) and the
+    connector's ``kv_transfer_params`` of the finished request."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=1)
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=1,
+                        extra_args=extra)
     t0 = time.perf_counter()
     out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)
     seconds = time.perf_counter() - t0
     gen = out[0].outputs[0]
     logprobs = [lp[t].logprob for t, lp in zip(gen.token_ids, gen.logprobs or [])]
     return {"seconds": seconds, "tokens": list(gen.token_ids), "logprobs": logprobs,
-            "cached_tokens": out[0].num_cached_tokens or 0}
+            "cached_tokens": out[0].num_cached_tokens or 0,
+            "kv_transfer_params": getattr(out[0], "kv_transfer_params", None)}
 
 
 def run(spec: dict) -> list[dict]:
     llm = build_engine(spec)
     vocab = spec.get("vocab", 4096)
-    _generate(llm, make_prompt(300, 12345, vocab), 2)  # warm-up on an unrelated prompt
+    generate(llm, make_prompt(300, 12345, vocab), 2)  # warm-up on an unrelated prompt
     prompt = make_prompt(spec["prompt_len"], spec.get("seed", 0), vocab)
     results = []
     for step in spec["steps"]:
         if step not in ("fill", "ttft", "gen"):
             raise SystemExit(f"unknown step {step!r}")
-        row = {"step": step, **_generate(llm, prompt, spec.get("max_tokens", 16) if step == "gen" else 1)}
+        row = {"step": step, **generate(llm, prompt, spec.get("max_tokens", 16) if step == "gen" else 1)}
         print("RESULT " + json.dumps(row), flush=True)
         results.append(row)
     return results

@@ -15,6 +15,8 @@ from tiersync.errors import check_positive_int
 
 __all__ = ["TinyLlama", "write_tiny_llama"]
 
+INIT_STD = 0.05
+
 
 @dataclass(frozen=True, slots=True)
 class TinyLlama:
@@ -33,16 +35,15 @@ class TinyLlama:
         for name, value in asdict(self).items():
             check_positive_int(value, f"TinyLlama.{name}")
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """bf16 K and V of all layers."""
-        return 2 * 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+    def kv_bytes_per_token(self, itemsize: int = 4) -> int:
+        """K and V of all layers, ``itemsize`` bytes per element (float32 by default)."""
+        return 2 * itemsize * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
 
 def write_tiny_llama(directory: str, shape: TinyLlama = TinyLlama(), seed: int = 0) -> str:
     """Write ``config.json`` and ``model.safetensors`` (bf16) into ``directory``; reuse
     them when the same shape and seed are already there. Returns ``directory``."""
-    stamp = json.dumps({"shape": asdict(shape), "seed": seed}, sort_keys=True)
+    stamp = json.dumps({"shape": asdict(shape), "seed": seed, "std": INIT_STD}, sort_keys=True)
     marker = os.path.join(directory, "tiersync-model.json")
     if os.path.exists(marker) and open(marker).read() == stamp:
         return directory
@@ -51,7 +52,7 @@ def write_tiny_llama(directory: str, shape: TinyLlama = TinyLlama(), seed: int =
 
     os.makedirs(directory, exist_ok=True)
     cfg = LlamaConfig(**asdict(shape), rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", initializer_range=0.05)
+                      bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", initializer_range=INIT_STD)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)

@@ -9,12 +9,12 @@ Enum fields travel as u8; their values are wire format — never renumber.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
 from tiersync.errors import UsageError
 from tiersync.net.codec import KEY_SIZE, MetaReader, MetaWriter
-from tiersync.net.frames import Op, ProtocolConfig
+from tiersync.net.frames import SUPPORTED, Op, PayloadChecksum, ProtocolConfig
 
 NONCE_SIZE = 16
 PROOF_SIZE = 32
@@ -83,44 +83,57 @@ def _text(name: str, v: object) -> None:
         raise UsageError("must be a str", argument=name)
 
 
+MAX_CHECKSUMS = 16
+_LOCAL_CHECKSUMS = tuple(int(a) for a in SUPPORTED)
+
+
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """Client -> server, first frame: who I am and a fresh nonce."""
+    """Client -> server, first frame: who I am, a fresh nonce, and the payload checksum ids
+    I verify (most preferred first; default: what this build has). Ids are raw ints so a
+    newer peer's unknown ids parse (the server ignores them)."""
 
     OP: ClassVar[Op] = Op.HELLO
     node_id: str
     nonce: bytes
+    checksums: tuple[int, ...] = _LOCAL_CHECKSUMS
 
     def __post_init__(self) -> None:
         _text("node_id", self.node_id)
         _bytes("nonce", self.nonce, (NONCE_SIZE,))
+        if (not isinstance(self.checksums, tuple) or not 0 < len(self.checksums) <= MAX_CHECKSUMS
+                or any(not isinstance(c, int) or not 0 <= c < 256 for c in self.checksums)):
+            raise UsageError(f"must be a tuple of 1..{MAX_CHECKSUMS} ids in [0, 256)", argument="checksums")
 
     def meta(self) -> bytes:
-        return MetaWriter().text(self.node_id).blob(self.nonce).getvalue()
+        return MetaWriter().text(self.node_id).blob(self.nonce).blob(bytes(self.checksums)).getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Hello":
-        return cls(r.text(cfg.max_string), r.blob(NONCE_SIZE))
+        return cls(r.text(cfg.max_string), r.blob(NONCE_SIZE), tuple(r.blob(MAX_CHECKSUMS)))
 
 
 @dataclass(frozen=True, slots=True)
 class Challenge:
-    """Server -> client: the server nonce and the server's proof (empty when no token)."""
+    """Server -> client: the server nonce, the server's proof (empty when no token), and the
+    payload checksum both sides use from now on (one the client offered)."""
 
     OP: ClassVar[Op] = Op.CHALLENGE
     nonce: bytes
     proof: bytes
+    checksum: PayloadChecksum = PayloadChecksum.XXH3_64
 
     def __post_init__(self) -> None:
         _bytes("nonce", self.nonce, (NONCE_SIZE,))
         _bytes("proof", self.proof, (0, PROOF_SIZE))
+        _enum("checksum", self.checksum, PayloadChecksum)
 
     def meta(self) -> bytes:
-        return MetaWriter().blob(self.nonce).blob(self.proof).getvalue()
+        return MetaWriter().blob(self.nonce).blob(self.proof).u8(self.checksum).getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Challenge":
-        return cls(r.blob(NONCE_SIZE), r.blob(PROOF_SIZE))
+        return cls(r.blob(NONCE_SIZE), r.blob(PROOF_SIZE), PayloadChecksum(r.u8()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,28 +228,34 @@ class Pong:
 
 @dataclass(frozen=True, slots=True)
 class Offer:
-    """Writer -> destination: blocks ``keys`` (sizes in bytes) pullable under ``lease_id``."""
+    """Writer -> destination: blocks ``keys`` (sizes in bytes) pullable under ``lease_id``.
+
+    ``source``: the writer's "host:port" to pull from; an empty host (":port") means
+    the address the destination sees the writer's connection come from.
+    """
 
     OP: ClassVar[Op] = Op.OFFER
     request_id: int
     lease_id: int
     keys: tuple[bytes, ...]
     sizes: tuple[int, ...]
+    source: str = ""
 
     def __post_init__(self) -> None:
         _u64("request_id", self.request_id)
         _u64("lease_id", self.lease_id)
         _keys("keys", self.keys)
         _u64s("sizes", self.sizes)
+        _text("source", self.source)
         if len(self.sizes) != len(self.keys):
             raise UsageError("must have one size per key", argument="sizes")
 
     def meta(self) -> bytes:
-        return MetaWriter().u64(self.lease_id).keys(self.keys).u64s(self.sizes).getvalue()
+        return MetaWriter().u64(self.lease_id).keys(self.keys).u64s(self.sizes).text(self.source).getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Offer":
-        return cls(rid, r.u64(), r.keys(cfg.max_keys), r.u64s(cfg.max_keys))
+        return cls(rid, r.u64(), r.keys(cfg.max_keys), r.u64s(cfg.max_keys), r.text(cfg.max_string))
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,16 +358,30 @@ class Pull:
 
 @dataclass(frozen=True, slots=True)
 class Data:
-    """Answer to a PULL: the bytes. ``payload`` may be any buffer; it is sent without a copy."""
+    """Answer to a PULL: the bytes. ``payload`` may be any buffer; it is sent without a copy.
+
+    ``payload_sum``: ``(algorithm, checksum)`` of exactly ``payload`` when the sender
+    already knows it (e.g. recorded when an immutable block arrived): the connection
+    sends it instead of re-reading the bytes when the algorithm is the negotiated one
+    (a stale value makes the receiver refuse the frame, BAD_CHECKSUM). On a received
+    DATA it is the verified checksum, so a receiver can keep it with the bytes. Not
+    compared by ``==``.
+    """
 
     OP: ClassVar[Op] = Op.DATA
     request_id: int
     payload: bytes | bytearray | memoryview
+    payload_sum: tuple[PayloadChecksum, int] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _u64("request_id", self.request_id)
         if not isinstance(self.payload, (bytes, bytearray, memoryview)):
             raise UsageError("must be a bytes-like buffer", argument="payload")
+        if self.payload_sum is not None:
+            if not isinstance(self.payload_sum, tuple) or len(self.payload_sum) != 2:
+                raise UsageError("must be (PayloadChecksum, int) or None", argument="payload_sum")
+            _enum("payload_sum", self.payload_sum[0], PayloadChecksum)
+            _u64("payload_sum", self.payload_sum[1])
 
     def meta(self) -> bytes:
         return b""

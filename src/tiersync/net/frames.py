@@ -1,6 +1,6 @@
 """The fixed 64-byte little-endian frame header and the op codes.
 
-Layout (``<4sHHIQIQQQ8sQ``, 64 bytes, no padding)::
+Layout (``<4sHHIQIQQQB7sQ``, 64 bytes, no padding)::
 
     0   magic            4s   b"TSYN"
     4   version          u16  PROTOCOL_VERSION
@@ -9,39 +9,100 @@ Layout (``<4sHHIQIQQQ8sQ``, 64 bytes, no padding)::
     12  request_id       u64
     20  meta_len         u32  bytes of metadata after the header
     24  payload_len      u64  bytes of payload after the metadata
-    32  payload_checksum u64  xxh3_64 of the payload
+    32  payload_checksum u64  the payload's checksum, by the algorithm at byte 48
     40  meta_checksum    u64  xxh3_64 of the metadata
-    48  reserved         8s   must be zero
+    48  payload_algo     u8   a :class:`PayloadChecksum` id
+    49  reserved         7s   must be zero
     56  header_checksum  u64  xxh3_64 of bytes 0..56
 
 A frame is ``header | metadata | payload``. Checks run in this order: magic,
-version, header checksum, op, flags/reserved, size bounds — so a length field is
-never trusted before the checksum that covers it has passed.
+version, header checksum, op, flags/reserved, payload algorithm, size bounds — so
+a length field is never trusted before the checksum that covers it has passed.
+
+Payload checksums: every frame names the algorithm its payload was summed with,
+so a receiver never verifies with the wrong one; an id it does not implement is
+refused (BAD_CHECKSUM, naming the id). HELLO lists the algorithms the client
+verifies, CHALLENGE names the server's pick (:func:`negotiate`), and both sides
+then sum their payloads with it. ``XXH3_64`` (the ``xxhash`` package, holds the
+GIL) is in every build; ``TSUM64`` (tiersync's native checksum, GIL released) is
+offered only when the extension is built. Header and metadata always use xxh3.
 """
 from __future__ import annotations
 
 import enum
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
 from tiersync.errors import UsageError, check_positive_int
 from tiersync.net.errors import ProtocolError, ProtocolFault
+from tiersync.transfer import kernel
 
 MAGIC = b"TSYN"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: payload algorithm byte in the header, checksum negotiation in HELLO
 HEADER_SIZE = 64
-_HEADER = struct.Struct("<4sHHIQIQQQ8sQ")
-_RESERVED = bytes(8)
+_HEADER = struct.Struct("<4sHHIQIQQQB7sQ")
+_RESERVED = bytes(7)
 assert _HEADER.size == HEADER_SIZE
 
 _xxh3 = xxhash.xxh3_64_intdigest
+_EMPTY_XXH3 = _xxh3(b"")
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
-    """xxh3_64 of ``data`` as an unsigned int."""
+    """xxh3_64 of ``data`` as an unsigned int (headers, metadata, XXH3_64 payloads)."""
     return _xxh3(data)
+
+
+class PayloadChecksum(enum.IntEnum):
+    """Payload checksum algorithms. Values are wire format: never renumber."""
+
+    XXH3_64 = 0  # the xxhash package: every build
+    TSUM64 = 1   # tiersync.transfer.kernel.tsum64: builds with the native extension
+
+
+SUPPORTED: tuple[PayloadChecksum, ...] = (
+    (PayloadChecksum.TSUM64, PayloadChecksum.XXH3_64) if kernel.TSUM64 is not None else (PayloadChecksum.XXH3_64,))
+"""What this build verifies, most preferred first."""
+
+
+def payload_checksum(algo: PayloadChecksum, data: bytes | bytearray | memoryview) -> int:
+    """Checksum of ``data`` by ``algo``. Raises UsageError when this build lacks ``algo``."""
+    if algo is PayloadChecksum.TSUM64 and kernel.TSUM64 is not None:
+        return kernel.tsum64(data)
+    if algo is PayloadChecksum.XXH3_64:
+        return _xxh3(data)
+    raise UsageError(f"payload checksum {algo!r} is not available in this build", argument="algo")
+
+
+def payload_hasher(algo: PayloadChecksum) -> object:
+    """An incremental hasher (``update``, ``intdigest``) for ``algo``; UsageError when unavailable."""
+    if algo is PayloadChecksum.TSUM64 and kernel.TSUM64 is not None:
+        return kernel.tsum64_hasher()
+    if algo is PayloadChecksum.XXH3_64:
+        return xxhash.xxh3_64()
+    raise UsageError(f"payload checksum {algo!r} is not available in this build", argument="algo")
+
+
+_ALGOS = frozenset(int(a) for a in SUPPORTED)
+_ALGO_OF = {int(a): a for a in SUPPORTED}
+EMPTY_CHECKSUM = {a: payload_checksum(a, b"") for a in SUPPORTED}
+"""Checksum of an empty payload, per algorithm this build has."""
+
+
+def negotiate(offered: tuple[int, ...]) -> PayloadChecksum:
+    """The first of :data:`SUPPORTED` that the peer ``offered`` (raw ids, unknown ones ignored).
+
+    Raises ProtocolError(MALFORMED) when nothing is in common (every build has XXH3_64,
+    so only a broken or foreign peer gets there).
+    """
+    for algo in SUPPORTED:
+        if int(algo) in offered:
+            return algo
+    raise ProtocolError("no payload checksum in common with the peer", fault=ProtocolFault.MALFORMED,
+                        offered=list(offered), supported=[a.name for a in SUPPORTED])
 
 
 class Op(enum.IntEnum):
@@ -65,6 +126,7 @@ class Op(enum.IntEnum):
 
 
 _OPS = frozenset(int(o) for o in Op)
+_OP_OF = {int(o): o for o in Op}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +153,8 @@ class ProtocolConfig:
             raise UsageError("must fit in u32", argument="max_meta_size")
 
 
-@dataclass(frozen=True, slots=True)
-class FrameHeader:
-    """A decoded, validated header."""
+class FrameHeader(NamedTuple):
+    """A decoded, validated header (a named tuple: built once per frame, cheaply)."""
 
     op: Op
     request_id: int
@@ -101,15 +162,18 @@ class FrameHeader:
     payload_len: int
     payload_checksum: int
     meta_checksum: int
+    payload_algo: PayloadChecksum = PayloadChecksum.XXH3_64
 
 
-def encode_header(op: Op, request_id: int, meta: bytes, payload_len: int, payload_checksum: int) -> bytes:
-    """Pack a header for ``meta`` (bytes) and a payload of ``payload_len`` bytes."""
-    head = _HEADER.pack(
-        MAGIC, PROTOCOL_VERSION, int(op), 0, request_id, len(meta), payload_len,
-        payload_checksum, checksum(meta), _RESERVED, 0,
-    )
-    return head[:56] + checksum(head[:56]).to_bytes(8, "little")
+_HEAD56 = struct.Struct("<4sHHIQIQQQB7s")
+
+
+def encode_header(op: Op, request_id: int, meta: bytes, payload_len: int, payload_checksum: int,
+                  payload_algo: PayloadChecksum = PayloadChecksum.XXH3_64) -> bytes:
+    """Pack a header for ``meta`` (bytes) and a payload of ``payload_len`` bytes summed by ``payload_algo``."""
+    head = _HEAD56.pack(MAGIC, PROTOCOL_VERSION, op, 0, request_id, len(meta), payload_len,
+                        payload_checksum, _xxh3(meta) if meta else _EMPTY_XXH3, payload_algo, _RESERVED)
+    return head + _xxh3(head).to_bytes(8, "little")
 
 
 def decode_header(raw: bytes | memoryview, config: ProtocolConfig) -> FrameHeader:
@@ -119,7 +183,7 @@ def decode_header(raw: bytes | memoryview, config: ProtocolConfig) -> FrameHeade
     UNKNOWN_OP, MALFORMED or OVERSIZE) — the sender's fault.
     """
     (magic, version, op, flags, request_id, meta_len, payload_len,
-     payload_ck, meta_ck, reserved, header_ck) = _HEADER.unpack(raw)
+     payload_ck, meta_ck, algo, reserved, header_ck) = _HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError("bad frame magic", fault=ProtocolFault.BAD_MAGIC, magic=bytes(magic))
     if version != PROTOCOL_VERSION:
@@ -131,7 +195,11 @@ def decode_header(raw: bytes | memoryview, config: ProtocolConfig) -> FrameHeade
         raise ProtocolError("unknown op", fault=ProtocolFault.UNKNOWN_OP, op=op)
     if flags != 0 or reserved != _RESERVED:
         raise ProtocolError("reserved header bits set", fault=ProtocolFault.MALFORMED, flags=flags)
+    if algo not in _ALGOS:
+        raise ProtocolError(f"payload checksum algorithm {algo} is not supported by this build",
+                            fault=ProtocolFault.BAD_CHECKSUM, algo=algo,
+                            supported=[a.name for a in SUPPORTED])
     if meta_len > config.max_meta_size or meta_len + payload_len > config.max_frame_size:
         raise ProtocolError("frame exceeds the configured bound", fault=ProtocolFault.OVERSIZE,
                             meta_len=meta_len, payload_len=payload_len, max_frame_size=config.max_frame_size)
-    return FrameHeader(Op(op), request_id, meta_len, payload_len, payload_ck, meta_ck)
+    return FrameHeader(_OP_OF[op], request_id, meta_len, payload_len, payload_ck, meta_ck, _ALGO_OF[algo])

@@ -20,6 +20,13 @@ request id 0 ends the connection. Errors:
 
 Memory: nothing is allocated from a peer-declared size beyond
 :class:`ProtocolConfig` bounds; payload buffers grow only as bytes arrive.
+
+Payload checksums (see :mod:`tiersync.net.frames`): the client's HELLO offers ids
+(each one this build verifies, else UsageError), the server's CHALLENGE picks one
+of them (else UsageError; a client receiving a pick it did not offer raises
+ProtocolError), and from then on :attr:`Connection.payload_algo` sums what this
+side sends. Received payloads are verified by the algorithm their header names,
+incrementally as the bytes arrive.
 """
 from __future__ import annotations
 
@@ -30,7 +37,18 @@ from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
 from tiersync.net.codec import MetaReader
 from tiersync.net.errors import ProtocolError, ProtocolFault
-from tiersync.net.frames import HEADER_SIZE, FrameHeader, Op, ProtocolConfig, checksum, decode_header, encode_header
+from tiersync.net.frames import (EMPTY_CHECKSUM, HEADER_SIZE, SUPPORTED, FrameHeader, Op, PayloadChecksum,
+                                 ProtocolConfig, checksum, decode_header, encode_header, payload_checksum,
+                                 payload_hasher)
+
+
+_LOCAL = frozenset(int(a) for a in SUPPORTED)
+_EMPTY = memoryview(b"")
+
+
+def _bytes_view(buf: object) -> memoryview:
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class _NeedData:
@@ -117,6 +135,12 @@ class Connection:
         self._mine: dict[int, frozenset[Op]] = {}    # requests I sent -> responses I may receive
         self._theirs: dict[int, frozenset[Op]] = {}  # requests I received -> responses I may send
         self._sinks: dict[int, memoryview] = {}
+        self._prefill: tuple[int, int] | None = None  # (request id, bytes) of a scatter read's payload part
+        self._prefilled = 0
+        self._hasher: object | None = None
+        self._offered: tuple[int, ...] = ()  # payload checksum ids offered in HELLO
+        self.payload_algo = PayloadChecksum.XXH3_64
+        """The algorithm this side sums its payloads with (XXH3_64 until negotiated)."""
 
     # ---------------------------------------------------------------- sending
     def send(self, event: ev.Event) -> list[bytes | memoryview]:
@@ -128,20 +152,26 @@ class Connection:
         self._check_open()
         op = event.OP
         rid = getattr(event, "request_id", 0)
-        self._check_send_allowed(op, rid)
+        self._check_send_allowed(op, rid, event)
         meta = event.meta()
-        payload = memoryview(event.payload).cast("B") if isinstance(event, ev.Data) else memoryview(b"")
+        payload = _bytes_view(event.payload) if op is Op.DATA else _EMPTY
         if len(meta) > self.config.max_meta_size or len(meta) + len(payload) > self.config.max_frame_size:
             raise UsageError("frame exceeds max_frame_size", argument="event",
                              meta_len=len(meta), payload_len=len(payload))
         self._apply_send(op, rid, event)
-        head = encode_header(op, rid, meta, len(payload), checksum(payload))
-        return [head + meta, payload] if len(payload) else [head + meta]
+        algo = self.payload_algo
+        if not len(payload):
+            return [encode_header(op, rid, meta, 0, EMPTY_CHECKSUM[algo], algo) + meta]
+        known = event.payload_sum
+        value = known[1] if known is not None and known[0] is algo else payload_checksum(algo, payload)
+        return [encode_header(op, rid, meta, len(payload), value, algo) + meta, payload]
 
-    def _check_send_allowed(self, op: Op, rid: int) -> None:
+    def _check_send_allowed(self, op: Op, rid: int, event: object) -> None:
         if self.state is not State.READY:
-            if op is Op.ERROR or (self.role, self.state, _S, op) in _HANDSHAKE:
+            if op is Op.ERROR:
                 return
+            if (self.role, self.state, _S, op) in _HANDSHAKE:
+                return self._check_checksums(op, event)
             raise UsageError(f"cannot send {op.name} in state {self.state.value}", argument="event")
         if op in _ANSWERS:
             if rid == 0 or rid in self._mine:
@@ -154,11 +184,23 @@ class Connection:
         else:
             raise UsageError(f"cannot send {op.name} after the handshake", argument="event")
 
+    def _check_checksums(self, op: Op, event: object) -> None:
+        if op is Op.HELLO and any(c not in _LOCAL for c in event.checksums):
+            raise UsageError("HELLO may offer only payload checksums this build verifies", argument="event",
+                             offered=event.checksums, supported=sorted(_LOCAL))
+        if op is Op.CHALLENGE and (event.checksum not in self._offered or event.checksum not in SUPPORTED):
+            raise UsageError("CHALLENGE must pick a payload checksum the client offered and this build has",
+                             argument="event", offered=self._offered, picked=event.checksum.name)
+
     def _apply_send(self, op: Op, rid: int, event: object) -> None:
         if op is Op.ERROR and (rid == 0 or self.state is not State.READY):
             self.state = State.CLOSED
         elif self.state is not State.READY:
             self.state = _HANDSHAKE[(self.role, self.state, _S, op)]
+            if op is Op.HELLO:
+                self._offered = event.checksums
+            elif op is Op.CHALLENGE:
+                self.payload_algo = event.checksum
         elif op in _ANSWERS:
             self._mine[rid] = _ANSWERS[op]
         else:
@@ -209,11 +251,54 @@ class Connection:
             return None
         return self._payload[self._filled:]
 
+    def read_hint(self) -> int:
+        """How many bytes to read next so as not to read past a header into a payload that
+        could land in a caller buffer: the rest of the current header or metadata while a
+        :meth:`expect_payload_into` buffer is registered, else 0 (any amount is fine)."""
+        if not self._sinks or self._payload is not None:
+            return 0
+        need = (HEADER_SIZE if self._header is None else self._header.meta_len) - len(self._buf)
+        return need if need > 0 else 0
+
+    def scatter_target(self) -> memoryview | None:
+        """At a frame boundary with nothing buffered: the oldest registered payload buffer (the
+        next DATA most likely lands there), else None. The caller may then read one header and
+        that buffer in a single scatter read and report it with :meth:`scatter_received`; bytes
+        that turn out not to be that payload go back into the stream, so until its DATA has
+        arrived the buffer's contents are undefined."""
+        if self._header is not None or self._buf or self._eof or not self._sinks:
+            return None
+        return next(iter(self._sinks.values()))
+
+    def scatter_received(self, header: bytes | bytearray | memoryview, n: int) -> None:
+        """Record a scatter read of ``n`` bytes: up to HEADER_SIZE into ``header``, the rest into
+        :meth:`scatter_target` (``n == 0`` is end of stream). Raises UsageError when no target."""
+        target = self.scatter_target()
+        if target is None or not 0 <= n <= HEADER_SIZE + len(target):
+            raise UsageError("no scatter target or count out of range", argument="n", value=n)
+        if n == 0:
+            return self.receive_data(b"")
+        self.receive_data(memoryview(header)[:min(n, HEADER_SIZE)])
+        if n > HEADER_SIZE:
+            self._prefill = (next(iter(self._sinks)), n - HEADER_SIZE)
+
+    def _settle_prefill(self, header: FrameHeader) -> None:
+        """The frame after a scatter read is decoded: keep the bytes in place if it is the
+        predicted DATA, else put them back into the stream (right after this header)."""
+        rid, n = self._prefill
+        self._prefill = None
+        sink = self._sinks[rid]
+        if header.op is Op.DATA and header.request_id == rid and header.meta_len == 0 and header.payload_len == len(sink):
+            self._prefilled = n
+        else:
+            self._buf += sink[:n]
+
     def payload_received(self, n: int) -> None:
         """Record ``n`` bytes written into :meth:`payload_sink`. Raises UsageError when out of range."""
         sink = self.payload_sink()
         if sink is None or not 0 < n <= len(sink):
             raise UsageError("no payload sink or count out of range", argument="n", value=n)
+        self._hasher.update(sink[:n])
         self._filled += n
 
     def next_event(self) -> object:
@@ -268,6 +353,8 @@ class Connection:
         del self._buf[:HEADER_SIZE]
         self._check_recv_allowed(header.op, header.request_id)
         self._header = header
+        if self._prefill is not None:
+            self._settle_prefill(header)
 
     def _begin_payload(self, header: FrameHeader) -> None:
         meta = bytes(self._buf[:header.meta_len])
@@ -283,33 +370,41 @@ class Connection:
                                 expected=len(sink), got=header.payload_len)
         self._payload = sink if sink is not None else bytearray()
         self._filled = 0
+        self._hasher = payload_hasher(header.payload_algo) if header.payload_len else None
+        if self._prefilled:  # a scatter read already landed the start of this payload
+            self._filled, self._prefilled = self._prefilled, 0
+            self._hasher.update(self._payload[:self._filled])
 
     def _fill_payload(self, header: FrameHeader) -> None:
         take = min(len(self._buf), header.payload_len - self._filled)
         if not take:
             return
         if isinstance(self._payload, memoryview):
-            self._payload[self._filled:self._filled + take] = self._buf[:take]
+            piece = self._payload[self._filled:self._filled + take]
+            piece[:] = self._buf[:take]
+            self._hasher.update(piece)
         else:
             with memoryview(self._buf) as view:
                 self._payload += view[:take]
+                self._hasher.update(view[:take])
         del self._buf[:take]
         self._filled += take
 
     def _finish_frame(self, header: FrameHeader) -> object:
-        payload = self._payload
-        self._header, self._payload, self._filled = None, None, 0
-        if checksum(payload) != header.payload_checksum:
+        payload, hasher = self._payload, self._hasher
+        self._header, self._payload, self._filled, self._hasher = None, None, 0, None
+        got = hasher.intdigest() if hasher is not None else EMPTY_CHECKSUM[header.payload_algo]
+        if got != header.payload_checksum:
             raise ProtocolError("payload checksum mismatch", fault=ProtocolFault.BAD_CHECKSUM)
-        event = self._parse(header, payload)
+        event = self._parse(header, payload, got)
         self._apply_recv(header.op, header.request_id, event)
         return event
 
-    def _parse(self, header: FrameHeader, payload: bytearray | memoryview) -> object:
+    def _parse(self, header: FrameHeader, payload: bytearray | memoryview, payload_sum: int) -> object:
         if header.op is Op.DATA:
             if self._meta:
                 raise ProtocolError("DATA carries no metadata", fault=ProtocolFault.MALFORMED)
-            return ev.Data(header.request_id, payload)
+            return ev.Data(header.request_id, payload, (header.payload_algo, payload_sum))
         reader = MetaReader(self._meta)
         parse: Callable = ev.EVENT_TYPES[header.op].parse
         try:
@@ -340,11 +435,26 @@ class Connection:
             self.state = State.CLOSED
         elif self.state is not State.READY:
             self.state = _HANDSHAKE[(self.role, self.state, _R, op)]
+            self._negotiate(op, event)
         elif op in _ANSWERS:
             self._theirs[rid] = _ANSWERS[op]
         else:
             self._sinks.pop(rid, None)
             self._advance(self._mine, rid, event)
+
+    def _negotiate(self, op: Op, event: object) -> None:
+        if op is Op.HELLO:
+            self._offered = event.checksums
+        elif op is Op.CHALLENGE:
+            if event.checksum not in self._offered:
+                raise ProtocolError("server picked a payload checksum the client did not offer",
+                                    fault=ProtocolFault.MALFORMED, picked=event.checksum.name, offered=self._offered)
+            self.payload_algo = event.checksum
+
+    @property
+    def peer_checksums(self) -> tuple[int, ...]:
+        """Server side: the payload checksum ids the client's HELLO offered (empty before HELLO)."""
+        return self._offered if self.role is Role.SERVER else ()
 
     def _check_open(self) -> None:
         if self.state is State.POISONED:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 
 from tiersync.errors import UsageError
 from tiersync.net import events as ev
+from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 
 LEASE_TTL_MIN_S, LEASE_TTL_MAX_S = 30, 600
 
@@ -45,6 +46,7 @@ class MemoryBlockSource:
     def __init__(self, blocks: Mapping[bytes, bytes], clock: Callable[[], float] = time.monotonic) -> None:
         self._blocks = {bytes(k): memoryview(v).cast("B") for k, v in blocks.items()}
         self._clock = clock
+        self._sums: dict[bytes, tuple[PayloadChecksum, int]] = {}
         self._leases: dict[int, tuple[float, frozenset[bytes]]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -83,7 +85,17 @@ class MemoryBlockSource:
         block = self._blocks[req.key]
         if req.offset + req.length > len(block):
             return ev.Error(req.request_id, ev.ErrorCode.BAD_REQUEST, "range beyond the block")
+        if req.offset == 0 and req.length == len(block):
+            return ev.Data(req.request_id, block, self._sum(req.key, block))
         return ev.Data(req.request_id, block[req.offset:req.offset + req.length])
+
+    def _sum(self, key: bytes, block: memoryview) -> tuple[PayloadChecksum, int]:
+        """The block's payload checksum (this build's preferred algorithm), computed once: blocks
+        must not change while served (a changed one is refused by the receiver, never passed)."""
+        known = self._sums.get(key)
+        if known is None:
+            known = self._sums[key] = (SUPPORTED[0], payload_checksum(SUPPORTED[0], block))
+        return known
 
     def _release(self, req: ev.Release) -> ev.CommitReply:
         held = self._held(req.lease_id) is not None

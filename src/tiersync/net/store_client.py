@@ -15,6 +15,9 @@ from tiersync.net import events as ev
 from tiersync.net.source import MemoryBlockSource
 from tiersync.net.tcp import Deadline, TcpConfig, TcpTransport
 
+PULL_WINDOW = 8
+_WILDCARD = ("", "0.0.0.0", "::")
+
 
 @dataclass(frozen=True, slots=True)
 class PushResult:
@@ -28,8 +31,9 @@ class PushResult:
 class StoreNodeClient:
     """Talks to the store node at ``address`` ("host:port").
 
-    ``bind_host``: where this side serves its blocks for the node to pull
-    (reachable from the node). ``on_pull`` (tests): called with each PULL the
+    ``bind_host``: where this side serves its blocks for the node to pull; the
+    OFFER names it (a wildcard bind sends an empty host: the node then dials the
+    IP it sees us connect from). ``on_pull`` (tests): called with each PULL the
     node sends us, before it is answered.
     """
 
@@ -40,8 +44,8 @@ class StoreNodeClient:
         self.address, self.token, self.timeout = address, token, timeout
         self._bind, self._on_pull = bind_host, on_pull
 
-    def _connect(self, deadline: Deadline, node_id: str = "tiersync-client"):
-        cfg = TcpConfig(token=self.token, node_id=node_id, connect_timeout_s=min(self.timeout, 30.0))
+    def _connect(self, deadline: Deadline):
+        cfg = TcpConfig(token=self.token, node_id="tiersync-client", connect_timeout_s=min(self.timeout, 30.0))
         return TcpTransport(cfg).connect(self.address, timeout=deadline.remaining())
 
     def offer_and_push(self, keys: Sequence[bytes], buffers: Sequence[object]) -> PushResult:
@@ -54,10 +58,11 @@ class StoreNodeClient:
         server = TcpTransport(TcpConfig(token=self.token)).serve(f"{self._bind}:0", self._handler(source))
         try:
             lease = source(ev.ReadLease(1, keys, ttl_s=max(int(self.timeout) + 1, 30)))[0]
-            port = server.address.rpartition(":")[2]
-            channel = self._connect(deadline, node_id=f"tiersync-writer@{port}")
+            host = "" if self._bind in _WILDCARD else self._bind
+            pull_from = f"{host}:{server.address.rpartition(':')[2]}"
+            channel = self._connect(deadline)
             try:
-                return self._offer(channel, lease, keys, deadline)
+                return self._offer(channel, lease, keys, pull_from, deadline)
             finally:
                 channel.close()
         finally:
@@ -71,9 +76,11 @@ class StoreNodeClient:
 
         return handle
 
-    def _offer(self, channel, lease: ev.LeaseReply, keys: tuple[bytes, ...], deadline: Deadline) -> PushResult:
+    def _offer(self, channel, lease: ev.LeaseReply, keys: tuple[bytes, ...], source: str,
+               deadline: Deadline) -> PushResult:
         rid = channel.new_request_id()
-        reply = channel.request(ev.Offer(rid, lease.lease_id, keys, lease.sizes), timeout=deadline.remaining())
+        reply = channel.request(ev.Offer(rid, lease.lease_id, keys, lease.sizes, source),
+                                timeout=deadline.remaining())
         if reply.status is ev.OfferStatus.REFUSED:
             raise CapacityError("store node refused the offer (no free space, or keys in flight)",
                                 requested=len(keys), peer=self.address)
@@ -114,9 +121,10 @@ class StoreNodeClient:
 
     @staticmethod
     def _pull_all(channel, lease: ev.LeaseReply, keys: tuple[bytes, ...], into, deadline: Deadline) -> None:
+        items = []
         for key, size, buf in zip(keys, lease.sizes, into):
             view = memoryview(buf).cast("B")
             if len(view) < size:
                 raise UsageError("buffer smaller than the block", argument="into", need=size, got=len(view))
-            channel.request(ev.Pull(channel.new_request_id(), lease.lease_id, key, 0, size),
-                            timeout=deadline.remaining(), into=view[:size])
+            items.append((key, 0, view[:size]))
+        channel.pull_many(lease.lease_id, items, window=PULL_WINDOW, timeout=deadline.remaining())

@@ -5,39 +5,49 @@ to [30, 600] s), PULL serves ranges of pinned blocks, RELEASE unpins and answers
 COMMITTED only when the lease was still held; expired leases are unpinned lazily.
 
 Remote WRITE ("the destination pulls"): the writer serves its blocks on its own
-listener, announces that port in its HELLO (``node_id = "tiersync-writer@PORT"``;
-the node dials the writer's IP as it saw it) and OFFERs the keys under a lease on
-its source. The node answers ALL_EXIST, PARTIAL_EXIST (the overlap), ACCEPT or
-REFUSED (not enough FREE blocks: the node never evicts for a remote; a block
-larger than the node's blocks; keys already landing). After ACCEPT/PARTIAL_EXIST
-it pulls into landing blocks, releases the writer's lease and inserts
-all-or-nothing: COMMITTED, or FAILED with every landing block freed.
+listener and OFFERs the keys under a lease on that source; the OFFER carries the
+writer's address (``source``; an empty host means the IP the node sees the
+writer's connection come from). The node answers ALL_EXIST, PARTIAL_EXIST (the
+overlap), ACCEPT or REFUSED (not enough FREE blocks: the node never evicts for a
+remote; a block larger than the node's blocks; keys already landing; no usable
+source). After ACCEPT/PARTIAL_EXIST it pulls into landing blocks, releases the
+writer's lease and inserts all-or-nothing: COMMITTED, or FAILED with every
+landing block freed.
 
 Stored blocks stay locked in the allocator (nothing is evictable); a lease adds
-one lock per block. :class:`StoreNodeClient` is the other side.
+one lock per block. With a registry (``main(registry=...)``) the node registers,
+heartbeats and advertises the keys it holds (:mod:`tiersync.net.registry.agent`);
+``on_stored`` is called with new keys before COMMITTED is answered.
+:class:`StoreNodeClient` is the other side.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
-from tiersync.errors import UsageError
+from tiersync.errors import RemoteError, UsageError
 from tiersync.net import events as ev
 from tiersync.net.source import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, dispatch
 from tiersync.net.tcp import Deadline, TcpConfig, TcpTransport, parse_address
 from tiersync.net.tcp_server import TcpServer
 from tiersync.tiers.host import HostArena, HostArenaConfig
 
+if TYPE_CHECKING:
+    from tiersync.net.registry.agent import AgentConfig, StoreAgent
+    from tiersync.net.registry.base import Registry
+
 log = logging.getLogger(__name__)
-WRITER_PREFIX = "tiersync-writer@"
 PULL_CHUNK = 16 << 20
+PULL_WINDOW = 8
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_conn = threading.local()  # per connection thread: the writer address announced in HELLO
+_conn = threading.local()  # per connection thread: the peer's "ip:port" as this node sees it
 
 
 def parse_size(text: str) -> int:
@@ -52,12 +62,13 @@ class StoreNode:
     """The node's request handler over a HostArena of ``capacity`` bytes. Thread-safe."""
 
     def __init__(self, capacity: int, block_nbytes: int = 1 << 20, *, config: TcpConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic, pull_timeout_s: float = 60.0) -> None:
+                 clock: Callable[[], float] = time.monotonic, pull_timeout_s: float = 60.0,
+                 on_stored: Callable[[list[bytes]], None] | None = None) -> None:
         if capacity < block_nbytes:
             raise UsageError("capacity is smaller than one block", argument="capacity", value=capacity)
         self.arena = HostArena(HostArenaConfig(num_blocks=capacity // block_nbytes, block_nbytes=block_nbytes))
         self.config = config or TcpConfig()
-        self._clock, self._pull_timeout = clock, pull_timeout_s
+        self._clock, self._pull_timeout, self.on_stored = clock, pull_timeout_s, on_stored
         self._index: dict[bytes, tuple[int, int]] = {}  # key -> (block, size)
         self._landing: set[bytes] = set()
         self._leases: dict[int, tuple[float, list[int], frozenset[bytes]]] = {}
@@ -110,9 +121,13 @@ class StoreNode:
         return ev.CommitReply(req.request_id, ev.CommitStatus.COMMITTED)
 
     # -- writes --------------------------------------------------------------
-    def offer(self, req: ev.Offer, writer: str | None = None) -> Iterator[object]:
-        """Answers to OFFER ``req``: the OFFER_REPLY, then (when accepted) the COMMIT_REPLY."""
-        writer = writer or getattr(_conn, "writer", None)
+    def offer(self, req: ev.Offer, peer: str | None = None) -> Iterator[object]:
+        """Answers to OFFER ``req``: the OFFER_REPLY, then (when accepted) the COMMIT_REPLY.
+
+        ``peer``: the writer connection's "ip:port" (default: the serving thread's), used
+        when ``req.source`` has an empty host.
+        """
+        writer = writer_address(req.source, peer or getattr(_conn, "peer", None))
         reply, new, blocks = self._admit(req, writer)
         yield reply
         if not new:
@@ -130,6 +145,8 @@ class StoreNode:
             self.arena.publish(blocks, [k for k, _ in new])
             self._index.update({k: (b, s) for (k, s), b in zip(new, blocks)})
             self._landing.difference_update(k for k, _ in new)
+        if self.on_stored is not None:
+            self.on_stored([k for k, _ in new])
         yield ev.CommitReply(req.request_id, ev.CommitStatus.COMMITTED)
 
     def _admit(self, req: ev.Offer, writer: str | None) -> tuple[ev.OfferReply, list, list[int]]:
@@ -149,17 +166,12 @@ class StoreNode:
         return ev.OfferReply(req.request_id, status, existing), new, blocks
 
     def _pull_from(self, writer: str, lease_id: int, new: list, blocks: list[int]) -> None:
-        from tiersync.errors import RemoteError
-
         deadline = Deadline(self._pull_timeout, writer)
         channel = TcpTransport(self.config).connect(writer, timeout=deadline.remaining())
         try:
-            for (key, size), b in zip(new, blocks):
-                dest = self.arena.block(b)
-                for off in range(0, size, PULL_CHUNK):
-                    n = min(PULL_CHUNK, size - off)
-                    channel.request(ev.Pull(channel.new_request_id(), lease_id, key, off, n),
-                                    timeout=deadline.remaining(), into=dest[off:off + n])
+            items = [(key, off, self.arena.block(b)[off:off + min(PULL_CHUNK, size - off)])
+                     for (key, size), b in zip(new, blocks) for off in range(0, size, PULL_CHUNK)]
+            channel.pull_many(lease_id, items, window=PULL_WINDOW, timeout=deadline.remaining())
             done = channel.request(ev.Release(channel.new_request_id(), lease_id), timeout=deadline.remaining())
             if done.status is not ev.CommitStatus.COMMITTED:
                 raise RemoteError("writer's lease was lost before the pull finished", peer=writer)
@@ -167,6 +179,11 @@ class StoreNode:
             channel.close()
 
     # -- introspection --------------------------------------------------------
+    def held_keys(self) -> list[bytes]:
+        """Every key stored (landing ones excluded)."""
+        with self._lock:
+            return list(self._index)
+
     @property
     def stored(self) -> int:
         with self._lock:
@@ -186,31 +203,36 @@ class StoreNode:
 
 
 class StoreNodeServer(TcpServer):
-    """TcpServer that records each writer's announced pull address and streams OFFER answers."""
+    """TcpServer that remembers each connection's peer (for OFFER sources) and streams OFFER answers."""
 
     def __init__(self, address: str, node: StoreNode) -> None:
         self.node = node
         super().__init__(address, node, node.config)
 
-    def _handshake(self, framed, deadline) -> None:
-        read = framed.read
-
-        def first(d):
-            framed.read = read
-            event = read(d)
-            node_id = getattr(event, "node_id", "")
-            _conn.writer = None
-            if node_id.startswith(WRITER_PREFIX) and node_id[len(WRITER_PREFIX):].isdigit():
-                _conn.writer = f"{parse_address(framed.peer)[0]}:{node_id[len(WRITER_PREFIX):]}"
-            return event
-
-        framed.read = first
-        super()._handshake(framed, deadline)
+    def _dispatch(self, framed) -> None:
+        _conn.peer = framed.peer
+        super()._dispatch(framed)
 
     def _answers(self, event):
         if not isinstance(event, ev.Offer):
             return super()._answers(event)
         return _guarded(self.node.offer(event), event.request_id)
+
+
+def writer_address(source: str, peer: str | None) -> str | None:
+    """The address to pull an OFFER's blocks from, or None (no usable source: refused).
+
+    ``source`` "host:port"; an empty host (":port") takes ``peer``'s IP.
+    """
+    host, sep, port = source.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    if not host:
+        if peer is None:
+            return None
+        host = parse_address(peer)[0]
+        host = f"[{host}]" if ":" in host else host
+    return f"{host}:{port}"
 
 
 def _guarded(answers: Iterator[object], request_id: int) -> Iterator[object]:
@@ -234,23 +256,72 @@ def serve(capacity: int, address: str = "127.0.0.1:0", *, token: bytes | None = 
     return StoreNodeServer(address, StoreNode(capacity, block_nbytes, config=TcpConfig(token=token)))
 
 
+def attach_registry(server: StoreNodeServer, registry: "Registry", config: "AgentConfig") -> "StoreAgent":
+    """Register ``server``'s node in ``registry``, heartbeat, advertise what it stores; returns the started agent."""
+    from tiersync.net.registry.agent import StoreAgent
+
+    node = server.node
+    agent = StoreAgent(registry, config, free_blocks=lambda: node.free_blocks, held_keys=node.held_keys,
+                       capacity_blocks=node.arena.num_blocks)
+    node.on_stored = agent.announce
+    agent.start()
+    return agent
+
+
+def default_advertise(address: str) -> str:
+    """``address`` itself, or this host's name with its port when it is a wildcard bind."""
+    host, port = parse_address(address)
+    return f"{socket.gethostname()}:{port}" if host in ("0.0.0.0", "::", "") else address
+
+
 def main(capacity: str, port: int, host: str = "127.0.0.1", token: str | None = None,
-         block_size: str = "1MiB", stop: threading.Event | None = None) -> int:
-    """The ``tiersync store-node`` process: print the address, serve until interrupted."""
+         block_size: str = "1MiB", stop: threading.Event | None = None, *, registry: str | None = None,
+         store_id: str | None = None, pool_group: str = "", heartbeat_s: float = 300.0,
+         advertise: str | None = None) -> int:
+    """The ``tiersync store-node`` process: print the address, serve until interrupted (or SIGTERM).
+
+    ``registry``: "host:port" of ``tiersync registry`` (or "redis://..."): register as
+    ``store_id`` (default "HOST:PORT" of ``advertise``) and heartbeat every ``heartbeat_s``.
+    """
     server = serve(parse_size(capacity), f"{host}:{port}", token=token.encode() if token else None,
                    block_nbytes=parse_size(block_size))
-    print(f"tiersync store-node listening on {server.address} "
-          f"({server.node.arena.num_blocks} blocks x {server.node.arena.block_nbytes} B)", flush=True)
+    stop = stop or _stop_on_sigterm()
+    agent = reg = None
     try:
-        (stop or threading.Event()).wait()
+        if registry:
+            from tiersync.net.registry import open_registry
+            from tiersync.net.registry.agent import AgentConfig
+
+            where = advertise or default_advertise(server.address)
+            reg = open_registry(registry)
+            agent = attach_registry(server, reg, AgentConfig(store_id or where, where, pool_group, heartbeat_s))
+        print(f"tiersync store-node listening on {server.address} "
+              f"({server.node.arena.num_blocks} blocks x {server.node.arena.block_nbytes} B)"
+              + (f" registered as {agent.config.store_id} in {registry}" if agent else ""), flush=True)
+        while not stop.wait(1.0):
+            pass
     except KeyboardInterrupt:
         pass
     finally:
+        if agent is not None:
+            agent.close()
+        if reg is not None:
+            reg.close()
         server.close()
         server.node.close()
     return 0
 
 
+def _stop_on_sigterm() -> threading.Event:
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    return stop
+
+
 from tiersync.net.store_client import StoreNodeClient, PushResult  # noqa: E402  (re-export)
 
-__all__ = ["StoreNode", "StoreNodeServer", "StoreNodeClient", "PushResult", "serve", "main", "parse_size"]
+__all__ = ["StoreNode", "StoreNodeServer", "StoreNodeClient", "PushResult", "serve", "attach_registry", "main",
+           "parse_size", "writer_address"]

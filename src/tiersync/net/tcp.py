@@ -4,7 +4,8 @@ Sockets get SO_SNDBUF/SO_RCVBUF (16 MiB default) and TCP_NODELAY. Sends use
 ``socket.sendmsg`` over the frame's buffers (header+metadata, payload view),
 resuming after partial sends; payloads are received with ``recv_into`` straight
 into the caller's buffer. Every blocking call runs under a deadline and raises
-:class:`NetTimeoutError` (with ``peer``) when it passes.
+:class:`NetTimeoutError` (with ``peer``) when it passes (plain TCP: at most
+``_SLACK`` of the time that was left late, see :class:`FramedSocket`).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import collections
 import itertools
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -23,12 +25,15 @@ from tiersync.net import auth
 from tiersync.net import events as ev
 from tiersync.net.errors import (AuthError, NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault,
                                  RequestError)
-from tiersync.net.frames import ProtocolConfig
+from tiersync.net.frames import HEADER_SIZE, PayloadChecksum, ProtocolConfig
 from tiersync.net.protocol import NEED_DATA, Connection, Role
 from tiersync.net.tls import TlsConfig, client_context
 from tiersync.net.transport import Channel, Handler, Server, Transport
 
 _IOV_MAX = 1024
+_PIECE = 4 << 20  # most bytes one recv lands in a payload before the checksum reads them
+_SLACK = 0.05  # re-arm a kernel timeout once it is off by more than this share of what is left
+_TIMEVAL = struct.Struct("@ll")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,41 +102,99 @@ def tune(sock: socket.socket, cfg: TcpConfig) -> None:
 
 
 class FramedSocket:
-    """A socket plus a sans-IO :class:`Connection`: writes events, reads events."""
+    """A socket plus a sans-IO :class:`Connection`: writes events, reads events.
+
+    Plain TCP runs the socket in blocking mode with kernel timeouts (SO_RCVTIMEO /
+    SO_SNDTIMEO) re-armed only when the deadline has moved by more than ``_SLACK``
+    of what is left, so one recv or sendmsg is one syscall (no poll, no ioctl). While a
+    payload buffer is registered, a frame starts with one scatter read (``recvmsg_into``)
+    of the header plus the buffer the next DATA should land in (a pipelined answer that
+    already arrived whole takes one syscall), and the rest of a payload comes with
+    MSG_WAITALL straight into the buffer, in pieces of ``_PIECE`` so the checksum reads
+    them while they are still in cache. TLS sockets use Python timeouts, no scatter.
+    """
 
     def __init__(self, sock: socket.socket, conn: Connection, peer: str, cfg: TcpConfig) -> None:
         self.sock, self.conn, self.peer, self.cfg = sock, conn, peer, cfg
         self._rbuf = bytearray(cfg.recv_chunk)
         self._rview = memoryview(self._rbuf)
+        self._hview = memoryview(bytearray(HEADER_SIZE))
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._armed = {socket.SO_RCVTIMEO: 0.0, socket.SO_SNDTIMEO: 0.0}
+        if not self._tls:
+            sock.settimeout(None)
+
+    def _arm(self, which: int, deadline: Deadline) -> None:
+        """Bound the next blocking call by the deadline (raises NetTimeoutError when it passed)."""
+        left = deadline.remaining()
+        if self._tls:
+            self.sock.settimeout(left)
+            return
+        armed = self._armed[which]
+        if armed > left * (1 + _SLACK) + 0.001 or armed < left * (1 - _SLACK):
+            sec = int(left)
+            self.sock.setsockopt(socket.SOL_SOCKET, which, _TIMEVAL.pack(sec, max(1, int((left - sec) * 1e6))))
+            self._armed[which] = left
 
     def write(self, event: object, deadline: Deadline) -> None:
-        views = [memoryview(b).cast("B") for b in self.conn.send(event) if len(b)]
-        with _io_errors(self.peer):
-            if isinstance(self.sock, ssl.SSLSocket):  # SSLSocket has no sendmsg
-                for view in views:
-                    self.sock.settimeout(deadline.remaining())
-                    self.sock.sendall(view)
-                return
+        self.send_buffers(self.conn.send(event), deadline)
+
+    def send_buffers(self, bufs: list, deadline: Deadline) -> None:
+        """Write encoded frames (``Connection.send`` output, possibly several concatenated)."""
+        views = [b for b in bufs if len(b)]
+        try:
             while views:
-                self.sock.settimeout(deadline.remaining())
-                consume(views, self.sock.sendmsg(views[:_IOV_MAX]))
+                self._arm(socket.SO_SNDTIMEO, deadline)
+                if self._tls:  # SSLSocket has no sendmsg
+                    self.sock.sendall(views.pop(0))
+                    continue
+                try:
+                    consume(views, self.sock.sendmsg(views[:_IOV_MAX]))
+                except BlockingIOError:  # the kernel timeout fired; _arm decides if the deadline did
+                    continue
+        except NetTimeoutError:
+            raise
+        except OSError as exc:
+            _raise_io(exc, self.peer)
 
     def read(self, deadline: Deadline) -> object:
         """Next event (or ConnectionClosed); receives payloads into registered sinks."""
-        while True:
-            event = self.conn.next_event()
-            if event is not NEED_DATA:
-                return event
-            with _io_errors(self.peer):
-                self.sock.settimeout(deadline.remaining())
-                sink = self.conn.payload_sink()
-                n = self.sock.recv_into(sink if sink is not None else self._rview)
-            if n == 0:
-                self.conn.receive_data(b"")
-            elif sink is not None:
-                self.conn.payload_received(n)
+        conn = self.conn
+        try:
+            while True:
+                event = conn.next_event()
+                if event is not NEED_DATA:
+                    return event
+                self._arm(socket.SO_RCVTIMEO, deadline)
+                try:
+                    self._recv_once()
+                except BlockingIOError:
+                    continue
+        except NetTimeoutError:
+            raise
+        except OSError as exc:
+            _raise_io(exc, self.peer)
+
+    def _recv_once(self) -> None:
+        """One recv, fed to the connection: into the payload being received, else header plus
+        the next expected payload in one scatter read, else into the read buffer."""
+        conn, sock = self.conn, self.sock
+        sink = conn.payload_sink()
+        if sink is not None:
+            if self._tls:
+                n = sock.recv_into(sink)
             else:
-                self.conn.receive_data(self._rview[:n])
+                n = sock.recv_into(sink[:_PIECE] if len(sink) > _PIECE else sink, 0, socket.MSG_WAITALL)
+            return conn.payload_received(n) if n else conn.receive_data(b"")
+        hint = 0
+        if not self._tls:
+            target = conn.scatter_target()
+            if target is not None:
+                return conn.scatter_received(self._hview, sock.recvmsg_into([self._hview, target])[0])
+            hint = conn.read_hint()
+        view = self._rview[:hint] if hint else self._rview
+        n = sock.recv_into(view, 0, socket.MSG_WAITALL) if hint else sock.recv_into(view)
+        conn.receive_data(view[:n] if n else b"")
 
     def close(self) -> None:
         try:
@@ -141,8 +204,17 @@ class FramedSocket:
         self.sock.close()
 
 
+def _raise_io(exc: OSError, peer: str) -> None:
+    """Raise the RemoteError family member for socket error ``exc``, naming ``peer``."""
+    if isinstance(exc, socket.timeout):
+        raise NetTimeoutError("socket operation timed out", peer=peer) from exc
+    if isinstance(exc, ssl.SSLError):
+        raise AuthError(f"TLS failure: {exc.reason or exc}", peer=peer) from exc
+    raise PeerClosedError(f"connection failed: {exc}", peer=peer) from exc
+
+
 class _io_errors:
-    """Map socket exceptions to the RemoteError family, naming the peer."""
+    """Map socket exceptions to the RemoteError family, naming the peer (a context manager)."""
 
     def __init__(self, peer: str) -> None:
         self.peer = peer
@@ -151,13 +223,9 @@ class _io_errors:
         return None
 
     def __exit__(self, kind, exc, tb) -> bool:
-        if exc is None or not isinstance(exc, OSError):
-            return False
-        if isinstance(exc, socket.timeout):
-            raise NetTimeoutError("socket operation timed out", peer=self.peer) from exc
-        if isinstance(exc, ssl.SSLError):
-            raise AuthError(f"TLS failure: {exc.reason or exc}", peer=self.peer) from exc
-        raise PeerClosedError(f"connection failed: {exc}", peer=self.peer) from exc
+        if isinstance(exc, OSError) and not isinstance(exc, NetTimeoutError):
+            _raise_io(exc, self.peer)
+        return False
 
 
 class TcpChannel(Channel):
@@ -191,6 +259,11 @@ class TcpChannel(Channel):
     def new_request_id(self) -> int:
         return next(self._ids)
 
+    @property
+    def payload_checksum(self) -> PayloadChecksum:
+        """The payload checksum negotiated in the handshake."""
+        return self._framed.conn.payload_algo
+
     def request(self, event: object, *, timeout: float | None = None, into: memoryview | None = None) -> object:
         with self._lock:
             self._check_open()
@@ -218,20 +291,39 @@ class TcpChannel(Channel):
         with self._lock:
             self._check_open()
             deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
-            pending: collections.deque[int] = collections.deque()
+            todo, pending = iter(self._pulls(lease_id, items)), collections.deque()
             try:
-                for key, offset, dest in items:
-                    if len(pending) >= window:
-                        self._expect_data(pending.popleft(), deadline)
-                    rid = next(self._ids)
-                    self._framed.write(ev.Pull(rid, lease_id, key, offset, len(dest)), deadline)
-                    self._framed.conn.expect_payload_into(rid, dest)
-                    pending.append(rid)
+                self._send_pulls(todo, window, pending, deadline)
                 while pending:
                     self._expect_data(pending.popleft(), deadline)
+                    if len(pending) <= window - max(1, window // 2):  # refill in batches: fewer syscalls
+                        self._send_pulls(todo, window - len(pending), pending, deadline)
             except (PeerClosedError, ProtocolError, NetTimeoutError, AuthError, RequestError):
                 self._shut()
                 raise
+
+    def _pulls(self, lease_id: int, items) -> list[tuple[ev.Pull, memoryview]]:
+        """Validate every item before anything is sent (UsageError naming ``items``)."""
+        out = []
+        for key, offset, dest in items:
+            try:
+                view = memoryview(dest).cast("B")
+            except TypeError as exc:
+                raise UsageError("destinations must be contiguous buffers", argument="items") from exc
+            if view.readonly:
+                raise UsageError("destinations must be writable", argument="items")
+            out.append((ev.Pull(next(self._ids), lease_id, key, offset, len(view)), view))
+        return out
+
+    def _send_pulls(self, todo, n: int, pending: collections.deque, deadline: Deadline) -> None:
+        """Encode up to ``n`` more PULLs from ``todo``, register their buffers, send them in one go."""
+        conn, bufs = self._framed.conn, []
+        for pull, dest in itertools.islice(todo, n):
+            bufs += conn.send(pull)
+            conn.expect_payload_into(pull.request_id, dest)
+            pending.append(pull.request_id)
+        if bufs:
+            self._framed.send_buffers(bufs, deadline)
 
     def _expect_data(self, request_id: int, deadline: Deadline) -> None:
         answer = self._answer(request_id, deadline)

@@ -9,14 +9,16 @@ import threading
 from tiersync.errors import TierSyncError
 from tiersync.net import auth
 from tiersync.net import events as ev
-from tiersync.net.errors import AuthError
-from tiersync.net.protocol import Connection, Role
+from tiersync.net.errors import AuthError, ProtocolError
+from tiersync.net.frames import negotiate
+from tiersync.net.protocol import NEED_DATA, Connection, Role
 from tiersync.net.tcp import Deadline, FramedSocket, TcpConfig, parse_address, tune
 from tiersync.net.tls import server_context
 from tiersync.net.transport import Handler, Server
 
 log = logging.getLogger(__name__)
 _REQUESTS = (ev.Ping, ev.Offer, ev.ReadLease, ev.Pull, ev.Release)
+_BATCH = 16  # most buffered requests answered in one send
 
 
 class TcpServer(Server):
@@ -79,8 +81,13 @@ class TcpServer(Server):
         hello = framed.read(deadline)
         if not isinstance(hello, ev.Hello):
             return self._refuse(framed, deadline, "expected HELLO")
+        try:
+            algo = negotiate(hello.checksums)
+        except ProtocolError as exc:
+            framed.write(ev.Error(0, ev.ErrorCode.UNSUPPORTED, exc.message), deadline)
+            raise
         nonce = auth.new_nonce()
-        framed.write(ev.Challenge(nonce, auth.server_proof(token, hello.nonce, nonce)), deadline)
+        framed.write(ev.Challenge(nonce, auth.server_proof(token, hello.nonce, nonce), algo), deadline)
         answer = framed.read(deadline)
         if not isinstance(answer, ev.Auth):
             return self._refuse(framed, deadline, "expected AUTH")
@@ -94,16 +101,35 @@ class TcpServer(Server):
         raise AuthError(why, peer=framed.peer)
 
     def _dispatch(self, framed: FramedSocket) -> None:
+        """Answer requests in order. Requests already buffered (a pipelining peer) are answered
+        together, up to ``_BATCH``, in one scatter-gather send (answers ready before an OFFER,
+        whose handler pulls from the writer, are sent before it runs)."""
+        event: object = NEED_DATA
         while not self._stop.is_set():
-            idle = Deadline(self.config.op_timeout_s * 10, framed.peer)
-            event = framed.read(idle)
+            if event is NEED_DATA:
+                event = framed.read(Deadline(self.config.op_timeout_s * 10, framed.peer))
+            bufs: list = []
+            for _ in range(_BATCH):
+                if isinstance(event, ev.ConnectionClosed):
+                    break
+                if isinstance(event, ev.Offer) and bufs:  # an OFFER may take long: send what is ready first
+                    framed.send_buffers(bufs, Deadline(self.config.op_timeout_s, framed.peer))
+                    bufs = []
+                if isinstance(event, _REQUESTS):  # stray answers are impossible: the Connection rejects them
+                    for answer in self._answers(event):
+                        bufs += framed.conn.send(answer)
+                try:
+                    event = framed.conn.next_event()  # no I/O: only what is buffered
+                except ProtocolError:
+                    if bufs:  # answer what came before the bad frame, then end the connection
+                        framed.send_buffers(bufs, Deadline(self.config.op_timeout_s, framed.peer))
+                    raise
+                if event is NEED_DATA:
+                    break
+            if bufs:
+                framed.send_buffers(bufs, Deadline(self.config.op_timeout_s, framed.peer))
             if isinstance(event, ev.ConnectionClosed):
-                return
-            if not isinstance(event, _REQUESTS):
-                continue  # stray answers are impossible: the Connection rejects them
-            deadline = Deadline(self.config.op_timeout_s, framed.peer)
-            for answer in self._answers(event):
-                framed.write(answer, deadline)
+                return  # else NEED_DATA, or the batch is full and the next request is in hand
 
     def _answers(self, event) -> list:
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -33,6 +33,18 @@ class Channel(ABC):
         ERROR, NetTimeoutError past the deadline, PeerClosedError/ProtocolError on a
         broken connection (the channel is then closed), ClosedError when closed.
         """
+
+    def pull_many(self, lease_id: int, items: Sequence[tuple[bytes, int, memoryview]], *,
+                  window: int = 8, timeout: float | None = None) -> None:
+        """Pull ``(key, offset, dest)`` items under ``lease_id``, each payload straight into its
+        ``dest`` (exact size). Transports that can keep ``window`` requests in flight do
+        (:meth:`TcpChannel.pull_many`); this default pulls one by one, each under ``timeout``.
+        Raises like :meth:`request`.
+        """
+        if window < 1:
+            raise UsageError("must be >= 1", argument="window", value=window)
+        for key, offset, dest in items:
+            self.request(ev.Pull(self.new_request_id(), lease_id, key, offset, len(dest)), timeout=timeout, into=dest)
 
     @abstractmethod
     def new_request_id(self) -> int:

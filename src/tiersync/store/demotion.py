@@ -8,12 +8,22 @@ segment is written, then gain STORAGE and, if still idle, drop their host copy. 
 pinned meanwhile keeps both. Storage over ``capacity_blocks`` first evicts its coldest
 idle entries. A failed write (disk full, ...) is logged and retried no sooner than 1 s
 later; the host copies are untouched, so nothing is lost.
+
+Eviction never loses a block the sweep did not get to: with a storage tier, before a
+save or a promotion takes host blocks by evicting idle entries, those entries that
+have no storage copy yet are written down first (:meth:`_ensure_host_room`, the
+caller's thread waits for that write, the lock released), so only blocks already safe
+on storage are evicted. Only when that write fails (disk full, ...) or storage has no
+room left are they dropped anyway (the reference's "no target: evict locally"),
+counted as ``tiersync_store_evictions_total{tier="host_unsaved"}`` and logged.
+Without a storage tier, eviction simply drops the coldest idle host entries.
 """
 from __future__ import annotations
 
 import logging
 import math
 import time
+from collections.abc import Callable
 
 from tiersync.store.index import Entry
 from tiersync.store.residency import Residency
@@ -72,6 +82,70 @@ class DemotionMixin:
             self._demoted(None, batch, exc)
             return
         wf.add_done_callback(lambda f: self._demoted(f, batch, f.exception()))
+
+    def _ensure_host_room(self, need: Callable[[], int]) -> None:
+        """Before an allocation of ``need()`` host blocks (called under the lock): write the
+        idle entries it would evict that have no storage copy to storage, and free them."""
+        if self.storage is None or self.storage.in_io_thread():  # e.g. a load's callback: must not wait
+            return
+        for _ in range(3):  # others may take the room meanwhile; then the allocation counts it
+            with self._lock:
+                if self._closed or time.monotonic() < self._demote_backoff_until:
+                    return
+                short = need() - self.arena.allocator.num_free
+                victims = self._index.victims(HOST, short) if short > 0 else None
+                unsafe = [e for e in victims or () if not e.residency & STORAGE]
+                batch = self._make_room(unsafe)
+                if not batch:
+                    return
+                self._index.hold(batch)
+                views = [self.arena.block(e.host_block) for e in batch]
+            try:
+                self.storage.write([e.key for e in batch], views).result()
+                exc = None
+            except BaseException as e:  # noqa: BLE001 - the allocation then evicts and counts
+                exc = e
+            self._written_down(batch, exc)
+            if exc is not None:
+                return
+
+    def _written_down(self, batch: list[Entry], exc: BaseException | None) -> None:
+        with self._lock:
+            self._index.unhold(batch)
+            if exc is not None:
+                log.warning("writing evicted host entries to storage failed; they will be dropped: %s", exc)
+                self._demote_backoff_until = time.monotonic() + 1.0
+            else:
+                for e in batch:
+                    self._index.mark(e, STORAGE, True)
+                    if e.idle and e.residency & HOST:
+                        self.arena.free([self._index.clear(e, HOST)])
+            self._gauge()
+        if exc is None:
+            self.metrics.demotions.inc(len(batch))
+            self.metrics.bytes.labels("storage", "in").inc(len(batch) * self.arena.block_nbytes)
+
+    def _room_for_save(self, keys: list[bytes]) -> None:
+        def need() -> int:
+            return sum(1 for k in set(keys) if (e := self._index.get(k)) is None or not (e.visible or e.pending))
+        self._ensure_host_room(need)
+
+    def _room_for_load(self, keys: list[bytes]) -> None:
+        def need() -> int:  # 0 when the load will be refused (a key not pinned): change nothing
+            entries = [self._index.get(k) for k in set(keys)]
+            if any(e is None or e.pins == 0 or not e.visible for e in entries):
+                return 0
+            return sum(1 for e in entries if not e.residency & HOST)
+        self._ensure_host_room(need)
+
+    def _count_unsaved(self, victims: list[Entry]) -> None:
+        """Under the lock, about to evict ``victims`` from host: count those with no storage copy."""
+        if self.storage is None:
+            return
+        lost = sum(1 for e in victims if not e.residency & STORAGE)
+        if lost:
+            self.metrics.evictions.labels("host_unsaved").inc(lost)
+            log.warning("evicting %d host entries that have no storage copy", lost)
 
     def _make_room(self, batch: list[Entry]) -> list[Entry]:
         cap = self.storage.config.capacity_blocks

@@ -26,10 +26,12 @@ import gc
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from tiersync.errors import CapacityError, ClosedError, IntegrityError, RemoteError, UsageError
 from tiersync.layout.pool import KVLayout
 from tiersync.store.demotion import DemotionMixin
+from tiersync.store.remote import RemoteTierMixin
 from tiersync.store.config import LookupResult, SaveResult, StoreConfig, StoreStats
 from tiersync.store.futures import StoreFuture
 from tiersync.store.index import Entry, PinIndex
@@ -45,7 +47,7 @@ _POLICY = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
 HOST, STORAGE = Residency.HOST, Residency.STORAGE
 
 
-class KVCacheStore(DemotionMixin):
+class KVCacheStore(DemotionMixin, RemoteTierMixin):
     """Prefix-keyed KV blocks in host DRAM (and optionally storage) for one ``layout``.
 
     ``arena`` may be given (e.g. warm-booted from /dev/shm by the caller); otherwise one
@@ -100,10 +102,14 @@ class KVCacheStore(DemotionMixin):
         keys = _check_keys(keys)
         with self._lock:
             self._check_open()
+            scan = self.storage is not None and len(self._prefix(keys)) < len(keys)
+        found = self.storage.refresh() if scan else []  # outside the lock: lookups go on meanwhile
+        with self._lock:
+            self._check_open()
+            if scan:
+                self._absorb(found)
+                self._absorb([k for k in keys if self._index.visible(k) is None and self.storage.contains(k)])
             hits = self._prefix(keys)
-            if len(hits) < len(keys) and self.storage is not None:
-                self._absorb(self.storage.refresh())
-                hits = self._prefix(keys)
             self._index.pin(hits)
             res = tuple(e.residency for e in hits)
         for r in res:
@@ -176,6 +182,7 @@ class KVCacheStore(DemotionMixin):
         if len(dev) != len(keys):
             raise UsageError("needs one key per device block", argument="keys", keys=len(keys), blocks=len(dev))
         fut: StoreFuture[SaveResult] = StoreFuture()
+        self._room_for_save(keys)  # evict only what is safe on storage (demotion.py)
         with self._lock:
             self._check_open()
             new, skipped, seen = [], [], set()
@@ -237,6 +244,7 @@ class KVCacheStore(DemotionMixin):
                                 free=self.arena.allocator.num_free + self._index.evictable(HOST),
                                 used=self.arena.num_blocks - self.arena.allocator.num_free)
         if victims:
+            self._count_unsaved(victims)
             self.arena.free([self._index.clear(e, HOST) for e in victims])
             self.metrics.evictions.labels("host").inc(len(victims))
         return self.arena.allocate(n)
@@ -255,6 +263,7 @@ class KVCacheStore(DemotionMixin):
             raise UsageError("needs one device block per key", argument="device_blocks",
                              keys=len(keys), blocks=len(dev))
         fut: StoreFuture[None] = StoreFuture()
+        self._room_for_load(keys)  # evict only what is safe on storage (demotion.py)
         with self._lock:
             self._check_open()
             entries = self._pinned_entries(keys)
@@ -269,11 +278,14 @@ class KVCacheStore(DemotionMixin):
         return fut
 
     def _pinned_entries(self, keys: list[bytes]) -> list[Entry]:
-        entries = []
+        """Entries of ``keys``; each needs one pin per time it is named (as in release)."""
+        entries, named = [], {}
         for k in keys:
             e = self._index.get(k)
-            if e is None or e.pins == 0 or not e.visible:
-                raise UsageError("key is not pinned or not loadable: lookup first", argument="keys", key=k.hex())
+            named[k] = named.get(k, 0) + 1
+            if e is None or e.pins < named[k] or not e.visible:
+                raise UsageError("key is not pinned (once per time it is named) or not loadable: lookup first",
+                                 argument="keys", key=k.hex())
             entries.append(e)
         return entries
 
@@ -312,17 +324,35 @@ class KVCacheStore(DemotionMixin):
         self._maybe_demote()
 
     def _to_device(self, entries: list[Entry], dev: list[int], fut: StoreFuture) -> None:
+        rounds: list[list[tuple[int, int, int]]] = []  # a key loaded twice: its host block in a 2nd copy
+        seen: dict[int, int] = {}
+        for e, d in zip(entries, dev):
+            i = seen[e.host_block] = seen.get(e.host_block, -1) + 1
+            if i == len(rounds):
+                rounds.append([])
+            rounds[i].append((e.host_block, d, 1))
         try:
-            tf = self.engine.h2d([(e.host_block, d, 1) for e, d in zip(entries, dev)])
+            tfs = [self.engine.h2d(r) for r in rounds]
         except BaseException as exc:  # noqa: BLE001 - pins kept, delivered through the future
             with self._lock:
                 self._index.unhold(entries)
             fut._fail(exc)
             return
-        tf.add_done_callback(lambda t: self._loaded(t, entries, fut))
+        left, errors, gate = [len(tfs)], [], threading.Lock()
 
-    def _loaded(self, tf, entries: list[Entry], fut: StoreFuture) -> None:
-        exc = tf.exception()
+        def one(t: Any) -> None:
+            with gate:
+                left[0] -= 1
+                if t.exception() is not None:
+                    errors.append(t.exception())
+                last = left[0] == 0
+            if last:
+                self._loaded(errors[0] if errors else None, entries, fut)
+
+        for tf in tfs:
+            tf.add_done_callback(one)
+
+    def _loaded(self, exc: BaseException | None, entries: list[Entry], fut: StoreFuture) -> None:
         with self._lock:
             self._index.unhold(entries)
             if exc is None:

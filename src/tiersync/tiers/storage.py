@@ -1,22 +1,30 @@
 """The storage tier: KV blocks in a directory on a local SSD or a shared file system.
 
-Format and why (details in :mod:`tiersync.tiers.storage_format`): one write batch
-becomes one immutable *segment* file — a header area with a per-record descriptor
-(magic, version, cache-identity digest, key, offset, length, xxh3_64 of the payload,
-self checksum) followed by 4 KiB-aligned payloads. It is written under a temporary
-name with one ``pwritev``, fsynced, atomically renamed and the directory fsynced;
-the write's future completes only after that, so an acknowledged block survives a
-SIGKILL or power loss and a reader (this or another process or machine) never sees a
-half-written segment. One file and one fsync per batch instead of per block keeps the
-cost close to raw sequential I/O; alignment allows ``O_DIRECT`` (reads by default,
-writes on request — see :class:`StorageConfig`), used when the file system takes it and
-the buffers are aligned, else buffered I/O (decided per file, with a clean fallback).
+Format and why (details in :mod:`tiersync.tiers.storage_format`): a write batch becomes
+an immutable *segment* file — a header area with a per-record descriptor (magic,
+version, cache-identity digest, key, offset, length, xxh3_64 of the payload, self
+checksum) followed by 4 KiB-aligned payloads. It is written under a temporary name
+with one ``pwritev``, fsynced, atomically renamed and the directory fsynced; the
+write's future completes only after that, so an acknowledged block survives a SIGKILL
+or power loss and a reader (this or another process or machine) never sees a
+half-written segment. Write batches queued together (while the workers are busy) are
+packed into one segment of up to ``segment_bytes`` — one file and one fsync for the
+burst, long files for sequential reads.
+
+Reads queued together are served by one pass (:mod:`tiersync.tiers.storage_read`):
+per segment, sorted, contiguous records merged into long ``preadv`` calls straight
+into the destination views — O_DIRECT with several in flight when the views are
+aligned, else buffered in order with a WILLNEED of the next segment — each block
+verified as soon as it is in.
 
 Index: on open, and on :meth:`refresh` (the store calls it on a lookup miss), the
-directory is scanned; segments of another cache identity are ignored (``foreign``),
-bad descriptors and records past the end of the file are skipped and counted
-(``corrupt``, ``truncated``). Every read verifies the payload checksum; a failing
-block is reported ``CORRUPT``, forgotten and never served.
+directory is scanned (outside the index lock; one scan at a time); segments of another
+cache identity are ignored (``foreign``), bad descriptors and records past the end of
+the file are skipped and counted (``corrupt``, ``truncated``), records named by the
+segment's tombstone sidecar (deleted, by any process) are skipped — deletion is
+durable, a restart never brings back what was dropped (:mod:`tiersync.tiers.storage_index`).
+Every read verifies the payload checksum; a failing block is reported ``CORRUPT``,
+deleted and never served.
 
 Errors: a full disk (ENOSPC/EDQUOT) raises :class:`CapacityError`; a directory that
 cannot be written (EACCES/EPERM/EROFS) raises :class:`UsageError` naming
@@ -26,7 +34,6 @@ is unchanged. Reads of vanished or unreadable files are misses (``MISSING``,
 """
 from __future__ import annotations
 
-import enum
 import errno
 import itertools
 import os
@@ -38,37 +45,49 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import xxhash
 
 from tiersync.errors import CapacityError, ClosedError, UsageError, check_positive_int
 from tiersync.tiers import storage_format as fmt
-from tiersync.tiers.storage_io import fsync_dir, read_extents, write_file
+from tiersync.tiers import storage_io as sio
+from tiersync.tiers.storage_index import SegmentIndex, unlink_quiet
+from tiersync.tiers.storage_queue import Combiner
+from tiersync.tiers.storage_read import ReadPass, ReadStatus
+
+__all__ = ["ReadStatus", "StorageConfig", "StorageStats", "StorageTier"]
 
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 _DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
+_THREAD_PREFIX = "tiersync-storage"
+_READ_PASSES = 2  # a lone read is served at once; what queues meanwhile shares the second pass
 
 
 @dataclass(frozen=True, slots=True)
 class StorageConfig:
     """``directory`` holding segments of the cache ``identity`` (16-byte digest).
 
-    ``workers`` I/O threads; ``direct_io`` tries O_DIRECT for reads (cold reads skip the
-    page cache) and ``direct_writes`` for writes (off by default: on the virtio disk we
-    measured, buffered writes + one fsync per segment were ~1.5x faster than O_DIRECT,
-    which issues every request synchronously); ``fsync`` makes writes
-    durable before their future completes (turn off only for throwaway caches);
-    ``capacity_blocks`` bounds how many blocks the store keeps here (None = until
-    the disk is full).
+    ``workers`` threads run segment writes in parallel (reads: at most two passes at a
+    time, sharing ``read_depth`` O_DIRECT requests in flight). ``segment_bytes``: write batches
+    queued together are packed into one segment of at most this many payload bytes (a
+    single larger batch is one segment of its own). ``direct_io`` reads with O_DIRECT
+    (skips the page cache and its copy: into huge-page host memory it was ~1.2-1.6x a
+    buffered read on the virtio disk we measured) and ``direct_writes`` writes with it
+    (from huge-page memory ~1.3x buffered writes + fsync there; from 4 KiB pages it was
+    slower); either falls back to buffered I/O when the file system or the buffers'
+    alignment refuse it. ``fsync`` makes writes durable before
+    their future completes (turn off only for throwaway caches); ``capacity_blocks``
+    bounds how many blocks the store keeps here (None = until the disk is full).
     """
 
     directory: str
     identity: bytes
     workers: int = 4
     direct_io: bool = True
-    direct_writes: bool = False
+    direct_writes: bool = True
     fsync: bool = True
     capacity_blocks: int | None = None
+    segment_bytes: int = 16 << 20
+    read_depth: int = 8
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, str) or not self.directory:
@@ -77,13 +96,8 @@ class StorageConfig:
             raise UsageError("must be a 16-byte digest", argument="StorageConfig.identity")
         check_positive_int(self.workers, "StorageConfig.workers")
         check_positive_int(self.capacity_blocks, "StorageConfig.capacity_blocks", allow_none=True)
-
-
-class ReadStatus(enum.Enum):
-    OK = "ok"
-    MISSING = "missing"        # unknown key, or its file vanished
-    CORRUPT = "corrupt"        # checksum or length mismatch: never served
-    UNREADABLE = "unreadable"  # permission denied or another I/O error
+        check_positive_int(self.segment_bytes, "StorageConfig.segment_bytes")
+        check_positive_int(self.read_depth, "StorageConfig.read_depth")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,13 +112,7 @@ class StorageStats:
     bytes_written: int
     bytes_read: int
     direct_io: bool
-
-
-@dataclass(frozen=True, slots=True)
-class _Loc:
-    segment: str
-    record: fmt.Record
-    seq: int
+    deleted: int = 0  # records skipped at scan because a tombstone names them
 
 
 class StorageTier:
@@ -121,70 +129,52 @@ class StorageTier:
             raise UsageError("cannot create the storage directory", argument="StorageConfig.directory",
                              path=self.directory, error=exc.strerror) from exc
         self._prefix = config.identity.hex() + "-"
-        host = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:32] or "host"
-        self._host = host
-        self._writer = f"{host}.{os.getpid()}.{os.urandom(3).hex()}"
+        self._host = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:32] or "host"
+        self._writer = f"{self._host}.{os.getpid()}.{os.urandom(3).hex()}"
         self._seq = itertools.count()
-        self._lock = threading.RLock()
-        self._locs: dict[bytes, _Loc] = {}
-        self._live: dict[str, set[bytes]] = {}
-        self._seen: set[str] = set()
+        self._index = SegmentIndex(self.directory, config.identity)
+        self._lock = self._index.lock  # the index; never held during I/O
+        self._locs = self._index.locs
+        self._scan_lock = threading.Lock()  # one directory scan at a time
         self._direct = config.direct_io
-        self._counts = dict(corrupt=0, truncated=0, foreign=0, unreadable=0, read_corrupt=0,
-                            bytes_written=0, bytes_read=0)
-        self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="tiersync-storage")
+        self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix=_THREAD_PREFIX)
+        self._writes = Combiner(self._pool, self._serve_writes, max_active=config.workers, take=self._take_writes)
+        self._io = ThreadPoolExecutor(config.read_depth, thread_name_prefix=_THREAD_PREFIX + "-read")
+        self._reads = Combiner(self._pool, lambda reqs: ReadPass(self, reqs, self._io).run(), max_active=_READ_PASSES)
         self._closed = False
         self._remove_orphans()
         self.refresh()
 
     def __repr__(self) -> str:
-        return f"<StorageTier {self.directory} blocks={len(self._locs)} segments={len(self._live)}>"
+        return f"<StorageTier {self.directory} blocks={len(self._locs)} segments={len(self._index.live)}>"
 
     # -- index ---------------------------------------------------------------
     def refresh(self) -> list[bytes]:
-        """Scan segments not seen yet (new ones from any process). Returns the keys added."""
-        self._check_open()
-        try:
-            names = sorted(n for n in os.listdir(self.directory) if n.endswith(fmt.SUFFIX))
-        except OSError:
-            return []
-        added: list[bytes] = []
-        for name in names:
-            with self._lock:
-                if name in self._seen:
-                    continue
-                self._seen.add(name)
-            if not name.startswith(self._prefix):
-                self._bump("foreign")
-                continue
-            added += self._scan_segment(name)
-        return added
+        """Scan segments not seen yet (new ones from any process). Returns the keys added.
 
-    def _scan_segment(self, name: str) -> list[bytes]:
-        path = os.path.join(self.directory, name)
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                head = f.read(fmt.HEAD_NBYTES)
-                parsed_head = fmt.parse_head(head)
-                count = parsed_head[0] if parsed_head else 0
-                buf = head + f.read(max(fmt.header_nbytes(count) - fmt.HEAD_NBYTES, 0))
-        except OSError:
-            self._bump("unreadable")
-            return []
-        seg = fmt.parse_segment(buf, self.config.identity, size)
-        with self._lock:
-            self._counts["corrupt"] += seg.corrupt
-            self._counts["truncated"] += seg.truncated
-            self._counts["foreign"] += int(seg.foreign)
-            added = []
-            for r in seg.records:
-                if r.key not in self._locs:
-                    self._locs[r.key] = _Loc(name, r, seg.seq)
-                    added.append(r.key)
-            if added:
-                self._live[name] = set(added)
+        The scan holds no lock that lookups or I/O need; concurrent calls wait for the
+        one in progress (so a key written before either call is known when both return).
+        """
+        self._check_open()
+        with self._scan_lock:
+            try:
+                names = sorted(n for n in os.listdir(self.directory) if n.endswith(fmt.SUFFIX))
+            except OSError:
+                return []
+            added: list[bytes] = []
+            for name in names:
+                if not self._index.claim(name):
+                    continue
+                if not name.startswith(self._prefix):
+                    self._index.bump("foreign")
+                    continue
+                added += self._index.scan(name)
             return added
+
+    def in_io_thread(self) -> bool:
+        """Whether the caller runs on one of this tier's threads (e.g. in a future's callback),
+        where waiting for another of its I/O requests could deadlock."""
+        return threading.current_thread().name.startswith(_THREAD_PREFIX)
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
@@ -201,34 +191,27 @@ class StorageTier:
 
     def stats(self) -> StorageStats:
         with self._lock:
-            c = self._counts
-            return StorageStats(len(self._locs), len(self._live), c["corrupt"], c["truncated"], c["foreign"],
+            c = self._index.counts
+            return StorageStats(len(self._locs), len(self._index.live), c["corrupt"], c["truncated"], c["foreign"],
                                 c["unreadable"], c["read_corrupt"], c["bytes_written"], c["bytes_read"],
-                                self._direct)
+                                self._direct, c["deleted"])
 
     def delete(self, keys: Sequence[bytes]) -> None:
-        """Forget ``keys``; a segment none of whose blocks is live any more is unlinked."""
-        dead = []
-        with self._lock:
-            for k in keys:
-                loc = self._locs.pop(k, None)
-                if loc is None:
-                    continue
-                live = self._live.get(loc.segment)
-                if live is not None:
-                    live.discard(k)
-                    if not live:
-                        del self._live[loc.segment]
-                        dead.append(loc.segment)
-        for name in dead:
-            try:
-                os.unlink(os.path.join(self.directory, name))
-            except OSError:
-                pass
+        """Forget ``keys`` for good (this process and any later scan, e.g. after a restart).
 
-    # -- I/O -----------------------------------------------------------------
+        A segment none of whose blocks is live any more is unlinked; otherwise the
+        deleted records are appended to its tombstone sidecar (one small write, no
+        fsync here: it survives a SIGKILL at once and a power loss after the next
+        segment write or :meth:`close`). Unknown keys are ignored.
+        """
+        with self._lock:
+            dead = self._index.drop([(bytes(k), None) for k in keys])
+        self._index.bury(dead)
+
+    # -- writes --------------------------------------------------------------
     def write(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> "Future[None]":
-        """Write blocks as one segment. ``views`` must stay unchanged until the future is done.
+        """Write blocks (packed with other queued writes into one segment). ``views`` must stay
+        unchanged until the future is done.
 
         Result: None once durable and indexed. Errors: CapacityError (disk full),
         UsageError (directory not writable); the index is then unchanged.
@@ -241,160 +224,117 @@ class StorageTier:
         for k in keys:
             if not 0 < len(k) <= fmt.MAX_KEY_NBYTES:
                 raise UsageError(f"keys must be 1..{fmt.MAX_KEY_NBYTES} bytes", argument="keys", key=k)
-        return self._pool.submit(self._write_segment, keys, [memoryview(v).cast("B") for v in views])
+        return self._submit(self._writes, (keys, [memoryview(v).cast("B") for v in views]))
+
+    def _submit(self, combiner: Combiner, request) -> Future:
+        try:
+            return combiner.submit(request)
+        except RuntimeError as exc:  # the pool shut down between the check and the submit
+            raise ClosedError("storage tier is closed") from exc
+
+    def _take_writes(self, reqs: list) -> int:
+        n, total = 0, 0
+        for _, views in reqs:
+            total += sum(len(v) for v in views)
+            if n and total > self.config.segment_bytes:
+                break
+            n += 1
+        return n
+
+    def _serve_writes(self, reqs: list) -> list[None]:
+        batch = {}  # key -> view; a key written twice in a burst keeps its last bytes
+        for keys, views in reqs:
+            batch.update(zip(keys, views))
+        self._index.sync_tombstones()
+        self._write_segment(list(batch), list(batch.values()))
+        return [None] * len(reqs)
 
     def _write_segment(self, keys: list[bytes], views: list[memoryview]) -> None:
         placed = fmt.layout_records(keys, [len(v) for v in views])
-        recs = [fmt.Record(k, off, n, xxhash.xxh3_64_intdigest(v)) for (k, off, n), v in zip(placed, views)]
         seq = next(self._seq)
         name = f"{self._prefix}{self._writer}-{seq:010d}{fmt.SUFFIX}"
         tmp = os.path.join(self.directory, fmt.TMP_PREFIX + name)
-        header = fmt.encode_header(self.config.identity, seq, time.time_ns(), recs)
         nbytes = sum(len(v) for v in views)
+        recs: list[fmt.Record] = []
+
+        def header(sums: list[int]) -> bytes:
+            recs[:] = [fmt.Record(k, off, n, c) for (k, off, n), c in zip(placed, sums)]
+            return fmt.encode_header(self.config.identity, seq, time.time_ns(), recs)
+
+        self._index.claim(name)  # before it is visible: a concurrent scan must not index it twice
         try:
-            self._write_file(tmp, header, views)
+            self._write_file(tmp, fmt.header_nbytes(len(keys)), header, views)
             os.rename(tmp, os.path.join(self.directory, name))
             if self.config.fsync:
-                fsync_dir(self.directory)
+                sio.fsync_dir(self.directory)
         except OSError as exc:
-            _unlink_quiet(tmp)
+            unlink_quiet(tmp)
             raise self._translate(exc, nbytes) from exc
-        with self._lock:
-            self._seen.add(name)
-            live = set()
-            for r in recs:
-                old = self._locs.get(r.key)
-                if old is not None:
-                    self._live.get(old.segment, set()).discard(r.key)
-                self._locs[r.key] = _Loc(name, r, seq)
-                live.add(r.key)
-            self._live[name] = live
-            self._counts["bytes_written"] += nbytes
+        self._index.bury(self._index.publish(name, recs, seq, nbytes))  # older copies: superseded
 
-    def _write_file(self, path: str, header: bytes, views: list[memoryview]) -> None:
-        direct = self._direct and self.config.direct_writes and all(_aligned(v) for v in views)
-        if direct and not write_file(path, header, views, direct=True, fsync=self.config.fsync):
+    def _write_file(self, path: str, header_nbytes: int, header, views: list[memoryview]) -> None:
+        direct = self._direct and self.config.direct_writes and all(sio.aligned(v) for v in views)
+        used, _ = sio.write_file(path, header_nbytes, header, views, xxhash.xxh3_64_intdigest, direct=direct,
+                                 fsync=self.config.fsync, pool=self._io)
+        if direct and not used:
             self._direct = False  # the file system refused O_DIRECT; buffered from now on
-        elif not direct:
-            write_file(path, header, views, direct=False, fsync=self.config.fsync)
 
+    # -- reads ---------------------------------------------------------------
     def read(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> "Future[list[ReadStatus]]":
         """Read blocks into ``views`` (each exactly the stored length). Result: one ReadStatus per key.
 
-        A view whose status is not OK holds unspecified bytes and must not be used.
+        A view whose status is not OK holds unspecified bytes and must not be used; an
+        OK view passed its checksum.
         """
         self._check_open()
         if len(keys) != len(views):
             raise UsageError("needs one view per key", argument="views", keys=len(keys), views=len(views))
-        return self._pool.submit(self._read_all, [bytes(k) for k in keys],
-                                 [memoryview(v).cast("B") for v in views])
-
-    def _read_all(self, keys: list[bytes], views: list[memoryview]) -> list[ReadStatus]:
-        out = [ReadStatus.MISSING] * len(keys)
-        by_segment: dict[str, list[tuple[int, fmt.Record]]] = {}
-        with self._lock:
-            for i, (k, v) in enumerate(zip(keys, views)):
-                loc = self._locs.get(k)
-                if loc is None:
-                    continue
-                if len(v) != loc.record.length:  # not the block size this reader expects: never serve it
-                    out[i] = ReadStatus.CORRUPT
-                    continue
-                by_segment.setdefault(loc.segment, []).append((i, loc.record))
-        for segment, items in by_segment.items():
-            self._read_segment(segment, items, views, out)
-        nbytes, forget = 0, []
-        for i, (k, v) in enumerate(zip(keys, views)):
-            if out[i] is ReadStatus.OK:
-                if xxhash.xxh3_64_intdigest(v) == self._checksum(k, v):
-                    nbytes += len(v)
-                    continue
-                out[i] = ReadStatus.CORRUPT
-            if out[i] is ReadStatus.CORRUPT:
-                self._bump("read_corrupt")
-            if out[i] is not ReadStatus.UNREADABLE:  # vanished or bad: forget it for good
-                forget.append(k)
-        self._bump("bytes_read", nbytes)
-        self.delete(forget)
-        return out
-
-    def _checksum(self, key: bytes, view: memoryview) -> int | None:
-        with self._lock:
-            loc = self._locs.get(key)
-        return None if loc is None else loc.record.checksum
-
-    def _read_segment(self, segment: str, items, views, out: list[ReadStatus]) -> None:
-        extents = [(r.offset, views[i]) for i, r in items]
-        direct = self._direct and all(_aligned(v) for _, v in extents)
-        try:
-            got, used = read_extents(os.path.join(self.directory, segment), extents, direct)
-        except FileNotFoundError:
-            return  # MISSING
-        except OSError:
-            for i, _ in items:
-                out[i] = ReadStatus.UNREADABLE
-            return
-        if direct and not used:
-            self._direct = False
-        for (i, r), n in zip(items, got):
-            out[i] = ReadStatus.OK if n == r.length else ReadStatus.CORRUPT
+        return self._submit(self._reads, ([bytes(k) for k in keys], [memoryview(v).cast("B") for v in views]))
 
     # -- helpers -------------------------------------------------------------
     def _translate(self, exc: OSError, nbytes: int) -> Exception:
         if exc.errno in _FULL:
-            free = _free_bytes(self.directory)
-            return CapacityError("storage directory is full", requested=nbytes, free=free,
+            return CapacityError("storage directory is full", requested=nbytes, free=_free_bytes(self.directory),
                                  directory=self.directory)
         if exc.errno in _DENIED:
             return UsageError("storage directory is not writable", argument="StorageConfig.directory",
                               path=self.directory, error=exc.strerror)
         return exc
 
-    def _bump(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
-
     def _remove_orphans(self) -> None:
-        """Delete temporary files left by dead writers of this host (crashed mid-write)."""
+        """Delete temporary files left by dead writers of this host (crashed mid-write) and
+        tombstone sidecars whose segment is gone."""
         try:
-            names = os.listdir(self.directory)
+            names = set(os.listdir(self.directory))
         except OSError:
             return
         pat = re.compile(re.escape(fmt.TMP_PREFIX + self._prefix + self._host) + r"\.(\d+)\.")
         for n in names:
             m = pat.match(n)
             if m and not _pid_alive(int(m.group(1))):
-                _unlink_quiet(os.path.join(self.directory, n))
+                unlink_quiet(os.path.join(self.directory, n))
+            elif n.startswith(self._prefix) and n.endswith(fmt.SUFFIX + fmt.TOMB_SUFFIX) \
+                    and n[: -len(fmt.TOMB_SUFFIX)] not in names:
+                unlink_quiet(os.path.join(self.directory, n))
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("storage tier is closed")
 
     def close(self) -> None:
-        """Finish queued I/O and stop. Idempotent; the files stay for the next process."""
+        """Finish queued I/O, make deletions durable and stop. Idempotent; the files stay."""
         if self._closed:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        self._index.sync_tombstones()
 
     def __enter__(self) -> "StorageTier":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _aligned(v: memoryview) -> bool:
-    if len(v) % fmt.ALIGN:
-        return False
-    return np.frombuffer(v, dtype=np.uint8).ctypes.data % fmt.ALIGN == 0 if len(v) else False
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def _pid_alive(pid: int) -> bool:

@@ -19,6 +19,16 @@ into place and the directory fsynced, so a visible segment is complete; what
 can still go wrong (bit rot, truncation, a foreign writer) is caught by the
 checksums: a descriptor or header that fails is skipped and counted at scan, a
 payload is checksummed on every read and never served when it fails.
+
+Deletions are durable through a *tombstone* sidecar ``<segment>.del`` beside a
+segment that still has live blocks: appended 64-byte records (magic ``b"TDEL"``,
+key length u16, pad u16, key 32 B, reserved 16 B, xxh3_64 of the first 56 bytes
+u64), one ``write`` per delete call with ``O_APPEND`` (atomic on a local file
+system), so a scan after a restart skips the records they name. A torn or
+damaged tombstone fails its checksum and is ignored: the block then comes back
+with its own verified bytes (never wrong ones). A segment whose every record is
+tombstoned is unlinked, then its sidecar; a sidecar without its segment is an
+orphan, removed on the next open.
 """
 from __future__ import annotations
 
@@ -33,12 +43,16 @@ VERSION = 1
 ALIGN = 4096
 MAX_KEY_NBYTES = 32
 SUFFIX = ".seg"
+TOMB_SUFFIX = ".del"   # appended to a segment's name: its tombstone sidecar
 TMP_PREFIX = ".tmp-"
+TOMB_MAGIC = b"TDEL"
 
 _HEAD = struct.Struct("<8sII16sQQQ")          # 56 B, padded to 64
 HEAD_NBYTES = 64
 _DESC = struct.Struct("<4sHH16s32sQQQQ")      # 88 B, padded to 96
 DESC_NBYTES = 96
+_TOMB = struct.Struct("<4sHH32s16s")          # 56 B + xxh3_64 = 64
+TOMB_NBYTES = 64
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -142,3 +156,26 @@ def _decode_desc(raw: bytes, identity: bytes) -> Record | None:
     if off % ALIGN:
         return None
     return Record(key[:klen], off, length, csum)
+
+
+def encode_tombstones(keys: list[bytes]) -> bytes:
+    """Tombstone records naming ``keys`` (each 1..MAX_KEY_NBYTES bytes)."""
+    out = []
+    for k in keys:
+        body = _TOMB.pack(TOMB_MAGIC, len(k), 0, k.ljust(MAX_KEY_NBYTES, b"\0"), bytes(16))
+        out.append(body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little"))
+    return b"".join(out)
+
+
+def parse_tombstones(buf: bytes) -> set[bytes]:
+    """Keys named by the valid tombstone records of a sidecar; bad or partial records are skipped."""
+    keys = set()
+    for off in range(0, len(buf) - TOMB_NBYTES + 1, TOMB_NBYTES):
+        rec = buf[off:off + TOMB_NBYTES]
+        magic, klen, _pad, key, _res = _TOMB.unpack_from(rec)
+        if magic != TOMB_MAGIC or not 0 < klen <= MAX_KEY_NBYTES:
+            continue
+        if xxhash.xxh3_64_intdigest(rec[:_TOMB.size]) != int.from_bytes(rec[_TOMB.size:], "little"):
+            continue
+        keys.add(key[:klen])
+    return keys

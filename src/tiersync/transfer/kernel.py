@@ -5,13 +5,20 @@ non-temporal stores for large spans); otherwise a pure-Python fallback built on
 ``ctypes.memmove`` (also GIL-free per call, but with per-span Python overhead).
 ``KERNEL`` names the implementation in use, so benchmarks can report it.
 
+It also carries ``tsum64``, tiersync's own 64-bit payload checksum (spec in
+``_kernel.c``; GIL released on large inputs, SIMD where the CPU has it).
+``TSUM64`` is None when the extension is missing: callers then use another
+checksum (the wire protocol negotiates, see :mod:`tiersync.net.frames`).
+
 Callers validate bounds: these functions trust their offsets.
 """
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 try:  # pragma: no cover - depends on the build
     from tiersync.transfer import _kernel as _native
@@ -19,6 +26,26 @@ except ImportError:  # pragma: no cover
     _native = None
 
 KERNEL = "native" if _native is not None else "python-memmove"
+TSUM64: str | None = getattr(_native, "TSUM64_IMPL", None)
+"""The tsum64 stripe implementation ("avx512", "avx2", "sse2", "scalar"), or None when not built."""
+
+
+def tsum64(data: bytes | bytearray | memoryview, seed: int = 0) -> int:
+    """tsum64 of a contiguous buffer. Raises RuntimeError when the extension is not built."""
+    if TSUM64 is None:
+        raise RuntimeError("tsum64 needs the native extension (tiersync.transfer._kernel)")
+    return _native.tsum64(data, seed)
+
+
+def tsum64_hasher(seed: int = 0) -> object:
+    """An incremental tsum64: ``update(buffer)`` any number of times, then ``intdigest()``.
+
+    Splitting never changes the result. Not for concurrent use from two threads
+    (a concurrent ``update`` raises RuntimeError). Raises RuntimeError when not built.
+    """
+    if TSUM64 is None:
+        raise RuntimeError("tsum64 needs the native extension (tiersync.transfer._kernel)")
+    return _native.Tsum64(seed)
 
 
 def copy_spans(

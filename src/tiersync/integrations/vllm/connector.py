@@ -1,8 +1,14 @@
 """``TierSyncConnector``: vLLM's KV connector (``KVConnectorBase_V1``) backed by tiersync.
 
-vLLM builds one instance per role; this class only routes each hook to the role's own
-object: :class:`OffloadScheduler` (bookkeeping, in the scheduler process) or
-:class:`OffloadWorker` (bytes, in each worker process). Use it with::
+vLLM builds one instance per process role (scheduler, worker); this class only routes
+each hook to the object of that role and of the ``kv_role``:
+
+- ``kv_both``: :class:`OffloadScheduler` (bookkeeping) / :class:`OffloadWorker` (bytes):
+  host and disk offloading with prefix reuse across requests and restarts;
+- ``kv_producer`` / ``kv_consumer``: :class:`PDScheduler` / :class:`PDWorker`: prefill ->
+  decode transfer, the decode side pulling each layer from the prefill side's KV server.
+
+Offloading::
 
     KVTransferConfig(kv_connector="TierSyncConnector", kv_role="kv_both",
                      kv_connector_module_path="tiersync.integrations.vllm",
@@ -20,9 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
 from tiersync.errors import UsageError
 from tiersync.integrations.vllm.config import ConnectorConfig
-from tiersync.integrations.vllm.metadata import StepMeta, WorkerReport
+from tiersync.integrations.vllm.metadata import PDMeta, StepMeta, WorkerReport
+from tiersync.integrations.vllm.pd import build_pd
 from tiersync.integrations.vllm.scheduler import OffloadScheduler
 from tiersync.integrations.vllm.worker import OffloadWorker
 from tiersync.store.keys import CacheIdentity
@@ -57,55 +66,81 @@ def num_host_slots(kv_cache_config: Any, host_bytes: int) -> int:
 
 
 class TierSyncConnector(KVConnectorBase_V1):
-    """Host (and disk) KV offloading with prefix reuse across requests and restarts."""
+    """Host/disk offloading (``kv_both``) or prefill -> decode transfer (producer/consumer)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
-        if tc.kv_role != "kv_both":
-            raise UsageError("this connector build offloads (kv_role='kv_both')", argument="kv_role",
-                             value=tc.kv_role)
         self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, vllm_config.model_config.model)
+        self._sched: Any = None
+        self._worker: Any = None
+        self._num_blocks = kv_cache_config.num_blocks
+        scheduler = role == KVConnectorRole.SCHEDULER
+        if tc.kv_role in ("kv_producer", "kv_consumer"):
+            self._pd = True
+            part = build_pd(vllm_config, kv_cache_config, self.config, producer=tc.kv_role == "kv_producer",
+                            scheduler=scheduler)
+            self._sched, self._worker = (part, None) if scheduler else (None, part)
+            return
+        if tc.kv_role != "kv_both":
+            raise UsageError("must be kv_both, kv_producer or kv_consumer", argument="kv_role", value=tc.kv_role)
+        self._pd = False
         identity = cache_identity(vllm_config, self.config)
         slots = num_host_slots(kv_cache_config, self.config.host_bytes)
-        self._sched: OffloadScheduler | None = None
-        self._worker: OffloadWorker | None = None
-        self._num_blocks = kv_cache_config.num_blocks
-        if role == KVConnectorRole.SCHEDULER:
+        if scheduler:
             self._sched = OffloadScheduler(identity=identity, num_slots=slots, policy=self.config.eviction,
                                            storage_dir=self.config.storage_dir)
         else:
-            rank = vllm_config.parallel_config.rank
-            self._worker = OffloadWorker(identity=identity, num_slots=slots, rank=rank,
+            self._worker = OffloadWorker(identity=identity, num_slots=slots, rank=vllm_config.parallel_config.rank,
                                          storage_dir=self.config.storage_dir,
                                          transfer_workers=self.config.transfer_workers,
                                          timeout_s=self.config.load_timeout_s)
 
     # -- worker side ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._worker.register(kv_caches, self._num_blocks)
+        if self._pd:
+            self._worker.register(kv_caches)
+        else:
+            self._worker.register(kv_caches, self._num_blocks)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, StepMeta) and meta.loads:
             self._worker.start_loads(meta.loads)
+        elif isinstance(meta, PDMeta):
+            self._worker.start_reads(meta.reads)
+            self._worker.start_sends(meta.sends)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker.wait_layer(layer_name)
+        if not self._pd:
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # whole-step saves in wait_for_save: a CPU "device" copy is one memcpy per block
+        meta = self._get_connector_metadata()
+        if isinstance(meta, PDMeta) and meta.sends:  # this layer's KV is written: serve it now
+            self._worker.start_sends(meta.sends)
+            self._worker.layer_done(layer_name)
+        # offloading saves whole steps in wait_for_save: a CPU "device" copy is one memcpy per block
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, StepMeta):
             self._worker.run_saves(meta.saves)
+        elif isinstance(meta, PDMeta) and meta.sends:
+            self._worker.start_sends(meta.sends)
+            self._worker.all_layers_done()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if not self._pd:
+            return KVConnectorTransferResults()
+        sent, received, failed = self._worker.results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> WorkerReport | None:
-        return self._worker.take_report() if self._worker is not None else None
+        return self._worker.take_report() if self._worker is not None and not self._pd else None
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -113,17 +148,22 @@ class TierSyncConnector(KVConnectorBase_V1):
 
     # -- scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if self._pd:
+            return self._sched.num_new_matched_tokens(request, num_computed_tokens)
         return self._sched.num_new_matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._sched.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> StepMeta:
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
         return self._sched.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._sched.on_report(getattr(connector_output, "kv_connector_worker_meta", None))
+        if not self._pd:
+            self._sched.on_report(getattr(connector_output, "kv_connector_worker_meta", None))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._pd:
+            return self._sched.finished(request)
         self._sched.finished(request)
         return False, None

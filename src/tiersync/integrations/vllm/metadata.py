@@ -10,7 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from tiersync.store.offload import LoadSpec, StoreSpec
 
-__all__ = ["LoadJob", "SaveJob", "StepMeta", "WorkerReport"]
+__all__ = ["LoadJob", "PDMeta", "ReadJob", "SaveJob", "SendJob", "StepMeta", "WorkerReport"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +59,31 @@ class WorkerReport(KVConnectorWorkerMetadata):
 
     def empty(self) -> bool:
         return not (self.bad_slots or self.bad_disk or self.stored_ok or self.stored_failed)
+
+
+@dataclass(frozen=True, slots=True)
+class SendJob:
+    """Prefill: serve ``block_ids`` (``num_tokens`` tokens) of ``req_id`` as its layers are computed."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadJob:
+    """Decode: pull ``source`` (the prefill engine's request ``remote_id``) into ``dst_block_ids``
+    for the local request ``req_id``."""
+
+    req_id: str
+    remote_id: str
+    source: dict
+    dst_block_ids: tuple[int, ...]
+
+
+@dataclass
+class PDMeta(KVConnectorMetadata):
+    """One prefill->decode step: requests to start serving, reads to start."""
+
+    sends: list[SendJob] = field(default_factory=list)
+    reads: list[ReadJob] = field(default_factory=list)

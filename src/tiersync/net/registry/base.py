@@ -40,12 +40,14 @@ class RegistryConfig:
 
 @dataclass(frozen=True, slots=True)
 class StoreInfo:
-    """A store node: where it listens, how many free blocks it has, its pool group."""
+    """A store node: where it listens, how many free blocks it has (of ``capacity_blocks``;
+    0: not reported), its pool group."""
 
     store_id: str
     address: str
     free_blocks: int
     pool_group: str = ""
+    capacity_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.store_id, str) or not self.store_id or len(self.store_id) > 256:
@@ -56,6 +58,8 @@ class StoreInfo:
             raise UsageError("must be an int >= 0", argument="free_blocks")
         if not isinstance(self.pool_group, str) or len(self.pool_group) > 256:
             raise UsageError("must be a str (<= 256 chars)", argument="pool_group")
+        if not isinstance(self.capacity_blocks, int) or self.capacity_blocks < 0:
+            raise UsageError("must be an int >= 0", argument="capacity_blocks")
 
 
 def check_keys(keys: Sequence[bytes]) -> None:

@@ -62,6 +62,8 @@ def _wrap(fn):
     def handler(data: bytes, context: grpc.ServicerContext) -> bytes:
         try:
             return fn(data)
+        except RegistryUnavailableError as exc:  # the backend (e.g. Redis) is down: retryable
+            context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
         except TierSyncError as exc:  # malformed message or bad argument: the caller's fault
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
     return handler
@@ -94,7 +96,10 @@ class RegistryClient(Registry):
         self.config = config or RegistryConfig()
         self.address = address
         self.failures = 0
-        self._channel = grpc.insecure_channel(address)
+        # Reconnect fast after a registry restart (gRPC's default backoff grows to 120 s).
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000)])
         self._stubs: dict[str, grpc.UnaryUnaryMultiCallable] = {}
 
     def _rpc(self, name: str, payload: bytes) -> bytes:

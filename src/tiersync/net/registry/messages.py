@@ -70,11 +70,11 @@ def dec_store_keys(data: bytes) -> tuple[str, tuple[bytes, ...]]:
 
 
 def _write_info(w: MetaWriter, info: StoreInfo) -> None:
-    w.text(info.store_id).text(info.address).u64(info.free_blocks).text(info.pool_group)
+    w.text(info.store_id).text(info.address).u64(info.free_blocks).text(info.pool_group).u64(info.capacity_blocks)
 
 
 def _read_info(r: MetaReader) -> StoreInfo:
-    return StoreInfo(r.text(MAX_TEXT), r.text(MAX_TEXT), r.u64(), r.text(MAX_TEXT))
+    return StoreInfo(r.text(MAX_TEXT), r.text(MAX_TEXT), r.u64(), r.text(MAX_TEXT), r.u64())
 
 
 def enc_infos(infos) -> bytes:

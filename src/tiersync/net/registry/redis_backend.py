@@ -8,16 +8,22 @@ Data model (prefix ``config.key_prefix``)::
 Expiry times come from ``clock`` (wall-clock seconds by default, shared by all
 processes using the same Redis). Ownership keys also get a Redis PEXPIRE of
 ``block_ttl_s`` so abandoned keys are garbage-collected by Redis itself.
-Redis failures raise :class:`RegistryUnavailableError` (a RemoteError).
+Redis failures raise :class:`RegistryUnavailableError` (a RemoteError), except in
+``lookup`` and ``placement_targets``, which never raise on an outage: they log,
+count (``failures``) and answer ``()`` per key / ``[]`` (a shorter answer).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 
 from tiersync.net.registry.base import Registry, RegistryConfig, StoreInfo, check_keys, rank_targets
 from tiersync.net.registry.errors import RegistryUnavailableError
+
+log = logging.getLogger(__name__)
 
 
 class RedisRegistry(Registry):
@@ -32,6 +38,7 @@ class RedisRegistry(Registry):
         self._redis = redis.Redis.from_url(url, socket_timeout=self.config.rpc_timeout_s,
                                            socket_connect_timeout=self.config.rpc_timeout_s)
         self._errors = (redis.RedisError, OSError)
+        self.failures = 0
         p = self.config.key_prefix.encode()
         self._stores_key, self._blk = p + b"stores", p + b"blk:"
 
@@ -42,8 +49,13 @@ class RedisRegistry(Registry):
             raise RegistryUnavailableError(f"redis failed: {exc}", peer=self._url) from exc
 
     def _record(self, info: StoreInfo, expires_at: float) -> str:
-        return json.dumps({"address": info.address, "free_blocks": info.free_blocks,
-                           "pool_group": info.pool_group, "expires_at": expires_at})
+        return json.dumps({"address": info.address, "free_blocks": info.free_blocks, "pool_group": info.pool_group,
+                           "capacity_blocks": info.capacity_blocks, "expires_at": expires_at})
+
+    @staticmethod
+    def _info(store_id: str, rec: dict) -> StoreInfo:
+        return StoreInfo(store_id, rec["address"], rec["free_blocks"], rec["pool_group"],
+                         rec.get("capacity_blocks", 0))
 
     def _live_stores(self) -> dict[str, StoreInfo]:
         raw = self._call(self._redis.hgetall, self._stores_key)
@@ -52,7 +64,7 @@ class RedisRegistry(Registry):
             rec = json.loads(blob)
             if rec["expires_at"] > now:
                 sid = sid.decode()
-                out[sid] = StoreInfo(sid, rec["address"], rec["free_blocks"], rec["pool_group"])
+                out[sid] = self._info(sid, rec)
         return out
 
     def register_store(self, info: StoreInfo) -> None:
@@ -63,8 +75,7 @@ class RedisRegistry(Registry):
         info = self.get_store(store_id)
         if info is None:
             return False
-        info = StoreInfo(store_id, info.address, free_blocks, info.pool_group)
-        self.register_store(info)
+        self.register_store(dataclasses.replace(info, free_blocks=free_blocks))
         return True
 
     def remove_store(self, store_id: str) -> None:
@@ -77,7 +88,7 @@ class RedisRegistry(Registry):
         rec = json.loads(blob)
         if rec["expires_at"] <= self._clock():
             return None
-        return StoreInfo(store_id, rec["address"], rec["free_blocks"], rec["pool_group"])
+        return self._info(store_id, rec)
 
     def publish(self, store_id: str, keys: Sequence[bytes]) -> None:
         check_keys(keys)
@@ -104,7 +115,11 @@ class RedisRegistry(Registry):
         pipe.hgetall(self._stores_key)
         for key in keys:
             pipe.zrangebyscore(self._blk + key, f"({now!r}", "+inf")
-        results = self._call(pipe.execute)
+        try:
+            results = self._call(pipe.execute)
+        except RegistryUnavailableError as exc:
+            self._degraded("lookup", exc)
+            return [()] * len(keys)
         live = {sid.decode() for sid, blob in results[0].items() if json.loads(blob)["expires_at"] > now}
         out = []
         for members in results[1:]:
@@ -112,7 +127,16 @@ class RedisRegistry(Registry):
         return out
 
     def placement_targets(self, pool_group: str, count: int, exclude: Sequence[str] = ()) -> list[StoreInfo]:
-        return rank_targets(self._live_stores().values(), pool_group, count, exclude)
+        try:
+            live = self._live_stores().values()
+        except RegistryUnavailableError as exc:
+            self._degraded("targets", exc)
+            return []
+        return rank_targets(live, pool_group, count, exclude)
+
+    def _degraded(self, what: str, exc: Exception) -> None:
+        self.failures += 1
+        log.warning("registry %s degraded: %s", what, exc)
 
     def close(self) -> None:
         self._redis.close()

@@ -1,0 +1,165 @@
+"""A vLLM engine behind a minimal HTTP endpoint, and the prefill -> decode router.
+
+``python -m tiersync.bench.engine_server engine '<json spec>' PORT`` starts an engine
+(spec as in :mod:`tiersync.bench.serve_engine`) and serves ``POST /generate`` with a JSON
+body ``{"prompt_token_ids", "max_tokens", "kv_transfer_params"?}``, answering the
+:func:`~tiersync.bench.serve_engine.generate` row. It prints ``READY <port>`` once the
+engine is up. ``... router PREFILL_URL DECODE_URL PORT`` serves the same endpoint by
+sending each request to the prefill engine (one token, ``do_remote_decode``), then to the
+decode engine with the prefill engine's ``kv_transfer_params``; its answer adds
+``prefill`` (the prefill row) and ``seconds`` covers both hops.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any, Callable
+
+MAX_BODY = 16 << 20  # a request body larger than this is refused
+
+
+def post(url: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _handler(fn: Callable[[dict], dict]) -> type:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            n = int(self.headers.get("Content-Length") or 0)
+            if self.path != "/generate" or not 0 < n <= MAX_BODY:
+                self.send_error(404 if self.path != "/generate" else 413)
+                return
+            try:
+                out = json.dumps(fn(json.loads(self.rfile.read(n)))).encode()
+            except Exception as exc:  # noqa: BLE001 - report any failure to the client
+                self.send_error(500, explain=repr(exc)[:500])
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args: Any) -> None:
+            return
+
+    return Handler
+
+
+def serve_engine(spec: dict, port: int) -> None:
+    from tiersync.bench.serve_engine import build_engine, generate, make_prompt
+
+    llm = build_engine(spec)
+    generate(llm, make_prompt(300, 12345, spec.get("vocab", 4096)), 2)  # warm-up
+
+    def handle(body: dict) -> dict:
+        return generate(llm, list(body["prompt_token_ids"]), int(body.get("max_tokens", 16)),
+                        body.get("kv_transfer_params"))
+
+    _serve(handle, port)
+
+
+def serve_router(prefill: str, decode: str, port: int) -> None:
+    def handle(body: dict) -> dict:
+        t0 = time.perf_counter()
+        first = post(prefill + "/generate", {"prompt_token_ids": body["prompt_token_ids"], "max_tokens": 1,
+                                             "kv_transfer_params": {"do_remote_decode": True}})
+        out = post(decode + "/generate", {"prompt_token_ids": body["prompt_token_ids"],
+                                          "max_tokens": body.get("max_tokens", 16),
+                                          "kv_transfer_params": first.get("kv_transfer_params")})
+        out["prefill"], out["seconds"] = first, time.perf_counter() - t0
+        return out
+
+    _serve(handle, port)
+
+
+class Server:
+    """A started engine or router process (its own process group) and its URL."""
+
+    def __init__(self, proc: Any, url: str, log: str) -> None:
+        self.proc, self.url, self.log = proc, url, log
+
+    def __repr__(self) -> str:
+        return f"Server({self.url}, pid={self.proc.pid})"
+
+    def generate(self, prompt: list[int], max_tokens: int = 16, kv_transfer_params: dict | None = None) -> dict:
+        body = {"prompt_token_ids": prompt, "max_tokens": max_tokens}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        return post(self.url + "/generate", body)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the engine's core and worker processes too)."""
+        import os
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def start(args: list[str], log: str, python: str, timeout: float = 600) -> Server:
+    """Start ``python -m tiersync.bench.engine_server ARGS`` and wait for its READY line; its
+    output is copied to ``log`` by a thread. RuntimeError with the log's tail when it exits
+    first or does not start within ``timeout``."""
+    import os
+    import subprocess
+    import threading
+
+    env = dict(os.environ)
+    if args[0] == "engine":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(json.loads(args[1]).get("kv_space_gib", 1)))
+    proc = subprocess.Popen([python, "-m", "tiersync.bench.engine_server", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, env=env, text=True, errors="replace")
+    ready = threading.Event()
+    port: list[str] = []
+
+    def pump() -> None:
+        with open(log, "w") as out:
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()
+                if line.startswith("READY ") and not port:
+                    port.append(line.split()[1])
+                    ready.set()
+        ready.set()  # EOF: the process exited
+
+    threading.Thread(target=pump, daemon=True, name="engine-log").start()
+    if ready.wait(timeout) and port:
+        return Server(proc, f"http://127.0.0.1:{port[0]}", log)
+    Server(proc, "", log).kill()
+    with open(log, errors="replace") as f:
+        tail = "".join(f.readlines()[-30:])
+    raise RuntimeError(f"{args[0]} did not start:\n{tail}")
+
+
+def _serve(handle: Callable[[dict], dict], port: int) -> None:
+    server = HTTPServer(("127.0.0.1", port), _handler(handle))
+    print(f"READY {server.server_port}", flush=True)
+    server.serve_forever()
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["engine"] and len(argv) == 3:
+        import os
+
+        spec = json.loads(argv[1])
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 1)))
+        serve_engine(spec, int(argv[2]))
+    elif argv[:1] == ["router"] and len(argv) == 4:
+        serve_router(argv[1], argv[2], int(argv[3]))
+    else:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

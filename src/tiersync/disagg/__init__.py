@@ -1,0 +1,41 @@
+"""Prefill -> decode KV transfer (layer-wise, over TCP) and KV resharding between TP layouts.
+
+- :mod:`~tiersync.disagg.geometry`: :class:`PagedKVLayout` (per-layer paged KV tensor of a
+  TP group: heads, head_dim, block size, dtype, :class:`KVOrder`).
+- :mod:`~tiersync.disagg.reshard`: :func:`plan_reshard` / :class:`ReshardPlanner` ->
+  :class:`ReshardPlan` (coalesced byte spans per (src_rank, dst_rank), layer-relative).
+- :mod:`~tiersync.disagg.spanio`: :func:`gather`, :func:`scatter`, :func:`apply_plan`.
+- :mod:`~tiersync.disagg.producer`: :class:`KVProducer` (prefill rank: register, layer_ready, poll).
+- :mod:`~tiersync.disagg.consumer`: :class:`KVConsumer`, :class:`SourceSpec`, :class:`ReadHandle`
+  (decode rank: start_read, wait_layer, poll).
+- :mod:`~tiersync.disagg.wire`, :mod:`~tiersync.disagg.conn`: the sans-IO framed protocol and
+  its socket driver.
+
+Imports numpy and xxhash, never torch or JAX; ``import tiersync`` does not import this package.
+"""
+from tiersync.disagg.config import DisaggConfig, RequestState, TransferStatus
+from tiersync.disagg.consumer import KVConsumer, ReadHandle, SourceSpec
+from tiersync.disagg.geometry import KVOrder, PagedKVLayout
+from tiersync.disagg.producer import KVProducer
+from tiersync.disagg.reshard import ReshardPlan, ReshardPlanner, Route, Transfer, plan_reshard
+from tiersync.disagg.spanio import apply_plan, gather, scatter
+
+__all__ = [
+    "DisaggConfig",
+    "KVConsumer",
+    "KVOrder",
+    "KVProducer",
+    "PagedKVLayout",
+    "ReadHandle",
+    "RequestState",
+    "ReshardPlan",
+    "ReshardPlanner",
+    "Route",
+    "SourceSpec",
+    "Transfer",
+    "TransferStatus",
+    "apply_plan",
+    "gather",
+    "plan_reshard",
+    "scatter",
+]

@@ -1,0 +1,324 @@
+"""Decode side: pull a request's KV from the prefill ranks into local landing blocks, per layer.
+
+One :class:`KVConsumer` per decode rank. Typical use from an engine connector::
+
+    consumer = KVConsumer(layout, rank=tp_rank, config=DisaggConfig(token=secret))
+    source = SourceSpec.from_dict(kv_transfer_params["tiersync"])   # what prefill published
+    handle = consumer.start_read(req_id, source, local_block_ids, host_layers)
+    for l in range(num_layers):          # layer-wise load
+        handle.wait_layer(l, timeout)    # True: host_layers[l] holds the layer -> copy H2D
+    ...  # every engine step:
+    status = consumer.poll()             # done_receiving / failed_receiving
+
+The consumer plans (:mod:`tiersync.disagg.reshard`) which prefill ranks feed this rank, opens
+one TCP connection per such rank, sends READ, lands each arriving layer into ``host_layers``
+and acknowledges with DONE. A layer *arrives* when every feeding rank delivered it. Decode
+rank 0 also notifies prefill ranks nobody reads from (unused replicas) so they can finish.
+A request is FAILED when ``config.timeout_s`` passes, a producer refuses, disconnects or dies,
+or a frame is bad; from then on its landing buffers are never written again.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from tiersync.disagg.config import DisaggConfig, RequestState, TransferStatus
+from tiersync.disagg.conn import FrameSocket, client_handshake
+from tiersync.disagg.geometry import PagedKVLayout
+from tiersync.disagg.messages import ReadRequest, check_request_id, parse_address, parse_layer
+from tiersync.disagg.reshard import ReshardPlan, ReshardPlanner, block_table, default_planner
+from tiersync.disagg.spanio import byte_view, scatter
+from tiersync.disagg.wire import Kind
+from tiersync.errors import ClosedError, RemoteError, TierSyncError, UsageError, check_positive_int
+from tiersync.net.errors import NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault
+
+__all__ = ["KVConsumer", "ReadHandle", "SourceSpec"]
+
+LayerCallback = Callable[[str, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSpec:
+    """Where a request's KV is: the prefill group's ``layout``, ``addresses[r]`` of prefill rank
+    ``r``'s producer ("host:port"), the request's prefill ``block_ids`` and ``num_tokens``.
+    JSON-able via :meth:`to_dict` / :meth:`from_dict` (for kv_transfer_params)."""
+
+    layout: PagedKVLayout
+    addresses: tuple[str, ...]
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, PagedKVLayout):
+            raise UsageError("must be a PagedKVLayout", argument="source.layout")
+        addresses = tuple(self.addresses) if not isinstance(self.addresses, str) else ()
+        if len(addresses) != self.layout.tp_size:
+            raise UsageError("needs one address per prefill rank", argument="source.addresses",
+                             tp_size=self.layout.tp_size)
+        for i, a in enumerate(addresses):
+            parse_address(a, f"source.addresses[{i}]")
+        check_positive_int(self.num_tokens, "source.num_tokens")
+        object.__setattr__(self, "addresses", addresses)
+        object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout.to_dict(), "addresses": list(self.addresses),
+                "block_ids": list(self.block_ids), "num_tokens": self.num_tokens}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "SourceSpec":
+        """Inverse of :meth:`to_dict`. Raises UsageError naming ``source`` or the field."""
+        if not isinstance(data, dict) or set(data) != {"layout", "addresses", "block_ids", "num_tokens"}:
+            raise UsageError("malformed source description", argument="source")
+        return cls(PagedKVLayout.from_dict(data["layout"], argument="source.layout"), tuple(data["addresses"]),
+                   tuple(data["block_ids"]), data["num_tokens"])
+
+
+class ReadHandle:
+    """One request being received. ``state``, ``error`` (why it FAILED), ``arrived_layers``.
+
+    :meth:`wait_layer` blocks until a layer landed in its host buffer (True), the timeout
+    passed (False) or the read failed (raises the RemoteError behind it).
+    """
+
+    def __init__(self, request_id: str, plan: ReshardPlan, sources: tuple[int, ...], views: list[np.ndarray],
+                 deadline: float, on_layer: LayerCallback | None) -> None:
+        self.request_id, self.plan, self.sources = request_id, plan, sources
+        self.deadline = deadline
+        self._views, self._on_layer = views, on_layer
+        self._cond = threading.Condition()
+        self._counts = [0] * plan.num_layers
+        self._arrived: list[int] = []
+        self._sockets: set[FrameSocket] = set()
+        self.state = RequestState.PENDING
+        self.error: TierSyncError | None = None
+
+    @property
+    def arrived_layers(self) -> tuple[int, ...]:
+        """Layers landed so far, in arrival order."""
+        with self._cond:
+            return tuple(self._arrived)
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Wait for ``layer``; raises the failure when the read FAILED. ``timeout=None`` waits
+        until the request's deadline."""
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.plan.num_layers:
+            raise UsageError("must be in [0, num_layers)", argument="layer", value=layer)
+        end = self.deadline if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while layer not in self._arrived and self.state is RequestState.PENDING:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            if layer in self._arrived:
+                return True
+            raise self.error
+
+    def wait(self, timeout: float | None = None) -> RequestState:
+        """Wait until DONE or FAILED (or the timeout); returns the state."""
+        end = self.deadline if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.state is RequestState.PENDING and end > time.monotonic():
+                self._cond.wait(end - time.monotonic())
+            return self.state
+
+    # -- used by the consumer's threads --------------------------------------------------------
+    def _attach(self, fs: FrameSocket) -> bool:
+        with self._cond:
+            if self.state is not RequestState.PENDING:
+                return False
+            self._sockets.add(fs)
+            return True
+
+    def _land(self, layer: int, spans: np.ndarray, staging: np.ndarray) -> bool:
+        """Scatter one source's layer into the landing buffer (under the lock, so never after
+        a failure). Returns True when the request just became DONE."""
+        with self._cond:
+            if self.state is not RequestState.PENDING:
+                raise PeerClosedError("read already final", request=self.request_id)
+            scatter(self._views[layer], spans[:, 1], spans[:, 2], staging)
+            self._counts[layer] += 1
+            if self._counts[layer] < len(self.sources):
+                return False
+            self._arrived.append(layer)
+            self._cond.notify_all()
+        if self._on_layer is not None:
+            self._on_layer(self.request_id, layer)
+        with self._cond:
+            if len(self._arrived) == self.plan.num_layers and self.state is RequestState.PENDING:
+                self.state = RequestState.DONE
+                self._cond.notify_all()
+                return True
+        return False
+
+    def _fail(self, error: TierSyncError) -> bool:
+        """FAILED (once): close every connection of the request. True when this call failed it."""
+        with self._cond:
+            if self.state is not RequestState.PENDING:
+                return False
+            self.state, self.error = RequestState.FAILED, error
+            socks, self._sockets = list(self._sockets), set()
+            self._cond.notify_all()
+        for fs in socks:
+            fs.shutdown()
+        return True
+
+
+class KVConsumer:
+    """Pulls requests into this decode rank (``rank`` of ``layout``'s TP group). Thread-safe."""
+
+    def __init__(self, layout: PagedKVLayout, rank: int, config: DisaggConfig | None = None, *,
+                 planner: ReshardPlanner | None = None) -> None:
+        if not isinstance(layout, PagedKVLayout):
+            raise UsageError("must be a PagedKVLayout", argument="layout")
+        layout.heads_of(rank)
+        self.layout, self.rank = layout, rank
+        self.config = config if config is not None else DisaggConfig()
+        if not isinstance(self.config, DisaggConfig):
+            raise UsageError("must be a DisaggConfig", argument="config")
+        self._planner = planner or default_planner()
+        self._lock = threading.Lock()
+        self._reads: dict[str, ReadHandle] = {}
+        self._unreported: list[tuple[str, RequestState]] = []
+        self._closed = False
+
+    def start_read(self, request_id: str, source: SourceSpec, dst_block_ids: Sequence[int],
+                   landing: Sequence[Any], on_layer: LayerCallback | None = None) -> ReadHandle:
+        """Start pulling ``request_id`` from ``source`` into ``landing[l]`` (layer ``l``'s host
+        buffer in this rank's layout, writable, exactly ``layout.layer_nbytes``) at
+        ``dst_block_ids``. Returns at once. ``on_layer(request_id, layer)`` runs on an I/O thread
+        after each arrival (keep it short; an exception fails the read). Landing buffers are
+        written until the request is reported by :meth:`poll`; requests may share the buffers
+        (a host pool per layer) with distinct block ids. All-or-nothing; raises
+        UsageError naming ``request_id`` (bad or already reading), ``source``, ``landing[i]``,
+        ``src_block_ids``/``dst_block_ids``/``dst.<field>`` (from the planner)."""
+        check_request_id(request_id)
+        if not isinstance(source, SourceSpec):
+            raise UsageError("must be a SourceSpec", argument="source")
+        if isinstance(landing, (str, bytes)) or len(landing) != self.layout.num_layers:
+            raise UsageError("needs one host buffer per layer", argument="landing", expected=self.layout.num_layers)
+        n = self.layout.layer_nbytes
+        views = [byte_view(b, n, writable=True, argument=f"landing[{i}]") for i, b in enumerate(landing)]
+        plan = self._planner.plan(source.layout, self.layout, source.block_ids, dst_block_ids, source.num_tokens)
+        sources = plan.sources_of(self.rank)
+        dst_ids = tuple(block_table(dst_block_ids, self.layout, source.num_tokens, "dst_block_ids").tolist())
+        handle = ReadHandle(request_id, plan, sources, views, time.monotonic() + self.config.timeout_s, on_layer)
+        with self._lock:
+            if self._closed:
+                raise ClosedError("consumer is closed", argument="self")
+            if request_id in self._reads:
+                raise UsageError("already being read", argument="request_id", value=request_id)
+            self._reads[request_id] = handle
+        notify = plan.idle_sources() if self.rank == 0 else ()
+        for src_rank in sources + notify:
+            read = ReadRequest(request_id, src_rank, self.rank, self.layout, dst_ids,
+                               source.block_ids, source.num_tokens, notify_only=src_rank in notify)
+            threading.Thread(target=self._pull, args=(handle, source.addresses[src_rank], read), daemon=True,
+                             name="tiersync-kv-recv").start()
+        return handle
+
+    def poll(self) -> TransferStatus:
+        """Fail overdue reads, then report (once) every read that became DONE or FAILED."""
+        now = time.monotonic()
+        with self._lock:
+            reads = list(self._reads.values())
+        for h in reads:
+            if h.state is RequestState.PENDING and now >= h.deadline:
+                h._fail(NetTimeoutError("read timed out", request=h.request_id, timeout_s=self.config.timeout_s))
+        with self._lock:
+            for h in list(self._reads.values()):
+                if h.state is not RequestState.PENDING:
+                    self._unreported.append((h.request_id, h.state))
+                    del self._reads[h.request_id]
+            items, self._unreported = self._unreported, []
+        done = frozenset(i for i, s in items if s is RequestState.DONE)
+        return TransferStatus(done_receiving=done, failed_receiving=frozenset(i for i, _ in items) - done)
+
+    def get(self, request_id: str) -> ReadHandle | None:
+        """The handle of a read not yet reported by :meth:`poll`, else None."""
+        with self._lock:
+            return self._reads.get(request_id)
+
+    def close(self) -> None:
+        """Fail every pending read and refuse new ones. Idempotent."""
+        with self._lock:
+            self._closed = True
+            reads = list(self._reads.values())
+        for h in reads:
+            h._fail(PeerClosedError("consumer closed", request=h.request_id))
+
+    def __enter__(self) -> "KVConsumer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one connection per feeding prefill rank ---------------------------------------------
+    def _connect(self, address: str, deadline: float) -> FrameSocket:
+        host, port = parse_address(address)
+        timeout = min(self.config.connect_timeout_s, max(deadline - time.monotonic(), 0.001))
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except socket.timeout:
+            raise NetTimeoutError("connect timed out", peer=address) from None
+        except OSError as exc:
+            raise PeerClosedError(f"connect failed: {exc}", peer=address) from None
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.config.rcvbuf)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return FrameSocket(sock, address, self.config.limits)
+
+    def _pull(self, handle: ReadHandle, address: str, read: ReadRequest) -> None:
+        fs = None
+        try:
+            fs = self._connect(address, handle.deadline)
+            if not handle._attach(fs):
+                return
+            client_handshake(fs, self.config.token, min(handle.deadline,
+                                                        time.monotonic() + self.config.connect_timeout_s))
+            fs.send(Kind.READ, read.to_meta(), handle.deadline)
+            if not read.notify_only:
+                self._receive_layers(handle, fs, handle.plan.route_spans(read.src_rank, self.rank))
+            fs.send(Kind.DONE, {}, handle.deadline)
+        except (TierSyncError, OSError) as exc:
+            if not read.notify_only:
+                err = exc if isinstance(exc, TierSyncError) else RemoteError(str(exc), peer=address)
+                handle._fail(err)
+        except Exception as exc:  # noqa: BLE001 - e.g. the on_layer callback raised
+            handle._fail(RemoteError(f"layer callback failed: {exc!r}", peer=address))
+        finally:
+            if fs is not None:
+                fs.close()
+
+    def _receive_layers(self, handle: ReadHandle, fs: FrameSocket, spans: np.ndarray) -> None:
+        total = int(spans[:, 2].sum())
+        staging = np.empty(total, dtype=np.uint8)
+        seen: set[int] = set()
+        for _ in range(handle.plan.num_layers):
+            layer, got = None, 0
+            while layer is None or got < total:
+                frame = fs.expect(Kind.LAYER, handle.deadline,
+                                  sink=lambda f, g=got: _chunk_sink(f, staging, total, g))
+                chunk = parse_layer(frame.meta)
+                if frame.payload_len == 0:
+                    raise ProtocolError("empty layer chunk", fault=ProtocolFault.MALFORMED)
+                if (layer is None and (chunk.layer in seen or chunk.layer >= handle.plan.num_layers)) or \
+                        (layer is not None and chunk.layer != layer):
+                    raise ProtocolError("unexpected layer", fault=ProtocolFault.UNEXPECTED, layer=chunk.layer)
+                layer, got = chunk.layer, got + frame.payload_len
+            seen.add(layer)
+            handle._land(layer, spans, staging)
+
+
+def _chunk_sink(frame: Any, staging: np.ndarray, total: int, got: int) -> memoryview:
+    """Where a LAYER payload goes: the next ``payload_len`` bytes of the staging buffer."""
+    chunk = parse_layer(frame.meta)
+    if chunk.total != total or chunk.offset != got or got + frame.payload_len > total:
+        raise ProtocolError("layer chunk does not fit the route", fault=ProtocolFault.MALFORMED,
+                            offset=chunk.offset, total=chunk.total, expected_total=total, expected_offset=got)
+    return memoryview(staging[got:got + frame.payload_len])

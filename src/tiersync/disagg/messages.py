@@ -1,0 +1,103 @@
+"""The READ and LAYER metadata of the KV protocol, built and validated (never trusted)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tiersync.disagg.geometry import PagedKVLayout
+from tiersync.errors import UsageError
+from tiersync.net.errors import ProtocolError, ProtocolFault
+
+__all__ = ["LayerChunk", "ReadRequest", "check_request_id", "parse_address", "parse_layer", "parse_read"]
+
+MAX_REQUEST_ID = 256
+
+
+def check_request_id(value: Any, argument: str = "request_id") -> str:
+    """Request ids are non-empty str of at most 256 characters. Raises UsageError."""
+    if not isinstance(value, str) or not value or len(value) > MAX_REQUEST_ID:
+        raise UsageError(f"must be a non-empty str of at most {MAX_REQUEST_ID} characters",
+                         argument=argument, value=value)
+    return value
+
+
+def parse_address(address: Any, argument: str = "address") -> tuple[str, int]:
+    """Split "host:port" (IPv6 hosts may be bracketed). Raises UsageError naming ``argument``."""
+    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError("must be 'host:port'", argument=argument, value=address)
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRequest:
+    """What a decode rank asks of one prefill rank for one request.
+
+    ``notify_only``: the decode rank reads nothing from this source (an unused replica) and
+    only tells it that no reader will come, so it can finish.
+    """
+
+    request_id: str
+    src_rank: int
+    dst_rank: int
+    dst_layout: PagedKVLayout
+    dst_block_ids: tuple[int, ...]
+    src_block_ids: tuple[int, ...]
+    num_tokens: int
+    notify_only: bool = False
+
+    def to_meta(self) -> dict:
+        return {"request_id": self.request_id, "src_rank": self.src_rank, "dst_rank": self.dst_rank,
+                "dst_layout": self.dst_layout.to_dict(), "dst_block_ids": list(self.dst_block_ids),
+                "src_block_ids": list(self.src_block_ids), "num_tokens": self.num_tokens,
+                "notify_only": self.notify_only}
+
+
+def _bad(message: str, **context: Any) -> ProtocolError:
+    return ProtocolError(message, fault=ProtocolFault.MALFORMED, **context)
+
+
+def _int(meta: dict, name: str, minimum: int = 0) -> int:
+    value = meta.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _bad(f"{name} must be an int >= {minimum}", field=name)
+    return value
+
+
+def _ids(meta: dict, name: str) -> tuple[int, ...]:
+    value = meta.get(name)
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise _bad(f"{name} must be a list of ints", field=name)
+    return tuple(value)
+
+
+def parse_read(meta: dict) -> ReadRequest:
+    """Validate a READ's metadata. Raises ProtocolError (MALFORMED) naming the field."""
+    try:
+        request_id = check_request_id(meta.get("request_id"))
+        layout = PagedKVLayout.from_dict(meta.get("dst_layout"), argument="dst_layout")
+    except UsageError as exc:
+        raise _bad(exc.message) from None
+    notify = meta.get("notify_only")
+    if not isinstance(notify, bool):
+        raise _bad("notify_only must be a bool", field="notify_only")
+    return ReadRequest(request_id, _int(meta, "src_rank"), _int(meta, "dst_rank"), layout,
+                       _ids(meta, "dst_block_ids"), _ids(meta, "src_block_ids"), _int(meta, "num_tokens", 1),
+                       notify)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerChunk:
+    """``nbytes`` bytes at ``offset`` of layer ``layer``'s route payload of ``total`` bytes."""
+
+    layer: int
+    offset: int
+    total: int
+
+    def to_meta(self) -> dict:
+        return {"layer": self.layer, "offset": self.offset, "total": self.total}
+
+
+def parse_layer(meta: dict) -> LayerChunk:
+    """Validate a LAYER's metadata. Raises ProtocolError (MALFORMED)."""
+    return LayerChunk(_int(meta, "layer"), _int(meta, "offset"), _int(meta, "total", 1))

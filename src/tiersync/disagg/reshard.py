@@ -1,0 +1,287 @@
+"""KV resharding planner: move one request's KV from a prefill layout to a decode layout.
+
+Source and destination may differ in tensor-parallel degree (heads split differently; with
+fewer heads than ranks, heads are replicated and one replica is picked per destination rank,
+balanced: the k-th destination rank needing a head reads it from replica ``k % replicas``),
+in block size (a destination block then gathers from several source blocks: token ``t`` is at
+slot ``t % block_size`` of block ``block_ids[t // block_size]`` on each side) and in
+:class:`~tiersync.disagg.geometry.KVOrder`. Layer count, global head count, head_dim and dtype
+must match.
+
+A plan is a set of byte spans ``(src_rank, src_offset, dst_rank, dst_offset, nbytes)`` with
+offsets into *one layer's* tensor (identical for every layer), coalesced where contiguous on
+both sides, sorted by (dst_rank, src_rank, src_offset). Routes (which source rank feeds which
+heads of which destination rank) depend only on the two layouts and are cached per
+``(src, dst)`` in a :class:`ReshardPlanner`; the per-request spans are computed with numpy.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+from tiersync.disagg.geometry import PagedKVLayout
+from tiersync.errors import UsageError, check_positive_int
+
+__all__ = ["ReshardPlan", "block_table", "ReshardPlanner", "Route", "Transfer", "check_compatible", "plan_reshard",
+           "default_planner"]
+
+SRC_RANK, SRC_OFF, DST_RANK, DST_OFF, NBYTES = range(5)
+
+
+class Route(NamedTuple):
+    """Heads ``[src_head, src_head+nheads)`` local to ``src_rank`` land at local heads
+    ``[dst_head, dst_head+nheads)`` of ``dst_rank``."""
+
+    src_rank: int
+    dst_rank: int
+    src_head: int
+    dst_head: int
+    nheads: int
+
+
+class Transfer(NamedTuple):
+    """One byte span of one layer: offsets are bytes into that layer's tensor on each rank."""
+
+    src_rank: int
+    layer: int
+    src_offset: int
+    dst_rank: int
+    dst_offset: int
+    nbytes: int
+
+
+def check_compatible(src: PagedKVLayout, dst: PagedKVLayout) -> None:
+    """Raise :class:`UsageError` (argument ``dst.<field>``) unless ``dst`` can receive ``src``'s KV."""
+    if not isinstance(src, PagedKVLayout):
+        raise UsageError("must be a PagedKVLayout", argument="src", got=type(src).__name__)
+    if not isinstance(dst, PagedKVLayout):
+        raise UsageError("must be a PagedKVLayout", argument="dst", got=type(dst).__name__)
+    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype"):
+        a, b = getattr(src, name), getattr(dst, name)
+        if a != b:
+            raise UsageError("differs between source and destination", argument=f"dst.{name}", src=a, dst=b)
+
+
+def build_routes(src: PagedKVLayout, dst: PagedKVLayout) -> tuple[Route, ...]:
+    """Which source rank feeds which local heads of every destination rank (see module doc)."""
+    check_compatible(src, dst)
+    holders: dict[int, list[int]] = {}
+    for r in range(src.tp_size):
+        first, count = src.heads_of(r)
+        for h in range(first, first + count):
+            holders.setdefault(h, []).append(r)
+    seen: dict[int, int] = {}  # global head -> destination ranks that already asked for it
+    routes: list[Route] = []
+    for d in range(dst.tp_size):
+        first, count = dst.heads_of(d)
+        for j in range(count):
+            h = first + j
+            k = seen.get(h, 0)
+            seen[h] = k + 1
+            s = holders[h][k % len(holders[h])]
+            src_local = h - src.heads_of(s)[0]
+            last = routes[-1] if routes else None
+            if (last is not None and last.dst_rank == d and last.src_rank == s
+                    and last.src_head + last.nheads == src_local and last.dst_head + last.nheads == j):
+                routes[-1] = last._replace(nheads=last.nheads + 1)
+            else:
+                routes.append(Route(s, d, src_local, j, 1))
+    return tuple(routes)
+
+
+def block_table(ids: object, layout: PagedKVLayout, num_tokens: int, argument: str) -> np.ndarray:
+    """The first ``ceil(num_tokens / block_size)`` ids as int64, validated (1-D integers, long
+    enough, in ``[0, num_blocks)``). Raises UsageError naming ``argument``."""
+    try:
+        arr = np.asarray(ids)
+    except Exception:  # noqa: BLE001 - any unconvertible input is the caller's error
+        raise UsageError("must be a sequence of block ids", argument=argument) from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise UsageError("must be a 1-D sequence of integer block ids", argument=argument)
+    need = layout.blocks_needed(num_tokens)
+    if arr.size < need:
+        raise UsageError("too short for the token count", argument=argument,
+                         blocks=int(arr.size), needed=need, num_tokens=num_tokens, block_size=layout.block_size)
+    arr = arr[:need].astype(np.int64)
+    if arr.min() < 0 or arr.max() >= layout.num_blocks:
+        raise UsageError("block id out of range", argument=argument, num_blocks=layout.num_blocks)
+    return arr
+
+
+def _token_offsets(layout: PagedKVLayout, table: np.ndarray, num_tokens: int, kv: int, head: int) -> np.ndarray:
+    t = np.arange(num_tokens, dtype=np.int64)
+    return (layout.kv_base(kv) + table[t // layout.block_size] * layout.block_stride()
+            + (t % layout.block_size) * layout.token_stride() + head * layout.head_stride())
+
+
+def coalesce(src_off: np.ndarray, dst_off: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Merge spans (sorted by source offset here) adjacent on both sides; returns (n, 3) int64
+    ``[src_off, dst_off, nbytes]``."""
+    order = np.argsort(src_off, kind="stable")
+    s, d, n = src_off[order], dst_off[order], nbytes[order]
+    if s.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    brk = np.ones(s.size, dtype=bool)
+    brk[1:] = (s[1:] != s[:-1] + n[:-1]) | (d[1:] != d[:-1] + n[:-1])
+    starts = np.flatnonzero(brk)
+    ends = np.append(starts[1:], s.size)
+    total = np.cumsum(n)
+    run_bytes = total[ends - 1] - np.where(starts > 0, total[starts - 1], 0)
+    return np.stack([s[starts], d[starts], run_bytes], axis=1)
+
+
+def _route_spans(route: Route, src: PagedKVLayout, dst: PagedKVLayout, src_table: np.ndarray,
+                 dst_table: np.ndarray, num_tokens: int) -> np.ndarray:
+    parts_s, parts_d = [], []
+    # one span per token covers the route's heads when they are contiguous on both sides;
+    # otherwise (a head-major side) one span per token and head
+    joint = src.head_stride() == src.head_nbytes and dst.head_stride() == dst.head_nbytes
+    heads = [0] if joint else range(route.nheads)
+    for kv in (0, 1):
+        for j in heads:
+            parts_s.append(_token_offsets(src, src_table, num_tokens, kv, route.src_head + j))
+            parts_d.append(_token_offsets(dst, dst_table, num_tokens, kv, route.dst_head + j))
+    s, d = np.concatenate(parts_s), np.concatenate(parts_d)
+    width = route.nheads * src.head_nbytes if joint else src.head_nbytes
+    spans = coalesce(s, d, np.full(s.size, width, dtype=np.int64))
+    ranks = np.empty((spans.shape[0], 5), dtype=np.int64)
+    ranks[:, SRC_RANK], ranks[:, DST_RANK] = route.src_rank, route.dst_rank
+    ranks[:, SRC_OFF], ranks[:, DST_OFF], ranks[:, NBYTES] = spans[:, 0], spans[:, 1], spans[:, 2]
+    return ranks
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ReshardPlan:
+    """The spans moving one request (``num_tokens`` tokens) from ``src`` to ``dst``, per layer.
+
+    ``spans``: read-only int64 array ``(n, 5)`` of columns
+    ``src_rank, src_offset, dst_rank, dst_offset, nbytes`` (see module doc). Every destination
+    byte of the request's tokens is written by exactly one span.
+    """
+
+    src: PagedKVLayout
+    dst: PagedKVLayout
+    num_tokens: int
+    routes: tuple[Route, ...]
+    spans: np.ndarray
+
+    @property
+    def num_layers(self) -> int:
+        return self.src.num_layers
+
+    def route_spans(self, src_rank: int, dst_rank: int) -> np.ndarray:
+        """``(n, 3)`` int64 ``[src_offset, dst_offset, nbytes]`` that ``src_rank`` sends ``dst_rank``
+        per layer (possibly empty), in the order a transport sends them."""
+        sel = (self.spans[:, SRC_RANK] == src_rank) & (self.spans[:, DST_RANK] == dst_rank)
+        return self.spans[sel][:, [SRC_OFF, DST_OFF, NBYTES]]
+
+    def route_nbytes(self, src_rank: int, dst_rank: int) -> int:
+        """Bytes per layer that ``src_rank`` sends to ``dst_rank``."""
+        return int(self.route_spans(src_rank, dst_rank)[:, 2].sum())
+
+    def sources_of(self, dst_rank: int) -> tuple[int, ...]:
+        """Source ranks that feed ``dst_rank`` (sorted)."""
+        return tuple(sorted({r.src_rank for r in self.routes if r.dst_rank == dst_rank}))
+
+    def readers_of(self, src_rank: int) -> tuple[int, ...]:
+        """Destination ranks that read from ``src_rank`` (sorted; empty for an unused replica)."""
+        return tuple(sorted({r.dst_rank for r in self.routes if r.src_rank == src_rank}))
+
+    def idle_sources(self) -> tuple[int, ...]:
+        """Source ranks no destination rank reads from (replicas not picked)."""
+        used = {r.src_rank for r in self.routes}
+        return tuple(r for r in range(self.src.tp_size) if r not in used)
+
+    def transfers(self, layer: int | None = None) -> Iterator[Transfer]:
+        """Every span as a :class:`Transfer`, for ``layer`` or (None) for every layer in order."""
+        layers = range(self.num_layers) if layer is None else (layer,)
+        for l in layers:
+            for row in self.spans.tolist():
+                yield Transfer(row[SRC_RANK], l, row[SRC_OFF], row[DST_RANK], row[DST_OFF], row[NBYTES])
+
+
+def _build_plan(src: PagedKVLayout, dst: PagedKVLayout, routes: tuple[Route, ...], src_ids: object,
+                dst_ids: object, num_tokens: int) -> ReshardPlan:
+    src_table = block_table(src_ids, src, num_tokens, "src_block_ids")
+    dst_table = block_table(dst_ids, dst, num_tokens, "dst_block_ids")
+    if np.unique(dst_table).size != dst_table.size:
+        raise UsageError("destination block ids must be distinct", argument="dst_block_ids")
+    parts = [_route_spans(r, src, dst, src_table, dst_table, num_tokens) for r in routes]
+    spans = np.concatenate(parts) if parts else np.zeros((0, 5), dtype=np.int64)
+    spans = spans[np.lexsort((spans[:, SRC_OFF], spans[:, SRC_RANK], spans[:, DST_RANK]))]
+    spans.setflags(write=False)
+    return ReshardPlan(src, dst, num_tokens, routes, spans)
+
+
+class ReshardPlanner:
+    """Plans with two caches: routes per ``(src, dst)`` layout pair (``max_layouts``) and whole
+    plans per ``(src, dst, block tables, num_tokens)`` (``max_plans``, so the producer and the
+    consumer of one request, or several readers of one producer, plan once). Thread-safe."""
+
+    def __init__(self, max_layouts: int = 64, max_plans: int = 256) -> None:
+        check_positive_int(max_layouts, "max_layouts")
+        check_positive_int(max_plans, "max_plans")
+        self._routes: OrderedDict = OrderedDict()
+        self._plans: OrderedDict = OrderedDict()
+        self._limits = (max_layouts, max_plans)
+        self._lock = threading.Lock()
+
+    def routes(self, src: PagedKVLayout, dst: PagedKVLayout) -> tuple[Route, ...]:
+        """Cached :func:`build_routes`."""
+        check_compatible(src, dst)
+        return self._cached(self._routes, (src, dst), self._limits[0], lambda: build_routes(src, dst))
+
+    def plan(self, src: PagedKVLayout, dst: PagedKVLayout, src_block_ids: Sequence[int],
+             dst_block_ids: Sequence[int], num_tokens: int) -> ReshardPlan:
+        """Plan one request. Only the first ``ceil(num_tokens / block_size)`` ids of each block
+        table are used. Raises :class:`UsageError` naming ``src``/``dst``/``dst.<field>``,
+        ``num_tokens``, ``src_block_ids`` or ``dst_block_ids`` (too short, out of range,
+        duplicate destination ids)."""
+        check_positive_int(num_tokens, "num_tokens")
+        routes = self.routes(src, dst)
+        ids = (_ids_key(src_block_ids, src, num_tokens), _ids_key(dst_block_ids, dst, num_tokens))
+        build = lambda: _build_plan(src, dst, routes, src_block_ids, dst_block_ids, num_tokens)  # noqa: E731
+        if None in ids:
+            return build()  # odd input: _build_plan raises the precise error
+        return self._cached(self._plans, (src, dst, ids, num_tokens), self._limits[1], build)
+
+    def _cached(self, cache: OrderedDict, key: object, limit: int, build):
+        with self._lock:
+            if key in cache:
+                cache.move_to_end(key)
+                return cache[key]
+        value = build()
+        with self._lock:
+            cache[key] = value
+            while len(cache) > limit:
+                cache.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._routes)
+
+
+def _ids_key(ids: object, layout: PagedKVLayout, num_tokens: int) -> tuple | None:
+    try:
+        return tuple(int(i) for i in list(ids)[: layout.blocks_needed(num_tokens)])
+    except (TypeError, ValueError):
+        return None
+
+
+_DEFAULT = ReshardPlanner()
+
+
+def default_planner() -> ReshardPlanner:
+    """The process-wide planner :func:`plan_reshard` uses."""
+    return _DEFAULT
+
+
+def plan_reshard(src: PagedKVLayout, dst: PagedKVLayout, src_block_ids: Sequence[int],
+                 dst_block_ids: Sequence[int], num_tokens: int) -> ReshardPlan:
+    """:meth:`ReshardPlanner.plan` on the default planner."""
+    return _DEFAULT.plan(src, dst, src_block_ids, dst_block_ids, num_tokens)

@@ -1,0 +1,155 @@
+"""Prefill -> decode, worker side: serve or pull a request's KV straight from/into vLLM's pool.
+
+On the CPU the engine's KV tensors are host memory, so the producer serves them in place
+(each layer as soon as its attention has written it: ``save_kv_layer``) and the consumer
+lands arriving layers directly in the destination blocks. Status is polled every step and
+reported through ``get_finished``; a failed read's blocks are load errors (recomputed).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from tiersync.disagg.config import DisaggConfig
+from tiersync.disagg.consumer import KVConsumer, SourceSpec
+from tiersync.disagg.geometry import PagedKVLayout
+from tiersync.disagg.producer import KVProducer
+from tiersync.errors import TierSyncError, UsageError
+from tiersync.integrations.vllm.metadata import ReadJob, SendJob
+
+__all__ = ["PDWorker", "layer_bytes"]
+
+YIELD_S = 0.002
+
+
+def layer_bytes(tensor: Any, nbytes: int, name: str) -> np.ndarray:
+    """A uint8 numpy view of a CPU tensor's whole storage (in place). UsageError when the
+    tensor is not a contiguous CPU tensor of ``nbytes`` bytes."""
+    if getattr(tensor, "device", None) is not None and str(tensor.device) != "cpu":
+        raise UsageError("prefill->decode runs on CPU KV caches in this build", argument=f"kv_caches[{name!r}]",
+                         device=str(tensor.device))
+    if not tensor.is_contiguous() or tensor.numel() * tensor.element_size() != nbytes:
+        raise UsageError("must be a contiguous tensor of the layout's layer size", argument=f"kv_caches[{name!r}]",
+                         nbytes=tensor.numel() * tensor.element_size(), expected=nbytes)
+    import torch
+
+    return tensor.view(-1).view(dtype=torch.uint8).numpy()
+
+
+class PDWorker:
+    """The producer's or the consumer's worker half, for one rank."""
+
+    def __init__(self, *, producer: bool, layout: PagedKVLayout, rank: int, config: DisaggConfig,
+                 host: str, port: int) -> None:
+        self.producer, self.layout, self.rank = producer, layout, rank
+        self._config, self._host, self._port = config, host, port
+        self._layers: list[np.ndarray] = []
+        self._index: dict[str, int] = {}
+        self._server: KVProducer | None = None
+        self._client: KVConsumer | None = None
+        self._sending: list[str] = []  # registered this step: their layers become ready as computed
+        self._read_blocks: dict[str, tuple[int, ...]] = {}
+        self._errors: set[int] = set()
+        self._finished: set[str] = set()  # ids vLLM reported finished (sends may only end after)
+        self._sent: set[str] = set()
+        self._failed_now: set[str] = set()  # reads refused before they started
+        self._attempted: set[str] = set()  # producer: sends tried this step
+        self._pending: set[str] = set()  # producer: registered, not yet reported by the server
+        self._local: dict[str, str] = {}  # consumer: the prefill engine's request id -> ours
+
+    def register(self, kv_caches: Mapping[str, Any]) -> None:
+        names = list(kv_caches)
+        if len(names) != self.layout.num_layers:
+            raise UsageError("one KV tensor per layer", argument="kv_caches", layers=len(names),
+                             expected=self.layout.num_layers)
+        self._layers = [layer_bytes(kv_caches[n], self.layout.layer_nbytes, n) for n in names]
+        self._index = {n: i for i, n in enumerate(names)}
+        if self.producer:
+            self._server = KVProducer(self.layout, self.rank, self._config, host=self._host, port=self._port)
+        else:
+            self._client = KVConsumer(self.layout, self.rank, self._config)
+
+    @property
+    def address(self) -> str | None:
+        return self._server.address if self._server is not None else None
+
+    # -- producer --------------------------------------------------------------------
+    def start_sends(self, jobs: Sequence[SendJob]) -> None:
+        """Serve this step's finishing prompts (idempotent within a step: the first call
+        registers, later ones do nothing)."""
+        for job in jobs:
+            if job.req_id in self._attempted:
+                continue
+            self._attempted.add(job.req_id)
+            try:
+                self._server.register(job.req_id, job.block_ids, job.num_tokens, self._layers)
+            except TierSyncError:
+                continue  # not served: the decode side's read fails and it recomputes
+            self._sending.append(job.req_id)
+            self._pending.add(job.req_id)
+
+    def layer_done(self, layer_name: str) -> None:
+        """``layer_name``'s KV of this step is written: push it to the readers."""
+        idx = self._index.get(layer_name)
+        if idx is not None:
+            for rid in self._sending:
+                self._server.layer_ready(rid, idx)
+
+    def all_layers_done(self) -> None:
+        for rid in self._sending:
+            for layer in range(self.layout.num_layers):
+                self._server.layer_ready(rid, layer)
+        self._sending, self._attempted = [], set()
+
+    # -- consumer --------------------------------------------------------------------
+    def start_reads(self, jobs: Sequence[ReadJob]) -> None:
+        for job in jobs:
+            try:
+                source = SourceSpec.from_dict(job.source)
+                self._client.start_read(job.remote_id, source, job.dst_block_ids, self._layers)
+                self._read_blocks[job.remote_id] = job.dst_block_ids
+                self._local[job.remote_id] = job.req_id
+            except TierSyncError:
+                self._errors.update(job.dst_block_ids)
+                self._failed_now.add(job.remote_id)
+                self._local[job.remote_id] = job.req_id
+
+    # -- both ------------------------------------------------------------------------
+    def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call. A
+        send is reported only once vLLM has finished the request; a failed read is also a
+        finished one, and its blocks are load errors."""
+        if self._pending or self._read_blocks:
+            time.sleep(YIELD_S)  # an idle engine steps in a busy loop: let the transfer threads run
+        if self.producer:
+            self._finished |= finished_req_ids
+            st = self._server.poll()
+            final = set(st.done_sending | st.failed_sending)
+            self._pending -= final
+            self._sent |= final
+            ready = self._sent & self._finished
+            self._sent -= ready
+            self._finished -= ready
+            return ready, set(), set()
+        st = self._client.poll()
+        failed = set(st.failed_receiving) | self._failed_now
+        self._failed_now = set()
+        for rid in failed:
+            self._errors.update(self._read_blocks.get(rid, ()))
+        done = set(st.done_receiving) | failed
+        for rid in done:
+            self._read_blocks.pop(rid, None)
+        local = {rid: self._local.pop(rid, rid) for rid in done}
+        return set(), {local[r] for r in done}, {local[r] for r in failed}
+
+    def take_load_errors(self) -> set[int]:
+        out, self._errors = self._errors, set()
+        return out
+
+    def close(self) -> None:
+        for side in (self._server, self._client):
+            if side is not None:
+                side.close()

@@ -1,0 +1,99 @@
+"""Hooks for a remote tier (store nodes) on :class:`KVCacheStore` (a mixin; no networking here).
+
+The store itself never talks to the network. A sweeper of layer 5
+(:mod:`tiersync.net.sweep`) uses these three calls:
+
+- :meth:`take_evictable` holds up to ``n`` of the coldest idle host entries (not
+  evictable, not demotable, not taken twice) and hands out views of their host blocks;
+  the views stay valid until :meth:`give_back`.
+- :meth:`give_back` ends a take: ``remote=True`` records a REMOTE copy, ``drop=True``
+  frees the host copy of each entry still idle (one pinned meanwhile keeps it).
+- :meth:`insert_host` lands bytes fetched from elsewhere (e.g. a store node) in new host
+  entries, all-or-nothing.
+
+An entry whose only copy is REMOTE is invisible to ``lookup`` (a hole), until a caller
+refills it with :meth:`insert_host`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from tiersync.errors import ClosedError, UsageError
+from tiersync.store.residency import Residency
+
+HOST, REMOTE = Residency.HOST, Residency.REMOTE
+
+
+class RemoteTierMixin:
+    """Needs ``arena``, ``metrics``, ``_lock``, ``_index``, ``_closed``, ``_check_open``,
+    ``_allocate_host``, ``_drop_pending`` and ``_gauge`` (all of :class:`KVCacheStore`)."""
+
+    def take_evictable(self, n: int) -> list[tuple[bytes, memoryview]]:
+        """Up to ``n`` idle host entries, least recently used first, held until :meth:`give_back`.
+
+        Returns ``(key, view of its host block)`` pairs; ``[]`` when none is evictable.
+        """
+        if not isinstance(n, int) or n < 0:
+            raise UsageError("must be an int >= 0", argument="n", value=n)
+        with self._lock:
+            self._check_open()
+            taken = self._index.coldest(HOST, n)
+            self._index.hold(taken)
+            return [(e.key, self.arena.block(e.host_block)) for e in taken]
+
+    def give_back(self, keys: Sequence[bytes], *, remote: bool = False, drop: bool = False) -> int:
+        """End the take of ``keys`` (each exactly as taken); returns how many host blocks were freed.
+
+        ``remote``: a store node now holds them (REMOTE is marked). ``drop``: free each
+        host copy whose entry is idle again; a pinned entry keeps its host copy. Entries
+        kept count as just used (most recently used in the eviction order).
+        """
+        with self._lock:
+            entries = [self._index.get(k) for k in keys]
+            if any(e is None or e.busy == 0 for e in entries):
+                raise UsageError("key was not taken (take_evictable first)", argument="keys")
+            self._index.unhold(entries)
+            freed = []
+            for e in entries:
+                if remote:
+                    self._index.mark(e, REMOTE, True)
+                if drop and e.idle and e.residency & HOST:
+                    freed.append(self._index.clear(e, HOST))
+            self.arena.free(freed)
+            self._gauge()
+        if freed:
+            self.metrics.evictions.labels("host").inc(len(freed))
+        return len(freed)
+
+    def insert_host(self, keys: Sequence[bytes],
+                    fill: Callable[[list[bytes], list[memoryview]], None]) -> tuple[bytes, ...]:
+        """Land ``keys`` absent here (or REMOTE only) in new host entries; returns the keys inserted.
+
+        ``fill(new_keys, views)`` must write each new key's host block (called without the lock).
+        Host room comes from free blocks, then by evicting idle entries (CapacityError
+        when that is not enough). If ``fill`` raises, every new block is freed, no entry
+        is created and the exception propagates.
+        """
+        keys = list(dict.fromkeys(keys))
+        with self._lock:
+            self._check_open()
+            new = [k for k in keys if (e := self._index.get(k)) is None or not (e.visible or e.pending)]
+            if not new:
+                return ()
+            blocks = self._allocate_host(len(new))
+            entries = [self._index.add_pending(k, b) for k, b in zip(new, blocks)]
+        try:
+            fill(list(new), [self.arena.block(b) for b in blocks])
+        except BaseException:
+            with self._lock:
+                self._drop_pending(entries, blocks)
+            raise
+        with self._lock:
+            if self._closed:
+                self._drop_pending(entries, blocks)
+                raise ClosedError("store closed during insert")
+            self.arena.publish(blocks, new)
+            for e in entries:
+                self._index.commit(e)
+            self._gauge()
+        return tuple(new)

@@ -1,0 +1,95 @@
+"""A prefill child process hosting one KVProducer per rank, driven over a multiprocessing pipe."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def producer_main(layout_dict, ranks, config_kwargs, conn) -> None:
+    """Commands: ("register", rid, ids, ntok, seed), ("ready", rid, layers), ("poll",), ("stop",)."""
+    from _kvsim import global_kv, shard
+    from tiersync.disagg import DisaggConfig, KVProducer, PagedKVLayout
+
+    layout = PagedKVLayout.from_dict(layout_dict)
+    producers = [KVProducer(layout, r, DisaggConfig(**config_kwargs)) for r in ranks]
+    conn.send([p.address for p in producers])
+    buffers = {}
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "register":
+            _, rid, ids, ntok, seed = cmd
+            buffers[rid] = shard(layout, global_kv(layout, ntok, seed), ids, fill=0xCD)
+            for p in producers:
+                p.register(rid, ids, ntok, buffers[rid][p.rank])
+            conn.send("ok")
+        elif cmd[0] == "ready":
+            _, rid, layers = cmd
+            conn.send([[p.layer_ready(rid, l) for l in layers] for p in producers])
+        elif cmd[0] == "poll":
+            statuses = [p.poll() for p in producers]
+            conn.send([(set(s.done_sending), set(s.failed_sending)) for s in statuses])
+        elif cmd[0] == "stop":
+            for p in producers:
+                p.close()
+            conn.send("bye")
+            return
+
+
+class ProducerProcess:
+    """Spawned prefill process; ``addresses`` of its ranks; methods mirror the commands."""
+
+    def __init__(self, layout, ranks, **config_kwargs) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=producer_main, args=(layout.to_dict(), list(ranks), config_kwargs, child),
+                                daemon=True)
+        self.proc.start()
+        if not self.conn.poll(60):
+            raise RuntimeError("producer child did not start")
+        self.addresses = self.conn.recv()
+        self._done: dict[int, tuple[set, set]] = {}
+
+    def _call(self, *cmd):
+        self.conn.send(cmd)
+        if not self.conn.poll(30):
+            raise RuntimeError(f"producer child did not answer {cmd[0]}")
+        return self.conn.recv()
+
+    def register(self, rid, ids, ntok, seed=0):
+        return self._call("register", rid, list(ids), ntok, seed)
+
+    def ready(self, rid, layers):
+        return self._call("ready", rid, list(layers))
+
+    def wait_final(self, rid, timeout=30.0):
+        """Poll until every rank reported ``rid``; returns the per-rank "done"/"failed"."""
+        seen: dict[int, str] = {}
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for i, (done, failed) in enumerate(self._call("poll")):
+                if rid in done:
+                    seen[i] = "done"
+                if rid in failed:
+                    seen[i] = "failed"
+            if len(seen) == len(self.addresses):
+                return [seen[i] for i in range(len(self.addresses))]
+            time.sleep(0.05)  # polling the child's status, not synchronising on time
+        raise AssertionError(f"producer never finished {rid}: {seen}")
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.join(10)
+
+    def stop(self):
+        if self.proc.is_alive():
+            try:
+                self._call("stop")
+            except (RuntimeError, EOFError, OSError):
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.kill()

@@ -1,0 +1,180 @@
+"""Prefill -> decode over real sockets between real processes: layer-wise, resharded, failures."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _kvsim import global_kv, unshard
+from _procs import ProducerProcess
+from tiersync.disagg import DisaggConfig, KVConsumer, KVOrder, PagedKVLayout, RequestState, SourceSpec
+from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, RequestError
+
+TOKEN = b"k" * 32
+
+
+def _layout(tp, bs=16, nb=16, order=KVOrder.KV_MAJOR, heads=4, layers=4):
+    return PagedKVLayout(num_layers=layers, num_kv_heads=heads, head_dim=8, block_size=bs, num_blocks=nb,
+                         dtype="float16", tp_size=tp, order=order)
+
+
+def _landing(layout):
+    return [np.zeros(layout.layer_nbytes, np.uint8) for _ in range(layout.num_layers)]
+
+
+@pytest.fixture
+def procs():
+    started = []
+
+    def start(layout, ranks=None, **cfg):
+        p = ProducerProcess(layout, range(layout.tp_size) if ranks is None else ranks, **cfg)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+def test_layerwise_byte_exact_in_ready_order(procs):
+    src, dst = _layout(1, bs=16), _layout(1, bs=32, order=KVOrder.BLOCK_MAJOR)
+    ntok, sids, dids = 70, [5, 1, 9, 3, 7], [2, 0, 6]
+    prod = procs(src, token=TOKEN)
+    prod.register("r1", sids, ntok, seed=3)
+    seen = []
+    with KVConsumer(dst, 0, DisaggConfig(token=TOKEN)) as consumer:
+        landing = _landing(dst)
+        handle = consumer.start_read("r1", SourceSpec(src, prod.addresses, sids, ntok), dids, landing,
+                                     on_layer=lambda rid, l: seen.append((rid, l)))
+        for layer in (0, 1, 3, 2):
+            assert prod.ready("r1", [layer]) == [[True]]
+            assert handle.wait_layer(layer, timeout=20)
+            assert handle.arrived_layers[-1] == layer
+        assert handle.wait_layer(0, timeout=0)  # already there
+        assert handle.wait(10) is RequestState.DONE
+        assert handle.arrived_layers == (0, 1, 3, 2)
+        assert seen == [("r1", 0), ("r1", 1), ("r1", 3), ("r1", 2)]
+        status = consumer.poll()
+        assert status.done_receiving == {"r1"} and not status.failed_receiving
+    np.testing.assert_array_equal(unshard(dst, [landing], dids, ntok), global_kv(src, ntok, 3))
+    assert prod.wait_final("r1") == ["done"]
+
+
+def test_layer_not_delivered_before_ready(procs):
+    src = _layout(1)
+    prod = procs(src)
+    prod.register("r", [0, 1], 20)
+    consumer = KVConsumer(src, 0)
+    handle = consumer.start_read("r", SourceSpec(src, prod.addresses, [0, 1], 20), [3, 4], _landing(src))
+    prod.ready("r", [1])
+    assert handle.wait_layer(1, timeout=20)
+    assert not handle.wait_layer(0, timeout=0.3)  # layer 0 was never declared ready
+    assert handle.arrived_layers == (1,)
+    consumer.close()
+    assert consumer.poll().failed_receiving == {"r"}
+
+
+@pytest.mark.parametrize("a,b,bs_a,bs_b,heads", [
+    (1, 2, 16, 32, 4), (2, 1, 32, 16, 4), (2, 4, 16, 16, 4), (4, 2, 8, 16, 4), (4, 1, 16, 16, 2),
+])
+def test_resharded_transfer_byte_exact(procs, a, b, bs_a, bs_b, heads):
+    src = _layout(a, bs=bs_a, order=KVOrder.BLOCK_MAJOR, heads=heads, layers=3)
+    dst = _layout(b, bs=bs_b, nb=20, heads=heads, layers=3)
+    ntok = 45
+    sids = list(range(src.blocks_needed(ntok)))[::-1]
+    dids = [19 - 2 * i for i in range(dst.blocks_needed(ntok))]
+    prod = procs(src, token=TOKEN, chunk_bytes=1000)  # several LAYER chunks per layer
+    prod.register("q", sids, ntok, seed=11)
+    prod.ready("q", range(3))
+    consumers = [KVConsumer(dst, d, DisaggConfig(token=TOKEN)) for d in range(b)]
+    landings = [_landing(dst) for _ in range(b)]
+    source = SourceSpec.from_dict(SourceSpec(src, prod.addresses, sids, ntok).to_dict())
+    handles = [c.start_read("q", source, dids, land) for c, land in zip(consumers, landings)]
+    assert [h.wait(30) for h in handles] == [RequestState.DONE] * b
+    np.testing.assert_array_equal(unshard(dst, landings, dids, ntok), global_kv(src, ntok, 11))
+    assert prod.wait_final("q") == ["done"] * a  # unused replicas were notified and finished too
+    assert all(c.poll().done_receiving == {"q"} for c in consumers)
+
+
+def test_producer_sigkilled_mid_transfer(procs):
+    src = _layout(1, layers=6)
+    prod = procs(src)
+    prod.register("k", [0, 1, 2], 40)
+    prod.ready("k", [0, 1])
+    consumer = KVConsumer(src, 0, DisaggConfig(timeout_s=60))
+    handle = consumer.start_read("k", SourceSpec(src, prod.addresses, [0, 1, 2], 40), [5, 6, 7], _landing(src))
+    assert handle.wait_layer(1, timeout=20)
+    prod.kill()
+    assert handle.wait(timeout=20) is RequestState.FAILED  # long before the 60 s deadline
+    assert isinstance(handle.error, PeerClosedError)
+    with pytest.raises(PeerClosedError):
+        handle.wait_layer(2, timeout=1)
+    status = consumer.poll()
+    assert status.failed_receiving == {"k"} and not status.done_receiving
+    assert consumer.get("k") is None  # released: nothing of it is tracked or written any more
+
+
+def test_timeouts_fail_both_sides_never_done(procs):
+    src = _layout(1)
+    prod = procs(src, timeout_s=1.0)
+    prod.register("t", [0], 10)
+    consumer = KVConsumer(src, 0, DisaggConfig(timeout_s=30))
+    handle = consumer.start_read("t", SourceSpec(src, prod.addresses, [0], 10), [1], _landing(src))
+    assert prod.wait_final("t") == ["failed"]  # expired producer send: FAILED, not done
+    assert handle.wait(20) is RequestState.FAILED
+    assert prod.ready("t", [0]) == [[False]]
+    assert consumer.poll().failed_receiving == {"t"}
+
+    prod2 = procs(src)
+    prod2.register("u", [0], 10)
+    short = KVConsumer(src, 0, DisaggConfig(timeout_s=0.5))
+    h2 = short.start_read("u", SourceSpec(src, prod2.addresses, [0], 10), [1], _landing(src))
+    assert h2.wait(20) is RequestState.FAILED
+    assert isinstance(h2.error, NetTimeoutError)
+    assert short.poll().failed_receiving == {"u"}
+
+
+def test_bad_token_refused_then_good_token_served(procs):
+    src = _layout(1)
+    prod = procs(src, token=TOKEN)
+    prod.register("a", [0], 10)
+    prod.ready("a", range(4))
+    source = SourceSpec(src, prod.addresses, [0], 10)
+    for cfg in (DisaggConfig(token=b"x" * 32), DisaggConfig()):
+        bad = KVConsumer(src, 0, cfg)
+        h = bad.start_read("a", source, [1], _landing(src))
+        assert h.wait(20) is RequestState.FAILED
+        assert isinstance(h.error, AuthError)
+    good = KVConsumer(src, 0, DisaggConfig(token=TOKEN))
+    assert good.start_read("a", source, [1], _landing(src)).wait(20) is RequestState.DONE
+    assert prod.wait_final("a") == ["done"]
+
+
+def test_unknown_request_and_mismatch_refused(procs):
+    src = _layout(1)
+    prod = procs(src)
+    prod.register("m", [0, 1], 20)
+    consumer = KVConsumer(src, 0)
+    h = consumer.start_read("nope", SourceSpec(src, prod.addresses, [0, 1], 20), [1, 2], _landing(src))
+    assert h.wait(20) is RequestState.FAILED
+    assert isinstance(h.error, RequestError) and h.error.code == "unknown_request"
+    h = consumer.start_read("m", SourceSpec(src, prod.addresses, [1, 0], 20), [1, 2], _landing(src))
+    assert h.wait(20) is RequestState.FAILED and h.error.code == "mismatch"
+
+
+def test_landing_never_written_after_failure(procs):
+    src = _layout(1)
+    prod = procs(src)
+    prod.register("c", [0, 1], 20, seed=5)
+    prod.ready("c", [0])
+    consumer = KVConsumer(src, 0)
+    landing = _landing(src)
+    handle = consumer.start_read("c", SourceSpec(src, prod.addresses, [0, 1], 20), [2, 3], landing)
+    assert handle.wait_layer(0, timeout=20)
+    consumer.close()  # the decode side gives up: the request fails and its landing is released
+    assert handle.state is RequestState.FAILED
+    snapshot = [layer.copy() for layer in landing]
+    prod.ready("c", [1, 2, 3])
+    assert prod.wait_final("c") == ["failed"]  # the producer's pushes hit a closed reader
+    assert all(np.array_equal(a, b) for a, b in zip(landing, snapshot))
+    assert not any(layer.any() for layer in landing[1:])
+    assert consumer.poll().failed_receiving == {"c"}

@@ -1,0 +1,64 @@
+"""Prefill -> decode with TierSyncConnector on real vLLM engines: a prefill engine
+(kv_producer), a decode engine (kv_consumer) and an HTTP router, each its own process.
+
+The prefill engine doubles as the monolithic reference: a request without
+``do_remote_decode`` is computed and decoded there like on any engine.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from _vllm_engine import CHUNK, PROMPT_LEN, require_vllm
+from tiersync.bench.engine_server import start
+from tiersync.bench.serve_engine import make_prompt, vllm_python
+from tiersync.bench.tiny_llama import write_tiny_llama
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
+BLOCK = 128
+PD_PORT = 17611
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    require_vllm()
+    work = tmp_path_factory.mktemp("pd")
+    model = write_tiny_llama(str(work / "model"))
+    base = {"model": model, "chunk": CHUNK, "connector": "tiersync"}
+    py = vllm_python()
+    import json
+
+    servers = {}
+    try:
+        servers["prefill"] = start(["engine", json.dumps({**base, "kv_role": "kv_producer",
+                                                          "extra": {"pd_port": PD_PORT}}), "0"],
+                                   str(work / "prefill.log"), py)
+        servers["decode"] = start(["engine", json.dumps({**base, "kv_role": "kv_consumer"}), "0"],
+                                  str(work / "decode.log"), py)
+        servers["router"] = start(["router", servers["prefill"].url, servers["decode"].url, "0"],
+                                  str(work / "router.log"), py)
+        yield servers
+    finally:
+        for s in servers.values():
+            s.kill()
+
+
+def test_prefill_to_decode_matches_monolithic(cluster):
+    prompt = make_prompt(PROMPT_LEN, 7, 4096)
+    mono = cluster["prefill"].generate(prompt, 24)
+    out = cluster["router"].generate(prompt, 24)
+    assert out["prefill"]["kv_transfer_params"]["tiersync_source"]["request_id"]
+    assert out["cached_tokens"] == (PROMPT_LEN - 1) // BLOCK * BLOCK  # every full block came from prefill
+    assert out["tokens"] == mono["tokens"]
+
+
+def test_prefill_killed_before_the_pull_decode_recomputes(cluster):
+    prompt = make_prompt(PROMPT_LEN, 8, 4096)
+    mono = cluster["prefill"].generate(prompt, 24)
+    first = cluster["prefill"].generate(prompt, 1, {"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    assert params and "tiersync_source" in params
+    cluster["prefill"].kill()  # the KV server dies with it: the pull fails
+    out = cluster["decode"].generate(prompt, 24, params)
+    assert out["tokens"] == mono["tokens"]

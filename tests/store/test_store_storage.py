@@ -1,0 +1,120 @@
+"""The store over a storage tier: eviction never loses unsaved blocks; scans never block lookups."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+
+import numpy as np
+import pytest
+
+from _store_helpers import identity, keys_for, make_layout
+from tiersync.errors import CapacityError
+from tiersync.store import KVCacheStore, Residency, StoreConfig
+from tiersync.tiers.storage import StorageConfig, StorageTier
+
+NO_SWEEP = dict(low_watermark=0.0, high_watermark=0.0)  # the watermark sweep never starts
+
+
+@pytest.fixture
+def sdir():
+    d = tempfile.mkdtemp(prefix="tiersync-store-storage-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def fill(dev, seed):
+    dev[:] = np.random.default_rng(seed).integers(0, 256, dev.shape, dtype=np.uint8)
+    return dev.copy()
+
+
+def make_storage(path, layout, **kw):
+    return StorageTier(StorageConfig(path, identity(layout).digest(), workers=2, **kw))
+
+
+def test_eviction_writes_unsaved_host_entries_to_storage_first(sdir):
+    dev, layout = make_layout(num_blocks=8, nbytes=4096)
+    ref = fill(dev, 1)
+    keys = keys_for(8)
+    with KVCacheStore(layout, StoreConfig(host_blocks=4, **NO_SWEEP), storage=make_storage(sdir, layout)) as s:
+        s.save(range(4), keys[:4]).result(10)
+        assert s.residency(keys[:4]) == [Residency.HOST] * 4  # no sweep: nothing on storage yet
+        s.save(range(4, 8), keys[4:]).result(10)  # needs the first four's host blocks
+        assert s.residency(keys[:4]) == [Residency.STORAGE] * 4, s.residency(keys[:4])
+        assert s.metrics.value("tiersync_store_evictions_total", tier="host_unsaved") == 0
+        assert s.metrics.value("tiersync_store_demotions_total") == 4
+        hit = s.lookup(keys[:2])
+        assert hit.complete
+        s.release(hit.keys)
+        # and promotions make room the same way: the four now on host get written down
+        hit = s.lookup(keys[:4])
+        dev[:] = 0
+        s.load(hit.keys, range(4)).result(10)
+        assert (dev[:4] == ref[:4]).all()
+        assert all(r & Residency.STORAGE for r in s.residency(keys[4:]))
+        assert s.metrics.value("tiersync_store_evictions_total", tier="host_unsaved") == 0
+
+
+def test_failed_write_down_drops_and_counts_the_unsaved(sdir, monkeypatch):
+    dev, layout = make_layout(num_blocks=8, nbytes=4096)
+    fill(dev, 2)
+    keys = keys_for(8)
+    storage = make_storage(sdir, layout)
+
+    def full(keys, views):
+        raise CapacityError("storage directory is full", requested=len(keys))
+
+    with KVCacheStore(layout, StoreConfig(host_blocks=4, **NO_SWEEP), storage=storage) as s:
+        s.save(range(4), keys[:4]).result(10)
+        monkeypatch.setattr(storage, "write", full)
+        s.save(range(4, 8), keys[4:]).result(10)  # the save still succeeds: a cache evicts locally
+        assert s.residency(keys[:4]) == [Residency.NONE] * 4
+        assert s.metrics.value("tiersync_store_evictions_total", tier="host_unsaved") == 4
+        assert s.metrics.value("tiersync_store_evictions_total", tier="host") == 4
+
+
+def test_without_storage_eviction_drops_quietly():
+    dev, layout = make_layout(num_blocks=8, nbytes=256)
+    keys = keys_for(8)
+    with KVCacheStore(layout, StoreConfig(host_blocks=4)) as s:
+        s.save(range(4), keys[:4]).result(10)
+        s.save(range(4, 8), keys[4:]).result(10)
+        assert s.residency(keys[:4]) == [Residency.NONE] * 4
+        assert s.metrics.value("tiersync_store_evictions_total", tier="host") == 4
+        assert s.metrics.value("tiersync_store_evictions_total", tier="host_unsaved") == 0
+
+
+def test_lookup_of_host_keys_does_not_wait_for_a_directory_scan(sdir, monkeypatch):
+    dev, layout = make_layout(num_blocks=8, nbytes=4096)
+    fill(dev, 3)
+    keys = keys_for(2)
+    other = keys_for(1, seed=9)
+    storage = make_storage(sdir, layout)
+    with KVCacheStore(layout, StoreConfig(host_blocks=8), storage=storage) as s:
+        s.save([0], keys[:1]).result(10)
+        with make_storage(sdir, layout) as peer:  # another process's new segment: a scan will read it
+            peer.write(other, [memoryview(dev[1])]).result(10)
+        entered, release = threading.Event(), threading.Event()
+        real_scan = storage._index.scan
+
+        def slow_scan(name):
+            entered.set()
+            assert release.wait(10)
+            return real_scan(name)
+
+        monkeypatch.setattr(storage._index, "scan", slow_scan)
+        missing = threading.Thread(target=lambda: s.release(s.lookup(other).keys))
+        missing.start()
+        try:
+            assert entered.wait(10)  # that lookup is scanning now
+            done = threading.Event()
+            hit = []
+            t = threading.Thread(target=lambda: (hit.append(s.lookup(keys[:1])), done.set()))
+            t.start()
+            assert done.wait(5), "a lookup of a host key waited for the directory scan"
+            assert hit[0].complete
+            s.release(hit[0].keys)
+        finally:
+            release.set()
+            missing.join(10)
+        assert s.lookup(other).complete  # what the scan found is there after it
