@@ -1,13 +1,14 @@
 """A vLLM engine behind a minimal HTTP endpoint, and the prefill -> decode router.
 
-``python -m tiersync.bench.engine_server engine '<json spec>' PORT`` starts an engine
+``python -m tiersync.bench.engine_server engine '<json spec>' PORT [HOST]`` starts an engine
 (spec as in :mod:`tiersync.bench.serve_engine`) and serves ``POST /generate`` with a JSON
 body ``{"prompt_token_ids", "max_tokens", "kv_transfer_params"?}``, answering the
-:func:`~tiersync.bench.serve_engine.generate` row. It prints ``READY <port>`` once the
+:func:`~tiersync.bench.serve_engine.generate` row. It prints ``READY <port> <host>`` once the
 engine is up. ``... router PREFILL_URL DECODE_URL PORT`` serves the same endpoint by
 sending each request to the prefill engine (one token, ``do_remote_decode``), then to the
 decode engine with the prefill engine's ``kv_transfer_params``; its answer adds
-``prefill`` (the prefill row) and ``seconds`` covers both hops.
+``prefill`` (the prefill row) and ``decode_seconds`` (the decode engine's own time), and
+``seconds`` covers both hops.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def _handler(fn: Callable[[dict], dict]) -> type:
     return Handler
 
 
-def serve_engine(spec: dict, port: int) -> None:
+def serve_engine(spec: dict, port: int, host: str = "127.0.0.1") -> None:
     from tiersync.bench.serve_engine import build_engine, generate, make_prompt
 
     llm = build_engine(spec)
@@ -61,7 +62,7 @@ def serve_engine(spec: dict, port: int) -> None:
         return generate(llm, list(body["prompt_token_ids"]), int(body.get("max_tokens", 16)),
                         body.get("kv_transfer_params"))
 
-    _serve(handle, port)
+    _serve(handle, port, host)
 
 
 def serve_router(prefill: str, decode: str, port: int) -> None:
@@ -72,7 +73,7 @@ def serve_router(prefill: str, decode: str, port: int) -> None:
         out = post(decode + "/generate", {"prompt_token_ids": body["prompt_token_ids"],
                                           "max_tokens": body.get("max_tokens", 16),
                                           "kv_transfer_params": first.get("kv_transfer_params")})
-        out["prefill"], out["seconds"] = first, time.perf_counter() - t0
+        out["prefill"], out["decode_seconds"], out["seconds"] = first, out["seconds"], time.perf_counter() - t0
         return out
 
     _serve(handle, port)
@@ -105,7 +106,7 @@ class Server:
         self.proc.wait()
 
 
-def start(args: list[str], log: str, python: str, timeout: float = 600) -> Server:
+def start(args: list[str], log: str, python: str, timeout: float = 600, prefix: list[str] | None = None) -> Server:
     """Start ``python -m tiersync.bench.engine_server ARGS`` and wait for its READY line; its
     output is copied to ``log`` by a thread. RuntimeError with the log's tail when it exits
     first or does not start within ``timeout``."""
@@ -116,8 +117,9 @@ def start(args: list[str], log: str, python: str, timeout: float = 600) -> Serve
     env = dict(os.environ)
     if args[0] == "engine":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(json.loads(args[1]).get("kv_space_gib", 1)))
-    proc = subprocess.Popen([python, "-m", "tiersync.bench.engine_server", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, env=env, text=True, errors="replace")
+    cmd = [*(prefix or []), python, "-m", "tiersync.bench.engine_server", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                            text=True, errors="replace")
     ready = threading.Event()
     port: list[str] = []
 
@@ -127,32 +129,32 @@ def start(args: list[str], log: str, python: str, timeout: float = 600) -> Serve
                 out.write(line)
                 out.flush()
                 if line.startswith("READY ") and not port:
-                    port.append(line.split()[1])
+                    port.append(line.split()[2] + ":" + line.split()[1])
                     ready.set()
         ready.set()  # EOF: the process exited
 
     threading.Thread(target=pump, daemon=True, name="engine-log").start()
     if ready.wait(timeout) and port:
-        return Server(proc, f"http://127.0.0.1:{port[0]}", log)
+        return Server(proc, f"http://{port[0]}", log)
     Server(proc, "", log).kill()
     with open(log, errors="replace") as f:
         tail = "".join(f.readlines()[-30:])
     raise RuntimeError(f"{args[0]} did not start:\n{tail}")
 
 
-def _serve(handle: Callable[[dict], dict], port: int) -> None:
-    server = HTTPServer(("127.0.0.1", port), _handler(handle))
-    print(f"READY {server.server_port}", flush=True)
+def _serve(handle: Callable[[dict], dict], port: int, host: str = "127.0.0.1") -> None:
+    server = HTTPServer((host, port), _handler(handle))
+    print(f"READY {server.server_port} {host}", flush=True)
     server.serve_forever()
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["engine"] and len(argv) == 3:
+    if argv[:1] == ["engine"] and len(argv) in (3, 4):
         import os
 
         spec = json.loads(argv[1])
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 1)))
-        serve_engine(spec, int(argv[2]))
+        serve_engine(spec, int(argv[2]), *argv[3:])
     elif argv[:1] == ["router"] and len(argv) == 4:
         serve_router(argv[1], argv[2], int(argv[3]))
     else:

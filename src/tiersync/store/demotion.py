@@ -111,16 +111,21 @@ class DemotionMixin:
 
     def _written_down(self, batch: list[Entry], exc: BaseException | None) -> None:
         with self._lock:
-            self._index.unhold(batch)
-            if exc is not None:
-                log.warning("writing evicted host entries to storage failed; they will be dropped: %s", exc)
-                self._demote_backoff_until = time.monotonic() + 1.0
-            else:
-                for e in batch:
-                    self._index.mark(e, STORAGE, True)
-                    if e.idle and e.residency & HOST:
-                        self.arena.free([self._index.clear(e, HOST)])
-            self._gauge()
+            self._settle(batch, exc, "writing evicted host entries to storage failed; they will be dropped: %s")
+
+    def _settle(self, batch: list[Entry], exc: BaseException | None, failure: str) -> None:
+        """Under the lock: a write of ``batch`` to storage ended; on success they are on
+        storage and leave host when idle, on failure demotion backs off for 1 s."""
+        self._index.unhold(batch)
+        if exc is not None:
+            log.warning(failure, exc)
+            self._demote_backoff_until = time.monotonic() + 1.0
+        else:
+            for e in batch:
+                self._index.mark(e, STORAGE, True)
+                if e.idle and e.residency & HOST:
+                    self.arena.free([self._index.clear(e, HOST)])
+        self._gauge()
         if exc is None:
             self.metrics.demotions.inc(len(batch))
             self.metrics.bytes.labels("storage", "in").inc(len(batch) * self.arena.block_nbytes)
@@ -164,18 +169,7 @@ class DemotionMixin:
         with self._lock:
             self._demoting = False
             self._demote_idle.notify_all()
-            self._index.unhold(batch)
-            if exc is not None:
-                log.warning("demotion to storage failed, retrying in 1 s: %s", exc)
-                self._demote_backoff_until = time.monotonic() + 1.0
-            else:
-                for e in batch:
-                    self._index.mark(e, STORAGE, True)
-                    if e.idle and e.residency & HOST:
-                        self.arena.free([self._index.clear(e, HOST)])
-            self._gauge()
+            self._settle(batch, exc, "demotion to storage failed, retrying in 1 s: %s")
         if exc is None:
-            self.metrics.demotions.inc(len(batch))
-            self.metrics.bytes.labels("storage", "in").inc(len(batch) * self.arena.block_nbytes)
             self._maybe_demote()
 
