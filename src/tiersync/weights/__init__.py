@@ -5,12 +5,21 @@
 - :mod:`~tiersync.weights.planner`: :func:`plan_transfer` -> :class:`TransferPlan`
   (chunks, byte spans, pushers, relay trees), cached by :class:`PlanCache`.
 - :mod:`~tiersync.weights.executor`: :func:`execute_local`, the in-process numpy executor.
+- :mod:`~tiersync.weights.publisher` / :mod:`~tiersync.weights.receiver`: trainer -> sampler
+  sync over shared memory (same host) or TCP: :class:`WeightPublisher` (one per trainer
+  shard, ``publish(version)`` -> future of :class:`PublishResult`) and :class:`WeightReceiver`
+  (one per sampler, ``receive(version)`` -> future, ``acquire()`` -> :class:`WeightsLease`),
+  configured by :class:`PublisherConfig` / :class:`ReceiverConfig` (:class:`TransportKind`).
 
 Pure Python and numpy: importing never imports torch or JAX.
 """
+from tiersync.weights.buffers import WeightsLease
+from tiersync.weights.config import PublisherConfig, ReceiverConfig, SyncStatus, TransportKind
 from tiersync.weights.executor import allocate_destination, execute_local, span_view
 from tiersync.weights.plan import PlanOptions, TensorSpec, Transfer, TransferKind, TransferPlan, dtype_info
 from tiersync.weights.planner import PlanCache, default_plan_cache, plan_transfer
+from tiersync.weights.publisher import PublishResult, SamplerOutcome, WeightPublisher
+from tiersync.weights.receiver import ReceiveResult, WeightReceiver
 from tiersync.weights.sharding import Box, Mesh, Sharding, local_shape, replica_groups, shard_boxes, shard_slices
 from tiersync.weights.spans import StridedSpan, box_span
 
@@ -19,12 +28,22 @@ __all__ = [
     "Mesh",
     "PlanCache",
     "PlanOptions",
+    "PublishResult",
+    "PublisherConfig",
+    "ReceiveResult",
+    "ReceiverConfig",
+    "SamplerOutcome",
     "Sharding",
     "StridedSpan",
+    "SyncStatus",
     "TensorSpec",
     "Transfer",
     "TransferKind",
     "TransferPlan",
+    "TransportKind",
+    "WeightPublisher",
+    "WeightReceiver",
+    "WeightsLease",
     "allocate_destination",
     "box_span",
     "default_plan_cache",

@@ -1,0 +1,175 @@
+"""A sampler's weights: one or two host buffer sets and an atomic version switch.
+
+With two sets, a sync fills the *standby* set while readers use the *active* one, and
+:meth:`VersionedBuffers.commit` swaps them under a lock: a reader that acquired version v
+(:meth:`acquire` -> :class:`WeightsLease`) keeps reading a complete, unchanging v until it
+releases the lease; a later sync waits (up to a deadline) for every lease on the set it is
+about to overwrite. With one set, a sync waits for the readers to leave and new readers
+wait for the sync to end, so nobody ever reads a half-updated model either; an aborted
+single-buffer sync leaves no weights (acquire waits for the next good version).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from tiersync.errors import CapacityError, ClosedError, UsageError
+from tiersync.weights.tensors import allocate
+
+__all__ = ["VersionedBuffers", "WeightsLease"]
+
+
+class WeightsLease:
+    """Read access to one complete version until :meth:`release` (or the ``with`` block ends).
+
+    ``tensors`` maps each name to a read-only numpy array of the sampler's local shard.
+    """
+
+    def __init__(self, owner: "VersionedBuffers", index: int, version: int, tensors: Mapping[str, np.ndarray]):
+        self._owner, self._index = owner, index
+        self.version = version
+        self.tensors = tensors
+        self._released = False
+
+    def identity(self, base: Any) -> Any:
+        """``base`` (a :class:`tiersync.store.keys.CacheIdentity`) with ``weights_version`` set to
+        this version, so KV computed with older weights is never reused."""
+        return replace(base, weights_version=str(self.version))
+
+    def release(self) -> None:
+        """Give the version back; idempotent."""
+        if not self._released:
+            self._released = True
+            self._owner._release(self._index)
+
+    def __enter__(self) -> "WeightsLease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class VersionedBuffers:
+    """``count`` (1 or 2) sets of host arrays for the tensors given to :meth:`ensure`.
+
+    ``allocator(local_shape, dtype_name)`` makes each array (C-contiguous, that shape and
+    dtype, or uint8 with a trailing itemsize dimension); its contents need not be zero, since a
+    sync writes every byte before the set becomes readable. Default: :func:`allocate`.
+    """
+
+    def __init__(self, count: int, allocator: Callable[[tuple[int, ...], str], np.ndarray] = allocate) -> None:
+        if count not in (1, 2):
+            raise UsageError("must be 1 or 2", argument="buffers", value=count)
+        if not callable(allocator):
+            raise UsageError("must be callable", argument="allocator")
+        self._count, self._allocate = count, allocator
+        self._sets: list[dict[str, np.ndarray]] = []
+        self._specs: dict[str, tuple[tuple[int, ...], str]] | None = None
+        self._version: list[int | None] = [None] * count
+        self._readers = [0] * count
+        self._active: int | None = None
+        self._writing: int | None = None
+        self._pending: int | None = None
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def ensure(self, specs: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
+        """Allocate the sets for ``specs`` (name -> local shape, dtype) on first use; later calls
+        must pass the same specs (UsageError otherwise)."""
+        specs = dict(specs)
+        with self._cond:
+            if self._specs is not None:
+                if specs != self._specs:
+                    raise UsageError("the model changed shape between versions", argument="manifest")
+                return
+            self._sets = [{n: self._allocate(s, d) for n, (s, d) in specs.items()} for _ in range(self._count)]
+            self._specs = specs
+
+    @property
+    def version(self) -> int | None:
+        """The active version (None before the first commit or after a failed single-buffer sync)."""
+        with self._cond:
+            return None if self._active is None else self._version[self._active]
+
+    def begin_write(self, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
+        """The set a sync may overwrite, once no lease holds it. CapacityError after ``timeout``."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            if self._writing is not None:
+                raise UsageError("a sync is already writing", argument="sync")
+            index = 0 if self._count == 1 or self._active is None else 1 - self._active
+            self._pending = index  # new readers of this set wait: a sync is not starved
+            try:
+                while self._readers[index] and not self._closed:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        raise CapacityError("readers still hold the buffer a sync must write", requested=1,
+                                            used=self._readers[index], free=0, version=self._version[index])
+                    self._cond.wait(left)
+            finally:
+                self._pending = None
+                self._cond.notify_all()
+            self._check_open()
+            self._writing = index
+            self._version[index] = None
+            if self._active == index:  # single buffer: the live weights are about to change
+                self._active = None
+            return index, self._sets[index]
+
+    def commit(self, index: int, version: int) -> None:
+        """Make set ``index`` (filled by the sync) the active version, atomically."""
+        with self._cond:
+            if self._writing != index:
+                raise UsageError("commit of a set that is not being written", argument="index", value=index)
+            self._version[index] = version
+            self._active, self._writing = index, None
+            self._cond.notify_all()
+
+    def abort(self, index: int) -> None:
+        """Drop a failed sync of set ``index``; the active version (if any) stays."""
+        with self._cond:
+            if self._writing == index:
+                self._writing = None
+                self._cond.notify_all()
+
+    def acquire(self, timeout: float | None = None) -> WeightsLease:
+        """A lease on the active version, waiting for one up to ``timeout`` (None: forever).
+
+        CapacityError when no version is active by then; ClosedError once closed.
+        """
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (self._active is None or self._pending == self._active) and not self._closed:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CapacityError("no weights version is active yet", requested=1, used=0, free=0)
+                self._cond.wait(left)
+            self._check_open()
+            index = self._active
+            self._readers[index] += 1
+            views = {}
+            for name, arr in self._sets[index].items():
+                view = arr.view()
+                view.flags.writeable = False
+                views[name] = view
+            return WeightsLease(self, index, self._version[index], views)
+
+    def _release(self, index: int) -> None:
+        with self._cond:
+            self._readers[index] -= 1
+            self._cond.notify_all()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the receiver is closed", argument="receiver")
+
+    def close(self) -> None:
+        """Refuse new leases and drop the sets (leases already taken keep their arrays alive)."""
+        with self._cond:
+            self._closed = True
+            self._sets = []
+            self._cond.notify_all()

@@ -1,0 +1,146 @@
+"""Configuration and status values of trainer -> sampler weight sync.
+
+One frozen, validated dataclass per component: :class:`PublisherConfig` (the trainer
+shard side) and :class:`ReceiverConfig` (the sampler side). Both raise
+:class:`~tiersync.errors.UsageError` naming the offending field; nothing is read from the
+environment here (the CLI does that).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from tiersync.errors import UsageError, check_positive_int
+
+__all__ = ["PublisherConfig", "ReceiverConfig", "SyncStatus", "TransportKind"]
+
+
+class TransportKind(enum.Enum):
+    """How a sampler gets the bytes of one trainer shard.
+
+    ``AUTO``: shared memory when the sampler runs on the trainer's host (same machine id and
+    boot id) and the trainer offers a segment, TCP otherwise. ``SHM``: shared memory or a
+    registration error. ``TCP``: always TCP, even on the same host.
+    """
+
+    AUTO = "auto"
+    SHM = "shm"
+    TCP = "tcp"
+
+
+class SyncStatus(enum.Enum):
+    """Outcome of one version for one sampler."""
+
+    OK = "ok"  #: every shard arrived, checked, and the sampler switched to the version
+    FAILED = "failed"  #: the sampler reported an error (its message says which)
+    DISCONNECTED = "disconnected"  #: the sampler's connection dropped before it answered
+    TIMEOUT = "timeout"  #: no answer before the publish deadline
+
+
+def _check_seconds(value: object, argument: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise UsageError("must be a number of seconds > 0", argument=argument, value=value)
+
+
+def _check_address(value: object, argument: str) -> None:
+    if not isinstance(value, str):
+        raise UsageError("must be 'host:port'", argument=argument, value=value)
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise UsageError("must be 'host:port'", argument=argument, value=value)
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherConfig:
+    """Settings of one trainer shard's :class:`~tiersync.weights.publisher.WeightPublisher`.
+
+    ``listen``: control + data address ("host:port", port 0 picks one).
+    ``shm``: write each version into a ``/dev/shm`` segment (one write, many readers); when
+    False every sampler uses TCP. ``shm_dir``: where the segment lives.
+    ``publish_timeout_s``: how long :meth:`publish` waits for the samplers' answers.
+    ``io_timeout_s``: deadline of one socket operation. ``fanout``: receivers one sender
+    serves per chunk before receivers relay (the planner's k). ``segment_bytes``: chunks
+    are cut into pieces of about this size (pipelining, TCP request size).
+    ``checksum``: xxh3 over every TCP payload (verified by the receiver).
+    ``max_meta_bytes``: bound on one control message's metadata.
+    """
+
+    listen: str = "127.0.0.1:0"
+    shm: bool = True
+    shm_dir: str = "/dev/shm"
+    publish_timeout_s: float = 120.0
+    io_timeout_s: float = 30.0
+    fanout: int = 64
+    segment_bytes: int = 16 << 20
+    checksum: bool = True
+    max_meta_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        _check_address(self.listen, "listen")
+        if not isinstance(self.shm, bool) or not isinstance(self.checksum, bool):
+            raise UsageError("must be a bool", argument="shm" if not isinstance(self.shm, bool) else "checksum")
+        if not isinstance(self.shm_dir, str) or not self.shm_dir:
+            raise UsageError("must be a directory path", argument="shm_dir", value=self.shm_dir)
+        _check_seconds(self.publish_timeout_s, "publish_timeout_s")
+        _check_seconds(self.io_timeout_s, "io_timeout_s")
+        for name in ("fanout", "segment_bytes", "max_meta_bytes"):
+            check_positive_int(getattr(self, name), name)
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiverConfig:
+    """Settings of one sampler's :class:`~tiersync.weights.receiver.WeightReceiver`.
+
+    ``publishers``: the control address of every trainer shard, in source-rank order
+    (``publishers[r]`` serves source rank ``r``). ``rank``: this sampler's rank in its
+    destination mesh. ``transport``: see :class:`TransportKind`. ``buffers``: 2 =
+    double-buffered (a version switch is atomic and readers of the old version keep it
+    until they release it); 1 = single-buffered (half the memory; a sync writes the live
+    weights, so readers must not run during a sync). ``streams``: TCP connections per
+    sender. ``copy_threads``: threads copying slices out of shared memory.
+    ``listen``: where this sampler serves relays to other samplers.
+    ``sync_timeout_s``: deadline of one version's sync (announce to switch);
+    ``lease_timeout_s``: how long a sync waits for readers to release the standby buffer;
+    ``io_timeout_s``: one socket operation; ``connect_timeout_s``: one connect.
+    ``sampler_id``: a label in the publisher's results (default ``"sampler-<rank>"``).
+    """
+
+    publishers: tuple[str, ...]
+    rank: int = 0
+    transport: TransportKind = TransportKind.AUTO
+    buffers: int = 2
+    streams: int = 4
+    copy_threads: int = 2
+    listen: str = "127.0.0.1:0"
+    sync_timeout_s: float = 120.0
+    lease_timeout_s: float = 60.0
+    io_timeout_s: float = 30.0
+    connect_timeout_s: float = 10.0
+    sampler_id: str | None = None
+    max_meta_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        pubs = self.publishers
+        if isinstance(pubs, str) or not isinstance(pubs, (tuple, list)) or not pubs:
+            raise UsageError("must be a non-empty sequence of 'host:port'", argument="publishers", value=pubs)
+        for p in pubs:
+            _check_address(p, "publishers")
+        object.__setattr__(self, "publishers", tuple(pubs))
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise UsageError("must be an int >= 0", argument="rank", value=self.rank)
+        if not isinstance(self.transport, TransportKind):
+            raise UsageError("must be a TransportKind", argument="transport", value=self.transport)
+        if self.buffers not in (1, 2) or isinstance(self.buffers, bool):
+            raise UsageError("must be 1 or 2", argument="buffers", value=self.buffers)
+        for name in ("streams", "copy_threads", "max_meta_bytes"):
+            check_positive_int(getattr(self, name), name)
+        _check_address(self.listen, "listen")
+        for name in ("sync_timeout_s", "lease_timeout_s", "io_timeout_s", "connect_timeout_s"):
+            _check_seconds(getattr(self, name), name)
+        if self.sampler_id is not None and (not isinstance(self.sampler_id, str) or not self.sampler_id):
+            raise UsageError("must be a non-empty str or None", argument="sampler_id", value=self.sampler_id)
+
+    @property
+    def label(self) -> str:
+        """``sampler_id`` or ``"sampler-<rank>"``."""
+        return self.sampler_id or f"sampler-{self.rank}"

@@ -1,0 +1,112 @@
+"""What a trainer shard announces for one version, as JSON-able values.
+
+A :class:`Manifest` names the tensors in write order (their global specs and source
+shardings), where this shard's bytes of each live in its segment, the planner options
+every party must plan with, and the relay addresses of the registered samplers.
+:func:`sharding_to_json`/:func:`sharding_from_json` carry a :class:`Sharding` over the
+wire. :func:`host_id` identifies this machine and boot (same host = shared memory works).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tiersync.errors import UsageError
+from tiersync.net.errors import ProtocolError, ProtocolFault
+from tiersync.weights.plan import PlanOptions, TensorSpec
+from tiersync.weights.sharding import Mesh, Sharding
+
+__all__ = ["Manifest", "host_id", "sharding_from_json", "sharding_to_json"]
+
+
+def host_id() -> str:
+    """``machine-id/boot-id`` of this host (hostname when those files are missing)."""
+    parts = []
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            pass
+    if not parts:
+        import socket
+
+        parts.append(socket.gethostname())
+    return "/".join(parts)
+
+
+def sharding_to_json(s: Sharding) -> dict[str, Any]:
+    m = s.mesh
+    return {"shape": list(m.shape), "axes": list(m.axis_names), "ranks": list(m.ranks), "spec": [list(d) for d in s.spec]}
+
+
+def sharding_from_json(obj: Any) -> Sharding:
+    """Inverse of :func:`sharding_to_json`; ProtocolError (MALFORMED) on bad input."""
+    try:
+        mesh = Mesh(tuple(obj["shape"]), tuple(obj["axes"]), tuple(obj["ranks"]))
+        return Sharding(mesh, tuple(tuple(d) for d in obj["spec"]))
+    except (KeyError, TypeError, UsageError) as exc:
+        raise ProtocolError(f"bad sharding: {exc}", fault=ProtocolFault.MALFORMED) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """Version ``version`` of source rank ``source_rank`` (of ``source_ranks`` shards).
+
+    ``names[i]``/``specs[i]``/``source[i]``: the i-th tensor in write order, its global spec and
+    source sharding. ``offsets[i]``: its local shard's file offset in ``segment`` (None: no
+    segment, TCP only); ``payload_bytes``: the segment's payload size. ``host``: the trainer's
+    :func:`host_id`. ``peers``: destination rank -> relay address of registered samplers.
+    """
+
+    version: int
+    source_rank: int
+    source_ranks: int
+    names: tuple[str, ...]
+    specs: tuple[TensorSpec, ...]
+    source: tuple[Sharding, ...]
+    offsets: tuple[int, ...]
+    payload_bytes: int
+    segment: str | None
+    host: str
+    options: PlanOptions
+    peers: dict[int, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version, "source_rank": self.source_rank, "source_ranks": self.source_ranks,
+            "tensors": [[n, list(s.shape), s.dtype] for n, s in zip(self.names, self.specs)],
+            "source": [sharding_to_json(s) for s in self.source], "offsets": list(self.offsets),
+            "payload_bytes": self.payload_bytes, "segment": self.segment, "host": self.host,
+            "fanout": self.options.fanout, "segment_bytes": self.options.segment_bytes,
+            "peers": {str(k): v for k, v in self.peers.items()},
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "Manifest":
+        """Decode; ProtocolError (MALFORMED) on anything missing or ill-typed."""
+        try:
+            tensors = obj["tensors"]
+            return cls(
+                version=int(obj["version"]), source_rank=int(obj["source_rank"]),
+                source_ranks=int(obj["source_ranks"]), names=tuple(str(t[0]) for t in tensors),
+                specs=tuple(TensorSpec(tuple(t[1]), t[2]) for t in tensors),
+                source=tuple(sharding_from_json(s) for s in obj["source"]),
+                offsets=tuple(int(o) for o in obj["offsets"]), payload_bytes=int(obj["payload_bytes"]),
+                segment=obj["segment"], host=str(obj["host"]),
+                options=PlanOptions(int(obj["fanout"]), obj["segment_bytes"]),
+                peers={int(k): str(v) for k, v in obj["peers"].items()},
+            )
+        except ProtocolError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ProtocolError(f"bad manifest: {exc}", fault=ProtocolFault.MALFORMED) from exc
+
+    def index(self) -> dict[str, int]:
+        """Tensor name -> write position."""
+        return {n: i for i, n in enumerate(self.names)}
+
+    def same_model(self, other: "Manifest") -> bool:
+        """True when ``other`` describes the same tensors, shardings and options."""
+        return (self.names, self.specs, self.source, self.options, self.source_ranks) == (
+            other.names, other.specs, other.source, other.options, other.source_ranks)

@@ -1,0 +1,394 @@
+"""The trainer side: one :class:`WeightPublisher` per trainer shard (source rank).
+
+It owns the shard's named tensors (numpy, torch or JAX; any device) and one version buffer:
+a ``/dev/shm`` segment when :attr:`PublisherConfig.shm` (same-host samplers read it in place:
+one write, many readers) or anonymous memory. :meth:`WeightPublisher.publish` runs, in order
+on one worker thread: announce version v to every registered sampler, copy each tensor D2H
+into the buffer and tell the samplers it is ready (so they copy tensor i while i+1 is being
+written), then wait for every sampler's answer. The returned future's
+:class:`PublishResult` has one :class:`SamplerOutcome` per sampler; a sampler that dies or
+times out fails only its own outcome. A sampler that registers again (same rank) replaces
+its old registration and takes part from the next publish on.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from tiersync.errors import ClosedError, TierSyncError, UsageError
+from tiersync.net.errors import NetTimeoutError, ProtocolError, ProtocolFault, RemoteError
+from tiersync.weights.config import PublisherConfig, SyncStatus, TransportKind
+from tiersync.weights.manifest import Manifest, host_id
+from tiersync.weights.plan import PlanOptions, TensorSpec
+from tiersync.weights.segment import SegmentWriter, tensor_offsets
+from tiersync.weights.server import SpanServer
+from tiersync.weights.sharding import Sharding, local_shape
+from tiersync.weights.tensors import host_bytes, tensor_spec
+from tiersync.weights.wire import Deadline, Forever, Message, Op, recv_message, send_message
+
+__all__ = ["PublishResult", "SamplerOutcome", "WeightPublisher"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutcome:
+    """One sampler's answer for one version. ``error`` is None when ``status`` is OK."""
+
+    sampler: str
+    rank: int
+    status: SyncStatus
+    transport: TransportKind
+    error: str | None = None
+    seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    """The outcome of :meth:`WeightPublisher.publish`: per sampler, and the wall time."""
+
+    version: int
+    outcomes: tuple[SamplerOutcome, ...]
+    seconds: float
+    nbytes: int
+
+    @property
+    def ok(self) -> bool:
+        """True when every sampler that was registered at announce time switched to the version."""
+        return all(o.status is SyncStatus.OK for o in self.outcomes)
+
+    @property
+    def failed(self) -> tuple[SamplerOutcome, ...]:
+        return tuple(o for o in self.outcomes if o.status is not SyncStatus.OK)
+
+
+@dataclass(eq=False)
+class _Sampler:
+    label: str
+    rank: int
+    sock: socket.socket
+    transport: TransportKind
+    relay: str
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    alive: bool = True
+    acks: dict[int, dict] = field(default_factory=dict)
+
+
+class WeightPublisher:
+    """Publishes ``tensors`` (this shard's local tensors, in write order) as source rank ``rank``.
+
+    ``layout``: a :class:`Sharding` for every tensor or a mapping name -> sharding; every mesh
+    must number its ranks ``0..n-1`` (samplers index publishers by source rank).
+    ``global_shapes``: name -> global shape; by default the local shape times the shard count
+    per dimension (refused when that does not reproduce the local shape). Raises
+    :class:`UsageError` naming the argument; nothing is started then.
+    """
+
+    def __init__(self, tensors: Mapping[str, Any], layout: Sharding | Mapping[str, Sharding], *, rank: int = 0,
+                 config: PublisherConfig | None = None, global_shapes: Mapping[str, tuple[int, ...]] | None = None):
+        self.config = config or PublisherConfig()
+        if not isinstance(self.config, PublisherConfig):
+            raise UsageError("expected a PublisherConfig", argument="config")
+        self.rank = rank
+        self._names, self._specs, self._source = _validate(tensors, layout, rank, global_shapes)
+        self._tensors = dict(tensors)
+        self._local = [int(np.prod(local_shape(s.shape, sh, rank))) * s.itemsize
+                       for s, sh in zip(self._specs, self._source)]
+        self._offsets, payload = tensor_offsets(self._local)
+        self.nbytes = sum(self._local)
+        self._host = host_id()
+        self._segment: SegmentWriter | None = None
+        if self.config.shm:
+            path = os.path.join(self.config.shm_dir, f"tiersync-weights-{os.getpid()}-{rank}-{secrets.token_hex(4)}")
+            self._segment = SegmentWriter(path, payload)
+            self._store = self._segment.region(self._offsets[0], payload) if payload else np.zeros(0, np.uint8)
+        else:
+            self._store = np.zeros(payload, np.uint8)
+        self._cond = threading.Condition()
+        self._samplers: dict[int, _Sampler] = {}
+        self._current: int | None = None  # version GETs may read
+        self._ready = 0
+        self._inflight = 0
+        self._last_version: int | None = None
+        self._closed = False
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"publish-{rank}")
+        self._server = SpanServer(self.config.listen, self._provide, io_timeout_s=self.config.io_timeout_s,
+                                  max_meta=self.config.max_meta_bytes, checksum=self.config.checksum,
+                                  on_control=self._on_control, name=f"publisher-{rank}")
+
+    @property
+    def address(self) -> str:
+        """The "host:port" samplers connect to (give it to ``ReceiverConfig.publishers``)."""
+        return self._server.address
+
+    @property
+    def segment_path(self) -> str | None:
+        return None if self._segment is None else self._segment.path
+
+    def samplers(self) -> dict[int, str]:
+        """Registered, connected samplers: rank -> label."""
+        with self._cond:
+            return {r: s.label for r, s in self._samplers.items() if s.alive}
+
+    def wait_for_samplers(self, count: int, timeout: float) -> None:
+        """Block until ``count`` samplers are registered; NetTimeoutError after ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while sum(s.alive for s in self._samplers.values()) < count:
+                left = end - time.monotonic()
+                if left <= 0 or self._closed:
+                    raise NetTimeoutError(f"{len(self._samplers)} of {count} samplers registered", peer=self.address)
+                self._cond.wait(left)
+
+    # -- publishing ------------------------------------------------------------
+    def publish(self, version: int, tensors: Mapping[str, Any] | None = None) -> "Future[PublishResult]":
+        """Send version ``version`` (an int above every earlier one) to every registered sampler.
+
+        ``tensors``: replacement objects (same names, shapes, dtypes) to read from now on, e.g.
+        new JAX arrays; None re-reads the registered ones (updated in place by training).
+        Publishes run one at a time in call order. The future fails only for a local error
+        (the trainer's tensors could not be read); sampler failures are in the result.
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise UsageError("must be an int >= 0", argument="version", value=version)
+        replace = self._check_replacement(tensors)
+        with self._cond:
+            if self._closed:
+                raise ClosedError("publisher closed", argument="publisher")
+            if self._last_version is not None and version <= self._last_version:
+                raise UsageError("must exceed the last published version", argument="version",
+                                 value=version, last=self._last_version)
+            self._last_version = version
+            if replace:
+                self._tensors.update(replace)
+        return self._worker.submit(self._run, version)
+
+    def _check_replacement(self, tensors: Mapping[str, Any] | None) -> dict[str, Any]:
+        if tensors is None:
+            return {}
+        if not isinstance(tensors, Mapping):
+            raise UsageError("expected a mapping name -> tensor", argument="tensors")
+        for name, t in tensors.items():
+            if name not in self._names:
+                raise UsageError(f"unknown tensor {name!r}", argument="tensors")
+            i = self._names.index(name)
+            if tensor_spec(t, "tensors") != (local_shape(self._specs[i].shape, self._source[i], self.rank),
+                                             self._specs[i].dtype):
+                raise UsageError(f"tensor {name!r} changed shape or dtype", argument="tensors")
+        return dict(tensors)
+
+    def _run(self, version: int) -> PublishResult:
+        t0 = time.perf_counter()
+        self._begin(version)
+        with self._cond:
+            targets = [s for s in self._samplers.values() if s.alive]
+        manifest = self._manifest(version, targets).to_json()
+        for s in targets:
+            self._send(s, Op.ANNOUNCE, manifest)
+        for i, name in enumerate(self._names):
+            src = host_bytes(self._tensors[name], name)
+            np.copyto(self._store[self._offsets[i] - self._offsets[0]:][: self._local[i]], src)
+            with self._cond:
+                self._ready = i + 1
+                self._cond.notify_all()
+            for s in targets:
+                if s.alive:
+                    self._send(s, Op.READY, {"v": version, "n": i + 1})
+        if self._segment is not None:
+            self._segment.complete(version)
+        outcomes = self._collect(version, targets)
+        return PublishResult(version, outcomes, time.perf_counter() - t0, self.nbytes)
+
+    def _begin(self, version: int) -> None:
+        """Refuse GETs of the old version, let the running ones finish, mark the new one."""
+        end = time.monotonic() + self.config.io_timeout_s
+        with self._cond:
+            self._current, self._ready = None, 0
+            while self._inflight and time.monotonic() < end:
+                self._cond.wait(end - time.monotonic())
+            if self._segment is not None:
+                self._segment.begin(version)
+            self._current = version
+
+    def _manifest(self, version: int, targets: list[_Sampler]) -> Manifest:
+        opts = PlanOptions(self.config.fanout, self.config.segment_bytes)
+        return Manifest(version, self.rank, self._source[0].mesh.size, tuple(self._names), tuple(self._specs),
+                        tuple(self._source), tuple(self._offsets), self._store.size,
+                        None if self._segment is None else self._segment.path, self._host, opts,
+                        {s.rank: s.relay for s in targets})
+
+    def _collect(self, version: int, targets: list[_Sampler]) -> tuple[SamplerOutcome, ...]:
+        end = time.monotonic() + self.config.publish_timeout_s
+        with self._cond:
+            while any(s.alive and version not in s.acks for s in targets):
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return tuple(_outcome(s, version) for s in sorted(targets, key=lambda s: s.rank))
+
+    def _send(self, s: _Sampler, op: Op, meta: dict) -> None:
+        try:
+            with s.send_lock:
+                send_message(s.sock, op, meta, Deadline(self.config.io_timeout_s, s.label))
+        except (TierSyncError, OSError) as exc:
+            log.info("sampler %s dropped: %s", s.label, exc)
+            self._drop(s)
+
+    # -- serving ---------------------------------------------------------------
+    def _provide(self, version: int, name: str, meta: dict, deadline: Deadline):
+        try:
+            i = self._names.index(name)
+        except ValueError:
+            raise UsageError(f"unknown tensor {name!r}", argument="t") from None
+        with self._cond:
+            while self._current == version and self._ready <= i:
+                self._cond.wait(deadline.remaining())
+            if self._current != version:
+                raise RemoteError("version not being served", version=version, current=self._current)
+            self._inflight += 1
+        lo = self._offsets[i] - self._offsets[0]
+        return self._store[lo: lo + self._local[i]], self._release
+
+    def _release(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
+
+    def _on_control(self, sock: socket.socket, hello: Message) -> None:
+        """Registration: HELLO {id, rank, host, transport, relay} -> WELCOME, then read ACKs."""
+        peer = "sampler"
+        try:
+            s = self._register(sock, hello)
+        except TierSyncError as exc:
+            try:
+                send_message(sock, Op.ERROR, {"message": str(exc)}, Deadline(self.config.io_timeout_s, peer))
+            except TierSyncError:
+                pass
+            sock.close()
+            return
+        self._read_acks(s)
+
+    def _register(self, sock: socket.socket, hello: Message) -> _Sampler:
+        m = hello.meta
+        if hello.op is not Op.HELLO:
+            raise ProtocolError("expected HELLO", fault=ProtocolFault.UNEXPECTED)
+        try:
+            label, rank, host, want, relay = str(m["id"]), int(m["rank"]), str(m["host"]), TransportKind(m["transport"]), str(m["relay"])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ProtocolError(f"bad HELLO: {exc}", fault=ProtocolFault.MALFORMED) from exc
+        shm_ok = self._segment is not None and host == self._host
+        if want is TransportKind.SHM and not shm_ok:
+            raise UsageError("shared memory is not available to this sampler (other host or no segment)",
+                             argument="transport")
+        got = TransportKind.SHM if shm_ok and want is not TransportKind.TCP else TransportKind.TCP
+        s = _Sampler(label, rank, sock, got, relay)
+        send_message(sock, Op.WELCOME, {"transport": got.value, "source_rank": self.rank},
+                     Deadline(self.config.io_timeout_s, label))
+        with self._cond:
+            if self._closed:
+                raise ClosedError("publisher closed", argument="publisher")
+            old = self._samplers.get(rank)
+            self._samplers[rank] = s
+            self._cond.notify_all()
+        if old is not None:
+            self._drop(old)
+        return s
+
+    def _read_acks(self, s: _Sampler) -> None:
+        try:
+            while True:
+                s.sock.settimeout(None)
+                msg = recv_message(s.sock, Forever(s.label), self.config.max_meta_bytes)
+                if msg.op is not Op.ACK:
+                    raise ProtocolError("expected ACK", fault=ProtocolFault.UNEXPECTED, peer=s.label)
+                with self._cond:
+                    s.acks[int(msg.meta["v"])] = msg.meta
+                    self._cond.notify_all()
+        except (TierSyncError, OSError, KeyError, ValueError, TypeError) as exc:
+            log.info("sampler %s disconnected: %s", s.label, exc)
+        self._drop(s)
+
+    def _drop(self, s: _Sampler) -> None:
+        with self._cond:
+            s.alive = False
+            if self._samplers.get(s.rank) is s:
+                del self._samplers[s.rank]
+            self._cond.notify_all()
+        try:
+            s.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.sock.close()
+
+    def close(self) -> None:
+        """Stop serving, drop the samplers, unlink the segment; idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            samplers = list(self._samplers.values())
+            self._cond.notify_all()
+        self._worker.shutdown(wait=True)
+        self._server.close()
+        for s in samplers:
+            self._drop(s)
+        if self._segment is not None:
+            self._store = np.zeros(0, np.uint8)
+            self._segment.close()
+
+    def __enter__(self) -> "WeightPublisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _outcome(s: _Sampler, version: int) -> SamplerOutcome:
+    ack = s.acks.get(version)
+    if ack is None:
+        status = SyncStatus.TIMEOUT if s.alive else SyncStatus.DISCONNECTED
+        return SamplerOutcome(s.label, s.rank, status, s.transport, f"no answer ({status.value})")
+    if ack.get("ok"):
+        return SamplerOutcome(s.label, s.rank, SyncStatus.OK, s.transport, None, ack.get("seconds"))
+    return SamplerOutcome(s.label, s.rank, SyncStatus.FAILED, s.transport, str(ack.get("error")), ack.get("seconds"))
+
+
+
+def _validate(tensors: Any, layout: Any, rank: Any, global_shapes: Any) -> tuple[list[str], list[TensorSpec], list[Sharding]]:
+    if not isinstance(tensors, Mapping) or not tensors:
+        raise UsageError("expected a non-empty mapping name -> tensor", argument="tensors")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise UsageError("must be an int >= 0", argument="rank", value=rank)
+    names, specs, source = [], [], []
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise UsageError("tensor names must be non-empty strings", argument="tensors", name=name)
+        shape, dtype = tensor_spec(t, "tensors")
+        sh = layout if isinstance(layout, Sharding) else (layout.get(name) if isinstance(layout, Mapping) else None)
+        if not isinstance(sh, Sharding):
+            raise UsageError(f"no Sharding for tensor {name!r}", argument="layout")
+        if tuple(sh.mesh.ranks) != tuple(range(sh.mesh.size)) or rank >= sh.mesh.size:
+            raise UsageError("source meshes must number ranks 0..n-1 and hold this rank", argument="layout",
+                             rank=rank, ranks=sh.mesh.ranks)
+        if source and sh.mesh.size != source[0].mesh.size:
+            raise UsageError("every source mesh must have the same size", argument="layout")
+        counts = sh.shard_counts(len(shape))
+        gshape = tuple(global_shapes[name]) if global_shapes and name in global_shapes else \
+            tuple(s * c for s, c in zip(shape, counts))
+        if local_shape(gshape, sh, rank) != shape:
+            raise UsageError(f"local shape of {name!r} does not match its sharding; pass global_shapes",
+                             argument="global_shapes", local=shape, global_shape=gshape)
+        names.append(name)
+        specs.append(TensorSpec(gshape, dtype))
+        source.append(sh)
+    return names, specs, source

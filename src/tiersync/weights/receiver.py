@@ -1,0 +1,376 @@
+"""The sampler side: :class:`WeightReceiver` registers with every trainer shard, follows the
+versions they announce, and switches its weights to each one atomically.
+
+Per version: wait until every trainer shard announced it, plan with the shared planner
+(identical on every party: same layouts, same options), take the standby buffer set (once
+no reader holds it), run the jobs (:mod:`tiersync.weights.fetch`: shared-memory copies as
+each tensor becomes ready, or TCP GETs, relays per the plan's stages), check that no segment
+moved on to a later version meanwhile, commit (the switch), then answer every shard with an
+ACK. A failure aborts the standby set (the active version stays), is answered as a failed
+ACK and fails :meth:`receive`'s future for that version; the receiver keeps following later
+versions. Readers use :meth:`acquire` (a :class:`WeightsLease` on one complete version).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+from tiersync.errors import ClosedError, IntegrityError, RemoteError, TierSyncError, UsageError
+from tiersync.net.errors import ProtocolError, ProtocolFault
+from tiersync.weights.buffers import VersionedBuffers, WeightsLease
+from tiersync.weights.config import ReceiverConfig, TransportKind
+from tiersync.weights.fetch import Job, TcpPool, build_jobs, first_error, shm_copy
+from tiersync.weights.manifest import Manifest, host_id
+from tiersync.weights.planner import plan_transfer
+from tiersync.weights.segment import SegmentReader
+from tiersync.weights.server import SpanServer
+from tiersync.weights.sharding import Sharding, shard_boxes
+from tiersync.weights.wire import Deadline, Forever, Op, connect, recv_message, send_message
+
+__all__ = ["ReceiveResult", "WeightReceiver"]
+
+log = logging.getLogger(__name__)
+Progress = Callable[[int, int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveResult:
+    """Version ``version`` is active: ``nbytes`` landed in ``seconds`` (announce to switch)."""
+
+    version: int
+    nbytes: int
+    seconds: float
+    transports: tuple[TransportKind, ...]  # per trainer shard
+
+
+class _Shard:
+    """The control connection to one trainer shard and what it announced."""
+
+    def __init__(self, rank: int, address: str) -> None:
+        self.rank, self.address = rank, address
+        self.sock = None
+        self.transport = TransportKind.TCP
+        self.manifests: dict[int, Manifest] = {}
+        self.ready: dict[int, int] = {}
+        self.alive = False
+        self.send_lock = threading.Lock()
+        self.reader: SegmentReader | None = None
+
+
+class WeightReceiver:
+    """A sampler holding destination rank ``config.rank`` of ``destination``.
+
+    ``destination``: a :class:`Sharding` for every tensor or a mapping name -> sharding (it must
+    cover every tensor the trainer publishes). ``progress(version, done_bytes, total_bytes)`` is
+    called after each chunk (from worker threads). ``allocator``: makes the weight arrays (e.g.
+    in engine-provided or pinned memory); see :class:`VersionedBuffers`. Connects and registers on construction:
+    UsageError when the trainer refuses the transport asked for, RemoteError when a shard
+    is unreachable.
+    """
+
+    def __init__(self, destination: Sharding | Mapping[str, Sharding], config: ReceiverConfig,
+                 *, progress: Progress | None = None, allocator: Callable[[tuple, str], np.ndarray] | None = None) -> None:
+        if not isinstance(config, ReceiverConfig):
+            raise UsageError("expected a ReceiverConfig", argument="config")
+        if not isinstance(destination, (Sharding, Mapping)):
+            raise UsageError("expected a Sharding or a mapping name -> Sharding", argument="destination")
+        self.config, self._destination, self._progress = config, destination, progress
+        self._buffers = VersionedBuffers(config.buffers, *(() if allocator is None else (allocator,)))
+        self._cond = threading.Condition()
+        self._shards = [_Shard(r, a) for r, a in enumerate(config.publishers)]
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._queued: set[int] = set()
+        self._waiters: dict[int, list[Future]] = {}
+        self._failed: dict[int, BaseException] = {}
+        self._last: ReceiveResult | None = None
+        self._relay: tuple[int, dict[str, np.ndarray], set] | None = None  # version, buffers, done chunks
+        self._closed = False
+        self._stats = {"shm": 0, "tcp": 0, "relay": 0}
+        self._pool = TcpPool(config.streams, config.connect_timeout_s, config.io_timeout_s, config.max_meta_bytes)
+        self._server = SpanServer(config.listen, self._provide, io_timeout_s=config.io_timeout_s,
+                                  max_meta=config.max_meta_bytes, checksum=True, name=f"relay-{config.rank}")
+        try:
+            for shard in self._shards:
+                self._register(shard)
+        except BaseException:
+            self.close()
+            raise
+        self._worker = threading.Thread(target=self._sync_loop, name=f"sync-{config.rank}", daemon=True)
+        self._worker.start()
+
+    # -- public API ------------------------------------------------------------
+    @property
+    def version(self) -> int | None:
+        """The active version (None before the first one)."""
+        return self._buffers.version
+
+    def transports(self) -> tuple[TransportKind, ...]:
+        """Per trainer shard, the transport it granted (SHM or TCP)."""
+        return tuple(s.transport for s in self._shards)
+
+    def stats(self) -> dict[str, int]:
+        """Bytes landed so far by route: ``shm`` (segment copies), ``tcp`` (GETs from a trainer
+        shard, relay fallbacks included) and ``relay`` (GETs from another sampler)."""
+        with self._cond:
+            return dict(self._stats)
+
+    def receive(self, version: int) -> "Future[ReceiveResult]":
+        """A future resolved once version ``version`` or a later one is active (its result names
+        which); failed with the sync's error when version ``version`` itself failed."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise UsageError("must be an int >= 0", argument="version", value=version)
+        fut: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise ClosedError("receiver closed", argument="receiver")
+            if self._last is not None and self._last.version >= version:
+                fut.set_result(self._last)
+            elif version in self._failed:
+                fut.set_exception(self._failed[version])
+            else:
+                self._waiters.setdefault(version, []).append(fut)
+        return fut
+
+    def acquire(self, timeout: float | None = None) -> WeightsLease:
+        """A lease on the active version (see :class:`VersionedBuffers.acquire`)."""
+        return self._buffers.acquire(timeout)
+
+    # -- control ---------------------------------------------------------------
+    def _register(self, shard: _Shard) -> None:
+        cfg = self.config
+        sock = connect(shard.address, cfg.connect_timeout_s)
+        deadline = Deadline(cfg.io_timeout_s, shard.address)
+        send_message(sock, Op.HELLO, {"id": cfg.label, "rank": cfg.rank, "host": host_id(),
+                                      "transport": cfg.transport.value, "relay": self._server.address}, deadline)
+        msg = recv_message(sock, deadline, cfg.max_meta_bytes)
+        if msg.op is Op.ERROR:
+            sock.close()
+            raise UsageError(f"trainer shard {shard.rank} refused: {msg.meta.get('message')}", argument="transport")
+        if msg.op is not Op.WELCOME or int(msg.meta.get("source_rank", -1)) != shard.rank:
+            sock.close()
+            raise ProtocolError("expected WELCOME from this source rank", fault=ProtocolFault.UNEXPECTED,
+                                peer=shard.address)
+        shard.sock, shard.transport, shard.alive = sock, TransportKind(msg.meta["transport"]), True
+        threading.Thread(target=self._read_control, args=(shard,), daemon=True, name=f"ctl-{shard.rank}").start()
+
+    def _read_control(self, shard: _Shard) -> None:
+        try:
+            while True:
+                shard.sock.settimeout(None)
+                msg = recv_message(shard.sock, Forever(shard.address), self.config.max_meta_bytes)
+                if msg.op is Op.ANNOUNCE:
+                    self._announced(shard, Manifest.from_json(msg.meta))
+                elif msg.op is Op.READY:
+                    with self._cond:
+                        shard.ready[int(msg.meta["v"])] = int(msg.meta["n"])
+                        self._cond.notify_all()
+        except (TierSyncError, OSError, KeyError, ValueError) as exc:
+            log.info("trainer shard %s control ended: %s", shard.rank, exc)
+        with self._cond:
+            shard.alive = False
+            self._cond.notify_all()
+
+    def _announced(self, shard: _Shard, m: Manifest) -> None:
+        if m.source_rank != shard.rank:
+            raise ProtocolError("manifest of another source rank", fault=ProtocolFault.MALFORMED, peer=shard.address)
+        with self._cond:
+            shard.manifests[m.version] = m
+            for old in [v for v in shard.manifests if v < m.version - 4]:
+                shard.manifests.pop(old, None)
+                shard.ready.pop(old, None)
+            self._cond.notify_all()
+            if m.version not in self._queued:
+                self._queued.add(m.version)
+                self._queue.put(m.version)
+
+    # -- one version -----------------------------------------------------------
+    def _sync_loop(self) -> None:
+        while True:
+            version = self._queue.get()
+            if version is None or self._closed:
+                return
+            t0 = time.perf_counter()
+            try:
+                result = self._sync(version, t0)
+            except BaseException as exc:  # noqa: BLE001 - reported to the trainer and the waiters
+                log.info("sync of version %s failed: %s", version, exc)
+                self._finish(version, None, exc, time.perf_counter() - t0)
+            else:
+                self._finish(version, result, None, result.seconds)
+
+    def _sync(self, version: int, t0: float) -> ReceiveResult:
+        deadline = Deadline(self.config.sync_timeout_s, "sync")
+        manifests = self._manifests(version, deadline)
+        m0 = manifests[0]
+        specs = dict(zip(m0.names, m0.specs))
+        plan = plan_transfer(dict(zip(m0.names, m0.source)), self._dest_layout(m0), specs, m0.options)
+        local = {n: shard_boxes(s.shape, plan.destination[n])[self.config.rank].shape for n, s in specs.items()}
+        self._buffers.ensure({n: (local[n], specs[n].dtype) for n in m0.names})
+        jobs = build_jobs(plan, self.config.rank, m0.index(), {s.rank: s.transport for s in self._shards},
+                          {s.rank: s.address for s in self._shards}, {r: a for r, a in m0.peers.items()
+                                                                     if r != self.config.rank})
+        index, bufs = self._buffers.begin_write(self.config.lease_timeout_s)
+        try:
+            with self._cond:
+                self._relay = (version, bufs, set())
+            self._run_jobs(version, jobs, manifests, bufs, deadline)
+            for s in self._shards:
+                if s.transport is TransportKind.SHM and not s.reader.still_version(version):
+                    raise IntegrityError("the trainer moved on while this sampler was reading", version=version)
+            self._buffers.commit(index, version)
+        except BaseException:
+            with self._cond:
+                self._relay = None
+            self._buffers.abort(index)
+            raise
+        nbytes = sum(j.nbytes for j in jobs)
+        return ReceiveResult(version, nbytes, time.perf_counter() - t0, self.transports())
+
+    def _dest_layout(self, m: Manifest) -> Mapping[str, Sharding]:
+        if isinstance(self._destination, Sharding):
+            return {n: self._destination for n in m.names}
+        missing = [n for n in m.names if n not in self._destination]
+        if missing:
+            raise UsageError(f"no destination sharding for {missing[:3]}", argument="destination")
+        return self._destination
+
+    def _manifests(self, version: int, deadline: Deadline) -> list[Manifest]:
+        with self._cond:
+            while not all(version in s.manifests for s in self._shards):
+                if any(not s.alive for s in self._shards if version not in s.manifests) or self._closed:
+                    raise RemoteError("a trainer shard went away before announcing", version=version)
+                self._cond.wait(deadline.remaining())
+            manifests = [s.manifests[version] for s in self._shards]
+        if any(not m.same_model(manifests[0]) or m.source_ranks != len(self._shards) for m in manifests):
+            raise UsageError("trainer shards disagree on the model (or their number)", argument="publishers")
+        for s, m in zip(self._shards, manifests):
+            if s.transport is TransportKind.SHM and (s.reader is None or s.reader.path != m.segment):
+                s.reader = SegmentReader(m.segment, m.payload_bytes)
+        return manifests
+
+    def _run_jobs(self, version: int, jobs: list[Job], manifests: list[Manifest], bufs: dict, deadline: Deadline) -> None:
+        total, done, errors = sum(j.nbytes for j in jobs), [0], []
+        lock = threading.Lock()
+        tcp = {s.address for j in jobs for s in j.sources if s.via is TransportKind.TCP}
+        workers = min(32, max(1, self.config.copy_threads) + self.config.streams * len(tcp))
+
+        def run(job: Job) -> None:
+            if errors:
+                return
+            try:
+                self._run_job(version, job, manifests, bufs[job.tensor], deadline)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+                return
+            with self._cond:
+                self._relay[2].add((job.tensor, job.key))
+                self._cond.notify_all()
+            with lock:
+                done[0] += job.nbytes
+                n = done[0]
+            if self._progress is not None:
+                self._progress(version, n, total)
+
+        with ThreadPoolExecutor(workers, thread_name_prefix="fetch") as pool:
+            list(pool.map(run, jobs))
+        if errors:
+            raise first_error(errors)
+
+    def _run_job(self, version: int, job: Job, manifests: list[Manifest], dst: np.ndarray, deadline: Deadline) -> None:
+        errors = []
+        for n, src in enumerate(job.sources):
+            try:
+                if src.via is TransportKind.SHM:
+                    m = manifests[src.rank]
+                    self._wait_ready(self._shards[src.rank], version, job.index, deadline)
+                    nbytes = int(np.prod(shard_boxes(m.specs[job.index].shape, m.source[job.index])[src.rank].shape))
+                    shm_copy(self._shards[src.rank].reader, m.offsets[job.index], nbytes * m.specs[job.index].itemsize,
+                             src.span, dst, job.dst_span)
+                else:
+                    self._pool.get(src.address, version, job, src, dst, verify=True)
+                kind = "shm" if src.via is TransportKind.SHM else "relay" if n == 0 and len(job.sources) > 1 else "tcp"
+                with self._cond:
+                    self._stats[kind] += job.nbytes
+                return
+            except TierSyncError as exc:
+                errors.append(exc)
+        raise first_error(errors)
+
+    def _wait_ready(self, shard: _Shard, version: int, index: int, deadline: Deadline) -> None:
+        with self._cond:
+            while shard.ready.get(version, 0) <= index:
+                if not shard.alive or self._closed:
+                    raise RemoteError("trainer shard went away mid-version", peer=shard.address, version=version)
+                self._cond.wait(deadline.remaining())
+
+    def _provide(self, version: int, name: str, meta: dict, deadline: Deadline):
+        """Relay GETs: the chunk ``meta['b']`` of ``name`` once it landed in this version's buffer."""
+        key = (name, tuple(int(x) for x in meta.get("b", ())))
+        with self._cond:
+            while self._relay is not None and self._relay[0] == version and key not in self._relay[2]:
+                self._cond.wait(deadline.remaining())
+            if self._relay is None or self._relay[0] != version:
+                raise RemoteError("this sampler does not hold that version", version=version)
+            arr = self._relay[1][name]
+        return arr.reshape(-1).view(np.uint8), lambda: None
+
+    def _finish(self, version: int, result: ReceiveResult | None, error: BaseException | None, seconds: float) -> None:
+        ack = {"v": version, "ok": error is None, "error": None if error is None else str(error), "seconds": seconds}
+        for s in self._shards:
+            if s.alive and version in s.manifests:
+                try:
+                    with s.send_lock:
+                        send_message(s.sock, Op.ACK, ack, Deadline(self.config.io_timeout_s, s.address))
+                except TierSyncError as exc:
+                    log.info("ACK to shard %s failed: %s", s.rank, exc)
+        with self._cond:
+            if result is not None:
+                self._last = result
+                ready = [v for v in self._waiters if v <= version]
+                for v in ready:
+                    for f in self._waiters.pop(v):
+                        f.set_result(result)
+            else:
+                self._failed[version] = error
+                for f in self._waiters.pop(version, []):
+                    f.set_exception(error)
+
+    def close(self) -> None:
+        """Disconnect from the trainer, stop relaying; leases already taken stay readable."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._queue.put(None)
+        self._server.close()
+        self._pool.close()
+        for s in self._shards:
+            if s.sock is not None:
+                try:
+                    s.sock.shutdown(socket.SHUT_RDWR)  # wakes the control reader blocked in recv
+                except OSError:
+                    pass
+                s.sock.close()
+            if s.reader is not None:
+                s.reader.close()
+        self._buffers.close()
+        with self._cond:
+            for v, futs in self._waiters.items():
+                for f in futs:
+                    f.set_exception(ClosedError("receiver closed", argument="receiver"))
+            self._waiters.clear()
+
+    def __enter__(self) -> "WeightReceiver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

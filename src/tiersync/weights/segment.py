@@ -1,0 +1,154 @@
+"""The shared-memory version segment: a trainer shard writes each version once, samplers
+on the same host read their slices out of it (one write, many readers).
+
+File layout: a 4096-byte header, then the shard's tensors, each at a 4096-aligned offset
+(the offsets travel in the version's manifest). Header (little endian)::
+
+    0   magic          8s  b"TSWSEG01"
+    8   version        q   version being written or complete (-1: none yet)
+    16  state          Q   0 empty, 1 writing, 2 complete
+    24  payload_bytes  Q   bytes after the header (checked against the manifest on attach)
+
+The writer sets ``version``/``state=writing`` before touching any tensor byte of a new
+version, so a reader that copied version v and still sees ``version == v`` afterwards read
+no byte of a later version (:meth:`SegmentReader.still_version`).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+import numpy as np
+
+from tiersync.errors import IntegrityError, UsageError
+
+__all__ = ["HEADER_BYTES", "SegmentReader", "SegmentWriter", "tensor_offsets"]
+
+MAGIC = b"TSWSEG01"
+HEADER_BYTES = 4096
+ALIGN = 4096
+_HEAD = struct.Struct("<8sqQQ")
+EMPTY, WRITING, COMPLETE = 0, 1, 2
+
+
+def tensor_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Payload offsets (4096-aligned, after the header) of tensors of ``sizes`` bytes, and the
+    total payload size."""
+    offsets, pos = [], 0
+    for n in sizes:
+        offsets.append(HEADER_BYTES + pos)
+        pos += -(-n // ALIGN) * ALIGN
+    return offsets, pos
+
+
+class SegmentWriter:
+    """Creates and owns ``path`` (``payload_bytes`` after the header); unlinks it on close."""
+
+    def __init__(self, path: str, payload_bytes: int) -> None:
+        if payload_bytes < 0:
+            raise UsageError("must be >= 0", argument="payload_bytes", value=payload_bytes)
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, HEADER_BYTES + payload_bytes)
+            self._map = mmap.mmap(fd, HEADER_BYTES + payload_bytes)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        self.payload_bytes = payload_bytes
+        self._array = np.frombuffer(self._map, dtype=np.uint8)
+        self._write_head(-1, EMPTY)
+
+    def _write_head(self, version: int, state: int) -> None:
+        self._map[: _HEAD.size] = _HEAD.pack(MAGIC, version, state, self.payload_bytes)
+
+    def begin(self, version: int) -> None:
+        """Mark ``version`` as being written (before any of its bytes land)."""
+        self._write_head(version, WRITING)
+
+    def complete(self, version: int) -> None:
+        """Mark ``version`` complete."""
+        self._write_head(version, COMPLETE)
+
+    def region(self, offset: int, nbytes: int) -> np.ndarray:
+        """A writable uint8 view of ``nbytes`` at file offset ``offset``."""
+        if offset < HEADER_BYTES or offset + nbytes > len(self._array):
+            raise UsageError("region outside the payload", argument="offset", offset=offset, nbytes=nbytes)
+        return self._array[offset: offset + nbytes]
+
+    def close(self) -> None:
+        """Unmap and unlink; idempotent."""
+        if self._map is None:
+            return
+        self._array = None
+        try:
+            self._map.close()
+        except BufferError:  # a view is still alive (maybe in a reference cycle): collect, retry
+            import gc
+
+            gc.collect()
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # the last view frees the mapping
+        self._map = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class SegmentReader:
+    """A read-only mapping of a writer's segment.
+
+    Raises :class:`IntegrityError` when the file is missing, has the wrong magic, or its
+    size or header payload size differ from ``payload_bytes`` (what the manifest says).
+    """
+
+    def __init__(self, path: str, payload_bytes: int) -> None:
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise IntegrityError("cannot open the weights segment", path=path, error=str(exc)) from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size != HEADER_BYTES + payload_bytes:
+                raise IntegrityError("segment size differs from the manifest", path=path, size=size,
+                                     expected=HEADER_BYTES + payload_bytes)
+            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic, _, _, payload = _HEAD.unpack(self._map[: _HEAD.size])
+        if magic != MAGIC or payload != payload_bytes:
+            self._map.close()
+            raise IntegrityError("not a weights segment of this manifest", path=path, payload=payload)
+        self._array = np.frombuffer(self._map, dtype=np.uint8)
+
+    def header(self) -> tuple[int, int]:
+        """``(version, state)`` as the writer left them."""
+        _, version, state, _ = _HEAD.unpack(self._map[: _HEAD.size])
+        return version, state
+
+    def still_version(self, version: int) -> bool:
+        """True while the writer has not begun a version other than ``version``."""
+        return self.header()[0] == version
+
+    def region(self, offset: int, nbytes: int) -> np.ndarray:
+        """A read-only uint8 view of ``nbytes`` at file offset ``offset``."""
+        if offset < HEADER_BYTES or offset + nbytes > len(self._array):
+            raise IntegrityError("region outside the segment", path=self.path, offset=offset, nbytes=nbytes)
+        return self._array[offset: offset + nbytes]
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        self._array = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+        self._map = None
