@@ -70,3 +70,17 @@ class TransferStatus:
 
     def __bool__(self) -> bool:
         return bool(self.done_sending or self.failed_sending or self.done_receiving or self.failed_receiving)
+
+
+def check_side(layout: object, rank: int, config: "DisaggConfig | None") -> "DisaggConfig":
+    """Validate a producer's or consumer's ``layout`` and ``rank``; returns ``config`` or the
+    default. UsageError naming ``layout``, ``rank`` or ``config``."""
+    from tiersync.disagg.geometry import PagedKVLayout
+
+    if not isinstance(layout, PagedKVLayout):
+        raise UsageError("must be a PagedKVLayout", argument="layout")
+    layout.heads_of(rank)
+    config = config if config is not None else DisaggConfig()
+    if not isinstance(config, DisaggConfig):
+        raise UsageError("must be a DisaggConfig", argument="config")
+    return config

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from tiersync.disagg.config import DisaggConfig, RequestState, TransferStatus
+from tiersync.disagg.config import DisaggConfig, RequestState, TransferStatus, check_side
 from tiersync.disagg.conn import FrameSocket, client_handshake
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.disagg.messages import ReadRequest, check_request_id, parse_address, parse_layer
@@ -175,13 +175,8 @@ class KVConsumer:
 
     def __init__(self, layout: PagedKVLayout, rank: int, config: DisaggConfig | None = None, *,
                  planner: ReshardPlanner | None = None) -> None:
-        if not isinstance(layout, PagedKVLayout):
-            raise UsageError("must be a PagedKVLayout", argument="layout")
-        layout.heads_of(rank)
+        self.config = check_side(layout, rank, config)
         self.layout, self.rank = layout, rank
-        self.config = config if config is not None else DisaggConfig()
-        if not isinstance(self.config, DisaggConfig):
-            raise UsageError("must be a DisaggConfig", argument="config")
         self._planner = planner or default_planner()
         self._lock = threading.Lock()
         self._reads: dict[str, ReadHandle] = {}

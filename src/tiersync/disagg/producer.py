@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tiersync.disagg.config import DisaggConfig, RequestState, TransferStatus
+from tiersync.disagg.config import DisaggConfig, RequestState, TransferStatus, check_side
 from tiersync.disagg.conn import FrameSocket, server_handshake
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.disagg.messages import LayerChunk, ReadRequest, check_request_id, parse_read
@@ -74,13 +74,8 @@ class KVProducer:
 
     def __init__(self, layout: PagedKVLayout, rank: int, config: DisaggConfig | None = None, *,
                  host: str = "127.0.0.1", port: int = 0, planner: ReshardPlanner | None = None) -> None:
-        if not isinstance(layout, PagedKVLayout):
-            raise UsageError("must be a PagedKVLayout", argument="layout")
-        layout.heads_of(rank)
+        self.config = check_side(layout, rank, config)
         self.layout, self.rank = layout, rank
-        self.config = config if config is not None else DisaggConfig()
-        if not isinstance(self.config, DisaggConfig):
-            raise UsageError("must be a DisaggConfig", argument="config")
         self._planner = planner or default_planner()
         self._cond = threading.Condition()
         self._requests: dict[str, _Outgoing] = {}

@@ -25,7 +25,6 @@ import enum
 import json
 import socket
 import struct
-import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -33,6 +32,7 @@ import xxhash
 
 from tiersync.iov import consume
 from tiersync.net.errors import NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault
+from tiersync.net.tcp import Deadline  # one deadline type for every socket operation
 
 __all__ = ["Deadline", "Forever", "Message", "Op", "connect", "recv_message", "recv_payload", "send_message", "tune"]
 
@@ -61,23 +61,6 @@ class Op(enum.IntEnum):
 
 
 _OPS = frozenset(int(o) for o in Op)
-
-
-class Deadline:
-    """Absolute deadline of one operation against ``peer``."""
-
-    __slots__ = ("end", "peer", "timeout")
-
-    def __init__(self, timeout: float, peer: str) -> None:
-        self.timeout, self.peer = timeout, peer
-        self.end = time.monotonic() + timeout
-
-    def remaining(self) -> float:
-        """Seconds left; :class:`NetTimeoutError` when none are."""
-        left = self.end - time.monotonic()
-        if left <= 0:
-            raise NetTimeoutError("operation timed out", peer=self.peer, timeout_s=self.timeout)
-        return left
 
 
 class Forever(Deadline):
