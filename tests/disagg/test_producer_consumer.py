@@ -6,7 +6,7 @@ import pytest
 
 from _kvsim import global_kv, unshard
 from _procs import ProducerProcess
-from tiersync.disagg import DisaggConfig, KVConsumer, KVOrder, PagedKVLayout, RequestState, SourceSpec
+from tiersync.disagg import DisaggConfig, KVConsumer, KVOrder, KVProducer, PagedKVLayout, RequestState, SourceSpec
 from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, RequestError
 
 TOKEN = b"k" * 32
@@ -57,6 +57,41 @@ def test_layerwise_byte_exact_in_ready_order(procs):
         assert status.done_receiving == {"r1"} and not status.failed_receiving
     np.testing.assert_array_equal(unshard(dst, [landing], dids, ntok), global_kv(src, ntok, 3))
     assert prod.wait_final("r1") == ["done"]
+
+
+def test_wait_progress_wakes_on_final_until_polled(procs):
+    layout, ntok, ids = _layout(1), 40, [3, 0, 7]
+    prod = procs(layout, token=TOKEN)
+    prod.register("r1", ids, ntok, seed=5)
+    with KVConsumer(layout, 0, DisaggConfig(token=TOKEN)) as consumer:
+        assert consumer.wait_progress(0.01) is False  # nothing in flight
+        handle = consumer.start_read("r1", SourceSpec(layout, prod.addresses, ids, ntok), ids, _landing(layout))
+        assert consumer.wait_progress(0.05) is False  # no layer is ready on the producer yet
+        assert prod.ready("r1", range(layout.num_layers)) == [[True] * layout.num_layers]
+        assert consumer.wait_progress(20) is True
+        assert handle.state is RequestState.DONE
+        assert consumer.wait_progress(0) is True  # stays set until poll reports it
+        assert consumer.poll().done_receiving == {"r1"}
+        assert consumer.wait_progress(0.01) is False
+    assert prod.wait_final("r1") == ["done"]
+
+
+def test_producer_wait_progress_wakes_on_done_and_abort():
+    layout, ntok, ids = _layout(1), 40, [3, 0, 7]
+    layers = [np.full(layout.layer_nbytes, 7, np.uint8) for _ in range(layout.num_layers)]
+    with KVProducer(layout, 0) as prod, KVConsumer(layout, 0) as consumer:
+        prod.register("r1", ids, ntok, layers)
+        prod.register("r2", ids, ntok, layers)
+        assert prod.wait_progress(0.01) is False
+        consumer.start_read("r1", SourceSpec(layout, (prod.address,), ids, ntok), ids, _landing(layout))
+        for layer in range(layout.num_layers):
+            prod.layer_ready("r1", layer)
+        assert prod.wait_progress(20) is True  # the reader acknowledged every layer
+        assert prod.poll().done_sending == {"r1"}
+        assert prod.wait_progress(0.01) is False
+        prod.abort("r2")
+        assert prod.wait_progress(0) is True
+        assert prod.poll().failed_sending == {"r2"}
 
 
 def test_layer_not_delivered_before_ready(procs):

@@ -1,16 +1,10 @@
 """Tensors viewed as pools in place (tiersync.layout.adapters)."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 
-import tiersync
+from _isolated import run_without_leaking_jax
 from tiersync.errors import UsageError
 from tiersync.layout.adapters import MAX_REGIONS, as_pool, kv_layout
 from tiersync.layout.pool import Device, Region
@@ -191,18 +185,3 @@ def test_jax_pool_geometry_including_bfloat16():
             pass
         print("OK")
     """)
-
-
-def run_without_leaking_jax(code: str) -> None:
-    """Run ``code`` in a fresh interpreter: importing jax loads ml_dtypes, which registers
-    ``bfloat16`` and friends with numpy for the rest of the process and would change what
-    other suites (e.g. tests/weights) see."""
-    if importlib.util.find_spec("jax") is None:
-        pytest.skip("jax is not installed")
-    src = os.path.dirname(os.path.dirname(tiersync.__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-           "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip().endswith("OK"), proc.stdout

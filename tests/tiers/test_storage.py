@@ -1,48 +1,22 @@
 """Storage tier: round trips, restart scan, identity isolation, corruption, full disk, permissions."""
 from __future__ import annotations
 
+import functools
 import errno
 import mmap
 import os
-import shutil
-import tempfile
 
-import numpy as np
 import pytest
 
-from _storage_helpers import IDENT, block_bytes, key, remount_ro, tmpfs
+from _storage_helpers import IDENT, block_bytes, key, open_tier, read_keys, remount_ro, segments, tmpfs, write_keys
 from tiersync.errors import CapacityError, ClosedError, UsageError
 from tiersync.tiers import storage_io
 from tiersync.tiers import storage_format as fmt
-from tiersync.tiers.storage import ReadStatus, StorageConfig, StorageTier
+from tiersync.tiers.storage import ReadStatus, StorageConfig
 
 NB = 16384
-
-
-@pytest.fixture
-def sdir():
-    d = tempfile.mkdtemp(prefix="tiersync-storage-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def open_tier(path, ident=IDENT, **kw) -> StorageTier:
-    return StorageTier(StorageConfig(path, ident, workers=2, **kw))
-
-
-def write(tier, keys, nbytes=NB):
-    bufs = [np.frombuffer(bytearray(block_bytes(k, nbytes)), dtype=np.uint8) for k in keys]
-    tier.write(keys, [memoryview(b) for b in bufs]).result(10)
-
-
-def read(tier, keys, nbytes=NB):
-    outs = [bytearray(nbytes) for _ in keys]
-    st = tier.read(keys, [memoryview(o) for o in outs]).result(10)
-    return st, [bytes(o) for o in outs]
-
-
-def segments(path):
-    return sorted(n for n in os.listdir(path) if n.endswith(fmt.SUFFIX))
+write = functools.partial(write_keys, nbytes=NB)  # write(tier, keys) / read(tier, keys)
+read = functools.partial(read_keys, nbytes=NB)
 
 
 def test_round_trip_and_restart_scan(sdir):

@@ -6,37 +6,20 @@ import errno
 import mmap
 import os
 import random
-import shutil
-import tempfile
 import threading
 
 import numpy as np
 import pytest
 
-from _storage_helpers import IDENT, block_bytes, key
+from _storage_helpers import IDENT, block_bytes, key, open_tier, segments
 from tiersync.errors import UsageError
 from tiersync.tiers import storage_format as fmt
 from tiersync.tiers import storage_io, storage_read
-from tiersync.tiers.storage import ReadStatus, StorageConfig, StorageTier
-
-
-@pytest.fixture
-def sdir():
-    d = tempfile.mkdtemp(prefix="tiersync-storage-batch-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def open_tier(path, **kw) -> StorageTier:
-    return StorageTier(StorageConfig(path, IDENT, workers=kw.pop("workers", 2), **kw))
+from tiersync.tiers.storage import ReadStatus, StorageConfig
 
 
 def src_views(keys, nbytes):
     return [memoryview(np.frombuffer(bytearray(block_bytes(k, nbytes)), dtype=np.uint8)) for k in keys]
-
-
-def segments(path):
-    return sorted(n for n in os.listdir(path) if n.endswith(fmt.SUFFIX))
 
 
 class Gate:

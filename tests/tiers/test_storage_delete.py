@@ -2,44 +2,21 @@
 and a damaged tombstone can only bring back a block with its own, verified bytes."""
 from __future__ import annotations
 
+import functools
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
-import numpy as np
-import pytest
 
-from _storage_helpers import IDENT, block_bytes, key
+from _storage_helpers import block_bytes, key, open_tier, read_keys, write_keys
 from tiersync.tiers import storage_format as fmt
-from tiersync.tiers.storage import ReadStatus, StorageConfig, StorageTier
+from tiersync.tiers.storage import ReadStatus
 
 NB = 8192
+write = functools.partial(write_keys, nbytes=NB)  # write(tier, keys) / read(tier, keys)
+read = functools.partial(read_keys, nbytes=NB)
 CHILD = os.path.join(os.path.dirname(__file__), "_storage_child.py")
-
-
-@pytest.fixture
-def sdir():
-    d = tempfile.mkdtemp(prefix="tiersync-storage-del-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def open_tier(path, **kw) -> StorageTier:
-    return StorageTier(StorageConfig(path, IDENT, workers=2, **kw))
-
-
-def write(tier, keys, nbytes=NB):
-    bufs = [np.frombuffer(bytearray(block_bytes(k, nbytes)), dtype=np.uint8) for k in keys]
-    tier.write(keys, [memoryview(b) for b in bufs]).result(10)
-
-
-def read(tier, keys, nbytes=NB):
-    outs = [bytearray(nbytes) for _ in keys]
-    st = tier.read(keys, [memoryview(o) for o in outs]).result(10)
-    return st, [bytes(o) for o in outs]
 
 
 def files(path, suffix):

@@ -6,7 +6,8 @@ import threading
 import numpy as np
 import pytest
 
-from _kvpools import HOST_SENTINEL, SENTINEL, host_live_mask, host_segment, make_pool, run_without_leaking_jax
+from _isolated import run_without_leaking_jax
+from _kvpools import HOST_SENTINEL, SENTINEL, host_live_mask, host_segment, make_pool
 from tiersync.errors import ClosedError, UsageError
 from tiersync.layout.adapters import kv_layout
 from tiersync.tiers.allocator import BlockState

@@ -87,8 +87,9 @@ class ReadHandle:
     """
 
     def __init__(self, request_id: str, plan: ReshardPlan, sources: tuple[int, ...], views: list[np.ndarray],
-                 deadline: float, on_layer: LayerCallback | None) -> None:
+                 deadline: float, on_layer: LayerCallback | None, progress: threading.Event | None = None) -> None:
         self.request_id, self.plan, self.sources = request_id, plan, sources
+        self._progress = progress  # set once this read becomes final
         self.deadline = deadline
         self._views, self._on_layer = views, on_layer
         self._cond = threading.Condition()
@@ -154,6 +155,8 @@ class ReadHandle:
             if len(self._arrived) == self.plan.num_layers and self.state is RequestState.PENDING:
                 self.state = RequestState.DONE
                 self._cond.notify_all()
+                if self._progress is not None:
+                    self._progress.set()
                 return True
         return False
 
@@ -167,6 +170,8 @@ class ReadHandle:
             self._cond.notify_all()
         for fs in socks:
             fs.shutdown()
+        if self._progress is not None:
+            self._progress.set()
         return True
 
 
@@ -181,6 +186,7 @@ class KVConsumer:
         self._lock = threading.Lock()
         self._reads: dict[str, ReadHandle] = {}
         self._unreported: list[tuple[str, RequestState]] = []
+        self._progress = threading.Event()  # set when a read became final since the last poll
         self._closed = False
 
     def start_read(self, request_id: str, source: SourceSpec, dst_block_ids: Sequence[int],
@@ -203,7 +209,8 @@ class KVConsumer:
         plan = self._planner.plan(source.layout, self.layout, source.block_ids, dst_block_ids, source.num_tokens)
         sources = plan.sources_of(self.rank)
         dst_ids = tuple(block_table(dst_block_ids, self.layout, source.num_tokens, "dst_block_ids").tolist())
-        handle = ReadHandle(request_id, plan, sources, views, time.monotonic() + self.config.timeout_s, on_layer)
+        handle = ReadHandle(request_id, plan, sources, views, time.monotonic() + self.config.timeout_s, on_layer,
+                            self._progress)
         with self._lock:
             if self._closed:
                 raise ClosedError("consumer is closed", argument="self")
@@ -227,6 +234,7 @@ class KVConsumer:
             if h.state is RequestState.PENDING and now >= h.deadline:
                 h._fail(NetTimeoutError("read timed out", request=h.request_id, timeout_s=self.config.timeout_s))
         with self._lock:
+            self._progress.clear()
             for h in list(self._reads.values()):
                 if h.state is not RequestState.PENDING:
                     self._unreported.append((h.request_id, h.state))
@@ -234,6 +242,12 @@ class KVConsumer:
             items, self._unreported = self._unreported, []
         done = frozenset(i for i, s in items if s is RequestState.DONE)
         return TransferStatus(done_receiving=done, failed_receiving=frozenset(i for i, _ in items) - done)
+
+    def wait_progress(self, timeout: float) -> bool:
+        """Block (GIL released) until a read became final that :meth:`poll` has not yet
+        reported (True at once if one already did), or ``timeout`` seconds pass (False).
+        Deadlines are only enforced by :meth:`poll`; call it after waiting."""
+        return self._progress.wait(timeout)
 
     def get(self, request_id: str) -> ReadHandle | None:
         """The handle of a read not yet reported by :meth:`poll`, else None."""

@@ -81,6 +81,7 @@ class KVProducer:
         self._requests: dict[str, _Outgoing] = {}
         self._final: OrderedDict[str, RequestState] = OrderedDict()
         self._unreported: list[tuple[str, RequestState]] = []
+        self._progress = threading.Event()  # set when a request became final since the last poll
         self._closed = threading.Event()
         self._threads: set[threading.Thread] = set()
         self._listener = socket.create_server((host, port), backlog=self.config.backlog)
@@ -155,9 +156,16 @@ class KVProducer:
         for req in overdue:
             self._fail(req, "timed out")
         with self._cond:
+            self._progress.clear()
             items, self._unreported = self._unreported, []
         done = frozenset(i for i, s in items if s is RequestState.DONE)
         return TransferStatus(done_sending=done, failed_sending=frozenset(i for i, s in items) - done)
+
+    def wait_progress(self, timeout: float) -> bool:
+        """Block (GIL released) until a request became final that :meth:`poll` has not yet
+        reported (True at once if one already did), or ``timeout`` seconds pass (False).
+        Deadlines are only enforced by :meth:`poll`; call it after waiting."""
+        return self._progress.wait(timeout)
 
     def close(self) -> None:
         """Fail every pending request, stop serving, join the threads. Idempotent."""
@@ -208,6 +216,7 @@ class KVProducer:
             fs.shutdown()
         with self._cond:
             self._unreported.append((req.request_id, RequestState.FAILED))
+        self._progress.set()
 
     def _ack(self, req: _Outgoing, dst_rank: int) -> None:
         with self._cond:
@@ -217,6 +226,7 @@ class KVProducer:
             if req.acked >= req.expected:
                 self._finish(req, RequestState.DONE)
                 self._unreported.append((req.request_id, RequestState.DONE))
+                self._progress.set()
 
     # -- serving ---------------------------------------------------------------------------------
     def _accept_loop(self) -> None:

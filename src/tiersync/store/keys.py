@@ -138,3 +138,17 @@ def _encode_extras(extra_keys: Iterable[object]) -> bytes:
 
 def _update_bytes(h: "xxhash.xxh3_128", data: bytes) -> None:
     h.update(struct.pack("<I", len(data)) + data)
+
+
+def check_keys(keys: Sequence[bytes], *, nbytes: int | None = None) -> list[bytes]:
+    """The keys as a list; UsageError naming ``keys`` (and the index) unless ``keys`` is a
+    sequence (not one bytes/str) of bytes keys of 1..32 bytes, or exactly ``nbytes``."""
+    if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+        raise UsageError("must be a sequence of keys, not one key", argument="keys", got=type(keys).__name__)
+    out = list(keys)
+    for i, k in enumerate(out):
+        ok = isinstance(k, bytes) and (len(k) == nbytes if nbytes is not None else 0 < len(k) <= 32)
+        if not ok:
+            want = f"{nbytes} bytes" if nbytes is not None else "1..32 bytes"
+            raise UsageError(f"keys must be {want}", argument=f"keys[{i}]", key=k)
+    return out

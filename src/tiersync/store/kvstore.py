@@ -26,20 +26,21 @@ import gc
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
 
-from tiersync.errors import CapacityError, ClosedError, IntegrityError, RemoteError, UsageError
+from tiersync.errors import CapacityError, ClosedError, UsageError
 from tiersync.layout.pool import KVLayout
 from tiersync.store.demotion import DemotionMixin
 from tiersync.store.remote import RemoteTierMixin
 from tiersync.store.config import LookupResult, SaveResult, StoreConfig, StoreStats
 from tiersync.store.futures import StoreFuture
 from tiersync.store.index import Entry, PinIndex
+from tiersync.store.keys import check_keys
+from tiersync.store.loading import LoadMixin
 from tiersync.store.residency import Residency
 from tiersync.telemetry.store_metrics import StoreMetrics
 from tiersync.tiers.eviction import LRUPolicy, S3FIFOPolicy
 from tiersync.tiers.host import HostArena
-from tiersync.tiers.storage import ReadStatus, StorageTier
+from tiersync.tiers.storage import StorageTier
 from tiersync.transfer.engine import TransferEngine
 
 log = logging.getLogger("tiersync.store")
@@ -47,7 +48,7 @@ _POLICY = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
 HOST, STORAGE = Residency.HOST, Residency.STORAGE
 
 
-class KVCacheStore(DemotionMixin, RemoteTierMixin):
+class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
     """Prefix-keyed KV blocks in host DRAM (and optionally storage) for one ``layout``.
 
     ``arena`` may be given (e.g. warm-booted from /dev/shm by the caller); otherwise one
@@ -99,7 +100,7 @@ class KVCacheStore(DemotionMixin, RemoteTierMixin):
         A key not in the index is looked for in storage segments written since the
         last scan (by this or another process) before it counts as a miss.
         """
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         with self._lock:
             self._check_open()
             scan = self.storage is not None and len(self._prefix(keys)) < len(keys)
@@ -134,7 +135,7 @@ class KVCacheStore(DemotionMixin, RemoteTierMixin):
         """Current copies of each key (``Residency.NONE`` when unknown). Pins nothing."""
         with self._lock:
             out = []
-            for k in _check_keys(keys):
+            for k in check_keys(keys):
                 e = self._index.get(k)
                 out.append(Residency.NONE if e is None or e.pending else e.residency)
             return out
@@ -156,7 +157,7 @@ class KVCacheStore(DemotionMixin, RemoteTierMixin):
         if flag not in (Residency.DEVICE, Residency.REMOTE):
             raise UsageError("only DEVICE or REMOTE can be marked", argument="flag", value=flag)
         with self._lock:
-            for k in _check_keys(keys):
+            for k in check_keys(keys):
                 e = self._index.get(k)
                 if e is not None:
                     self._index.mark(e, flag, present)
@@ -164,7 +165,7 @@ class KVCacheStore(DemotionMixin, RemoteTierMixin):
     # -- pins ----------------------------------------------------------------
     def release(self, keys: Sequence[bytes]) -> None:
         """Drop one pin per key (all-or-nothing; UsageError naming ``keys`` if one is not pinned)."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         with self._lock:
             self._index.unpin(keys)
 
@@ -178,7 +179,7 @@ class KVCacheStore(DemotionMixin, RemoteTierMixin):
         nothing changes. The future's result is a :class:`SaveResult`; if the copy
         fails, the new entries are dropped and the future raises.
         """
-        keys, dev = _check_keys(keys), [int(d) for d in device_blocks]
+        keys, dev = check_keys(keys), [int(d) for d in device_blocks]
         if len(dev) != len(keys):
             raise UsageError("needs one key per device block", argument="keys", keys=len(keys), blocks=len(dev))
         fut: StoreFuture[SaveResult] = StoreFuture()
@@ -249,121 +250,6 @@ class KVCacheStore(DemotionMixin, RemoteTierMixin):
             self.metrics.evictions.labels("host").inc(len(victims))
         return self.arena.allocate(n)
 
-    # -- loads: (storage ->) host -> device ----------------------------------
-    def load(self, keys: Sequence[bytes], device_blocks: Sequence[int]) -> StoreFuture[None]:
-        """Copy pinned ``keys`` into ``device_blocks``; storage-only entries are promoted to host first.
-
-        Every key must be pinned (by ``lookup``) and loadable, else UsageError naming
-        ``keys``. Success consumes one pin per key; failure (CapacityError raised at
-        once when promotion finds no host room, or the future raising, e.g.
-        IntegrityError for a block that failed its checksum) keeps every pin.
-        """
-        keys, dev = _check_keys(keys), [int(d) for d in device_blocks]
-        if len(dev) != len(keys):
-            raise UsageError("needs one device block per key", argument="device_blocks",
-                             keys=len(keys), blocks=len(dev))
-        fut: StoreFuture[None] = StoreFuture()
-        self._room_for_load(keys)  # evict only what is safe on storage (demotion.py)
-        with self._lock:
-            self._check_open()
-            entries = self._pinned_entries(keys)
-            cold = [e for e in dict.fromkeys(entries) if not e.residency & HOST]
-            blocks = self._allocate_host(len(cold)) if cold else []
-            self._index.hold(entries)
-        if not cold:
-            self._to_device(entries, dev, fut)
-            return fut
-        rf = self.storage.read([e.key for e in cold], [self.arena.block(b) for b in blocks])
-        rf.add_done_callback(lambda f: self._promoted(f, cold, blocks, entries, dev, fut))
-        return fut
-
-    def _pinned_entries(self, keys: list[bytes]) -> list[Entry]:
-        """Entries of ``keys``; each needs one pin per time it is named (as in release)."""
-        entries, named = [], {}
-        for k in keys:
-            e = self._index.get(k)
-            named[k] = named.get(k, 0) + 1
-            if e is None or e.pins < named[k] or not e.visible:
-                raise UsageError("key is not pinned (once per time it is named) or not loadable: lookup first",
-                                 argument="keys", key=k.hex())
-            entries.append(e)
-        return entries
-
-    def _promoted(self, rf, cold: list[Entry], blocks: list[int], entries, dev, fut: StoreFuture) -> None:
-        try:
-            self._promote_finish(rf, cold, blocks, entries, dev, fut)
-        except BaseException as exc:  # noqa: BLE001 - never strand a future
-            fut._fail(exc)
-
-    def _promote_finish(self, rf, cold: list[Entry], blocks: list[int], entries, dev, fut: StoreFuture) -> None:
-        exc = rf.exception()
-        statuses = [ReadStatus.UNREADABLE] * len(cold) if exc is not None else rf.result()
-        with self._lock:
-            good = [(e, b) for e, b, s in zip(cold, blocks, statuses) if s is ReadStatus.OK]
-            bad = [(e, b, s) for e, b, s in zip(cold, blocks, statuses) if s is not ReadStatus.OK]
-            if good:
-                self.arena.publish([b for _, b in good], [e.key for e, _ in good])
-                for e, b in good:
-                    self._index.set_host(e, b)
-            for e, b, s in bad:
-                self.arena.free([b])
-                if s is not ReadStatus.UNREADABLE:
-                    self._index.clear(e, STORAGE)  # gone or corrupt on disk: never served
-            if bad:
-                self._index.unhold(entries)
-            self._gauge()
-        self.metrics.promotions.inc(len(good))
-        self.metrics.bytes.labels("storage", "out").inc(len(good) * self.arena.block_nbytes)
-        if bad:
-            e, _, s = bad[0]
-            if s is ReadStatus.CORRUPT:
-                self.metrics.corrupt.labels("storage").inc(sum(1 for *_, x in bad if x is ReadStatus.CORRUPT))
-            fut._fail(_read_error(s, e.key, exc))
-            return
-        self._to_device(entries, dev, fut)
-        self._maybe_demote()
-
-    def _to_device(self, entries: list[Entry], dev: list[int], fut: StoreFuture) -> None:
-        rounds: list[list[tuple[int, int, int]]] = []  # a key loaded twice: its host block in a 2nd copy
-        seen: dict[int, int] = {}
-        for e, d in zip(entries, dev):
-            i = seen[e.host_block] = seen.get(e.host_block, -1) + 1
-            if i == len(rounds):
-                rounds.append([])
-            rounds[i].append((e.host_block, d, 1))
-        try:
-            tfs = [self.engine.h2d(r) for r in rounds]
-        except BaseException as exc:  # noqa: BLE001 - pins kept, delivered through the future
-            with self._lock:
-                self._index.unhold(entries)
-            fut._fail(exc)
-            return
-        left, errors, gate = [len(tfs)], [], threading.Lock()
-
-        def one(t: Any) -> None:
-            with gate:
-                left[0] -= 1
-                if t.exception() is not None:
-                    errors.append(t.exception())
-                last = left[0] == 0
-            if last:
-                self._loaded(errors[0] if errors else None, entries, fut)
-
-        for tf in tfs:
-            tf.add_done_callback(one)
-
-    def _loaded(self, exc: BaseException | None, entries: list[Entry], fut: StoreFuture) -> None:
-        with self._lock:
-            self._index.unhold(entries)
-            if exc is None:
-                self._index.unpin([e.key for e in entries])
-        if exc is not None:
-            fut._fail(exc)
-        else:
-            self.metrics.bytes.labels("host", "out").inc(len(entries) * self.arena.block_nbytes)
-            fut._set(None)
-            self._maybe_demote()
-
     # -- lifecycle -----------------------------------------------------------
     def _gauge(self) -> None:
         self.metrics.entries.labels("host").set(self._index.counts[HOST])
@@ -395,21 +281,3 @@ class KVCacheStore(DemotionMixin, RemoteTierMixin):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
-    if isinstance(keys, (bytes, str)):
-        raise UsageError("must be a sequence of keys, not one key", argument="keys")
-    out = list(keys)
-    for k in out:
-        if not isinstance(k, bytes) or not 0 < len(k) <= 32:
-            raise UsageError("keys must be 1..32 bytes", argument="keys", key=k)
-    return out
-
-
-def _read_error(status: ReadStatus, key: bytes, exc: BaseException | None) -> Exception:
-    if status is ReadStatus.CORRUPT:
-        return IntegrityError("storage block failed its checksum; not served", key=key.hex())
-    if status is ReadStatus.MISSING:
-        return RemoteError("storage block vanished (deleted by another process?)", key=key.hex())
-    return RemoteError("storage block unreadable", key=key.hex(), error=repr(exc) if exc else None)

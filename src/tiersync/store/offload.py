@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from tiersync.errors import UsageError, check_positive_int
 from tiersync.store.index import PinIndex
-from tiersync.store.keys import KEY_NBYTES
+from tiersync.store.keys import KEY_NBYTES, check_keys
 from tiersync.store.residency import Residency
 from tiersync.tiers.host import POLICIES
 
@@ -102,7 +102,7 @@ class OffloadManager:
     # -- lookups and loads ------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are loadable now (host or disk). Pins nothing."""
-        _check_keys(keys)
+        check_keys(keys, nbytes=KEY_NBYTES)
         n = 0
         for k in keys:
             if self._index.visible(k) is None:
@@ -137,7 +137,7 @@ class OffloadManager:
 
     def release(self, keys: Sequence[bytes]) -> None:
         """Drop one pin per key (all-or-nothing; :class:`UsageError` for an unpinned key)."""
-        _check_keys(keys)
+        check_keys(keys, nbytes=KEY_NBYTES)
         self._index.unpin(keys)
 
     # -- stores -------------------------------------------------------------------
@@ -148,7 +148,7 @@ class OffloadManager:
         disk copy stay loadable from disk). Stops at the first key it finds no slot for,
         so the spec may be shorter than asked; nothing pinned is ever evicted.
         """
-        _check_keys(keys)
+        check_keys(keys, nbytes=KEY_NBYTES)
         wanted, seen = [], set()
         for k in keys:
             e = self._index.get(k)
@@ -213,12 +213,3 @@ class OffloadManager:
     def _free_slot(self, slot: int | None) -> None:
         if slot is not None:
             self._free.append(slot)
-
-
-def _check_keys(keys: Sequence[bytes]) -> None:
-    if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
-        raise UsageError("must be a sequence of keys", argument="keys", got=type(keys).__name__)
-    for i, k in enumerate(keys):
-        if not isinstance(k, bytes) or len(k) != KEY_NBYTES:
-            raise UsageError(f"must be {KEY_NBYTES}-byte keys", argument=f"keys[{i}]")
-

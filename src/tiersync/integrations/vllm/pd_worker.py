@@ -7,7 +7,6 @@ reported through ``get_finished``; a failed read's blocks are load errors (recom
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -123,7 +122,9 @@ class PDWorker:
         send is reported only once vLLM has finished the request; a failed read is also a
         finished one, and its blocks are load errors."""
         if self._pending or self._read_blocks:
-            time.sleep(YIELD_S)  # an idle engine steps in a busy loop: let the transfer threads run
+            # An idle engine steps in a busy loop that starves the transfer threads: block
+            # (GIL released) until a transfer finishes, for at most YIELD_S.
+            (self._server if self.producer else self._client).wait_progress(YIELD_S)
         if self.producer:
             self._finished |= finished_req_ids
             st = self._server.poll()

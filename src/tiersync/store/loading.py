@@ -1,0 +1,149 @@
+"""Loads: (storage ->) host -> device (a mixin of :class:`KVCacheStore`).
+
+A load needs every key pinned (one pin per time it is named). Host-resident entries are
+copied to the device blocks at once; storage-only entries are first read into fresh host
+blocks (promotion), published, then copied. A key named twice has its host block copied
+in a second transfer, so no transfer names one source block twice. Success consumes one
+pin per key; any failure keeps every pin and reaches the caller through the future.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from tiersync.errors import IntegrityError, RemoteError, UsageError
+from tiersync.store.futures import StoreFuture
+from tiersync.store.index import Entry
+from tiersync.store.keys import check_keys
+from tiersync.store.residency import Residency
+from tiersync.tiers.storage import ReadStatus
+
+HOST, STORAGE = Residency.HOST, Residency.STORAGE
+
+
+class LoadMixin:
+    """Needs ``storage``, ``arena``, ``engine``, ``metrics``, ``_lock``, ``_index``,
+    ``_check_open``, ``_allocate_host``, ``_room_for_load``, ``_maybe_demote`` and ``_gauge``."""
+
+    def load(self, keys: Sequence[bytes], device_blocks: Sequence[int]) -> StoreFuture[None]:
+        """Copy pinned ``keys`` into ``device_blocks``; storage-only entries are promoted to host first.
+
+        Every key must be pinned (by ``lookup``) and loadable, else UsageError naming
+        ``keys``. Success consumes one pin per key; failure (CapacityError raised at
+        once when promotion finds no host room, or the future raising, e.g.
+        IntegrityError for a block that failed its checksum) keeps every pin.
+        """
+        keys, dev = check_keys(keys), [int(d) for d in device_blocks]
+        if len(dev) != len(keys):
+            raise UsageError("needs one device block per key", argument="device_blocks",
+                             keys=len(keys), blocks=len(dev))
+        fut: StoreFuture[None] = StoreFuture()
+        self._room_for_load(keys)  # evict only what is safe on storage (demotion.py)
+        with self._lock:
+            self._check_open()
+            entries = self._pinned_entries(keys)
+            cold = [e for e in dict.fromkeys(entries) if not e.residency & HOST]
+            blocks = self._allocate_host(len(cold)) if cold else []
+            self._index.hold(entries)
+        if not cold:
+            self._to_device(entries, dev, fut)
+            return fut
+        rf = self.storage.read([e.key for e in cold], [self.arena.block(b) for b in blocks])
+        rf.add_done_callback(lambda f: self._promoted(f, cold, blocks, entries, dev, fut))
+        return fut
+
+    def _pinned_entries(self, keys: list[bytes]) -> list[Entry]:
+        """Entries of ``keys``; each needs one pin per time it is named (as in release)."""
+        entries, named = [], {}
+        for k in keys:
+            e = self._index.get(k)
+            named[k] = named.get(k, 0) + 1
+            if e is None or e.pins < named[k] or not e.visible:
+                raise UsageError("key is not pinned (once per time it is named) or not loadable: lookup first",
+                                 argument="keys", key=k.hex())
+            entries.append(e)
+        return entries
+
+    def _promoted(self, rf, cold: list[Entry], blocks: list[int], entries, dev, fut: StoreFuture) -> None:
+        try:
+            self._promote_finish(rf, cold, blocks, entries, dev, fut)
+        except BaseException as exc:  # noqa: BLE001 - never strand a future
+            fut._fail(exc)
+
+    def _promote_finish(self, rf, cold: list[Entry], blocks: list[int], entries, dev, fut: StoreFuture) -> None:
+        exc = rf.exception()
+        statuses = [ReadStatus.UNREADABLE] * len(cold) if exc is not None else rf.result()
+        with self._lock:
+            good = [(e, b) for e, b, s in zip(cold, blocks, statuses) if s is ReadStatus.OK]
+            bad = [(e, b, s) for e, b, s in zip(cold, blocks, statuses) if s is not ReadStatus.OK]
+            if good:
+                self.arena.publish([b for _, b in good], [e.key for e, _ in good])
+                for e, b in good:
+                    self._index.set_host(e, b)
+            for e, b, s in bad:
+                self.arena.free([b])
+                if s is not ReadStatus.UNREADABLE:
+                    self._index.clear(e, STORAGE)  # gone or corrupt on disk: never served
+            if bad:
+                self._index.unhold(entries)
+            self._gauge()
+        self.metrics.promotions.inc(len(good))
+        self.metrics.bytes.labels("storage", "out").inc(len(good) * self.arena.block_nbytes)
+        if bad:
+            e, _, s = bad[0]
+            if s is ReadStatus.CORRUPT:
+                self.metrics.corrupt.labels("storage").inc(sum(1 for *_, x in bad if x is ReadStatus.CORRUPT))
+            fut._fail(_read_error(s, e.key, exc))
+            return
+        self._to_device(entries, dev, fut)
+        self._maybe_demote()
+
+    def _to_device(self, entries: list[Entry], dev: list[int], fut: StoreFuture) -> None:
+        rounds: list[list[tuple[int, int, int]]] = []  # a key loaded twice: its host block in a 2nd copy
+        seen: dict[int, int] = {}
+        for e, d in zip(entries, dev):
+            i = seen[e.host_block] = seen.get(e.host_block, -1) + 1
+            if i == len(rounds):
+                rounds.append([])
+            rounds[i].append((e.host_block, d, 1))
+        try:
+            tfs = [self.engine.h2d(r) for r in rounds]
+        except BaseException as exc:  # noqa: BLE001 - pins kept, delivered through the future
+            with self._lock:
+                self._index.unhold(entries)
+            fut._fail(exc)
+            return
+        left, errors, gate = [len(tfs)], [], threading.Lock()
+
+        def one(t: Any) -> None:
+            with gate:
+                left[0] -= 1
+                if t.exception() is not None:
+                    errors.append(t.exception())
+                last = left[0] == 0
+            if last:
+                self._loaded(errors[0] if errors else None, entries, fut)
+
+        for tf in tfs:
+            tf.add_done_callback(one)
+
+    def _loaded(self, exc: BaseException | None, entries: list[Entry], fut: StoreFuture) -> None:
+        with self._lock:
+            self._index.unhold(entries)
+            if exc is None:
+                self._index.unpin([e.key for e in entries])
+        if exc is not None:
+            fut._fail(exc)
+        else:
+            self.metrics.bytes.labels("host", "out").inc(len(entries) * self.arena.block_nbytes)
+            fut._set(None)
+            self._maybe_demote()
+
+
+def _read_error(status: ReadStatus, key: bytes, exc: BaseException | None) -> Exception:
+    if status is ReadStatus.CORRUPT:
+        return IntegrityError("storage block failed its checksum; not served", key=key.hex())
+    if status is ReadStatus.MISSING:
+        return RemoteError("storage block vanished (deleted by another process?)", key=key.hex())
+    return RemoteError("storage block unreadable", key=key.hex(), error=repr(exc) if exc else None)

@@ -1,0 +1,2 @@
+"""Root of the test tree: pytest puts this directory on ``sys.path``, so the shared helpers
+here (``_isolated``) import from every suite."""
