@@ -1,11 +1,14 @@
-"""Build the optional native copy kernel; tiersync falls back to pure Python without it."""
+"""Build the optional native extensions; tiersync falls back to pure Python without them.
+
+``tiersync.transfer._kernel``: span copier and tsum64. ``tiersync.net._wire``: the TCP
+transport's receive fast path (one DATA frame received and verified per call, GIL released).
+"""
 import os
 from setuptools import Extension, setup
 
-ext = Extension(
-    "tiersync.transfer._kernel",
-    sources=["src/tiersync/transfer/_kernel.c"],
-    extra_compile_args=["-O3", "-std=c11"],
-    optional=os.environ.get("TIERSYNC_REQUIRE_NATIVE") != "1",
-)
-setup(ext_modules=[ext])
+_OPTIONAL = os.environ.get("TIERSYNC_REQUIRE_NATIVE") != "1"
+kernel = Extension("tiersync.transfer._kernel", sources=["src/tiersync/transfer/_kernel.c"],
+                   depends=["src/tiersync/transfer/tsum64.h"], extra_compile_args=["-O3", "-std=c11"], optional=_OPTIONAL)
+wire = Extension("tiersync.net._wire", sources=["src/tiersync/net/_wire.c"],
+                 depends=["src/tiersync/transfer/tsum64.h"], extra_compile_args=["-O3", "-std=gnu11"], optional=_OPTIONAL)
+setup(ext_modules=[kernel, wire])

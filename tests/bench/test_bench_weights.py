@@ -33,12 +33,13 @@ def test_report_top_level(report):
     assert report["suite"] == "weights" and report["mode"] == "tiny" and report["units"] == "decimal GB/s"
     assert report["roundtrip"]["ok"] is True and report["roundtrip"]["cases"] == 2
     assert report["model"]["dtype"] == "bfloat16" and report["model"]["nbytes"] > 0
-    assert {"memory", "targets", "buffers"} <= report.keys()
+    assert {"memory", "targets", "buffers", "memcpy_1thread_gbps"} <= report.keys()
 
 
 def test_rows_follow_the_contract(report):
     rows = report["results"]
-    assert {r["name"] for r in rows} == {f"weights-{s}t-2s-{w}" for s in (1, 2) for w in ("shm", "tcp")}
+    assert {r["name"] for r in rows} == {f"weights-{s}t-2s-{w}" for s in (1, 2) for w in ("shm", "tcp")} | \
+        {"weights-1t-2s-shm-zerocopy"}
     for r in rows:
         assert ROW_KEYS <= r.keys(), ROW_KEYS - r.keys()
         assert r["baseline"].startswith("torch.distributed.broadcast") and r["roundtrip"] == "ok"

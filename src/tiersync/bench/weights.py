@@ -7,6 +7,9 @@ process) to 1, 2 and 4 sampler PROCESSES, each holding the whole model (replicat
 
 - ``shm``: tiersync, transport AUTO (same host: one write into /dev/shm, every sampler
   copies its slices out);
+- ``shm-zerocopy`` (1 trainer only): transport AUTO with ``ReceiverConfig.zero_copy``: each
+  sampler's lease reads the version's segment in place (no copy; the trainer writes the next
+  version to another segment while one is held) -- a separate row, the copy row stays;
 - ``tcp``: tiersync with TCP forced (GETs over loopback, 4 streams per sampler, xxh3 on
   every payload);
 - the baseline, ``torch.distributed.broadcast`` over gloo (real processes, FileStore): each
@@ -25,16 +28,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import tempfile
-import threading
 import time
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from tiersync.bench import weights_procs as procs
+from tiersync.bench.weights_raw import memcpy_gbps, raw_seconds
 from tiersync.bench.common import BenchConfig, RoundTripError, median, progress, report, row, throughput
 from tiersync.errors import RemoteError
 
@@ -136,12 +137,13 @@ def _stop(children: list[tuple[Any, Any]]) -> None:
             proc.join(5)
 
 
-def _tiersync(model: _Model, pubs: list, pool: list, n: int, transport: str, versions: list[int],
+def _tiersync(model: _Model, pubs: list, pool: list, n: int, who: str, versions: list[int],
               buffers: int) -> list[float]:
-    """Seconds per version (the first one is the warm-up and the byte-exact check)."""
-    workers = pool[:n]
+    """Seconds per version of contender ``who`` (shm, zc or tcp); the first version is the
+    warm-up and the byte-exact check."""
+    workers, transport = pool[:n], "tcp" if who == "tcp" else "auto"
     for r, (_, c) in enumerate(workers):
-        c.send(("join", [p.address for p in pubs], r, n, transport, buffers))
+        c.send(("join", [p.address for p in pubs], r, n, transport, buffers, who == "zc"))
     try:
         granted = {tuple(_expect(c, "ready", p)[1]) for p, c in workers}
         want = ("shm" if transport == "auto" else "tcp",) * len(pubs)
@@ -214,53 +216,6 @@ class _Gloo:
             os.unlink(self.store)
 
 
-def _raw(model: _Model, pool: list, n: int, rounds: int) -> list[float]:
-    listener = socket.create_server(("127.0.0.1", 0))
-    workers, socks = pool[:n], []
-    try:
-        for p, c in workers:
-            c.send(("raw", listener.getsockname()[1], model.nbytes))
-            _expect(c, "ready", p)
-            s, _ = listener.accept()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 20)
-            socks.append(s)
-        views = [memoryview(a.reshape(-1).view(np.uint8)) for a in model.raw.values()]
-        times = []
-        for i in range(rounds + 1):
-            for _, c in workers:
-                c.send(("round",))
-            t0 = time.perf_counter()
-            threads = [threading.Thread(target=_raw_send, args=(s, views)) for s in socks]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            times.append(time.perf_counter() - t0)
-            if i == 0:
-                h = xxhash.xxh3_64()
-                for v in views:
-                    h.update(v)
-                for p, c in workers:
-                    c.send(("rawdigest",))
-                    if _expect(c, "digest", p)[1] != h.intdigest():
-                        raise RoundTripError("raw socket receiver got other bytes; refusing to report")
-        return times[1:]
-    finally:
-        for s in socks:
-            s.close()
-        listener.close()
-        for _, c in workers:
-            c.send(("rawclose",))
-            if TRIM[_MODE[0]]:
-                c.send(("trim",))
-
-
-def _raw_send(sock: socket.socket, views: list[memoryview]) -> None:
-    for v in views:
-        sock.sendall(v)
-    sock.recv(1)
-
-
 # -- the run ----------------------------------------------------------------------
 def run(config: BenchConfig) -> dict[str, Any]:
     """Every (trainer shards, samplers) case: tiersync shm and tcp vs gloo, plus the raw figure."""
@@ -290,7 +245,8 @@ def run(config: BenchConfig) -> dict[str, Any]:
         _stop(pool)
     return report(config, results, roundtrip={"ok": True, "cases": len(cases)}, model=_model_info(model, layers, mode),
                   memory=memory_note, buffers=BUFFERS[mode], iterations=iters * ROUNDS[mode], warmups=warm,
-                  targets=_targets(results), phase_seconds={k: round(v, 2) for k, v in phases.items()},
+                  targets=_targets(results), memcpy_1thread_gbps=round(memcpy_gbps(model.nbytes), 3),
+                  phase_seconds={k: round(v, 2) for k, v in phases.items()},
                   elapsed_s=round(time.perf_counter() - t_start, 3))
 
 
@@ -316,13 +272,13 @@ def _sweep(config: BenchConfig, model: _Model, layers: int, cases: list, pool: l
                                         config=PublisherConfig()) for r in range(shards)]
                 try:
                     for _, n in [c for c in cases if c[0] == shards]:
-                        times: dict[str, list[float]] = {"shm": [], "tcp": [], "gloo": []}
+                        times: dict[str, list[float]] = {"shm": [], "zc": [], "tcp": [], "gloo": []}
                         for rnd in range(rounds):
                             k = plan.index((shards, n, rnd))
                             _round(model, pubs, pool, n, rnd, times, phases, versions, warm, iters, BUFFERS[mode],
                                    lambda: _gloo_run(shared, model, mode, layers, config.seed, gloo_cases, k))
                             _timed(phases, "raw", lambda: raw_times.setdefault(n, []).extend(
-                                _raw(model, pool, n, iters)) if n not in raw_times or rnd else None)
+                                raw_seconds(model, pool, n, iters, _expect, TRIM[mode])) if n not in raw_times or rnd else None)
                             bar.update(1)
                         results += _rows(model.nbytes, shards, n, times, raw_times[n], BUFFERS[mode])
                 finally:
@@ -334,14 +290,16 @@ def _sweep(config: BenchConfig, model: _Model, layers: int, cases: list, pool: l
 
 
 def _round(model, pubs, pool, n, rnd, times, phases, versions, warm, iters, buffers, gloo) -> None:
-    """One round of the three contenders, order rotated by round."""
+    """One round of the contenders, order rotated by round (zero-copy right after shm, and
+    only from one trainer shard: a replicated tensor of two shards spans two segments)."""
     order = ["shm", "tcp", "gloo"][rnd % 3:] + ["shm", "tcp", "gloo"][: rnd % 3]
+    if len(pubs) == 1:
+        order.insert(order.index("shm") + 1, "zc")
     for who in order:
         if who == "gloo":
             times[who] += _timed(phases, who, gloo)[warm - 1:]
         else:
-            transport = "auto" if who == "shm" else "tcp"
-            times[who] += _timed(phases, who, lambda: _tiersync(model, pubs, pool, n, transport, versions(iters),
+            times[who] += _timed(phases, who, lambda: _tiersync(model, pubs, pool, n, who, versions(iters),
                                                                 buffers))[warm - 1:]
 
 
@@ -370,15 +328,20 @@ def _secs(prefix: str, t: list[float]) -> dict[str, float]:
 
 def _rows(nbytes: int, shards: int, n: int, times: dict[str, list[float]], raw: list[float], buffers: int) -> list:
     base, rawt, out = throughput(nbytes, times["gloo"]), throughput(nbytes, raw), []
-    for who in ("shm", "tcp"):
+    for who in [w for w in ("shm", "zc", "tcp") if times[w]]:
         ours = throughput(nbytes, times[who])
-        out.append(row(f"weights-{shards}t-{n}s-{who}", ours, BASELINE, base, shards=shards, samplers=n,
-                       transport="auto (shm)" if who == "shm" else "tcp forced", nbytes=nbytes,
+        out.append(row(f"weights-{shards}t-{n}s-{_NAMES[who]}", ours, BASELINE, base, shards=shards, samplers=n,
+                       transport=_TRANSPORTS[who], nbytes=nbytes,
                        **_secs("", times[who]), **_secs("baseline_", times["gloo"]), **_secs("raw_socket_", raw),
                        aggregate_gbps=round(ours["gbps"] * n, 4), baseline_aggregate_gbps=round(base["gbps"] * n, 4),
                        raw_socket_gbps=round(rawt["gbps"], 4), raw_socket_aggregate_gbps=round(rawt["gbps"] * n, 4),
                        buffers=buffers, samples=len(times[who]), roundtrip="ok"))
     return out
+
+
+_NAMES = {"shm": "shm", "zc": "shm-zerocopy", "tcp": "tcp"}
+_TRANSPORTS = {"shm": "auto (shm), copied into sampler buffers", "zc": "auto (shm), zero-copy leases on the segment",
+               "tcp": "tcp forced"}
 
 
 def _model_info(model: _Model, layers: int, mode: str) -> dict[str, Any]:
@@ -389,9 +352,10 @@ def _model_info(model: _Model, layers: int, mode: str) -> dict[str, Any]:
 
 
 def _targets(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's targets at 4 samplers from 1 trainer: shm >= 4x gloo, tcp forced >= 1.5x."""
+    """The issue's targets at 4 samplers from 1 trainer: shm >= 4x gloo (copy and zero-copy rows
+    each), tcp forced >= 1.5x."""
     out: dict[str, Any] = {}
-    for who, need in (("shm", 4.0), ("tcp", 1.5)):
+    for who, need in (("shm", 4.0), ("shm-zerocopy", 4.0), ("tcp", 1.5)):
         r = next((r for r in results if r["name"] == f"weights-1t-4s-{who}"), None)
         if r is not None:
             out[who] = {"min_ratio": need, "ratio": r["ratio"], "met": r["ratio"] >= need}

@@ -49,6 +49,8 @@ assert _HEADER.size == HEADER_SIZE
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _EMPTY_XXH3 = _xxh3(b"")
+EMPTY_META_CHECKSUM = _EMPTY_XXH3
+"""The ``meta_checksum`` of a frame without metadata (xxh3_64 of no bytes)."""
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:

@@ -43,6 +43,7 @@ from tiersync.net.frames import (EMPTY_CHECKSUM, HEADER_SIZE, SUPPORTED, FrameHe
 
 
 _LOCAL = frozenset(int(a) for a in SUPPORTED)
+_FAST_ALGO = PayloadChecksum.TSUM64  # what a native receiver verifies (data_fast_target)
 _EMPTY = memoryview(b"")
 
 
@@ -292,6 +293,32 @@ class Connection:
             self._prefilled = n
         else:
             self._buf += sink[:n]
+
+    def data_fast_target(self, request_id: int) -> memoryview | None:
+        """The buffer of :meth:`expect_payload_into` for ``request_id`` when the next frame should be
+        its DATA and a caller may receive and verify that frame itself (:meth:`data_fast_received`):
+        READY, at a frame boundary with nothing buffered, ``request_id`` the oldest registered,
+        TSUM64 negotiated, the size within ``max_frame_size``. Else None."""
+        if (self.state is not State.READY or self._header is not None or self._buf or self._eof
+                or self._prefill is not None or not self._sinks or self.payload_algo is not _FAST_ALGO):
+            return None
+        rid = next(iter(self._sinks))
+        sink = self._sinks[rid]
+        return sink if rid == request_id and len(sink) <= self.config.max_frame_size else None
+
+    def data_fast_received(self, request_id: int, payload_sum: int) -> ev.Data:
+        """Record a DATA frame for ``request_id`` that the caller received into
+        :meth:`data_fast_target` and verified exactly as this parser would (every header check of
+        :func:`~tiersync.net.frames.decode_header`, the request id, no metadata, the registered
+        size, TSUM64 ``payload_sum`` equal to the header's); returns its event. A frame it did not
+        verify goes to :meth:`scatter_received` instead. UsageError when there is no such target."""
+        sink = self.data_fast_target(request_id)
+        if sink is None:
+            raise UsageError("no fast DATA target for this request", argument="request_id", request_id=request_id)
+        self._check_recv_allowed(Op.DATA, request_id)
+        event = ev.Data(request_id, sink, (_FAST_ALGO, payload_sum))
+        self._apply_recv(Op.DATA, request_id, event)
+        return event
 
     def payload_received(self, n: int) -> None:
         """Record ``n`` bytes written into :meth:`payload_sink`. Raises UsageError when out of range."""

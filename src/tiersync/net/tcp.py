@@ -25,10 +25,17 @@ from tiersync.net import auth
 from tiersync.net import events as ev
 from tiersync.net.errors import (AuthError, NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault,
                                  RequestError)
-from tiersync.net.frames import HEADER_SIZE, PayloadChecksum, ProtocolConfig
+from tiersync.net.frames import EMPTY_META_CHECKSUM, HEADER_SIZE, SUPPORTED, PayloadChecksum, ProtocolConfig
 from tiersync.net.protocol import NEED_DATA, Connection, Role
 from tiersync.net.tls import TlsConfig, client_context
 from tiersync.net.transport import Channel, Handler, Server, Transport
+
+try:  # the receive fast path (GIL released); without it every frame takes the reference path
+    from tiersync.net import _wire
+except ImportError:  # pragma: no cover - depends on the build
+    _wire = None
+if PayloadChecksum.TSUM64 not in SUPPORTED:  # pragma: no cover - the fallback must verify what it accepts
+    _wire = None
 
 _IOV_MAX = 1024
 _PIECE = 4 << 20  # most bytes one recv lands in a payload before the checksum reads them
@@ -175,6 +182,32 @@ class FramedSocket:
         except OSError as exc:
             _raise_io(exc, self.peer)
 
+    def read_data(self, request_id: int, deadline: Deadline) -> object:
+        """Like :meth:`read` where the next frame should be the DATA answer to ``request_id``: with
+        the native receiver (plain TCP), one GIL-free call lands the frame in its registered buffer
+        and verifies it as the parser would (:meth:`Connection.data_fast_received`); whatever it did
+        not verify goes to the reference parser (:meth:`Connection.scatter_received`)."""
+        conn = self.conn
+        if _wire is None or self._tls:
+            return self.read(deadline)
+        try:
+            while (dest := conn.data_fast_target(request_id)) is not None:
+                self._arm(socket.SO_RCVTIMEO, deadline)
+                try:
+                    n, ok, value = _wire.recv_data(self.sock.fileno(), self._hview, dest, request_id,
+                                                   conn.config.max_frame_size, EMPTY_META_CHECKSUM)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                if ok:
+                    return conn.data_fast_received(request_id, value)
+                conn.scatter_received(self._hview, n)
+                break
+        except NetTimeoutError:
+            raise
+        except OSError as exc:
+            _raise_io(exc, self.peer)
+        return self.read(deadline)
+
     def _recv_once(self) -> None:
         """One recv, fed to the connection: into the payload being received, else header plus
         the next expected payload in one scatter read, else into the read buffer."""
@@ -270,9 +303,10 @@ class TcpChannel(Channel):
             deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
             try:
                 self._framed.write(event, deadline)
-                if into is not None:
-                    self._framed.conn.expect_payload_into(event.request_id, into)
-                return self._answer(event.request_id, deadline)
+                if into is None:
+                    return self._answer(event.request_id, deadline)
+                self._framed.conn.expect_payload_into(event.request_id, into)
+                return self._answer(event.request_id, deadline, data=True)
             except (PeerClosedError, ProtocolError, NetTimeoutError, AuthError):
                 self._shut()
                 raise
@@ -326,7 +360,7 @@ class TcpChannel(Channel):
             self._framed.send_buffers(bufs, deadline)
 
     def _expect_data(self, request_id: int, deadline: Deadline) -> None:
-        answer = self._answer(request_id, deadline)
+        answer = self._answer(request_id, deadline, data=True)
         if not isinstance(answer, ev.Data):
             raise ProtocolError("expected DATA", fault=ProtocolFault.UNEXPECTED, peer=self.peer)
 
@@ -339,8 +373,10 @@ class TcpChannel(Channel):
                 self._shut()
                 raise
 
-    def _answer(self, request_id: int, deadline: Deadline) -> object:
-        event = self._framed.read(deadline)
+    def _answer(self, request_id: int, deadline: Deadline, *, data: bool = False) -> object:
+        """The next event as the answer to ``request_id`` (``data``: a DATA into a registered buffer
+        is expected, so the fast receive path may take it); raises for anything else."""
+        event = self._framed.read_data(request_id, deadline) if data else self._framed.read(deadline)
         if isinstance(event, ev.ConnectionClosed):
             raise PeerClosedError("peer closed the connection", peer=self.peer)
         if isinstance(event, ev.Error):

@@ -7,6 +7,11 @@ releases the lease; a later sync waits (up to a deadline) for every lease on the
 about to overwrite. With one set, a sync waits for the readers to leave and new readers
 wait for the sync to end, so nobody ever reads a half-updated model either; an aborted
 single-buffer sync leaves no weights (acquire waits for the next good version).
+
+A commit may also pass *views* (zero-copy: read-only arrays over a version's shared-memory
+segment) that stand in for some of the set's own arrays. Once such a version is neither
+active nor leased, ``on_release(version)`` is called (outside the lock): from then on this
+sampler reads nothing of it, and the trainer may rewrite its segment.
 """
 from __future__ import annotations
 
@@ -61,7 +66,8 @@ class VersionedBuffers:
     sync writes every byte before the set becomes readable. Default: :func:`allocate`.
     """
 
-    def __init__(self, count: int, allocator: Callable[[tuple[int, ...], str], np.ndarray] = allocate) -> None:
+    def __init__(self, count: int, allocator: Callable[[tuple[int, ...], str], np.ndarray] = allocate,
+                 on_release: Callable[[int], None] | None = None) -> None:
         if count not in (1, 2):
             raise UsageError("must be 1 or 2", argument="buffers", value=count)
         if not callable(allocator):
@@ -76,6 +82,10 @@ class VersionedBuffers:
         self._pending: int | None = None
         self._closed = False
         self._cond = threading.Condition()
+        self._on_release = on_release
+        self._views: list[dict[str, np.ndarray]] = [{} for _ in range(count)]
+        self._held: list[int | None] = [None] * count  # version whose views set i serves
+        self._unheld: list[int] = []  # versions to report to on_release (outside the lock)
 
     def ensure(self, specs: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
         """Allocate the sets for ``specs`` (name -> local shape, dtype) on first use; later calls
@@ -116,18 +126,40 @@ class VersionedBuffers:
             self._check_open()
             self._writing = index
             self._version[index] = None
+            self._drop_views(index)
             if self._active == index:  # single buffer: the live weights are about to change
                 self._active = None
-            return index, self._sets[index]
+            out = index, self._sets[index]
+        self._fire()
+        return out
 
-    def commit(self, index: int, version: int) -> None:
-        """Make set ``index`` (filled by the sync) the active version, atomically."""
+    def commit(self, index: int, version: int, views: Mapping[str, np.ndarray] | None = None) -> None:
+        """Make set ``index`` (filled by the sync) the active version, atomically. ``views``:
+        name -> array (the set's shape and dtype) read instead of the set's own array."""
         with self._cond:
             if self._writing != index:
                 raise UsageError("commit of a set that is not being written", argument="index", value=index)
             self._version[index] = version
             self._active, self._writing = index, None
+            if views:
+                self._views[index], self._held[index] = dict(views), version
+            for other in range(self._count):
+                if other != index and not self._readers[other]:
+                    self._drop_views(other)
             self._cond.notify_all()
+        self._fire()
+
+    def _drop_views(self, index: int) -> None:
+        if self._held[index] is not None:
+            self._unheld.append(self._held[index])
+        self._views[index], self._held[index] = {}, None
+
+    def _fire(self) -> None:
+        with self._cond:
+            versions, self._unheld = self._unheld, []
+        if self._on_release is not None:
+            for v in versions:
+                self._on_release(v)
 
     def abort(self, index: int) -> None:
         """Drop a failed sync of set ``index``; the active version (if any) stays."""
@@ -151,9 +183,9 @@ class VersionedBuffers:
             self._check_open()
             index = self._active
             self._readers[index] += 1
-            views = {}
+            views, served = {}, self._views[index]
             for name, arr in self._sets[index].items():
-                view = arr.view()
+                view = served.get(name, arr).view()
                 view.flags.writeable = False
                 views[name] = view
             return WeightsLease(self, index, self._version[index], views)
@@ -161,7 +193,10 @@ class VersionedBuffers:
     def _release(self, index: int) -> None:
         with self._cond:
             self._readers[index] -= 1
+            if not self._readers[index] and index != self._active and index != self._writing:
+                self._drop_views(index)
             self._cond.notify_all()
+        self._fire()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -172,4 +207,5 @@ class VersionedBuffers:
         with self._cond:
             self._closed = True
             self._sets = []
+            self._views = [{} for _ in range(self._count)]
             self._cond.notify_all()

@@ -103,6 +103,10 @@ class ReceiverConfig:
     ``lease_timeout_s``: how long a sync waits for readers to release the standby buffer;
     ``io_timeout_s``: one socket operation; ``connect_timeout_s``: one connect.
     ``sampler_id``: a label in the publisher's results (default ``"sampler-<rank>"``).
+    ``zero_copy``: serve a tensor straight out of the trainer's shared-memory segment
+    (read-only views in the lease, no copy) when this sampler's slice of it is one contiguous
+    run of one SHM shard's bytes; other tensors are copied. The trainer then writes later
+    versions to other segments until this sampler released the version (no lease, not active).
     """
 
     publishers: tuple[str, ...]
@@ -118,6 +122,7 @@ class ReceiverConfig:
     connect_timeout_s: float = 10.0
     sampler_id: str | None = None
     max_meta_bytes: int = 4 << 20
+    zero_copy: bool = False
 
     def __post_init__(self) -> None:
         pubs = self.publishers
@@ -132,6 +137,8 @@ class ReceiverConfig:
             raise UsageError("must be a TransportKind", argument="transport", value=self.transport)
         if self.buffers not in (1, 2) or isinstance(self.buffers, bool):
             raise UsageError("must be 1 or 2", argument="buffers", value=self.buffers)
+        if not isinstance(self.zero_copy, bool):
+            raise UsageError("must be a bool", argument="zero_copy", value=self.zero_copy)
         for name in ("streams", "copy_threads", "max_meta_bytes"):
             check_positive_int(getattr(self, name), name)
         _check_address(self.listen, "listen")

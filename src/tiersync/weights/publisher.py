@@ -28,8 +28,9 @@ from tiersync.errors import ClosedError, TierSyncError, UsageError
 from tiersync.net.errors import NetTimeoutError, ProtocolError, ProtocolFault, RemoteError
 from tiersync.weights.config import PublisherConfig, SyncStatus, TransportKind
 from tiersync.weights.manifest import Manifest, host_id
-from tiersync.weights.plan import PlanOptions, TensorSpec
-from tiersync.weights.segment import SegmentWriter, tensor_offsets
+from tiersync.weights.plan import PlanOptions
+from tiersync.weights.segment import SegmentPool, tensor_offsets
+from tiersync.weights.source import validate_source
 from tiersync.weights.server import SpanServer
 from tiersync.weights.sharding import Sharding, local_shape
 from tiersync.weights.tensors import host_bytes, tensor_spec
@@ -78,6 +79,7 @@ class _Sampler:
     sock: socket.socket
     transport: TransportKind
     relay: str
+    zc: bool = False  # serves from the segment (zero-copy): holds each version until RELEASE
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     alive: bool = True
     acks: dict[int, dict] = field(default_factory=dict)
@@ -99,18 +101,19 @@ class WeightPublisher:
         if not isinstance(self.config, PublisherConfig):
             raise UsageError("expected a PublisherConfig", argument="config")
         self.rank = rank
-        self._names, self._specs, self._source = _validate(tensors, layout, rank, global_shapes)
+        self._names, self._specs, self._source = validate_source(tensors, layout, rank, global_shapes)
         self._tensors = dict(tensors)
         self._local = [int(np.prod(local_shape(s.shape, sh, rank))) * s.itemsize
                        for s, sh in zip(self._specs, self._source)]
         self._offsets, payload = tensor_offsets(self._local)
         self.nbytes = sum(self._local)
         self._host = host_id()
-        self._segment: SegmentWriter | None = None
+        self._payload = payload
+        self._pool: SegmentPool | None = None
         if self.config.shm:
             path = os.path.join(self.config.shm_dir, f"tiersync-weights-{os.getpid()}-{rank}-{secrets.token_hex(4)}")
-            self._segment = SegmentWriter(path, payload)
-            self._store = self._segment.region(self._offsets[0], payload) if payload else np.zeros(0, np.uint8)
+            self._pool = SegmentPool(path, payload)
+            self._store = self._segment_store(-1, set())
         else:
             self._store = np.zeros(payload, np.uint8)
         self._cond = threading.Condition()
@@ -132,7 +135,13 @@ class WeightPublisher:
 
     @property
     def segment_path(self) -> str | None:
-        return None if self._segment is None else self._segment.path
+        return None if self._pool is None else self._pool.current.path
+
+    def _segment_store(self, version: int, holders: set) -> np.ndarray:
+        """Switch to the pool's segment for ``version`` (held by ``holders``): its payload view."""
+        self._store = np.zeros(0, np.uint8)  # drop the old view before the pool may unmap it
+        seg = self._pool.take(version, holders)
+        return seg.region(self._offsets[0], self._payload) if self._payload else np.zeros(0, np.uint8)
 
     def samplers(self) -> dict[int, str]:
         """Registered, connected samplers: rank -> label."""
@@ -188,9 +197,9 @@ class WeightPublisher:
 
     def _run(self, version: int) -> PublishResult:
         t0 = time.perf_counter()
-        self._begin(version)
         with self._cond:
             targets = [s for s in self._samplers.values() if s.alive]
+        self._begin(version, targets)
         manifest = self._manifest(version, targets).to_json()
         for s in targets:
             self._send(s, Op.ANNOUNCE, manifest)
@@ -203,27 +212,29 @@ class WeightPublisher:
             for s in targets:
                 if s.alive:
                     self._send(s, Op.READY, {"v": version, "n": i + 1})
-        if self._segment is not None:
-            self._segment.complete(version)
+        if self._pool is not None:
+            self._pool.current.complete(version)
         outcomes = self._collect(version, targets)
         return PublishResult(version, outcomes, time.perf_counter() - t0, self.nbytes)
 
-    def _begin(self, version: int) -> None:
-        """Refuse GETs of the old version, let the running ones finish, mark the new one."""
+    def _begin(self, version: int, targets: list[_Sampler]) -> None:
+        """Refuse GETs of the old version, let the running ones finish, mark the new one (in a
+        segment no zero-copy sampler still reads; those among ``targets`` hold it from now)."""
         end = time.monotonic() + self.config.io_timeout_s
         with self._cond:
             self._current, self._ready = None, 0
             while self._inflight and time.monotonic() < end:
                 self._cond.wait(end - time.monotonic())
-            if self._segment is not None:
-                self._segment.begin(version)
+            if self._pool is not None:
+                self._store = self._segment_store(version, {s for s in targets if s.zc})
+                self._pool.current.begin(version)
             self._current = version
 
     def _manifest(self, version: int, targets: list[_Sampler]) -> Manifest:
         opts = PlanOptions(self.config.fanout, self.config.segment_bytes)
         return Manifest(version, self.rank, self._source[0].mesh.size, tuple(self._names), tuple(self._specs),
-                        tuple(self._source), tuple(self._offsets), self._store.size,
-                        None if self._segment is None else self._segment.path, self._host, opts,
+                        tuple(self._source), tuple(self._offsets), self._payload,
+                        None if self._pool is None else self._pool.current.path, self._host, opts,
                         {s.rank: s.relay for s in targets})
 
     def _collect(self, version: int, targets: list[_Sampler]) -> tuple[SamplerOutcome, ...]:
@@ -286,12 +297,12 @@ class WeightPublisher:
             label, rank, host, want, relay = str(m["id"]), int(m["rank"]), str(m["host"]), TransportKind(m["transport"]), str(m["relay"])
         except (KeyError, ValueError, TypeError) as exc:
             raise ProtocolError(f"bad HELLO: {exc}", fault=ProtocolFault.MALFORMED) from exc
-        shm_ok = self._segment is not None and host == self._host
+        shm_ok = self._pool is not None and host == self._host
         if want is TransportKind.SHM and not shm_ok:
             raise UsageError("shared memory is not available to this sampler (other host or no segment)",
                              argument="transport")
         got = TransportKind.SHM if shm_ok and want is not TransportKind.TCP else TransportKind.TCP
-        s = _Sampler(label, rank, sock, got, relay)
+        s = _Sampler(label, rank, sock, got, relay, zc=got is TransportKind.SHM and bool(m.get("zc", False)))
         send_message(sock, Op.WELCOME, {"transport": got.value, "source_rank": self.rank},
                      Deadline(self.config.io_timeout_s, label))
         with self._cond:
@@ -309,6 +320,11 @@ class WeightPublisher:
             while True:
                 s.sock.settimeout(None)
                 msg = recv_message(s.sock, Forever(s.label), self.config.max_meta_bytes)
+                if msg.op is Op.RELEASE and self._pool is not None:
+                    with self._cond:
+                        self._pool.release(s, int(msg.meta["v"]))
+                        self._cond.notify_all()
+                    continue
                 if msg.op is not Op.ACK:
                     raise ProtocolError("expected ACK", fault=ProtocolFault.UNEXPECTED, peer=s.label)
                 with self._cond:
@@ -323,6 +339,8 @@ class WeightPublisher:
             s.alive = False
             if self._samplers.get(s.rank) is s:
                 del self._samplers[s.rank]
+            if self._pool is not None and s.zc:
+                self._pool.orphan(s)  # it may still serve from them: never rewrite those
             self._cond.notify_all()
         try:
             s.sock.shutdown(socket.SHUT_RDWR)
@@ -342,9 +360,10 @@ class WeightPublisher:
         self._server.close()
         for s in samplers:
             self._drop(s)
-        if self._segment is not None:
-            self._store = np.zeros(0, np.uint8)
-            self._segment.close()
+        if self._pool is not None:
+            with self._cond:
+                self._store = np.zeros(0, np.uint8)
+                self._pool.close()
 
     def __enter__(self) -> "WeightPublisher":
         return self
@@ -361,34 +380,3 @@ def _outcome(s: _Sampler, version: int) -> SamplerOutcome:
     if ack.get("ok"):
         return SamplerOutcome(s.label, s.rank, SyncStatus.OK, s.transport, None, ack.get("seconds"))
     return SamplerOutcome(s.label, s.rank, SyncStatus.FAILED, s.transport, str(ack.get("error")), ack.get("seconds"))
-
-
-
-def _validate(tensors: Any, layout: Any, rank: Any, global_shapes: Any) -> tuple[list[str], list[TensorSpec], list[Sharding]]:
-    if not isinstance(tensors, Mapping) or not tensors:
-        raise UsageError("expected a non-empty mapping name -> tensor", argument="tensors")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise UsageError("must be an int >= 0", argument="rank", value=rank)
-    names, specs, source = [], [], []
-    for name, t in tensors.items():
-        if not isinstance(name, str) or not name:
-            raise UsageError("tensor names must be non-empty strings", argument="tensors", name=name)
-        shape, dtype = tensor_spec(t, "tensors")
-        sh = layout if isinstance(layout, Sharding) else (layout.get(name) if isinstance(layout, Mapping) else None)
-        if not isinstance(sh, Sharding):
-            raise UsageError(f"no Sharding for tensor {name!r}", argument="layout")
-        if tuple(sh.mesh.ranks) != tuple(range(sh.mesh.size)) or rank >= sh.mesh.size:
-            raise UsageError("source meshes must number ranks 0..n-1 and hold this rank", argument="layout",
-                             rank=rank, ranks=sh.mesh.ranks)
-        if source and sh.mesh.size != source[0].mesh.size:
-            raise UsageError("every source mesh must have the same size", argument="layout")
-        counts = sh.shard_counts(len(shape))
-        gshape = tuple(global_shapes[name]) if global_shapes and name in global_shapes else \
-            tuple(s * c for s, c in zip(shape, counts))
-        if local_shape(gshape, sh, rank) != shape:
-            raise UsageError(f"local shape of {name!r} does not match its sharding; pass global_shapes",
-                             argument="global_shapes", local=shape, global_shape=gshape)
-        names.append(name)
-        specs.append(TensorSpec(gshape, dtype))
-        source.append(sh)
-    return names, specs, source

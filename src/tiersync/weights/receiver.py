@@ -9,6 +9,9 @@ moved on to a later version meanwhile, commit (the switch), then answer every sh
 ACK. A failure aborts the standby set (the active version stays), is answered as a failed
 ACK and fails :meth:`receive`'s future for that version; the receiver keeps following later
 versions. Readers use :meth:`acquire` (a :class:`WeightsLease` on one complete version).
+With ``ReceiverConfig.zero_copy`` the tensors :mod:`tiersync.weights.zerocopy` allows are not
+copied: the commit installs read-only views of the segment, and a RELEASE tells the trainer
+shards once this sampler no longer reads that version (until then they write elsewhere).
 """
 from __future__ import annotations
 
@@ -30,10 +33,13 @@ from tiersync.weights.config import ReceiverConfig, TransportKind
 from tiersync.weights.fetch import Job, TcpPool, build_jobs, first_error, shm_copy
 from tiersync.weights.manifest import Manifest, host_id
 from tiersync.weights.planner import plan_transfer
+from tiersync.weights.links import ShardLink
 from tiersync.weights.segment import SegmentReader
 from tiersync.weights.server import SpanServer
 from tiersync.weights.sharding import Sharding, shard_boxes
+from tiersync.weights.tensors import allocate
 from tiersync.weights.wire import Deadline, Forever, Op, connect, recv_message, send_message
+from tiersync.weights.zerocopy import zero_copy_views
 
 __all__ = ["ReceiveResult", "WeightReceiver"]
 
@@ -49,20 +55,6 @@ class ReceiveResult:
     nbytes: int
     seconds: float
     transports: tuple[TransportKind, ...]  # per trainer shard
-
-
-class _Shard:
-    """The control connection to one trainer shard and what it announced."""
-
-    def __init__(self, rank: int, address: str) -> None:
-        self.rank, self.address = rank, address
-        self.sock = None
-        self.transport = TransportKind.TCP
-        self.manifests: dict[int, Manifest] = {}
-        self.ready: dict[int, int] = {}
-        self.alive = False
-        self.send_lock = threading.Lock()
-        self.reader: SegmentReader | None = None
 
 
 class WeightReceiver:
@@ -83,9 +75,9 @@ class WeightReceiver:
         if not isinstance(destination, (Sharding, Mapping)):
             raise UsageError("expected a Sharding or a mapping name -> Sharding", argument="destination")
         self.config, self._destination, self._progress = config, destination, progress
-        self._buffers = VersionedBuffers(config.buffers, *(() if allocator is None else (allocator,)))
+        self._buffers = VersionedBuffers(config.buffers, allocator or allocate, on_release=self._released)
         self._cond = threading.Condition()
-        self._shards = [_Shard(r, a) for r, a in enumerate(config.publishers)]
+        self._shards = [ShardLink(r, a) for r, a in enumerate(config.publishers)]
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._queued: set[int] = set()
         self._waiters: dict[int, list[Future]] = {}
@@ -144,12 +136,13 @@ class WeightReceiver:
         return self._buffers.acquire(timeout)
 
     # -- control ---------------------------------------------------------------
-    def _register(self, shard: _Shard) -> None:
+    def _register(self, shard: ShardLink) -> None:
         cfg = self.config
         sock = connect(shard.address, cfg.connect_timeout_s)
         deadline = Deadline(cfg.io_timeout_s, shard.address)
         send_message(sock, Op.HELLO, {"id": cfg.label, "rank": cfg.rank, "host": host_id(),
-                                      "transport": cfg.transport.value, "relay": self._server.address}, deadline)
+                                      "transport": cfg.transport.value, "relay": self._server.address,
+                                      "zc": cfg.zero_copy}, deadline)
         msg = recv_message(sock, deadline, cfg.max_meta_bytes)
         if msg.op is Op.ERROR:
             sock.close()
@@ -161,7 +154,7 @@ class WeightReceiver:
         shard.sock, shard.transport, shard.alive = sock, TransportKind(msg.meta["transport"]), True
         threading.Thread(target=self._read_control, args=(shard,), daemon=True, name=f"ctl-{shard.rank}").start()
 
-    def _read_control(self, shard: _Shard) -> None:
+    def _read_control(self, shard: ShardLink) -> None:
         try:
             while True:
                 shard.sock.settimeout(None)
@@ -178,7 +171,7 @@ class WeightReceiver:
             shard.alive = False
             self._cond.notify_all()
 
-    def _announced(self, shard: _Shard, m: Manifest) -> None:
+    def _announced(self, shard: ShardLink, m: Manifest) -> None:
         if m.source_rank != shard.rank:
             raise ProtocolError("manifest of another source rank", fault=ProtocolFault.MALFORMED, peer=shard.address)
         with self._cond:
@@ -217,20 +210,27 @@ class WeightReceiver:
         jobs = build_jobs(plan, self.config.rank, m0.index(), {s.rank: s.transport for s in self._shards},
                           {s.rank: s.address for s in self._shards}, {r: a for r, a in m0.peers.items()
                                                                      if r != self.config.rank})
+        readers = {s.rank: s.readers[m.segment] for s, m in zip(self._shards, manifests)
+                   if s.transport is TransportKind.SHM}
+        views = zero_copy_views(jobs, manifests, readers, {n: (local[n], specs[n].dtype) for n in m0.names}) \
+            if self.config.zero_copy else {}
         index, bufs = self._buffers.begin_write(self.config.lease_timeout_s)
         try:
             with self._cond:
-                self._relay = (version, bufs, set())
-            self._run_jobs(version, jobs, manifests, bufs, deadline)
-            for s in self._shards:
-                if s.transport is TransportKind.SHM and not s.reader.still_version(version):
-                    raise IntegrityError("the trainer moved on while this sampler was reading", version=version)
-            self._buffers.commit(index, version)
+                self._relay = (version, {**bufs, **views}, set())
+            self._run_jobs(version, [j for j in jobs if j.tensor not in views], manifests, bufs, deadline)
+            self._await_views(version, [j for j in jobs if j.tensor in views], deadline)
+            if any(not r.still_version(version) for r in readers.values()):
+                raise IntegrityError("the trainer moved on while this sampler was reading", version=version)
+            self._buffers.commit(index, version, views)
         except BaseException:
             with self._cond:
                 self._relay = None
             self._buffers.abort(index)
+            self._released(version)
             raise
+        if not views:
+            self._released(version)
         nbytes = sum(j.nbytes for j in jobs)
         return ReceiveResult(version, nbytes, time.perf_counter() - t0, self.transports())
 
@@ -252,9 +252,32 @@ class WeightReceiver:
         if any(not m.same_model(manifests[0]) or m.source_ranks != len(self._shards) for m in manifests):
             raise UsageError("trainer shards disagree on the model (or their number)", argument="publishers")
         for s, m in zip(self._shards, manifests):
-            if s.transport is TransportKind.SHM and (s.reader is None or s.reader.path != m.segment):
-                s.reader = SegmentReader(m.segment, m.payload_bytes)
+            if s.transport is TransportKind.SHM and m.segment not in s.readers:
+                s.readers[m.segment] = SegmentReader(m.segment, m.payload_bytes)
+                for old in list(s.readers)[:-4]:  # a zero-copy lease keeps its mapping alive
+                    s.readers.pop(old).close()
         return manifests
+
+    def _await_views(self, version: int, jobs: list[Job], deadline: Deadline) -> None:
+        """Zero-copy jobs: wait until their tensors are written, count them as landed."""
+        for job in jobs:
+            self._wait_ready(self._shards[job.sources[0].rank], version, job.index, deadline)
+            with self._cond:
+                self._relay[2].add((job.tensor, job.key))
+                self._stats["shm"] += job.nbytes
+                self._cond.notify_all()
+
+    def _released(self, version: int) -> None:
+        """Tell every trainer shard this sampler no longer reads ``version`` (zero-copy only)."""
+        if not self.config.zero_copy:
+            return
+        for s in self._shards:
+            if s.alive and s.transport is TransportKind.SHM:
+                try:
+                    with s.send_lock:
+                        send_message(s.sock, Op.RELEASE, {"v": version}, Deadline(self.config.io_timeout_s, s.address))
+                except TierSyncError as exc:
+                    log.info("RELEASE to shard %s failed: %s", s.rank, exc)
 
     def _run_jobs(self, version: int, jobs: list[Job], manifests: list[Manifest], bufs: dict, deadline: Deadline) -> None:
         total, done, errors = sum(j.nbytes for j in jobs), [0], []
@@ -292,7 +315,7 @@ class WeightReceiver:
                     m = manifests[src.rank]
                     self._wait_ready(self._shards[src.rank], version, job.index, deadline)
                     nbytes = int(np.prod(shard_boxes(m.specs[job.index].shape, m.source[job.index])[src.rank].shape))
-                    shm_copy(self._shards[src.rank].reader, m.offsets[job.index], nbytes * m.specs[job.index].itemsize,
+                    shm_copy(self._shards[src.rank].readers[m.segment], m.offsets[job.index], nbytes * m.specs[job.index].itemsize,
                              src.span, dst, job.dst_span)
                 else:
                     self._pool.get(src.address, version, job, src, dst, verify=True)
@@ -304,7 +327,7 @@ class WeightReceiver:
                 errors.append(exc)
         raise first_error(errors)
 
-    def _wait_ready(self, shard: _Shard, version: int, index: int, deadline: Deadline) -> None:
+    def _wait_ready(self, shard: ShardLink, version: int, index: int, deadline: Deadline) -> None:
         with self._cond:
             while shard.ready.get(version, 0) <= index:
                 if not shard.alive or self._closed:
@@ -360,8 +383,8 @@ class WeightReceiver:
                 except OSError:
                     pass
                 s.sock.close()
-            if s.reader is not None:
-                s.reader.close()
+            for r in s.readers.values():
+                r.close()
         self._buffers.close()
         with self._cond:
             for v, futs in self._waiters.items():

@@ -23,7 +23,7 @@ import numpy as np
 
 from tiersync.errors import IntegrityError, UsageError
 
-__all__ = ["HEADER_BYTES", "SegmentReader", "SegmentWriter", "tensor_offsets"]
+__all__ = ["HEADER_BYTES", "SegmentPool", "SegmentReader", "SegmentWriter", "tensor_offsets"]
 
 MAGIC = b"TSWSEG01"
 HEADER_BYTES = 4096
@@ -152,3 +152,68 @@ class SegmentReader:
         except BufferError:
             pass
         self._map = None
+
+
+class SegmentPool:
+    """A trainer shard's version segments under ``prefix`` (each ``payload_bytes``).
+
+    Samplers that serve straight out of a segment (zero-copy) *hold* the version in it until
+    they say they released it: :meth:`take` never hands out a held segment (nor the one
+    just published), it makes a new one instead. A holder that goes away without releasing
+    (:meth:`orphan`) retires its segments: they are unlinked and never written again (its
+    mappings keep the pages alive). Not thread-safe: the publisher calls it under its lock.
+    """
+
+    def __init__(self, prefix: str, payload_bytes: int) -> None:
+        self.prefix, self.payload_bytes = prefix, payload_bytes
+        self._segments: list[SegmentWriter] = []
+        self._holders: dict[int, set] = {}  # id(segment) -> holder keys
+        self._version: dict[int, int] = {}  # id(segment) -> version written into it
+        self.current: SegmentWriter | None = None
+        self._made = 0
+
+    def take(self, version: int, holders: set) -> SegmentWriter:
+        """The segment to write ``version`` into, now held by ``holders`` (zero-copy samplers)."""
+        seg = next((s for s in self._segments if s is not self.current and not self._holders[id(s)]), None)
+        if self.current is not None and not self._holders[id(self.current)]:
+            seg = self.current  # nobody serves from it: rewrite in place (one segment, as before)
+        if self.current is not None and self.current not in self._segments:
+            self.current.close()  # retired while current: its last writer mapping goes now
+        if seg is None:
+            seg = SegmentWriter(f"{self.prefix}-{self._made}", self.payload_bytes)
+            self._made += 1
+            self._segments.append(seg)
+        self._holders[id(seg)] = set(holders)
+        self._version[id(seg)] = version
+        self.current = seg
+        return seg
+
+    def release(self, holder: object, version: int) -> None:
+        """``holder`` no longer reads ``version``."""
+        for s in self._segments:
+            if self._version.get(id(s)) == version:
+                self._holders[id(s)].discard(holder)
+
+    def orphan(self, holder: object) -> None:
+        """``holder`` went away: retire every segment it still held."""
+        for s in [s for s in self._segments if holder in self._holders[id(s)]]:
+            self._segments.remove(s)
+            self._holders[id(s)] = {("retired", holder)}
+            try:
+                os.unlink(s.path)
+            except FileNotFoundError:
+                pass
+            if s is not self.current:
+                s.close()
+
+    def held(self) -> int:
+        """Segments some holder still reads (for tests and stats)."""
+        return sum(bool(self._holders[id(s)]) for s in self._segments)
+
+    def close(self) -> None:
+        """Unmap and unlink every segment."""
+        if self.current is not None and self.current not in self._segments:
+            self.current.close()
+        for s in self._segments:
+            s.close()
+        self._segments, self.current = [], None

@@ -58,6 +58,7 @@ class Op(enum.IntEnum):
     GET = 7  #: request the bytes of one span of one tensor of version v
     DATA = 8  #: answer to GET, payload = the span's bytes in C order
     ERROR = 9  #: a refused request or registration (meta: message)
+    RELEASE = 10  #: zero-copy sampler -> publisher: it no longer reads version v's segment
 
 
 _OPS = frozenset(int(o) for o in Op)

@@ -1,0 +1,177 @@
+/* Native fast path of the TCP transport's receive side (tiersync.net._wire).
+ *
+ * recv_data(fd, header, dest, request_id, max_payload, empty_meta_sum) -> (n, ok, payload_sum)
+ *   Receives the next frame of a blocking stream socket `fd` at a frame boundary, expecting
+ *   it to be the DATA answer to `request_id` whose payload is exactly len(dest) bytes, all
+ *   with the GIL released:
+ *     1. one scatter read (recvmsg, no MSG_WAITALL) into [header (64 bytes), dest];
+ *     2. the rest of the header (MSG_WAITALL: 64 bytes at most);
+ *     3. the same checks as tiersync.net.frames.decode_header, in the same order: magic,
+ *        version, header checksum (xxh3_64 of bytes 0..56), op, flags/reserved, payload
+ *        algorithm, then what makes it the expected frame: op DATA, `request_id`, no metadata
+ *        (meta checksum == `empty_meta_sum`), payload_len == len(dest) <= `max_payload`,
+ *        algorithm TSUM64;
+ *     4. the rest of the payload straight into dest (MSG_WAITALL, pieces of TS_PIECE so each
+ *        is summed while still in cache), tsum64 over all of it, compared with the header's.
+ *   n: bytes consumed from the stream (header bytes first, the rest landed in dest).
+ *   ok: 1 only when every check passed and the payload checksum matched: then dest holds
+ *   the verified payload and payload_sum its tsum64. ok 0: nothing was judged; the caller
+ *   must hand the n bytes (header, then dest[:n - 64]) to the reference sans-IO parser,
+ *   which decides (another frame, a partial read, a malformed or corrupt one). n 0: end of
+ *   stream. A failing first read raises OSError (BlockingIOError when SO_RCVTIMEO fired);
+ *   a failure after some bytes arrived returns them (ok 0) and the next read reports it.
+ *
+ * xxh3_64 here covers only the 56-byte input of a header (XXH3's 17..128-byte path with
+ * the default secret and seed 0); tests compare it with the xxhash package.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include "../transfer/tsum64.h"
+
+#define TS_PIECE (256 << 10)
+#define HDR 64
+#define OP_DATA 21
+#define ALGO_TSUM64 1
+#define VERSION 2
+
+/* The first 64 bytes of XXH3's default secret (kSecret): all the 33..64-byte path reads. */
+static const unsigned char XXH_SECRET[64] = {
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
+    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
+    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c};
+
+static inline uint64_t xxh_mix16(const unsigned char *in, const unsigned char *sec) {
+    __uint128_t p = (__uint128_t)(ts_load(in) ^ ts_load(sec)) * (ts_load(in + 8) ^ ts_load(sec + 8));
+    return (uint64_t)p ^ (uint64_t)(p >> 64);
+}
+
+/* xxh3_64(in[0..56)), seed 0. */
+static uint64_t xxh3_56(const unsigned char *in) {
+    const size_t len = 56;
+    uint64_t acc = (uint64_t)len * 0x9E3779B185EBCA87ULL;
+    acc += xxh_mix16(in + 16, XXH_SECRET + 32);
+    acc += xxh_mix16(in + len - 32, XXH_SECRET + 48);
+    acc += xxh_mix16(in, XXH_SECRET);
+    acc += xxh_mix16(in + len - 16, XXH_SECRET + 16);
+    acc ^= acc >> 37;
+    acc *= 0x165667919E3779F9ULL;
+    return acc ^ (acc >> 32);
+}
+
+static inline uint16_t le16(const unsigned char *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static inline uint32_t le32(const unsigned char *p) { return (uint32_t)le16(p) | (uint32_t)le16(p + 2) << 16; }
+
+/* Steps 3's checks; 1 when this is the expected verified-header DATA frame. */
+static int expected_header(const unsigned char *h, uint64_t rid, uint64_t dest_len, uint64_t max_payload,
+                           uint64_t empty_meta) {
+    static const unsigned char zero[7] = {0};
+    if (memcmp(h, "TSYN", 4) || le16(h + 4) != VERSION) return 0;
+    if (xxh3_56(h) != ts_load(h + 56)) return 0;
+    if (le16(h + 6) != OP_DATA || le32(h + 8) != 0 || memcmp(h + 49, zero, 7)) return 0;
+    if (h[48] != ALGO_TSUM64 || ts_load(h + 12) != rid || le32(h + 20) != 0) return 0;
+    if (ts_load(h + 24) != dest_len || dest_len > max_payload || ts_load(h + 40) != empty_meta) return 0;
+    return 1;
+}
+
+typedef struct {
+    int fd;
+    unsigned char *hdr, *dest;
+    uint64_t len, rid, max_payload, empty_meta;
+    uint64_t n;   /* bytes consumed */
+    int ok, err;  /* err: errno of a failing first read */
+    uint64_t sum;
+} recv_job;
+
+static ssize_t recv_retry(int fd, void *buf, size_t n, int flags) {
+    ssize_t r;
+    do r = recv(fd, buf, n, flags); while (r < 0 && errno == EINTR);
+    return r;
+}
+
+/* Steps 1-4 without the GIL. */
+static void run_job(recv_job *j) {
+    struct iovec iov[2] = {{j->hdr, HDR}, {j->dest, (size_t)j->len}};
+    struct msghdr msg = {0};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = j->len ? 2 : 1;
+    ssize_t r;
+    do r = recvmsg(j->fd, &msg, 0); while (r < 0 && errno == EINTR);
+    if (r <= 0) { j->err = r < 0 ? errno : 0; return; }
+    j->n = (uint64_t)r;
+    while (j->n < HDR) {
+        r = recv_retry(j->fd, j->hdr + j->n, HDR - (size_t)j->n, MSG_WAITALL);
+        if (r <= 0) return;
+        j->n += (uint64_t)r;
+    }
+    if (!expected_header(j->hdr, j->rid, j->len, j->max_payload, j->empty_meta)) return;
+    ts_state st;
+    ts_init(&st, 0);
+    uint64_t have = j->n - HDR;
+    ts_update(&st, j->dest, (size_t)have);
+    while (have < j->len) {
+        uint64_t piece = j->len - have < TS_PIECE ? j->len - have : TS_PIECE;
+        r = recv_retry(j->fd, j->dest + have, (size_t)piece, MSG_WAITALL);
+        if (r <= 0) return;
+        ts_update(&st, j->dest + have, (size_t)r);
+        have += (uint64_t)r;
+        j->n += (uint64_t)r;
+    }
+    j->sum = ts_digest(&st);
+    j->ok = j->sum == ts_load(j->hdr + 32);
+}
+
+static PyObject *recv_data(PyObject *self, PyObject *args) {
+    int fd;
+    Py_buffer hv, dv;
+    unsigned long long rid, max_payload, empty_meta;
+    if (!PyArg_ParseTuple(args, "iw*w*KKK", &fd, &hv, &dv, &rid, &max_payload, &empty_meta)) return NULL;
+    if (hv.len != HDR || !PyBuffer_IsContiguous(&dv, 'C')) {
+        PyBuffer_Release(&hv);
+        PyBuffer_Release(&dv);
+        PyErr_SetString(PyExc_ValueError, "header must be 64 writable bytes, dest a contiguous writable buffer");
+        return NULL;
+    }
+    recv_job j = {fd, hv.buf, dv.buf, (uint64_t)dv.len, rid, max_payload, empty_meta, 0, 0, 0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    run_job(&j);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&hv);
+    PyBuffer_Release(&dv);
+    if (j.n == 0 && j.err) {
+        errno = j.err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("KiK", (unsigned long long)j.n, j.ok, (unsigned long long)j.sum);
+}
+
+/* Tests: xxh3_64 of exactly 56 bytes, to compare with the xxhash package. */
+static PyObject *xxh3_56_py(PyObject *self, PyObject *arg) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (v.len != 56) {
+        PyBuffer_Release(&v);
+        PyErr_SetString(PyExc_ValueError, "needs exactly 56 bytes");
+        return NULL;
+    }
+    uint64_t h = xxh3_56(v.buf);
+    PyBuffer_Release(&v);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+static PyMethodDef methods[] = {
+    {"recv_data", recv_data, METH_VARARGS,
+     "recv_data(fd, header, dest, request_id, max_payload, empty_meta_sum) -> (n, ok, payload_sum)."},
+    {"_xxh3_56", xxh3_56_py, METH_O, "Tests only: xxh3_64 of a 56-byte header prefix."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_wire", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__wire(void) {
+    ts_pick();
+    return PyModule_Create(&module);
+}
