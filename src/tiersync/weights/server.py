@@ -20,7 +20,7 @@ from tiersync.errors import TierSyncError
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.weights.executor import span_view
 from tiersync.weights.spans import StridedSpan
-from tiersync.weights.wire import Deadline, Forever, Message, Op, recv_message, send_message, tune
+from tiersync.weights.wire import Deadline, Forever, Message, Op, payload_checksum, recv_message, send_message, tune
 
 __all__ = ["SpanServer", "Provider"]
 
@@ -31,6 +31,7 @@ Provider = Callable[[int, str, dict, Deadline], tuple[np.ndarray, Callable[[], N
 version is complete; ``release()`` is called when the answer is sent (the bytes must not change
 before). Raises a TierSyncError to refuse."""
 
+_MAX_SUMS = 1 << 16  # cached span checksums (one version's chunks)
 _ROWS_SENT_AS_IOVEC = 256  # strided spans of at most this many rows of >= 64 KiB go out zero-copy
 
 
@@ -72,6 +73,8 @@ class SpanServer:
         self._timeout, self._max_meta, self._checksum = io_timeout_s, max_meta, checksum
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._sums: dict[tuple, int] = {}  # (version, tensor, span) -> payload checksum, one version
+        self._sums_version = -1
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True)
         self._thread.start()
@@ -128,9 +131,29 @@ class SpanServer:
                 except ProtocolError as exc:
                     send_message(sock, Op.ERROR, {"message": str(exc)}, deadline)
                     continue
-                send_message(sock, Op.DATA, {}, deadline, payload, checksum=self._checksum)
+                send_message(sock, Op.DATA, {}, deadline, payload, checksum=self._checksum,
+                             known_ck=self._payload_sum(msg.meta, span, payload) if self._checksum else None)
             finally:
                 release()
+
+    def _payload_sum(self, meta: dict, span: StridedSpan, payload: list[memoryview]) -> int:
+        """The payload checksum of ``span`` of tensor ``meta["t"]`` of version ``meta["v"]``, computed
+        once for every receiver that GETs it (replicated samplers ask for the same spans). Sound
+        because a version's bytes never change while the provider serves it, and versions only
+        grow: the cache holds the newest version seen and is dropped when a newer one is asked."""
+        key = (int(meta["v"]), str(meta["t"]), span)
+        with self._lock:
+            known = self._sums.get(key)
+        if known is not None:
+            return known
+        value = payload_checksum(payload)
+        with self._lock:
+            if key[0] > self._sums_version or len(self._sums) >= _MAX_SUMS:
+                self._sums.clear()
+                self._sums_version = max(key[0], self._sums_version)
+            if key[0] == self._sums_version:
+                self._sums[key] = value
+        return value
 
     def close(self) -> None:
         """Stop accepting and close every data connection; idempotent."""

@@ -34,7 +34,8 @@ from tiersync.iov import consume
 from tiersync.net.errors import NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault
 from tiersync.net.tcp import Deadline  # one deadline type for every socket operation
 
-__all__ = ["Deadline", "Forever", "Message", "Op", "connect", "recv_message", "recv_payload", "send_message", "tune"]
+__all__ = ["Deadline", "Forever", "Message", "Op", "connect", "recv_message", "payload_checksum", "recv_payload", "send_message",
+           "tune"]
 
 MAGIC = b"TSWT"
 WIRE_VERSION = 1
@@ -43,6 +44,7 @@ HEADER_SIZE = _HEADER.size
 FLAG_CHECKSUM = 1
 _IOV_MAX = 512
 _SOCK_BUF = 16 << 20
+_PIECE = 1 << 20  # bytes one recv waits for inside a payload: few calls, hashed while in cache
 assert HEADER_SIZE == 48
 
 
@@ -105,18 +107,24 @@ def connect(address: str, timeout: float) -> socket.socket:
     return sock
 
 
+def payload_checksum(views: Sequence[memoryview]) -> int:
+    """xxh3_64 of the concatenated ``views`` (what ``payload_ck`` carries)."""
+    h = xxhash.xxh3_64()
+    for v in views:
+        h.update(v)
+    return h.intdigest()
+
+
 def send_message(sock: socket.socket, op: Op, meta: dict[str, Any], deadline: Deadline,
-                 payload: Sequence[memoryview] = (), *, checksum: bool = False) -> None:
-    """Send one message; ``payload`` is a list of byte views sent with scatter-gather writes."""
+                 payload: Sequence[memoryview] = (), *, checksum: bool = False, known_ck: int | None = None) -> None:
+    """Send one message; ``payload`` is a list of byte views sent with scatter-gather writes.
+    ``known_ck``: the payload's :func:`payload_checksum`, when the caller has it already."""
     raw_meta = json.dumps(meta, separators=(",", ":")).encode()
     views = [memoryview(p).cast("B") for p in payload if len(p)]
     total = sum(len(v) for v in views)
     ck = 0
     if checksum and views:
-        h = xxhash.xxh3_64()
-        for v in views:
-            h.update(v)
-        ck = h.intdigest()
+        ck = payload_checksum(views) if known_ck is None else known_ck
     head = _HEADER.pack(MAGIC, WIRE_VERSION, int(op), len(raw_meta), FLAG_CHECKSUM if checksum else 0,
                         total, ck, xxhash.xxh3_64_intdigest(raw_meta), 0)
     head = head[:40] + xxhash.xxh3_64_intdigest(head[:40]).to_bytes(8, "little")
@@ -168,15 +176,18 @@ def recv_payload(sock: socket.socket, msg: Message, into: memoryview, deadline: 
     if msg.payload_len != len(view):
         raise ProtocolError("payload length differs from the request", fault=ProtocolFault.OVERSIZE,
                             peer=deadline.peer, got=msg.payload_len, expected=len(view))
-    got = 0
+    got, h = 0, xxhash.xxh3_64() if verify and msg.checksummed else None
     with _io_errors(deadline.peer):
         while got < len(view):
             sock.settimeout(deadline.remaining())
-            n = sock.recv_into(view[got:])
+            piece = view[got: got + _PIECE]
+            n = sock.recv_into(piece, 0, socket.MSG_WAITALL)
             if n == 0:
                 raise PeerClosedError("connection closed inside a payload", peer=deadline.peer)
+            if h is not None:  # hashed while the piece is still in cache
+                h.update(piece[:n])
             got += n
-    if verify and msg.checksummed and xxhash.xxh3_64_intdigest(view) != msg.payload_ck:
+    if h is not None and h.intdigest() != msg.payload_ck:
         raise ProtocolError("payload checksum mismatch", fault=ProtocolFault.BAD_CHECKSUM, peer=deadline.peer)
 
 
