@@ -4,7 +4,7 @@ Feed bytes with :meth:`Connection.receive_data`, pull events with
 :meth:`Connection.next_event` (an event, or :data:`NEED_DATA`), and turn events
 into bytes with :meth:`Connection.send`. The object does no I/O.
 
-Handshake (table ``_HANDSHAKE``)::
+Handshake (table ``tiersync.net.states.HANDSHAKE``)::
 
     client: HELLO ->            <- CHALLENGE      AUTH ->          <- READY
     server: states IDLE -> MUST_CHALLENGE -> AWAIT_AUTH -> MUST_READY -> READY
@@ -30,7 +30,6 @@ incrementally as the bytes arrive.
 """
 from __future__ import annotations
 
-import enum
 from typing import Callable
 
 from tiersync.errors import ClosedError, UsageError
@@ -40,8 +39,16 @@ from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.frames import (EMPTY_CHECKSUM, HEADER_SIZE, SUPPORTED, FrameHeader, Op, PayloadChecksum,
                                  ProtocolConfig, checksum, decode_header, encode_header, payload_checksum,
                                  payload_hasher)
+from tiersync.net.states import ANSWERS as _ANSWERS
+from tiersync.net.states import HANDSHAKE as _HANDSHAKE
+from tiersync.net.states import RESPONSES as _RESPONSES
+from tiersync.net.states import Direction, Role, State
+from tiersync.net.states import then as _then
+
+__all__ = ["NEED_DATA", "Connection", "Role", "State"]
 
 
+_S, _R = Direction.SEND, Direction.RECV
 _LOCAL = frozenset(int(a) for a in SUPPORTED)
 _FAST_ALGO = PayloadChecksum.TSUM64  # what a native receiver verifies (data_fast_target)
 _EMPTY = memoryview(b"")
@@ -61,59 +68,6 @@ class _NeedData:
 
 NEED_DATA = _NeedData()
 """Returned by :meth:`Connection.next_event` when more bytes are needed."""
-
-
-class Role(enum.Enum):
-    CLIENT = "client"
-    SERVER = "server"
-
-
-class State(enum.Enum):
-    IDLE = "idle"
-    AWAIT_CHALLENGE = "await_challenge"
-    MUST_AUTH = "must_auth"
-    AWAIT_READY = "await_ready"
-    MUST_CHALLENGE = "must_challenge"
-    AWAIT_AUTH = "await_auth"
-    MUST_READY = "must_ready"
-    READY = "ready"
-    CLOSED = "closed"
-    POISONED = "poisoned"
-
-
-class Direction(enum.Enum):
-    SEND = "send"
-    RECV = "recv"
-
-
-_S, _R = Direction.SEND, Direction.RECV
-_HANDSHAKE: dict[tuple[Role, State, Direction, Op], State] = {
-    (Role.CLIENT, State.IDLE, _S, Op.HELLO): State.AWAIT_CHALLENGE,
-    (Role.CLIENT, State.AWAIT_CHALLENGE, _R, Op.CHALLENGE): State.MUST_AUTH,
-    (Role.CLIENT, State.MUST_AUTH, _S, Op.AUTH): State.AWAIT_READY,
-    (Role.CLIENT, State.AWAIT_READY, _R, Op.READY): State.READY,
-    (Role.SERVER, State.IDLE, _R, Op.HELLO): State.MUST_CHALLENGE,
-    (Role.SERVER, State.MUST_CHALLENGE, _S, Op.CHALLENGE): State.AWAIT_AUTH,
-    (Role.SERVER, State.AWAIT_AUTH, _R, Op.AUTH): State.MUST_READY,
-    (Role.SERVER, State.MUST_READY, _S, Op.READY): State.READY,
-}
-
-# Request op -> response ops allowed first (ERROR is always allowed and final).
-_ANSWERS: dict[Op, frozenset[Op]] = {
-    Op.PING: frozenset({Op.PONG}),
-    Op.OFFER: frozenset({Op.OFFER_REPLY}),
-    Op.READ_LEASE: frozenset({Op.LEASE_REPLY}),
-    Op.PULL: frozenset({Op.DATA}),
-    Op.RELEASE: frozenset({Op.COMMIT_REPLY}),
-}
-_RESPONSES = frozenset({Op.PONG, Op.OFFER_REPLY, Op.LEASE_REPLY, Op.DATA, Op.COMMIT_REPLY, Op.ERROR})
-
-
-def _then(event: object) -> frozenset[Op] | None:
-    """Responses still allowed after ``event`` (None: the request is finished)."""
-    if isinstance(event, ev.OfferReply) and event.status in (ev.OfferStatus.ACCEPT, ev.OfferStatus.PARTIAL_EXIST):
-        return frozenset({Op.COMMIT_REPLY})
-    return None
 
 
 class Connection:

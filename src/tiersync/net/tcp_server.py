@@ -12,7 +12,8 @@ from tiersync.net import events as ev
 from tiersync.net.errors import AuthError, ProtocolError
 from tiersync.net.frames import negotiate
 from tiersync.net.protocol import NEED_DATA, Connection, Role
-from tiersync.net.tcp import Deadline, FramedSocket, TcpConfig, parse_address, tune
+from tiersync.net.framed import Deadline, FramedSocket, tune
+from tiersync.net.tcp import TcpConfig, parse_address
 from tiersync.net.tls import server_context
 from tiersync.net.transport import Handler, Server
 
