@@ -20,7 +20,7 @@ from tiersync.net.protocol import NEED_DATA, Connection
 if TYPE_CHECKING:
     from tiersync.net.tcp import TcpConfig
 
-__all__ = ["Deadline", "FramedSocket", "tune"]
+__all__ = ["Deadline", "FramedSocket", "io_errors", "tune"]
 
 try:  # the receive fast path (GIL released); without it every frame takes the reference path
     from tiersync.net import _wire
@@ -198,7 +198,7 @@ def _raise_io(exc: OSError, peer: str) -> None:
     raise PeerClosedError(f"connection failed: {exc}", peer=peer) from exc
 
 
-class _io_errors:
+class io_errors:
     """Map socket exceptions to the RemoteError family, naming the peer (a context manager)."""
 
     def __init__(self, peer: str) -> None:

@@ -21,7 +21,7 @@ from tiersync.net import auth
 from tiersync.net import events as ev
 from tiersync.net.errors import (AuthError, NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault,
                                  RequestError)
-from tiersync.net.framed import Deadline, FramedSocket, _io_errors, tune
+from tiersync.net.framed import Deadline, FramedSocket, io_errors, tune
 from tiersync.net.frames import PayloadChecksum, ProtocolConfig
 from tiersync.net.protocol import Connection, Role
 from tiersync.net.tls import TlsConfig, client_context
@@ -221,7 +221,7 @@ class TcpTransport(Transport):
     def connect(self, address: str, *, timeout: float | None = None) -> TcpChannel:
         host, port = parse_address(address)
         deadline = Deadline(timeout or self.config.connect_timeout_s, address)
-        with _io_errors(address):
+        with io_errors(address):
             sock = socket.create_connection((host, port), timeout=deadline.remaining())
         try:
             tune(sock, self.config)
@@ -237,7 +237,7 @@ class TcpTransport(Transport):
         tls = self.config.tls
         if tls is None:
             return sock
-        with _io_errors(peer):
+        with io_errors(peer):
             sock.settimeout(deadline.remaining())
             return client_context(tls).wrap_socket(sock, server_hostname=tls.server_hostname or host)
 

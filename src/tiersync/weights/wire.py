@@ -32,7 +32,7 @@ import xxhash
 
 from tiersync.iov import consume
 from tiersync.net.errors import NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault
-from tiersync.net.tcp import Deadline  # one deadline type for every socket operation
+from tiersync.net.framed import Deadline, io_errors  # one deadline type and error mapping for every socket
 
 __all__ = ["Deadline", "Forever", "Message", "Op", "connect", "recv_message", "payload_checksum", "recv_payload", "send_message",
            "tune"]
@@ -129,7 +129,7 @@ def send_message(sock: socket.socket, op: Op, meta: dict[str, Any], deadline: De
                         total, ck, xxhash.xxh3_64_intdigest(raw_meta), 0)
     head = head[:40] + xxhash.xxh3_64_intdigest(head[:40]).to_bytes(8, "little")
     out = [memoryview(head), memoryview(raw_meta), *views]
-    with _io_errors(deadline.peer):
+    with io_errors(deadline.peer):
         while out:
             sock.settimeout(deadline.remaining())
             consume(out, sock.sendmsg(out[:_IOV_MAX]))
@@ -177,7 +177,7 @@ def recv_payload(sock: socket.socket, msg: Message, into: memoryview, deadline: 
         raise ProtocolError("payload length differs from the request", fault=ProtocolFault.OVERSIZE,
                             peer=deadline.peer, got=msg.payload_len, expected=len(view))
     got, h = 0, xxhash.xxh3_64() if verify and msg.checksummed else None
-    with _io_errors(deadline.peer):
+    with io_errors(deadline.peer):
         while got < len(view):
             sock.settimeout(deadline.remaining())
             piece = view[got: got + _PIECE]
@@ -194,7 +194,7 @@ def recv_payload(sock: socket.socket, msg: Message, into: memoryview, deadline: 
 def _recv_exact(sock: socket.socket, n: int, deadline: Deadline, *, at_start: bool = False) -> bytes:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
-    with _io_errors(deadline.peer):
+    with io_errors(deadline.peer):
         while got < n:
             sock.settimeout(deadline.remaining())
             k = sock.recv_into(view[got:])
@@ -203,20 +203,3 @@ def _recv_exact(sock: socket.socket, n: int, deadline: Deadline, *, at_start: bo
                 raise PeerClosedError(what, peer=deadline.peer)
             got += k
     return bytes(buf)
-
-
-class _io_errors:
-    """Map socket exceptions to the RemoteError family, naming the peer."""
-
-    def __init__(self, peer: str) -> None:
-        self.peer = peer
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if exc is None or not isinstance(exc, OSError):
-            return False
-        if isinstance(exc, socket.timeout):
-            raise NetTimeoutError("socket operation timed out", peer=self.peer) from exc
-        raise PeerClosedError(f"connection failed: {exc}", peer=self.peer) from exc
