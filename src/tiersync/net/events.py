@@ -1,4 +1,4 @@
-"""Protocol events: frozen slotted dataclasses, one per op, plus status enums.
+"""Protocol events: frozen slotted dataclasses, one per op (status enums: :mod:`tiersync.net.fields`).
 
 Each event knows its :class:`~tiersync.net.frames.Op`, how to encode its metadata
 and how to parse it back. Constructing an event with bad fields raises
@@ -8,79 +8,17 @@ Enum fields travel as u8; their values are wire format — never renumber.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
 from tiersync.errors import UsageError
 from tiersync.net.codec import KEY_SIZE, MetaReader, MetaWriter
+from tiersync.net.fields import (CommitStatus, ErrorCode, LeaseStatus, OfferStatus, check_bytes, check_enum,
+                                 check_keys, check_text, check_u64, check_u64s)
 from tiersync.net.frames import SUPPORTED, Op, PayloadChecksum, ProtocolConfig
 
 NONCE_SIZE = 16
 PROOF_SIZE = 32
-_U64_MAX = (1 << 64) - 1
-
-
-class ErrorCode(enum.IntEnum):
-    INTERNAL = 1
-    BAD_REQUEST = 2
-    AUTH_FAILED = 3
-    NOT_FOUND = 4
-    LEASE_EXPIRED = 5
-    CAPACITY = 6
-    UNSUPPORTED = 7
-    SHUTTING_DOWN = 8
-
-
-class OfferStatus(enum.IntEnum):
-    """Answer to an OFFER. ACCEPT / PARTIAL_EXIST are followed by a COMMIT_REPLY."""
-
-    ACCEPT = 1
-    PARTIAL_EXIST = 2
-    ALL_EXIST = 3
-    REFUSED = 4
-
-
-class LeaseStatus(enum.IntEnum):
-    GRANTED = 1
-    MISSING = 2
-
-
-class CommitStatus(enum.IntEnum):
-    COMMITTED = 1
-    FAILED = 2
-
-
-def _u64(name: str, v: int) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= _U64_MAX:
-        raise UsageError("must be an int in [0, 2**64)", argument=name, value=v)
-
-
-def _bytes(name: str, v: object, sizes: tuple[int, ...]) -> None:
-    if not isinstance(v, bytes) or len(v) not in sizes:
-        raise UsageError(f"must be bytes of length {sizes}", argument=name)
-
-
-def _keys(name: str, keys: object) -> None:
-    if not isinstance(keys, tuple) or any(not isinstance(k, bytes) or len(k) != KEY_SIZE for k in keys):
-        raise UsageError("must be a tuple of 16-byte keys", argument=name)
-
-
-def _u64s(name: str, values: object) -> None:
-    if not isinstance(values, tuple):
-        raise UsageError("must be a tuple of ints", argument=name)
-    for v in values:
-        _u64(name, v)
-
-
-def _enum(name: str, v: object, kind: type[enum.IntEnum]) -> None:
-    if not isinstance(v, kind):
-        raise UsageError(f"must be a {kind.__name__}", argument=name, value=v)
-
-
-def _text(name: str, v: object) -> None:
-    if not isinstance(v, str):
-        raise UsageError("must be a str", argument=name)
 
 
 MAX_CHECKSUMS = 16
@@ -99,8 +37,8 @@ class Hello:
     checksums: tuple[int, ...] = _LOCAL_CHECKSUMS
 
     def __post_init__(self) -> None:
-        _text("node_id", self.node_id)
-        _bytes("nonce", self.nonce, (NONCE_SIZE,))
+        check_text("node_id", self.node_id)
+        check_bytes("nonce", self.nonce, (NONCE_SIZE,))
         if (not isinstance(self.checksums, tuple) or not 0 < len(self.checksums) <= MAX_CHECKSUMS
                 or any(not isinstance(c, int) or not 0 <= c < 256 for c in self.checksums)):
             raise UsageError(f"must be a tuple of 1..{MAX_CHECKSUMS} ids in [0, 256)", argument="checksums")
@@ -124,9 +62,9 @@ class Challenge:
     checksum: PayloadChecksum = PayloadChecksum.XXH3_64
 
     def __post_init__(self) -> None:
-        _bytes("nonce", self.nonce, (NONCE_SIZE,))
-        _bytes("proof", self.proof, (0, PROOF_SIZE))
-        _enum("checksum", self.checksum, PayloadChecksum)
+        check_bytes("nonce", self.nonce, (NONCE_SIZE,))
+        check_bytes("proof", self.proof, (0, PROOF_SIZE))
+        check_enum("checksum", self.checksum, PayloadChecksum)
 
     def meta(self) -> bytes:
         return MetaWriter().blob(self.nonce).blob(self.proof).u8(self.checksum).getvalue()
@@ -144,7 +82,7 @@ class Auth:
     proof: bytes
 
     def __post_init__(self) -> None:
-        _bytes("proof", self.proof, (0, PROOF_SIZE))
+        check_bytes("proof", self.proof, (0, PROOF_SIZE))
 
     def meta(self) -> bytes:
         return MetaWriter().blob(self.proof).getvalue()
@@ -162,7 +100,7 @@ class Ready:
     session_id: int
 
     def __post_init__(self) -> None:
-        _u64("session_id", self.session_id)
+        check_u64("session_id", self.session_id)
 
     def meta(self) -> bytes:
         return MetaWriter().u64(self.session_id).getvalue()
@@ -182,9 +120,9 @@ class Error:
     message: str = ""
 
     def __post_init__(self) -> None:
-        _u64("request_id", self.request_id)
-        _enum("code", self.code, ErrorCode)
-        _text("message", self.message)
+        check_u64("request_id", self.request_id)
+        check_enum("code", self.code, ErrorCode)
+        check_text("message", self.message)
 
     def meta(self) -> bytes:
         return MetaWriter().u8(self.code).text(self.message).getvalue()
@@ -201,8 +139,8 @@ class Ping:
     token: int = 0
 
     def __post_init__(self) -> None:
-        _u64("request_id", self.request_id)
-        _u64("token", self.token)
+        check_u64("request_id", self.request_id)
+        check_u64("token", self.token)
 
     def meta(self) -> bytes:
         return MetaWriter().u64(self.token).getvalue()
@@ -242,11 +180,11 @@ class Offer:
     source: str = ""
 
     def __post_init__(self) -> None:
-        _u64("request_id", self.request_id)
-        _u64("lease_id", self.lease_id)
-        _keys("keys", self.keys)
-        _u64s("sizes", self.sizes)
-        _text("source", self.source)
+        check_u64("request_id", self.request_id)
+        check_u64("lease_id", self.lease_id)
+        check_keys("keys", self.keys)
+        check_u64s("sizes", self.sizes)
+        check_text("source", self.source)
         if len(self.sizes) != len(self.keys):
             raise UsageError("must have one size per key", argument="sizes")
 
@@ -268,9 +206,9 @@ class OfferReply:
     existing: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
-        _u64("request_id", self.request_id)
-        _enum("status", self.status, OfferStatus)
-        _keys("existing", self.existing)
+        check_u64("request_id", self.request_id)
+        check_enum("status", self.status, OfferStatus)
+        check_keys("existing", self.existing)
 
     def meta(self) -> bytes:
         return MetaWriter().u8(self.status).keys(self.existing).getvalue()
@@ -290,9 +228,9 @@ class ReadLease:
     ttl_s: int = 120
 
     def __post_init__(self) -> None:
-        _u64("request_id", self.request_id)
-        _keys("keys", self.keys)
-        _u64("ttl_s", self.ttl_s)
+        check_u64("request_id", self.request_id)
+        check_keys("keys", self.keys)
+        check_u64("ttl_s", self.ttl_s)
 
     def meta(self) -> bytes:
         return MetaWriter().keys(self.keys).u64(self.ttl_s).getvalue()
@@ -315,12 +253,12 @@ class LeaseReply:
     missing: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
-        _u64("request_id", self.request_id)
-        _enum("status", self.status, LeaseStatus)
-        _u64("lease_id", self.lease_id)
-        _u64("ttl_s", self.ttl_s)
-        _u64s("sizes", self.sizes)
-        _keys("missing", self.missing)
+        check_u64("request_id", self.request_id)
+        check_enum("status", self.status, LeaseStatus)
+        check_u64("lease_id", self.lease_id)
+        check_u64("ttl_s", self.ttl_s)
+        check_u64s("sizes", self.sizes)
+        check_keys("missing", self.missing)
 
     def meta(self) -> bytes:
         w = MetaWriter().u8(self.status).u64(self.lease_id).u64(self.ttl_s)
@@ -344,8 +282,8 @@ class Pull:
 
     def __post_init__(self) -> None:
         for name in ("request_id", "lease_id", "offset", "length"):
-            _u64(name, getattr(self, name))
-        _bytes("key", self.key, (KEY_SIZE,))
+            check_u64(name, getattr(self, name))
+        check_bytes("key", self.key, (KEY_SIZE,))
 
     def meta(self) -> bytes:
         w = MetaWriter().u64(self.lease_id).blob(self.key)
@@ -374,14 +312,14 @@ class Data:
     payload_sum: tuple[PayloadChecksum, int] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        _u64("request_id", self.request_id)
+        check_u64("request_id", self.request_id)
         if not isinstance(self.payload, (bytes, bytearray, memoryview)):
             raise UsageError("must be a bytes-like buffer", argument="payload")
         if self.payload_sum is not None:
             if not isinstance(self.payload_sum, tuple) or len(self.payload_sum) != 2:
                 raise UsageError("must be (PayloadChecksum, int) or None", argument="payload_sum")
-            _enum("payload_sum", self.payload_sum[0], PayloadChecksum)
-            _u64("payload_sum", self.payload_sum[1])
+            check_enum("payload_sum", self.payload_sum[0], PayloadChecksum)
+            check_u64("payload_sum", self.payload_sum[1])
 
     def meta(self) -> bytes:
         return b""
@@ -400,8 +338,8 @@ class Release:
     lease_id: int
 
     def __post_init__(self) -> None:
-        _u64("request_id", self.request_id)
-        _u64("lease_id", self.lease_id)
+        check_u64("request_id", self.request_id)
+        check_u64("lease_id", self.lease_id)
 
     def meta(self) -> bytes:
         return MetaWriter().u64(self.lease_id).getvalue()
@@ -421,9 +359,9 @@ class CommitReply:
     message: str = ""
 
     def __post_init__(self) -> None:
-        _u64("request_id", self.request_id)
-        _enum("status", self.status, CommitStatus)
-        _text("message", self.message)
+        check_u64("request_id", self.request_id)
+        check_enum("status", self.status, CommitStatus)
+        check_text("message", self.message)
 
     def meta(self) -> bytes:
         return MetaWriter().u8(self.status).text(self.message).getvalue()
