@@ -1,9 +1,17 @@
 /* Native fast path of the TCP transport's receive side (tiersync.net._wire).
  *
- * recv_data(fd, header, dest, request_id, max_payload, empty_meta_sum) -> (n, ok, payload_sum)
- *   Receives the next frame of a blocking stream socket `fd` at a frame boundary, expecting
- *   it to be the DATA answer to `request_id` whose payload is exactly len(dest) bytes, all
- *   with the GIL released:
+ * recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum) -> (done, sums, n, err)
+ *   Receives consecutive frames, the i-th expected to be the DATA answer to request_ids[i]
+ *   landing in dests[i] (the per-frame steps below), all in one call with the GIL released.
+ *   done: frames received and verified (sums[i] their tsum64). When done < len(dests), frame
+ *   `done` was not verified: n bytes of it were consumed (header first, then dests[done]) and
+ *   go to the reference parser, n == 0 with err == 0 is end of stream, n == 0 with err != 0
+ *   a failing read (errno err; raised as OSError when done == 0, so a timeout raises
+ *   BlockingIOError) after which the caller reads again.
+ *
+ * Per frame: receives the next frame of a blocking stream
+ *   socket `fd` at a frame boundary, expecting it to be the DATA answer to `request_id` whose
+ *   payload is exactly len(dest) bytes:
  *     1. one scatter read (recvmsg, no MSG_WAITALL) into [header (64 bytes), dest];
  *     2. the rest of the header (MSG_WAITALL: 64 bytes at most);
  *     3. the same checks as tiersync.net.frames.decode_header, in the same order: magic,
@@ -124,28 +132,82 @@ static void run_job(recv_job *j) {
     j->ok = j->sum == ts_load(j->hdr + 32);
 }
 
-static PyObject *recv_data(PyObject *self, PyObject *args) {
+#define MAX_FRAMES 64
+
+/* Frames of one recv_many call, without the GIL: stops at the first one not verified. */
+static size_t run_jobs(recv_job *jobs, size_t count) {
+    size_t i = 0;
+    for (; i < count; i++) {
+        run_job(&jobs[i]);
+        if (!jobs[i].ok) break;
+    }
+    return i;
+}
+
+static int get_dests(PyObject *dests, PyObject *rids, Py_buffer *views, recv_job *jobs, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        unsigned long long rid = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(rids, i));
+        if (PyErr_Occurred()) return (int)i;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(dests, i), &views[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            return (int)i;
+        jobs[i].dest = views[i].buf;
+        jobs[i].len = (uint64_t)views[i].len;
+        jobs[i].rid = rid;
+    }
+    return (int)count;
+}
+
+static PyObject *recv_many(PyObject *self, PyObject *args) {
     int fd;
-    Py_buffer hv, dv;
-    unsigned long long rid, max_payload, empty_meta;
-    if (!PyArg_ParseTuple(args, "iw*w*KKK", &fd, &hv, &dv, &rid, &max_payload, &empty_meta)) return NULL;
-    if (hv.len != HDR || !PyBuffer_IsContiguous(&dv, 'C')) {
+    Py_buffer hv;
+    PyObject *dests, *rids;
+    unsigned long long max_payload, empty_meta;
+    if (!PyArg_ParseTuple(args, "iw*O!O!KK", &fd, &hv, &PyList_Type, &dests, &PyList_Type, &rids, &max_payload,
+                          &empty_meta)) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(dests);
+    if (hv.len != HDR || count < 1 || count > MAX_FRAMES || PyList_GET_SIZE(rids) != count) {
         PyBuffer_Release(&hv);
-        PyBuffer_Release(&dv);
-        PyErr_SetString(PyExc_ValueError, "header must be 64 writable bytes, dest a contiguous writable buffer");
+        PyErr_SetString(PyExc_ValueError, "header must be 64 writable bytes; 1..64 dests, one request id each");
         return NULL;
     }
-    recv_job j = {fd, hv.buf, dv.buf, (uint64_t)dv.len, rid, max_payload, empty_meta, 0, 0, 0, 0};
+    Py_buffer views[MAX_FRAMES];
+    recv_job jobs[MAX_FRAMES];
+    memset(jobs, 0, sizeof jobs);
+    int got = get_dests(dests, rids, views, jobs, count);
+    if (got < count) {
+        for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+        PyBuffer_Release(&hv);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        jobs[i].fd = fd;
+        jobs[i].hdr = hv.buf;
+        jobs[i].max_payload = max_payload;
+        jobs[i].empty_meta = empty_meta;
+    }
+    size_t done;
     Py_BEGIN_ALLOW_THREADS
-    run_job(&j);
+    done = run_jobs(jobs, (size_t)count);
     Py_END_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) PyBuffer_Release(&views[i]);
     PyBuffer_Release(&hv);
-    PyBuffer_Release(&dv);
-    if (j.n == 0 && j.err) {
-        errno = j.err;
+    recv_job *last = done < (size_t)count ? &jobs[done] : NULL;
+    if (done == 0 && last->n == 0 && last->err) {
+        errno = last->err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    return Py_BuildValue("KiK", (unsigned long long)j.n, j.ok, (unsigned long long)j.sum);
+    PyObject *sums = PyTuple_New((Py_ssize_t)done);
+    if (sums == NULL) return NULL;
+    for (size_t i = 0; i < done; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(jobs[i].sum);
+        if (v == NULL) {
+            Py_DECREF(sums);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(sums, (Py_ssize_t)i, v);
+    }
+    return Py_BuildValue("nNKi", (Py_ssize_t)done, sums, (unsigned long long)(last ? last->n : 0),
+                         last ? last->err : 0);
 }
 
 /* Tests: xxh3_64 of exactly 56 bytes, to compare with the xxhash package. */
@@ -163,8 +225,8 @@ static PyObject *xxh3_56_py(PyObject *self, PyObject *arg) {
 }
 
 static PyMethodDef methods[] = {
-    {"recv_data", recv_data, METH_VARARGS,
-     "recv_data(fd, header, dest, request_id, max_payload, empty_meta_sum) -> (n, ok, payload_sum)."},
+    {"recv_many", recv_many, METH_VARARGS,
+     "recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum) -> (done, sums, n, err)."},
     {"_xxh3_56", xxh3_56_py, METH_O, "Tests only: xxh3_64 of a 56-byte header prefix."},
     {NULL, NULL, 0, NULL},
 };

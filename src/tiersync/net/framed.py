@@ -10,7 +10,7 @@ import socket
 import ssl
 import struct
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from tiersync.iov import consume
 from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError
@@ -134,31 +134,35 @@ class FramedSocket:
         except OSError as exc:
             _raise_io(exc, self.peer)
 
-    def read_data(self, request_id: int, deadline: Deadline) -> object:
-        """Like :meth:`read` where the next frame should be the DATA answer to ``request_id``: with
-        the native receiver (plain TCP), one GIL-free call lands the frame in its registered buffer
-        and verifies it as the parser would (:meth:`Connection.data_fast_received`); whatever it did
-        not verify goes to the reference parser (:meth:`Connection.scatter_received`)."""
-        conn = self.conn
+    def read_data(self, request_ids: Sequence[int], deadline: Deadline) -> list:
+        """The next events where the next frames should be the DATA answers to ``request_ids``, in
+        order: at least one event, at most one per id. With the native receiver (plain TCP) one
+        GIL-free call lands consecutive frames in their registered buffers and verifies each as the
+        parser would (:meth:`Connection.data_fast_received`); the first frame it did not verify goes
+        to the reference parser (:meth:`Connection.scatter_received`), whose event ends the list."""
+        conn, out = self.conn, []
         if _wire is None or self._tls:
-            return self.read(deadline)
+            return [self.read(deadline)]
         try:
-            while (dest := conn.data_fast_target(request_id)) is not None:
+            while len(out) < len(request_ids) and (dests := conn.data_fast_targets(request_ids[len(out):])):
                 self._arm(socket.SO_RCVTIMEO, deadline)
+                rids = list(request_ids[len(out):len(out) + len(dests)])
                 try:
-                    n, ok, value = _wire.recv_data(self.sock.fileno(), self._hview, dest, request_id,
-                                                   conn.config.max_frame_size, EMPTY_META_CHECKSUM)
+                    done, sums, n, err = _wire.recv_many(self.sock.fileno(), self._hview, dests, rids,
+                                                         conn.config.max_frame_size, EMPTY_META_CHECKSUM)
                 except (BlockingIOError, InterruptedError):
                     continue
-                if ok:
-                    return conn.data_fast_received(request_id, value)
-                conn.scatter_received(self._hview, n)
-                break
+                out += [conn.data_fast_received(rid, value) for rid, value in zip(rids, sums)]
+                if done < len(dests) and not err:
+                    conn.scatter_received(self._hview, n)  # n == 0: end of stream
+                    break
         except NetTimeoutError:
             raise
         except OSError as exc:
             _raise_io(exc, self.peer)
-        return self.read(deadline)
+        if len(out) < len(request_ids):  # the parser's turn: a frame the native receiver did not take
+            out.append(self.read(deadline))
+        return out
 
     def _recv_once(self) -> None:
         """One recv, fed to the connection: into the payload being received, else header plus

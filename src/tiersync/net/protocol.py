@@ -30,7 +30,7 @@ incrementally as the bytes arrive.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
@@ -50,7 +50,7 @@ __all__ = ["NEED_DATA", "Connection", "Role", "State"]
 
 _S, _R = Direction.SEND, Direction.RECV
 _LOCAL = frozenset(int(a) for a in SUPPORTED)
-_FAST_ALGO = PayloadChecksum.TSUM64  # what a native receiver verifies (data_fast_target)
+_FAST_ALGO = PayloadChecksum.TSUM64  # what a native receiver verifies (data_fast_targets)
 _EMPTY = memoryview(b"")
 
 
@@ -248,25 +248,29 @@ class Connection:
         else:
             self._buf += sink[:n]
 
-    def data_fast_target(self, request_id: int) -> memoryview | None:
-        """The buffer of :meth:`expect_payload_into` for ``request_id`` when the next frame should be
-        its DATA and a caller may receive and verify that frame itself (:meth:`data_fast_received`):
-        READY, at a frame boundary with nothing buffered, ``request_id`` the oldest registered,
-        TSUM64 negotiated, the size within ``max_frame_size``. Else None."""
+    def data_fast_targets(self, request_ids: Sequence[int]) -> list[memoryview]:
+        """The buffers of :meth:`expect_payload_into` for the longest prefix of ``request_ids``
+        whose next frames should be their DATA answers, in this order, and which a caller may
+        receive and verify itself (:meth:`data_fast_received`): READY, at a frame boundary with
+        nothing buffered, TSUM64 negotiated, the ids the oldest registered ones in order, each
+        size within ``max_frame_size``. Empty when none qualifies."""
         if (self.state is not State.READY or self._header is not None or self._buf or self._eof
-                or self._prefill is not None or not self._sinks or self.payload_algo is not _FAST_ALGO):
-            return None
-        rid = next(iter(self._sinks))
-        sink = self._sinks[rid]
-        return sink if rid == request_id and len(sink) <= self.config.max_frame_size else None
+                or self._prefill is not None or self.payload_algo is not _FAST_ALGO):
+            return []
+        out, limit = [], self.config.max_frame_size
+        for rid, (mine, sink) in zip(request_ids, self._sinks.items()):
+            if rid != mine or len(sink) > limit:
+                break
+            out.append(sink)
+        return out
 
     def data_fast_received(self, request_id: int, payload_sum: int) -> ev.Data:
         """Record a DATA frame for ``request_id`` that the caller received into
-        :meth:`data_fast_target` and verified exactly as this parser would (every header check of
+        :meth:`data_fast_targets` and verified exactly as this parser would (every header check of
         :func:`~tiersync.net.frames.decode_header`, the request id, no metadata, the registered
         size, TSUM64 ``payload_sum`` equal to the header's); returns its event. A frame it did not
         verify goes to :meth:`scatter_received` instead. UsageError when there is no such target."""
-        sink = self.data_fast_target(request_id)
+        sink = next(iter(self.data_fast_targets((request_id,))), None)
         if sink is None:
             raise UsageError("no fast DATA target for this request", argument="request_id", request_id=request_id)
         self._check_recv_allowed(Op.DATA, request_id)

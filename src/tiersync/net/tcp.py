@@ -133,10 +133,12 @@ class TcpChannel(Channel):
             deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
             todo, pending = iter(self._pulls(lease_id, items)), collections.deque()
             try:
+                half = max(1, window // 2)
                 self._send_pulls(todo, window, pending, deadline)
-                while pending:
-                    self._expect_data(pending.popleft(), deadline)
-                    if len(pending) <= window - max(1, window // 2):  # refill in batches: fewer syscalls
+                while pending:  # up to half a window landed per native call, then refilled at once
+                    for _ in range(self._expect_data(list(itertools.islice(pending, half)), deadline)):
+                        pending.popleft()
+                    if len(pending) <= window - half:
                         self._send_pulls(todo, window - len(pending), pending, deadline)
             except (PeerClosedError, ProtocolError, NetTimeoutError, AuthError, RequestError):
                 self._shut()
@@ -165,10 +167,13 @@ class TcpChannel(Channel):
         if bufs:
             self._framed.send_buffers(bufs, deadline)
 
-    def _expect_data(self, request_id: int, deadline: Deadline) -> None:
-        answer = self._answer(request_id, deadline, data=True)
-        if not isinstance(answer, ev.Data):
-            raise ProtocolError("expected DATA", fault=ProtocolFault.UNEXPECTED, peer=self.peer)
+    def _expect_data(self, request_ids: list[int], deadline: Deadline) -> int:
+        """Receive the DATA answers to the first of ``request_ids`` (at least one); how many."""
+        events = self._framed.read_data(request_ids, deadline)
+        for rid, event in zip(request_ids, events):
+            if not isinstance(self._check_answer(rid, event), ev.Data):
+                raise ProtocolError("expected DATA", fault=ProtocolFault.UNEXPECTED, peer=self.peer)
+        return len(events)
 
     def next_answer(self, request_id: int, *, timeout: float | None = None) -> object:
         with self._lock:
@@ -182,7 +187,10 @@ class TcpChannel(Channel):
     def _answer(self, request_id: int, deadline: Deadline, *, data: bool = False) -> object:
         """The next event as the answer to ``request_id`` (``data``: a DATA into a registered buffer
         is expected, so the fast receive path may take it); raises for anything else."""
-        event = self._framed.read_data(request_id, deadline) if data else self._framed.read(deadline)
+        event = self._framed.read_data([request_id], deadline)[0] if data else self._framed.read(deadline)
+        return self._check_answer(request_id, event)
+
+    def _check_answer(self, request_id: int, event: object) -> object:
         if isinstance(event, ev.ConnectionClosed):
             raise PeerClosedError("peer closed the connection", peer=self.peer)
         if isinstance(event, ev.Error):

@@ -71,6 +71,10 @@ static void ts_stripes_scalar(uint64_t *s1, uint64_t *s2, const unsigned char *p
 #include <immintrin.h>
 /* One u64 lane per word: k = (Klo, Khi) as two u32 adds; pmuludq takes the low halves. */
 #define TS_TERM(add32, srl, mul, add64, w, k) add64(mul(add32(w, k), srl(add32(w, k), 32)), w)
+/* Keep a stripe's term whole before it joins the running sum: otherwise the compiler may
+ * fold "+ w" into the sum's dependency chain (two adds per stripe instead of one). The
+ * result is the same either way (integer addition); only the schedule changes. */
+#define TS_KEEP(x) __asm__("" : "+x"(x))
 
 static void ts_stripes_sse2(uint64_t *s1, uint64_t *s2, const unsigned char *p, size_t n) {
     __m128i a[4], b[4], k[4];
@@ -82,7 +86,9 @@ static void ts_stripes_sse2(uint64_t *s1, uint64_t *s2, const unsigned char *p, 
     for (size_t off = 0; off < n; off += 64) {
         for (int j = 0; j < 4; j++) {
             __m128i w = _mm_loadu_si128((const __m128i *)(p + off + 16 * j));
-            a[j] = _mm_add_epi64(a[j], TS_TERM(_mm_add_epi32, _mm_srli_epi64, _mm_mul_epu32, _mm_add_epi64, w, k[j]));
+            __m128i t = TS_TERM(_mm_add_epi32, _mm_srli_epi64, _mm_mul_epu32, _mm_add_epi64, w, k[j]);
+            TS_KEEP(t);
+            a[j] = _mm_add_epi64(a[j], t);
             b[j] = _mm_add_epi64(b[j], a[j]);
         }
     }
@@ -103,8 +109,9 @@ static void ts_stripes_avx2(uint64_t *s1, uint64_t *s2, const unsigned char *p, 
     for (size_t off = 0; off < n; off += 64) {
         for (int j = 0; j < 2; j++) {
             __m256i w = _mm256_loadu_si256((const __m256i *)(p + off + 32 * j));
-            a[j] = _mm256_add_epi64(a[j], TS_TERM(_mm256_add_epi32, _mm256_srli_epi64, _mm256_mul_epu32,
-                                                  _mm256_add_epi64, w, k[j]));
+            __m256i t = TS_TERM(_mm256_add_epi32, _mm256_srli_epi64, _mm256_mul_epu32, _mm256_add_epi64, w, k[j]);
+            TS_KEEP(t);
+            a[j] = _mm256_add_epi64(a[j], t);
             b[j] = _mm256_add_epi64(b[j], a[j]);
         }
     }
@@ -120,7 +127,9 @@ static void ts_stripes_avx512(uint64_t *s1, uint64_t *s2, const unsigned char *p
     const __m512i k = _mm512_loadu_si512((const void *)TS_KEY);
     for (size_t off = 0; off < n; off += 64) {
         __m512i w = _mm512_loadu_si512((const void *)(p + off));
-        a = _mm512_add_epi64(a, TS_TERM(_mm512_add_epi32, _mm512_srli_epi64, _mm512_mul_epu32, _mm512_add_epi64, w, k));
+        __m512i t = TS_TERM(_mm512_add_epi32, _mm512_srli_epi64, _mm512_mul_epu32, _mm512_add_epi64, w, k);
+        TS_KEEP(t);
+        a = _mm512_add_epi64(a, t);
         b = _mm512_add_epi64(b, a);
     }
     _mm512_storeu_si512((void *)s1, a);

@@ -1,0 +1,149 @@
+"""The native receive path (``tiersync.net._wire``) against real sockets.
+
+Invariant: a frame the native receiver accepts is exactly what the sans-IO parser would have
+accepted, and anything else (a stale checksum, another size, an ERROR, a frame cut into tiny
+TCP segments) ends as the parser decides: a verified DATA, a refused frame, or an error answer.
+A server whose handler misbehaves on purpose stands in for a hostile peer.
+"""
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+
+import pytest
+import xxhash
+
+from tiersync.net import events as ev
+from tiersync.net.errors import ProtocolError, ProtocolFault, RequestError
+from tiersync.net.frames import PayloadChecksum
+from tiersync.net.source import MemoryBlockSource
+from tiersync.net.tcp import TcpConfig, TcpTransport
+
+_wire = pytest.importorskip("tiersync.net._wire", reason="the native receiver is not built here")
+
+GOOD = [bytes([i]) * 16 for i in range(12)]
+STALE, SHORT, REFUSE = b"\xa1" * 16, b"\xa2" * 16, b"\xa3" * 16
+SIZE = 300_000  # more than one 256 KiB piece: the payload is summed in several parts
+
+
+class HostileSource(MemoryBlockSource):
+    """Serves GOOD blocks honestly; STALE with a wrong checksum in the header, SHORT with fewer
+    bytes than the lease said, REFUSE with an ERROR answer."""
+
+    def _pull(self, req: ev.Pull) -> object:
+        if req.key == STALE:
+            return ev.Data(req.request_id, self._blocks[req.key], (PayloadChecksum.TSUM64, 12345))
+        if req.key == SHORT:
+            return ev.Data(req.request_id, self._blocks[req.key][:-1])
+        if req.key == REFUSE:
+            return ev.Error(req.request_id, ev.ErrorCode.INTERNAL, "refused on purpose")
+        return super()._pull(req)
+
+
+@pytest.fixture()
+def served():
+    blocks = {k: os.urandom(SIZE) for k in (*GOOD, STALE, SHORT, REFUSE)}
+    transport = TcpTransport(TcpConfig(sndbuf=128 << 10))  # under a frame: each arrives in parts
+    server = transport.serve("127.0.0.1:0", HostileSource(blocks))
+    channel = transport.connect(server.address)
+    try:
+        assert channel.payload_checksum is PayloadChecksum.TSUM64  # the native path is the one used
+        lease = channel.request(ev.ReadLease(channel.new_request_id(), tuple(blocks), ttl_s=60)).lease_id
+        yield channel, lease, blocks
+    finally:
+        channel.close()
+        server.close()
+
+
+def _dests(keys, size=SIZE):
+    return [(k, 0, memoryview(bytearray(size))) for k in keys]
+
+
+@pytest.mark.parametrize("window", [1, 2, 8, 24])
+def test_pipelined_windows_land_every_block_exactly(served, window):
+    channel, lease, blocks = served
+    items = _dests(GOOD * 3)
+    channel.pull_many(lease, items, window=window)
+    assert all(bytes(d) == blocks[k] for k, _, d in items)
+
+
+def test_a_stale_checksum_is_refused_after_the_good_frames_landed(served):
+    channel, lease, blocks = served
+    items = _dests([GOOD[0], GOOD[1], STALE, GOOD[2]])
+    with pytest.raises(ProtocolError) as exc:
+        channel.pull_many(lease, items, window=4)
+    assert exc.value.fault is ProtocolFault.BAD_CHECKSUM
+    assert bytes(items[0][2]) == blocks[GOOD[0]] and bytes(items[1][2]) == blocks[GOOD[1]]
+    assert channel.closed  # a peer that sent corrupt bytes is not talked to again
+
+
+def test_a_frame_of_another_size_is_refused(served):
+    channel, lease, _ = served
+    with pytest.raises(ProtocolError):
+        channel.pull_many(lease, _dests([GOOD[0], SHORT, GOOD[1]]), window=4)
+    assert channel.closed
+
+
+def test_an_error_answer_in_a_window_is_a_request_error(served):
+    channel, lease, blocks = served
+    items = _dests([GOOD[3], REFUSE, GOOD[4]])
+    with pytest.raises(RequestError, match="refused on purpose"):
+        channel.pull_many(lease, items, window=4)
+    assert bytes(items[0][2]) == blocks[GOOD[3]]
+
+
+def test_a_frame_trickled_a_few_bytes_at_a_time_still_verifies():
+    """Every read returns a fragment (header and payload cut into 7-byte writes)."""
+    from _proto_helpers import deliver, ready_pair
+
+    from tiersync.net.framed import Deadline, FramedSocket
+
+    block = os.urandom(5000)
+    client, server = ready_pair(PayloadChecksum.TSUM64)
+    pulls = [ev.Pull(rid, 7, GOOD[0], 0, len(block)) for rid in (1, 2)]
+    for p in pulls:
+        deliver(client, server, p)
+    wire = b"".join(bytes(b) for p in pulls for b in server.send(ev.Data(p.request_id, block)))
+    dests = [memoryview(bytearray(len(block))) for _ in pulls]
+    for p, d in zip(pulls, dests):
+        client.expect_payload_into(p.request_id, d)
+    a, b = socket.socketpair()
+    writer = threading.Thread(target=lambda: [b.sendall(wire[i:i + 7]) for i in range(0, len(wire), 7)])
+    writer.start()
+    try:
+        framed = FramedSocket(a, client, "trickle", TcpConfig())
+        got = []
+        while len(got) < 2:
+            got += framed.read_data([1, 2][len(got):], Deadline(30, "trickle"))
+        assert [e.request_id for e in got] == [1, 2] and all(isinstance(e, ev.Data) for e in got)
+        assert all(bytes(d) == block for d in dests)
+        assert all(e.payload_sum[0] is PayloadChecksum.TSUM64 for e in got)
+    finally:
+        writer.join()
+        a.close()
+        b.close()
+
+
+def test_recv_many_refuses_bad_arguments():
+    a, b = socket.socketpair()
+    try:
+        with pytest.raises(ValueError):
+            _wire.recv_many(a.fileno(), bytearray(10), [bytearray(8)], [1], 1 << 20, 0)
+        with pytest.raises(ValueError):
+            _wire.recv_many(a.fileno(), bytearray(64), [bytearray(8)], [1, 2], 1 << 20, 0)
+        with pytest.raises(ValueError):
+            _wire.recv_many(a.fileno(), bytearray(64), [], [], 1 << 20, 0)
+        with pytest.raises(BufferError):
+            _wire.recv_many(a.fileno(), bytearray(64), [b"read-only"], [1], 1 << 20, 0)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_header_checksum_matches_xxhash():
+    rng = random.Random(7)
+    for _ in range(300):
+        data = bytes(rng.getrandbits(8) for _ in range(56))
+        assert _wire._xxh3_56(data) == xxhash.xxh3_64_intdigest(data)
