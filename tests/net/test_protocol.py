@@ -314,3 +314,30 @@ def test_scatter_received_without_a_target_is_usage_error():
     assert client.scatter_target() is None
     with pytest.raises(UsageError):
         client.scatter_received(bytearray(HEADER_SIZE), 10)
+
+
+@pytest.mark.parametrize("key_len", [0, 15, 17])
+def test_a_pull_whose_key_is_not_16_bytes_is_the_peers_fault(key_len):
+    """The fixed-layout PULL parse takes only the exact layout; any other key length is refused."""
+    client, server = ready_pair()
+    meta = struct.pack("<QI", 1, key_len) + b"k" * key_len + struct.pack("<QQ", 0, 8)
+    with pytest.raises(ProtocolError) as exc:
+        feed(server, encode_header(Op.PULL, 9, meta, 0, checksum(b"")) + meta)
+    assert exc.value.fault is ProtocolFault.MALFORMED
+
+
+def test_a_pull_with_trailing_metadata_is_the_peers_fault():
+    client, server = ready_pair()
+    meta = struct.pack("<QI", 1, 16) + b"k" * 16 + struct.pack("<QQ", 0, 8) + b"!"
+    with pytest.raises(ProtocolError) as exc:
+        feed(server, encode_header(Op.PULL, 9, meta, 0, checksum(b"")) + meta)
+    assert exc.value.fault is ProtocolFault.MALFORMED
+
+
+@FAST
+@given(st.integers(0, 2**64 - 1), st.binary(min_size=16, max_size=16), st.integers(0, 2**64 - 1),
+       st.integers(0, 2**64 - 1))
+def test_a_parsed_pull_equals_the_one_sent(lease, key, offset, length):
+    client, server = ready_pair()
+    pull = ev.Pull(client.outstanding + 1, lease, key, offset, length)
+    assert deliver(client, server, pull) == [pull]

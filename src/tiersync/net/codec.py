@@ -130,6 +130,16 @@ class MetaReader:
             raise _malformed("too many values", count=n, max=max_count)
         return struct.unpack(f"<{n}Q", self._take(8 * n))
 
+    def peek_exact(self, fmt: struct.Struct) -> tuple | None:
+        """``fmt`` unpacked from the rest of the data when exactly ``fmt.size`` bytes are left
+        (nothing consumed: :meth:`skip` them once the values are accepted); else None."""
+        if len(self._data) - self._pos != fmt.size:
+            return None
+        return fmt.unpack_from(self._data, self._pos)
+
+    def skip(self, n: int) -> None:
+        self._take(n)
+
     def finish(self) -> None:
         """Raise ProtocolError(MALFORMED) when bytes are left over."""
         if self._pos != len(self._data):

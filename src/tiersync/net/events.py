@@ -8,6 +8,7 @@ Enum fields travel as u8; their values are wire format — never renumber.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
@@ -20,6 +21,18 @@ from tiersync.net.frames import SUPPORTED, Op, PayloadChecksum, ProtocolConfig
 NONCE_SIZE = 16
 PROOF_SIZE = 32
 
+
+def trusted(cls: type, *values: object) -> object:
+    """An event of ``cls`` from field values already known valid (unpacked from a fixed layout
+    of u64s and exact-length keys, or built from an accepted event): no field checks. Hot
+    paths only; everything else goes through the constructor."""
+    obj = object.__new__(cls)
+    for name, value in zip(cls.__slots__, values, strict=True):
+        object.__setattr__(obj, name, value)
+    return obj
+
+
+_PULL_META = struct.Struct(f"<QI{KEY_SIZE}sQQ")  # lease id, key length, key, offset, length
 
 MAX_CHECKSUMS = 16
 _LOCAL_CHECKSUMS = tuple(int(a) for a in SUPPORTED)
@@ -291,6 +304,10 @@ class Pull:
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Pull":
+        fixed = r.peek_exact(_PULL_META)
+        if fixed is not None and fixed[1] == KEY_SIZE:  # the usual layout: every field in range as unpacked
+            r.skip(_PULL_META.size)
+            return trusted(cls, rid, fixed[0], fixed[2], fixed[3], fixed[4])
         return cls(rid, r.u64(), r.blob(KEY_SIZE), r.u64(), r.u64())
 
 
