@@ -29,4 +29,4 @@ bench: $(VENV)/.installed
 	$(VENV)/bin/tiersync bench h2d
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info src/tiersync/transfer/*.so
+	rm -rf $(VENV) build src/*.egg-info src/tiersync/transfer/*.so src/tiersync/net/*.so
