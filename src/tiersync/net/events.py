@@ -22,16 +22,6 @@ NONCE_SIZE = 16
 PROOF_SIZE = 32
 
 
-def trusted(cls: type, *values: object) -> object:
-    """An event of ``cls`` from field values already known valid (unpacked from a fixed layout
-    of u64s and exact-length keys, or built from an accepted event): no field checks. Hot
-    paths only; everything else goes through the constructor."""
-    obj = object.__new__(cls)
-    for name, value in zip(cls.__slots__, values, strict=True):
-        object.__setattr__(obj, name, value)
-    return obj
-
-
 _PULL_META = struct.Struct(f"<QI{KEY_SIZE}sQQ")  # lease id, key length, key, offset, length
 
 MAX_CHECKSUMS = 16
@@ -305,9 +295,9 @@ class Pull:
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Pull":
         fixed = r.peek_exact(_PULL_META)
-        if fixed is not None and fixed[1] == KEY_SIZE:  # the usual layout: every field in range as unpacked
+        if fixed is not None and fixed[1] == KEY_SIZE:  # the usual layout: one unpack
             r.skip(_PULL_META.size)
-            return trusted(cls, rid, fixed[0], fixed[2], fixed[3], fixed[4])
+            return cls(rid, fixed[0], fixed[2], fixed[3], fixed[4])
         return cls(rid, r.u64(), r.blob(KEY_SIZE), r.u64(), r.u64())
 
 

@@ -274,7 +274,7 @@ class Connection:
         if sink is None:
             raise UsageError("no fast DATA target for this request", argument="request_id", request_id=request_id)
         self._check_recv_allowed(Op.DATA, request_id)
-        event = ev.trusted(ev.Data, request_id, sink, (_FAST_ALGO, payload_sum))  # a u64 from the receiver
+        event = ev.Data(request_id, sink, (_FAST_ALGO, payload_sum))
         self._apply_recv(Op.DATA, request_id, event)
         return event
 

@@ -86,7 +86,7 @@ class MemoryBlockSource:
         if req.offset + req.length > len(block):
             return ev.Error(req.request_id, ev.ErrorCode.BAD_REQUEST, "range beyond the block")
         if req.offset == 0 and req.length == len(block):
-            return ev.trusted(ev.Data, req.request_id, block, self._sum(req.key, block))  # fields known valid
+            return ev.Data(req.request_id, block, self._sum(req.key, block))
         return ev.Data(req.request_id, block[req.offset:req.offset + req.length])
 
     def _sum(self, key: bytes, block: memoryview) -> tuple[PayloadChecksum, int]:

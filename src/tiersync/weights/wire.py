@@ -34,8 +34,8 @@ from tiersync.iov import consume
 from tiersync.net.errors import NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault
 from tiersync.net.framed import Deadline, io_errors  # one deadline type and error mapping for every socket
 
-__all__ = ["Deadline", "Forever", "Message", "Op", "connect", "recv_message", "payload_checksum", "recv_payload", "send_message",
-           "tune"]
+__all__ = ["Deadline", "Forever", "Message", "Op", "connect", "payload_checksum", "recv_message", "recv_payload",
+           "send_message", "tune"]
 
 MAGIC = b"TSWT"
 WIRE_VERSION = 1
