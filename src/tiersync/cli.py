@@ -48,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--capacity", required=True, help="host arena size, e.g. 8GiB")
     n.add_argument("--port", type=int, required=True, help="TCP port (0 picks one; printed)")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    n.add_argument("--token", default=None, help="shared secret peers must prove (>= 16 bytes)")
+    n.add_argument("--token-file", default=None,
+                   help="file holding the shared secret peers must prove (>= 16 bytes; default: $TIERSYNC_TOKEN)")
+    n.add_argument("--token", default=None,
+                   help="the secret itself (readable by every local user through ps: prefer --token-file)")
     n.add_argument("--block-size", default="1MiB", help="bytes per host block (default 1MiB)")
     n.add_argument("--registry", default=None, help="register with this registry: HOST:PORT (gRPC) or redis://...")
     n.add_argument("--store-id", default=None, help="id in the registry (default: the advertised address)")
@@ -181,9 +184,11 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 
 def cmd_store_node(args: argparse.Namespace) -> int:
+    from tiersync.net.config import coerce_token, token_from
     from tiersync.net.store_node import main as node_main
 
-    return node_main(args.capacity, args.port, args.host, args.token, args.block_size, registry=args.registry,
+    token = coerce_token(args.token, "--token") if args.token is not None else token_from(args.token_file)
+    return node_main(args.capacity, args.port, args.host, token, args.block_size, registry=args.registry,
                      store_id=args.store_id, pool_group=args.pool_group, heartbeat_s=args.heartbeat_s,
                      advertise=args.advertise)
 

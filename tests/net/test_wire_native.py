@@ -19,7 +19,7 @@ from tiersync.net import events as ev
 from tiersync.net.errors import ProtocolError, ProtocolFault, RequestError
 from tiersync.net.frames import PayloadChecksum
 from tiersync.net.source import MemoryBlockSource
-from tiersync.net.tcp import TcpConfig, TcpTransport
+from tiersync.net.tcp import Route, TcpConfig, TcpTransport
 
 _wire = pytest.importorskip("tiersync.net._wire", reason="the native receiver is not built here")
 
@@ -32,20 +32,30 @@ class HostileSource(MemoryBlockSource):
     """Serves GOOD blocks honestly; STALE with a wrong checksum in the header, SHORT with fewer
     bytes than the lease said, REFUSE with an ERROR answer."""
 
-    def _pull(self, req: ev.Pull) -> object:
+    def handle(self, session, req):
+        if isinstance(req, ev.PullMany):  # grouped small pulls: hostile when any item is
+            keys = [k for k, _, _ in req.items]
+            views = [self._blocks[k] for k in keys]
+            if REFUSE in keys:
+                return [ev.Error(req.request_id, ev.ErrorCode.INTERNAL, "refused on purpose")]
+            if SHORT in keys:
+                views[keys.index(SHORT)] = views[keys.index(SHORT)][:-1]
+            return [ev.Data(req.request_id, views, (PayloadChecksum.TSUM64, 12345) if STALE in keys else None)]
+        if not isinstance(req, ev.Pull):
+            return super().handle(session, req)
         if req.key == STALE:
-            return ev.Data(req.request_id, self._blocks[req.key], (PayloadChecksum.TSUM64, 12345))
+            return [ev.Data(req.request_id, self._blocks[req.key], (PayloadChecksum.TSUM64, 12345))]
         if req.key == SHORT:
-            return ev.Data(req.request_id, self._blocks[req.key][:-1])
+            return [ev.Data(req.request_id, self._blocks[req.key][:-1])]
         if req.key == REFUSE:
-            return ev.Error(req.request_id, ev.ErrorCode.INTERNAL, "refused on purpose")
-        return super()._pull(req)
+            return [ev.Error(req.request_id, ev.ErrorCode.INTERNAL, "refused on purpose")]
+        return super().handle(session, req)
 
 
 @pytest.fixture()
 def served():
     blocks = {k: os.urandom(SIZE) for k in (*GOOD, STALE, SHORT, REFUSE)}
-    transport = TcpTransport(TcpConfig(sndbuf=128 << 10))  # under a frame: each arrives in parts
+    transport = TcpTransport(TcpConfig(sndbuf=128 << 10, route=Route.TCP))  # under a frame: each arrives in parts
     server = transport.serve("127.0.0.1:0", HostileSource(blocks))
     channel = transport.connect(server.address)
     try:
@@ -88,10 +98,27 @@ def test_a_frame_of_another_size_is_refused(served):
 
 def test_an_error_answer_in_a_window_is_a_request_error(served):
     channel, lease, blocks = served
-    items = _dests([GOOD[3], REFUSE, GOOD[4]])
+    big = {k: os.urandom(1 << 20) for k in (GOOD[3], GOOD[4])}  # whole-block PULLs: one answer each
+    source = HostileSource({**big, REFUSE: blocks[REFUSE]})
+    server = TcpTransport(TcpConfig(route=Route.TCP)).serve("127.0.0.1:0", source)
+    try:
+        ch = TcpTransport(TcpConfig(route=Route.TCP)).connect(server.address)
+        lid = ch.request(ev.ReadLease(ch.new_request_id(), (GOOD[3], REFUSE, GOOD[4]), ttl_s=60)).lease_id
+        items = [(GOOD[3], 0, memoryview(bytearray(1 << 20))), (REFUSE, 0, memoryview(bytearray(SIZE))),
+                 (GOOD[4], 0, memoryview(bytearray(1 << 20)))]
+        with pytest.raises(RequestError, match="refused on purpose"):
+            ch.pull_many(lid, items, window=4)
+        assert bytes(items[0][2]) == big[GOOD[3]] and ch.closed
+    finally:
+        server.close()
+
+
+def test_a_refused_range_in_a_grouped_pull_refuses_the_group(served):
+    channel, lease, blocks = served
+    items = _dests([GOOD[3], REFUSE, GOOD[4]])  # small ranges travel as one PULL_MANY
     with pytest.raises(RequestError, match="refused on purpose"):
         channel.pull_many(lease, items, window=4)
-    assert bytes(items[0][2]) == blocks[GOOD[3]]
+    assert channel.closed
 
 
 def test_a_frame_trickled_a_few_bytes_at_a_time_still_verifies():

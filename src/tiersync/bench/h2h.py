@@ -129,7 +129,7 @@ class _Ours:
         from tiersync.net.tcp import TcpTransport
 
         self._ev, self.size, self.window = ev, size, window
-        transport = TcpTransport()
+        transport = getattr(self, "_transport", None) or TcpTransport()
         self.channels = [transport.connect(address) for _ in range(streams)]
         self.keys = [_key(size, i) for i in range(n)]
         ch = self.channels[0]
@@ -217,6 +217,60 @@ def _check(name: str, pool: ThreadPoolExecutor, contender: Any, dests: list[memo
         raise RoundTripError(f"{name}: pulled blocks differ from the source", blocks=bad[:8], mismatched=len(bad))
 
 
+class _Local(_Ours):
+    """One tiersync channel forced onto the same-host route (``process_vm_readv`` out of the
+    server process, every range checksummed), every block in one ``pull_many``."""
+
+    def __init__(self, address: str, size: int, n: int) -> None:
+        from tiersync.net.config import Route
+        from tiersync.net.tcp import TcpConfig, TcpTransport
+
+        self._transport = TcpTransport(TcpConfig(route=Route.LOCAL))
+        super().__init__(address, size, n, 1, window=8)
+        if not self.channels[0].info.same_host:
+            raise RoundTripError("the handshake did not show the server on this host")
+
+
+class _Memcpy:
+    """The same-host baseline: one-thread ``np.copyto`` of the same number of bytes, one buffer."""
+
+    window = 8
+
+    def __init__(self, expected: list[bytes]) -> None:
+        import numpy as np
+
+        self._np = np
+        self.src = np.frombuffer(b"".join(expected), np.uint8)
+        self.dst = np.empty_like(self.src)
+
+    def pull_window(self, w: int, idxs: list[int], dests: list[memoryview]) -> None:
+        self._np.copyto(self.dst, self.src)
+
+    def close(self) -> None:
+        pass
+
+
+def _local_case(config: BenchConfig, address: str, size: int, bar: Any) -> dict[str, Any]:
+    n = _count(config.mode, size)
+    expected = _blocks(config.seed, size, n)
+    dests = [memoryview(bytearray(size)) for _ in range(n)]
+    ours, memcpy = _Local(address, size, n), _Memcpy(expected)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            _check("tiersync same-host", pool, ours, dests, expected, 1, config.inject_corruption)
+            memcpy.pull_window(0, [], [])
+            if not (memcpy.dst == memcpy.src).all():
+                raise RoundTripError("memcpy baseline differs from its source")
+            samples = _time(config, pool, {"tiersync": ours, "memcpy": memcpy}, dests, 1, bar)
+    finally:
+        ours.close()
+    nbytes = size * n
+    return row(_local_name(size), throughput(nbytes, samples["tiersync"][0]), "memcpy", throughput(nbytes, samples["memcpy"][0]),
+               block_nbytes=size, streams=1, window=0, blocks=n, nbytes=nbytes, transport="same host: process_vm_readv",
+               server="separate process (spawn)", roundtrip="ok", payload_checksum=ours.checksum,
+               baseline_detail="one-thread np.copyto of the same bytes, one contiguous buffer")
+
+
 # -- one case ---------------------------------------------------------------------
 def _case(config: BenchConfig, addrs: tuple[str, int], size: int, streams: int, window: int,
           bar: Any) -> dict[str, Any]:
@@ -288,23 +342,32 @@ def run(config: BenchConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     cases = [(s, k, w) for s in SIZES[config.mode] for k in STREAMS[config.mode] for w in WINDOWS
              if config.cases is None or config.cases in _name(s, k, w)]
+    local = [s for s in SIZES[config.mode] if config.cases is None or config.cases in _local_name(s)]
     proc, stop, addrs = _start_server(config)
     results: list[dict[str, Any]] = []
     try:
-        with progress(len(cases) * (config.n_warmups + config.n_iterations), config.progress, "bench h2h") as bar:
+        steps = (len(cases) + len(local)) * (config.n_warmups + config.n_iterations)
+        with progress(steps, config.progress, "bench h2h") as bar:
             for size, streams, window in cases:
                 results.append(_case(config, addrs, size, streams, window, bar))
+            for size in local:
+                results.append(_local_case(config, addrs[0], size, bar))
     finally:
         stop.set()
         proc.join(10)
         if proc.is_alive():
             proc.kill()
-    return report(config, results, roundtrip={"ok": True, "cases": len(cases)}, reference=_reference(),
+    return report(config, results, roundtrip={"ok": True, "cases": len(cases) + len(local)}, reference=_reference(),
                   target=_target(results), elapsed_s=round(time.perf_counter() - t0, 3))
 
 
+def _local_name(size: int) -> str:
+    return _name(size, 1).rsplit("-", 1)[0] + "-local"
+
+
 def _reference() -> str:
-    return "raw-socket: a server process doing sendall of the same bytes, client recv_into, same streams"
+    return ("raw-socket: a server process doing sendall of the same bytes, client recv_into, same streams; "
+            "-local rows: one-thread memcpy of the same bytes")
 
 
 def _target(results: list[dict[str, Any]]) -> dict[str, Any]:

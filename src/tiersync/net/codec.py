@@ -8,6 +8,7 @@ must be consumed exactly (:meth:`MetaReader.finish`). Any violation raises
 """
 from __future__ import annotations
 
+import json
 import struct
 
 from tiersync.net.errors import ProtocolError, ProtocolFault
@@ -57,10 +58,19 @@ class MetaWriter:
     def text(self, v: str) -> "MetaWriter":
         return self.blob(v.encode("utf-8"))
 
+    def json(self, v: object) -> "MetaWriter":
+        """A JSON document (compact UTF-8) as a blob; :meth:`MetaReader.json` reads it back."""
+        return self.blob(json.dumps(v, separators=(",", ":")).encode())
+
     def keys(self, keys: tuple[bytes, ...] | list[bytes]) -> "MetaWriter":
         """u32 count + count * 16 bytes."""
         self._parts.append(_U32.pack(len(keys)))
         self._parts.extend(bytes(k) for k in keys)
+        return self
+
+    def raw(self, v: bytes) -> "MetaWriter":
+        """Bytes as they are (a fixed layout the reader knows the size of)."""
+        self._parts.append(v)
         return self
 
     def u64s(self, values: tuple[int, ...] | list[int]) -> "MetaWriter":
@@ -89,6 +99,10 @@ class MetaReader:
         self._pos = end
         return view
 
+    def take(self, n: int) -> memoryview:
+        """The next ``n`` raw bytes (MALFORMED when fewer are left)."""
+        return self._take(n)
+
     def u8(self) -> int:
         return _U8.unpack(self._take(1))[0]
 
@@ -116,6 +130,18 @@ class MetaReader:
             return raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise _malformed("string is not UTF-8") from exc
+
+    def json(self, max_len: int) -> dict:
+        """A JSON object written by :meth:`MetaWriter.json` (at most ``max_len`` bytes); anything
+        else (bad UTF-8, bad JSON, not an object) is MALFORMED."""
+        raw = self.blob(max_len)
+        try:
+            value = json.loads(raw)
+        except ValueError as exc:  # UnicodeDecodeError included
+            raise _malformed("metadata is not JSON") from exc
+        if not isinstance(value, dict):
+            raise _malformed("metadata is not a JSON object")
+        return value
 
     def keys(self, max_count: int) -> tuple[bytes, ...]:
         n = self.u32()

@@ -1,7 +1,8 @@
 """Protocol events: frozen slotted dataclasses, one per op (status enums: :mod:`tiersync.net.fields`).
 
-Each event knows its :class:`~tiersync.net.frames.Op`, how to encode its metadata
-and how to parse it back. Constructing an event with bad fields raises
+The core vocabulary (:data:`CORE`: handshake, ERROR, PING/PONG, DATA) that every service
+speaks, and the block store's (:data:`STORE`: offers, read leases, pulls). Each event knows
+its :class:`~tiersync.net.frames.Op`, how to encode its metadata and how to parse it back. Constructing an event with bad fields raises
 :class:`UsageError`; parsing bad metadata from a peer raises
 :class:`~tiersync.net.errors.ProtocolError` (MALFORMED) instead.
 Enum fields travel as u8; their values are wire format — never renumber.
@@ -14,15 +15,19 @@ from typing import ClassVar, Union
 
 from tiersync.errors import UsageError
 from tiersync.net.codec import KEY_SIZE, MetaReader, MetaWriter
+from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.fields import (CommitStatus, ErrorCode, LeaseStatus, OfferStatus, check_bytes, check_enum,
                                  check_keys, check_text, check_u64, check_u64s)
 from tiersync.net.frames import SUPPORTED, Op, PayloadChecksum, ProtocolConfig
+from tiersync.net.vocab import Vocabulary
 
 NONCE_SIZE = 16
 PROOF_SIZE = 32
 
 
 _PULL_META = struct.Struct(f"<QI{KEY_SIZE}sQQ")  # lease id, key length, key, offset, length
+_ITEM = struct.Struct(f"<{KEY_SIZE}sQQ")  # one PULL_MANY / PULL_LOCAL item: key, offset, length
+_REGION = struct.Struct("<QQQ")  # one LOCAL_REPLY region: address, length, checksum
 
 MAX_CHECKSUMS = 16
 _LOCAL_CHECKSUMS = tuple(int(a) for a in SUPPORTED)
@@ -38,20 +43,26 @@ class Hello:
     node_id: str
     nonce: bytes
     checksums: tuple[int, ...] = _LOCAL_CHECKSUMS
+    host: str = ""
+    pid: int = 0
 
     def __post_init__(self) -> None:
         check_text("node_id", self.node_id)
+        check_text("host", self.host)
+        check_u64("pid", self.pid)
         check_bytes("nonce", self.nonce, (NONCE_SIZE,))
         if (not isinstance(self.checksums, tuple) or not 0 < len(self.checksums) <= MAX_CHECKSUMS
                 or any(not isinstance(c, int) or not 0 <= c < 256 for c in self.checksums)):
             raise UsageError(f"must be a tuple of 1..{MAX_CHECKSUMS} ids in [0, 256)", argument="checksums")
 
     def meta(self) -> bytes:
-        return MetaWriter().text(self.node_id).blob(self.nonce).blob(bytes(self.checksums)).getvalue()
+        w = MetaWriter().text(self.node_id).blob(self.nonce).blob(bytes(self.checksums))
+        return w.text(self.host).u64(self.pid).getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Hello":
-        return cls(r.text(cfg.max_string), r.blob(NONCE_SIZE), tuple(r.blob(MAX_CHECKSUMS)))
+        return cls(r.text(cfg.max_string), r.blob(NONCE_SIZE), tuple(r.blob(MAX_CHECKSUMS)), r.text(cfg.max_string),
+                   r.u64())
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,20 +108,25 @@ class Auth:
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    """Server -> client: handshake accepted; requests may flow both ways."""
+    """Server -> client: handshake accepted; requests may flow both ways. ``host``/``pid``:
+    the server's host identity and process (same-host reads, :mod:`tiersync.net.local`)."""
 
     OP: ClassVar[Op] = Op.READY
     session_id: int
+    host: str = ""
+    pid: int = 0
 
     def __post_init__(self) -> None:
         check_u64("session_id", self.session_id)
+        check_text("host", self.host)
+        check_u64("pid", self.pid)
 
     def meta(self) -> bytes:
-        return MetaWriter().u64(self.session_id).getvalue()
+        return MetaWriter().u64(self.session_id).text(self.host).u64(self.pid).getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Ready":
-        return cls(r.u64())
+        return cls(r.u64(), r.text(cfg.max_string), r.u64())
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +232,12 @@ class OfferReply:
     def meta(self) -> bytes:
         return MetaWriter().u8(self.status).keys(self.existing).getvalue()
 
+    def then(self) -> frozenset[int] | None:
+        """ACCEPT / PARTIAL_EXIST are followed by a COMMIT_REPLY."""
+        if self.status in (OfferStatus.ACCEPT, OfferStatus.PARTIAL_EXIST):
+            return frozenset({int(Op.COMMIT_REPLY)})
+        return None
+
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "OfferReply":
         return cls(rid, OfferStatus(r.u8()), r.keys(cfg.max_keys))
@@ -303,7 +325,9 @@ class Pull:
 
 @dataclass(frozen=True, slots=True)
 class Data:
-    """Answer to a PULL: the bytes. ``payload`` may be any buffer; it is sent without a copy.
+    """Answer to a PULL (of any service): the bytes. ``payload`` may be any buffer, or a list of
+    buffers sent back to back as one payload (a PULL_MANY's ranges); it is sent without a copy.
+    A DATA received into several caller buffers has an empty ``payload``.
 
     ``payload_sum``: ``(algorithm, checksum)`` of exactly ``payload`` when the sender
     already knows it (e.g. recorded when an immutable block arrived): the connection
@@ -320,8 +344,9 @@ class Data:
 
     def __post_init__(self) -> None:
         check_u64("request_id", self.request_id)
-        if not isinstance(self.payload, (bytes, bytearray, memoryview)):
-            raise UsageError("must be a bytes-like buffer", argument="payload")
+        parts = self.payload if isinstance(self.payload, (list, tuple)) else (self.payload,)
+        if any(not isinstance(p, (bytes, bytearray, memoryview)) for p in parts):
+            raise UsageError("must be a bytes-like buffer or a list of them", argument="payload")
         if self.payload_sum is not None:
             if not isinstance(self.payload_sum, tuple) or len(self.payload_sum) != 2:
                 raise UsageError("must be (PayloadChecksum, int) or None", argument="payload_sum")
@@ -334,6 +359,109 @@ class Data:
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Data":
         raise AssertionError("DATA is built by the Connection")  # pragma: no cover
+
+
+def _check_items(name: str, items: object) -> None:
+    if not isinstance(items, tuple) or not items:
+        raise UsageError("must be a non-empty tuple of (key, offset, length)", argument=name)
+    for item in items:
+        if not isinstance(item, tuple) or len(item) != 3:
+            raise UsageError("must be a non-empty tuple of (key, offset, length)", argument=name)
+        check_bytes(name, item[0], (KEY_SIZE,))
+        check_u64(name, item[1])
+        check_u64(name, item[2])
+
+
+def _write_items(w: MetaWriter, items: tuple) -> MetaWriter:
+    w.u32(len(items))
+    w.raw(b"".join(_ITEM.pack(*item) for item in items))
+    return w
+
+
+def _read_items(r: MetaReader, cfg: ProtocolConfig) -> tuple:
+    n = r.u32()
+    if not 0 < n <= cfg.max_keys:
+        raise ProtocolError("item count out of range", fault=ProtocolFault.MALFORMED, count=n, max=cfg.max_keys)
+    raw = r.take(n * _ITEM.size)
+    return tuple(_ITEM.iter_unpack(raw))
+
+
+@dataclass(frozen=True, slots=True)
+class PullMany:
+    """Ask for several ranges ``items`` = ((key, offset, length), ...) under ``lease_id``; the
+    answer is one DATA whose payload is the ranges concatenated in order (a receiver may
+    scatter it straight into one buffer per item)."""
+
+    OP: ClassVar[Op] = Op.PULL_MANY
+    request_id: int
+    lease_id: int
+    items: tuple[tuple[bytes, int, int], ...]
+
+    def __post_init__(self) -> None:
+        check_u64("request_id", self.request_id)
+        check_u64("lease_id", self.lease_id)
+        _check_items("items", self.items)
+
+    def meta(self) -> bytes:
+        return _write_items(MetaWriter().u64(self.lease_id), self.items).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "PullMany":
+        return cls(rid, r.u64(), _read_items(r, cfg))
+
+
+@dataclass(frozen=True, slots=True)
+class PullLocal:
+    """Same-host PULL_MANY: instead of the bytes, the source answers LOCAL_REPLY with where they
+    are in its memory, for the reader to copy with ``process_vm_readv``. Only sent when the
+    handshake showed both ends on one host (:attr:`Ready.host`)."""
+
+    OP: ClassVar[Op] = Op.PULL_LOCAL
+    request_id: int
+    lease_id: int
+    items: tuple[tuple[bytes, int, int], ...]
+
+    __post_init__ = PullMany.__post_init__
+    meta = PullMany.meta
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "PullLocal":
+        return cls(rid, r.u64(), _read_items(r, cfg))
+
+
+@dataclass(frozen=True, slots=True)
+class LocalReply:
+    """Answer to PULL_LOCAL: process ``pid`` holds item ``i`` at ``regions[i] = (address,
+    length, checksum)``, the checksum by ``algo`` (the connection's negotiated one). The bytes
+    stay put while the lease holds; the reader verifies every checksum after its copy."""
+
+    OP: ClassVar[Op] = Op.LOCAL_REPLY
+    request_id: int
+    pid: int
+    algo: PayloadChecksum
+    regions: tuple[tuple[int, int, int], ...]
+
+    def __post_init__(self) -> None:
+        check_u64("request_id", self.request_id)
+        check_u64("pid", self.pid)
+        check_enum("algo", self.algo, PayloadChecksum)
+        if not isinstance(self.regions, tuple) or any(
+                not isinstance(g, tuple) or len(g) != 3 for g in self.regions):
+            raise UsageError("must be a tuple of (address, length, checksum)", argument="regions")
+        for g in self.regions:
+            check_u64s("regions", g)
+
+    def meta(self) -> bytes:
+        w = MetaWriter().u64(self.pid).u8(self.algo).u32(len(self.regions))
+        w.raw(b"".join(_REGION.pack(*g) for g in self.regions))
+        return w.getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "LocalReply":
+        pid, algo, n = r.u64(), PayloadChecksum(r.u8()), r.u32()
+        if n > cfg.max_keys:
+            raise ProtocolError("region count out of range", fault=ProtocolFault.MALFORMED, count=n)
+        return cls(rid, pid, algo, tuple(_REGION.iter_unpack(r.take(n * _REGION.size))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,7 +511,16 @@ class ConnectionClosed:
     """Local event: the peer closed the stream cleanly between frames. Never sent."""
 
 
+CORE = Vocabulary("core", {Ping: (Pong,)}, responses=(Hello, Challenge, Auth, Ready, Error, Data))
+"""What every connection speaks (the handshake classes are listed so their ops parse; the
+protocol's state table decides when each is allowed)."""
+
+STORE = Vocabulary("store", {Offer: (OfferReply,), ReadLease: (LeaseReply,), Pull: (Data,), PullMany: (Data,),
+                             PullLocal: (LocalReply,), Release: (CommitReply,)}, responses=(CommitReply,),
+                   include=(CORE,))
+"""Block servers: store nodes, sources of offers, :class:`~tiersync.net.source.MemoryBlockSource`."""
+
 Event = Union[Hello, Challenge, Auth, Ready, Error, Ping, Pong, Offer, OfferReply, ReadLease,
-              LeaseReply, Pull, Data, Release, CommitReply]
+              LeaseReply, Pull, PullMany, PullLocal, LocalReply, Data, Release, CommitReply]
 EVENT_TYPES: dict[Op, type] = {cls.OP: cls for cls in Event.__args__}  # type: ignore[attr-defined]
 assert set(EVENT_TYPES) == set(Op)

@@ -6,9 +6,11 @@ blocking call, and socket errors become the RemoteError family, naming the peer.
 """
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import struct
+import threading
 import time
 from typing import TYPE_CHECKING, Sequence
 
@@ -18,9 +20,9 @@ from tiersync.net.frames import EMPTY_META_CHECKSUM, HEADER_SIZE, SUPPORTED, Pay
 from tiersync.net.protocol import NEED_DATA, Connection
 
 if TYPE_CHECKING:
-    from tiersync.net.tcp import TcpConfig
+    from tiersync.net.config import TcpConfig
 
-__all__ = ["Deadline", "FramedSocket", "io_errors", "tune"]
+__all__ = ["Deadline", "FramedSocket", "io_errors", "tune", "write_nonblocking"]
 
 try:  # the receive fast path (GIL released); without it every frame takes the reference path
     from tiersync.net import _wire
@@ -52,6 +54,22 @@ class Deadline:
         return left
 
 
+def write_nonblocking(sock: socket.socket, bufs: list, deadline: Deadline) -> None:
+    """Write every buffer to a non-blocking socket (plain or TLS), waiting for room with poll
+    until ``deadline``. Raises NetTimeoutError, PeerClosedError, AuthError (TLS)."""
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    tls = isinstance(sock, ssl.SSLSocket)
+    with io_errors(deadline.peer):
+        while views:
+            try:
+                consume(views, sock.send(views[0]) if tls else sock.sendmsg(views[:_IOV_MAX]))
+            except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                poller = select.poll()
+                poller.register(sock, select.POLLOUT)
+                if not poller.poll(max(1, int(deadline.remaining() * 1000))):
+                    deadline.remaining()  # raises once the deadline passed
+
+
 def tune(sock: socket.socket, cfg: TcpConfig) -> None:
     """Apply buffer sizes and TCP_NODELAY."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.sndbuf)
@@ -75,6 +93,7 @@ class FramedSocket:
 
     def __init__(self, sock: socket.socket, conn: Connection, peer: str, cfg: TcpConfig) -> None:
         self.sock, self.conn, self.peer, self.cfg = sock, conn, peer, cfg
+        self.lock = threading.Lock()  # the Connection's state: one reader and one writer may run at once
         self._rbuf = bytearray(cfg.recv_chunk)
         self._rview = memoryview(self._rbuf)
         self._hview = memoryview(bytearray(HEADER_SIZE))
@@ -96,7 +115,9 @@ class FramedSocket:
             self._armed[which] = left
 
     def write(self, event: object, deadline: Deadline) -> None:
-        self.send_buffers(self.conn.send(event), deadline)
+        with self.lock:
+            bufs = self.conn.send(event)
+        self.send_buffers(bufs, deadline)
 
     def send_buffers(self, bufs: list, deadline: Deadline) -> None:
         """Write encoded frames (``Connection.send`` output, possibly several concatenated)."""
@@ -121,7 +142,8 @@ class FramedSocket:
         conn = self.conn
         try:
             while True:
-                event = conn.next_event()
+                with self.lock:
+                    event = conn.next_event()
                 if event is not NEED_DATA:
                     return event
                 self._arm(socket.SO_RCVTIMEO, deadline)

@@ -4,7 +4,7 @@ Layout (``<4sHHIQIQQQB7sQ``, 64 bytes, no padding)::
 
     0   magic            4s   b"TSYN"
     4   version          u16  PROTOCOL_VERSION
-    6   op               u16  an :class:`Op`
+    6   op               u16  an op of the connection's vocabulary (:mod:`tiersync.net.vocab`)
     8   flags            u32  must be 0 (reserved)
     12  request_id       u64
     20  meta_len         u32  bytes of metadata after the header
@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 import xxhash
 
@@ -41,7 +41,7 @@ from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.transfer import kernel
 
 MAGIC = b"TSYN"
-PROTOCOL_VERSION = 2  # 2: payload algorithm byte in the header, checksum negotiation in HELLO
+PROTOCOL_VERSION = 3  # 2: payload checksum negotiation; 3: service vocabularies, host identity in HELLO/READY
 HEADER_SIZE = 64
 _HEADER = struct.Struct("<4sHHIQIQQQB7sQ")
 _RESERVED = bytes(7)
@@ -108,7 +108,9 @@ def negotiate(offered: tuple[int, ...]) -> PayloadChecksum:
 
 
 class Op(enum.IntEnum):
-    """Frame op codes. Values are wire format: never renumber."""
+    """Op codes of the core protocol (1-15, and DATA) and of the block store (16-31). Other
+    services number theirs from 32 (prefill -> decode) and 48 (weights). Wire format: never
+    renumber."""
 
     HELLO = 1
     CHALLENGE = 2
@@ -125,10 +127,9 @@ class Op(enum.IntEnum):
     DATA = 21
     RELEASE = 22
     COMMIT_REPLY = 23
-
-
-_OPS = frozenset(int(o) for o in Op)
-_OP_OF = {int(o): o for o in Op}
+    PULL_MANY = 24
+    PULL_LOCAL = 25
+    LOCAL_REPLY = 26
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +159,7 @@ class ProtocolConfig:
 class FrameHeader(NamedTuple):
     """A decoded, validated header (a named tuple: built once per frame, cheaply)."""
 
-    op: Op
+    op: enum.IntEnum
     request_id: int
     meta_len: int
     payload_len: int
@@ -170,7 +171,7 @@ class FrameHeader(NamedTuple):
 _HEAD56 = struct.Struct("<4sHHIQIQQQB7s")
 
 
-def encode_header(op: Op, request_id: int, meta: bytes, payload_len: int, payload_checksum: int,
+def encode_header(op: int, request_id: int, meta: bytes, payload_len: int, payload_checksum: int,
                   payload_algo: PayloadChecksum = PayloadChecksum.XXH3_64) -> bytes:
     """Pack a header for ``meta`` (bytes) and a payload of ``payload_len`` bytes summed by ``payload_algo``."""
     head = _HEAD56.pack(MAGIC, PROTOCOL_VERSION, op, 0, request_id, len(meta), payload_len,
@@ -178,8 +179,9 @@ def encode_header(op: Op, request_id: int, meta: bytes, payload_len: int, payloa
     return head + _xxh3(head).to_bytes(8, "little")
 
 
-def decode_header(raw: bytes | memoryview, config: ProtocolConfig) -> FrameHeader:
-    """Validate and unpack 64 header bytes.
+def decode_header(raw: bytes | memoryview, config: ProtocolConfig, ops: Mapping[int, enum.IntEnum]) -> FrameHeader:
+    """Validate and unpack 64 header bytes; ``ops``: raw op code -> member, the ops the
+    connection's vocabulary knows.
 
     Raises :class:`ProtocolError` (fault BAD_MAGIC, BAD_VERSION, BAD_CHECKSUM,
     UNKNOWN_OP, MALFORMED or OVERSIZE) — the sender's fault.
@@ -193,7 +195,8 @@ def decode_header(raw: bytes | memoryview, config: ProtocolConfig) -> FrameHeade
                             version=version, supported=PROTOCOL_VERSION)
     if checksum(raw[:56]) != header_ck:
         raise ProtocolError("header checksum mismatch", fault=ProtocolFault.BAD_CHECKSUM)
-    if op not in _OPS:
+    member = ops.get(op)
+    if member is None:
         raise ProtocolError("unknown op", fault=ProtocolFault.UNKNOWN_OP, op=op)
     if flags != 0 or reserved != _RESERVED:
         raise ProtocolError("reserved header bits set", fault=ProtocolFault.MALFORMED, flags=flags)
@@ -204,4 +207,4 @@ def decode_header(raw: bytes | memoryview, config: ProtocolConfig) -> FrameHeade
     if meta_len > config.max_meta_size or meta_len + payload_len > config.max_frame_size:
         raise ProtocolError("frame exceeds the configured bound", fault=ProtocolFault.OVERSIZE,
                             meta_len=meta_len, payload_len=payload_len, max_frame_size=config.max_frame_size)
-    return FrameHeader(_OP_OF[op], request_id, meta_len, payload_len, payload_ck, meta_ck, _ALGO_OF[algo])
+    return FrameHeader(member, request_id, meta_len, payload_len, payload_ck, meta_ck, _ALGO_OF[algo])

@@ -10,8 +10,9 @@ Handshake (table ``tiersync.net.states.HANDSHAKE``)::
     server: states IDLE -> MUST_CHALLENGE -> AWAIT_AUTH -> MUST_READY -> READY
 
 In READY both sides may send requests (PING, OFFER, READ_LEASE, PULL, RELEASE)
-and must answer the peer's outstanding ones (table ``_ANSWERS``); an ERROR with
-request id 0 ends the connection. Errors:
+and must answer the peer's outstanding ones (the connection's :class:`Vocabulary` says
+which requests, answers and one-way messages exist); an ERROR with request id 0 ends the
+connection. Errors:
 
 - peer input that breaks the protocol -> :class:`ProtocolError`; the connection
   is then *poisoned* and every later call raises :class:`ClosedError`;
@@ -39,11 +40,10 @@ from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.frames import (EMPTY_CHECKSUM, HEADER_SIZE, SUPPORTED, FrameHeader, Op, PayloadChecksum,
                                  ProtocolConfig, checksum, decode_header, encode_header, payload_checksum,
                                  payload_hasher)
-from tiersync.net.states import ANSWERS as _ANSWERS
 from tiersync.net.states import HANDSHAKE as _HANDSHAKE
-from tiersync.net.states import RESPONSES as _RESPONSES
 from tiersync.net.states import Direction, Role, State
 from tiersync.net.states import then as _then
+from tiersync.net.vocab import Vocabulary
 
 __all__ = ["NEED_DATA", "Connection", "Role", "State"]
 
@@ -57,6 +57,52 @@ _EMPTY = memoryview(b"")
 def _bytes_view(buf: object) -> memoryview:
     view = memoryview(buf)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _payload_views(payload: object) -> list[memoryview]:
+    parts = payload if isinstance(payload, (list, tuple)) else (payload,)
+    return [v for v in (_bytes_view(p) for p in parts) if len(v)]
+
+
+def _sum_of(algo: PayloadChecksum, parts: list[memoryview]) -> int:
+    if len(parts) == 1:
+        return payload_checksum(algo, parts[0])
+    hasher = payload_hasher(algo)
+    for part in parts:
+        hasher.update(part)
+    return hasher.intdigest()
+
+
+class _Pieces:
+    """A DATA payload landing in several caller buffers, in order (a vectored pull)."""
+
+    __slots__ = ("views", "total", "index", "offset")
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self.views, self.total, self.index, self.offset = views, sum(len(v) for v in views), 0, 0
+
+    def __len__(self) -> int:
+        return self.total
+
+    def tail(self) -> memoryview:
+        """The unfilled rest of the current buffer."""
+        return self.views[self.index][self.offset:]
+
+    def advance(self, n: int) -> None:
+        """``n`` bytes (at most :meth:`tail`'s length) landed in the current buffer."""
+        self.offset += n
+        if self.offset == len(self.views[self.index]) and self.index + 1 < len(self.views):
+            self.index, self.offset = self.index + 1, 0
+
+    def fill(self, data: memoryview, hasher: object) -> None:
+        """Copy ``data`` into the buffers from the current position, hashing what lands."""
+        while len(data):
+            tail = self.tail()
+            k = min(len(tail), len(data))
+            tail[:k] = data[:k]
+            hasher.update(tail[:k])
+            self.advance(k)
+            data = data[k:]
 
 
 class _NeedData:
@@ -73,13 +119,20 @@ NEED_DATA = _NeedData()
 class Connection:
     """One side of a framed connection. Not thread-safe; guard it with one lock.
 
-    ``role``: which side of the handshake this is. ``config``: bounds.
+    ``role``: which side of the handshake this is. ``config``: bounds. ``vocabulary``: the
+    service's ops (default: the block store's, :data:`~tiersync.net.events.STORE`).
     """
 
-    def __init__(self, role: Role, config: ProtocolConfig | None = None) -> None:
+    def __init__(self, role: Role, config: ProtocolConfig | None = None, vocabulary: Vocabulary | None = None) -> None:
         if not isinstance(role, Role):
             raise UsageError("must be a Role", argument="role", value=role)
-        self.role = role
+        vocabulary = vocabulary if vocabulary is not None else ev.STORE
+        if not isinstance(vocabulary, Vocabulary):
+            raise UsageError("must be a Vocabulary", argument="vocabulary")
+        self.role, self.vocabulary = role, vocabulary
+        self._answers, self._responses = vocabulary.answers, vocabulary.response_ops
+        self._oneway, self._types = vocabulary.oneway_ops, vocabulary.types
+        self._members = {op: cls.OP for op, cls in vocabulary.types.items()}
         self.config = config or ProtocolConfig()
         self.state = State.IDLE
         self._buf = bytearray()
@@ -109,17 +162,17 @@ class Connection:
         rid = getattr(event, "request_id", 0)
         self._check_send_allowed(op, rid, event)
         meta = event.meta()
-        payload = _bytes_view(event.payload) if op is Op.DATA else _EMPTY
-        if len(meta) > self.config.max_meta_size or len(meta) + len(payload) > self.config.max_frame_size:
-            raise UsageError("frame exceeds max_frame_size", argument="event",
-                             meta_len=len(meta), payload_len=len(payload))
+        parts = _payload_views(event.payload) if op is Op.DATA else []
+        size = sum(len(p) for p in parts)
+        if len(meta) > self.config.max_meta_size or len(meta) + size > self.config.max_frame_size:
+            raise UsageError("frame exceeds max_frame_size", argument="event", meta_len=len(meta), payload_len=size)
         self._apply_send(op, rid, event)
         algo = self.payload_algo
-        if not len(payload):
+        if not size:
             return [encode_header(op, rid, meta, 0, EMPTY_CHECKSUM[algo], algo) + meta]
         known = event.payload_sum
-        value = known[1] if known is not None and known[0] is algo else payload_checksum(algo, payload)
-        return [encode_header(op, rid, meta, len(payload), value, algo) + meta, payload]
+        value = known[1] if known is not None and known[0] is algo else _sum_of(algo, parts)
+        return [encode_header(op, rid, meta, size, value, algo) + meta, *parts]
 
     def _check_send_allowed(self, op: Op, rid: int, event: object) -> None:
         if self.state is not State.READY:
@@ -128,10 +181,14 @@ class Connection:
             if (self.role, self.state, _S, op) in _HANDSHAKE:
                 return self._check_checksums(op, event)
             raise UsageError(f"cannot send {op.name} in state {self.state.value}", argument="event")
-        if op in _ANSWERS:
+        if op not in self._types:
+            raise UsageError(f"{op.name} is not in the {self.vocabulary.name} vocabulary", argument="event")
+        if op in self._answers:
             if rid == 0 or rid in self._mine:
                 raise UsageError("request id must be nonzero and not outstanding", argument="event", request_id=rid)
-        elif op in _RESPONSES:
+        elif op in self._oneway:
+            return
+        elif op in self._responses:
             if op is Op.ERROR and rid == 0:
                 return
             if op not in self._theirs.get(rid, ()) and not (op is Op.ERROR and rid in self._theirs):
@@ -156,9 +213,9 @@ class Connection:
                 self._offered = event.checksums
             elif op is Op.CHALLENGE:
                 self.payload_algo = event.checksum
-        elif op in _ANSWERS:
-            self._mine[rid] = _ANSWERS[op]
-        else:
+        elif op in self._answers:
+            self._mine[rid] = self._answers[op]
+        elif op not in self._oneway:
             self._advance(self._theirs, rid, event)
 
     @staticmethod
@@ -183,18 +240,20 @@ class Connection:
             return
         self._buf += data
 
-    def expect_payload_into(self, request_id: int, buffer: memoryview | bytearray) -> None:
-        """Land the DATA answer to my request ``request_id`` in ``buffer`` (exact size).
+    def expect_payload_into(self, request_id: int, buffer: object) -> None:
+        """Land the DATA answer to my request ``request_id`` in ``buffer`` (exact size), or in a
+        list of buffers filled in order (their total size): a vectored pull scattered in place.
 
         Use :meth:`payload_sink` / :meth:`payload_received` to receive straight
         into it. A DATA frame of another size raises ProtocolError(MALFORMED).
         """
         if request_id not in self._mine or Op.DATA not in self._mine[request_id]:
-            raise UsageError("no outstanding PULL with this id", argument="request_id", request_id=request_id)
-        view = memoryview(buffer).cast("B")
-        if view.readonly:
-            raise UsageError("must be writable", argument="buffer")
-        self._sinks[request_id] = view
+            raise UsageError("no outstanding request answered by DATA with this id", argument="request_id",
+                             request_id=request_id)
+        views = [_bytes_view(b) for b in buffer] if isinstance(buffer, (list, tuple)) else [_bytes_view(buffer)]
+        if not views or any(v.readonly for v in views):
+            raise UsageError("must be writable (and at least one buffer)", argument="buffer")
+        self._sinks[request_id] = views[0] if len(views) == 1 else _Pieces([v for v in views if len(v)])
 
     def payload_sink(self) -> memoryview | None:
         """The unfilled tail of the caller buffer being received into, or None.
@@ -202,9 +261,11 @@ class Connection:
         When not None, the caller may ``recv_into`` it and report the count with
         :meth:`payload_received` instead of calling :meth:`receive_data`.
         """
-        if self._header is None or not isinstance(self._payload, memoryview) or self._buf:
+        if self._header is None or self._buf:
             return None
-        return self._payload[self._filled:]
+        if isinstance(self._payload, memoryview):
+            return self._payload[self._filled:]
+        return self._payload.tail() if isinstance(self._payload, _Pieces) else None
 
     def read_hint(self) -> int:
         """How many bytes to read next so as not to read past a header into a payload that
@@ -223,7 +284,8 @@ class Connection:
         arrived the buffer's contents are undefined."""
         if self._header is not None or self._buf or self._eof or not self._sinks:
             return None
-        return next(iter(self._sinks.values()))
+        target = next(iter(self._sinks.values()))
+        return None if isinstance(target, _Pieces) else target
 
     def scatter_received(self, header: bytes | bytearray | memoryview, n: int) -> None:
         """Record a scatter read of ``n`` bytes: up to HEADER_SIZE into ``header``, the rest into
@@ -259,7 +321,7 @@ class Connection:
             return []
         out, limit = [], self.config.max_frame_size
         for rid, (mine, sink) in zip(request_ids, self._sinks.items()):
-            if rid != mine or len(sink) > limit:
+            if rid != mine or isinstance(sink, _Pieces) or len(sink) > limit:
                 break
             out.append(sink)
         return out
@@ -285,6 +347,8 @@ class Connection:
             raise UsageError("no payload sink or count out of range", argument="n", value=n)
         self._hasher.update(sink[:n])
         self._filled += n
+        if isinstance(self._payload, _Pieces):
+            self._payload.advance(n)
 
     def next_event(self) -> object:
         """Return the next event, :data:`NEED_DATA`, or :class:`~tiersync.net.events.ConnectionClosed`.
@@ -334,7 +398,7 @@ class Connection:
         return NEED_DATA
 
     def _start_frame(self) -> None:
-        header = decode_header(bytes(self._buf[:HEADER_SIZE]), self.config)
+        header = decode_header(bytes(self._buf[:HEADER_SIZE]), self.config, self._members)
         del self._buf[:HEADER_SIZE]
         self._check_recv_allowed(header.op, header.request_id)
         self._header = header
@@ -368,6 +432,9 @@ class Connection:
             piece = self._payload[self._filled:self._filled + take]
             piece[:] = self._buf[:take]
             self._hasher.update(piece)
+        elif isinstance(self._payload, _Pieces):
+            with memoryview(self._buf) as view:
+                self._payload.fill(view[:take], self._hasher)
         else:
             with memoryview(self._buf) as view:
                 self._payload += view[:take]
@@ -389,9 +456,11 @@ class Connection:
         if header.op is Op.DATA:
             if self._meta:
                 raise ProtocolError("DATA carries no metadata", fault=ProtocolFault.MALFORMED)
+            if isinstance(payload, _Pieces):  # landed in the caller's buffers
+                payload = _EMPTY
             return ev.Data(header.request_id, payload, (header.payload_algo, payload_sum))
         reader = MetaReader(self._meta)
-        parse: Callable = ev.EVENT_TYPES[header.op].parse
+        parse: Callable = self._types[header.op].parse
         try:
             event = parse(header.request_id, reader, self.config)
         except ValueError as exc:  # UsageError from field checks, bad enum values
@@ -405,12 +474,14 @@ class Connection:
         if self.state is not State.READY:
             if op is Op.ERROR or (self.role, self.state, _R, op) in _HANDSHAKE:
                 return
-        elif op in _ANSWERS:
+        elif op in self._answers:
             if rid != 0 and rid not in self._theirs:
                 return
+        elif op in self._oneway:
+            return
         elif op is Op.ERROR and (rid == 0 or rid in self._mine):
             return
-        elif op in _RESPONSES and op in self._mine.get(rid, ()):
+        elif op in self._responses and op in self._mine.get(rid, ()):
             return
         raise ProtocolError(f"unexpected {op.name} in state {self.state.value}",
                             fault=ProtocolFault.UNEXPECTED, request_id=rid)
@@ -421,9 +492,9 @@ class Connection:
         elif self.state is not State.READY:
             self.state = _HANDSHAKE[(self.role, self.state, _R, op)]
             self._negotiate(op, event)
-        elif op in _ANSWERS:
-            self._theirs[rid] = _ANSWERS[op]
-        else:
+        elif op in self._answers:
+            self._theirs[rid] = self._answers[op]
+        elif op not in self._oneway:
             self._sinks.pop(rid, None)
             self._advance(self._mine, rid, event)
 

@@ -1,49 +1,145 @@
-"""A block source served over a transport: leases and pulls over an in-memory dict.
+"""Block servers: the reader side of "the destination pulls", as one :class:`BlockService`.
 
-Implements the reader side of "the destination pulls": READ_LEASE validates and
-pins all keys (all-or-nothing; TTL clamped to [30, 600] s, default 120), PULL
-returns a zero-copy view of the requested range, RELEASE answers COMMITTED only
-when the lease was still held. OFFER is REFUSED (this source stores nothing).
+A block server implements four methods — :meth:`~BlockService.lease` (validate and pin
+keys, all-or-nothing; TTL clamped to [30, 600] s), :meth:`~BlockService.view` (a zero-copy
+view of a range under a lease), :meth:`~BlockService.release` and optionally
+:meth:`~BlockService.offer` — and the base answers the wire: PING, READ_LEASE, PULL,
+PULL_MANY (one DATA carrying every range, gathered without a copy), PULL_LOCAL (same-host
+peers: where the ranges are, with their checksums, for ``process_vm_readv``) and RELEASE.
+Leases belong to the session that took them: when the session ends, however it ends,
+every lease it still holds is released, so a reader killed mid-read pins nothing.
+:class:`MemoryBlockSource` serves an in-memory dict (the writer side of an offer).
 """
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
-from tiersync.errors import UsageError
 from tiersync.net import events as ev
+from tiersync.net import local
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
+from tiersync.net.service import Service, Session
+
+__all__ = ["BlockError", "BlockService", "LEASE_TTL_MAX_S", "LEASE_TTL_MIN_S", "MemoryBlockSource", "clamp_ttl"]
 
 LEASE_TTL_MIN_S, LEASE_TTL_MAX_S = 30, 600
 
 
-def dispatch(handler: object, event: object) -> list:
-    """Route one request to ``handler``'s ``_lease``/``_pull``/``_release``/``offer``; answer PING.
-
-    Shared by every block-serving handler. Raises UsageError for a non-request event.
-    """
-    if isinstance(event, ev.Ping):
-        return [ev.Pong(event.request_id, event.token)]
-    if isinstance(event, ev.ReadLease):
-        return [handler._lease(event)]
-    if isinstance(event, ev.Pull):
-        return [handler._pull(event)]
-    if isinstance(event, ev.Release):
-        return [handler._release(event)]
-    if isinstance(event, ev.Offer):
-        return list(handler.offer(event))
-    raise UsageError("not a request", argument="event")
+def clamp_ttl(ttl_s: int) -> int:
+    return min(max(ttl_s, LEASE_TTL_MIN_S), LEASE_TTL_MAX_S)
 
 
-class MemoryBlockSource:
-    """Callable handler over ``blocks`` (16-byte key -> bytes-like). Thread-safe.
+class BlockError(Exception):
+    """A refused read: answered ERROR(``code``, message) to that request only."""
+
+    def __init__(self, code: ev.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class BlockService(Service):
+    """Base of every block server (see the module docstring)."""
+
+    vocabulary = ev.STORE
+
+    def __init__(self) -> None:
+        self._held: dict[Session, set[int]] = {}
+        self._held_lock = threading.Lock()
+
+    # -- what a block server implements -------------------------------------------------------
+    def lease(self, req: ev.ReadLease) -> ev.LeaseReply:
+        """Pin every key of ``req`` (GRANTED with sizes) or none (MISSING)."""
+        raise NotImplementedError
+
+    def view(self, lease_id: int, key: bytes, offset: int, length: int) -> tuple[memoryview, tuple | None]:
+        """``(bytes, known (algo, checksum) of exactly those bytes or None)``; BlockError to refuse."""
+        raise NotImplementedError
+
+    def release(self, lease_id: int) -> bool:
+        """Unpin a lease; True when it was still held."""
+        raise NotImplementedError
+
+    def offer(self, req: ev.Offer, session: Session) -> Iterator[object]:
+        """Answers to an OFFER; a read-only server refuses every offer."""
+        yield ev.OfferReply(req.request_id, ev.OfferStatus.REFUSED)
+
+    # -- the wire -------------------------------------------------------------------------------
+    def handle(self, session: Session, event: object):
+        if isinstance(event, ev.Offer):
+            return self.offer(event, session)
+        if isinstance(event, ev.Ping):
+            return [ev.Pong(event.request_id, event.token)]
+        if isinstance(event, ev.ReadLease):
+            return [self._lease(session, event)]
+        if isinstance(event, ev.Release):
+            return [self._release(session, event)]
+        try:
+            if isinstance(event, ev.Pull):
+                return [ev.Data(event.request_id, *self.view(event.lease_id, event.key, event.offset, event.length))]
+            if isinstance(event, ev.PullMany):
+                views = [self.view(event.lease_id, *item)[0] for item in event.items]
+                return [ev.Data(event.request_id, views)]
+            if isinstance(event, ev.PullLocal):
+                return [self._local(session, event)]
+        except BlockError as exc:
+            return [ev.Error(event.request_id, exc.code, str(exc))]
+        return [ev.Error(getattr(event, "request_id", 0), ev.ErrorCode.UNSUPPORTED, type(event).__name__)]
+
+    def _lease(self, session: Session, req: ev.ReadLease) -> ev.LeaseReply:
+        reply = self.lease(req)
+        if reply.status is ev.LeaseStatus.GRANTED:
+            with self._held_lock:
+                held = self._held.setdefault(session, set())
+                held.add(reply.lease_id)
+            if session.closed:  # ended while we granted: nobody will release it
+                self.closed(session)
+        return reply
+
+    def _release(self, session: Session, req: ev.Release) -> ev.CommitReply:
+        with self._held_lock:
+            self._held.get(session, set()).discard(req.lease_id)
+        if self.release(req.lease_id):
+            return ev.CommitReply(req.request_id, ev.CommitStatus.COMMITTED)
+        return ev.CommitReply(req.request_id, ev.CommitStatus.FAILED, "lease expired")
+
+    def _local(self, session: Session, req: ev.PullLocal) -> ev.LocalReply:
+        if not session.info.same_host:
+            raise BlockError(ev.ErrorCode.UNSUPPORTED, "PULL_LOCAL from another host")
+        algo = SUPPORTED[0]
+        regions = []
+        for key, offset, length in req.items:
+            view, known = self.view(req.lease_id, key, offset, length)
+            value = known[1] if known is not None and known[0] is algo else payload_checksum(algo, view)
+            regions.append((local.buffer_address(view)[0], len(view), value))
+        return ev.LocalReply(req.request_id, os.getpid(), algo, tuple(regions))
+
+    def opened(self, session: Session) -> None:
+        if session.info.same_host:
+            local.allow_readers()
+
+    def closed(self, session: Session) -> None:
+        with self._held_lock:
+            leases = self._held.pop(session, set())
+        for lease_id in leases:
+            self.release(lease_id)
+
+    def session_leases(self) -> int:
+        """Leases held by open sessions (tests, metrics)."""
+        with self._held_lock:
+            return sum(len(v) for v in self._held.values())
+
+
+class MemoryBlockSource(BlockService):
+    """Serves ``blocks`` (16-byte key -> bytes-like). Thread-safe.
 
     ``clock``: monotonic seconds (injectable so lease expiry can be tested).
     """
 
     def __init__(self, blocks: Mapping[bytes, bytes], clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
         self._blocks = {bytes(k): memoryview(v).cast("B") for k, v in blocks.items()}
         self._clock = clock
         self._sums: dict[bytes, tuple[PayloadChecksum, int]] = {}
@@ -51,43 +147,36 @@ class MemoryBlockSource:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def __call__(self, event: object) -> list:
-        return dispatch(self, event)
-
-    def offer(self, req: ev.Offer) -> list:
-        """A read-only source refuses every offer."""
-        return [ev.OfferReply(req.request_id, ev.OfferStatus.REFUSED)]
-
-    def _lease(self, req: ev.ReadLease) -> ev.LeaseReply:
+    def lease(self, req: ev.ReadLease) -> ev.LeaseReply:
         missing = tuple(k for k in req.keys if k not in self._blocks)
         if missing:
             return ev.LeaseReply(req.request_id, ev.LeaseStatus.MISSING, missing=missing)
-        ttl = min(max(req.ttl_s, LEASE_TTL_MIN_S), LEASE_TTL_MAX_S)
+        ttl = clamp_ttl(req.ttl_s)
         with self._lock:
             lease_id = next(self._ids)
             self._leases[lease_id] = (self._clock() + ttl, frozenset(req.keys))
         sizes = tuple(len(self._blocks[k]) for k in req.keys)
         return ev.LeaseReply(req.request_id, ev.LeaseStatus.GRANTED, lease_id, ttl, sizes)
 
-    def _held(self, lease_id: int) -> frozenset[bytes] | None:
+    def _held_keys(self, lease_id: int) -> frozenset[bytes] | None:
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or lease[0] <= self._clock():
                 return None
             return lease[1]
 
-    def _pull(self, req: ev.Pull) -> object:
-        keys = self._held(req.lease_id)
+    def view(self, lease_id: int, key: bytes, offset: int, length: int) -> tuple[memoryview, tuple | None]:
+        keys = self._held_keys(lease_id)
         if keys is None:
-            return ev.Error(req.request_id, ev.ErrorCode.LEASE_EXPIRED, "lease not held")
-        if req.key not in keys:
-            return ev.Error(req.request_id, ev.ErrorCode.NOT_FOUND, "key not under this lease")
-        block = self._blocks[req.key]
-        if req.offset + req.length > len(block):
-            return ev.Error(req.request_id, ev.ErrorCode.BAD_REQUEST, "range beyond the block")
-        if req.offset == 0 and req.length == len(block):
-            return ev.Data(req.request_id, block, self._sum(req.key, block))
-        return ev.Data(req.request_id, block[req.offset:req.offset + req.length])
+            raise BlockError(ev.ErrorCode.LEASE_EXPIRED, "lease not held")
+        if key not in keys:
+            raise BlockError(ev.ErrorCode.NOT_FOUND, "key not under this lease")
+        block = self._blocks[key]
+        if offset + length > len(block):
+            raise BlockError(ev.ErrorCode.BAD_REQUEST, "range beyond the block")
+        if offset == 0 and length == len(block):
+            return block, self._sum(key, block)
+        return block[offset:offset + length], None
 
     def _sum(self, key: bytes, block: memoryview) -> tuple[PayloadChecksum, int]:
         """The block's payload checksum (this build's preferred algorithm), computed once: blocks
@@ -97,12 +186,11 @@ class MemoryBlockSource:
             known = self._sums[key] = (SUPPORTED[0], payload_checksum(SUPPORTED[0], block))
         return known
 
-    def _release(self, req: ev.Release) -> ev.CommitReply:
-        held = self._held(req.lease_id) is not None
+    def release(self, lease_id: int) -> bool:
+        held = self._held_keys(lease_id) is not None
         with self._lock:
-            self._leases.pop(req.lease_id, None)
-        status = ev.CommitStatus.COMMITTED if held else ev.CommitStatus.FAILED
-        return ev.CommitReply(req.request_id, status, "" if held else "lease expired")
+            self._leases.pop(lease_id, None)
+        return held
 
     @property
     def active_leases(self) -> int:

@@ -1,17 +1,16 @@
-"""The protocol's states and its transition tables (used by :mod:`tiersync.net.protocol`).
+"""The protocol's states and its handshake table (used by :mod:`tiersync.net.protocol`).
 
-``HANDSHAKE`` maps (role, state, direction, op) to the next state; ``ANSWERS`` names the
-responses each request op allows first (ERROR is always allowed and final); ``then`` says
-which responses are still allowed after a given one.
+``HANDSHAKE`` maps (role, state, direction, op) to the next state. Which responses each
+request allows comes from the connection's vocabulary (:mod:`tiersync.net.vocab`; ERROR is
+always allowed and final); ``then`` says which are still allowed after a given one.
 """
 from __future__ import annotations
 
 import enum
 
-from tiersync.net import events as ev
 from tiersync.net.frames import Op
 
-__all__ = ["ANSWERS", "HANDSHAKE", "RESPONSES", "Direction", "Role", "State", "then"]
+__all__ = ["HANDSHAKE", "Direction", "Role", "State", "then"]
 
 
 class Role(enum.Enum):
@@ -49,19 +48,10 @@ HANDSHAKE: dict[tuple[Role, State, Direction, Op], State] = {
     (Role.SERVER, State.MUST_READY, _S, Op.READY): State.READY,
 }
 
-# Request op -> response ops allowed first (ERROR is always allowed and final).
-ANSWERS: dict[Op, frozenset[Op]] = {
-    Op.PING: frozenset({Op.PONG}),
-    Op.OFFER: frozenset({Op.OFFER_REPLY}),
-    Op.READ_LEASE: frozenset({Op.LEASE_REPLY}),
-    Op.PULL: frozenset({Op.DATA}),
-    Op.RELEASE: frozenset({Op.COMMIT_REPLY}),
-}
-RESPONSES = frozenset({Op.PONG, Op.OFFER_REPLY, Op.LEASE_REPLY, Op.DATA, Op.COMMIT_REPLY, Op.ERROR})
 
 
-def then(event: object) -> frozenset[Op] | None:
-    """Responses still allowed after ``event`` (None: the request is finished)."""
-    if isinstance(event, ev.OfferReply) and event.status in (ev.OfferStatus.ACCEPT, ev.OfferStatus.PARTIAL_EXIST):
-        return frozenset({Op.COMMIT_REPLY})
-    return None
+def then(event: object) -> frozenset[int] | None:
+    """Responses still allowed after response ``event`` (None: the request is finished); an
+    event class allows more through a ``then()`` method (e.g. an accepted OFFER_REPLY)."""
+    more = getattr(event, "then", None)
+    return more() if more is not None else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from tiersync.errors import CapacityError, RemoteError, UsageError
 from tiersync.net import events as ev
 from tiersync.net.source import MemoryBlockSource
+from tiersync.net.config import coerce_token
 from tiersync.net.tcp import Deadline, TcpConfig, TcpTransport
 
 PULL_WINDOW = 8
@@ -37,11 +38,11 @@ class StoreNodeClient:
     node sends us, before it is answered.
     """
 
-    def __init__(self, address: str, *, token: bytes | None = None, timeout: float = 30.0,
+    def __init__(self, address: str, *, token: bytes | str | None = None, timeout: float = 30.0,
                  bind_host: str = "127.0.0.1", on_pull: Callable[[ev.Pull], None] | None = None) -> None:
         if not timeout > 0:
             raise UsageError("must be > 0 seconds", argument="timeout", value=timeout)
-        self.address, self.token, self.timeout = address, token, timeout
+        self.address, self.token, self.timeout = address, coerce_token(token), timeout
         self._bind, self._on_pull = bind_host, on_pull
 
     def _connect(self, deadline: Deadline):
@@ -54,10 +55,10 @@ class StoreNodeClient:
         if len(keys) != len(buffers) or not keys:
             raise UsageError("needs one buffer per key, at least one", argument="buffers")
         deadline = Deadline(self.timeout, self.address)
-        source = MemoryBlockSource(dict(zip(keys, buffers)))
-        server = TcpTransport(TcpConfig(token=self.token)).serve(f"{self._bind}:0", self._handler(source))
+        source = _ObservedSource(dict(zip(keys, buffers)), self._on_pull)
+        server = TcpTransport(TcpConfig(token=self.token)).serve(f"{self._bind}:0", source)
         try:
-            lease = source(ev.ReadLease(1, keys, ttl_s=max(int(self.timeout) + 1, 30)))[0]
+            lease = source.lease(ev.ReadLease(1, keys, ttl_s=max(int(self.timeout) + 1, 30)))
             host = "" if self._bind in _WILDCARD else self._bind
             pull_from = f"{host}:{server.address.rpartition(':')[2]}"
             channel = self._connect(deadline)
@@ -67,14 +68,6 @@ class StoreNodeClient:
                 channel.close()
         finally:
             server.close()
-
-    def _handler(self, source: MemoryBlockSource) -> Callable[[object], list]:
-        def handle(event: object) -> list:
-            if isinstance(event, ev.Pull) and self._on_pull is not None:
-                self._on_pull(event)
-            return source(event)
-
-        return handle
 
     def _offer(self, channel, lease: ev.LeaseReply, keys: tuple[bytes, ...], source: str,
                deadline: Deadline) -> PushResult:
@@ -128,3 +121,16 @@ class StoreNodeClient:
                 raise UsageError("buffer smaller than the block", argument="into", need=size, got=len(view))
             items.append((key, 0, view[:size]))
         channel.pull_many(lease.lease_id, items, window=PULL_WINDOW, timeout=deadline.remaining())
+
+
+class _ObservedSource(MemoryBlockSource):
+    """The writer's blocks; ``on_pull`` (tests) sees every PULL / PULL_MANY before it is answered."""
+
+    def __init__(self, blocks: dict, on_pull: Callable[[object], None] | None) -> None:
+        super().__init__(blocks)
+        self._on_pull = on_pull
+
+    def handle(self, session, event):
+        if self._on_pull is not None and isinstance(event, (ev.Pull, ev.PullMany, ev.PullLocal)):
+            self._on_pull(event)
+        return super().handle(session, event)

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 
 from tiersync.errors import RemoteError, UsageError
 from tiersync.net import events as ev
-from tiersync.net.source import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, dispatch
-from tiersync.net.tcp import Deadline, TcpConfig, TcpTransport, parse_address
-from tiersync.net.tcp_server import TcpServer
+from tiersync.net.service import Session
+from tiersync.net.source import BlockError, BlockService, clamp_ttl
+from tiersync.net.tcp import Deadline, TcpConfig, TcpServer, TcpTransport, parse_address
 from tiersync.tiers.host import HostArena, HostArenaConfig
 
 if TYPE_CHECKING:
@@ -47,7 +47,6 @@ PULL_CHUNK = 16 << 20
 PULL_WINDOW = 8
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_conn = threading.local()  # per connection thread: the peer's "ip:port" as this node sees it
 
 
 def parse_size(text: str) -> int:
@@ -58,12 +57,13 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
-class StoreNode:
-    """The node's request handler over a HostArena of ``capacity`` bytes. Thread-safe."""
+class StoreNode(BlockService):
+    """The node's block service over a HostArena of ``capacity`` bytes. Thread-safe."""
 
     def __init__(self, capacity: int, block_nbytes: int = 1 << 20, *, config: TcpConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, pull_timeout_s: float = 60.0,
                  on_stored: Callable[[list[bytes]], None] | None = None) -> None:
+        super().__init__()
         if capacity < block_nbytes:
             raise UsageError("capacity is smaller than one block", argument="capacity", value=capacity)
         self.arena = HostArena(HostArenaConfig(num_blocks=capacity // block_nbytes, block_nbytes=block_nbytes))
@@ -76,18 +76,18 @@ class StoreNode:
         self._lock = threading.Lock()
 
     # -- reads ---------------------------------------------------------------
-    def __call__(self, event: object) -> list:
+    def handle(self, session: Session, event: object):
         with self._lock:
             self._expire()
-        return dispatch(self, event)
+        return super().handle(session, event)
 
     def _expire(self) -> None:
         now = self._clock()
         for lease_id in [i for i, (end, _, _) in self._leases.items() if end <= now]:
             self.arena.allocator.unlock(self._leases.pop(lease_id)[1])
 
-    def _lease(self, req: ev.ReadLease) -> ev.LeaseReply:
-        ttl = min(max(req.ttl_s, LEASE_TTL_MIN_S), LEASE_TTL_MAX_S)
+    def lease(self, req: ev.ReadLease) -> ev.LeaseReply:
+        ttl = clamp_ttl(req.ttl_s)
         with self._lock:
             missing = tuple(k for k in req.keys if k not in self._index)
             if missing:
@@ -99,35 +99,36 @@ class StoreNode:
             sizes = tuple(self._index[k][1] for k in req.keys)
         return ev.LeaseReply(req.request_id, ev.LeaseStatus.GRANTED, lease_id, ttl, sizes)
 
-    def _pull(self, req: ev.Pull) -> object:
+    def view(self, lease_id: int, key: bytes, offset: int, length: int) -> tuple[memoryview, None]:
         with self._lock:
-            lease = self._leases.get(req.lease_id)
+            lease = self._leases.get(lease_id)
             if lease is None:
-                return ev.Error(req.request_id, ev.ErrorCode.LEASE_EXPIRED, "lease not held")
-            if req.key not in lease[2]:
-                return ev.Error(req.request_id, ev.ErrorCode.NOT_FOUND, "key not under this lease")
-            block, size = self._index[req.key]
-        if req.offset + req.length > size:
-            return ev.Error(req.request_id, ev.ErrorCode.BAD_REQUEST, "range beyond the block")
-        return ev.Data(req.request_id, self.arena.block(block)[req.offset:req.offset + req.length])
+                raise BlockError(ev.ErrorCode.LEASE_EXPIRED, "lease not held")
+            if key not in lease[2]:
+                raise BlockError(ev.ErrorCode.NOT_FOUND, "key not under this lease")
+            block, size = self._index[key]
+        if offset + length > size:
+            raise BlockError(ev.ErrorCode.BAD_REQUEST, "range beyond the block")
+        return self.arena.block(block)[offset:offset + length], None
 
-    def _release(self, req: ev.Release) -> ev.CommitReply:
+    def release(self, lease_id: int) -> bool:
         with self._lock:
-            lease = self._leases.pop(req.lease_id, None)
+            lease = self._leases.pop(lease_id, None)
             if lease is not None:
                 self.arena.allocator.unlock(lease[1])
-        if lease is None:
-            return ev.CommitReply(req.request_id, ev.CommitStatus.FAILED, "lease expired")
-        return ev.CommitReply(req.request_id, ev.CommitStatus.COMMITTED)
+        return lease is not None
 
     # -- writes --------------------------------------------------------------
-    def offer(self, req: ev.Offer, peer: str | None = None) -> Iterator[object]:
+    def offer(self, req: ev.Offer, session: Session | None = None) -> Iterator[object]:
         """Answers to OFFER ``req``: the OFFER_REPLY, then (when accepted) the COMMIT_REPLY.
+        An unexpected error becomes ERROR (before the reply) or FAILED (after).
 
-        ``peer``: the writer connection's "ip:port" (default: the serving thread's), used
-        when ``req.source`` has an empty host.
+        ``session``: the writer's; its "ip:port" is used when ``req.source`` has an empty host.
         """
-        writer = writer_address(req.source, peer or getattr(_conn, "peer", None))
+        return _guarded(self._offer(req, session.peer if session is not None else None), req.request_id)
+
+    def _offer(self, req: ev.Offer, peer: str | None) -> Iterator[object]:
+        writer = writer_address(req.source, peer)
         reply, new, blocks = self._admit(req, writer)
         yield reply
         if not new:
@@ -203,20 +204,11 @@ class StoreNode:
 
 
 class StoreNodeServer(TcpServer):
-    """TcpServer that remembers each connection's peer (for OFFER sources) and streams OFFER answers."""
+    """The TcpServer of a :class:`StoreNode` (``.node``)."""
 
     def __init__(self, address: str, node: StoreNode) -> None:
         self.node = node
         super().__init__(address, node, node.config)
-
-    def _dispatch(self, framed) -> None:
-        _conn.peer = framed.peer
-        super()._dispatch(framed)
-
-    def _answers(self, event):
-        if not isinstance(event, ev.Offer):
-            return super()._answers(event)
-        return _guarded(self.node.offer(event), event.request_id)
 
 
 def writer_address(source: str, peer: str | None) -> str | None:
@@ -250,7 +242,7 @@ def _guarded(answers: Iterator[object], request_id: int) -> Iterator[object]:
             yield ev.Error(request_id, ev.ErrorCode.INTERNAL, type(exc).__name__)
 
 
-def serve(capacity: int, address: str = "127.0.0.1:0", *, token: bytes | None = None,
+def serve(capacity: int, address: str = "127.0.0.1:0", *, token: bytes | str | None = None,
           block_nbytes: int = 1 << 20) -> StoreNodeServer:
     """Start a store node on ``address``; ``.address`` has the bound port, ``.node`` the handler."""
     return StoreNodeServer(address, StoreNode(capacity, block_nbytes, config=TcpConfig(token=token)))
@@ -274,7 +266,7 @@ def default_advertise(address: str) -> str:
     return f"{socket.gethostname()}:{port}" if host in ("0.0.0.0", "::", "") else address
 
 
-def main(capacity: str, port: int, host: str = "127.0.0.1", token: str | None = None,
+def main(capacity: str, port: int, host: str = "127.0.0.1", token: bytes | str | None = None,
          block_size: str = "1MiB", stop: threading.Event | None = None, *, registry: str | None = None,
          store_id: str | None = None, pool_group: str = "", heartbeat_s: float = 300.0,
          advertise: str | None = None) -> int:
@@ -283,7 +275,7 @@ def main(capacity: str, port: int, host: str = "127.0.0.1", token: str | None = 
     ``registry``: "host:port" of ``tiersync registry`` (or "redis://..."): register as
     ``store_id`` (default "HOST:PORT" of ``advertise``) and heartbeat every ``heartbeat_s``.
     """
-    server = serve(parse_size(capacity), f"{host}:{port}", token=token.encode() if token else None,
+    server = serve(parse_size(capacity), f"{host}:{port}", token=token,
                    block_nbytes=parse_size(block_size))
     stop = stop or _stop_on_sigterm()
     agent = reg = None

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from tiersync.net.config import coerce_token
 from tiersync.errors import CapacityError, RemoteError, TierSyncError, UsageError, check_positive_int
 from tiersync.net import events as ev
 from tiersync.net.registry.base import Registry
@@ -53,10 +54,11 @@ class SweepConfig:
     pool_group: str = ""
     max_targets: int = 4
     timeout_s: float = 30.0
-    token: bytes | None = None
+    token: bytes | str | None = None
     bind_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "token", coerce_token(self.token, "SweepConfig.token"))
         if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
             raise UsageError("needs 0 <= low_watermark <= high_watermark <= 1", argument="SweepConfig.low_watermark",
                              low=self.low_watermark, high=self.high_watermark)

@@ -14,58 +14,28 @@ import itertools
 import socket
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from tiersync.errors import ClosedError, UsageError
-from tiersync.net import auth
 from tiersync.net import events as ev
-from tiersync.net.errors import (AuthError, NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault,
-                                 RequestError)
+from tiersync.net.config import Route, TcpConfig, parse_address
+from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault, RequestError
 from tiersync.net.framed import Deadline, FramedSocket, io_errors, tune
-from tiersync.net.frames import PayloadChecksum, ProtocolConfig
+from tiersync.net.frames import PayloadChecksum
+from tiersync.net.handshake import client_handshake
+from tiersync.net.local import LocalReadError
+from tiersync.net.samehost import local_copy
 from tiersync.net.protocol import Connection, Role
-from tiersync.net.tls import TlsConfig, client_context
-from tiersync.net.transport import Channel, Handler, Server, Transport
+from tiersync.net.server import TcpServer
+from tiersync.net.service import PeerInfo, Service
+from tiersync.net.tls import client_context
+from tiersync.net.transport import Channel, Server, Transport
+from tiersync.net.vocab import Vocabulary
 
-@dataclass(frozen=True, slots=True)
-class TcpConfig:
-    """Settings of one TCP transport (both client and server side).
+__all__ = ["Deadline", "Route", "TcpChannel", "TcpConfig", "TcpTransport", "parse_address"]
 
-    ``token``: shared secret; when set, peers must prove it (HMAC) and so must we.
-    ``tls``: optional :class:`TlsConfig`. Timeouts are seconds (> 0).
-    Raises UsageError on invalid values.
-    """
-
-    sndbuf: int = 16 << 20
-    rcvbuf: int = 16 << 20
-    nodelay: bool = True
-    connect_timeout_s: float = 5.0
-    op_timeout_s: float = 120.0
-    token: bytes | None = None
-    tls: TlsConfig | None = None
-    node_id: str = "tiersync"
-    recv_chunk: int = 256 << 10
-    backlog: int = 64
-    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
-
-    def __post_init__(self) -> None:
-        for name in ("sndbuf", "rcvbuf", "recv_chunk", "backlog"):
-            if getattr(self, name) <= 0:
-                raise UsageError("must be > 0", argument=name)
-        for name in ("connect_timeout_s", "op_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise UsageError("must be > 0 seconds", argument=name)
-        if self.token is not None and (not isinstance(self.token, bytes) or len(self.token) < 16):
-            raise UsageError("must be bytes of at least 16", argument="token")
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """Split "host:port". Raises UsageError when malformed."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise UsageError("must be 'host:port'", argument="address", value=address)
-    return host.strip("[]"), int(port)
-
+_BROKEN = (PeerClosedError, ProtocolError, NetTimeoutError, AuthError)
+_GROUP_BYTES = 1 << 20  # pulls smaller than this are grouped into one PULL_MANY of about this size
+_GROUP_ITEMS = 64
 
 class TcpChannel(Channel):
     """Client side of one TCP connection. Use :meth:`TcpTransport.connect` to build."""
@@ -73,27 +43,45 @@ class TcpChannel(Channel):
     def __init__(self, framed: FramedSocket) -> None:
         self._framed = framed
         self.peer = framed.peer
-        self._lock = threading.Lock()
+        self._rlock = threading.Lock()  # reads (receive); request/pull_many take both locks
+        self._wlock = threading.Lock()  # writes (send)
         self._ids = itertools.count(1)
         self._closed = False
+        self.info = PeerInfo("", "", 0, False)
+        """What the server told about itself in the handshake (``same_host`` and its pid)."""
+        self._local_failed = False
 
     def handshake(self, deadline: Deadline) -> None:
         """Run HELLO/CHALLENGE/AUTH/READY. Raises AuthError when either side lacks the token."""
-        token, nonce = self._framed.cfg.token, auth.new_nonce()
-        self._framed.write(ev.Hello(self._framed.cfg.node_id, nonce), deadline)
-        challenge = self._expect(ev.Challenge, deadline)
-        if token is not None and not auth.proof_ok(auth.server_proof(token, nonce, challenge.nonce), challenge.proof):
-            raise AuthError("server failed to prove the shared token", peer=self.peer)
-        self._framed.write(ev.Auth(auth.client_proof(token, nonce, challenge.nonce)), deadline)
-        self._expect(ev.Ready, deadline)
+        cfg = self._framed.cfg
+        self.info = client_handshake(self._framed, cfg.token, cfg.node_id, deadline)
 
-    def _expect(self, kind: type, deadline: Deadline):
-        event = self._framed.read(deadline)
-        if isinstance(event, ev.Error) and event.code is ev.ErrorCode.AUTH_FAILED:
-            raise AuthError(f"peer refused authentication: {event.message}", peer=self.peer)
-        if not isinstance(event, kind):
-            raise PeerClosedError(f"handshake ended by {type(event).__name__}", peer=self.peer)
-        return event
+    def send(self, event: object, *, timeout: float | None = None) -> None:
+        """Send one-way message ``event`` (thread-safe beside a :meth:`receive` in another
+        thread). Raises like :meth:`request`."""
+        with self._wlock:
+            self._check_open()
+            try:
+                self._framed.write(event, Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer))
+            except _BROKEN:
+                self._shut()
+                raise
+
+    def receive(self, *, timeout: float | None = None) -> object:
+        """The next one-way message from the server (``timeout`` None: wait for ever).
+        PeerClosedError when the connection ended; the channel is closed then."""
+        with self._rlock:
+            self._check_open()
+            try:
+                event = self._framed.read(Deadline(timeout if timeout is not None else 1e9, self.peer))
+            except _BROKEN:
+                self._shut()
+                raise
+            if isinstance(event, (ev.ConnectionClosed, ev.Error)):
+                self._shut()
+                why = getattr(event, "message", "") or "peer closed the connection"
+                raise PeerClosedError(why, peer=self.peer)
+            return event
 
     def new_request_id(self) -> int:
         return next(self._ids)
@@ -103,8 +91,9 @@ class TcpChannel(Channel):
         """The payload checksum negotiated in the handshake."""
         return self._framed.conn.payload_algo
 
-    def request(self, event: object, *, timeout: float | None = None, into: memoryview | None = None) -> object:
-        with self._lock:
+    def request(self, event: object, *, timeout: float | None = None, into: object | None = None) -> object:
+        """See :meth:`Channel.request`; ``into`` may also be a list of buffers filled in order."""
+        with self._rlock, self._wlock:
             self._check_open()
             deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
             try:
@@ -113,7 +102,7 @@ class TcpChannel(Channel):
                     return self._answer(event.request_id, deadline)
                 self._framed.conn.expect_payload_into(event.request_id, into)
                 return self._answer(event.request_id, deadline, data=True)
-            except (PeerClosedError, ProtocolError, NetTimeoutError, AuthError):
+            except _BROKEN:
                 self._shut()
                 raise
 
@@ -122,13 +111,17 @@ class TcpChannel(Channel):
         """Pull ``(key, offset, dest)`` items under ``lease_id``, keeping ``window`` requests in
         flight on this one connection so the round trip of one hides behind the next.
 
-        Each payload lands straight in its ``dest`` (exact size). One deadline covers the
-        whole batch. Raises like :meth:`request` (an ERROR answer raises RequestError after
-        the channel is closed, since later answers are still in flight).
+        Each payload lands straight in its ``dest`` (exact size); items under 1 MiB travel
+        grouped, one PULL_MANY per about 1 MiB whose single DATA answer is scattered into
+        their buffers. One deadline covers the whole batch. Raises like :meth:`request` (an
+        ERROR answer raises RequestError after the channel is closed, since later answers
+        are still in flight).
         """
         if window < 1:
             raise UsageError("must be >= 1", argument="window", value=window)
-        with self._lock:
+        if self._local_route():
+            return self._pull_local(lease_id, items, timeout)
+        with self._rlock, self._wlock:
             self._check_open()
             deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
             todo, pending = iter(self._pulls(lease_id, items)), collections.deque()
@@ -140,30 +133,76 @@ class TcpChannel(Channel):
                         pending.popleft()
                     if len(pending) <= window - half:
                         self._send_pulls(todo, window - len(pending), pending, deadline)
-            except (PeerClosedError, ProtocolError, NetTimeoutError, AuthError, RequestError):
+            except (*_BROKEN, RequestError):
                 self._shut()
                 raise
 
-    def _pulls(self, lease_id: int, items) -> list[tuple[ev.Pull, memoryview]]:
-        """Validate every item before anything is sent (UsageError naming ``items``)."""
-        out = []
+    def _pulls(self, lease_id: int, items) -> list[tuple[object, object]]:
+        """Validate every item before anything is sent (UsageError naming ``items``), then group
+        the small ones: ``(PULL or PULL_MANY, destination buffer or buffers)``."""
+        out, group, size = [], [], 0
         for key, offset, dest in items:
-            try:
-                view = memoryview(dest).cast("B")
-            except TypeError as exc:
-                raise UsageError("destinations must be contiguous buffers", argument="items") from exc
-            if view.readonly:
-                raise UsageError("destinations must be writable", argument="items")
-            out.append((ev.Pull(next(self._ids), lease_id, key, offset, len(view)), view))
+            view = _writable(dest)
+            if len(view) >= _GROUP_BYTES:
+                out.append((ev.Pull(next(self._ids), lease_id, key, offset, len(view)), view))
+                continue
+            group.append((key, offset, view))
+            size += len(view)
+            if size >= _GROUP_BYTES or len(group) == _GROUP_ITEMS:
+                out.append(self._group(lease_id, group))
+                group, size = [], 0
+        if group:
+            out.append(self._group(lease_id, group))
         return out
+
+    def _local_route(self) -> bool:
+        """Same-host reads for this channel: the route allows them and the server is on this
+        host (UsageError when the route is LOCAL and it is not)."""
+        route = self._framed.cfg.route
+        if route is Route.TCP or self._local_failed:
+            return False
+        if not self.info.same_host:
+            if route is Route.LOCAL:
+                raise UsageError("route is LOCAL but the server is on another host", argument="route",
+                                 peer=self.peer)
+            return False
+        return True
+
+    def _pull_local(self, lease_id: int, items, timeout: float | None) -> None:
+        """PULL_LOCAL, then copy every range out of the server's memory (``process_vm_readv``)
+        and verify it against the checksum the server sent; on a refused read (permissions,
+        another pid namespace) route AUTO falls back to TCP for good, route LOCAL raises."""
+        checked = [(key, offset, _writable(dest)) for key, offset, dest in items]
+        deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
+        limit = self._framed.cfg.protocol.max_keys
+        for start in range(0, len(checked), limit):
+            group = checked[start:start + limit]
+            req = ev.PullLocal(self.new_request_id(), lease_id, tuple((k, o, len(v)) for k, o, v in group))
+            reply = self.request(req, timeout=deadline.remaining())
+            try:
+                local_copy(reply, [v for _, _, v in group], self.peer)
+            except LocalReadError:
+                if self._framed.cfg.route is Route.LOCAL:
+                    raise
+                self._local_failed = True
+                return self.pull_many(lease_id, checked[start:], timeout=deadline.remaining())
+        return None
+
+    def _group(self, lease_id: int, group: list) -> tuple[object, object]:
+        if len(group) == 1:
+            key, offset, view = group[0]
+            return ev.Pull(next(self._ids), lease_id, key, offset, len(view)), view
+        items = tuple((k, o, len(v)) for k, o, v in group)
+        return ev.PullMany(next(self._ids), lease_id, items), [v for _, _, v in group]
 
     def _send_pulls(self, todo, n: int, pending: collections.deque, deadline: Deadline) -> None:
         """Encode up to ``n`` more PULLs from ``todo``, register their buffers, send them in one go."""
         conn, bufs = self._framed.conn, []
-        for pull, dest in itertools.islice(todo, n):
-            bufs += conn.send(pull)
-            conn.expect_payload_into(pull.request_id, dest)
-            pending.append(pull.request_id)
+        with self._framed.lock:
+            for pull, dest in itertools.islice(todo, n):
+                bufs += conn.send(pull)
+                conn.expect_payload_into(pull.request_id, dest)
+                pending.append(pull.request_id)
         if bufs:
             self._framed.send_buffers(bufs, deadline)
 
@@ -176,11 +215,11 @@ class TcpChannel(Channel):
         return len(events)
 
     def next_answer(self, request_id: int, *, timeout: float | None = None) -> object:
-        with self._lock:
+        with self._rlock, self._wlock:
             self._check_open()
             try:
                 return self._answer(request_id, Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer))
-            except (PeerClosedError, ProtocolError, NetTimeoutError, AuthError):
+            except _BROKEN:
                 self._shut()
                 raise
 
@@ -221,10 +260,12 @@ class TcpChannel(Channel):
 
 
 class TcpTransport(Transport):
-    """Connects and serves over TCP with ``config``."""
+    """Connects and serves over TCP with ``config``, speaking ``vocabulary`` (default: the
+    block store's)."""
 
-    def __init__(self, config: TcpConfig | None = None) -> None:
+    def __init__(self, config: TcpConfig | None = None, vocabulary: Vocabulary | None = None) -> None:
         self.config = config or TcpConfig()
+        self.vocabulary = vocabulary if vocabulary is not None else ev.STORE
 
     def connect(self, address: str, *, timeout: float | None = None) -> TcpChannel:
         host, port = parse_address(address)
@@ -234,7 +275,8 @@ class TcpTransport(Transport):
         try:
             tune(sock, self.config)
             sock = self._wrap_tls(sock, host, deadline, address)
-            channel = TcpChannel(FramedSocket(sock, Connection(Role.CLIENT, self.config.protocol), address, self.config))
+            conn = Connection(Role.CLIENT, self.config.protocol, self.vocabulary)
+            channel = TcpChannel(FramedSocket(sock, conn, address, self.config))
             channel.handshake(deadline)
         except BaseException:
             sock.close()
@@ -249,7 +291,15 @@ class TcpTransport(Transport):
             sock.settimeout(deadline.remaining())
             return client_context(tls).wrap_socket(sock, server_hostname=tls.server_hostname or host)
 
-    def serve(self, address: str, handler: Handler) -> Server:
-        from tiersync.net.tcp_server import TcpServer
+    def serve(self, address: str, service: Service) -> Server:
+        return TcpServer(address, service, self.config)
 
-        return TcpServer(address, handler, self.config)
+
+def _writable(dest: object) -> memoryview:
+    try:
+        view = memoryview(dest).cast("B")
+    except TypeError as exc:
+        raise UsageError("destinations must be contiguous buffers", argument="items") from exc
+    if view.readonly:
+        raise UsageError("destinations must be writable", argument="items")
+    return view

@@ -1,23 +1,20 @@
 """Transport interface (TCP today; UCX/NIXL later) and transport-independent helpers.
 
-A :class:`Transport` opens authenticated :class:`Channel` s to peers and serves
-a :class:`Handler`. :class:`ChannelPool` keeps idle channels per peer, and
-:func:`pull_striped` splits one block transfer across several streams.
+A :class:`Transport` opens authenticated :class:`Channel` s to peers and serves a
+:class:`~tiersync.net.service.Service`. :class:`ChannelPool` keeps idle channels per peer
+(the one client connection pool of every link), and :func:`pull_striped` splits one block
+transfer across several streams.
 """
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
-
-Handler = Callable[[object], Iterable[object]]
-"""Called with each request event from a peer; yields the answer events, in order."""
-
 
 class Channel(ABC):
     """One authenticated connection to ``peer``. Thread-safe: requests are serialised."""
@@ -78,8 +75,8 @@ class Transport(ABC):
         """Open and authenticate a channel. Raises AuthError, NetTimeoutError, PeerClosedError."""
 
     @abstractmethod
-    def serve(self, address: str, handler: Handler) -> Server:
-        """Listen on ``address`` ("host:port", port 0 picks one) and serve ``handler``."""
+    def serve(self, address: str, service: object) -> Server:
+        """Listen on ``address`` ("host:port", port 0 picks one) and serve ``service``."""
 
 
 class ChannelPool:

@@ -1,0 +1,116 @@
+"""The settings of one endpoint of the wire stack (:class:`TcpConfig`), and the one address
+and token checks every link uses.
+
+Every service — store nodes, prefill -> decode, weight sync — connects and serves through
+:class:`TcpConfig`: the same token (shared-secret HMAC), TLS, deadlines, connection cap,
+worker pool and same-host route. Nothing here reads the environment; the CLI and the
+integrations do (:func:`token_from`).
+"""
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiersync.errors import UsageError, check_positive_int
+from tiersync.net.frames import ProtocolConfig
+from tiersync.net.tls import TlsConfig
+
+__all__ = ["MIN_TOKEN_BYTES", "Route", "TcpConfig", "coerce_token", "parse_address", "token_from"]
+
+MIN_TOKEN_BYTES = 16
+
+
+class Route(enum.Enum):
+    """How bytes move once a connection is up. ``AUTO``: same-host reads
+    (``process_vm_readv``, :mod:`tiersync.net.local`) when the handshake shows both ends on
+    one host and the read is permitted, TCP otherwise. ``LOCAL``: same-host reads or an
+    error. ``TCP``: always the socket."""
+
+    AUTO = "auto"
+    LOCAL = "local"
+    TCP = "tcp"
+
+
+def parse_address(address: Any, argument: str = "address") -> tuple[str, int]:
+    """Split "host:port" (an IPv6 host may be bracketed; port 0 allowed: pick one). Raises
+    UsageError naming ``argument``."""
+    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise UsageError("must be 'host:port' with a port in [0, 65535]", argument=argument, value=address)
+    return host.strip("[]"), int(port)
+
+
+def coerce_token(value: Any, argument: str = "token") -> bytes | None:
+    """A shared secret as bytes: ``str`` (UTF-8) or ``bytes`` of at least 16 bytes, or None
+    (no token). Raises UsageError naming ``argument`` (the value is never echoed)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = value.encode("utf-8")
+    if not isinstance(value, (bytes, bytearray)) or len(value) < MIN_TOKEN_BYTES:
+        raise UsageError(f"must be a str or bytes of at least {MIN_TOKEN_BYTES} bytes (or None)", argument=argument)
+    return bytes(value)
+
+
+def token_from(token_file: str | None, environ: dict | None = None, *, argument: str = "--token-file") -> bytes | None:
+    """The token of a process: the contents of ``token_file`` (trailing newline stripped),
+    else ``$TIERSYNC_TOKEN``, else None. Command lines never carry the secret itself (argv is
+    readable by every local user). Raises UsageError naming ``argument`` or the variable."""
+    if token_file is not None:
+        try:
+            with open(token_file, "rb") as f:
+                raw = f.read(1 << 16).rstrip(b"\r\n")
+        except OSError as exc:
+            raise UsageError(f"cannot read the token file: {exc.strerror}", argument=argument,
+                             path=token_file) from None
+        return coerce_token(raw, argument)
+    env = os.environ if environ is None else environ
+    value = env.get("TIERSYNC_TOKEN")
+    return coerce_token(value, "TIERSYNC_TOKEN") if value else None
+
+
+@dataclass(frozen=True, slots=True)
+class TcpConfig:
+    """Settings of one endpoint (client and server side alike).
+
+    ``token``: shared secret (str or bytes, >= 16 bytes); when set, peers must prove it
+    (HMAC) and so must we. ``tls``: optional :class:`TlsConfig` (mutual with
+    ``require_peer_cert``). Timeouts are seconds (> 0): ``connect_timeout_s`` bounds a
+    connect plus handshake (a server closes a connection that has not finished its
+    handshake by then), ``op_timeout_s`` one request. ``max_connections``: a server's cap on
+    open connections (more are answered ERROR(CAPACITY) and closed); ``workers``: the
+    server's pool running requests. ``route``: see :class:`Route`. Raises UsageError naming
+    the field.
+    """
+
+    sndbuf: int = 16 << 20
+    rcvbuf: int = 16 << 20
+    nodelay: bool = True
+    connect_timeout_s: float = 5.0
+    op_timeout_s: float = 120.0
+    token: bytes | str | None = None
+    tls: TlsConfig | None = None
+    node_id: str = "tiersync"
+    recv_chunk: int = 256 << 10
+    backlog: int = 1024
+    max_connections: int = 4096
+    workers: int = 32
+    route: Route = Route.AUTO
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("sndbuf", "rcvbuf", "recv_chunk", "backlog", "max_connections", "workers"):
+            check_positive_int(getattr(self, name), name)
+        for name in ("connect_timeout_s", "op_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise UsageError("must be > 0 seconds", argument=name, value=value)
+        object.__setattr__(self, "token", coerce_token(self.token))
+        if self.tls is not None and not isinstance(self.tls, TlsConfig):
+            raise UsageError("must be a TlsConfig or None", argument="tls")
+        if not isinstance(self.route, Route):
+            raise UsageError("must be a Route", argument="route", value=self.route)
+        if not isinstance(self.protocol, ProtocolConfig):
+            raise UsageError("must be a ProtocolConfig", argument="protocol")

@@ -1,0 +1,93 @@
+"""The one handshake of every link: HELLO -> CHALLENGE -> AUTH -> READY.
+
+Mutual shared-token HMAC (:mod:`tiersync.net.auth`), payload checksum negotiation, and each
+side's host identity and pid (so both know when the other is on the same host). The
+client side runs blocking over a :class:`~tiersync.net.framed.FramedSocket`; the server side
+is sans-IO (:class:`ServerHandshake`: events in, frames out) so a selector drives thousands
+of half-open connections without a thread each.
+"""
+from __future__ import annotations
+
+import os
+
+from tiersync.net import auth
+from tiersync.net import events as ev
+from tiersync.net.errors import AuthError, PeerClosedError, ProtocolError
+from tiersync.net.frames import negotiate
+from tiersync.net.local import host_identity
+from tiersync.net.protocol import Connection
+from tiersync.net.service import PeerInfo
+
+__all__ = ["ServerHandshake", "client_handshake"]
+
+
+def client_handshake(framed: object, token: bytes | None, node_id: str, deadline: object) -> PeerInfo:
+    """Run the client side on ``framed``; returns what the server told about itself.
+    Raises AuthError when either side lacks the token (or the server refused us),
+    PeerClosedError when the server ended the connection (e.g. over its connection cap)."""
+    nonce = auth.new_nonce()
+    framed.write(ev.Hello(node_id, nonce, host=host_identity(), pid=os.getpid()), deadline)
+    challenge = _expect(framed, ev.Challenge, deadline)
+    if token is not None and not auth.proof_ok(auth.server_proof(token, nonce, challenge.nonce), challenge.proof):
+        raise AuthError("server failed to prove the shared token", peer=framed.peer)
+    framed.write(ev.Auth(auth.client_proof(token, nonce, challenge.nonce)), deadline)
+    ready = _expect(framed, ev.Ready, deadline)
+    return PeerInfo("", ready.host, ready.pid, bool(ready.host) and ready.host == host_identity())
+
+
+def _expect(framed: object, kind: type, deadline: object) -> object:
+    event = framed.read(deadline)
+    if isinstance(event, ev.Error):
+        if event.code is ev.ErrorCode.AUTH_FAILED:
+            raise AuthError(f"peer refused authentication: {event.message}", peer=framed.peer)
+        raise PeerClosedError(f"server refused the connection: {event.message}", peer=framed.peer,
+                              code=event.code.name)
+    if not isinstance(event, kind):
+        raise PeerClosedError(f"handshake ended by {type(event).__name__}", peer=framed.peer)
+    return event
+
+
+class ServerHandshake:
+    """Server side for one connection: feed each event to :meth:`step`, send what it returns.
+
+    ``done`` is set (and :attr:`info` filled) once READY is returned. A peer that fails the
+    token check (or offers no common checksum) gets an ERROR frame and ``failed`` names why:
+    send the frames, then close.
+    """
+
+    def __init__(self, conn: Connection, token: bytes | None, session_id: int) -> None:
+        self.conn, self.token, self.session_id = conn, token, session_id
+        self._hello: ev.Hello | None = None
+        self._nonce = b""
+        self.done = False
+        self.failed: str | None = None
+        self.info: PeerInfo | None = None
+
+    def step(self, event: object) -> list:
+        """Frames to send in answer to ``event`` (a handshake event from the client)."""
+        if self._hello is None:
+            if not isinstance(event, ev.Hello):
+                return self._refuse("expected HELLO")
+            return self._challenge(event)
+        if not isinstance(event, ev.Auth):
+            return self._refuse("expected AUTH")
+        hello = self._hello
+        if not auth.proof_ok(auth.client_proof(self.token, hello.nonce, self._nonce), event.proof):
+            return self._refuse("bad token proof")
+        self.done = True
+        self.info = PeerInfo(hello.node_id, hello.host, hello.pid, bool(hello.host) and hello.host == host_identity())
+        return self.conn.send(ev.Ready(self.session_id, host_identity(), os.getpid()))
+
+    def _challenge(self, hello: ev.Hello) -> list:
+        try:
+            algo = negotiate(hello.checksums)
+        except ProtocolError as exc:
+            self.failed = exc.message
+            return self.conn.send(ev.Error(0, ev.ErrorCode.UNSUPPORTED, exc.message))
+        self._hello, self._nonce = hello, auth.new_nonce()
+        proof = auth.server_proof(self.token, hello.nonce, self._nonce)
+        return self.conn.send(ev.Challenge(self._nonce, proof, algo))
+
+    def _refuse(self, why: str) -> list:
+        self.failed = why
+        return self.conn.send(ev.Error(0, ev.ErrorCode.AUTH_FAILED, "authentication failed"))

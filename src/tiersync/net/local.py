@@ -1,0 +1,177 @@
+"""Same-host memory reads: one process copies ranges out of another with ``process_vm_readv``.
+
+Two ends of a link on one host (same kernel boot, same pid namespace: :func:`host_identity`)
+need not push bytes through a socket: the source says where a range is in its memory and
+the reader copies it with one kernel copy (what UCX calls CMA). The kernel lets a process
+read another of the same uid unless Yama's ``ptrace_scope`` is 1, where the source must opt
+in (:func:`allow_readers`). Refused reads raise :class:`LocalReadError`, so callers fall back
+to TCP. ctypes releases the GIL for the call.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+import secrets
+from typing import Callable, Sequence
+
+import numpy as np
+
+from tiersync.errors import RemoteError, UsageError
+
+__all__ = ["LocalReadError", "allow_readers", "buffer_address", "can_read", "host_identity", "read_remote",
+           "read_remote_chunks"]
+
+IOV_MAX = 1024
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+_IOVEC = np.dtype([("base", np.uint64), ("len", np.uint64)])
+_libc = ctypes.CDLL(None, use_errno=True)
+_readv = getattr(_libc, "process_vm_readv", None)
+if _readv is not None:
+    _readv.restype = ctypes.c_ssize_t
+    _readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+
+
+class LocalReadError(RemoteError):
+    """This process may not (or cannot) read the other's memory; ``errno`` names why."""
+
+
+@functools.cache
+def host_identity() -> str:
+    """Equal for two processes that are on one host by every measure a user would apply: the
+    kernel's boot id (one machine), the pid namespace (pids mean the same processes) and the
+    network namespace (a netns stands for another host, e.g. in tests). Unreadable /proc gives a
+    random value (never same-host)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}/{os.readlink('/proc/self/ns/net')}"
+    except OSError:
+        return f"unknown-{secrets.token_hex(16)}"
+
+
+def buffer_address(buf: object) -> tuple[int, int]:
+    """(address, nbytes) of a C-contiguous buffer (read-only ones too). UsageError otherwise."""
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise UsageError("must support the buffer protocol", argument="buffer") from None
+    if not view.c_contiguous:
+        raise UsageError("must be C-contiguous", argument="buffer")
+    if view.nbytes == 0:
+        return 0, 0
+    return int(np.frombuffer(view.cast("B"), np.uint8).ctypes.data), view.nbytes
+
+
+def allow_readers() -> None:
+    """Let same-uid processes read this one where Yama's ptrace_scope is 1 (elsewhere they
+    already may): ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``. Idempotent, never raises."""
+    try:
+        _libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0)
+    except (AttributeError, OSError):  # pragma: no cover - no prctl
+        pass
+
+
+def can_read(pid: int) -> bool:
+    """True when this process may read ``pid``'s memory (a zero-length read is checked)."""
+    if _readv is None:
+        return False
+    iov = np.zeros(1, _IOVEC)
+    return _readv(pid, iov.ctypes.data, 1, iov.ctypes.data, 1, 0) == 0
+
+
+def _iovecs(regions: Sequence[tuple[int, int]]) -> np.ndarray:
+    arr = np.array(regions, dtype=np.uint64).reshape(-1, 2) if len(regions) else np.zeros((0, 2), np.uint64)
+    out = np.empty(len(arr), _IOVEC)
+    out["base"], out["len"] = arr[:, 0], arr[:, 1]
+    return out[out["len"] > 0]
+
+
+def _advance(iov: np.ndarray, n: int) -> np.ndarray:
+    """``iov`` without its first ``n`` bytes."""
+    ends = np.cumsum(iov["len"], dtype=np.uint64)
+    k = int(np.searchsorted(ends, n, side="right"))
+    rest = iov[k:].copy()
+    if len(rest):
+        done_before = int(ends[k - 1]) if k else 0
+        cut = n - done_before
+        rest["base"][0] += cut
+        rest["len"][0] -= cut
+    return rest
+
+
+def read_remote(pid: int, remote: Sequence[tuple[int, int]], local: Sequence[memoryview]) -> None:
+    """Copy the concatenated ``remote`` (address, length) regions of process ``pid`` into the
+    concatenated writable ``local`` buffers (equal totals, else UsageError naming ``local``).
+    LocalReadError when the kernel refuses (EPERM, ESRCH, EFAULT, ENOSYS) or the copy ends short."""
+    src = _iovecs(remote)
+    dst = _iovecs([_writable_address(b) for b in local])
+    if int(src["len"].sum()) != int(dst["len"].sum()):
+        raise UsageError("local buffers must hold exactly the remote bytes", argument="local",
+                         remote=int(src["len"].sum()), local=int(dst["len"].sum()))
+    _copy(pid, src, dst)
+
+
+def _writable_address(buf: object) -> tuple[int, int]:
+    view = memoryview(buf)
+    if view.readonly:
+        raise UsageError("must be writable", argument="local")
+    return buffer_address(view)
+
+
+def _copy(pid: int, src: np.ndarray, dst: np.ndarray) -> None:
+    if _readv is None:
+        raise LocalReadError("process_vm_readv is not available", pid=pid, errno="ENOSYS")
+    while len(src) and len(dst):
+        ns, nd = min(len(src), IOV_MAX), min(len(dst), IOV_MAX)
+        want = min(int(src["len"][:ns].sum()), int(dst["len"][:nd].sum()))
+        got = _readv(pid, dst.ctypes.data, nd, src.ctypes.data, ns, 0)
+        if got < 0:
+            code = ctypes.get_errno()
+            raise LocalReadError(f"process_vm_readv failed: {os.strerror(code)}", pid=pid,
+                                 errno=errno.errorcode.get(code, code))
+        if got == 0 and want:
+            raise LocalReadError("process_vm_readv copied nothing", pid=pid, errno="EFAULT")
+        src, dst = _advance(src, got), _advance(dst, got)
+
+
+def read_remote_chunks(pid: int, remote: Sequence[tuple[int, int]], local: Sequence[memoryview], *,
+                       piece: int = 1 << 20, on_piece: Callable[[memoryview], None] | None = None) -> None:
+    """:func:`read_remote` in pieces of about ``piece`` bytes; ``on_piece(view)`` is called with
+    each landed piece of a local buffer right after it landed (in local order, every byte once,
+    a piece never spanning two buffers), e.g. to checksum it while it is in cache."""
+    views = [memoryview(b).cast("B") for b in local]
+    src = _iovecs(remote)
+    total = sum(len(v) for v in views)
+    if int(src["len"].sum()) != total:
+        raise UsageError("local buffers must hold exactly the remote bytes", argument="local",
+                         remote=int(src["len"].sum()), local=total)
+    pieces: list[memoryview] = []
+    size = 0
+    for view in views:
+        for off in range(0, len(view), piece):
+            pieces.append(view[off:off + piece])
+            size += len(pieces[-1])
+            if size >= piece or len(pieces) == IOV_MAX:
+                src = _land(pid, src, pieces, size, on_piece)
+                pieces, size = [], 0
+    if pieces:
+        _land(pid, src, pieces, size, on_piece)
+
+
+def _land(pid: int, src: np.ndarray, pieces: list[memoryview], size: int,
+          on_piece: Callable[[memoryview], None] | None) -> np.ndarray:
+    dst = _iovecs([_writable_address(p) for p in pieces])
+    ends = np.cumsum(src["len"], dtype=np.uint64)
+    k = int(np.searchsorted(ends, size, side="left")) + 1
+    head = src[:k].copy()
+    over = int(ends[k - 1]) - size
+    if over:
+        head["len"][-1] -= over
+    _copy(pid, head, dst)
+    if on_piece is not None:
+        for p in pieces:
+            on_piece(p)
+    return _advance(src, size)

@@ -1,0 +1,450 @@
+"""The one server of every link: a selector thread, a connection cap and a bounded worker pool.
+
+One thread accepts, runs TLS and tiersync handshakes and reads idle connections, all
+non-blocking: a half-open or idle connection costs a socket and a small
+:class:`~tiersync.net.protocol.Connection`, never a thread. Once a session has a complete
+request, the session leaves the selector and a pool worker (``TcpConfig.workers``) runs the
+service's handler and writes the answers; requests already buffered behind it (a pipelining
+peer) are answered in the same turn and sent together, then the session goes back to the
+selector. Hostile peers: connections over ``max_connections`` are answered ERROR(CAPACITY)
+and closed; a handshake not finished within ``connect_timeout_s`` is closed; a peer that
+breaks the protocol is closed; ``accept`` failing for lack of descriptors (EMFILE, ENFILE,
+ENOBUFS, ENOMEM) pauses accepting for a moment, logs once, and resumes; it never ends the
+server. :meth:`Service.closed` runs exactly once per opened session, however it ended.
+"""
+from __future__ import annotations
+
+import errno
+import heapq
+import inspect
+import itertools
+import logging
+import queue
+import selectors
+import socket
+import ssl
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tiersync.errors import ClosedError, TierSyncError
+from tiersync.net import events as ev
+from tiersync.net.config import TcpConfig, parse_address
+from tiersync.net.errors import ProtocolError
+from tiersync.net.framed import Deadline, tune, write_nonblocking
+from tiersync.net.handshake import ServerHandshake
+from tiersync.net.protocol import NEED_DATA, Connection, Role
+from tiersync.net.service import PeerInfo, Service, Session
+from tiersync.net.tls import server_context
+
+__all__ = ["TcpServer"]
+
+log = logging.getLogger(__name__)
+_BATCH = 16  # most buffered requests answered in one turn (one send)
+_FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_ACCEPT_PAUSE_S = 0.1
+_ACCEPT_BURST = 256
+
+
+class _Session(Session):
+    """One connection of a :class:`TcpServer` (see :class:`Session`)."""
+
+    def __init__(self, server: "TcpServer", sock: socket.socket, peer: str, session_id: int) -> None:
+        self._server, self.sock, self.peer, self.session_id = server, sock, peer, session_id
+        self.conn = Connection(Role.SERVER, server.config.protocol, server.service.vocabulary)
+        self.hs = ServerHandshake(self.conn, server.config.token, session_id)
+        self.info = PeerInfo("", "", 0, False)
+        self.lock = threading.Lock()    # the Connection's state
+        self.wlock = threading.Lock()   # writes to the socket
+        self.tls_pending = isinstance(sock, ssl.SSLSocket)
+        self.registered = False         # in the selector (loop thread only)
+        self.opened = False
+        self._closed = False
+
+    def send(self, event: object, *, timeout: float | None = None) -> None:
+        if self._closed:
+            raise ClosedError("session closed", peer=self.peer)
+        with self.lock:
+            bufs = self.conn.send(event)
+        self.write(bufs, Deadline(timeout or self._server.config.op_timeout_s, self.peer))
+
+    def write(self, bufs: list, deadline: Deadline) -> None:
+        try:
+            with self.wlock:
+                write_nonblocking(self.sock, bufs, deadline)
+        except (TierSyncError, OSError):
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._server._end(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+class TcpServer:
+    """Serves ``service`` on ``address`` ("host:port"; ``.address`` has the bound port)."""
+
+    def __init__(self, address: str, service: Service, config: TcpConfig | None = None) -> None:
+        host, port = parse_address(address)
+        self.config, self.service = config or TcpConfig(), service
+        self._tls = server_context(self.config.tls) if self.config.tls is not None else None
+        self._listener = socket.create_server((host, port), backlog=self.config.backlog)
+        self._listener.setblocking(False)
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()  # (action, session) for the loop thread
+        self._sessions: set[_Session] = set()
+        self._deadlines: list = []  # (handshake deadline, session id, session)
+        self._ids = itertools.count(1)
+        self._rbuf = memoryview(bytearray(max(self.config.recv_chunk, 64 << 10)))
+        self._workers = ThreadPoolExecutor(self.config.workers, thread_name_prefix=f"tiersync-serve-{port}")
+        self._paused_until = 0.0
+        self._fd_logged = False
+        self._stop = threading.Event()
+        self.refused = 0
+        self._thread = threading.Thread(target=self._loop, name=f"tiersync-server-{self.address}", daemon=True)
+        self._thread.start()
+
+    @property
+    def connections(self) -> int:
+        """Open connections (handshaking ones included)."""
+        return len(self._sessions)
+
+    # -- the loop thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for key, _ in self._sel.select(self._timeout()):
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj is self._wake_r:
+                        self._drain_wake()
+                    else:
+                        self._readable(key.data)
+                self._run_todo()
+                self._expire()
+        except Exception:  # pragma: no cover - a bug here must not leave the server silently dead
+            log.exception("tiersync server loop failed")
+        finally:
+            self._shutdown()
+
+    def _timeout(self) -> float:
+        now = time.monotonic()
+        if self._paused_until and now >= self._paused_until:
+            self._paused_until = 0.0
+            self._sel.register(self._listener, selectors.EVENT_READ, None)
+        ends = [self._paused_until] if self._paused_until else []
+        if self._deadlines:
+            ends.append(self._deadlines[0][0])
+        return max(0.0, min([1.0, *(e - now for e in ends)]))
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPT_BURST):
+            try:
+                sock, addr = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in _FD_ERRNOS:
+                    return self._pause_accepting(exc)
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    continue
+                raise
+            self._admit(sock, f"{addr[0]}:{addr[1]}")
+
+    def _pause_accepting(self, exc: OSError) -> None:
+        """Out of descriptors: stop accepting for a moment (the backlog keeps the peers)."""
+        if not self._fd_logged:
+            log.warning("tiersync server %s cannot accept (%s); retrying every %.1f s while it lasts",
+                        self.address, errno.errorcode.get(exc.errno, exc.errno), _ACCEPT_PAUSE_S)
+            self._fd_logged = True
+        self._sel.unregister(self._listener)
+        self._paused_until = time.monotonic() + _ACCEPT_PAUSE_S
+
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        if len(self._sessions) >= self.config.max_connections:
+            self.refused += 1
+            return _refuse_over_cap(sock, self.config.max_connections)
+        self._fd_logged = False
+        try:
+            sock.setblocking(False)
+            tune(sock, self.config)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        except OSError:
+            sock.close()
+            return
+        s = _Session(self, sock, peer, next(self._ids))
+        self._sessions.add(s)
+        heapq.heappush(self._deadlines, (time.monotonic() + self.config.connect_timeout_s, s.session_id, s))
+        self._register(s)
+
+    def _register(self, s: _Session) -> None:
+        if not s.registered and not s.closed:
+            self._sel.register(s.sock, selectors.EVENT_READ, s)
+            s.registered = True
+
+    def _unregister(self, s: _Session) -> None:
+        if s.registered:
+            self._sel.unregister(s.sock)
+            s.registered = False
+
+    def _readable(self, s: _Session) -> None:
+        if s.tls_pending and not self._tls_handshake(s):
+            return
+        while True:
+            try:
+                n = s.sock.recv_into(self._rbuf)
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return self._advance(s)
+            except OSError as exc:  # ssl.SSLError included
+                log.debug("connection from %s failed: %s", s.peer, exc)
+                return self._end(s)
+            with s.lock:
+                s.conn.receive_data(self._rbuf[:n] if n else b"")
+            if not n or not (isinstance(s.sock, ssl.SSLSocket) and s.sock.pending()):
+                return self._advance(s)  # TLS may hold decrypted bytes the selector cannot see
+
+    def _tls_handshake(self, s: _Session) -> bool:
+        try:
+            s.sock.do_handshake()
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return False
+        except OSError as exc:
+            self._auth_failed(s, f"TLS handshake failed: {getattr(exc, 'reason', None) or exc}")
+            return False
+        s.tls_pending = False
+        return True
+
+    def _advance(self, s: _Session) -> None:
+        """Handshake events answered here; the first request hands the session to a worker."""
+        while not s.closed:
+            try:
+                with s.lock:
+                    event = s.conn.next_event()
+            except (ProtocolError, ClosedError) as exc:
+                log.debug("connection from %s: %s", s.peer, exc)
+                return self._end(s)
+            if event is NEED_DATA:
+                return
+            if isinstance(event, ev.ConnectionClosed) or (isinstance(event, ev.Error) and event.request_id == 0):
+                return self._end(s)
+            if not s.hs.done:
+                self._handshake_step(s, event)
+                continue
+            self._unregister(s)
+            self._workers.submit(self._work, s, event)
+            return
+
+    def _handshake_step(self, s: _Session, event: object) -> None:
+        with s.lock:
+            bufs = s.hs.step(event)
+        try:
+            write_nonblocking(s.sock, bufs, Deadline(1.0, s.peer))
+        except (TierSyncError, OSError):
+            return self._end(s)
+        if s.hs.failed is not None:
+            return self._auth_failed(s, s.hs.failed)
+        if s.hs.done:
+            s.info, s.opened = s.hs.info, True
+            try:
+                self.service.opened(s)
+            except Exception:  # noqa: BLE001 - a service bug closes this session only
+                log.exception("service refused a session")
+                self._end(s)
+
+    def _auth_failed(self, s: _Session, why: str) -> None:
+        self.refused += 1
+        level = logging.WARNING if self.refused <= 10 or self.refused % 1000 == 0 else logging.DEBUG
+        log.log(level, "tiersync server %s refused %s: %s (%d refused so far)", self.address, s.peer, why,
+                self.refused)
+        self._end(s)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, s = heapq.heappop(self._deadlines)
+            if not s.closed and not s.hs.done:
+                log.debug("handshake from %s timed out", s.peer)
+                self._end(s)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _run_todo(self) -> None:
+        while True:
+            try:
+                action, s = self._todo.get_nowait()
+            except queue.Empty:
+                return
+            if s is None:
+                continue
+            if action == "close":
+                self._release_socket(s)
+            elif not s.closed:
+                self._register(s)
+                self._advance(s)  # bytes may have arrived while the worker ran
+
+    def _wake(self, action: str, s: _Session) -> None:
+        self._todo.put((action, s))
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
+
+    # -- workers -------------------------------------------------------------------------------
+    def _work(self, s: _Session, event: object) -> None:
+        try:
+            while event is not None and not s.closed:
+                event = self._turn(s, event)
+                if event is None:  # a pipelining peer's next requests are often in flight already
+                    event = self._more(s)
+        except (TierSyncError, OSError) as exc:
+            log.debug("session %s ended: %s", s.peer, exc)
+            self._end(s)
+            return
+        if not s.closed:
+            self._wake("rearm", s)
+
+    def _turn(self, s: _Session, event: object) -> object | None:
+        """Answer ``event`` and up to ``_BATCH`` requests buffered behind it, in one send; the
+        next buffered event (batch full) or None (nothing buffered)."""
+        bufs: list = []
+        deadline = Deadline(self.config.op_timeout_s, s.peer)
+        for _ in range(_BATCH):
+            bufs = self._answer(s, event, bufs, deadline)
+            try:
+                with s.lock:
+                    event = s.conn.next_event()
+            except ProtocolError:
+                s.write(bufs, deadline)  # answer what came before the bad frame, then end
+                raise
+            if event is NEED_DATA or isinstance(event, ev.ConnectionClosed) or isinstance(event, ev.Error):
+                s.write(bufs, deadline)
+                if event is not NEED_DATA:
+                    self._end(s)
+                return None
+        s.write(bufs, deadline)
+        return event
+
+    def _more(self, s: _Session) -> object | None:
+        """Without waiting: the next request if its bytes are already here (read on this worker,
+        so a busy session does not go back through the selector between turns), else None."""
+        if isinstance(s.sock, ssl.SSLSocket):
+            return None
+        buf = _worker_buffer()
+        try:
+            n = s.sock.recv_into(buf)
+        except (BlockingIOError, InterruptedError):
+            return None
+        with s.lock:
+            s.conn.receive_data(buf[:n] if n else b"")
+            event = s.conn.next_event()
+        if isinstance(event, ev.ConnectionClosed) or (isinstance(event, ev.Error) and event.request_id == 0):
+            self._end(s)
+            return None
+        return None if event is NEED_DATA else event
+
+    def _answer(self, s: _Session, event: object, bufs: list, deadline: Deadline) -> list:
+        answers = self._answers(s, event)
+        streamed = inspect.isgenerator(answers)
+        for answer in answers:
+            with s.lock:
+                bufs += s.conn.send(answer)
+            if streamed:  # a handler that yields may block before its next answer: send this one now
+                s.write(bufs, deadline)
+                bufs = []
+        return bufs
+
+    def _answers(self, s: _Session, event: object):
+        try:
+            answers = self.service.handle(s, event)
+            return answers if inspect.isgenerator(answers) else list(answers or ())
+        except TierSyncError as exc:
+            code = ev.ErrorCode.BAD_REQUEST if isinstance(exc, ValueError) else ev.ErrorCode.INTERNAL
+            return [ev.Error(event.request_id, code, exc.message[:512])] if _answerable(event) else []
+        except Exception as exc:  # noqa: BLE001 - a handler bug must not kill the server
+            log.exception("handler failed")
+            return [ev.Error(event.request_id, ev.ErrorCode.INTERNAL, type(exc).__name__)] if _answerable(event) else []
+
+    # -- ending ----------------------------------------------------------------------------------
+    def _end(self, s: _Session) -> None:
+        """End ``s`` once: tell the service, shut the socket now, release it in the loop thread."""
+        with s.lock:
+            if s._closed:
+                return
+            s._closed = True
+        if s.opened:
+            try:
+                self.service.closed(s)
+            except Exception:  # noqa: BLE001
+                log.exception("service failed to release a session")
+        try:
+            s.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if threading.current_thread() is self._thread:
+            self._release_socket(s)
+        else:
+            self._wake("close", s)
+
+    def _release_socket(self, s: _Session) -> None:
+        self._unregister(s)
+        self._sessions.discard(s)
+        s.sock.close()
+
+    def _shutdown(self) -> None:
+        for s in list(self._sessions):
+            self._end(s)
+        self._run_todo()
+        for obj in (self._listener, self._wake_r, self._wake_w):
+            obj.close()
+        self._sel.close()
+
+    def close(self) -> None:
+        """Stop accepting, end every session (the service releases them), join; idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake("stop", None)  # type: ignore[arg-type]
+        self._thread.join(timeout=10)
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+
+_local = threading.local()
+
+
+def _worker_buffer() -> memoryview:
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(256 << 10))
+    return buf
+
+
+def _answerable(event: object) -> bool:
+    return bool(getattr(event, "request_id", 0))
+
+
+def _refuse_over_cap(sock: socket.socket, cap: int) -> None:
+    """Tell a connection over the cap why, then close it (best effort, never blocks)."""
+    try:
+        sock.setblocking(False)
+        conn = Connection(Role.SERVER)
+        frame = b"".join(bytes(b) for b in conn.send(ev.Error(0, ev.ErrorCode.CAPACITY,
+                                                               f"too many connections (the cap is {cap})")))
+        sock.send(frame)
+    except OSError:
+        pass
+    finally:
+        sock.close()

@@ -1,0 +1,76 @@
+"""What a server runs: a :class:`Service` answering the requests of :class:`Session` s.
+
+The server (:class:`~tiersync.net.server.TcpServer`) owns sockets, the handshake, the
+connection cap and the worker pool; a service owns only its operations:
+
+- :meth:`Service.handle` is called on a pool worker with each request (or one-way message)
+  of a session, in arrival order per session, and yields the answers (it may block, e.g.
+  until a layer is ready: the pool is bounded, ``TcpConfig.workers``). An exception becomes
+  an ERROR answer (UsageError-like ``ValueError`` -> BAD_REQUEST, else INTERNAL); the
+  session stays open.
+- :meth:`Service.opened` / :meth:`Service.closed` bracket a session's life: ``closed`` runs
+  exactly once for every opened session, however it ended (peer closed, protocol error,
+  deadline, server close), so a service releases the leases and pins a session held there.
+- :meth:`Session.send` pushes a one-way message from any thread (the weights publisher's
+  ANNOUNCE); it is thread-safe against the worker answering on the same session.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable
+
+from tiersync.net.vocab import Vocabulary
+
+__all__ = ["PeerInfo", "Service", "Session"]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """What the handshake told about the other end: its ``node_id``, its host identity and pid
+    (:func:`tiersync.net.local.host_identity`), and whether it runs on this host
+    (``same_host``: same identity, so its memory can be read with ``process_vm_readv``)."""
+
+    node_id: str
+    host: str
+    pid: int
+    same_host: bool
+
+
+class Session(ABC):
+    """One authenticated connection as a service sees it."""
+
+    peer: str
+    """The remote "ip:port"."""
+    session_id: int
+    info: PeerInfo
+
+    @abstractmethod
+    def send(self, event: object, *, timeout: float | None = None) -> None:
+        """Send a one-way message now (thread-safe). Raises ClosedError once the session ended,
+        RemoteError when the peer is gone or the deadline passed (the session is then closed)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """End the session (idempotent); :meth:`Service.closed` runs."""
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """True once the session ended."""
+
+
+class Service(ABC):
+    """The operations of one server (see the module docstring)."""
+
+    vocabulary: Vocabulary
+
+    @abstractmethod
+    def handle(self, session: Session, event: object) -> Iterable[object]:
+        """The answers to request ``event`` in order (none for a one-way message)."""
+
+    def opened(self, session: Session) -> None:
+        """A session finished its handshake."""
+
+    def closed(self, session: Session) -> None:
+        """A session ended (exactly once per opened session)."""
