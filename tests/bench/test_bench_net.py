@@ -26,8 +26,11 @@ def test_h2h_rows_follow_the_contract():
     assert {"h2h-64k-1s", "h2h-64k-4s", "h2h-1m-1s", "h2h-1m-4s"} <= names
     assert {"h2h-64k-1s-w8", "h2h-1m-4s-w8"} <= names  # pipelined rows, both sides windowed
     assert {r["window"] for r in rep["results"]} == {1, 8}
+    local = [r for r in rep["results"] if r["name"].endswith("-local")]
+    assert {r["name"] for r in local} >= {"h2h-64k-local", "h2h-1m-local"}  # the same-host route has rows
     for r in rep["results"]:
-        assert ROW_KEYS <= set(r) and r["baseline"] == "raw-socket" and r["gbps"] > 0
+        base = "memcpy" if r in local else "raw-socket"
+        assert ROW_KEYS <= set(r) and r["baseline"] == base and r["gbps"] > 0
         assert r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"], rel=1e-2)
         assert r["p99_ms"] >= r["p50_ms"] > 0
         assert r["payload_checksum"].split()[0] in {"TSUM64", "XXH3_64"}  # every payload is verified

@@ -266,7 +266,7 @@ def _local_case(config: BenchConfig, address: str, size: int, bar: Any) -> dict[
         ours.close()
     nbytes = size * n
     return row(_local_name(size), throughput(nbytes, samples["tiersync"][0]), "memcpy", throughput(nbytes, samples["memcpy"][0]),
-               block_nbytes=size, streams=1, window=0, blocks=n, nbytes=nbytes, transport="same host: process_vm_readv",
+               block_nbytes=size, streams=1, window=ours.window, blocks=n, nbytes=nbytes, transport="same host: process_vm_readv",
                server="separate process (spawn)", roundtrip="ok", payload_checksum=ours.checksum,
                baseline_detail="one-thread np.copyto of the same bytes, one contiguous buffer")
 

@@ -190,7 +190,11 @@ class FramedSocket:
         """One recv, fed to the connection: into the payload being received, else header plus
         the next expected payload in one scatter read, else into the read buffer."""
         conn, sock = self.conn, self.sock
-        sink = conn.payload_sink()
+        sinks = conn.payload_sinks()
+        if len(sinks) > 1 and not self._tls:  # a vectored pull: the rest of its ranges in one scatter read
+            n = sock.recvmsg_into(sinks[:_IOV_MAX], 0, socket.MSG_WAITALL)[0]
+            return conn.payload_received(n) if n else conn.receive_data(b"")
+        sink = sinks[0] if sinks else None
         if sink is not None:
             if self._tls:
                 n = sock.recv_into(sink)

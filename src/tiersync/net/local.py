@@ -14,6 +14,7 @@ import errno
 import functools
 import os
 import secrets
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Sequence
 
 import numpy as np
@@ -138,40 +139,74 @@ def _copy(pid: int, src: np.ndarray, dst: np.ndarray) -> None:
 
 
 def read_remote_chunks(pid: int, remote: Sequence[tuple[int, int]], local: Sequence[memoryview], *,
-                       piece: int = 1 << 20, on_piece: Callable[[memoryview], None] | None = None) -> None:
+                       piece: int = 4 << 20, on_piece: Callable[[memoryview], None] | None = None) -> None:
     """:func:`read_remote` in pieces of about ``piece`` bytes; ``on_piece(view)`` is called with
-    each landed piece of a local buffer right after it landed (in local order, every byte once,
-    a piece never spanning two buffers), e.g. to checksum it while it is in cache."""
+    each landed piece of a local buffer (in local order, every byte once, a piece never
+    spanning two buffers), e.g. to checksum it while it is in cache. With ``on_piece`` the
+    next group of pieces is copied on a helper thread while the caller's thread handles the
+    last one (both GIL-free), so summing costs no extra pass of wall time."""
     views = [memoryview(b).cast("B") for b in local]
     src = _iovecs(remote)
     total = sum(len(v) for v in views)
     if int(src["len"].sum()) != total:
         raise UsageError("local buffers must hold exactly the remote bytes", argument="local",
                          remote=int(src["len"].sum()), local=total)
-    pieces: list[memoryview] = []
+    jobs = []
+    for group, size in _groups(views, piece):
+        head, src = _split(src, size)
+        jobs.append((head, group))
+    if on_piece is None or len(jobs) < 2:
+        for head, group in jobs:
+            _copy(pid, head, _iovecs([_writable_address(p) for p in group]))
+            for p in group if on_piece is not None else ():
+                on_piece(p)
+        return
+    _pipelined(pid, jobs, on_piece)
+
+
+def _groups(views: list[memoryview], piece: int):
+    """Consecutive pieces of at most ``piece`` bytes, grouped up to ``piece`` bytes / IOV_MAX."""
+    group: list[memoryview] = []
     size = 0
     for view in views:
         for off in range(0, len(view), piece):
-            pieces.append(view[off:off + piece])
-            size += len(pieces[-1])
-            if size >= piece or len(pieces) == IOV_MAX:
-                src = _land(pid, src, pieces, size, on_piece)
-                pieces, size = [], 0
-    if pieces:
-        _land(pid, src, pieces, size, on_piece)
+            group.append(view[off:off + piece])
+            size += len(group[-1])
+            if size >= piece or len(group) == IOV_MAX:
+                yield group, size
+                group, size = [], 0
+    if group:
+        yield group, size
 
 
-def _land(pid: int, src: np.ndarray, pieces: list[memoryview], size: int,
-          on_piece: Callable[[memoryview], None] | None) -> np.ndarray:
-    dst = _iovecs([_writable_address(p) for p in pieces])
+def _split(src: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``size`` bytes of ``src`` as iovecs, and the rest."""
     ends = np.cumsum(src["len"], dtype=np.uint64)
     k = int(np.searchsorted(ends, size, side="left")) + 1
     head = src[:k].copy()
     over = int(ends[k - 1]) - size
     if over:
         head["len"][-1] -= over
-    _copy(pid, head, dst)
-    if on_piece is not None:
-        for p in pieces:
-            on_piece(p)
-    return _advance(src, size)
+    return head, _advance(src, size)
+
+
+def _pipelined(pid: int, jobs: list, on_piece: Callable[[memoryview], None]) -> None:
+    pool = _copier()
+    pending = pool.submit(_copy, pid, jobs[0][0], _iovecs([_writable_address(p) for p in jobs[0][1]]))
+    for i, (_, group) in enumerate(jobs):
+        pending.result()
+        if i + 1 < len(jobs):
+            head, nxt = jobs[i + 1]
+            pending = pool.submit(_copy, pid, head, _iovecs([_writable_address(p) for p in nxt]))
+        try:
+            for p in group:
+                on_piece(p)
+        except BaseException:
+            if i + 1 < len(jobs):  # never leave a copy running into the caller's buffers
+                wait([pending])
+            raise
+
+
+@functools.cache
+def _copier() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="tiersync-local-copy")

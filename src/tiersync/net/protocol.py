@@ -94,6 +94,19 @@ class _Pieces:
         if self.offset == len(self.views[self.index]) and self.index + 1 < len(self.views):
             self.index, self.offset = self.index + 1, 0
 
+    def rest(self) -> list[memoryview]:
+        """Every unfilled buffer, the current one's tail first."""
+        return [self.tail(), *self.views[self.index + 1:]] if self.total else []
+
+    def landed(self, n: int, hasher: object) -> None:
+        """``n`` bytes were received in place across :meth:`rest`: hash them, move on."""
+        while n:
+            tail = self.tail()
+            k = min(len(tail), n)
+            hasher.update(tail[:k])
+            self.advance(k)
+            n -= k
+
     def fill(self, data: memoryview, hasher: object) -> None:
         """Copy ``data`` into the buffers from the current position, hashing what lands."""
         while len(data):
@@ -340,15 +353,28 @@ class Connection:
         self._apply_recv(Op.DATA, request_id, event)
         return event
 
+    def payload_sinks(self) -> list[memoryview]:
+        """Like :meth:`payload_sink`, every unfilled buffer of a payload landing in several (a
+        vectored pull), for one scatter read; empty when there is no sink."""
+        if isinstance(self._payload, _Pieces) and self._header is not None and not self._buf:
+            return self._payload.rest()
+        sink = self.payload_sink()
+        return [] if sink is None else [sink]
+
     def payload_received(self, n: int) -> None:
-        """Record ``n`` bytes written into :meth:`payload_sink`. Raises UsageError when out of range."""
+        """Record ``n`` bytes written into :meth:`payload_sink` (or across :meth:`payload_sinks`).
+        Raises UsageError when out of range."""
+        if isinstance(self._payload, _Pieces) and self._header is not None and not self._buf:
+            if not 0 < n <= self._payload.total - self._filled:
+                raise UsageError("count out of range", argument="n", value=n)
+            self._payload.landed(n, self._hasher)
+            self._filled += n
+            return
         sink = self.payload_sink()
         if sink is None or not 0 < n <= len(sink):
             raise UsageError("no payload sink or count out of range", argument="n", value=n)
         self._hasher.update(sink[:n])
         self._filled += n
-        if isinstance(self._payload, _Pieces):
-            self._payload.advance(n)
 
     def next_event(self) -> object:
         """Return the next event, :data:`NEED_DATA`, or :class:`~tiersync.net.events.ConnectionClosed`.

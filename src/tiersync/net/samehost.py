@@ -18,7 +18,7 @@ from tiersync.net.frames import payload_hasher
 
 __all__ = ["local_copy"]
 
-_PIECE = 1 << 20  # bytes copied before they are summed: stays in cache
+_PIECE = 4 << 20  # bytes copied before they are summed (the next piece is copied meanwhile)
 
 
 def local_copy(reply: ev.LocalReply, dests: Sequence[memoryview], peer: str) -> None:

@@ -34,7 +34,8 @@ from tiersync.net.vocab import Vocabulary
 __all__ = ["Deadline", "Route", "TcpChannel", "TcpConfig", "TcpTransport", "parse_address"]
 
 _BROKEN = (PeerClosedError, ProtocolError, NetTimeoutError, AuthError)
-_GROUP_BYTES = 1 << 20  # pulls smaller than this are grouped into one PULL_MANY of about this size
+_GROUP_BYTES = 1 << 20  # pulls smaller than this are grouped into one PULL_MANY ...
+_GROUP_LIMIT = 4 << 20  # ... of about this size
 _GROUP_ITEMS = 64
 
 class TcpChannel(Channel):
@@ -148,7 +149,7 @@ class TcpChannel(Channel):
                 continue
             group.append((key, offset, view))
             size += len(view)
-            if size >= _GROUP_BYTES or len(group) == _GROUP_ITEMS:
+            if size >= _GROUP_LIMIT or len(group) == _GROUP_ITEMS:
                 out.append(self._group(lease_id, group))
                 group, size = [], 0
         if group:
