@@ -39,12 +39,25 @@ def test_report_top_level(report):
 def test_rows_follow_the_contract(report):
     rows = report["results"]
     assert {r["name"] for r in rows} == {f"weights-{s}t-2s-{w}" for s in (1, 2) for w in ("shm", "tcp")} | \
-        {"weights-1t-2s-shm-zerocopy"}
+        {"weights-1t-2s-shm-zerocopy", "weights-1t-2s-tcp-vs-raw"}
     for r in rows:
         assert ROW_KEYS <= r.keys(), ROW_KEYS - r.keys()
-        assert r["baseline"].startswith("torch.distributed.broadcast") and r["roundtrip"] == "ok"
+        baseline = "raw loopback sockets" if r["name"].endswith("-vs-raw") else "torch.distributed.broadcast"
+        assert r["baseline"].startswith(baseline) and r["roundtrip"] == "ok"
         assert r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["raw_socket_gbps"] > 0
         assert math.isclose(r["ratio"], r["gbps"] / r["baseline_gbps"], rel_tol=2e-3, abs_tol=2e-4)
         assert math.isclose(r["aggregate_gbps"], r["gbps"] * r["samplers"], rel_tol=2e-3, abs_tol=2e-4)
         assert r["nbytes"] == report["model"]["nbytes"]
         assert r["seconds"] > 0 and r["p50_ms"] <= r["p99_ms"]
+
+
+def test_tcp_vs_raw_row_is_the_tcp_run_against_the_same_run_raw_sockets(report):
+    """In quick and full mode this is ``weights-1t-4s-tcp-vs-raw``; tiny mode has 2 samplers."""
+    rows = {r["name"]: r for r in report["results"]}
+    vs_raw, tcp = rows["weights-1t-2s-tcp-vs-raw"], rows["weights-1t-2s-tcp"]
+    assert vs_raw["transport"] == tcp["transport"] == "tcp forced" and vs_raw["shards"] == 1
+    assert vs_raw["gbps"] == tcp["gbps"] and vs_raw["seconds"] == tcp["seconds"]
+    assert vs_raw["baseline_gbps"] == tcp["raw_socket_gbps"] == vs_raw["raw_socket_gbps"]
+    assert vs_raw["baseline_seconds"] == vs_raw["raw_socket_seconds"]
+    assert math.isclose(vs_raw["ratio"], tcp["gbps"] / tcp["raw_socket_gbps"], rel_tol=2e-3, abs_tol=2e-4)
+    assert vs_raw["gloo_gbps"] == tcp["baseline_gbps"]

@@ -8,10 +8,14 @@ import numpy as np
 import pytest
 
 from tiersync.disagg import DisaggConfig, KVConsumer, KVOrder, KVProducer, PagedKVLayout, RequestState, SourceSpec
-from tiersync.disagg.conn import FrameSocket
-from tiersync.disagg.wire import Kind, WireLimits
+from tiersync.disagg.ops import KV, KvDone, KvLayer, KvNext, KvOpen, KvOpened, KvPull
+from tiersync.disagg.reshard import default_planner
 from tiersync.errors import ClosedError, UsageError
+from tiersync.net import events as ev
 from tiersync.net.errors import PeerClosedError, ProtocolError, RequestError
+from tiersync.net.server import TcpServer
+from tiersync.net.service import Service
+from tiersync.net.tcp import TcpConfig, TcpTransport
 
 LAYOUT = PagedKVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, num_blocks=8, dtype="float32",
                        tp_size=1, order=KVOrder.BLOCK_MAJOR)
@@ -78,7 +82,7 @@ def test_start_read_refusals(producer):
 
 @pytest.mark.parametrize("kwargs,name", [
     ({"timeout_s": 0}, "timeout_s"), ({"token": b"short"}, "token"), ({"chunk_bytes": 0}, "chunk_bytes"),
-    ({"chunk_bytes": 2 << 30}, "chunk_bytes"), ({"limits": 3}, "limits"), ({"connect_timeout_s": True}, "connect_timeout_s"),
+    ({"chunk_bytes": 2 << 30}, "chunk_bytes"), ({"route": "shm"}, "route"), ({"tls": "yes"}, "tls"), ({"window": 0}, "window"), ({"connect_timeout_s": True}, "connect_timeout_s"),
 ])
 def test_config_validated(kwargs, name):
     assert _arg(DisaggConfig, **kwargs) == name
@@ -100,7 +104,7 @@ def test_garbage_closes_connection_and_producer_keeps_serving(producer):
                     reply += chunk
             except OSError:  # closed with our junk still unread (RST): also a close
                 pass
-        assert reply == b"" or reply[:4] == b"TSKV"  # an ERROR frame at most, then close
+        assert reply == b"" or reply[:4] == b"TSYN"  # an ERROR frame at most, then close
     landing = _layers()
     h = KVConsumer(LAYOUT, 0).start_read("g", SourceSpec(LAYOUT, (producer.address,), (1, 2), 8), [3, 4], landing)
     assert h.wait(20) is RequestState.DONE
@@ -123,54 +127,96 @@ def _poll_until(producer, request_id, timeout=20.0):
     raise AssertionError(f"{request_id} never reported")
 
 
-def _fake_producer(behaviour):
-    """A raw TCP server that answers the handshake, then misbehaves; returns its address."""
+ROUTE_BYTES = default_planner().plan(LAYOUT, LAYOUT, (0, 1), (0, 1), 8).route_nbytes(0, 0)
+
+
+class _Liar(Service):
+    """A producer on the real stack that answers with ``lies[op]`` (or the truth)."""
+
+    vocabulary = KV
+
+    def __init__(self, **lies) -> None:
+        self.lies = lies
+
+    def handle(self, session, event):
+        name = type(event).__name__
+        if name in self.lies:
+            return [self.lies[name](event)]
+        if isinstance(event, KvOpen):
+            return [KvOpened(event.request_id, ROUTE_BYTES)]
+        if isinstance(event, KvNext):
+            return [KvLayer(event.request_id, event.n)]
+        if isinstance(event, KvPull):
+            return [ev.Data(event.request_id, bytes(event.length))]
+        return [ev.CommitReply(event.request_id, ev.CommitStatus.COMMITTED)]
+
+
+_LIAR_MEMORY = np.full(LAYOUT.layer_nbytes + 64, 7, np.uint8)
+
+
+def _local_reply(event, checksum, extra=0):
+    import os
+    from tiersync.net.frames import SUPPORTED, payload_checksum
+    from tiersync.net.local import buffer_address
+    n = event.length + extra
+    value = payload_checksum(SUPPORTED[0], _LIAR_MEMORY[:n]) if checksum is None else checksum
+    return ev.LocalReply(event.request_id, os.getpid(), SUPPORTED[0], ((buffer_address(_LIAR_MEMORY)[0], n, value),))
+
+
+def _garbage_server():
     srv = socket.create_server(("127.0.0.1", 0))
 
     def run():
         conn, _ = srv.accept()
-        fs = FrameSocket(conn, "client", WireLimits())
-        import time
-        deadline = time.monotonic() + 10
-        from tiersync.disagg.conn import server_handshake
-        server_handshake(fs, None, deadline)
-        fs.expect(Kind.READ, deadline)
-        behaviour(fs, deadline)
-        try:
+        with conn:
+            conn.sendall(b"\x01" * 200)
             conn.recv(1)
-        finally:
-            fs.close()
-            srv.close()
+        srv.close()
 
     threading.Thread(target=run, daemon=True).start()
     return f"127.0.0.1:{srv.getsockname()[1]}"
 
 
-@pytest.mark.parametrize("behaviour", [
-    lambda fs, d: fs.sock.sendall(b"\x01" * 200),  # garbage
-    lambda fs, d: fs.send(Kind.LAYER, {"layer": 0, "offset": 0, "total": 7}, d, [b"1234567"]),  # wrong size
-    lambda fs, d: fs.send(Kind.LAYER, {"layer": 9, "offset": 0, "total": LAYOUT.layer_nbytes // 4}, d,
-                          [bytes(LAYOUT.layer_nbytes // 4)]),  # layer out of range
-    lambda fs, d: fs.send(Kind.LAYER, {"layer": "x"}, d),  # malformed metadata
+@pytest.mark.parametrize("lies", [
+    None,  # garbage instead of a handshake
+    {"KvOpen": lambda e: KvOpened(e.request_id, 7)},  # a route size that does not fit the plan
+    {"KvNext": lambda e: KvLayer(e.request_id, 9)},  # layer out of range
+    {"KvNext": lambda e: KvLayer(e.request_id, 0)},  # the same layer twice
+    {"KvPull": lambda e: ev.Data(e.request_id, b"1234567")},  # a DATA of the wrong size
+    {"KvPullLocal": lambda e: _local_reply(e, 12345)},  # same host: bytes that do not match their checksum
+    {"KvPullLocal": lambda e: _local_reply(e, None, extra=8)},  # same host: regions longer than the pull
 ])
-def test_consumer_fails_on_bad_frames(behaviour):
-    address = _fake_producer(behaviour)
-    consumer = KVConsumer(LAYOUT, 0, DisaggConfig(timeout_s=20))
+def test_consumer_fails_on_bad_answers(lies):
+    server = None if lies is None else TcpServer("127.0.0.1:0", _Liar(**lies))
+    address = _garbage_server() if server is None else server.address
+    route = "local" if lies and "KvPullLocal" in lies else "tcp"
+    consumer = KVConsumer(LAYOUT, 0, DisaggConfig(timeout_s=20, route=route))
     landing = _layers()
-    h = consumer.start_read("b", SourceSpec(LAYOUT, (address,), (0, 1), 8), [0, 1], landing)
-    assert h.wait(20) is RequestState.FAILED
-    assert isinstance(h.error, ProtocolError)
-    assert not any(l.any() for l in landing)
-    assert consumer.poll().failed_receiving == {"b"}
+    try:
+        h = consumer.start_read("b", SourceSpec(LAYOUT, (address,), (0, 1), 8), [0, 1], landing)
+        assert h.wait(20) is RequestState.FAILED
+        assert isinstance(h.error, ProtocolError)
+        assert not any(l.any() for l in landing[1:])  # nothing after the bad answer was landed
+        assert consumer.poll().failed_receiving == {"b"}
+    finally:
+        consumer.close()
+        if server is not None:
+            server.close()
 
 
-def _raw_reader(producer, read_meta, deadline):
-    from tiersync.disagg.conn import client_handshake
-    host, port = producer.address.split(":")
-    fs = FrameSocket(socket.create_connection((host, int(port)), timeout=10), producer.address, WireLimits())
-    client_handshake(fs, None, deadline)
-    fs.send(Kind.READ, read_meta, deadline)
-    return fs
+def test_uncounted_done_fails_the_read():
+    server = TcpServer("127.0.0.1:0", _Liar(KvDone=lambda e: ev.CommitReply(e.request_id, ev.CommitStatus.FAILED,
+                                                                            "late")))
+    with KVConsumer(LAYOUT, 0, DisaggConfig(timeout_s=20, route="tcp")) as consumer:
+        h = consumer.start_read("c", SourceSpec(LAYOUT, (server.address,), (0, 1), 8), [0, 1], _layers())
+        assert h.wait(20) is RequestState.FAILED and "did not count" in str(h.error)
+    server.close()
+
+
+def _raw_reader(producer, read):
+    channel = TcpTransport(TcpConfig(), KV).connect(producer.address)
+    assert channel.request(KvOpen(channel.new_request_id(), read)) == KvOpened(1, ROUTE_BYTES // 2)
+    return channel
 
 
 def test_ack_after_producer_deadline_is_failed_not_done():
@@ -182,28 +228,39 @@ def test_ack_after_producer_deadline_is_failed_not_done():
         producer.register("x", [0], 4, [src, src])
         producer.layer_ready("x", 0)
         producer.layer_ready("x", 1)
-        deadline = time.monotonic() + 10
-        fs = _raw_reader(producer, ReadRequest("x", 0, 0, LAYOUT, (1,), (0,), 4).to_meta(), deadline)
-        assert [fs.expect(Kind.LAYER, deadline).meta["layer"] for _ in range(2)] == [0, 1]
+        channel = _raw_reader(producer, ReadRequest("x", 0, 0, LAYOUT, (1,), (0,), 4))
+        assert [channel.request(KvNext(channel.new_request_id(), n)).layer for n in range(2)] == [0, 1]
         time.sleep(max(0.0, registered + 1.2 - time.monotonic()))  # let the producer's timeout pass
-        try:
-            fs.send(Kind.DONE, {}, deadline)  # every byte was received, but the ack comes too late
-        except PeerClosedError:
+        try:  # every byte could have been read, but the ack comes too late
+            reply = channel.request(KvDone(channel.new_request_id()))
+            assert reply.status is ev.CommitStatus.FAILED
+        except (PeerClosedError, RequestError):
             pass
-        with pytest.raises((PeerClosedError, ProtocolError, RequestError)):
-            while True:
-                fs.recv(deadline)
-        fs.close()
+        channel.close()
         status = producer.poll()
         assert status.failed_sending == {"x"} and not status.done_sending
         assert producer.state("x") is RequestState.FAILED
 
 
-def test_chunking_splits_and_joins_pieces():
-    from tiersync.disagg.producer import _chunks
-    pieces = [np.arange(n, dtype=np.uint8) for n in (5, 1, 9, 3)]
-    groups = list(_chunks(pieces, 4))
-    assert [off for off, _ in groups] == [0, 4, 8, 12, 16]
-    assert all(sum(p.size for p in g) == 4 for _, g in groups[:-1])
-    joined = np.concatenate([p for _, g in groups for p in g])
-    np.testing.assert_array_equal(joined, np.concatenate(pieces))
+def test_out_of_protocol_requests_refused_and_session_kept(producer):
+    from tiersync.disagg.messages import ReadRequest
+    from tiersync.net.fields import ErrorCode
+    src = np.arange(LAYOUT.layer_nbytes, dtype=np.uint8)
+    producer.register("o", [0], 4, [src, src])
+    channel = TcpTransport(TcpConfig(), KV).connect(producer.address)
+    with pytest.raises(RequestError) as e:  # nothing open yet
+        channel.request(KvNext(channel.new_request_id(), 0))
+    assert e.value.code is ErrorCode.BAD_REQUEST
+    channel.request(KvOpen(channel.new_request_id(), ReadRequest("o", 0, 0, LAYOUT, (1,), (0,), 4)))
+    for bad in (KvNext(channel.new_request_id(), 1),  # out of order
+                KvPull(channel.new_request_id(), 0, 0, 8)):  # layer not announced
+        with pytest.raises(RequestError) as e:
+            channel.request(bad)
+        assert e.value.code is ErrorCode.BAD_REQUEST and not channel.closed  # refused, session kept
+    producer.layer_ready("o", 1)
+    assert channel.request(KvNext(channel.new_request_id(), 0)).layer == 1
+    with pytest.raises(RequestError):  # past the route
+        channel.request(KvPull(channel.new_request_id(), 1, ROUTE_BYTES, 8))
+    assert producer.state("o") is RequestState.PENDING  # a refused request changed nothing
+    channel.close()  # the reader leaves before it is done: the request fails
+    assert _poll_until(producer, "o").failed_sending == {"o"}

@@ -8,6 +8,7 @@ from _kvsim import global_kv, unshard
 from _procs import ProducerProcess
 from tiersync.disagg import DisaggConfig, KVConsumer, KVOrder, KVProducer, PagedKVLayout, RequestState, SourceSpec
 from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, RequestError
+from tiersync.net.fields import ErrorCode
 
 TOKEN = b"k" * 32
 
@@ -117,7 +118,7 @@ def test_resharded_transfer_byte_exact(procs, a, b, bs_a, bs_b, heads):
     ntok = 45
     sids = list(range(src.blocks_needed(ntok)))[::-1]
     dids = [19 - 2 * i for i in range(dst.blocks_needed(ntok))]
-    prod = procs(src, token=TOKEN, chunk_bytes=1000)  # several LAYER chunks per layer
+    prod = procs(src, token=TOKEN)
     prod.register("q", sids, ntok, seed=11)
     prod.ready("q", range(3))
     consumers = [KVConsumer(dst, d, DisaggConfig(token=TOKEN)) for d in range(b)]
@@ -191,9 +192,9 @@ def test_unknown_request_and_mismatch_refused(procs):
     consumer = KVConsumer(src, 0)
     h = consumer.start_read("nope", SourceSpec(src, prod.addresses, [0, 1], 20), [1, 2], _landing(src))
     assert h.wait(20) is RequestState.FAILED
-    assert isinstance(h.error, RequestError) and h.error.code == "unknown_request"
+    assert isinstance(h.error, RequestError) and h.error.code is ErrorCode.NOT_FOUND
     h = consumer.start_read("m", SourceSpec(src, prod.addresses, [1, 0], 20), [1, 2], _landing(src))
-    assert h.wait(20) is RequestState.FAILED and h.error.code == "mismatch"
+    assert h.wait(20) is RequestState.FAILED and h.error.code is ErrorCode.BAD_REQUEST and "mismatch" in h.error.message
 
 
 def test_landing_never_written_after_failure(procs):

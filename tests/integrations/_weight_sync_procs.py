@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+TOKEN = "vllm-weight-sync-test-token-0001"  # the trainer demands it; the test's join config carries it
 PROMPTS = [(300, 1), (300, 2), (200, 3)]  # (length, seed): > 1 block of 128, so the prefix cache holds them
 MAX_TOKENS = 12
 
@@ -45,7 +46,8 @@ def trainer(dir_a: str, dir_b: str) -> None:
     from tiersync.weights import Mesh, PublisherConfig, Sharding, WeightPublisher
 
     weights = {k: load_file(os.path.join(d, "model.safetensors")) for k, d in (("A", dir_a), ("B", dir_b))}
-    pub = WeightPublisher(weights["A"], Sharding.replicated(Mesh((1,), ("trainer",))), config=PublisherConfig())
+    pub = WeightPublisher(weights["A"], Sharding.replicated(Mesh((1,), ("trainer",))),
+                          config=PublisherConfig(token=TOKEN))
     answer({"address": pub.address, "nbytes": pub.nbytes})
 
     def handle(cmd: dict) -> dict:

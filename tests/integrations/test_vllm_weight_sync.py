@@ -26,6 +26,7 @@ from tiersync.errors import UsageError
 from tiersync.integrations.vllm.weight_sync import WeightSyncConfig
 
 PROCS = os.path.join(os.path.dirname(__file__), "_weight_sync_procs.py")
+TOKEN = "vllm-weight-sync-test-token-0001"  # _weight_sync_procs.TOKEN: the trainer demands it
 
 
 class Proc:
@@ -72,7 +73,7 @@ class Proc:
                 self.proc.wait()
 
 
-def test_config_refuses_bad_values_naming_the_field():
+def test_config_refuses_bad_values_naming_the_field(tmp_path):
     with pytest.raises(UsageError, match="weight_sync.publishers"):
         WeightSyncConfig.from_dict({"publishers": ["no-port"]})
     with pytest.raises(UsageError, match="weight_sync.publishers"):
@@ -86,6 +87,13 @@ def test_config_refuses_bad_values_naming_the_field():
     cfg = WeightSyncConfig.from_dict({"publishers": ["127.0.0.1:1"], "transport": "tcp"})
     assert WeightSyncConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.receiver_config(3).label == "vllm-3"
+    with pytest.raises(UsageError, match="weight_sync.token"):
+        WeightSyncConfig(("127.0.0.1:1",), token="short")
+    assert WeightSyncConfig(("127.0.0.1:1",), token=TOKEN).receiver_config(0).token == TOKEN.encode()
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    from_file = WeightSyncConfig.from_dict({"publishers": ["127.0.0.1:1"], "token_file": str(path)})
+    assert from_file.token == TOKEN.encode() and WeightSyncConfig.from_dict(from_file.to_dict()) == from_file
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +111,7 @@ def session(models):
     engine = Proc([vllm_python(), PROCS, "engine", a], timeout=600)
     try:
         out = {"trainer": trainer.first, "early": engine.ask(op="apply", version=1)}
-        out["join"] = engine.ask(op="join", config={"publishers": [trainer.first["address"]]})
+        out["join"] = engine.ask(op="join", config={"publishers": [trainer.first["address"]], "token": TOKEN})
         out["before"] = engine.ask(op="gen")
         out["again"] = engine.ask(op="gen")  # prefix cache hits on weights A
         out["pub1"] = trainer.ask(op="publish", version=1, weights="B")

@@ -174,3 +174,48 @@ def test_header_checksum_matches_xxhash():
     for _ in range(300):
         data = bytes(rng.getrandbits(8) for _ in range(56))
         assert _wire._xxh3_56(data) == xxhash.xxh3_64_intdigest(data)
+
+
+def test_native_constants_match_the_frame_format():
+    """A protocol bump that forgets the C side would silently turn the fast path off."""
+    from tiersync.net.frames import PROTOCOL_VERSION, Op
+
+    assert (_wire.VERSION, _wire.OP_DATA, _wire.ALGO_TSUM64) == (PROTOCOL_VERSION, int(Op.DATA),
+                                                                 int(PayloadChecksum.TSUM64))
+
+
+@pytest.mark.parametrize("vectored", [False, True])
+def test_recv_many_verifies_what_the_parser_would(vectored):
+    """Frames the sans-IO side encodes are taken and verified by the native receiver itself
+    (``done`` counts them), into one buffer or scattered into several."""
+    from _proto_helpers import deliver, ready_pair
+
+    from tiersync.net.framed import EMPTY_META_CHECKSUM
+
+    blocks = [os.urandom(SIZE), os.urandom(3 * SIZE + 5)]
+    client, server = ready_pair(PayloadChecksum.TSUM64)
+    pulls = [ev.Pull(rid, 7, GOOD[0], 0, len(b)) for rid, b in zip((1, 2), blocks)]
+    for p in pulls:
+        deliver(client, server, p)
+    wire = b"".join(bytes(x) for p, b in zip(pulls, blocks) for x in server.send(ev.Data(p.request_id, b)))
+    if vectored:  # uneven pieces, one of them empty
+        cuts = [[bytearray(1000), bytearray(0), bytearray(len(b) - 1000)] for b in blocks]
+        dests = [[memoryview(c) for c in cut] for cut in cuts]
+    else:
+        cuts = [[bytearray(len(b))] for b in blocks]
+        dests = [memoryview(c[0]) for c in cuts]
+    a, b = socket.socketpair()
+    writer = threading.Thread(target=b.sendall, args=(wire,))
+    writer.start()
+    try:
+        done, sums, _, err = _wire.recv_many(a.fileno(), bytearray(64), dests, [1, 2], 64 << 20,
+                                             EMPTY_META_CHECKSUM)
+    finally:
+        writer.join()
+        a.close()
+        b.close()
+    assert (done, err) == (2, 0)
+    assert [b"".join(bytes(c) for c in cut) for cut in cuts] == blocks
+    from tiersync.net.frames import payload_checksum
+
+    assert list(sums) == [payload_checksum(PayloadChecksum.TSUM64, blk) for blk in blocks]

@@ -172,6 +172,17 @@ def test_segments_pipeline_large_chunks():
     _roundtrip(plan)
 
 
+def test_segments_cut_inner_dimensions_when_one_slice_is_larger():
+    """(experts, rows, cols): one expert (4 KiB) exceeds segment_bytes, so it is cut by rows:
+    no GET is larger than segment_bytes (the wire bounds one frame)."""
+    plan = plan_transfer(
+        Sharding.replicated(_mesh(1)), Sharding.replicated(_mesh(2)), {"w": ((3, 64, 16), "float32")},
+        PlanOptions(fanout=1, segment_bytes=1000), cache=None,
+    )
+    assert max(t.nbytes for t in plan.transfers) == 960 and plan.chunk_counts()[(0, "w")] == 3 * 5  # 15 rows each
+    _roundtrip(plan)
+
+
 def test_foreign_dtypes_by_name():
     class FakeTorchDtype:
         def __str__(self):

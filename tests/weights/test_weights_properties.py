@@ -111,6 +111,8 @@ def test_every_destination_byte_written_exactly_once(problem):
                 holder = s_boxes[t.src_rank] if t.kind is TransferKind.PUSH else box
                 assert t.src_span.extent <= holder.size * spec.itemsize
                 assert t.src_span.nbytes == t.dst_span.nbytes == t.global_box.size * spec.itemsize
+                if options.segment_bytes is not None:  # one GET stays within the frame bound
+                    assert t.nbytes <= max(options.segment_bytes, spec.itemsize)
             assert np.all(counter == 1), (name, rank)
 
 

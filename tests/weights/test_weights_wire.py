@@ -1,107 +1,122 @@
-"""The weight-sync wire format over real socket pairs: round trips, bounds, checksums, deadlines."""
+"""The weight-sync ops on the one wire stack: round trips, fields validated on parse, spans
+bounded, the vocabulary, and the version segment's header checks."""
 from __future__ import annotations
 
-import socket
 import struct
 
 import numpy as np
 import pytest
 
-from tiersync.net.errors import NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault
+from tiersync.errors import UsageError
+from tiersync.net import events as ev
+from tiersync.net.codec import MetaReader, MetaWriter
+from tiersync.net.errors import ProtocolError, ProtocolFault
+from tiersync.net.frames import EMPTY_CHECKSUM, Op, PayloadChecksum, ProtocolConfig, encode_header
+from tiersync.net.protocol import Connection, Role
+from tiersync.weights import Mesh, PlanOptions, Sharding
+from tiersync.weights.config import MAX_SPAN_BYTES, TransportKind
+from tiersync.weights.manifest import Manifest
+from tiersync.weights.ops import WEIGHTS, Ack, Announce, Get, Ready, Register, Release, Welcome
+from tiersync.weights.plan import TensorSpec
 from tiersync.weights.segment import HEADER_BYTES, SegmentReader, SegmentWriter, tensor_offsets
-from tiersync.weights.server import parse_span, span_payload
+from tiersync.weights.serving import span_payload
 from tiersync.weights.spans import StridedSpan
-from tiersync.weights.wire import HEADER_SIZE, Deadline, Op, recv_message, recv_payload, send_message
 
 
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair()
-    yield a, b
-    a.close()
-    b.close()
+def _manifest() -> Manifest:
+    sh = Sharding(Mesh((2,), ("fsdp",)), ("fsdp",))
+    return Manifest(3, 1, 2, ("w",), (TensorSpec((4, 6), "float32"),), (sh,), (HEADER_BYTES,), 4096,
+                    "/dev/shm/x", "host", PlanOptions(2, 1024), {0: "127.0.0.1:5"})
 
 
-def _raw(op: Op, meta: dict, payload: bytes = b"", checksum: bool = True) -> bytes:
-    a, b = socket.socketpair()
-    send_message(a, op, meta, Deadline(5, "t"), [memoryview(payload)] if payload else [], checksum=checksum)
-    a.close()
-    out = b""
-    while chunk := b.recv(1 << 16):
-        out += chunk
-    b.close()
-    return out
+def _roundtrip(event):
+    rid = getattr(event, "request_id", 0)
+    r = MetaReader(event.meta())
+    got = type(event).parse(rid, r, ProtocolConfig())
+    r.finish()
+    return got
 
 
-def test_round_trip_with_scatter_gather_payload(pair):
-    a, b = pair
-    parts = [memoryview(np.arange(1000, dtype=np.uint8)), memoryview(b"xyz" * 50)]
-    send_message(a, Op.DATA, {"k": [1, 2]}, Deadline(5, "a"), parts, checksum=True)
-    msg = recv_message(b, Deadline(5, "b"), 1 << 10)
-    assert msg.op is Op.DATA and msg.meta == {"k": [1, 2]} and msg.checksummed
-    into = bytearray(msg.payload_len)
-    recv_payload(b, msg, memoryview(into), Deadline(5, "b"), verify=True)
-    assert bytes(into) == bytes(parts[0]) + bytes(parts[1])
+def test_every_op_round_trips_and_the_vocabulary_is_distinct():
+    span = StridedSpan(8, 12, (3, 2), (48, 24))
+    for event in (Register(1, "s-0", 2, "host/boot", TransportKind.AUTO, "127.0.0.1:9", True),
+                  Welcome(1, TransportKind.SHM, 0),
+                  Announce(_manifest()), Ready(3, 1), Ack(3, False, 0.25, "boom"), Release(3),
+                  Get(7, 3, "layer.0", (0, 6), span)):
+        assert _roundtrip(event) == event
+    assert {int(o) for o in WEIGHTS.ops} >= set(range(48, 55)) and not {int(o) for o in Op} & set(range(48, 64))
 
 
-@pytest.mark.parametrize("offset, fault", [(0, ProtocolFault.BAD_MAGIC), (4, ProtocolFault.BAD_VERSION),
-                                           (9, ProtocolFault.BAD_CHECKSUM), (HEADER_SIZE + 2, ProtocolFault.BAD_CHECKSUM)])
-def test_corrupted_bytes_are_rejected_before_use(pair, offset, fault):
-    raw = bytearray(_raw(Op.GET, {"v": 1}))
-    raw[offset] ^= 0xFF
-    a, b = pair
-    a.sendall(raw)
-    with pytest.raises(ProtocolError) as exc:
-        recv_message(b, Deadline(5, "b"), 1 << 10)
-    assert exc.value.fault is fault
+def _ready(vocabulary) -> tuple[Connection, Connection]:
+    client, server = Connection(Role.CLIENT, vocabulary=vocabulary), Connection(Role.SERVER, vocabulary=vocabulary)
+    for src, dst, event in ((client, server, ev.Hello("c", b"c" * 16)), (server, client, ev.Challenge(b"s" * 16, b"")),
+                            (client, server, ev.Auth(b"")), (server, client, ev.Ready(1))):
+        dst.receive_data(b"".join(bytes(b) for b in src.send(event)))
+        assert isinstance(dst.next_event(), type(event))
+    return client, server
 
 
-def test_oversize_metadata_is_refused_from_the_header(pair):
-    a, b = pair
-    a.sendall(_raw(Op.HELLO, {"x": "y" * 5000})[:HEADER_SIZE])  # only the header: never read further
-    with pytest.raises(ProtocolError) as exc:
-        recv_message(b, Deadline(5, "b"), 1 << 10)
-    assert exc.value.fault is ProtocolFault.OVERSIZE
+def _get_meta(counts=(2,), strides=(10,), row=3, key=(0,)) -> bytes:
+    return MetaWriter().u64(1).text("w").u64s(key).u64(0).u64(row).u64s(counts).u64s(strides).getvalue()
 
 
-def test_payload_length_and_checksum_are_checked(pair):
-    a, b = pair
-    raw = bytearray(_raw(Op.DATA, {}, b"0123456789"))
-    a.sendall(raw)
-    msg = recv_message(b, Deadline(5, "b"), 1 << 10)
-    with pytest.raises(ProtocolError) as exc:
-        recv_payload(b, msg, memoryview(bytearray(5)), Deadline(5, "b"), verify=True)
-    assert exc.value.fault is ProtocolFault.OVERSIZE
-    raw[-1] ^= 1  # flip a payload bit
-    a.sendall(raw)
-    b.recv(10)  # drain the unread payload of the first message
-    msg = recv_message(b, Deadline(5, "b"), 1 << 10)
-    with pytest.raises(ProtocolError) as exc:
-        recv_payload(b, msg, memoryview(bytearray(10)), Deadline(5, "b"), verify=True)
-    assert exc.value.fault is ProtocolFault.BAD_CHECKSUM
+@pytest.mark.parametrize("cls,meta", [
+    (Get, _get_meta(row=0)),  # an empty row
+    (Get, _get_meta(counts=(2, 3))),  # counts and strides disagree
+    (Get, _get_meta(counts=(0,))),  # no rows
+    (Get, _get_meta(counts=(1 << 20,), row=1 << 20)),  # over the largest span
+    (Get, _get_meta(key=tuple(range(40)))),  # too many dimensions
+    (Get, b"\x01\x02"),  # truncated
+    (Register, MetaWriter().text("s").u64(0).text("h").text("carrier-pigeon").text("").u8(0).getvalue()),
+    (Register, MetaWriter().text("s").u64(0).text("h").text("tcp").text("").u8(7).getvalue()),  # not a flag
+    (Welcome, MetaWriter().text("auto").u64(0).getvalue()),  # a grant is SHM or TCP
+    (Announce, MetaWriter().json({"version": 1}).getvalue()),  # a manifest missing fields
+    (Announce, MetaWriter().blob(b"[1, 2]").getvalue()),
+    (Ack, MetaWriter().u64(1).u8(1).f64(float("nan")).text("").getvalue()),
+])
+def test_hostile_metadata_is_malformed_on_the_wire(cls, meta):
+    client, server = _ready(WEIGHTS)
+    dst, rid = server, 0 if cls in (Announce, Ack) else 1
+    if cls is Welcome:  # an answer: the client must have asked
+        client.send(Register(rid, "s", 0, "h", TransportKind.TCP))
+        dst = client
+    dst.receive_data(encode_header(cls.OP, rid, meta, 0, EMPTY_CHECKSUM[PayloadChecksum.XXH3_64]) + meta)
+    with pytest.raises(ProtocolError) as e:
+        dst.next_event()
+    assert e.value.fault is ProtocolFault.MALFORMED
 
 
-def test_eof_and_deadline(pair):
-    a, b = pair
-    with pytest.raises(NetTimeoutError):
-        recv_message(b, Deadline(0.2, "b"), 1 << 10)
-    a.sendall(_raw(Op.ACK, {"v": 1})[:20])
-    a.close()
-    with pytest.raises(PeerClosedError):
-        recv_message(b, Deadline(5, "b"), 1 << 10)
+def test_a_weights_connection_refuses_another_services_ops():
+    client, server = _ready(WEIGHTS)
+    server.receive_data(b"".join(bytes(b) for b in client.send(Get(1, 2, "w", (0,), StridedSpan(0, 4)))))
+    assert isinstance(server.next_event(), Get)
+    store, _ = _ready(ev.STORE)
+    server.receive_data(b"".join(bytes(b) for b in store.send(ev.Pull(2, 1, b"k" * 16, 0, 4))))
+    with pytest.raises(ProtocolError) as e:
+        server.next_event()
+    assert e.value.fault is ProtocolFault.UNKNOWN_OP
 
 
-def test_span_parsing_and_payload_bounds():
+def test_ops_validate_their_fields():
+    for build, name in ((lambda: Get(1, 1, "w", (0,), StridedSpan(0, MAX_SPAN_BYTES + 1)), "span"),
+                        (lambda: Get(1, 1, "w", (-1,), StridedSpan(0, 4)), "key"),
+                        (lambda: Welcome(1, TransportKind.AUTO, 0), "transport"),
+                        (lambda: Announce({"version": 1}), "manifest"),
+                        (lambda: Ready(-1, 0), "version")):
+        with pytest.raises(UsageError) as e:
+            build()
+        assert e.value.argument == name
+
+
+def test_span_payload_and_bounds():
     shard = np.arange(64, dtype=np.uint8)
-    span = parse_span({"o": 2, "r": 3, "c": [4], "s": [10]})
-    got = b"".join(bytes(v) for v in span_payload(shard, span))
-    assert got == bytes([2, 3, 4, 12, 13, 14, 22, 23, 24, 32, 33, 34])
+    span = StridedSpan(2, 3, (4,), (10,))
+    assert b"".join(bytes(v) for v in span_payload(shard, span)) == bytes([2, 3, 4, 12, 13, 14, 22, 23, 24, 32, 33, 34])
+    big = np.arange(1 << 20, dtype=np.uint8)
+    views = span_payload(big, StridedSpan(0, 64 << 10, (4,), (128 << 10,)))  # few large rows: sent as views
+    assert len(views) == 4 and all(v.obj is not None and len(v) == 64 << 10 for v in views)
     with pytest.raises(ProtocolError):
         span_payload(shard, StridedSpan(60, 8))
-    for bad in ({"o": -1, "r": 1, "c": [], "s": []}, {"o": 0, "r": 0, "c": [], "s": []}, {"o": 0},
-                {"o": 0, "r": 1, "c": [2], "s": []}):
-        with pytest.raises(ProtocolError):
-            parse_span(bad)
 
 
 def test_segment_header_size_and_version_checks(tmp_path):

@@ -15,6 +15,7 @@ SUITES: dict[str, str] = {
     "h2d": "tiersync.bench.copy",
     "storage": "tiersync.bench.storage",
     "h2h": "tiersync.bench.h2h",
+    "pd": "tiersync.bench.pd",
     "registry": "tiersync.bench.registry",
     "weights": "tiersync.bench.weights",
     "serve": "tiersync.bench.serve",

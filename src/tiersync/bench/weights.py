@@ -15,7 +15,10 @@ process) to 1, 2 and 4 sampler PROCESSES, each holding the whole model (replicat
 - the baseline, ``torch.distributed.broadcast`` over gloo (real processes, FileStore): each
   trainer shard broadcasts its rows of every tensor to the samplers;
 - the loopback raw-socket figure: this process ``sendmsg``s the model's bytes to each
-  receiver process (one thread each), which ``recv_into``s them (a ceiling for TCP).
+  receiver process (one thread each), which ``recv_into``s them (a ceiling for TCP). Each
+  1-trainer case also gets a ``weights-1t-<n>s-tcp-vs-raw`` row: the same ``tcp`` times with
+  this raw figure as the baseline (ratio = tiersync TCP GB/s / raw GB/s: what the wire stack,
+  token, checksums and GET protocol cost over bare sockets).
 
 Seconds are publish to "every sampler switched" (tiersync: D2H into the version buffer
 included) and first to last broadcast (gloo). ``gbps`` is per receiver (model bytes /
@@ -45,6 +48,7 @@ BUFFERS = {"full": 1, "quick": 2, "tiny": 2}
 ROUNDS = {"full": 2, "quick": 1, "tiny": 1}  # interleaved rounds of (shm, tcp, gloo), order rotated
 ITERATIONS = {"full": 5, "quick": 3, "tiny": 2}  # timed versions per contender and round (--iterations)
 BASELINE = "torch.distributed.broadcast (gloo)"
+RAW_BASELINE = "raw loopback sockets (sendmsg -> recv_into, one sender thread per sampler)"
 TRIM = {"full": True, "quick": False, "tiny": False}  # samplers free their memory between contenders
 _MODE = ["quick"]  # the running mode (set by run)
 
@@ -327,16 +331,25 @@ def _secs(prefix: str, t: list[float]) -> dict[str, float]:
 
 
 def _rows(nbytes: int, shards: int, n: int, times: dict[str, list[float]], raw: list[float], buffers: int) -> list:
-    base, rawt, out = throughput(nbytes, times["gloo"]), throughput(nbytes, raw), []
-    for who in [w for w in ("shm", "zc", "tcp") if times[w]]:
-        ours = throughput(nbytes, times[who])
-        out.append(row(f"weights-{shards}t-{n}s-{_NAMES[who]}", ours, BASELINE, base, shards=shards, samplers=n,
-                       transport=_TRANSPORTS[who], nbytes=nbytes,
-                       **_secs("", times[who]), **_secs("baseline_", times["gloo"]), **_secs("raw_socket_", raw),
-                       aggregate_gbps=round(ours["gbps"] * n, 4), baseline_aggregate_gbps=round(base["gbps"] * n, 4),
-                       raw_socket_gbps=round(rawt["gbps"], 4), raw_socket_aggregate_gbps=round(rawt["gbps"] * n, 4),
-                       buffers=buffers, samples=len(times[who]), roundtrip="ok"))
+    """One row per contender against gloo; with one trainer, TCP again against the raw sockets."""
+    rawt = throughput(nbytes, raw)
+    common = dict(shards=shards, samplers=n, nbytes=nbytes, **_secs("raw_socket_", raw),
+                  raw_socket_gbps=round(rawt["gbps"], 4), raw_socket_aggregate_gbps=round(rawt["gbps"] * n, 4),
+                  buffers=buffers, roundtrip="ok")
+    out = [_row(f"weights-{shards}t-{n}s-{_NAMES[who]}", nbytes, times[who], BASELINE, times["gloo"],
+                _TRANSPORTS[who], common) for who in ("shm", "zc", "tcp") if times[who]]
+    if shards == 1 and times["tcp"]:
+        out.append(_row(f"weights-1t-{n}s-tcp-vs-raw", nbytes, times["tcp"], RAW_BASELINE, raw, _TRANSPORTS["tcp"],
+                        common, gloo_gbps=round(throughput(nbytes, times["gloo"])["gbps"], 4)))
     return out
+
+
+def _row(name: str, nbytes: int, ours_t: list[float], baseline: str, base_t: list[float], transport: str,
+         common: dict, **extra: Any) -> dict[str, Any]:
+    ours, base, n = throughput(nbytes, ours_t), throughput(nbytes, base_t), common["samplers"]
+    return row(name, ours, baseline, base, **common, transport=transport, **_secs("", ours_t),
+               **_secs("baseline_", base_t), aggregate_gbps=round(ours["gbps"] * n, 4),
+               baseline_aggregate_gbps=round(base["gbps"] * n, 4), samples=len(ours_t), **extra)
 
 
 _NAMES = {"shm": "shm", "zc": "shm-zerocopy", "tcp": "tcp"}

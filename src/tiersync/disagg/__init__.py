@@ -1,4 +1,4 @@
-"""Prefill -> decode KV transfer (layer-wise, over TCP) and KV resharding between TP layouts.
+"""Prefill -> decode KV transfer (layer-wise, over TCP or same-host memory) and KV resharding between TP layouts.
 
 - :mod:`~tiersync.disagg.geometry`: :class:`PagedKVLayout` (per-layer paged KV tensor of a
   TP group: heads, head_dim, block size, dtype, :class:`KVOrder`).
@@ -8,8 +8,9 @@
 - :mod:`~tiersync.disagg.producer`: :class:`KVProducer` (prefill rank: register, layer_ready, poll).
 - :mod:`~tiersync.disagg.consumer`: :class:`KVConsumer`, :class:`SourceSpec`, :class:`ReadHandle`
   (decode rank: start_read, wait_layer, poll).
-- :mod:`~tiersync.disagg.wire`, :mod:`~tiersync.disagg.conn`: the sans-IO framed protocol and
-  its socket driver.
+- :mod:`~tiersync.disagg.ops`, :mod:`~tiersync.disagg.link`: the prefill -> decode operations
+  on the one tiersync wire stack (:mod:`tiersync.net`: frames, token + TLS handshake, server,
+  connection pool, same-host reads) and the reader's side of one link.
 
 Imports numpy and xxhash, never torch or JAX; ``import tiersync`` does not import this package.
 """

@@ -4,8 +4,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tiersync.disagg.wire import WireLimits
 from tiersync.errors import UsageError, check_positive_int
+from tiersync.net.config import Route, TcpConfig, coerce_token
+from tiersync.net.frames import ProtocolConfig
+from tiersync.net.tls import TlsConfig
 
 __all__ = ["DisaggConfig", "RequestState", "TransferStatus"]
 
@@ -17,33 +19,63 @@ class DisaggConfig:
     ``timeout_s``: a request's whole life (producer: from :meth:`register` until every reader
     acknowledged; consumer: from :meth:`start_read` until every layer landed). Past it the
     request is FAILED, never done. ``connect_timeout_s``: TCP connect + handshake.
-    ``token``: shared secret (bytes, >= 16) both sides must prove; None disables the check
-    (only a side without a token accepts a peer without one). ``chunk_bytes``: largest LAYER
-    payload the producer sends (<= ``limits.max_payload``). Raises UsageError naming the field.
+    ``token``: shared secret (str or bytes, >= 16 bytes) both sides must prove; None disables
+    the check (only a side without a token accepts a peer without one). ``tls``: optional
+    :class:`~tiersync.net.tls.TlsConfig` (the producer needs a cert; the consumer verifies it).
+    ``route``: :class:`~tiersync.net.config.Route` — AUTO reads a producer on the same host
+    straight from its memory (``process_vm_readv``) and falls back to TCP when that is not
+    permitted, LOCAL insists on it (the read FAILS otherwise), TCP always uses the socket.
+    ``chunk_bytes``: largest piece of a layer one pull moves (<= ``protocol.max_frame_size``);
+    ``window``: pulls a consumer keeps in flight per connection. ``protocol``: frame bounds
+    (:class:`~tiersync.net.frames.ProtocolConfig`). ``workers``: the producer's pool answering
+    pulls (a pull for a layer not yet ready holds a worker). Raises UsageError naming the field.
     """
 
     timeout_s: float = 120.0
     connect_timeout_s: float = 5.0
-    token: bytes | None = None
+    token: bytes | str | None = None
     chunk_bytes: int = 16 << 20
-    limits: WireLimits = field(default_factory=WireLimits)
     sndbuf: int = 16 << 20
     rcvbuf: int = 16 << 20
     backlog: int = 128
+    tls: TlsConfig | None = None
+    route: Route = Route.AUTO
+    window: int = 8
+    workers: int = 64
+    max_connections: int = 4096
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "connect_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise UsageError("must be > 0 seconds", argument=name, value=value)
-        if self.token is not None and (not isinstance(self.token, bytes) or len(self.token) < 16):
-            raise UsageError("must be bytes of at least 16 or None", argument="token")
-        for name in ("chunk_bytes", "sndbuf", "rcvbuf", "backlog"):
+        object.__setattr__(self, "token", coerce_token(self.token, "token"))
+        for name in ("chunk_bytes", "sndbuf", "rcvbuf", "backlog", "window", "workers", "max_connections"):
             check_positive_int(getattr(self, name), name)
-        if not isinstance(self.limits, WireLimits):
-            raise UsageError("must be a WireLimits", argument="limits")
-        if self.chunk_bytes > self.limits.max_payload:
-            raise UsageError("must not exceed limits.max_payload", argument="chunk_bytes")
+        if self.tls is not None and not isinstance(self.tls, TlsConfig):
+            raise UsageError("must be a TlsConfig or None", argument="tls")
+        if not isinstance(self.route, Route):
+            try:
+                object.__setattr__(self, "route", Route(self.route))
+            except ValueError:
+                raise UsageError("must be a Route (auto, local, tcp)", argument="route", value=self.route) from None
+        if not isinstance(self.protocol, ProtocolConfig):
+            raise UsageError("must be a ProtocolConfig", argument="protocol")
+        if self.chunk_bytes > self.protocol.max_frame_size - self.protocol.max_meta_size:
+            raise UsageError("must leave room for metadata within protocol.max_frame_size", argument="chunk_bytes",
+                             max_frame_size=self.protocol.max_frame_size)
+
+    def tcp_config(self, *, server: bool) -> TcpConfig:
+        """The :class:`~tiersync.net.config.TcpConfig` of a producer (``server``) or consumer.
+
+        A producer's pull may wait for its layer up to the request's deadline before its answer
+        is written, so its per-operation deadline covers ``timeout_s``."""
+        return TcpConfig(sndbuf=self.sndbuf, rcvbuf=self.rcvbuf, connect_timeout_s=self.connect_timeout_s,
+                         op_timeout_s=self.timeout_s + self.connect_timeout_s + 5.0, token=self.token,
+                         tls=self.tls, node_id="tiersync-kv-producer" if server else "tiersync-kv-consumer",
+                         backlog=self.backlog, max_connections=self.max_connections, workers=self.workers,
+                         route=self.route, protocol=self.protocol)
 
 
 class RequestState(enum.Enum):

@@ -10,16 +10,22 @@ One :class:`KVConsumer` per decode rank. Typical use from an engine connector::
     ...  # every engine step:
     status = consumer.poll()             # done_receiving / failed_receiving
 
-The consumer plans (:mod:`tiersync.disagg.reshard`) which prefill ranks feed this rank, opens
-one TCP connection per such rank, sends READ, lands each arriving layer into ``host_layers``
-and acknowledges with DONE. A layer *arrives* when every feeding rank delivered it. Decode
-rank 0 also notifies prefill ranks nobody reads from (unused replicas) so they can finish.
-A request is FAILED when ``config.timeout_s`` passes, a producer refuses, disconnects or dies,
-or a frame is bad; from then on its landing buffers are never written again.
+The consumer plans (:mod:`tiersync.disagg.reshard`) which prefill ranks feed this rank, takes
+a pooled connection to each such rank (:class:`~tiersync.net.transport.ChannelPool`: token,
+TLS, one handshake per connection, not per request), opens the request (KV_OPEN), asks for
+each layer as it becomes ready (KV_NEXT), pulls its route bytes with several pulls in flight
+(KV_PULL, each answer scattered in place into the destination blocks of ``host_layers``)
+or, when the producer is on this host, copies them out of its memory straight into those
+blocks (KV_PULL_LOCAL + ``process_vm_readv``, verified), and says it is done (KV_DONE, which
+must be COMMITTED). A layer *arrives* when every feeding rank delivered it and it was
+verified. Decode rank 0 also notifies prefill ranks nobody reads from (unused replicas) so
+they can finish. A request is FAILED when ``config.timeout_s`` passes, a producer refuses,
+disconnects or dies, or a frame is bad; a FAILED read may have written part of its
+destination blocks (never reported as arrived), and :meth:`KVConsumer.poll` reports it only
+once no thread can write them any more.
 """
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -28,14 +34,17 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from tiersync.disagg.config import DisaggConfig, RequestState, TransferStatus, check_side
-from tiersync.disagg.conn import FrameSocket, client_handshake
 from tiersync.disagg.geometry import PagedKVLayout
-from tiersync.disagg.messages import ReadRequest, check_request_id, parse_address, parse_layer
+from tiersync.disagg.link import pull_route
+from tiersync.disagg.messages import ReadRequest, check_request_id
+from tiersync.disagg.ops import KV
 from tiersync.disagg.reshard import ReshardPlan, ReshardPlanner, block_table, default_planner
-from tiersync.disagg.spanio import byte_view, scatter
-from tiersync.disagg.wire import Kind
+from tiersync.disagg.spanio import byte_view
 from tiersync.errors import ClosedError, RemoteError, TierSyncError, UsageError, check_positive_int
-from tiersync.net.errors import NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault
+from tiersync.net.config import parse_address
+from tiersync.net.errors import NetTimeoutError, PeerClosedError
+from tiersync.net.tcp import TcpChannel, TcpTransport
+from tiersync.net.transport import ChannelPool
 
 __all__ = ["KVConsumer", "ReadHandle", "SourceSpec"]
 
@@ -94,8 +103,10 @@ class ReadHandle:
         self._views, self._on_layer = views, on_layer
         self._cond = threading.Condition()
         self._counts = [0] * plan.num_layers
+        self._commits = 0
         self._arrived: list[int] = []
-        self._sockets: set[FrameSocket] = set()
+        self._channels: set[TcpChannel] = set()
+        self._pulling = 0  # threads that may still write the landing buffers
         self.state = RequestState.PENDING
         self.error: TierSyncError | None = None
 
@@ -130,35 +141,68 @@ class ReadHandle:
             return self.state
 
     # -- used by the consumer's threads --------------------------------------------------------
-    def _attach(self, fs: FrameSocket) -> bool:
+    def _start(self) -> None:
+        with self._cond:
+            self._pulling += 1
+
+    def _stop(self) -> None:
+        with self._cond:
+            self._pulling -= 1
+            self._cond.notify_all()
+        if self._progress is not None and self.state is not RequestState.PENDING:
+            self._progress.set()
+
+    def _attach(self, channel: TcpChannel) -> bool:
         with self._cond:
             if self.state is not RequestState.PENDING:
                 return False
-            self._sockets.add(fs)
+            self._channels.add(channel)
             return True
 
-    def _land(self, layer: int, spans: np.ndarray, staging: np.ndarray) -> bool:
-        """Scatter one source's layer into the landing buffer (under the lock, so never after
-        a failure). Returns True when the request just became DONE."""
+    def _detach(self, channel: TcpChannel) -> None:
+        with self._cond:
+            self._channels.discard(channel)
+
+    def _buffer(self, layer: int) -> np.ndarray:
+        """Layer ``layer``'s landing buffer, for a pulling thread (refused once the read is final)."""
         with self._cond:
             if self.state is not RequestState.PENDING:
                 raise PeerClosedError("read already final", request=self.request_id)
-            scatter(self._views[layer], spans[:, 1], spans[:, 2], staging)
+            return self._views[layer]
+
+    def _landed(self, layer: int) -> None:
+        """One source's part of a layer landed and was verified; the layer has arrived once
+        every source delivered it."""
+        with self._cond:
+            if self.state is not RequestState.PENDING:
+                raise PeerClosedError("read already final", request=self.request_id)
             self._counts[layer] += 1
             if self._counts[layer] < len(self.sources):
-                return False
+                return
             self._arrived.append(layer)
             self._cond.notify_all()
         if self._on_layer is not None:
             self._on_layer(self.request_id, layer)
+
+    def _quiet(self, timeout: float = 0.0) -> bool:
+        """No pulling thread of this read is still running (none can write its buffers);
+        waits up to ``timeout`` seconds for that."""
         with self._cond:
-            if len(self._arrived) == self.plan.num_layers and self.state is RequestState.PENDING:
-                self.state = RequestState.DONE
-                self._cond.notify_all()
-                if self._progress is not None:
-                    self._progress.set()
-                return True
-        return False
+            return self._cond.wait_for(lambda: self._pulling == 0, timeout)
+
+    def _counted(self) -> None:
+        """One source counted this reader (KV_DONE COMMITTED: it kept its buffers until every
+        byte was sent). DONE once every layer arrived and every source counted the read."""
+        with self._cond:
+            self._commits += 1
+            if self.state is not RequestState.PENDING or self._commits < len(self.sources):
+                return
+            if len(self._arrived) != self.plan.num_layers:
+                return
+            self.state = RequestState.DONE
+            self._cond.notify_all()
+        if self._progress is not None:
+            self._progress.set()
 
     def _fail(self, error: TierSyncError) -> bool:
         """FAILED (once): close every connection of the request. True when this call failed it."""
@@ -166,10 +210,10 @@ class ReadHandle:
             if self.state is not RequestState.PENDING:
                 return False
             self.state, self.error = RequestState.FAILED, error
-            socks, self._sockets = list(self._sockets), set()
+            channels, self._channels = list(self._channels), set()
             self._cond.notify_all()
-        for fs in socks:
-            fs.shutdown()
+        for channel in channels:
+            channel.close()
         if self._progress is not None:
             self._progress.set()
         return True
@@ -188,6 +232,7 @@ class KVConsumer:
         self._unreported: list[tuple[str, RequestState]] = []
         self._progress = threading.Event()  # set when a read became final since the last poll
         self._closed = False
+        self._pool = ChannelPool(TcpTransport(self.config.tcp_config(server=False), KV))
 
     def start_read(self, request_id: str, source: SourceSpec, dst_block_ids: Sequence[int],
                    landing: Sequence[Any], on_layer: LayerCallback | None = None) -> ReadHandle:
@@ -219,6 +264,7 @@ class KVConsumer:
             self._reads[request_id] = handle
         notify = plan.idle_sources() if self.rank == 0 else ()
         for src_rank in sources + notify:
+            handle._start()
             read = ReadRequest(request_id, src_rank, self.rank, self.layout, dst_ids,
                                source.block_ids, source.num_tokens, notify_only=src_rank in notify)
             threading.Thread(target=self._pull, args=(handle, source.addresses[src_rank], read), daemon=True,
@@ -236,7 +282,7 @@ class KVConsumer:
         with self._lock:
             self._progress.clear()
             for h in list(self._reads.values()):
-                if h.state is not RequestState.PENDING:
+                if h.state is not RequestState.PENDING and h._quiet():
                     self._unreported.append((h.request_id, h.state))
                     del self._reads[h.request_id]
             items, self._unreported = self._unreported, []
@@ -261,6 +307,9 @@ class KVConsumer:
             reads = list(self._reads.values())
         for h in reads:
             h._fail(PeerClosedError("consumer closed", request=h.request_id))
+        for h in reads:  # their channels are closed: the threads end at once
+            h._quiet(timeout=5.0)
+        self._pool.close()
 
     def __enter__(self) -> "KVConsumer":
         return self
@@ -268,32 +317,20 @@ class KVConsumer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- one connection per feeding prefill rank ---------------------------------------------
-    def _connect(self, address: str, deadline: float) -> FrameSocket:
-        host, port = parse_address(address)
-        timeout = min(self.config.connect_timeout_s, max(deadline - time.monotonic(), 0.001))
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-        except socket.timeout:
-            raise NetTimeoutError("connect timed out", peer=address) from None
-        except OSError as exc:
-            raise PeerClosedError(f"connect failed: {exc}", peer=address) from None
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.config.rcvbuf)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return FrameSocket(sock, address, self.config.limits)
-
+    # -- one pooled connection per feeding prefill rank and read -----------------------------
     def _pull(self, handle: ReadHandle, address: str, read: ReadRequest) -> None:
-        fs = None
         try:
-            fs = self._connect(address, handle.deadline)
-            if not handle._attach(fs):
-                return
-            client_handshake(fs, self.config.token, min(handle.deadline,
-                                                        time.monotonic() + self.config.connect_timeout_s))
-            fs.send(Kind.READ, read.to_meta(), handle.deadline)
-            if not read.notify_only:
-                self._receive_layers(handle, fs, handle.plan.route_spans(read.src_rank, self.rank))
-            fs.send(Kind.DONE, {}, handle.deadline)
+            with self._pool.acquire(address) as channel:
+                if not handle._attach(channel):
+                    return
+                spans = handle.plan.route_spans(read.src_rank, self.rank)
+                try:
+                    pull_route(channel, read, spans, handle.plan.num_layers, handle.deadline, self.config,
+                               handle._buffer, handle._landed)
+                    if not read.notify_only:
+                        handle._counted()
+                finally:
+                    handle._detach(channel)
         except (TierSyncError, OSError) as exc:
             if not read.notify_only:
                 err = exc if isinstance(exc, TierSyncError) else RemoteError(str(exc), peer=address)
@@ -301,33 +338,4 @@ class KVConsumer:
         except Exception as exc:  # noqa: BLE001 - e.g. the on_layer callback raised
             handle._fail(RemoteError(f"layer callback failed: {exc!r}", peer=address))
         finally:
-            if fs is not None:
-                fs.close()
-
-    def _receive_layers(self, handle: ReadHandle, fs: FrameSocket, spans: np.ndarray) -> None:
-        total = int(spans[:, 2].sum())
-        staging = np.empty(total, dtype=np.uint8)
-        seen: set[int] = set()
-        for _ in range(handle.plan.num_layers):
-            layer, got = None, 0
-            while layer is None or got < total:
-                frame = fs.expect(Kind.LAYER, handle.deadline,
-                                  sink=lambda f, g=got: _chunk_sink(f, staging, total, g))
-                chunk = parse_layer(frame.meta)
-                if frame.payload_len == 0:
-                    raise ProtocolError("empty layer chunk", fault=ProtocolFault.MALFORMED)
-                if (layer is None and (chunk.layer in seen or chunk.layer >= handle.plan.num_layers)) or \
-                        (layer is not None and chunk.layer != layer):
-                    raise ProtocolError("unexpected layer", fault=ProtocolFault.UNEXPECTED, layer=chunk.layer)
-                layer, got = chunk.layer, got + frame.payload_len
-            seen.add(layer)
-            handle._land(layer, spans, staging)
-
-
-def _chunk_sink(frame: Any, staging: np.ndarray, total: int, got: int) -> memoryview:
-    """Where a LAYER payload goes: the next ``payload_len`` bytes of the staging buffer."""
-    chunk = parse_layer(frame.meta)
-    if chunk.total != total or chunk.offset != got or got + frame.payload_len > total:
-        raise ProtocolError("layer chunk does not fit the route", fault=ProtocolFault.MALFORMED,
-                            offset=chunk.offset, total=chunk.total, expected_total=total, expected_offset=got)
-    return memoryview(staging[got:got + frame.payload_len])
+            handle._stop()

@@ -1,4 +1,6 @@
-"""The READ and LAYER metadata of the KV protocol, built and validated (never trusted)."""
+"""What a decode rank asks of a prefill rank (:class:`ReadRequest`), built and validated (never trusted).
+
+It travels as the JSON metadata of a ``KV_OPEN`` (:mod:`tiersync.disagg.ops`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +10,7 @@ from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.errors import UsageError
 from tiersync.net.errors import ProtocolError, ProtocolFault
 
-__all__ = ["LayerChunk", "ReadRequest", "check_request_id", "parse_address", "parse_layer", "parse_read"]
+__all__ = ["ReadRequest", "check_request_id", "parse_read"]
 
 MAX_REQUEST_ID = 256
 
@@ -19,14 +21,6 @@ def check_request_id(value: Any, argument: str = "request_id") -> str:
         raise UsageError(f"must be a non-empty str of at most {MAX_REQUEST_ID} characters",
                          argument=argument, value=value)
     return value
-
-
-def parse_address(address: Any, argument: str = "address") -> tuple[str, int]:
-    """Split "host:port" (IPv6 hosts may be bracketed). Raises UsageError naming ``argument``."""
-    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError("must be 'host:port'", argument=argument, value=address)
-    return host.strip("[]"), int(port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,20 +78,3 @@ def parse_read(meta: dict) -> ReadRequest:
     return ReadRequest(request_id, _int(meta, "src_rank"), _int(meta, "dst_rank"), layout,
                        _ids(meta, "dst_block_ids"), _ids(meta, "src_block_ids"), _int(meta, "num_tokens", 1),
                        notify)
-
-
-@dataclass(frozen=True, slots=True)
-class LayerChunk:
-    """``nbytes`` bytes at ``offset`` of layer ``layer``'s route payload of ``total`` bytes."""
-
-    layer: int
-    offset: int
-    total: int
-
-    def to_meta(self) -> dict:
-        return {"layer": self.layer, "offset": self.offset, "total": self.total}
-
-
-def parse_layer(meta: dict) -> LayerChunk:
-    """Validate a LAYER's metadata. Raises ProtocolError (MALFORMED)."""
-    return LayerChunk(_int(meta, "layer"), _int(meta, "offset"), _int(meta, "total", 1))

@@ -9,9 +9,12 @@ One :class:`KVProducer` per prefill rank. Typical use from an engine connector::
     ...  # every engine step:
     status = producer.poll()   # done_sending / failed_sending: free the request's blocks
 
-Decode ranks connect, prove the token, send READ (their layout and block ids); the producer
-plans (:mod:`tiersync.disagg.reshard`), then pushes each layer of the route as soon as it is
-ready and waits for the reader's DONE. The request is DONE when every destination rank that
+Decode ranks connect (token, TLS: :class:`~tiersync.net.server.TcpServer`), open the request
+with their layout and block ids (KV_OPEN, :mod:`tiersync.disagg.ops`); the producer plans
+(:mod:`tiersync.disagg.reshard`), then answers KV_NEXT with each layer as soon as it is ready
+(in ready order), KV_PULL with that layer's route bytes (views of the host buffer sent
+without a copy, or gathered when the route is many small spans), KV_PULL_LOCAL (same host)
+with where those bytes are, and KV_DONE with whether the reader was counted. The request is DONE when every destination rank that
 reads from this rank acknowledged; it is FAILED when ``config.timeout_s`` after
 :meth:`register` passes first (an expired send is never reported as done), when a reader
 fails or disconnects, or on :meth:`abort`. Unknown requests are refused (ERROR
@@ -19,7 +22,7 @@ fails or disconnects, or on :meth:`abort`. Unknown requests are refused (ERROR
 """
 from __future__ import annotations
 
-import socket
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -29,23 +32,28 @@ from typing import Any, Sequence
 import numpy as np
 
 from tiersync.disagg.config import DisaggConfig, RequestState, TransferStatus, check_side
-from tiersync.disagg.conn import FrameSocket, server_handshake
 from tiersync.disagg.geometry import PagedKVLayout
-from tiersync.disagg.messages import LayerChunk, ReadRequest, check_request_id, parse_read
+from tiersync.disagg.messages import ReadRequest, check_request_id
+from tiersync.disagg.ops import KV, KvDone, KvLayer, KvNext, KvOpen, KvOpened, KvPull, KvPullLocal
 from tiersync.disagg.reshard import ReshardPlanner, block_table, default_planner
-from tiersync.disagg.spanio import byte_view, gather
-from tiersync.disagg.wire import Kind
+from tiersync.disagg.spanio import byte_view, gather, route_slice
 from tiersync.errors import ClosedError, UsageError, check_positive_int
-from tiersync.net.errors import AuthError, PeerClosedError, ProtocolError, RequestError
+from tiersync.net import events as ev
+from tiersync.net import local
+from tiersync.net.frames import SUPPORTED, payload_checksum
+from tiersync.net.server import TcpServer
+from tiersync.net.service import Service, Session
 
 __all__ = ["KVProducer"]
 
 _FORGET_AFTER = 4096  # final request ids remembered so a late layer_ready is a no-op
-_ZERO_COPY_SPANS = 256  # routes with at most this many spans are sent without a gather copy
+_ZERO_COPY_SPANS = 256  # pulls of at most this many spans (or of large ones) go out as views
+_ZERO_COPY_AVG = 16 << 10
+Code = ev.ErrorCode
 
 
 class _Refused(Exception):
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ev.ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
 
@@ -64,13 +72,28 @@ class _Outgoing:
     expected: frozenset[int] = frozenset()
     joined: set[int] = field(default_factory=set)
     acked: set[int] = field(default_factory=set)
-    sockets: set[FrameSocket] = field(default_factory=set)
+    sessions: set[Session] = field(default_factory=set)
 
 
-class KVProducer:
+@dataclass(eq=False)
+class _Route:
+    """One session's open request: what it reads (spans of a layer) and the layers it was told of."""
+
+    req: _Outgoing
+    dst_rank: int
+    offsets: np.ndarray
+    lengths: np.ndarray
+    told: list[int] = field(default_factory=list)
+    counted: bool = False
+    local_pulls: int = 0
+
+
+class KVProducer(Service):
     """Serves registered requests on ``host:port`` (``port=0``: any free port, see
     :attr:`address`). ``layout`` is this TP group's geometry; ``rank`` this process's rank in
     it. Thread-safe; close with :meth:`close` (or use as a context manager)."""
+
+    vocabulary = KV
 
     def __init__(self, layout: PagedKVLayout, rank: int, config: DisaggConfig | None = None, *,
                  host: str = "127.0.0.1", port: int = 0, planner: ReshardPlanner | None = None) -> None:
@@ -83,12 +106,10 @@ class KVProducer:
         self._unreported: list[tuple[str, RequestState]] = []
         self._progress = threading.Event()  # set when a request became final since the last poll
         self._closed = threading.Event()
-        self._threads: set[threading.Thread] = set()
-        self._listener = socket.create_server((host, port), backlog=self.config.backlog)
-        self._listener.settimeout(0.2)
-        self.address = f"{host}:{self._listener.getsockname()[1]}"
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="tiersync-kv-accept", daemon=True)
-        self._accept_thread.start()
+        self._routes: dict[int, _Route] = {}  # session id -> its open request
+        self._staging: dict[tuple[int, int], np.ndarray] = {}  # (session id, slot) -> gather buffer
+        self._server = TcpServer(f"{host}:{port}", self, self.config.tcp_config(server=True))
+        self.address = self._server.address
 
     # -- caller API --------------------------------------------------------------------------
     def register(self, request_id: str, block_ids: Sequence[int], num_tokens: int, layers: Sequence[Any]) -> None:
@@ -176,10 +197,7 @@ class KVProducer:
             pending = list(self._requests.values())
         for req in pending:
             self._fail(req, "producer closed")
-        self._accept_thread.join(timeout=5)
-        self._listener.close()
-        for t in list(self._threads):
-            t.join(timeout=5)
+        self._server.close()
 
     def __enter__(self) -> "KVProducer":
         return self
@@ -192,8 +210,8 @@ class KVProducer:
             raise ClosedError("producer is closed", argument="self")
 
     # -- state transitions (always under the condition) ----------------------------------------
-    def _finish(self, req: _Outgoing, state: RequestState, reason: str = "") -> list[FrameSocket] | None:
-        """Move a PENDING request to ``state``; returns its sockets, or None when already final."""
+    def _finish(self, req: _Outgoing, state: RequestState, reason: str = "") -> list[Session] | None:
+        """Move a PENDING request to ``state``; returns its sessions, or None when already final."""
         if req.state is not RequestState.PENDING:
             return None
         req.state, req.reason = state, reason
@@ -201,156 +219,197 @@ class KVProducer:
         self._final[req.request_id] = state
         while len(self._final) > _FORGET_AFTER:
             self._final.popitem(last=False)
-        socks, req.sockets = list(req.sockets), set()
+        socks, req.sessions = list(req.sessions), set()
         self._cond.notify_all()
         return socks
 
     def _fail(self, req: _Outgoing, reason: str) -> None:
-        """FAILED; its sockets are closed *before* it becomes visible to poll, so a buffer the
-        caller reuses after the report is never sent."""
+        """FAILED; its readers' sessions are closed *before* it becomes visible to poll, so a
+        buffer the caller reuses after the report is never sent."""
         with self._cond:
             socks = self._finish(req, RequestState.FAILED, reason)
         if socks is None:
             return
-        for fs in socks:
-            fs.shutdown()
+        for session in socks:
+            session.close()
         with self._cond:
             self._unreported.append((req.request_id, RequestState.FAILED))
         self._progress.set()
 
-    def _ack(self, req: _Outgoing, dst_rank: int) -> None:
+    def _ack(self, req: _Outgoing, dst_rank: int) -> bool:
+        """Count reader ``dst_rank``; False when the request is no longer pending (not counted)."""
         with self._cond:
             if req.state is not RequestState.PENDING or time.monotonic() >= req.deadline:
-                return
+                return False
             req.acked.add(dst_rank)
             if req.acked >= req.expected:
                 self._finish(req, RequestState.DONE)
                 self._unreported.append((req.request_id, RequestState.DONE))
                 self._progress.set()
+            return True
 
-    # -- serving ---------------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                sock, peer = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            t = threading.Thread(target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"), daemon=True,
-                                 name="tiersync-kv-send")
-            self._threads.add(t)
-            t.start()
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.sndbuf)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        fs = FrameSocket(sock, peer, self.config.limits)
-        joined: list[_Outgoing] = []
+    # -- serving (a Service on the one TcpServer: handle runs on its worker pool) --------------
+    def handle(self, session: Session, event: object):
+        """Answer one request of a reader's session (see :mod:`tiersync.disagg.ops`). A gathered
+        pull is yielded, so the server writes it before this session's next pull reuses the
+        staging buffer."""
         try:
-            self._serve_read(fs, joined)
+            if isinstance(event, KvPull):
+                return self._pull(session, event)
+            answer = self._answer(session, event)
         except _Refused as exc:
-            self._end(fs, joined, exc.code, str(exc))
-        except (RequestError, PeerClosedError, AuthError) as exc:  # the peer knows already
-            self._end(fs, joined, None, f"reader {peer} failed: {exc}")
-        except ProtocolError as exc:
-            self._end(fs, joined, "protocol", f"reader {peer} sent a bad frame: {exc}")
-        except Exception as exc:  # noqa: BLE001 - timeouts, socket errors, bugs: fail, never crash
-            self._end(fs, joined, "failed", f"serving reader {peer} failed: {exc!r}")
-        finally:
-            fs.close()
-            self._threads.discard(threading.current_thread())
+            answer = ev.Error(event.request_id, exc.code, str(exc)[:512])
+        return [answer]
 
-    def _serve_read(self, fs: FrameSocket, joined: list[_Outgoing]) -> None:
-        """Handshake, READ, push every layer, wait for DONE. ``joined`` gets the request once the
-        reader joined it (so a later failure fails the request)."""
-        hs_deadline = time.monotonic() + self.config.connect_timeout_s
-        server_handshake(fs, self.config.token, hs_deadline)
-        read = parse_read(fs.expect(Kind.READ, hs_deadline).meta)
-        req, spans = self._admit(read, fs)
-        joined.append(req)
-        self._push(req, spans, fs)
-        fs.expect(Kind.DONE, req.deadline)
-        self._ack(req, read.dst_rank)
+    def _answer(self, session: Session, event: object) -> object:
+        if isinstance(event, KvOpen):
+            return self._open(session, event)
+        route = self._route_of(session)
+        if isinstance(event, KvNext):
+            return self._next(route, event)
+        if isinstance(event, KvPullLocal):
+            return self._pull_local(session, route, event)
+        if isinstance(event, KvDone):
+            return self._done(session, route, event)
+        raise _Refused(Code.UNSUPPORTED, f"{type(event).__name__} is not a prefill -> decode request")
 
-    def _end(self, fs: FrameSocket, joined: list[_Outgoing], code: str | None, reason: str) -> None:
-        if code is not None:
-            fs.send_error(code, reason, time.monotonic() + 1.0)
-        for req in joined:
-            self._fail(req, reason)
+    def opened(self, session: Session) -> None:
+        if session.info.same_host:
+            local.allow_readers()
 
-    def _admit(self, read: ReadRequest, fs: FrameSocket) -> tuple[_Outgoing, np.ndarray]:
-        """Check a READ against the registration; join the reader. Raises _Refused."""
+    def closed(self, session: Session) -> None:
+        """A reader's connection ended: a request it joined and did not finish fails."""
+        with self._cond:
+            route = self._routes.pop(session.session_id, None)
+            for slot in (0, 1):
+                self._staging.pop((session.session_id, slot), None)
+            if route is not None:
+                route.req.sessions.discard(session)
+        if route is not None and not route.counted:
+            self._fail(route.req, f"reader {session.peer} disconnected before it was done")
+
+    def _route_of(self, session: Session) -> _Route:
+        with self._cond:
+            route = self._routes.get(session.session_id)
+        if route is None:
+            raise _Refused(Code.BAD_REQUEST, "no request is open on this connection (KV_OPEN first)")
+        if route.req.state is not RequestState.PENDING:
+            raise _Refused(Code.LEASE_EXPIRED, "request timed out, was aborted or failed")
+        return route
+
+    def _open(self, session: Session, event: KvOpen) -> KvOpened:
+        """Check a KV_OPEN against the registration; join the reader. Raises _Refused."""
+        read = event.read
+        with self._cond:
+            if session.session_id in self._routes:
+                raise _Refused(Code.BAD_REQUEST, "a request is already open on this connection")
         if read.src_rank != self.rank:
-            raise _Refused("wrong_rank", f"this is rank {self.rank}, not {read.src_rank}")
+            raise _Refused(Code.BAD_REQUEST, f"wrong rank: this is rank {self.rank}, not {read.src_rank}")
         with self._cond:
             req = self._requests.get(read.request_id)
         if req is None:
-            raise _Refused("unknown_request", f"request {read.request_id!r} is not registered or already final")
+            raise _Refused(Code.NOT_FOUND, f"unknown request {read.request_id!r}: not registered or already final")
         if read.num_tokens != req.num_tokens or read.src_block_ids[: len(req.block_ids)] != req.block_ids:
-            raise _Refused("mismatch", "num_tokens or source block ids differ from the registration")
+            raise _Refused(Code.BAD_REQUEST, "mismatch: num_tokens or source block ids differ from the registration")
         try:
             plan = self._planner.plan(self.layout, read.dst_layout, req.block_ids, read.dst_block_ids, req.num_tokens)
         except UsageError as exc:
-            raise _Refused("bad_request", exc.message) from None
+            raise _Refused(Code.BAD_REQUEST, exc.message) from None
+        spans = plan.route_spans(self.rank, read.dst_rank)
+        route = _Route(req, read.dst_rank, spans[:, 0].copy(), spans[:, 2].copy())
         with self._cond:
-            self._join(req, read, plan.readers_of(self.rank) or (0,), fs)
-        return req, plan.route_spans(self.rank, read.dst_rank)
+            self._join(req, read, plan.readers_of(self.rank) or (0,), session)
+            self._routes[session.session_id] = route
+        return KvOpened(event.request_id, int(route.lengths.sum()))
 
-    def _join(self, req: _Outgoing, read: ReadRequest, expected: tuple[int, ...], fs: FrameSocket) -> None:
+    def _join(self, req: _Outgoing, read: ReadRequest, expected: tuple[int, ...], session: Session) -> None:
         if req.state is not RequestState.PENDING:
-            raise _Refused("unknown_request", "request already final")
+            raise _Refused(Code.NOT_FOUND, "unknown request: already final")
         if req.dst_layout is None:
             req.dst_layout, req.expected = read.dst_layout, frozenset(expected)
         elif req.dst_layout != read.dst_layout:
-            raise _Refused("mismatch", "another reader of this request uses a different layout")
+            raise _Refused(Code.BAD_REQUEST, "mismatch: another reader of this request uses a different layout")
         if read.dst_rank not in req.expected or read.dst_rank in req.joined:
-            raise _Refused("mismatch", f"destination rank {read.dst_rank} is not expected or already reading")
+            raise _Refused(Code.BAD_REQUEST, f"mismatch: destination rank {read.dst_rank} is not expected "
+                                             "or already reading")
         req.joined.add(read.dst_rank)
-        req.sockets.add(fs)
+        req.sessions.add(session)
 
-    def _next_layer(self, req: _Outgoing, sent: int) -> int | None:
-        """Wait for the ``sent``-th ready layer; None when the request became final."""
+    def _next(self, route: _Route, event: KvNext) -> KvLayer:
+        """The ``n``-th ready layer, waiting (on this pool worker) until it is ready."""
+        if event.n != len(route.told) or event.n >= self.layout.num_layers:
+            raise _Refused(Code.BAD_REQUEST, f"KV_NEXT {event.n} out of order (expected {len(route.told)})")
+        req = route.req
         with self._cond:
-            while req.state is RequestState.PENDING and len(req.ready) <= sent:
+            while req.state is RequestState.PENDING and len(req.ready) <= event.n:
                 left = req.deadline - time.monotonic()
                 if left <= 0:
-                    return None
+                    break
                 self._cond.wait(min(left, 1.0))
-            return req.ready[sent] if req.state is RequestState.PENDING else None
+            if req.state is not RequestState.PENDING or len(req.ready) <= event.n:
+                raise _Refused(Code.LEASE_EXPIRED, "request timed out or was aborted")
+            layer = req.ready[event.n]
+        route.told.append(layer)
+        return KvLayer(event.request_id, layer)
 
-    def _push(self, req: _Outgoing, spans: np.ndarray, fs: FrameSocket) -> None:
-        """Send each ready layer's route bytes in LAYER chunks. Few large spans go out as views of
-        the host buffer (no copy); many small ones are gathered into a staging buffer first."""
-        if spans.shape[0] == 0:
-            return
-        total = int(spans[:, 2].sum())
-        staging = None if spans.shape[0] <= _ZERO_COPY_SPANS else np.empty(total, dtype=np.uint8)
-        for sent in range(self.layout.num_layers):
-            layer = self._next_layer(req, sent)
-            if layer is None:
-                raise _Refused("expired", "request timed out or was aborted")
-            if staging is None:
-                view = req.views[layer]
-                pieces = [view[o:o + n] for o, n in zip(spans[:, 0].tolist(), spans[:, 2].tolist())]
-            else:
-                pieces = [gather(req.views[layer], spans[:, 0], spans[:, 2], out=staging)]
-            for off, chunk in _chunks(pieces, self.config.chunk_bytes):
-                fs.send(Kind.LAYER, LayerChunk(layer, off, total).to_meta(), req.deadline, chunk)
+    def _spans(self, route: _Route, n: int, offset: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ``n``-th ready layer's host buffer and the spans of the pull in it."""
+        if n >= len(route.told):
+            raise _Refused(Code.BAD_REQUEST, f"the {n}-th ready layer was not asked for by KV_NEXT")
+        if length > self.config.protocol.max_frame_size or offset + length > int(route.lengths.sum()):
+            raise _Refused(Code.BAD_REQUEST, "pull outside the route or over the frame size")
+        return (route.req.views[route.told[n]], *route_slice(route.offsets, route.lengths, offset, length))
+
+    def _pull(self, session: Session, event: KvPull):
+        """DATA: views of the host buffer when the spans are few or large, else gathered."""
+        try:
+            route = self._route_of(session)
+            view, offs, lens = self._spans(route, event.n, event.offset, event.length)
+        except _Refused as exc:
+            return [ev.Error(event.request_id, exc.code, str(exc)[:512])]
+        if lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= _ZERO_COPY_AVG:
+            return [ev.Data(event.request_id, [memoryview(view[o:o + n]) for o, n in zip(offs.tolist(), lens.tolist())])]
+        staging = gather(view, offs, lens, out=self._staging_of(session, event.length, 0))
+        return _written_before_next(ev.Data(event.request_id, memoryview(staging)))
+
+    def _staging_of(self, session: Session, nbytes: int, slot: int) -> np.ndarray:
+        """The session's gather buffer ``slot``, at least ``nbytes`` (grown on demand, bounded
+        by the frame size)."""
+        key = (session.session_id, slot)
+        with self._cond:
+            buf = self._staging.get(key)
+            if buf is None or buf.size < nbytes:
+                buf = self._staging[key] = np.empty(nbytes, np.uint8)
+            return buf[:nbytes]
+
+    def _pull_local(self, session: Session, route: _Route, event: KvPullLocal) -> ev.LocalReply:
+        """Where the bytes are in this process, each region checksummed (the reader copies them
+        with ``process_vm_readv`` and verifies); many small spans are gathered first."""
+        if not session.info.same_host:
+            raise _Refused(Code.UNSUPPORTED, "KV_PULL_LOCAL from another host")
+        view, offs, lens = self._spans(route, event.n, event.offset, event.length)
+        algo = SUPPORTED[0]
+        if lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= _ZERO_COPY_AVG:
+            base = local.buffer_address(view)[0]
+            regions = tuple((base + o, n, payload_checksum(algo, view[o:o + n]))
+                            for o, n in zip(offs.tolist(), lens.tolist()))
+        else:
+            route.local_pulls += 1  # two buffers in turn: the reader keeps at most two pulls in flight
+            part = gather(view, offs, lens, out=self._staging_of(session, event.length, route.local_pulls % 2))
+            regions = ((local.buffer_address(part)[0], part.size, payload_checksum(algo, part)),)
+        return ev.LocalReply(event.request_id, os.getpid(), algo, regions)
+
+    def _done(self, session: Session, route: _Route, event: KvDone) -> ev.CommitReply:
+        with self._cond:
+            self._routes.pop(session.session_id, None)
+            route.req.sessions.discard(session)
+        route.counted = self._ack(route.req, route.dst_rank)
+        if route.counted:
+            return ev.CommitReply(event.request_id, ev.CommitStatus.COMMITTED)
+        return ev.CommitReply(event.request_id, ev.CommitStatus.FAILED, "request timed out, was aborted or failed")
 
 
-def _chunks(pieces: list[np.ndarray], limit: int):
-    """Split consecutive byte arrays into ``(offset, [arrays])`` groups of at most ``limit`` bytes."""
-    group: list[np.ndarray] = []
-    size = start = 0
-    for piece in pieces:
-        while piece.size:
-            take = piece[: limit - size]
-            group.append(take)
-            size += take.size
-            piece = piece[take.size:]
-            if size == limit:
-                yield start, group
-                start, group, size = start + size, [], 0
-    if group:
-        yield start, group
+def _written_before_next(answer: object):
+    """A generator answer: the server sends what a handler yields before it reads on."""
+    yield answer

@@ -13,7 +13,7 @@ import numpy as np
 
 from tiersync.errors import UsageError
 
-__all__ = ["apply_plan", "byte_view", "gather", "scatter"]
+__all__ = ["apply_plan", "byte_view", "gather", "route_slice", "scatter"]
 
 _SLICE_SPANS = 32  # at most this many spans, or spans this large on average: plain slices
 _SLICE_AVG = 1 << 16
@@ -80,6 +80,21 @@ def scatter(buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, payload: 
         return
     g = int(np.gcd.reduce(np.concatenate([offsets, lengths])))
     _rows(buf, g)[_row_index(offsets, lengths, g)] = payload[: int(lengths.sum())].reshape(-1, g)
+
+
+def route_slice(offsets: np.ndarray, lengths: np.ndarray, start: int, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The spans (``offsets``, ``lengths``) that hold bytes ``[start, start + nbytes)`` of their
+    concatenation, the first and last trimmed: how one pull of a route is cut out of a layer."""
+    ends = np.cumsum(lengths)
+    first = int(np.searchsorted(ends, start, side="right"))
+    last = int(np.searchsorted(ends - lengths, start + nbytes, side="left"))
+    offs, lens = offsets[first:last].copy(), lengths[first:last].copy()
+    if lens.size:
+        skip = start - int(ends[first] - lengths[first])
+        offs[0] += skip
+        lens[0] -= skip
+        lens[-1] -= int(ends[last - 1]) - (start + nbytes)
+    return offs, lens
 
 
 def apply_plan(plan: Any, src_layers: Sequence[Sequence[Any]], dst_layers: Sequence[Sequence[Any]]) -> None:

@@ -3,6 +3,8 @@
  * recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum) -> (done, sums, n, err)
  *   Receives consecutive frames, the i-th expected to be the DATA answer to request_ids[i]
  *   landing in dests[i] (the per-frame steps below), all in one call with the GIL released.
+ *   dests[i] is one writable buffer, or a list of them filled in order (a vectored pull: the
+ *   payload is scattered straight into the blocks it belongs to, summed piece by piece).
  *   done: frames received and verified (sums[i] their tsum64). When done < len(dests), frame
  *   `done` was not verified: n bytes of it were consumed (header first, then dests[done]) and
  *   go to the reference parser, n == 0 with err == 0 is end of stream, n == 0 with err != 0
@@ -12,15 +14,16 @@
  * Per frame: receives the next frame of a blocking stream
  *   socket `fd` at a frame boundary, expecting it to be the DATA answer to `request_id` whose
  *   payload is exactly len(dest) bytes:
- *     1. one scatter read (recvmsg, no MSG_WAITALL) into [header (64 bytes), dest];
+ *     1. one scatter read (recvmsg, no MSG_WAITALL) into [header (64 bytes), dest buffers];
  *     2. the rest of the header (MSG_WAITALL: 64 bytes at most);
  *     3. the same checks as tiersync.net.frames.decode_header, in the same order: magic,
  *        version, header checksum (xxh3_64 of bytes 0..56), op, flags/reserved, payload
  *        algorithm, then what makes it the expected frame: op DATA, `request_id`, no metadata
  *        (meta checksum == `empty_meta_sum`), payload_len == len(dest) <= `max_payload`,
  *        algorithm TSUM64;
- *     4. the rest of the payload straight into dest (MSG_WAITALL, pieces of TS_PIECE so each
- *        is summed while still in cache), tsum64 over all of it, compared with the header's.
+ *     4. the rest of the payload straight into dest (recvmsg MSG_WAITALL over the dest buffers,
+ *        pieces of TS_PIECE so each is summed while still in cache), tsum64 over all of it,
+ *        compared with the header's.
  *   n: bytes consumed from the stream (header bytes first, the rest landed in dest).
  *   ok: 1 only when every check passed and the payload checksum matched: then dest holds
  *   the verified payload and payload_sum its tsum64. ok 0: nothing was judged; the caller
@@ -43,7 +46,7 @@
 #define HDR 64
 #define OP_DATA 21
 #define ALGO_TSUM64 1
-#define VERSION 2
+#define VERSION 3  /* tiersync.net.frames.VERSION: a test checks they agree (_wire.VERSION) */
 
 /* The first 64 bytes of XXH3's default secret (kSecret): all the 33..64-byte path reads. */
 static const unsigned char XXH_SECRET[64] = {
@@ -86,13 +89,60 @@ static int expected_header(const unsigned char *h, uint64_t rid, uint64_t dest_l
 }
 
 typedef struct {
+    unsigned char *base;
+    size_t len;
+} seg;
+
+typedef struct {
     int fd;
-    unsigned char *hdr, *dest;
+    unsigned char *hdr;
+    seg *segs;    /* where the payload lands, in order (one buffer, or a vectored pull's blocks) */
+    size_t nsegs;
     uint64_t len, rid, max_payload, empty_meta;
     uint64_t n;   /* bytes consumed */
     int ok, err;  /* err: errno of a failing first read */
     uint64_t sum;
 } recv_job;
+
+#define IOV_BATCH 64
+
+/* A position in a job's segments. */
+typedef struct {
+    size_t i, off;
+} cursor;
+
+/* iovecs for the next bytes from `c`, at most `most` bytes and `max_iov` vectors; their total. */
+static size_t fill_iov(const recv_job *j, cursor c, struct iovec *iov, size_t max_iov, uint64_t most,
+                       size_t *count) {
+    size_t k = 0, total = 0;
+    while (c.i < j->nsegs && k < max_iov && total < most) {
+        size_t take = j->segs[c.i].len - c.off;
+        if (take > most - total) take = (size_t)(most - total);
+        iov[k].iov_base = j->segs[c.i].base + c.off;
+        iov[k].iov_len = take;
+        k++;
+        total += take;
+        c.i++;
+        c.off = 0;
+    }
+    *count = k;
+    return total;
+}
+
+/* Sum the `n` bytes that landed at `c` and move past them. */
+static void landed(const recv_job *j, cursor *c, uint64_t n, ts_state *st) {
+    while (n && c->i < j->nsegs) {
+        size_t take = j->segs[c->i].len - c->off;
+        if (take > n) take = (size_t)n;
+        ts_update(st, j->segs[c->i].base + c->off, take);
+        c->off += take;
+        n -= take;
+        if (c->off == j->segs[c->i].len) {
+            c->i++;
+            c->off = 0;
+        }
+    }
+}
 
 static ssize_t recv_retry(int fd, void *buf, size_t n, int flags) {
     ssize_t r;
@@ -100,14 +150,22 @@ static ssize_t recv_retry(int fd, void *buf, size_t n, int flags) {
     return r;
 }
 
-/* Steps 1-4 without the GIL. */
-static void run_job(recv_job *j) {
-    struct iovec iov[2] = {{j->hdr, HDR}, {j->dest, (size_t)j->len}};
+static ssize_t recvmsg_retry(int fd, struct iovec *iov, size_t count, int flags) {
     struct msghdr msg = {0};
     msg.msg_iov = iov;
-    msg.msg_iovlen = j->len ? 2 : 1;
+    msg.msg_iovlen = count;
     ssize_t r;
-    do r = recvmsg(j->fd, &msg, 0); while (r < 0 && errno == EINTR);
+    do r = recvmsg(fd, &msg, flags); while (r < 0 && errno == EINTR);
+    return r;
+}
+
+/* Steps 1-4 without the GIL. */
+static void run_job(recv_job *j) {
+    struct iovec iov[IOV_BATCH + 1] = {{j->hdr, HDR}};
+    size_t k = 0;
+    cursor c = {0, 0};
+    fill_iov(j, c, iov + 1, IOV_BATCH, j->len, &k);
+    ssize_t r = recvmsg_retry(j->fd, iov, k + 1, 0);
     if (r <= 0) { j->err = r < 0 ? errno : 0; return; }
     j->n = (uint64_t)r;
     while (j->n < HDR) {
@@ -119,12 +177,12 @@ static void run_job(recv_job *j) {
     ts_state st;
     ts_init(&st, 0);
     uint64_t have = j->n - HDR;
-    ts_update(&st, j->dest, (size_t)have);
-    while (have < j->len) {
-        uint64_t piece = j->len - have < TS_PIECE ? j->len - have : TS_PIECE;
-        r = recv_retry(j->fd, j->dest + have, (size_t)piece, MSG_WAITALL);
+    landed(j, &c, have, &st);
+    while (have < j->len) {  /* pieces of TS_PIECE, each summed while still in cache */
+        fill_iov(j, c, iov, IOV_BATCH, TS_PIECE, &k);
+        r = recvmsg_retry(j->fd, iov, k, MSG_WAITALL);
         if (r <= 0) return;
-        ts_update(&st, j->dest + have, (size_t)r);
+        landed(j, &c, (uint64_t)r, &st);
         have += (uint64_t)r;
         j->n += (uint64_t)r;
     }
@@ -144,17 +202,55 @@ static size_t run_jobs(recv_job *jobs, size_t count) {
     return i;
 }
 
-static int get_dests(PyObject *dests, PyObject *rids, Py_buffer *views, recv_job *jobs, Py_ssize_t count) {
+/* The buffers of every dest (a writable buffer, or a list of them), held in `views`. */
+typedef struct {
+    Py_buffer *views;
+    seg *segs;
+    Py_ssize_t held;
+} dest_set;
+
+static void release_dests(dest_set *d) {
+    for (Py_ssize_t i = 0; i < d->held; i++) PyBuffer_Release(&d->views[i]);
+    PyMem_Free(d->views);
+    PyMem_Free(d->segs);
+}
+
+static int hold(dest_set *d, PyObject *obj, uint64_t *total) {
+    if (PyObject_GetBuffer(obj, &d->views[d->held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    d->segs[d->held].base = d->views[d->held].buf;
+    d->segs[d->held].len = (size_t)d->views[d->held].len;
+    *total += (uint64_t)d->views[d->held].len;
+    d->held++;
+    return 0;
+}
+
+static int get_dests(PyObject *dests, PyObject *rids, dest_set *d, recv_job *jobs, Py_ssize_t count) {
+    Py_ssize_t nsegs = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
-        unsigned long long rid = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(rids, i));
-        if (PyErr_Occurred()) return (int)i;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(dests, i), &views[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-            return (int)i;
-        jobs[i].dest = views[i].buf;
-        jobs[i].len = (uint64_t)views[i].len;
-        jobs[i].rid = rid;
+        PyObject *dest = PyList_GET_ITEM(dests, i);
+        nsegs += PyList_Check(dest) ? PyList_GET_SIZE(dest) : 1;
     }
-    return (int)count;
+    d->views = PyMem_Calloc((size_t)nsegs + 1, sizeof(Py_buffer));
+    d->segs = PyMem_Calloc((size_t)nsegs + 1, sizeof(seg));
+    if (d->views == NULL || d->segs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *dest = PyList_GET_ITEM(dests, i);
+        jobs[i].rid = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(rids, i));
+        if (PyErr_Occurred()) return -1;
+        jobs[i].segs = d->segs + d->held;
+        Py_ssize_t first = d->held;
+        if (!PyList_Check(dest)) {
+            if (hold(d, dest, &jobs[i].len) < 0) return -1;
+        } else {
+            for (Py_ssize_t k = 0; k < PyList_GET_SIZE(dest); k++)
+                if (hold(d, PyList_GET_ITEM(dest, k), &jobs[i].len) < 0) return -1;
+        }
+        jobs[i].nsegs = (size_t)(d->held - first);
+    }
+    return 0;
 }
 
 static PyObject *recv_many(PyObject *self, PyObject *args) {
@@ -170,12 +266,11 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "header must be 64 writable bytes; 1..64 dests, one request id each");
         return NULL;
     }
-    Py_buffer views[MAX_FRAMES];
     recv_job jobs[MAX_FRAMES];
     memset(jobs, 0, sizeof jobs);
-    int got = get_dests(dests, rids, views, jobs, count);
-    if (got < count) {
-        for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    dest_set d = {NULL, NULL, 0};
+    if (get_dests(dests, rids, &d, jobs, count) < 0) {
+        release_dests(&d);
         PyBuffer_Release(&hv);
         return NULL;
     }
@@ -189,7 +284,7 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     done = run_jobs(jobs, (size_t)count);
     Py_END_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++) PyBuffer_Release(&views[i]);
+    release_dests(&d);
     PyBuffer_Release(&hv);
     recv_job *last = done < (size_t)count ? &jobs[done] : NULL;
     if (done == 0 && last->n == 0 && last->err) {
@@ -235,5 +330,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_wire", NULL, -1, me
 
 PyMODINIT_FUNC PyInit__wire(void) {
     ts_pick();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && (PyModule_AddIntConstant(m, "VERSION", VERSION) < 0 ||
+                      PyModule_AddIntConstant(m, "OP_DATA", OP_DATA) < 0 ||
+                      PyModule_AddIntConstant(m, "ALGO_TSUM64", ALGO_TSUM64) < 0)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

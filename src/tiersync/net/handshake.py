@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from tiersync.errors import TierSyncError
 from tiersync.net import auth
 from tiersync.net import events as ev
 from tiersync.net.errors import AuthError, PeerClosedError, ProtocolError
@@ -23,12 +24,17 @@ __all__ = ["ServerHandshake", "client_handshake"]
 
 def client_handshake(framed: object, token: bytes | None, node_id: str, deadline: object) -> PeerInfo:
     """Run the client side on ``framed``; returns what the server told about itself.
-    Raises AuthError when either side lacks the token (or the server refused us),
+    Raises AuthError when either side lacks the token (or the server refused us; a server
+    that fails our check is told so, ERROR AUTH_FAILED, so both ends log the refusal),
     PeerClosedError when the server ended the connection (e.g. over its connection cap)."""
     nonce = auth.new_nonce()
     framed.write(ev.Hello(node_id, nonce, host=host_identity(), pid=os.getpid()), deadline)
     challenge = _expect(framed, ev.Challenge, deadline)
     if token is not None and not auth.proof_ok(auth.server_proof(token, nonce, challenge.nonce), challenge.proof):
+        try:  # tell the server why, so it logs the refusal too (best effort)
+            framed.write(ev.Error(0, ev.ErrorCode.AUTH_FAILED, "server failed to prove the shared token"), deadline)
+        except (TierSyncError, OSError):
+            pass
         raise AuthError("server failed to prove the shared token", peer=framed.peer)
     framed.write(ev.Auth(auth.client_proof(token, nonce, challenge.nonce)), deadline)
     ready = _expect(framed, ev.Ready, deadline)

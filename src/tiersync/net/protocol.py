@@ -94,6 +94,16 @@ class _Pieces:
         if self.offset == len(self.views[self.index]) and self.index + 1 < len(self.views):
             self.index, self.offset = self.index + 1, 0
 
+    def head(self, n: int) -> bytes:
+        """The first ``n`` bytes across the buffers (a scatter read's bytes given back)."""
+        out, left = bytearray(), n
+        for view in self.views:
+            out += view[:left]
+            left = n - len(out)
+            if not left:
+                break
+        return bytes(out)
+
     def rest(self) -> list[memoryview]:
         """Every unfilled buffer, the current one's tail first."""
         return [self.tail(), *self.views[self.index + 1:]] if self.total else []
@@ -295,15 +305,19 @@ class Connection:
         that buffer in a single scatter read and report it with :meth:`scatter_received`; bytes
         that turn out not to be that payload go back into the stream, so until its DATA has
         arrived the buffer's contents are undefined."""
+        target = self._oldest_sink()
+        return None if isinstance(target, _Pieces) else target
+
+    def _oldest_sink(self) -> memoryview | _Pieces | None:
+        """At a frame boundary with nothing buffered, the oldest registered payload sink."""
         if self._header is not None or self._buf or self._eof or not self._sinks:
             return None
-        target = next(iter(self._sinks.values()))
-        return None if isinstance(target, _Pieces) else target
+        return next(iter(self._sinks.values()))
 
     def scatter_received(self, header: bytes | bytearray | memoryview, n: int) -> None:
         """Record a scatter read of ``n`` bytes: up to HEADER_SIZE into ``header``, the rest into
         :meth:`scatter_target` (``n == 0`` is end of stream). Raises UsageError when no target."""
-        target = self.scatter_target()
+        target = self._oldest_sink()
         if target is None or not 0 <= n <= HEADER_SIZE + len(target):
             raise UsageError("no scatter target or count out of range", argument="n", value=n)
         if n == 0:
@@ -321,10 +335,11 @@ class Connection:
         if header.op is Op.DATA and header.request_id == rid and header.meta_len == 0 and header.payload_len == len(sink):
             self._prefilled = n
         else:
-            self._buf += sink[:n]
+            self._buf += sink.head(n) if isinstance(sink, _Pieces) else sink[:n]
 
-    def data_fast_targets(self, request_ids: Sequence[int]) -> list[memoryview]:
-        """The buffers of :meth:`expect_payload_into` for the longest prefix of ``request_ids``
+    def data_fast_targets(self, request_ids: Sequence[int]) -> list:
+        """The buffers of :meth:`expect_payload_into` (a buffer, or the list of a vectored pull's
+        buffers) for the longest prefix of ``request_ids``
         whose next frames should be their DATA answers, in this order, and which a caller may
         receive and verify itself (:meth:`data_fast_received`): READY, at a frame boundary with
         nothing buffered, TSUM64 negotiated, the ids the oldest registered ones in order, each
@@ -334,9 +349,9 @@ class Connection:
             return []
         out, limit = [], self.config.max_frame_size
         for rid, (mine, sink) in zip(request_ids, self._sinks.items()):
-            if rid != mine or isinstance(sink, _Pieces) or len(sink) > limit:
+            if rid != mine or len(sink) > limit:
                 break
-            out.append(sink)
+            out.append(list(sink.views) if isinstance(sink, _Pieces) else sink)
         return out
 
     def data_fast_received(self, request_id: int, payload_sum: int) -> ev.Data:
@@ -349,7 +364,8 @@ class Connection:
         if sink is None:
             raise UsageError("no fast DATA target for this request", argument="request_id", request_id=request_id)
         self._check_recv_allowed(Op.DATA, request_id)
-        event = ev.Data(request_id, sink, (_FAST_ALGO, payload_sum))
+        payload = _EMPTY if isinstance(sink, list) else sink  # a vectored pull landed in the caller's buffers
+        event = ev.Data(request_id, payload, (_FAST_ALGO, payload_sum))
         self._apply_recv(Op.DATA, request_id, event)
         return event
 
@@ -448,7 +464,10 @@ class Connection:
         self._hasher = payload_hasher(header.payload_algo) if header.payload_len else None
         if self._prefilled:  # a scatter read already landed the start of this payload
             self._filled, self._prefilled = self._prefilled, 0
-            self._hasher.update(self._payload[:self._filled])
+            if isinstance(self._payload, _Pieces):
+                self._payload.landed(self._filled, self._hasher)
+            else:
+                self._hasher.update(self._payload[:self._filled])
 
     def _fill_payload(self, header: FrameHeader) -> None:
         take = min(len(self._buf), header.payload_len - self._filled)

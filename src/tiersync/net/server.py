@@ -235,6 +235,8 @@ class TcpServer:
             if event is NEED_DATA:
                 return
             if isinstance(event, ev.ConnectionClosed) or (isinstance(event, ev.Error) and event.request_id == 0):
+                if isinstance(event, ev.Error) and event.code is ev.ErrorCode.AUTH_FAILED and not s.hs.done:
+                    return self._auth_failed(s, f"the client refused this server: {event.message}")
                 return self._end(s)
             if not s.hs.done:
                 self._handshake_step(s, event)

@@ -13,7 +13,7 @@ import collections
 import itertools
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
@@ -118,25 +118,53 @@ class TcpChannel(Channel):
         ERROR answer raises RequestError after the channel is closed, since later answers
         are still in flight).
         """
-        if window < 1:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise UsageError("must be >= 1", argument="window", value=window)
-        if self._local_route():
+        if self.local_route():
             return self._pull_local(lease_id, items, timeout)
+        self.pipeline(self._pulls(lease_id, items), window=window, timeout=timeout)
+
+    def pipeline(self, requests: Iterable[tuple[object, object]], *, window: int = 8, timeout: float | None = None,
+                 landed: Callable[[int, object], None] | None = None) -> None:
+        """Send ``(request, destination)`` pairs keeping ``window`` requests in flight. A request
+        with a destination (a buffer or a list of buffers, exact size) is answered by one DATA
+        landing in place; one with ``None`` by any answer its vocabulary allows.
+        ``landed(request_id, answer)`` runs after each answer was received and verified, in
+        order (``answer`` None for a DATA that landed), before the next answer is read. One
+        deadline covers the whole batch; raises like :meth:`pull_many` (an exception from
+        ``landed`` closes the channel too: later answers are in flight)."""
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise UsageError("must be >= 1", argument="window", value=window)
         with self._rlock, self._wlock:
             self._check_open()
             deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
-            todo, pending = iter(self._pulls(lease_id, items)), collections.deque()
+            todo, pending = iter(requests), collections.deque()
             try:
                 half = max(1, window // 2)
                 self._send_pulls(todo, window, pending, deadline)
                 while pending:  # up to half a window landed per native call, then refilled at once
-                    for _ in range(self._expect_data(list(itertools.islice(pending, half)), deadline)):
-                        pending.popleft()
+                    self._receive_some(pending, half, deadline, landed)
                     if len(pending) <= window - half:
                         self._send_pulls(todo, window - len(pending), pending, deadline)
-            except (*_BROKEN, RequestError):
+            except BaseException:
                 self._shut()
                 raise
+
+    def _receive_some(self, pending: collections.deque, most: int, deadline: Deadline,
+                      landed: Callable[[int, object], None] | None) -> None:
+        """The answers to the first pending requests: consecutive DATA ones in one native call."""
+        rid, has_dest = pending[0]
+        if not has_dest:
+            answer = self._answer(rid, deadline)
+            pending.popleft()
+            if landed is not None:
+                landed(rid, answer)
+            return
+        run = list(itertools.takewhile(lambda p: p[1], itertools.islice(pending, most)))
+        for _ in range(self._expect_data([r for r, _ in run], deadline)):
+            rid, _ = pending.popleft()
+            if landed is not None:
+                landed(rid, None)
 
     def _pulls(self, lease_id: int, items) -> list[tuple[object, object]]:
         """Validate every item before anything is sent (UsageError naming ``items``), then group
@@ -156,9 +184,10 @@ class TcpChannel(Channel):
             out.append(self._group(lease_id, group))
         return out
 
-    def _local_route(self) -> bool:
+    def local_route(self) -> bool:
         """Same-host reads for this channel: the route allows them and the server is on this
-        host (UsageError when the route is LOCAL and it is not)."""
+        host (UsageError when the route is LOCAL and it is not), and no same-host read was
+        refused yet (:meth:`local_refused`)."""
         route = self._framed.cfg.route
         if route is Route.TCP or self._local_failed:
             return False
@@ -182,12 +211,17 @@ class TcpChannel(Channel):
             reply = self.request(req, timeout=deadline.remaining())
             try:
                 local_copy(reply, [v for _, _, v in group], self.peer)
-            except LocalReadError:
-                if self._framed.cfg.route is Route.LOCAL:
-                    raise
-                self._local_failed = True
+            except LocalReadError as exc:
+                self.local_refused(exc)
                 return self.pull_many(lease_id, checked[start:], timeout=deadline.remaining())
         return None
+
+    def local_refused(self, exc: LocalReadError) -> None:
+        """A same-host read was refused (permissions, another pid namespace): route AUTO uses
+        TCP on this channel from now on; route LOCAL raises ``exc``."""
+        if self._framed.cfg.route is Route.LOCAL:
+            raise exc
+        self._local_failed = True
 
     def _group(self, lease_id: int, group: list) -> tuple[object, object]:
         if len(group) == 1:
@@ -197,13 +231,14 @@ class TcpChannel(Channel):
         return ev.PullMany(next(self._ids), lease_id, items), [v for _, _, v in group]
 
     def _send_pulls(self, todo, n: int, pending: collections.deque, deadline: Deadline) -> None:
-        """Encode up to ``n`` more PULLs from ``todo``, register their buffers, send them in one go."""
+        """Encode up to ``n`` more requests from ``todo``, register their buffers, send them in one go."""
         conn, bufs = self._framed.conn, []
         with self._framed.lock:
-            for pull, dest in itertools.islice(todo, n):
-                bufs += conn.send(pull)
-                conn.expect_payload_into(pull.request_id, dest)
-                pending.append(pull.request_id)
+            for request, dest in itertools.islice(todo, n):
+                bufs += conn.send(request)
+                if dest is not None:
+                    conn.expect_payload_into(request.request_id, dest)
+                pending.append((request.request_id, dest is not None))
         if bufs:
             self._framed.send_buffers(bufs, deadline)
 

@@ -9,7 +9,9 @@
   sync over shared memory (same host) or TCP: :class:`WeightPublisher` (one per trainer
   shard, ``publish(version)`` -> future of :class:`PublishResult`) and :class:`WeightReceiver`
   (one per sampler, ``receive(version)`` -> future, ``acquire()`` -> :class:`WeightsLease`),
-  configured by :class:`PublisherConfig` / :class:`ReceiverConfig` (:class:`TransportKind`).
+  configured by :class:`PublisherConfig` / :class:`ReceiverConfig` (:class:`TransportKind`,
+  ``token``, ``tls``). They speak :mod:`~tiersync.weights.ops` (the weights vocabulary) over the
+  one wire stack, :mod:`tiersync.net`; :mod:`~tiersync.weights.serving` answers span GETs.
 
 Pure Python and numpy: importing never imports torch or JAX.
 """

@@ -3,16 +3,23 @@
 One frozen, validated dataclass per component: :class:`PublisherConfig` (the trainer
 shard side) and :class:`ReceiverConfig` (the sampler side). Both raise
 :class:`~tiersync.errors.UsageError` naming the offending field; nothing is read from the
-environment here (the CLI does that).
+environment here (the CLI does that). Both carry the link's ``token`` and ``tls`` into the
+:class:`~tiersync.net.config.TcpConfig` of every connection they open or serve.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiersync.errors import UsageError, check_positive_int
+from tiersync.net.config import Route, TcpConfig, coerce_token
+from tiersync.net.frames import ProtocolConfig
+from tiersync.net.tls import TlsConfig
 
-__all__ = ["PublisherConfig", "ReceiverConfig", "SyncStatus", "TransportKind"]
+__all__ = ["MAX_SPAN_BYTES", "PublisherConfig", "ReceiverConfig", "SyncStatus", "TransportKind"]
+
+MAX_SPAN_BYTES = 64 << 20
+"""Largest span one GET moves: the planner cuts chunks to ``segment_bytes``, at most this."""
 
 
 class TransportKind(enum.Enum):
@@ -42,6 +49,22 @@ def _check_seconds(value: object, argument: str) -> None:
         raise UsageError("must be a number of seconds > 0", argument=argument, value=value)
 
 
+def _check_link(token: object, tls: object) -> bytes | None:
+    """The token as bytes (str or bytes of >= 16 bytes, or None); UsageError naming ``token``
+    or ``tls``."""
+    if tls is not None and not isinstance(tls, TlsConfig):
+        raise UsageError("must be a TlsConfig or None", argument="tls")
+    return coerce_token(token, "token")
+
+
+def _tcp_config(cfg: object, connect_timeout_s: float, node_id: str) -> TcpConfig:
+    """A weight-sync endpoint's TcpConfig. A server's answer to a GET may wait up to
+    ``io_timeout_s`` for its bytes before it is written, so one operation gets twice that."""
+    protocol = ProtocolConfig(max_frame_size=MAX_SPAN_BYTES + cfg.max_meta_bytes, max_meta_size=cfg.max_meta_bytes)
+    return TcpConfig(connect_timeout_s=connect_timeout_s, op_timeout_s=2 * cfg.io_timeout_s, token=cfg.token,
+                     tls=cfg.tls, node_id=node_id, route=Route.TCP, protocol=protocol)
+
+
 def _check_address(value: object, argument: str) -> None:
     if not isinstance(value, str):
         raise UsageError("must be 'host:port'", argument=argument, value=value)
@@ -60,9 +83,13 @@ class PublisherConfig:
     ``publish_timeout_s``: how long :meth:`publish` waits for the samplers' answers.
     ``io_timeout_s``: deadline of one socket operation. ``fanout``: receivers one sender
     serves per chunk before receivers relay (the planner's k). ``segment_bytes``: chunks
-    are cut into pieces of about this size (pipelining, TCP request size).
-    ``checksum``: xxh3 over every TCP payload (verified by the receiver).
+    are cut into pieces of at most this size (pipelining, TCP request size; <= 64 MiB).
     ``max_meta_bytes``: bound on one control message's metadata.
+    ``token``: shared secret (str or bytes, >= 16 bytes) every sampler must prove (HMAC) on
+    every connection, control and data; None accepts only samplers without one.
+    ``tls``: optional :class:`~tiersync.net.tls.TlsConfig` (a certificate and key; with
+    ``require_peer_cert`` samplers need one signed by ``cafile``). Every TCP payload is
+    checksummed by the wire stack.
     """
 
     listen: str = "127.0.0.1:0"
@@ -72,19 +99,27 @@ class PublisherConfig:
     io_timeout_s: float = 30.0
     fanout: int = 64
     segment_bytes: int = 16 << 20
-    checksum: bool = True
     max_meta_bytes: int = 4 << 20
+    token: bytes | str | None = field(default=None, repr=False)  # never printed
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         _check_address(self.listen, "listen")
-        if not isinstance(self.shm, bool) or not isinstance(self.checksum, bool):
-            raise UsageError("must be a bool", argument="shm" if not isinstance(self.shm, bool) else "checksum")
+        object.__setattr__(self, "token", _check_link(self.token, self.tls))
+        if not isinstance(self.shm, bool):
+            raise UsageError("must be a bool", argument="shm")
         if not isinstance(self.shm_dir, str) or not self.shm_dir:
             raise UsageError("must be a directory path", argument="shm_dir", value=self.shm_dir)
         _check_seconds(self.publish_timeout_s, "publish_timeout_s")
         _check_seconds(self.io_timeout_s, "io_timeout_s")
         for name in ("fanout", "segment_bytes", "max_meta_bytes"):
             check_positive_int(getattr(self, name), name)
+        if self.segment_bytes > MAX_SPAN_BYTES:
+            raise UsageError(f"must be at most {MAX_SPAN_BYTES} (one GET)", argument="segment_bytes")
+
+    def tcp_config(self, node_id: str) -> TcpConfig:
+        """The TcpConfig of this trainer shard's server (handshakes bounded by ``io_timeout_s``)."""
+        return _tcp_config(self, self.io_timeout_s, node_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +142,11 @@ class ReceiverConfig:
     (read-only views in the lease, no copy) when this sampler's slice of it is one contiguous
     run of one SHM shard's bytes; other tensors are copied. The trainer then writes later
     versions to other segments until this sampler released the version (no lease, not active).
+    ``token``: the trainer's shared secret (str or bytes, >= 16 bytes), proven on every
+    connection (control, data, relays); relaying samplers demand it too. ``tls``: optional
+    :class:`~tiersync.net.tls.TlsConfig`: ``cafile`` verifies the trainer shards and relays;
+    a certificate and key (also the client certificate of mutual TLS) let this sampler serve
+    relays over TLS; without one it serves none (its relays come from the trainer instead).
     """
 
     publishers: tuple[str, ...]
@@ -123,6 +163,8 @@ class ReceiverConfig:
     sampler_id: str | None = None
     max_meta_bytes: int = 4 << 20
     zero_copy: bool = False
+    token: bytes | str | None = field(default=None, repr=False)  # never printed
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         pubs = self.publishers
@@ -146,6 +188,16 @@ class ReceiverConfig:
             _check_seconds(getattr(self, name), name)
         if self.sampler_id is not None and (not isinstance(self.sampler_id, str) or not self.sampler_id):
             raise UsageError("must be a non-empty str or None", argument="sampler_id", value=self.sampler_id)
+        object.__setattr__(self, "token", _check_link(self.token, self.tls))
+
+    def tcp_config(self) -> TcpConfig:
+        """The TcpConfig of this sampler's connections and of its relay server."""
+        return _tcp_config(self, self.connect_timeout_s, f"weights-{self.label}")
+
+    @property
+    def relays(self) -> bool:
+        """Whether this sampler serves relays (always, except over TLS without a certificate)."""
+        return self.tls is None or self.tls.certfile is not None
 
     @property
     def label(self) -> str:

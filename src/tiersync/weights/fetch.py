@@ -7,27 +7,34 @@ needed then: every same-host reader reads the one copy); otherwise a PUSH is a G
 trainer shard and a RELAY a GET from the relaying sampler, falling back to the trainer
 shard when the relay fails. Jobs are ordered by (stage, tensor write order) so a chunk is
 consumed in the order it is produced and no relay waits on a later stage.
-:class:`TcpPool` keeps up to ``streams`` data connections per address.
+:class:`TcpPool` keeps up to ``streams`` authenticated data channels per address
+(:class:`~tiersync.net.tcp.TcpChannel`); a GET's DATA lands straight in the sampler's buffer
+(the rows of a strided destination span too, when they are few), checksum verified.
 """
 from __future__ import annotations
 
 import queue
-import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 
 from tiersync.errors import RemoteError, TierSyncError
+from tiersync.net.config import TcpConfig
+from tiersync.net.errors import RequestError
+from tiersync.net.tcp import TcpChannel, TcpTransport
 from tiersync.weights.config import TransportKind
 from tiersync.weights.executor import span_view
+from tiersync.weights.ops import WEIGHTS, Get
 from tiersync.weights.plan import TransferKind, TransferPlan
 from tiersync.weights.segment import SegmentReader
 from tiersync.weights.spans import StridedSpan
-from tiersync.weights.wire import Deadline, Op, connect, recv_message, recv_payload, send_message
 
 __all__ = ["Job", "Source", "TcpPool", "build_jobs", "shm_copy"]
+
+_ROWS_IN_PLACE = 256  # a strided destination of at most this many rows is received row by row
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,17 +98,18 @@ def shm_copy(reader: SegmentReader, offset: int, nbytes: int, src_span: StridedS
 
 
 class TcpPool:
-    """Data connections per address, at most ``streams`` open; thread-safe."""
+    """Data channels per address, at most ``streams`` open; thread-safe."""
 
-    def __init__(self, streams: int, connect_timeout_s: float, io_timeout_s: float, max_meta: int) -> None:
-        self._streams, self._connect_s, self._io_s, self._max_meta = streams, connect_timeout_s, io_timeout_s, max_meta
+    def __init__(self, streams: int, config: TcpConfig, io_timeout_s: float) -> None:
+        self._streams, self._io_s = streams, io_timeout_s
+        self._transport = TcpTransport(config, WEIGHTS)
         self._idle: dict[str, queue.SimpleQueue] = {}
         self._count: dict[str, int] = {}
-        self._all: set[socket.socket] = set()
+        self._all: set[TcpChannel] = set()
         self._lock = threading.Lock()
         self._closed = False
 
-    def _take(self, address: str, deadline: Deadline) -> socket.socket:
+    def _take(self, address: str, end: float) -> TcpChannel:
         with self._lock:
             if self._closed:
                 raise RemoteError("pool closed", peer=address)
@@ -111,70 +119,63 @@ class TcpPool:
                 self._count[address] = self._count.get(address, 0) + 1
         if not opening:
             try:
-                return idle.get(timeout=deadline.remaining())
+                return idle.get(timeout=max(0.0, end - time.monotonic()))
             except queue.Empty:
                 raise RemoteError("no data connection became free", peer=address) from None
         try:
-            sock = connect(address, min(self._connect_s, deadline.remaining()))
-            send_message(sock, Op.DATA_HELLO, {}, deadline)
+            channel = self._transport.connect(address, timeout=max(0.001, end - time.monotonic()))
         except BaseException:
             with self._lock:
                 self._count[address] -= 1
             raise
         with self._lock:
-            self._all.add(sock)
-        return sock
+            self._all.add(channel)
+        return channel
 
-    def _give(self, address: str, sock: socket.socket, ok: bool) -> None:
-        if ok:
-            self._idle[address].put(sock)
+    def _give(self, address: str, channel: TcpChannel) -> None:
+        if not channel.closed:  # an ERROR answer leaves it usable; a broken link closed it
+            self._idle[address].put(channel)
             return
         with self._lock:
             self._count[address] -= 1
-            self._all.discard(sock)
-        sock.close()
+            self._all.discard(channel)
 
-    def get(self, address: str, version: int, job: Job, src: Source, dst: np.ndarray, verify: bool) -> None:
+    def get(self, address: str, version: int, job: Job, src: Source, dst: np.ndarray) -> None:
         """GET ``src.span`` of ``job.tensor`` at ``address`` into ``job.dst_span`` of ``dst``.
 
-        Raises RemoteError (refused, closed, timed out) or ProtocolError (bad bytes).
+        Raises RemoteError (refused, closed, timed out; AuthError: the token or TLS check
+        failed) or ProtocolError (bad bytes).
         """
-        deadline = Deadline(self._io_s, address)
-        sock = self._take(address, deadline)
-        ok = False
+        end = time.monotonic() + self._io_s
+        into, strided = _landing(dst, job.dst_span)
+        channel = self._take(address, end)
         try:
-            span = src.span
-            meta = {"v": version, "t": job.tensor, "b": list(job.key), "o": span.offset, "r": span.row_bytes,
-                    "c": list(span.counts), "s": list(span.strides)}
-            send_message(sock, Op.GET, meta, deadline)
-            msg = recv_message(sock, deadline, self._max_meta)
-            if msg.op is Op.ERROR:
-                ok = msg.payload_len == 0
-                raise RemoteError(f"GET refused: {msg.meta.get('message')}", peer=address)
-            if msg.op is not Op.DATA:
-                raise RemoteError(f"unexpected answer {msg.op.name}", peer=address)
-            if job.dst_span.is_contiguous:
-                into = dst.reshape(-1).view(np.uint8)[job.dst_span.offset: job.dst_span.offset + job.nbytes]
-                recv_payload(sock, msg, memoryview(into), deadline, verify=verify)
-            else:
-                tmp = np.empty(job.nbytes, np.uint8)
-                recv_payload(sock, msg, memoryview(tmp), deadline, verify=verify)
-                out = span_view(dst, job.dst_span)
-                np.copyto(out, tmp.reshape(out.shape))
-            ok = True
+            get = Get(channel.new_request_id(), version, job.tensor, job.key, src.span)
+            channel.request(get, into=into, timeout=max(0.001, end - time.monotonic()))
+        except RequestError as exc:
+            raise RemoteError(f"GET refused: {exc.message}", peer=address) from None
         finally:
-            self._give(address, sock, ok)
+            self._give(address, channel)
+        if strided is not None:
+            np.copyto(strided, np.frombuffer(into, np.uint8).reshape(strided.shape))
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            socks, self._all = list(self._all), set()
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+            channels, self._all = list(self._all), set()
+        for c in channels:
+            c.close()
+
+
+def _landing(dst: np.ndarray, span: StridedSpan) -> tuple[object, np.ndarray | None]:
+    """Where a GET of ``span`` of ``dst`` lands: its bytes (contiguous), its rows (a few), or a
+    staging buffer to copy into the returned strided view (many small rows)."""
+    flat = dst.reshape(-1).view(np.uint8)
+    if span.is_contiguous:
+        return memoryview(flat[span.offset: span.offset + span.nbytes]), None
+    if span.row_count <= _ROWS_IN_PLACE:
+        return [memoryview(flat[o: o + n]) for o, n in span.rows()], None
+    return memoryview(np.empty(span.nbytes, np.uint8)), span_view(dst, span)
 
 
 def first_error(errors: list[BaseException]) -> BaseException | None:

@@ -223,7 +223,9 @@ def _box_of(intervals: list[tuple[tuple[int, int], ...]], idx: tuple[int, ...]) 
 
 
 def _segments(work: _Work, segment_bytes: int | None) -> list[_Work]:
-    """Cut ``work`` along its outermost non-trivial dimension into ~``segment_bytes`` pieces."""
+    """Cut ``work`` along its outermost non-trivial dimension into pieces of at most
+    ``segment_bytes`` (a slice of that dimension larger than that is cut along the next one;
+    only a single element may exceed it)."""
     if segment_bytes is None or work.nbytes <= segment_bytes:
         return [work]
     extents = work.region.shape
@@ -237,7 +239,8 @@ def _segments(work: _Work, segment_bytes: int | None) -> list[_Work]:
         hi = min(lo + step, work.region.stop[d])
         start = work.region.start[:d] + (lo,) + work.region.start[d + 1 :]
         stop = work.region.stop[:d] + (hi,) + work.region.stop[d + 1 :]
-        out.append(_replace_region(work, Box(start, stop)))
+        piece = _replace_region(work, Box(start, stop))
+        out.extend(_segments(piece, segment_bytes) if unit > segment_bytes else [piece])
     return out
 
 

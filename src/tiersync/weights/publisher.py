@@ -15,26 +15,28 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
 from tiersync.errors import ClosedError, TierSyncError, UsageError
-from tiersync.net.errors import NetTimeoutError, ProtocolError, ProtocolFault, RemoteError
+from tiersync.net import events as ev
+from tiersync.net.errors import NetTimeoutError, RemoteError
+from tiersync.net.server import TcpServer
+from tiersync.net.service import Session
 from tiersync.weights.config import PublisherConfig, SyncStatus, TransportKind
 from tiersync.weights.manifest import Manifest, host_id
+from tiersync.weights.ops import Ack, Announce, Ready, Register, Release, Welcome
 from tiersync.weights.plan import PlanOptions
 from tiersync.weights.segment import SegmentPool, tensor_offsets
-from tiersync.weights.source import validate_source
-from tiersync.weights.server import SpanServer
+from tiersync.weights.serving import SpanService
 from tiersync.weights.sharding import Sharding, local_shape
+from tiersync.weights.source import validate_source
 from tiersync.weights.tensors import host_bytes, tensor_spec
-from tiersync.weights.wire import Deadline, Forever, Message, Op, recv_message, send_message
 
 __all__ = ["PublishResult", "SamplerOutcome", "WeightPublisher"]
 
@@ -76,13 +78,12 @@ class PublishResult:
 class _Sampler:
     label: str
     rank: int
-    sock: socket.socket
+    session: Session  # its control connection
     transport: TransportKind
     relay: str
     zc: bool = False  # serves from the segment (zero-copy): holds each version until RELEASE
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
     alive: bool = True
-    acks: dict[int, dict] = field(default_factory=dict)
+    acks: dict[int, Ack] = field(default_factory=dict)
 
 
 class WeightPublisher:
@@ -102,6 +103,7 @@ class WeightPublisher:
             raise UsageError("expected a PublisherConfig", argument="config")
         self.rank = rank
         self._names, self._specs, self._source = validate_source(tensors, layout, rank, global_shapes)
+        self._index = {n: i for i, n in enumerate(self._names)}
         self._tensors = dict(tensors)
         self._local = [int(np.prod(local_shape(s.shape, sh, rank))) * s.itemsize
                        for s, sh in zip(self._specs, self._source)]
@@ -118,15 +120,15 @@ class WeightPublisher:
             self._store = np.zeros(payload, np.uint8)
         self._cond = threading.Condition()
         self._samplers: dict[int, _Sampler] = {}
+        self._by_session: dict[int, _Sampler] = {}
         self._current: int | None = None  # version GETs may read
         self._ready = 0
         self._inflight = 0
         self._last_version: int | None = None
         self._closed = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"publish-{rank}")
-        self._server = SpanServer(self.config.listen, self._provide, io_timeout_s=self.config.io_timeout_s,
-                                  max_meta=self.config.max_meta_bytes, checksum=self.config.checksum,
-                                  on_control=self._on_control, name=f"publisher-{rank}")
+        service = SpanService(self._provide, self.config.io_timeout_s, control=self._control, ended=self._ended)
+        self._server = TcpServer(self.config.listen, service, self.config.tcp_config(f"weights-publisher-{rank}"))
 
     @property
     def address(self) -> str:
@@ -200,9 +202,9 @@ class WeightPublisher:
         with self._cond:
             targets = [s for s in self._samplers.values() if s.alive]
         self._begin(version, targets)
-        manifest = self._manifest(version, targets).to_json()
+        announce = Announce(self._manifest(version, targets))
         for s in targets:
-            self._send(s, Op.ANNOUNCE, manifest)
+            self._send(s, announce)
         for i, name in enumerate(self._names):
             src = host_bytes(self._tensors[name], name)
             np.copyto(self._store[self._offsets[i] - self._offsets[0]:][: self._local[i]], src)
@@ -211,7 +213,7 @@ class WeightPublisher:
                 self._cond.notify_all()
             for s in targets:
                 if s.alive:
-                    self._send(s, Op.READY, {"v": version, "n": i + 1})
+                    self._send(s, Ready(version, i + 1))
         if self._pool is not None:
             self._pool.current.complete(version)
         outcomes = self._collect(version, targets)
@@ -223,6 +225,7 @@ class WeightPublisher:
         end = time.monotonic() + self.config.io_timeout_s
         with self._cond:
             self._current, self._ready = None, 0
+            self._cond.notify_all()  # GETs waiting for the old version give up now
             while self._inflight and time.monotonic() < end:
                 self._cond.wait(end - time.monotonic())
             if self._pool is not None:
@@ -235,7 +238,7 @@ class WeightPublisher:
         return Manifest(version, self.rank, self._source[0].mesh.size, tuple(self._names), tuple(self._specs),
                         tuple(self._source), tuple(self._offsets), self._payload,
                         None if self._pool is None else self._pool.current.path, self._host, opts,
-                        {s.rank: s.relay for s in targets})
+                        {s.rank: s.relay for s in targets if s.relay})
 
     def _collect(self, version: int, targets: list[_Sampler]) -> tuple[SamplerOutcome, ...]:
         end = time.monotonic() + self.config.publish_timeout_s
@@ -247,25 +250,25 @@ class WeightPublisher:
                 self._cond.wait(left)
             return tuple(_outcome(s, version) for s in sorted(targets, key=lambda s: s.rank))
 
-    def _send(self, s: _Sampler, op: Op, meta: dict) -> None:
+    def _send(self, s: _Sampler, event: object) -> None:
         try:
-            with s.send_lock:
-                send_message(s.sock, op, meta, Deadline(self.config.io_timeout_s, s.label))
+            s.session.send(event, timeout=self.config.io_timeout_s)
         except (TierSyncError, OSError) as exc:
             log.info("sampler %s dropped: %s", s.label, exc)
             self._drop(s)
 
-    # -- serving ---------------------------------------------------------------
-    def _provide(self, version: int, name: str, meta: dict, deadline: Deadline):
-        try:
-            i = self._names.index(name)
-        except ValueError:
-            raise UsageError(f"unknown tensor {name!r}", argument="t") from None
+    # -- serving (one TcpServer: control sessions and GETs, on its worker pool) ---------------
+    def _provide(self, version: int, name: str, key: tuple, timeout: float):
+        i = self._index.get(name)
+        if i is None:
+            raise UsageError(f"unknown tensor {name!r}", argument="tensor")
+        end = time.monotonic() + timeout
         with self._cond:
-            while self._current == version and self._ready <= i:
-                self._cond.wait(deadline.remaining())
-            if self._current != version:
-                raise RemoteError("version not being served", version=version, current=self._current)
+            while self._current == version and self._ready <= i and time.monotonic() < end:
+                self._cond.wait(end - time.monotonic())
+            if self._current != version or self._ready <= i:
+                raise RemoteError("version not being served (or not written in time)", version=version,
+                                  current=self._current)
             self._inflight += 1
         lo = self._offsets[i] - self._offsets[0]
         return self._store[lo: lo + self._local[i]], self._release
@@ -275,78 +278,65 @@ class WeightPublisher:
             self._inflight -= 1
             self._cond.notify_all()
 
-    def _on_control(self, sock: socket.socket, hello: Message) -> None:
-        """Registration: HELLO {id, rank, host, transport, relay} -> WELCOME, then read ACKs."""
-        peer = "sampler"
-        try:
-            s = self._register(sock, hello)
-        except TierSyncError as exc:
-            try:
-                send_message(sock, Op.ERROR, {"message": str(exc)}, Deadline(self.config.io_timeout_s, peer))
-            except TierSyncError:
-                pass
-            sock.close()
-            return
-        self._read_acks(s)
-
-    def _register(self, sock: socket.socket, hello: Message) -> _Sampler:
-        m = hello.meta
-        if hello.op is not Op.HELLO:
-            raise ProtocolError("expected HELLO", fault=ProtocolFault.UNEXPECTED)
-        try:
-            label, rank, host, want, relay = str(m["id"]), int(m["rank"]), str(m["host"]), TransportKind(m["transport"]), str(m["relay"])
-        except (KeyError, ValueError, TypeError) as exc:
-            raise ProtocolError(f"bad HELLO: {exc}", fault=ProtocolFault.MALFORMED) from exc
-        shm_ok = self._pool is not None and host == self._host
-        if want is TransportKind.SHM and not shm_ok:
-            raise UsageError("shared memory is not available to this sampler (other host or no segment)",
-                             argument="transport")
-        got = TransportKind.SHM if shm_ok and want is not TransportKind.TCP else TransportKind.TCP
-        s = _Sampler(label, rank, sock, got, relay, zc=got is TransportKind.SHM and bool(m.get("zc", False)))
-        send_message(sock, Op.WELCOME, {"transport": got.value, "source_rank": self.rank},
-                     Deadline(self.config.io_timeout_s, label))
+    def _control(self, session: Session, event: object) -> Iterable[object]:
+        """W_REGISTER -> W_WELCOME; then the sampler's one-way W_ACK and W_RELEASE."""
+        if isinstance(event, Register):
+            return self._register(session, event)
         with self._cond:
-            if self._closed:
-                raise ClosedError("publisher closed", argument="publisher")
-            old = self._samplers.get(rank)
-            self._samplers[rank] = s
+            s = self._by_session.get(session.session_id)
+            known = s is not None and isinstance(event, (Ack, Release))
+            if known and isinstance(event, Ack):
+                s.acks[event.version] = event
+            elif known and self._pool is not None:
+                self._pool.release(s, event.version)
+            self._cond.notify_all()
+        if not known:
+            log.info("closing %s: %s out of place", session.peer, type(event).__name__)
+            session.close()
+        return ()
+
+    def _register(self, session: Session, hello: Register):
+        """A generator: W_WELCOME is written before the sampler takes part (so no ANNOUNCE
+        overtakes it); a registration that replaces one of the same rank drops the old one."""
+        shm_ok = self._pool is not None and hello.host == self._host
+        if hello.transport is TransportKind.SHM and not shm_ok:
+            yield ev.Error(hello.request_id, ev.ErrorCode.UNSUPPORTED,
+                           "shared memory is not available to this sampler (other host or no segment)")
+            return
+        got = TransportKind.SHM if shm_ok and hello.transport is not TransportKind.TCP else TransportKind.TCP
+        yield Welcome(hello.request_id, got, self.rank)
+        zc = got is TransportKind.SHM and hello.zero_copy
+        s = _Sampler(hello.label, hello.rank, session, got, hello.relay, zc=zc)
+        with self._cond:
+            old = self._samplers.get(s.rank)
+            self._samplers[s.rank] = s
+            self._by_session[session.session_id] = s
             self._cond.notify_all()
         if old is not None:
             self._drop(old)
-        return s
+        if session.closed or self._closed:  # ended while it was being welcomed
+            self._drop(s)
 
-    def _read_acks(self, s: _Sampler) -> None:
-        try:
-            while True:
-                s.sock.settimeout(None)
-                msg = recv_message(s.sock, Forever(s.label), self.config.max_meta_bytes)
-                if msg.op is Op.RELEASE and self._pool is not None:
-                    with self._cond:
-                        self._pool.release(s, int(msg.meta["v"]))
-                        self._cond.notify_all()
-                    continue
-                if msg.op is not Op.ACK:
-                    raise ProtocolError("expected ACK", fault=ProtocolFault.UNEXPECTED, peer=s.label)
-                with self._cond:
-                    s.acks[int(msg.meta["v"])] = msg.meta
-                    self._cond.notify_all()
-        except (TierSyncError, OSError, KeyError, ValueError, TypeError) as exc:
-            log.info("sampler %s disconnected: %s", s.label, exc)
-        self._drop(s)
+    def _ended(self, session: Session) -> None:
+        with self._cond:
+            s = self._by_session.get(session.session_id)
+        if s is not None:
+            log.info("sampler %s disconnected", s.label)
+            self._drop(s)
 
     def _drop(self, s: _Sampler) -> None:
+        """Once per sampler: forget it, retire the segments it held, end its session."""
         with self._cond:
+            if not s.alive:
+                return
             s.alive = False
             if self._samplers.get(s.rank) is s:
                 del self._samplers[s.rank]
+            self._by_session.pop(s.session.session_id, None)
             if self._pool is not None and s.zc:
                 self._pool.orphan(s)  # it may still serve from them: never rewrite those
             self._cond.notify_all()
-        try:
-            s.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        s.sock.close()
+        s.session.close()
 
     def close(self) -> None:
         """Stop serving, drop the samplers, unlink the segment; idempotent."""
@@ -377,6 +367,6 @@ def _outcome(s: _Sampler, version: int) -> SamplerOutcome:
     if ack is None:
         status = SyncStatus.TIMEOUT if s.alive else SyncStatus.DISCONNECTED
         return SamplerOutcome(s.label, s.rank, status, s.transport, f"no answer ({status.value})")
-    if ack.get("ok"):
-        return SamplerOutcome(s.label, s.rank, SyncStatus.OK, s.transport, None, ack.get("seconds"))
-    return SamplerOutcome(s.label, s.rank, SyncStatus.FAILED, s.transport, str(ack.get("error")), ack.get("seconds"))
+    if ack.ok:
+        return SamplerOutcome(s.label, s.rank, SyncStatus.OK, s.transport, None, ack.seconds)
+    return SamplerOutcome(s.label, s.rank, SyncStatus.FAILED, s.transport, ack.error, ack.seconds)

@@ -8,7 +8,8 @@ each tensor becomes ready, or TCP GETs, relays per the plan's stages), check tha
 moved on to a later version meanwhile, commit (the switch), then answer every shard with an
 ACK. A failure aborts the standby set (the active version stays), is answered as a failed
 ACK and fails :meth:`receive`'s future for that version; the receiver keeps following later
-versions. Readers use :meth:`acquire` (a :class:`WeightsLease` on one complete version).
+versions. Every connection (control, GETs, relays) proves ``ReceiverConfig.token``, over TLS
+when ``tls`` is set. Readers use :meth:`acquire` (a :class:`WeightsLease` on one complete version).
 With ``ReceiverConfig.zero_copy`` the tensors :mod:`tiersync.weights.zerocopy` allows are not
 copied: the commit installs read-only views of the segment, and a RELEASE tells the trainer
 shards once this sampler no longer reads that version (until then they write elsewhere).
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,18 +27,21 @@ from typing import Callable, Mapping
 import numpy as np
 
 from tiersync.errors import ClosedError, IntegrityError, RemoteError, TierSyncError, UsageError
-from tiersync.net.errors import ProtocolError, ProtocolFault
+from tiersync.net.errors import AuthError, ProtocolError, ProtocolFault, RequestError
+from tiersync.net.framed import Deadline
+from tiersync.net.server import TcpServer
+from tiersync.net.tcp import TcpTransport
 from tiersync.weights.buffers import VersionedBuffers, WeightsLease
 from tiersync.weights.config import ReceiverConfig, TransportKind
 from tiersync.weights.fetch import Job, TcpPool, build_jobs, first_error, shm_copy
-from tiersync.weights.manifest import Manifest, host_id
-from tiersync.weights.planner import plan_transfer
 from tiersync.weights.links import ShardLink
+from tiersync.weights.manifest import Manifest, host_id
+from tiersync.weights.ops import WEIGHTS, Ack, Announce, Ready, Register, Release, Welcome
+from tiersync.weights.planner import plan_transfer
 from tiersync.weights.segment import SegmentReader
-from tiersync.weights.server import SpanServer
+from tiersync.weights.serving import SpanService
 from tiersync.weights.sharding import Sharding, shard_boxes
 from tiersync.weights.tensors import allocate
-from tiersync.weights.wire import Deadline, Forever, Op, connect, recv_message, send_message
 from tiersync.weights.zerocopy import zero_copy_views
 
 __all__ = ["ReceiveResult", "WeightReceiver"]
@@ -64,8 +67,8 @@ class WeightReceiver:
     cover every tensor the trainer publishes). ``progress(version, done_bytes, total_bytes)`` is
     called after each chunk (from worker threads). ``allocator``: makes the weight arrays (e.g.
     in engine-provided or pinned memory); see :class:`VersionedBuffers`. Connects and registers on construction:
-    UsageError when the trainer refuses the transport asked for, RemoteError when a shard
-    is unreachable.
+    UsageError when the trainer refuses the transport asked for, AuthError when a shard
+    refused the token or TLS (or failed ours), RemoteError when a shard is unreachable.
     """
 
     def __init__(self, destination: Sharding | Mapping[str, Sharding], config: ReceiverConfig,
@@ -86,9 +89,11 @@ class WeightReceiver:
         self._relay: tuple[int, dict[str, np.ndarray], set] | None = None  # version, buffers, done chunks
         self._closed = False
         self._stats = {"shm": 0, "tcp": 0, "relay": 0}
-        self._pool = TcpPool(config.streams, config.connect_timeout_s, config.io_timeout_s, config.max_meta_bytes)
-        self._server = SpanServer(config.listen, self._provide, io_timeout_s=config.io_timeout_s,
-                                  max_meta=config.max_meta_bytes, checksum=True, name=f"relay-{config.rank}")
+        tcp = config.tcp_config()
+        self._transport = TcpTransport(tcp, WEIGHTS)
+        self._pool = TcpPool(config.streams, tcp, config.io_timeout_s)
+        self._server = TcpServer(config.listen, SpanService(self._provide, config.io_timeout_s), tcp) \
+            if config.relays else None
         try:
             for shard in self._shards:
                 self._register(shard)
@@ -138,35 +143,39 @@ class WeightReceiver:
     # -- control ---------------------------------------------------------------
     def _register(self, shard: ShardLink) -> None:
         cfg = self.config
-        sock = connect(shard.address, cfg.connect_timeout_s)
-        deadline = Deadline(cfg.io_timeout_s, shard.address)
-        send_message(sock, Op.HELLO, {"id": cfg.label, "rank": cfg.rank, "host": host_id(),
-                                      "transport": cfg.transport.value, "relay": self._server.address,
-                                      "zc": cfg.zero_copy}, deadline)
-        msg = recv_message(sock, deadline, cfg.max_meta_bytes)
-        if msg.op is Op.ERROR:
-            sock.close()
-            raise UsageError(f"trainer shard {shard.rank} refused: {msg.meta.get('message')}", argument="transport")
-        if msg.op is not Op.WELCOME or int(msg.meta.get("source_rank", -1)) != shard.rank:
-            sock.close()
-            raise ProtocolError("expected WELCOME from this source rank", fault=ProtocolFault.UNEXPECTED,
+        try:
+            channel = shard.channel = self._transport.connect(shard.address)
+        except AuthError as exc:
+            raise AuthError(f"trainer shard {shard.rank} refused the link ({exc.message}); ReceiverConfig.token "
+                            "and tls must match its PublisherConfig", peer=shard.address) from None
+        hello = Register(channel.new_request_id(), cfg.label, cfg.rank, host_id(), cfg.transport,
+                         self._server.address if self._server is not None else "", cfg.zero_copy)
+        try:
+            welcome = channel.request(hello, timeout=cfg.io_timeout_s)
+        except RequestError as exc:
+            raise UsageError(f"trainer shard {shard.rank} refused: {exc.message}", argument="transport") from None
+        if not isinstance(welcome, Welcome) or welcome.source_rank != shard.rank:
+            raise ProtocolError("expected W_WELCOME from this source rank", fault=ProtocolFault.UNEXPECTED,
                                 peer=shard.address)
-        shard.sock, shard.transport, shard.alive = sock, TransportKind(msg.meta["transport"]), True
+        shard.transport, shard.alive = welcome.transport, True
         threading.Thread(target=self._read_control, args=(shard,), daemon=True, name=f"ctl-{shard.rank}").start()
 
     def _read_control(self, shard: ShardLink) -> None:
         try:
             while True:
-                shard.sock.settimeout(None)
-                msg = recv_message(shard.sock, Forever(shard.address), self.config.max_meta_bytes)
-                if msg.op is Op.ANNOUNCE:
-                    self._announced(shard, Manifest.from_json(msg.meta))
-                elif msg.op is Op.READY:
+                event = shard.channel.receive()
+                if isinstance(event, Announce):
+                    self._announced(shard, event.manifest)
+                elif isinstance(event, Ready):
                     with self._cond:
-                        shard.ready[int(msg.meta["v"])] = int(msg.meta["n"])
+                        shard.ready[event.version] = event.count
                         self._cond.notify_all()
-        except (TierSyncError, OSError, KeyError, ValueError) as exc:
+                else:
+                    raise ProtocolError(f"unexpected {type(event).__name__}", fault=ProtocolFault.UNEXPECTED,
+                                        peer=shard.address)
+        except TierSyncError as exc:
             log.info("trainer shard %s control ended: %s", shard.rank, exc)
+            shard.channel.close()
         with self._cond:
             shard.alive = False
             self._cond.notify_all()
@@ -273,11 +282,7 @@ class WeightReceiver:
             return
         for s in self._shards:
             if s.alive and s.transport is TransportKind.SHM:
-                try:
-                    with s.send_lock:
-                        send_message(s.sock, Op.RELEASE, {"v": version}, Deadline(self.config.io_timeout_s, s.address))
-                except TierSyncError as exc:
-                    log.info("RELEASE to shard %s failed: %s", s.rank, exc)
+                s.send(Release(version), self.config.io_timeout_s)
 
     def _run_jobs(self, version: int, jobs: list[Job], manifests: list[Manifest], bufs: dict, deadline: Deadline) -> None:
         total, done, errors = sum(j.nbytes for j in jobs), [0], []
@@ -318,7 +323,7 @@ class WeightReceiver:
                     shm_copy(self._shards[src.rank].readers[m.segment], m.offsets[job.index], nbytes * m.specs[job.index].itemsize,
                              src.span, dst, job.dst_span)
                 else:
-                    self._pool.get(src.address, version, job, src, dst, verify=True)
+                    self._pool.get(src.address, version, job, src, dst)
                 kind = "shm" if src.via is TransportKind.SHM else "relay" if n == 0 and len(job.sources) > 1 else "tcp"
                 with self._cond:
                     self._stats[kind] += job.nbytes
@@ -334,26 +339,23 @@ class WeightReceiver:
                     raise RemoteError("trainer shard went away mid-version", peer=shard.address, version=version)
                 self._cond.wait(deadline.remaining())
 
-    def _provide(self, version: int, name: str, meta: dict, deadline: Deadline):
-        """Relay GETs: the chunk ``meta['b']`` of ``name`` once it landed in this version's buffer."""
-        key = (name, tuple(int(x) for x in meta.get("b", ())))
+    def _provide(self, version: int, name: str, key: tuple, timeout: float):
+        """Relay GETs: chunk ``key`` of ``name`` once it landed in this version's buffer."""
+        end, chunk = time.monotonic() + timeout, (name, tuple(key))
         with self._cond:
-            while self._relay is not None and self._relay[0] == version and key not in self._relay[2]:
-                self._cond.wait(deadline.remaining())
-            if self._relay is None or self._relay[0] != version:
-                raise RemoteError("this sampler does not hold that version", version=version)
+            while self._relay is not None and self._relay[0] == version and chunk not in self._relay[2]:
+                if not self._cond.wait(max(0.0, end - time.monotonic())):
+                    break
+            if self._relay is None or self._relay[0] != version or chunk not in self._relay[2]:
+                raise RemoteError("this sampler does not hold that chunk of that version (yet)", version=version)
             arr = self._relay[1][name]
-        return arr.reshape(-1).view(np.uint8), lambda: None
+        return arr.reshape(-1).view(np.uint8), lambda: None  # a relay's bytes stay until the next version
 
     def _finish(self, version: int, result: ReceiveResult | None, error: BaseException | None, seconds: float) -> None:
-        ack = {"v": version, "ok": error is None, "error": None if error is None else str(error), "seconds": seconds}
+        ack = Ack(version, error is None, max(0.0, seconds), "" if error is None else str(error)[:512])
         for s in self._shards:
             if s.alive and version in s.manifests:
-                try:
-                    with s.send_lock:
-                        send_message(s.sock, Op.ACK, ack, Deadline(self.config.io_timeout_s, s.address))
-                except TierSyncError as exc:
-                    log.info("ACK to shard %s failed: %s", s.rank, exc)
+                s.send(ack, self.config.io_timeout_s)
         with self._cond:
             if result is not None:
                 self._last = result
@@ -374,15 +376,12 @@ class WeightReceiver:
             self._closed = True
             self._cond.notify_all()
         self._queue.put(None)
-        self._server.close()
+        if self._server is not None:
+            self._server.close()
         self._pool.close()
         for s in self._shards:
-            if s.sock is not None:
-                try:
-                    s.sock.shutdown(socket.SHUT_RDWR)  # wakes the control reader blocked in recv
-                except OSError:
-                    pass
-                s.sock.close()
+            if s.channel is not None:
+                s.channel.close()  # wakes the control reader blocked in receive
             for r in s.readers.values():
                 r.close()
         self._buffers.close()

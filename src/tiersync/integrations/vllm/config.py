@@ -14,7 +14,12 @@ key                  meaning (default)
 ``role``             prefill->decode: "producer" / "consumer" set by ``kv_role``; read-only
 ``pd_host``          producer: address its KV server binds and advertises ("127.0.0.1")
 ``pd_port``          producer: port of its KV server (0: any free port)
-``pd_token``         shared secret of the prefill->decode link (None: no check)
+``pd_token``         shared secret of the prefill->decode link, >= 16 bytes (None: no check);
+                     prefer ``pd_token_file`` or ``$TIERSYNC_TOKEN``: a command line is
+                     readable by every local user
+``pd_token_file``    file holding that secret (read once, when the engine starts)
+``pd_route``         prefill->decode on one host: "auto" (copy out of the producer's memory
+                     when permitted, else TCP), "local" (insist), "tcp" ("auto")
 ===================  =========================================================================
 """
 from __future__ import annotations
@@ -24,12 +29,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from tiersync.errors import UsageError, check_positive_int
+from tiersync.net.config import coerce_token, token_from
 from tiersync.net.store_node import parse_size
 
 __all__ = ["ConnectorConfig"]
 
 _KEYS = {"host_bytes", "storage_dir", "eviction", "model_id", "weights_version", "transfer_workers",
-         "load_timeout_s", "pd_host", "pd_port", "pd_token"}
+         "load_timeout_s", "pd_host", "pd_port", "pd_token", "pd_token_file", "pd_route"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +51,8 @@ class ConnectorConfig:
     load_timeout_s: float = 120.0
     pd_host: str = "127.0.0.1"
     pd_port: int = 0
-    pd_token: str | None = None
+    pd_token: str | bytes | None = None
+    pd_route: str = "auto"
 
     def __post_init__(self) -> None:
         check_positive_int(self.host_bytes, "kv_connector_extra_config.host_bytes")
@@ -63,6 +70,10 @@ class ConnectorConfig:
             raise UsageError("must be a positive number", argument="kv_connector_extra_config.load_timeout_s")
         if not isinstance(self.pd_port, int) or isinstance(self.pd_port, bool) or not 0 <= self.pd_port < 65536:
             raise UsageError("must be a port number", argument="kv_connector_extra_config.pd_port")
+        if self.pd_route not in ("auto", "local", "tcp"):
+            raise UsageError("must be 'auto', 'local' or 'tcp'", argument="kv_connector_extra_config.pd_route",
+                             value=self.pd_route)
+        coerce_token(self.pd_token, "kv_connector_extra_config.pd_token")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, model: str) -> "ConnectorConfig":
@@ -82,4 +93,7 @@ class ConnectorConfig:
         if isinstance(extra.get("load_timeout_s"), str):
             extra["load_timeout_s"] = float(extra["load_timeout_s"])
         extra.setdefault("model_id", os.path.basename(os.path.normpath(model)) or model)
+        token_file = extra.pop("pd_token_file", None)
+        if extra.get("pd_token") is None:  # the file, else $TIERSYNC_TOKEN (read here, at the edge)
+            extra["pd_token"] = token_from(token_file, argument="kv_connector_extra_config.pd_token_file")
         return cls(**extra)

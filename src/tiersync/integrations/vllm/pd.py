@@ -41,8 +41,7 @@ def build_pd(vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, *, pr
     addresses = tuple(f"{cfg.pd_host}:{cfg.pd_port + r}" for r in range(layout.tp_size))
     if scheduler:
         return PDScheduler(producer=producer, layout=layout, addresses=addresses)
-    token = cfg.pd_token.encode() if cfg.pd_token else None
-    dcfg = DisaggConfig(timeout_s=cfg.load_timeout_s, token=token)
+    dcfg = DisaggConfig(timeout_s=cfg.load_timeout_s, token=cfg.pd_token, route=cfg.pd_route)
     rank = vllm_config.parallel_config.rank
     return PDWorker(producer=producer, layout=layout, rank=rank, config=dcfg, host=cfg.pd_host,
                     port=cfg.pd_port + rank if producer else 0)

@@ -35,10 +35,11 @@ from __future__ import annotations
 import time
 import warnings
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from tiersync.errors import CapacityError, ClosedError, IntegrityError, RemoteError, TierSyncError, UsageError
+from tiersync.net.config import token_from
 from tiersync.weights.config import ReceiverConfig, TransportKind
 
 __all__ = ["EXTENSION", "WeightSyncConfig", "WeightSyncExtension", "join_weight_sync", "update_weights"]
@@ -59,7 +60,9 @@ class WeightSyncConfig:
     ``apply_timeout_s``: how long an update waits for its version to land.
     ``sync_timeout_s``, ``connect_timeout_s``, ``io_timeout_s``, ``streams``: the receiver's
     (:class:`~tiersync.weights.ReceiverConfig`). ``sampler_id``: label in the trainer's
-    results (default ``"vllm-<rank>"``). Raises UsageError naming ``weight_sync.<field>``.
+    results (default ``"vllm-<rank>"``). ``token``: the trainer's shared secret (str or bytes,
+    >= 16 bytes; its ``PublisherConfig.token``), or ``token_file``: a file holding it (read here, on
+    the driver). Raises UsageError naming ``weight_sync.<field>``.
     """
 
     publishers: tuple[str, ...]
@@ -71,8 +74,15 @@ class WeightSyncConfig:
     io_timeout_s: float = 30.0
     streams: int = 4
     sampler_id: str | None = None
+    token: str | bytes | None = field(default=None, repr=False)  # never printed
+    token_file: str | None = None
 
     def __post_init__(self) -> None:
+        if self.token_file is not None:  # read once; the workers get the token itself
+            if self.token is not None:
+                raise UsageError("give token or token_file, not both", argument=f"{_PREFIX}.token_file")
+            object.__setattr__(self, "token", token_from(self.token_file, argument=f"{_PREFIX}.token_file"))
+            object.__setattr__(self, "token_file", None)
         t = self.apply_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise UsageError("must be a number of seconds > 0", argument=f"{_PREFIX}.apply_timeout_s", value=t)
@@ -90,7 +100,7 @@ class WeightSyncConfig:
         return ReceiverConfig(self.publishers, rank=rank, transport=TransportKind(self.transport),
                               buffers=self.buffers, streams=self.streams, sync_timeout_s=self.sync_timeout_s,
                               connect_timeout_s=self.connect_timeout_s, io_timeout_s=self.io_timeout_s,
-                              sampler_id=self.sampler_id or f"vllm-{rank}")
+                              sampler_id=self.sampler_id or f"vllm-{rank}", token=self.token)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | "WeightSyncConfig") -> "WeightSyncConfig":

@@ -1,0 +1,148 @@
+"""One decode rank reading one request from one prefill rank over one connection.
+
+:func:`pull_route` speaks :mod:`tiersync.disagg.ops` on a
+:class:`~tiersync.net.tcp.TcpChannel`: open, then for each layer as it becomes ready pull its
+route bytes straight into the destination blocks — over TCP with ``config.window`` pulls of
+at most ``config.chunk_bytes`` in flight (each DATA scattered in place into the blocks it
+covers, checksum verified), or, when the producer is on this host and the route allows it, by
+copying them out of the producer's memory into the blocks (``process_vm_readv``, every region
+verified; route AUTO falls back to TCP when that is refused) — report each layer to
+``landed``, and finish with KV_DONE, which must be COMMITTED.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from tiersync.disagg.config import DisaggConfig
+from tiersync.disagg.messages import ReadRequest
+from tiersync.disagg.ops import KvDone, KvLayer, KvNext, KvOpen, KvOpened, KvPull, KvPullLocal
+from tiersync.disagg.spanio import route_slice, scatter
+from tiersync.errors import RemoteError
+from tiersync.net import events as ev
+from tiersync.net.errors import NetTimeoutError, ProtocolError, ProtocolFault
+from tiersync.net.local import LocalReadError
+from tiersync.net.samehost import local_copy
+from tiersync.net.tcp import TcpChannel
+
+__all__ = ["pull_route"]
+
+Buffer = Callable[[int], np.ndarray]
+Landed = Callable[[int], None]
+_LOCAL_WINDOW = 2  # the producer alternates two gather buffers: never more in flight
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """The route's spans: source offsets, destination offsets, lengths (one row per span)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    lengths: np.ndarray
+
+    def dests(self, buf: np.ndarray, offset: int, size: int) -> list[memoryview]:
+        """Views of ``buf`` (the destination layer) that receive route bytes ``[offset, offset+size)``."""
+        offs, lens = route_slice(self.dst, self.lengths, offset, size)
+        return [memoryview(buf[o:o + n]) for o, n in zip(offs.tolist(), lens.tolist())]
+
+
+def pull_route(channel: TcpChannel, read: ReadRequest, spans: np.ndarray, num_layers: int, deadline: float,
+               config: DisaggConfig, buffer: Buffer, landed: Landed) -> None:
+    """Read ``read`` (``spans``: the route's ``[src, dst, nbytes]`` rows) until KV_DONE is
+    COMMITTED. Each layer's bytes land in place, at the destination offsets of ``buffer(layer)``
+    (no staging copy); ``landed(layer)`` runs once they all arrived and were verified. Raises
+    RemoteError subclasses (ProtocolError when the producer's answers do not fit the plan); a
+    failed pull may have written part of a layer's destination spans."""
+    route = _Route(spans[:, 0], spans[:, 1], spans[:, 2])
+    total = int(route.lengths.sum()) if not read.notify_only else 0
+    opened = channel.request(KvOpen(channel.new_request_id(), read), timeout=_left(deadline, channel))
+    if not isinstance(opened, KvOpened) or opened.route_bytes != total:
+        raise ProtocolError("KV_OPENED does not match the plan", fault=ProtocolFault.MALFORMED, peer=channel.peer,
+                            expected=total)
+    if total:
+        _layers(channel, num_layers, route, total, deadline, config, buffer, landed)
+    reply = channel.request(KvDone(channel.new_request_id()), timeout=_left(deadline, channel))
+    if not isinstance(reply, ev.CommitReply) or reply.status is not ev.CommitStatus.COMMITTED:
+        raise RemoteError(f"producer did not count this read: {getattr(reply, 'message', '')}", peer=channel.peer)
+
+
+def _layers(channel: TcpChannel, num_layers: int, route: _Route, total: int, deadline: float, config: DisaggConfig,
+            buffer: Buffer, landed: Landed) -> None:
+    seen: set[int] = set()
+    for n in range(num_layers):
+        answer = channel.request(KvNext(channel.new_request_id(), n), timeout=_left(deadline, channel))
+        layer = answer.layer if isinstance(answer, KvLayer) else -1
+        if not 0 <= layer < num_layers or layer in seen:
+            raise ProtocolError("unexpected layer", fault=ProtocolFault.UNEXPECTED, peer=channel.peer, layer=layer)
+        seen.add(layer)
+        buf = buffer(layer)
+        if not (channel.local_route() and _copy_local(channel, n, route, buf, total, deadline, config)):
+            _pull_tcp(channel, n, route, buf, total, deadline, config)
+        landed(layer)
+
+
+def _pieces(total: int, chunk: int) -> list[tuple[int, int]]:
+    return [(off, min(chunk, total - off)) for off in range(0, total, chunk)]
+
+
+def _pull_tcp(channel: TcpChannel, n: int, route: _Route, buf: np.ndarray, total: int, deadline: float,
+              config: DisaggConfig) -> None:
+    """Each pull's DATA is received straight into its destination spans (the native receiver
+    scatters it, GIL released, then verifies the checksum)."""
+    pulls = [(KvPull(channel.new_request_id(), n, off, size), route.dests(buf, off, size))
+             for off, size in _pieces(total, config.chunk_bytes)]
+    channel.pipeline(pulls, window=config.window, timeout=_left(deadline, channel))
+
+
+def _copy_local(channel: TcpChannel, n: int, route: _Route, buf: np.ndarray, total: int, deadline: float,
+                config: DisaggConfig) -> bool:
+    """Copy the layer out of the producer's memory, two pulls in flight (the producer sums the
+    next piece while this one is copied; a piece it gathered stays in one of two buffers it
+    alternates). False when the copy was refused and route AUTO falls back to TCP (raises
+    for route LOCAL)."""
+    pulls = [KvPullLocal(channel.new_request_id(), n, off, size) for off, size in _pieces(total, config.chunk_bytes)]
+    for pull in pulls[:_LOCAL_WINDOW]:
+        channel.send(pull, timeout=_left(deadline, channel))
+    for i, pull in enumerate(pulls):
+        reply = channel.next_answer(pull.request_id, timeout=_left(deadline, channel))
+        try:
+            _verified_copy(channel, reply, route, buf, pull)
+        except LocalReadError as exc:
+            for rest in pulls[i + 1:i + _LOCAL_WINDOW]:  # answers still in flight
+                channel.next_answer(rest.request_id, timeout=_left(deadline, channel))
+            channel.local_refused(exc)
+            return False
+        if i + _LOCAL_WINDOW < len(pulls):
+            channel.send(pulls[i + _LOCAL_WINDOW], timeout=_left(deadline, channel))
+    return True
+
+
+def _verified_copy(channel: TcpChannel, reply: object, route: _Route, buf: np.ndarray, pull: KvPullLocal) -> None:
+    """Regions copied straight into the destination spans when they match them one to one
+    (the producer sent views of its layer); a gathered region lands in a staging piece first
+    and is scattered once verified."""
+    if not isinstance(reply, ev.LocalReply):
+        raise ProtocolError("expected LOCAL_REPLY", fault=ProtocolFault.UNEXPECTED, peer=channel.peer)
+    if sum(r[1] for r in reply.regions) != pull.length:
+        raise ProtocolError("LOCAL_REPLY does not cover the pull", fault=ProtocolFault.MALFORMED, peer=channel.peer)
+    dests = route.dests(buf, pull.offset, pull.length)
+    if [len(d) for d in dests] == [r[1] for r in reply.regions]:
+        return local_copy(reply, dests, channel.peer)
+    staging = np.empty(pull.length, np.uint8)
+    pieces, pos = [], 0
+    for _, length, _ in reply.regions:
+        pieces.append(memoryview(staging[pos:pos + length]))
+        pos += length
+    local_copy(reply, pieces, channel.peer)
+    offs, lens = route_slice(route.dst, route.lengths, pull.offset, pull.length)
+    scatter(buf, offs, lens, staging)
+
+
+def _left(deadline: float, channel: TcpChannel) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise NetTimeoutError("read deadline passed", peer=channel.peer)
+    return left

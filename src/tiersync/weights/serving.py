@@ -1,0 +1,119 @@
+"""Serving span GETs on the one tiersync server: a trainer shard's and a relaying sampler's.
+
+:class:`SpanService` is the :class:`~tiersync.net.service.Service` of both: it answers
+``W_GET`` (:mod:`tiersync.weights.ops`) with DATA carrying the span's bytes (views of the
+holder's buffer sent without a copy, or gathered when the span is many small rows), or ERROR
+when the provider refuses (stale version, unknown tensor, not there in time, span out of
+range). Anything else goes to ``control`` (a trainer shard's registrations and acks).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable
+
+import numpy as np
+
+from tiersync.errors import TierSyncError
+from tiersync.net import events as ev
+from tiersync.net.errors import ProtocolError, ProtocolFault
+from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_hasher
+from tiersync.net.service import Service, Session
+from tiersync.weights.executor import span_view
+from tiersync.weights.ops import WEIGHTS, Get
+from tiersync.weights.spans import StridedSpan
+
+__all__ = ["Provider", "SpanService", "span_payload"]
+
+Provider = Callable[[int, str, tuple, float], tuple[np.ndarray, Callable[[], None]]]
+"""``(version, tensor, key, timeout_s) -> (flat uint8 local shard, release)`` once that tensor
+(chunk ``key`` of it, for a relay) of that version is there; ``release()`` runs once the
+answer was written (the bytes must not change before). Raises a TierSyncError to refuse."""
+
+_ROWS_SENT_AS_IOVEC = 256  # strided spans of at most this many rows of >= 64 KiB go out zero-copy
+_MAX_SUMS = 1 << 16  # cached span checksums (one version's chunks)
+
+
+def span_payload(shard: np.ndarray, span: StridedSpan) -> list[memoryview]:
+    """Byte views of ``span`` in ``shard`` (flat uint8), in C order; a gathered copy when the
+    span has many small rows. ProtocolError (OVERSIZE) when it reaches past the shard."""
+    if span.extent > shard.size:
+        raise ProtocolError("span reaches past the shard", fault=ProtocolFault.OVERSIZE,
+                            extent=span.extent, nbytes=shard.size)
+    if span.is_contiguous:
+        return [memoryview(shard[span.offset: span.offset + span.row_bytes])]
+    if span.row_count <= _ROWS_SENT_AS_IOVEC and span.row_bytes >= 64 << 10:
+        return [memoryview(shard[o: o + n]) for o, n in span.rows()]
+    return [memoryview(np.ascontiguousarray(span_view(shard, span)).reshape(-1))]
+
+
+class _Sums:
+    """Payload checksums of the newest version's spans, computed once for every receiver that
+    GETs the span (replicated samplers ask for the same ones). Sound because a version's bytes
+    never change while it is served and versions only grow. The stack sends a known sum only
+    when it is of the connection's algorithm (this build's first choice: almost always)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sums: dict[tuple, int] = {}
+        self._version = -1
+
+    def of(self, get: Get, payload: list[memoryview]) -> tuple[PayloadChecksum, int]:
+        key, algo = (get.version, get.tensor, get.span), SUPPORTED[0]
+        with self._lock:
+            known = self._sums.get(key)
+        if known is not None:
+            return algo, known
+        hasher = payload_hasher(algo)
+        for part in payload:
+            hasher.update(part)
+        value = hasher.intdigest()
+        with self._lock:
+            if get.version > self._version or len(self._sums) >= _MAX_SUMS:
+                self._sums.clear()
+                self._version = max(get.version, self._version)
+            if get.version == self._version:
+                self._sums[key] = value
+        return algo, value
+
+
+class SpanService(Service):
+    """Answers GETs from ``provider`` (waiting at most ``timeout_s`` for the bytes); other
+    messages go to ``control(session, event) -> answers``, session ends to ``ended(session)``."""
+
+    vocabulary = WEIGHTS
+
+    def __init__(self, provider: Provider, timeout_s: float,
+                 control: Callable[[Session, object], Iterable[object]] | None = None,
+                 ended: Callable[[Session], None] | None = None) -> None:
+        self._provider, self._timeout = provider, timeout_s
+        self._control, self._ended = control, ended
+        self._sums = _Sums()
+
+    def handle(self, session: Session, event: object) -> Iterable[object]:
+        if isinstance(event, Get):
+            return self._get(event)
+        if self._control is None:
+            session.close()  # a data-only server: a control message is out of place
+            return []
+        return self._control(session, event)
+
+    def closed(self, session: Session) -> None:
+        if self._ended is not None:
+            self._ended(session)
+
+    def _get(self, get: Get):
+        """DATA (written before ``release`` runs: a generator's answer is sent before the server
+        asks it for more) or ERROR."""
+        try:
+            shard, release = self._provider(get.version, get.tensor, get.key, self._timeout)
+        except TierSyncError as exc:
+            code = ev.ErrorCode.BAD_REQUEST if isinstance(exc, ValueError) else ev.ErrorCode.NOT_FOUND
+            yield ev.Error(get.request_id, code, exc.message[:512])
+            return
+        try:
+            payload = span_payload(shard, get.span)
+            yield ev.Data(get.request_id, payload, self._sums.of(get, payload))
+        except ProtocolError as exc:
+            yield ev.Error(get.request_id, ev.ErrorCode.BAD_REQUEST, exc.message[:512])
+        finally:
+            release()
