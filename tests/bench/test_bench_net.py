@@ -53,3 +53,22 @@ def test_registry_rows_carry_their_unit():
 
 def test_registry_corruption_refuses():
     assert _bench("registry", "--inject-corruption").returncode == 3
+
+
+def test_pd_rows_follow_the_contract():
+    out = _bench("pd")
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["suite"] == "pd" and rep["roundtrip"]["ok"]
+    rows = {r["name"]: r for r in rep["results"]}
+    assert set(rows) == {"pd-link-tcp", "pd-link-local"}
+    assert rows["pd-link-tcp"]["baseline"] == "raw-socket" and rows["pd-link-local"]["baseline"] == "memcpy"
+    for r in rows.values():
+        assert ROW_KEYS <= set(r) and r["gbps"] > 0 and r["roundtrip"] == "ok"
+        assert r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"], rel=1e-2)
+        assert set(rep["target"][r["name"]]) == {"min_ratio", "ratio", "met"}
+
+
+def test_pd_corruption_refuses():
+    out = _bench("pd", "--inject-corruption", "--cases", "pd-link-tcp")
+    assert out.returncode == 3 and json.loads(out.stdout)["refused"] is True
