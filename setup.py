@@ -11,4 +11,7 @@ kernel = Extension("tiersync.transfer._kernel", sources=["src/tiersync/transfer/
                    depends=["src/tiersync/transfer/tsum64.h"], extra_compile_args=["-O3", "-std=c11"], optional=_OPTIONAL)
 wire = Extension("tiersync.net._wire", sources=["src/tiersync/net/_wire.c"],
                  depends=["src/tiersync/transfer/tsum64.h"], extra_compile_args=["-O3", "-std=gnu11"], optional=_OPTIONAL)
-setup(ext_modules=[kernel, wire])
+same_host = Extension("tiersync.net._local", sources=["src/tiersync/net/_local.c"],
+                      depends=["src/tiersync/transfer/tsum64.h"], extra_compile_args=["-O3", "-std=gnu11", "-pthread"],
+                      extra_link_args=["-pthread"], optional=_OPTIONAL)
+setup(ext_modules=[kernel, wire, same_host])

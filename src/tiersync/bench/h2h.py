@@ -126,10 +126,12 @@ class _Ours:
 
     def __init__(self, address: str, size: int, n: int, streams: int, window: int = 1) -> None:
         from tiersync.net import events as ev
-        from tiersync.net.tcp import TcpTransport
+        from tiersync.net.config import Route
+        from tiersync.net.tcp import TcpConfig, TcpTransport
 
         self._ev, self.size, self.window = ev, size, window
-        transport = getattr(self, "_transport", None) or TcpTransport()
+        # the socket rows use the socket even though the server is on this host (route AUTO would not)
+        transport = getattr(self, "_transport", None) or TcpTransport(TcpConfig(route=Route.TCP))
         self.channels = [transport.connect(address) for _ in range(streams)]
         self.keys = [_key(size, i) for i in range(n)]
         ch = self.channels[0]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
 
 from tiersync.errors import UsageError, check_positive_int
@@ -28,7 +29,9 @@ class DisaggConfig:
     ``chunk_bytes``: largest piece of a layer one pull moves (<= ``protocol.max_frame_size``);
     ``window``: pulls a consumer keeps in flight per connection. ``protocol``: frame bounds
     (:class:`~tiersync.net.frames.ProtocolConfig`). ``workers``: the producer's pool answering
-    pulls (a pull for a layer not yet ready holds a worker). Raises UsageError naming the field.
+    pulls (a pull for a layer not yet ready holds a worker). ``local_threads``: threads a
+    same-host read copies with and a producer checksums with (default: up to 4 of the cores this
+    process may use). Raises UsageError naming the field.
     """
 
     timeout_s: float = 120.0
@@ -43,6 +46,7 @@ class DisaggConfig:
     window: int = 8
     workers: int = 64
     max_connections: int = 4096
+    local_threads: int = field(default_factory=lambda: min(4, len(os.sched_getaffinity(0))))
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
 
     def __post_init__(self) -> None:
@@ -51,7 +55,8 @@ class DisaggConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise UsageError("must be > 0 seconds", argument=name, value=value)
         object.__setattr__(self, "token", coerce_token(self.token, "token"))
-        for name in ("chunk_bytes", "sndbuf", "rcvbuf", "backlog", "window", "workers", "max_connections"):
+        for name in ("chunk_bytes", "sndbuf", "rcvbuf", "backlog", "window", "workers", "max_connections",
+                     "local_threads"):
             check_positive_int(getattr(self, name), name)
         if self.tls is not None and not isinstance(self.tls, TlsConfig):
             raise UsageError("must be a TlsConfig or None", argument="tls")
@@ -75,7 +80,7 @@ class DisaggConfig:
                          op_timeout_s=self.timeout_s + self.connect_timeout_s + 5.0, token=self.token,
                          tls=self.tls, node_id="tiersync-kv-producer" if server else "tiersync-kv-consumer",
                          backlog=self.backlog, max_connections=self.max_connections, workers=self.workers,
-                         route=self.route, protocol=self.protocol)
+                         route=self.route, local_threads=self.local_threads, protocol=self.protocol)
 
 
 class RequestState(enum.Enum):

@@ -25,7 +25,6 @@ from tiersync.errors import RemoteError
 from tiersync.net import events as ev
 from tiersync.net.errors import NetTimeoutError, ProtocolError, ProtocolFault
 from tiersync.net.local import LocalReadError
-from tiersync.net.samehost import local_copy
 from tiersync.net.tcp import TcpChannel
 
 __all__ = ["pull_route"]
@@ -130,13 +129,13 @@ def _verified_copy(channel: TcpChannel, reply: object, route: _Route, buf: np.nd
         raise ProtocolError("LOCAL_REPLY does not cover the pull", fault=ProtocolFault.MALFORMED, peer=channel.peer)
     dests = route.dests(buf, pull.offset, pull.length)
     if [len(d) for d in dests] == [r[1] for r in reply.regions]:
-        return local_copy(reply, dests, channel.peer)
+        return channel.local_copy(reply, dests)
     staging = np.empty(pull.length, np.uint8)
     pieces, pos = [], 0
     for _, length, _ in reply.regions:
         pieces.append(memoryview(staging[pos:pos + length]))
         pos += length
-    local_copy(reply, pieces, channel.peer)
+    channel.local_copy(reply, pieces)
     offs, lens = route_slice(route.dst, route.lengths, pull.offset, pull.length)
     scatter(buf, offs, lens, staging)
 

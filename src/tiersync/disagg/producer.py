@@ -40,7 +40,7 @@ from tiersync.disagg.spanio import byte_view, gather, route_slice
 from tiersync.errors import ClosedError, UsageError, check_positive_int
 from tiersync.net import events as ev
 from tiersync.net import local
-from tiersync.net.frames import SUPPORTED, payload_checksum
+from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 from tiersync.net.server import TcpServer
 from tiersync.net.service import Service, Session
 
@@ -390,15 +390,17 @@ class KVProducer(Service):
             raise _Refused(Code.UNSUPPORTED, "KV_PULL_LOCAL from another host")
         view, offs, lens = self._spans(route, event.n, event.offset, event.length)
         algo = SUPPORTED[0]
-        if lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= _ZERO_COPY_AVG:
-            base = local.buffer_address(view)[0]
-            regions = tuple((base + o, n, payload_checksum(algo, view[o:o + n]))
-                            for o, n in zip(offs.tolist(), lens.tolist()))
-        else:
+        if not (lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= _ZERO_COPY_AVG):
             route.local_pulls += 1  # two buffers in turn: the reader keeps at most two pulls in flight
-            part = gather(view, offs, lens, out=self._staging_of(session, event.length, route.local_pulls % 2))
-            regions = ((local.buffer_address(part)[0], part.size, payload_checksum(algo, part)),)
-        return ev.LocalReply(event.request_id, os.getpid(), algo, regions)
+            view = gather(view, offs, lens, out=self._staging_of(session, event.length, route.local_pulls % 2))
+            offs, lens = np.zeros(1, np.int64), np.array([view.size], np.int64)
+        if algo is PayloadChecksum.TSUM64:
+            sums = local.sum_ranges(view, offs, lens, self.config.local_threads)
+        else:
+            sums = [payload_checksum(algo, view[o:o + n]) for o, n in zip(offs.tolist(), lens.tolist())]
+        base = local.buffer_address(view)[0]
+        return ev.LocalReply(event.request_id, os.getpid(), algo,
+                             tuple(zip((base + offs).tolist(), lens.tolist(), sums)))
 
     def _done(self, session: Session, route: _Route, event: KvDone) -> ev.CommitReply:
         with self._cond:

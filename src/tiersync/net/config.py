@@ -81,8 +81,9 @@ class TcpConfig:
     connect plus handshake (a server closes a connection that has not finished its
     handshake by then), ``op_timeout_s`` one request. ``max_connections``: a server's cap on
     open connections (more are answered ERROR(CAPACITY) and closed); ``workers``: the
-    server's pool running requests. ``route``: see :class:`Route`. Raises UsageError naming
-    the field.
+    server's pool running requests. ``route``: see :class:`Route`; ``local_threads``: threads
+    copying one same-host read (default: up to 4 of the cores this process may use). Raises
+    UsageError naming the field.
     """
 
     sndbuf: int = 16 << 20
@@ -98,10 +99,12 @@ class TcpConfig:
     max_connections: int = 4096
     workers: int = 32
     route: Route = Route.AUTO
+    local_threads: int = field(default_factory=lambda: min(4, len(os.sched_getaffinity(0))))
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
 
     def __post_init__(self) -> None:
-        for name in ("sndbuf", "rcvbuf", "recv_chunk", "backlog", "max_connections", "workers"):
+        for name in ("sndbuf", "rcvbuf", "recv_chunk", "backlog", "max_connections", "workers",
+                     "local_threads"):
             check_positive_int(getattr(self, name), name)
         for name in ("connect_timeout_s", "op_timeout_s"):
             value = getattr(self, name)

@@ -17,7 +17,7 @@ from tiersync.errors import UsageError
 from tiersync.net.codec import KEY_SIZE, MetaReader, MetaWriter
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.fields import (CommitStatus, ErrorCode, LeaseStatus, OfferStatus, check_bytes, check_enum,
-                                 check_keys, check_text, check_u64, check_u64s)
+                                 check_keys, check_text, check_rows, check_u64, check_u64s)
 from tiersync.net.frames import SUPPORTED, Op, PayloadChecksum, ProtocolConfig
 from tiersync.net.vocab import Vocabulary
 
@@ -364,12 +364,9 @@ class Data:
 def _check_items(name: str, items: object) -> None:
     if not isinstance(items, tuple) or not items:
         raise UsageError("must be a non-empty tuple of (key, offset, length)", argument=name)
-    for item in items:
-        if not isinstance(item, tuple) or len(item) != 3:
-            raise UsageError("must be a non-empty tuple of (key, offset, length)", argument=name)
-        check_bytes(name, item[0], (KEY_SIZE,))
-        check_u64(name, item[1])
-        check_u64(name, item[2])
+    check_rows(name, items, (bytes, int, int))
+    if any(len(item[0]) != KEY_SIZE for item in items):
+        raise UsageError(f"keys must be {KEY_SIZE} bytes", argument=name)
 
 
 def _write_items(w: MetaWriter, items: tuple) -> MetaWriter:
@@ -445,11 +442,7 @@ class LocalReply:
         check_u64("request_id", self.request_id)
         check_u64("pid", self.pid)
         check_enum("algo", self.algo, PayloadChecksum)
-        if not isinstance(self.regions, tuple) or any(
-                not isinstance(g, tuple) or len(g) != 3 for g in self.regions):
-            raise UsageError("must be a tuple of (address, length, checksum)", argument="regions")
-        for g in self.regions:
-            check_u64s("regions", g)
+        check_rows("regions", self.regions, (int, int, int))
 
     def meta(self) -> bytes:
         w = MetaWriter().u64(self.pid).u8(self.algo).u32(len(self.regions))

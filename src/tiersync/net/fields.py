@@ -68,6 +68,19 @@ def check_u64s(name: str, values: object) -> None:
         check_u64(name, v)
 
 
+def check_rows(name: str, rows: object, kinds: tuple[type, ...]) -> None:
+    """``rows``: a tuple of tuples shaped like ``kinds`` (``int`` fields in [0, 2**64), ``bytes``
+    fields any length, checked by the caller), one pass per column instead of per field."""
+    if not isinstance(rows, tuple) or any(type(r) is not tuple or len(r) != len(kinds) for r in rows):
+        raise UsageError(f"must be a tuple of {len(kinds)}-tuples", argument=name)
+    for i, kind in enumerate(kinds):
+        column = [r[i] for r in rows]
+        if any(type(v) is not kind for v in column):
+            raise UsageError(f"field {i} must be {kind.__name__}", argument=name)
+        if kind is int and column and (min(column) < 0 or max(column) > _U64_MAX):
+            raise UsageError(f"field {i} must be in [0, 2**64)", argument=name)
+
+
 def check_enum(name: str, v: object, kind: type[enum.IntEnum]) -> None:
     if not isinstance(v, kind):
         raise UsageError(f"must be a {kind.__name__}", argument=name, value=v)

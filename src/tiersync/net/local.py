@@ -14,15 +14,14 @@ import errno
 import functools
 import os
 import secrets
-from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from tiersync.errors import RemoteError, UsageError
 
 __all__ = ["LocalReadError", "allow_readers", "buffer_address", "can_read", "host_identity", "read_remote",
-           "read_remote_chunks"]
+           "read_summed"]
 
 IOV_MAX = 1024
 _PR_SET_PTRACER = 0x59616D61
@@ -33,6 +32,10 @@ _readv = getattr(_libc, "process_vm_readv", None)
 if _readv is not None:
     _readv.restype = ctypes.c_ssize_t
     _readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+try:
+    from tiersync.net import _local as _native
+except ImportError:  # pragma: no cover - built without a compiler: read_remote + a second pass
+    _native = None
 
 
 class LocalReadError(RemoteError):
@@ -63,6 +66,8 @@ def buffer_address(buf: object) -> tuple[int, int]:
         raise UsageError("must be C-contiguous", argument="buffer")
     if view.nbytes == 0:
         return 0, 0
+    if _native is not None:
+        return _native.address(view), view.nbytes
     return int(np.frombuffer(view.cast("B"), np.uint8).ctypes.data), view.nbytes
 
 
@@ -138,75 +143,31 @@ def _copy(pid: int, src: np.ndarray, dst: np.ndarray) -> None:
         src, dst = _advance(src, got), _advance(dst, got)
 
 
-def read_remote_chunks(pid: int, remote: Sequence[tuple[int, int]], local: Sequence[memoryview], *,
-                       piece: int = 4 << 20, on_piece: Callable[[memoryview], None] | None = None) -> None:
-    """:func:`read_remote` in pieces of about ``piece`` bytes; ``on_piece(view)`` is called with
-    each landed piece of a local buffer (in local order, every byte once, a piece never
-    spanning two buffers), e.g. to checksum it while it is in cache. With ``on_piece`` the
-    next group of pieces is copied on a helper thread while the caller's thread handles the
-    last one (both GIL-free), so summing costs no extra pass of wall time."""
-    views = [memoryview(b).cast("B") for b in local]
-    src = _iovecs(remote)
-    total = sum(len(v) for v in views)
-    if int(src["len"].sum()) != total:
-        raise UsageError("local buffers must hold exactly the remote bytes", argument="local",
-                         remote=int(src["len"].sum()), local=total)
-    jobs = []
-    for group, size in _groups(views, piece):
-        head, src = _split(src, size)
-        jobs.append((head, group))
-    if on_piece is None or len(jobs) < 2:
-        for head, group in jobs:
-            _copy(pid, head, _iovecs([_writable_address(p) for p in group]))
-            for p in group if on_piece is not None else ():
-                on_piece(p)
-        return
-    _pipelined(pid, jobs, on_piece)
+def read_summed(pid: int, remote: Sequence[tuple[int, int]], local: Sequence[memoryview], threads: int) -> list[int] | None:
+    """:func:`read_remote` range by range (``local[i]`` exactly as long as ``remote[i]``) on up to
+    ``threads`` threads, returning the tsum64 of each landed range, summed while in cache
+    (native ``_local``). None when the native reader is not built (nothing was copied)."""
+    if _native is None:
+        return None
+    if len(remote) != len(local):
+        raise UsageError("one local buffer per remote range", argument="local")
+    pairs = np.array(remote, dtype=np.uint64).reshape(-1, 2) if len(remote) else np.zeros((0, 2), np.uint64)
+    try:
+        return list(_native.read_summed(pid, pairs.tobytes(), list(local), threads))
+    except ValueError as exc:
+        raise UsageError(str(exc), argument="local") from None
+    except OSError as exc:
+        raise LocalReadError(f"process_vm_readv failed: {os.strerror(exc.errno or 0)}", pid=pid,
+                             errno=errno.errorcode.get(exc.errno or 0, exc.errno)) from None
 
 
-def _groups(views: list[memoryview], piece: int):
-    """Consecutive pieces of at most ``piece`` bytes, grouped up to ``piece`` bytes / IOV_MAX."""
-    group: list[memoryview] = []
-    size = 0
-    for view in views:
-        for off in range(0, len(view), piece):
-            group.append(view[off:off + piece])
-            size += len(group[-1])
-            if size >= piece or len(group) == IOV_MAX:
-                yield group, size
-                group, size = [], 0
-    if group:
-        yield group, size
+def sum_ranges(buf: np.ndarray, offsets: Sequence[int], lengths: Sequence[int], threads: int = 1) -> list[int]:
+    """tsum64 of each ``(offset, length)`` range of the uint8 array ``buf`` in one GIL-free call
+    on up to ``threads`` threads (what a same-host source sends with a LOCAL_REPLY); a Python
+    loop where the native reader is not built."""
+    if _native is None:
+        from tiersync.transfer import kernel
 
-
-def _split(src: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The first ``size`` bytes of ``src`` as iovecs, and the rest."""
-    ends = np.cumsum(src["len"], dtype=np.uint64)
-    k = int(np.searchsorted(ends, size, side="left")) + 1
-    head = src[:k].copy()
-    over = int(ends[k - 1]) - size
-    if over:
-        head["len"][-1] -= over
-    return head, _advance(src, size)
-
-
-def _pipelined(pid: int, jobs: list, on_piece: Callable[[memoryview], None]) -> None:
-    pool = _copier()
-    pending = pool.submit(_copy, pid, jobs[0][0], _iovecs([_writable_address(p) for p in jobs[0][1]]))
-    for i, (_, group) in enumerate(jobs):
-        pending.result()
-        if i + 1 < len(jobs):
-            head, nxt = jobs[i + 1]
-            pending = pool.submit(_copy, pid, head, _iovecs([_writable_address(p) for p in nxt]))
-        try:
-            for p in group:
-                on_piece(p)
-        except BaseException:
-            if i + 1 < len(jobs):  # never leave a copy running into the caller's buffers
-                wait([pending])
-            raise
-
-
-@functools.cache
-def _copier() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(1, thread_name_prefix="tiersync-local-copy")
+        return [kernel.tsum64(buf[o:o + n]) for o, n in zip(offsets, lengths)]
+    pairs = np.stack([np.asarray(offsets, np.uint64), np.asarray(lengths, np.uint64)], axis=1)
+    return list(_native.sum_ranges(buf, pairs.tobytes(), threads))

@@ -37,6 +37,7 @@ _BROKEN = (PeerClosedError, ProtocolError, NetTimeoutError, AuthError)
 _GROUP_BYTES = 1 << 20  # pulls smaller than this are grouped into one PULL_MANY ...
 _GROUP_LIMIT = 4 << 20  # ... of about this size
 _GROUP_ITEMS = 64
+_LOCAL_GROUP = 32 << 20  # bytes per PULL_LOCAL: two in flight, one copied while the next is looked up
 
 class TcpChannel(Channel):
     """Client side of one TCP connection. Use :meth:`TcpTransport.connect` to build."""
@@ -200,21 +201,33 @@ class TcpChannel(Channel):
 
     def _pull_local(self, lease_id: int, items, timeout: float | None) -> None:
         """PULL_LOCAL, then copy every range out of the server's memory (``process_vm_readv``)
-        and verify it against the checksum the server sent; on a refused read (permissions,
-        another pid namespace) route AUTO falls back to TCP for good, route LOCAL raises."""
+        and verify it against the checksum the server sent; groups of about _LOCAL_GROUP bytes,
+        the next one asked for before this one is copied (the server's lookups and checksums
+        overlap the copy). On a refused read (permissions, another pid namespace) route AUTO
+        falls back to TCP for good, route LOCAL raises."""
         checked = [(key, offset, _writable(dest)) for key, offset, dest in items]
         deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
-        limit = self._framed.cfg.protocol.max_keys
-        for start in range(0, len(checked), limit):
-            group = checked[start:start + limit]
-            req = ev.PullLocal(self.new_request_id(), lease_id, tuple((k, o, len(v)) for k, o, v in group))
-            reply = self.request(req, timeout=deadline.remaining())
+        groups = list(_local_groups(checked, self._framed.cfg.protocol.max_keys))
+        asked = []
+        for i, group in enumerate(groups):
+            while len(asked) < min(i + 2, len(groups)):
+                req = ev.PullLocal(self.new_request_id(), lease_id, tuple((k, o, len(v)) for k, o, v in groups[len(asked)]))
+                self.send(req, timeout=deadline.remaining())
+                asked.append(req.request_id)
+            reply = self.next_answer(asked[i], timeout=deadline.remaining())
             try:
-                local_copy(reply, [v for _, _, v in group], self.peer)
+                self.local_copy(reply, [v for _, _, v in group])
             except LocalReadError as exc:
+                for rid in asked[i + 1:]:  # answers still in flight
+                    self.next_answer(rid, timeout=deadline.remaining())
                 self.local_refused(exc)
-                return self.pull_many(lease_id, checked[start:], timeout=deadline.remaining())
+                return self.pull_many(lease_id, [x for g in groups[i:] for x in g], timeout=deadline.remaining())
         return None
+
+    def local_copy(self, reply: object, dests: list[memoryview]) -> None:
+        """Land a LOCAL_REPLY's regions in ``dests``, verified (:func:`~tiersync.net.samehost.local_copy`
+        on this channel's ``local_threads``)."""
+        local_copy(reply, dests, self.peer, self._framed.cfg.local_threads)
 
     def local_refused(self, exc: LocalReadError) -> None:
         """A same-host read was refused (permissions, another pid namespace): route AUTO uses
@@ -329,6 +342,19 @@ class TcpTransport(Transport):
 
     def serve(self, address: str, service: Service) -> Server:
         return TcpServer(address, service, self.config)
+
+
+def _local_groups(items: list, max_keys: int):
+    """Consecutive items of about _LOCAL_GROUP bytes (at most ``max_keys``) each."""
+    group, size = [], 0
+    for item in items:
+        group.append(item)
+        size += len(item[2])
+        if size >= _LOCAL_GROUP or len(group) == max_keys:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
 
 
 def _writable(dest: object) -> memoryview:

@@ -1,0 +1,315 @@
+/* Native same-host reader (tiersync.net._local): verified process_vm_readv, in parallel.
+ *
+ * read_summed(pid, remote, dests, threads) -> tuple of tsum64, one per destination
+ *   remote: a buffer of 2 * len(dests) native uint64 (address, length) pairs, the ranges of
+ *   process `pid` to copy; dests: writable C-contiguous buffers, dests[i] exactly as long as
+ *   range i. Copies every range into its destination with process_vm_readv and returns the
+ *   tsum64 of each destination's bytes as they landed (the caller compares them with the
+ *   checksums the source sent: a range that changed or was mis-described never verifies).
+ *   OSError with the kernel's errno when a copy is refused or comes up short (EFAULT).
+ *
+ * How: every range is cut into segments of PIECE bytes (a multiple of 64, so each segment
+ *   starts on a tsum64 stripe); consecutive segments up to PIECE bytes form a unit, one
+ *   process_vm_readv. Up to `threads` threads (the caller's included, GIL released) take units
+ *   in turn, copy one and sum each of its segments from zero while the bytes are in cache.
+ *   tsum64's sums are a Fletcher pair, so a range's sum is the ordered combination of its
+ *   segments' partial sums: from (S1, S2), a segment of m stripes with partial sums (p1, p2)
+ *   gives S2 += m * S1 + p2; S1 += p1 (u64 arithmetic), then the usual digest. The result
+ *   is bit-identical to tsum64 over the whole range (tests compare them).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sys/uio.h>
+#include "../transfer/tsum64.h"
+
+#define PIECE (256 << 10)
+#define UNIT_IOV 256
+#define MAX_THREADS 16
+#define BYTES_PER_THREAD (2u << 20) /* less work than this per extra thread is not worth one */
+
+typedef struct {
+    uint64_t raddr;
+    unsigned char *dst;
+    uint64_t len;
+    uint64_t s1[8], s2[8], stripes;
+} segment;
+
+typedef struct {
+    int pid;
+    segment *segs;
+    size_t *units; /* unit u covers segs[units[u] .. units[u + 1]) */
+    size_t nunits;
+    atomic_size_t next;
+    atomic_int err;
+} task;
+
+/* One unit's ranges, all of them, with as many calls as the kernel needs. 0 or an errno. */
+static int copy_unit(int pid, segment *s, size_t n) {
+    struct iovec lv[UNIT_IOV], rv[UNIT_IOV];
+    for (size_t i = 0; i < n; i++) {
+        lv[i] = (struct iovec){s[i].dst, s[i].len};
+        rv[i] = (struct iovec){(void *)(uintptr_t)s[i].raddr, s[i].len};
+    }
+    size_t first = 0;
+    while (first < n) {
+        ssize_t got = process_vm_readv(pid, lv + first, n - first, rv + first, n - first, 0);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return errno;
+        if (got == 0) return EFAULT;
+        while (first < n && (size_t)got >= lv[first].iov_len) {
+            got -= (ssize_t)lv[first].iov_len;
+            first++;
+        }
+        if (first < n && got > 0) { /* a partial range: the rest of it, in both vectors */
+            lv[first].iov_base = (char *)lv[first].iov_base + got;
+            lv[first].iov_len -= (size_t)got;
+            rv[first].iov_base = (char *)rv[first].iov_base + got;
+            rv[first].iov_len -= (size_t)got;
+        }
+    }
+    return 0;
+}
+
+/* Partial tsum64 sums of one segment from zero (a final partial stripe zero-padded, as the
+ * digest does: only a range's last segment can have one). */
+static void sum_segment(segment *s) {
+    memset(s->s1, 0, sizeof s->s1);
+    memset(s->s2, 0, sizeof s->s2);
+    size_t whole = (size_t)s->len & ~(size_t)63;
+    ts_stripes(s->s1, s->s2, s->dst, whole);
+    if (whole < s->len) {
+        unsigned char last[64] = {0};
+        memcpy(last, s->dst + whole, (size_t)s->len - whole);
+        ts_stripes(s->s1, s->s2, last, 64);
+    }
+    s->stripes = (s->len + 63) / 64;
+}
+
+static void *worker(void *arg) {
+    task *t = arg;
+    for (;;) {
+        size_t u = atomic_fetch_add(&t->next, 1);
+        if (u >= t->nunits || atomic_load(&t->err)) break;
+        size_t a = t->units[u], b = t->units[u + 1];
+        int err = copy_unit(t->pid, t->segs + a, b - a);
+        if (err) {
+            int none = 0;
+            atomic_compare_exchange_strong(&t->err, &none, err);
+            break;
+        }
+        for (size_t i = a; i < b; i++) sum_segment(&t->segs[i]);
+    }
+    return NULL;
+}
+
+/* Segments and units for `count` ranges; returns the number of segments (units in *nunits). */
+static size_t plan(const uint64_t *remote, Py_buffer *dests, Py_ssize_t count, segment *segs, size_t *units,
+                   size_t *nunits) {
+    size_t ns = 0, nu = 0, unit_bytes = 0;
+    for (Py_ssize_t r = 0; r < count; r++) {
+        for (uint64_t off = 0; off < remote[2 * r + 1]; off += PIECE) {
+            uint64_t len = remote[2 * r + 1] - off < PIECE ? remote[2 * r + 1] - off : PIECE;
+            if (ns == 0 || unit_bytes >= PIECE || ns - units[nu - 1] == UNIT_IOV) {
+                units[nu++] = ns;
+                unit_bytes = 0;
+            }
+            segs[ns++] = (segment){.raddr = remote[2 * r] + off, .dst = (unsigned char *)dests[r].buf + off, .len = len};
+            unit_bytes += len;
+        }
+    }
+    units[nu] = ns;
+    *nunits = nu;
+    return ns;
+}
+
+/* Run the task on up to `threads` threads (this one included). */
+static void run(task *t, size_t threads, void *(*fn)(void *)) {
+    pthread_t ids[MAX_THREADS];
+    size_t started = 0;
+    for (size_t i = 1; i < threads; i++) {
+        if (pthread_create(&ids[started], NULL, fn, t) != 0) break;
+        started++;
+    }
+    fn(t);
+    for (size_t i = 0; i < started; i++) pthread_join(ids[i], NULL);
+}
+
+static uint64_t digest(const segment *s, size_t n, uint64_t total) {
+    ts_state st;
+    ts_init(&st, 0);
+    for (size_t i = 0; i < n; i++) {
+        for (int k = 0; k < 8; k++) {
+            st.s2[k] += s[i].stripes * st.s1[k] + s[i].s2[k];
+            st.s1[k] += s[i].s1[k];
+        }
+    }
+    st.total = total;
+    return ts_digest(&st);
+}
+
+static void release(Py_buffer *views, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+}
+
+/* Destination buffers, each writable, contiguous and exactly as long as its range. */
+static Py_buffer *get_dests(PyObject *dests, const uint64_t *remote, uint64_t *total, size_t *nsegs) {
+    Py_ssize_t count = PyList_GET_SIZE(dests);
+    Py_buffer *views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
+    if (views == NULL) return (Py_buffer *)PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(dests, i), &views[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            release(views, i);
+            return NULL;
+        }
+        if ((uint64_t)views[i].len != remote[2 * i + 1]) {
+            release(views, i + 1);
+            PyErr_Format(PyExc_ValueError, "dests[%zd] holds %zd bytes, its range %llu", i, views[i].len,
+                         (unsigned long long)remote[2 * i + 1]);
+            return NULL;
+        }
+        *total += remote[2 * i + 1];
+        *nsegs += (size_t)((remote[2 * i + 1] + PIECE - 1) / PIECE);
+    }
+    return views;
+}
+
+static PyObject *sums_of(const segment *segs, const uint64_t *remote, Py_ssize_t count) {
+    PyObject *out = PyTuple_New(count);
+    size_t at = 0;
+    for (Py_ssize_t r = 0; out != NULL && r < count; r++) {
+        size_t n = (size_t)((remote[2 * r + 1] + PIECE - 1) / PIECE);
+        PyObject *v = PyLong_FromUnsignedLongLong(digest(segs + at, n, remote[2 * r + 1]));
+        if (v == NULL) Py_CLEAR(out);
+        else PyTuple_SET_ITEM(out, r, v);
+        at += n;
+    }
+    return out;
+}
+
+static PyObject *read_summed(PyObject *self, PyObject *args) {
+    int pid, threads;
+    Py_buffer rv;
+    PyObject *dests;
+    if (!PyArg_ParseTuple(args, "iy*O!i", &pid, &rv, &PyList_Type, &dests, &threads)) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(dests);
+    if (rv.len != count * 16 || threads < 1) {
+        PyBuffer_Release(&rv);
+        PyErr_SetString(PyExc_ValueError, "remote must hold one (address, length) uint64 pair per dest; threads >= 1");
+        return NULL;
+    }
+    const uint64_t *remote = rv.buf;
+    uint64_t total = 0;
+    size_t nsegs = 0, nunits = 0;
+    Py_buffer *views = get_dests(dests, remote, &total, &nsegs);
+    segment *segs = views ? PyMem_Calloc(nsegs + 1, sizeof(segment)) : NULL;
+    size_t *units = segs ? PyMem_Calloc(nsegs + 2, sizeof(size_t)) : NULL;
+    PyObject *out = NULL;
+    if (units == NULL) {
+        if (views && !PyErr_Occurred()) PyErr_NoMemory();
+        goto done;
+    }
+    plan(remote, views, count, segs, units, &nunits);
+    task t = {.pid = pid, .segs = segs, .units = units, .nunits = nunits};
+    size_t want = 1 + (size_t)(total / BYTES_PER_THREAD);
+    if (want > (size_t)threads) want = (size_t)threads;
+    if (want > MAX_THREADS) want = MAX_THREADS;
+    Py_BEGIN_ALLOW_THREADS
+    run(&t, want, worker);
+    Py_END_ALLOW_THREADS
+    if (atomic_load(&t.err)) {
+        errno = atomic_load(&t.err);
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        out = sums_of(segs, remote, count);
+    }
+done:
+    PyMem_Free(units);
+    PyMem_Free(segs);
+    if (views) release(views, count);
+    PyBuffer_Release(&rv);
+    return out;
+}
+
+/* sum_ranges(buffer, ranges, threads) -> tsum64 of each (offset, length) range of buffer, the
+ * ranges cut into segments summed on up to `threads` threads and combined as read_summed's are
+ * (a source checksums what it is about to offer without a Python call per range). */
+static void *sum_worker(void *arg) {
+    task *t = arg;
+    for (;;) {
+        size_t u = atomic_fetch_add(&t->next, 1);
+        if (u >= t->nunits) break;
+        for (size_t i = t->units[u]; i < t->units[u + 1]; i++) sum_segment(&t->segs[i]);
+    }
+    return NULL;
+}
+
+static PyObject *sum_ranges(PyObject *self, PyObject *args) {
+    Py_buffer bv, rv;
+    int threads;
+    if (!PyArg_ParseTuple(args, "y*y*i", &bv, &rv, &threads)) return NULL;
+    Py_ssize_t count = rv.len / 16;
+    uint64_t *pairs = PyMem_Calloc((size_t)count * 2 + 2, sizeof(uint64_t));
+    Py_buffer *views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
+    size_t nsegs = 0, nunits = 0;
+    PyObject *out = NULL;
+    int bad = rv.len % 16 != 0 || threads < 1;
+    for (Py_ssize_t r = 0; pairs && !bad && r < count; r++) {
+        uint64_t off = ((const uint64_t *)rv.buf)[2 * r], len = ((const uint64_t *)rv.buf)[2 * r + 1];
+        bad = off > (uint64_t)bv.len || len > (uint64_t)bv.len - off;
+        pairs[2 * r] = 0, pairs[2 * r + 1] = len;
+        views[r].buf = (char *)bv.buf + off, views[r].len = (Py_ssize_t)len;
+        nsegs += (size_t)((len + PIECE - 1) / PIECE);
+    }
+    segment *segs = pairs && views && !bad ? PyMem_Calloc(nsegs + 1, sizeof(segment)) : NULL;
+    size_t *units = segs ? PyMem_Calloc(nsegs + 2, sizeof(size_t)) : NULL;
+    if (units == NULL) {
+        if (bad) PyErr_SetString(PyExc_ValueError, "ranges must be (offset, length) uint64 pairs inside the buffer");
+        else PyErr_NoMemory();
+        goto done;
+    }
+    plan(pairs, views, count, segs, units, &nunits);
+    task t = {.segs = segs, .units = units, .nunits = nunits};
+    size_t want = 1 + (size_t)(bv.len / BYTES_PER_THREAD);
+    if (want > (size_t)threads) want = (size_t)threads;
+    if (want > MAX_THREADS) want = MAX_THREADS;
+    Py_BEGIN_ALLOW_THREADS
+    run(&t, want, sum_worker);
+    Py_END_ALLOW_THREADS
+    out = sums_of(segs, pairs, count);
+done:
+    PyMem_Free(units);
+    PyMem_Free(segs);
+    PyMem_Free(views);
+    PyMem_Free(pairs);
+    PyBuffer_Release(&rv);
+    PyBuffer_Release(&bv);
+    return out;
+}
+
+/* The address of a contiguous buffer (read-only ones too): what a reader's iovec names. */
+static PyObject *address(PyObject *self, PyObject *obj) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(obj, &v, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    PyObject *out = PyLong_FromVoidPtr(v.len ? v.buf : NULL);
+    PyBuffer_Release(&v);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"address", address, METH_O, "address(buffer) -> int: where a C-contiguous buffer's bytes start."},
+    {"sum_ranges", sum_ranges, METH_VARARGS, "sum_ranges(buffer, ranges, threads) -> tsum64 of each range."},
+    {"read_summed", read_summed, METH_VARARGS,
+     "read_summed(pid, remote, dests, threads) -> tsum64 of each landed range (see the module comment)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_local", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__local(void) {
+    ts_pick();
+    return PyModule_Create(&module);
+}
