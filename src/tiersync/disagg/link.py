@@ -70,17 +70,22 @@ def pull_route(channel: TcpChannel, read: ReadRequest, spans: np.ndarray, num_la
 
 def _layers(channel: TcpChannel, num_layers: int, route: _Route, total: int, deadline: float, config: DisaggConfig,
             buffer: Buffer, landed: Landed) -> None:
-    seen: set[int] = set()
-    for n in range(num_layers):
-        answer = channel.request(KvNext(channel.new_request_id(), n), timeout=_left(deadline, channel))
-        layer = answer.layer if isinstance(answer, KvLayer) else -1
-        if not 0 <= layer < num_layers or layer in seen:
-            raise ProtocolError("unexpected layer", fault=ProtocolFault.UNEXPECTED, peer=channel.peer, layer=layer)
-        seen.add(layer)
-        buf = buffer(layer)
-        if not (channel.local_route() and _copy_local(channel, n, route, buf, total, deadline, config)):
-            _pull_tcp(channel, n, route, buf, total, deadline, config)
-        landed(layer)
+    told: list[int] = []  # layer ids in the order KV_NEXT named them
+    done = _copy_local(channel, num_layers, route, total, deadline, config, buffer, landed, told) \
+        if channel.local_route() else 0
+    for n in range(done, num_layers):  # over TCP: every layer, or those left when a same-host read was refused
+        if n == len(told):
+            _told(channel, channel.request(KvNext(channel.new_request_id(), n), timeout=_left(deadline, channel)),
+                  told, num_layers)
+        _pull_tcp(channel, n, route, buffer(told[n]), total, deadline, config)
+        landed(told[n])
+
+
+def _told(channel: TcpChannel, answer: object, told: list[int], num_layers: int) -> None:
+    layer = answer.layer if isinstance(answer, KvLayer) else -1
+    if not 0 <= layer < num_layers or layer in told:
+        raise ProtocolError("unexpected layer", fault=ProtocolFault.UNEXPECTED, peer=channel.peer, layer=layer)
+    told.append(layer)
 
 
 def _pieces(total: int, chunk: int) -> list[tuple[int, int]]:
@@ -96,40 +101,56 @@ def _pull_tcp(channel: TcpChannel, n: int, route: _Route, buf: np.ndarray, total
     channel.pipeline(pulls, window=config.window, timeout=_left(deadline, channel))
 
 
-def _copy_local(channel: TcpChannel, n: int, route: _Route, buf: np.ndarray, total: int, deadline: float,
-                config: DisaggConfig) -> bool:
-    """Copy the layer out of the producer's memory, two pulls in flight (the producer sums the
-    next piece while this one is copied; a piece it gathered stays in one of two buffers it
-    alternates). False when the copy was refused and route AUTO falls back to TCP (raises
-    for route LOCAL)."""
-    pulls = [KvPullLocal(channel.new_request_id(), n, off, size) for off, size in _pieces(total, config.chunk_bytes)]
-    for pull in pulls[:_LOCAL_WINDOW]:
-        channel.send(pull, timeout=_left(deadline, channel))
-    for i, pull in enumerate(pulls):
-        reply = channel.next_answer(pull.request_id, timeout=_left(deadline, channel))
+def _copy_local(channel: TcpChannel, num_layers: int, route: _Route, total: int, deadline: float,
+                config: DisaggConfig, buffer: Buffer, landed: Landed, told: list[int]) -> int:
+    """Copy every layer out of the producer's memory as one stream of requests: each layer's
+    KV_NEXT goes out behind the previous layer's pulls (the producer answers in order), at
+    most two pulls in flight (a piece it gathered stays in one of two buffers it alternates).
+    Returns the layers landed: all of them, or where the copy was refused and route AUTO
+    falls back to TCP (route LOCAL raises); layers already named are in ``told``."""
+    plan = [item for n in range(num_layers) for item in [(n, None), *((n, p) for p in _pieces(total, config.chunk_bytes))]]
+    sent: list = []  # (request, n, piece or None), oldest first
+    pulls_out, at, landed_n = 0, 0, 0
+    while landed_n < num_layers:
+        while at < len(plan) and (plan[at][1] is None or pulls_out < _LOCAL_WINDOW):
+            n, piece = plan[at]
+            req = KvNext(channel.new_request_id(), n) if piece is None else KvPullLocal(channel.new_request_id(), n, *piece)
+            channel.send(req, timeout=_left(deadline, channel))
+            sent.append((req, n, piece))
+            pulls_out += piece is not None
+            at += 1
+        req, n, piece = sent.pop(0)
+        answer = channel.next_answer(req.request_id, timeout=_left(deadline, channel))
+        if piece is None:
+            _told(channel, answer, told, num_layers)
+            continue
+        pulls_out -= 1
         try:
-            _verified_copy(channel, reply, route, buf, pull)
+            _verified_copy(channel, answer, route, buffer(told[n]), req)
         except LocalReadError as exc:
-            for rest in pulls[i + 1:i + _LOCAL_WINDOW]:  # answers still in flight
-                channel.next_answer(rest.request_id, timeout=_left(deadline, channel))
+            for rest, m, p in sent:  # answers still in flight
+                later = channel.next_answer(rest.request_id, timeout=_left(deadline, channel))
+                if p is None:
+                    _told(channel, later, told, num_layers)
             channel.local_refused(exc)
-            return False
-        if i + _LOCAL_WINDOW < len(pulls):
-            channel.send(pulls[i + _LOCAL_WINDOW], timeout=_left(deadline, channel))
-    return True
+            return n
+        if piece[0] + piece[1] == total:
+            landed(told[n])
+            landed_n += 1
+    return num_layers
 
 
 def _verified_copy(channel: TcpChannel, reply: object, route: _Route, buf: np.ndarray, pull: KvPullLocal) -> None:
-    """Regions copied straight into the destination spans when they match them one to one
-    (the producer sent views of its layer); a gathered region lands in a staging piece first
+    """Regions copied straight into the destination spans when each lies inside one (the
+    producer sent views of its layer, cut at its block boundaries); a gathered region lands in a staging piece first
     and is scattered once verified."""
     if not isinstance(reply, ev.LocalReply):
         raise ProtocolError("expected LOCAL_REPLY", fault=ProtocolFault.UNEXPECTED, peer=channel.peer)
     if sum(r[1] for r in reply.regions) != pull.length:
         raise ProtocolError("LOCAL_REPLY does not cover the pull", fault=ProtocolFault.MALFORMED, peer=channel.peer)
-    dests = route.dests(buf, pull.offset, pull.length)
-    if [len(d) for d in dests] == [r[1] for r in reply.regions]:
-        return channel.local_copy(reply, dests)
+    pieces = _recut(route.dests(buf, pull.offset, pull.length), [r[1] for r in reply.regions])
+    if pieces is not None:
+        return channel.local_copy(reply, pieces)
     staging = np.empty(pull.length, np.uint8)
     pieces, pos = [], 0
     for _, length, _ in reply.regions:
@@ -138,6 +159,24 @@ def _verified_copy(channel: TcpChannel, reply: object, route: _Route, buf: np.nd
     channel.local_copy(reply, pieces)
     offs, lens = route_slice(route.dst, route.lengths, pull.offset, pull.length)
     scatter(buf, offs, lens, staging)
+
+
+def _recut(dests: list[memoryview], lengths: list[int]) -> list[memoryview] | None:
+    """``dests`` cut into consecutive pieces of ``lengths`` (the producer splits spans at its
+    block boundaries), or None when a region would straddle two destinations."""
+    if [len(d) for d in dests] == lengths:
+        return dests
+    out, views, cur, pos = [], iter(dests), memoryview(b""), 0
+    for n in lengths:
+        while pos == len(cur) and n:
+            cur, pos = next(views, None), 0
+            if cur is None:
+                return None
+        if pos + n > len(cur):
+            return None
+        out.append(cur[pos:pos + n])
+        pos += n
+    return out if pos == len(cur) and not any(len(v) for v in views) else None
 
 
 def _left(deadline: float, channel: TcpChannel) -> float:

@@ -36,6 +36,7 @@ from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.disagg.messages import ReadRequest, check_request_id
 from tiersync.disagg.ops import KV, KvDone, KvLayer, KvNext, KvOpen, KvOpened, KvPull, KvPullLocal
 from tiersync.disagg.reshard import ReshardPlanner, block_table, default_planner
+from tiersync.disagg.blocksums import BlockSums
 from tiersync.disagg.spanio import byte_view, gather, route_slice
 from tiersync.errors import ClosedError, UsageError, check_positive_int
 from tiersync.net import events as ev
@@ -73,6 +74,7 @@ class _Outgoing:
     joined: set[int] = field(default_factory=set)
     acked: set[int] = field(default_factory=set)
     sessions: set[Session] = field(default_factory=set)
+    sums: dict[int, dict[int, int]] = field(default_factory=dict)  # layer -> block offset -> tsum64
 
 
 @dataclass(eq=False)
@@ -108,6 +110,7 @@ class KVProducer(Service):
         self._closed = threading.Event()
         self._routes: dict[int, _Route] = {}  # session id -> its open request
         self._staging: dict[tuple[int, int], np.ndarray] = {}  # (session id, slot) -> gather buffer
+        self._sums = BlockSums(layout, self.config.local_threads)
         self._server = TcpServer(f"{host}:{port}", self, self.config.tcp_config(server=True))
         self.address = self._server.address
 
@@ -149,10 +152,12 @@ class KVProducer(Service):
                 raise UsageError("not registered", argument="request_id", value=request_id)
             if req.state is not RequestState.PENDING:
                 return False
-            if layer not in req.ready:
-                req.ready.append(layer)
-                self._cond.notify_all()
-            return True
+            if layer in req.ready:
+                return True
+            req.ready.append(layer)
+            self._cond.notify_all()
+        self._sums.submit(req, layer)
+        return True
 
     def abort(self, request_id: str) -> None:
         """Stop serving the request; it is reported FAILED by the next :meth:`poll`. No-op for an
@@ -198,6 +203,7 @@ class KVProducer(Service):
         for req in pending:
             self._fail(req, "producer closed")
         self._server.close()
+        self._sums.close()
 
     def __enter__(self) -> "KVProducer":
         return self
@@ -254,6 +260,8 @@ class KVProducer(Service):
         """Answer one request of a reader's session (see :mod:`tiersync.disagg.ops`). A gathered
         pull is yielded, so the server writes it before this session's next pull reuses the
         staging buffer."""
+        if isinstance(event, KvNext):  # may wait for its layer: answers before it are sent first
+            return self._waiting(session, event)
         try:
             if isinstance(event, KvPull):
                 return self._pull(session, event)
@@ -261,6 +269,12 @@ class KVProducer(Service):
         except _Refused as exc:
             answer = ev.Error(event.request_id, exc.code, str(exc)[:512])
         return [answer]
+
+    def _waiting(self, session: Session, event: KvNext):
+        try:
+            yield self._answer(session, event)
+        except _Refused as exc:
+            yield ev.Error(event.request_id, exc.code, str(exc)[:512])
 
     def _answer(self, session: Session, event: object) -> object:
         if isinstance(event, KvOpen):
@@ -277,6 +291,7 @@ class KVProducer(Service):
     def opened(self, session: Session) -> None:
         if session.info.same_host:
             local.allow_readers()
+            self._sums.enable()
 
     def closed(self, session: Session) -> None:
         """A reader's connection ended: a request it joined and did not finish fails."""
@@ -389,13 +404,14 @@ class KVProducer(Service):
         if not session.info.same_host:
             raise _Refused(Code.UNSUPPORTED, "KV_PULL_LOCAL from another host")
         view, offs, lens = self._spans(route, event.n, event.offset, event.length)
-        algo = SUPPORTED[0]
+        algo, known = SUPPORTED[0], route.req.sums.get(route.told[event.n])
         if not (lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= _ZERO_COPY_AVG):
             route.local_pulls += 1  # two buffers in turn: the reader keeps at most two pulls in flight
             view = gather(view, offs, lens, out=self._staging_of(session, event.length, route.local_pulls % 2))
             offs, lens = np.zeros(1, np.int64), np.array([view.size], np.int64)
-        if algo is PayloadChecksum.TSUM64:
-            sums = local.sum_ranges(view, offs, lens, self.config.local_threads)
+            sums = [payload_checksum(algo, view)]
+        elif algo is PayloadChecksum.TSUM64:
+            offs, lens, sums = self._sums.regions(view, known, offs, lens)
         else:
             sums = [payload_checksum(algo, view[o:o + n]) for o, n in zip(offs.tolist(), lens.tolist())]
         base = local.buffer_address(view)[0]

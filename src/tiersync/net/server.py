@@ -361,6 +361,9 @@ class TcpServer:
     def _answer(self, s: _Session, event: object, bufs: list, deadline: Deadline) -> list:
         answers = self._answers(s, event)
         streamed = inspect.isgenerator(answers)
+        if streamed and bufs:  # its body has not run yet and may wait: earlier answers go out first
+            s.write(bufs, deadline)
+            bufs = []
         for answer in answers:
             with s.lock:
                 bufs += s.conn.send(answer)

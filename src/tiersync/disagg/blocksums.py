@@ -1,0 +1,99 @@
+"""Checksums of a request's blocks for same-host readers, computed as each layer becomes ready.
+
+A same-host reader copies the regions a producer names and verifies each against the tsum64
+the producer sends with it. Summing a region when its pull arrives puts a full pass over the
+bytes on the read path (on a small host it also competes with the reader's copying threads).
+A producer that has served a same-host reader therefore sums every block region of a request
+on its own thread as soon as the layer is ready (``layer_ready``: the bytes are final from
+then on, the producer's contract), and answers a pull from those sums. A pull is cut at block
+boundaries so its regions are whole blocks wherever the route allows; a region that is not a
+whole block, or a layer whose sums are not done yet, is summed when asked. A block changed
+after ``layer_ready`` fails the reader's check: it is refused, never delivered.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+
+from tiersync.disagg.geometry import KVOrder, PagedKVLayout
+from tiersync.net import local
+
+__all__ = ["BlockSums"]
+
+
+class BlockSums:
+    """Per-layer sums of whole block regions (``unit`` bytes each, at multiples of ``unit`` in
+    the layer: a block's K and V together, or each of them in a KV-major layer)."""
+
+    def __init__(self, layout: PagedKVLayout, threads: int) -> None:
+        self.unit = layout.block_nbytes * (1 if layout.order is KVOrder.KV_MAJOR else 2)
+        self._kv_major = layout.order is KVOrder.KV_MAJOR
+        self._v_base = layout.num_blocks * layout.block_nbytes
+        self._threads = threads
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self._thread is not None
+
+    def enable(self) -> None:
+        """From now on sum each ready layer ahead of its pulls (idempotent)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tiersync-kv-sums", daemon=True)
+                self._thread.start()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                self._queue.put(None)
+
+    def submit(self, req: Any, layer: int) -> None:
+        """Sum ``req``'s blocks in ``req.views[layer]`` (sets ``req.sums[layer]``) when enabled."""
+        if self.enabled:
+            self._queue.put((req, layer))
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            req, layer = job
+            ids = np.asarray(req.block_ids, np.int64)
+            offs = ids * self.unit if not self._kv_major else np.concatenate([ids, ids]) * self.unit
+            if self._kv_major:
+                offs[len(ids):] += self._v_base
+            sums = local.sum_ranges(req.views[layer], offs, np.full(len(offs), self.unit, np.int64), self._threads)
+            req.sums[layer] = dict(zip(offs.tolist(), sums))
+
+    def regions(self, view: np.ndarray, known: dict[int, int] | None, offs: np.ndarray,
+                lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """The spans ``(offs, lens)`` of ``view`` cut at block boundaries, with each piece's tsum64
+        (from ``known`` where it is a whole summed block, else computed now)."""
+        offs, lens = _cut(np.asarray(offs, np.int64), np.asarray(lens, np.int64), self.unit)
+        known = known or {}
+        sums = [known.get(o) if n == self.unit else None for o, n in zip(offs.tolist(), lens.tolist())]
+        todo = [i for i, s in enumerate(sums) if s is None]
+        if todo:
+            for i, s in zip(todo, local.sum_ranges(view, offs[todo], lens[todo], self._threads)):
+                sums[i] = s
+        return offs, lens, sums
+
+
+def _cut(offs: np.ndarray, lens: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Spans split wherever they cross a multiple of ``unit``."""
+    if not len(offs):
+        return offs, lens
+    ends = offs + lens
+    first, last = offs // unit, (ends - 1) // unit
+    counts = np.where(lens > 0, last - first + 1, 1)
+    if (counts == 1).all():
+        return offs, lens
+    idx = np.repeat(np.arange(len(offs)), counts)
+    k = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    unit_start = (first[idx] + k) * unit
+    starts = np.maximum(offs[idx], unit_start)
+    stops = np.minimum(ends[idx], unit_start + unit)
+    return starts, stops - starts

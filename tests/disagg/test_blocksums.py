@@ -1,0 +1,149 @@
+"""Block checksums a producer computes as layers become ready (``tiersync.disagg.blocksums``).
+
+Invariants: a pull's spans are cut exactly at block boundaries (same bytes, each piece inside
+one block region); every piece's checksum is tsum64 of exactly its bytes, whether it came from
+the precomputed sums or was computed when asked; a same-host read of a request whose sums were
+precomputed lands byte-exact (also when the route coalesced neighbouring blocks, so regions
+are cut and destinations re-cut); a layer changed after ``layer_ready`` is refused by the
+reader, never reported done.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _kvsim import global_kv, shard, unshard  # noqa: E402
+from tiersync.disagg import DisaggConfig, KVConsumer, KVOrder, KVProducer, PagedKVLayout, RequestState, SourceSpec  # noqa: E402
+from tiersync.disagg.blocksums import BlockSums, _cut  # noqa: E402
+from tiersync.disagg.link import _recut  # noqa: E402
+from tiersync.net import local  # noqa: E402
+from tiersync.transfer.kernel import TSUM64, tsum64  # noqa: E402
+
+needs_native = pytest.mark.skipif(TSUM64 is None or not local.can_read(os.getpid()),
+                                  reason="needs the native checksum and process_vm_readv")
+
+
+def _layout(order: KVOrder) -> PagedKVLayout:
+    return PagedKVLayout(num_layers=3, num_kv_heads=4, head_dim=16, block_size=16, num_blocks=40, dtype="float16",
+                         tp_size=1, order=order)
+
+
+@pytest.mark.parametrize("offs,lens", [([0, 100, 5000], [10, 4000, 3]), ([0], [1 << 16]), ([7], [0]), ([], [])])
+def test_cut_splits_only_at_unit_boundaries(offs, lens):
+    unit = 1024
+    got_o, got_l = _cut(np.array(offs, np.int64), np.array(lens, np.int64), unit)
+    whole = np.concatenate([np.arange(o, o + n) for o, n in zip(offs, lens)] or [np.zeros(0)])
+    pieces = np.concatenate([np.arange(o, o + n) for o, n in zip(got_o, got_l)] or [np.zeros(0)])
+    np.testing.assert_array_equal(pieces, whole)
+    assert all(o // unit == (o + n - 1) // unit for o, n in zip(got_o, got_l) if n)
+
+
+def test_recut_follows_region_lengths_or_refuses_a_straddle():
+    buf = bytearray(100)
+    dests = [memoryview(buf)[0:40], memoryview(buf)[50:100]]
+    assert [len(p) for p in _recut(dests, [10, 30, 25, 25])] == [10, 30, 25, 25]
+    assert _recut(dests, [40, 50]) is dests
+    assert _recut(dests, [30, 30, 30]) is None  # the second region would straddle both
+    assert _recut(dests, [40, 40]) is None  # short of the destinations
+
+
+class _Req:
+    def __init__(self, ids, views):
+        self.block_ids, self.views, self.sums = tuple(ids), views, {}
+
+
+@needs_native
+@pytest.mark.parametrize("order", list(KVOrder))
+def test_regions_carry_tsum64_of_their_bytes_precomputed_or_not(order):
+    layout = _layout(order)
+    ids = [3, 4, 5, 9, 0, 1]
+    views = [np.random.default_rng(i).integers(0, 256, layout.layer_nbytes, dtype=np.uint8) for i in range(3)]
+    sums = BlockSums(layout, threads=2)
+    req = _Req(ids, views)
+    sums.enable()
+    sums.submit(req, 1)
+    deadline = time.monotonic() + 10
+    while 1 not in req.sums and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sums.close()
+    assert len(req.sums[1]) == len(ids) * (2 if order is KVOrder.KV_MAJOR else 1)
+    offs = np.array([3 * sums.unit, 9 * sums.unit + 5, 0], np.int64)
+    lens = np.array([3 * sums.unit, sums.unit, 2 * sums.unit - 1], np.int64)  # coalesced, offset and short spans
+    for known in (req.sums[1], None):
+        o, n, s = sums.regions(views[1], known, offs, lens)
+        assert int(n.sum()) == int(lens.sum())
+        assert s == [tsum64(views[1][a:a + b]) for a, b in zip(o.tolist(), n.tolist())]
+
+
+def _serve(layout, ids, ntok, seed):
+    bufs = shard(layout, global_kv(layout, ntok, seed), ids)[0]
+    return bufs
+
+
+def _read(consumer, producer, layout, rid, ids, ntok):
+    land = [np.zeros(layout.layer_nbytes, np.uint8) for _ in range(layout.num_layers)]
+    handle = consumer.start_read(rid, SourceSpec(layout, (producer.address,), ids, ntok), ids, land)
+    return handle, land
+
+
+@needs_native
+def test_same_host_reads_from_precomputed_sums_are_exact_and_changes_are_refused():
+    layout = _layout(KVOrder.HEAD_MAJOR)
+    ids, ntok = list(range(4, 14)), 150  # neighbours on both sides: the route coalesces them
+    config = DisaggConfig(route="local", timeout_s=30)
+    with KVProducer(layout, 0, config) as producer, KVConsumer(layout, 0, config) as consumer:
+        for n, rid in enumerate(["first", "summed", "changed"]):
+            bufs = _serve(layout, ids, ntok, seed=n)
+            producer.register(rid, ids, ntok, bufs)
+            for layer in range(layout.num_layers):
+                producer.layer_ready(rid, layer)
+            if rid != "first":  # a same-host reader was served: this request's sums are computed ahead
+                req = producer._requests[rid]
+                deadline = time.monotonic() + 10
+                while len(req.sums) < layout.num_layers and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert len(req.sums) == layout.num_layers
+            if rid == "changed":
+                bufs[1][ids[2] * 2 * layout.block_nbytes] ^= 0xFF  # after layer_ready: the contract broken
+            handle, land = _read(consumer, producer, layout, rid, ids, ntok)
+            state = handle.wait(30)
+            if rid == "changed":
+                assert state is RequestState.FAILED and "checksum" in str(handle.error)
+            else:
+                assert state is RequestState.DONE, handle.error
+                np.testing.assert_array_equal(unshard(layout, [land], ids, ntok), global_kv(layout, ntok, n))
+
+
+class _BadAddressProducer(KVProducer):
+    """Names an unmapped address for the second layer's regions: the kernel refuses the copy."""
+
+    def _pull_local(self, session, route, event):
+        reply = super()._pull_local(session, route, event)
+        if event.n != 1:
+            return reply
+        return type(reply)(reply.request_id, reply.pid, reply.algo, tuple((8, n, s) for _, n, s in reply.regions))
+
+
+@needs_native
+@pytest.mark.parametrize("route", ["auto", "local"])
+def test_a_refused_same_host_copy_falls_back_to_tcp_mid_stream_or_fails(route):
+    layout = _layout(KVOrder.HEAD_MAJOR)
+    ids, ntok = [7, 3, 12, 5], 60
+    with _BadAddressProducer(layout, 0, DisaggConfig(timeout_s=30)) as producer, \
+            KVConsumer(layout, 0, DisaggConfig(route=route, timeout_s=30)) as consumer:
+        producer.register("r", ids, ntok, _serve(layout, ids, ntok, seed=5))
+        for layer in range(layout.num_layers):
+            producer.layer_ready("r", layer)
+        handle, land = _read(consumer, producer, layout, "r", ids, ntok)
+        state = handle.wait(30)
+        if route == "auto":  # layer 0 came through memory, the rest over the socket
+            assert state is RequestState.DONE, handle.error
+            np.testing.assert_array_equal(unshard(layout, [land], ids, ntok), global_kv(layout, ntok, 5))
+        else:
+            assert state is RequestState.FAILED and "process_vm_readv" in str(handle.error)
