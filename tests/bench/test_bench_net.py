@@ -21,8 +21,14 @@ def test_h2h_rows_follow_the_contract():
     out = _bench("h2h")
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
-    assert rep["suite"] == "h2h" and rep["roundtrip"]["ok"] and rep["target"]["case"] == "h2h-1m-4s-w8"
+    assert rep["suite"] == "h2h" and rep["roundtrip"]["ok"]
     names = {r["name"] for r in rep["results"]}
+    assert set(rep["target"]) == names & {"h2h-64k-4s-w8", "h2h-1m-4s-w8", "h2h-16m-4s-w8", "h2h-64k-local",
+                                          "h2h-1m-local", "h2h-16m-local"}
+    for name, goal in rep["target"].items():  # each row judged against its own baseline
+        row = next(r for r in rep["results"] if r["name"] == name)
+        assert goal == {"min_ratio": 0.6 if name.endswith("-local") else 0.8, "ratio": row["ratio"],
+                        "met": row["ratio"] >= goal["min_ratio"]}
     assert {"h2h-64k-1s", "h2h-64k-4s", "h2h-1m-1s", "h2h-1m-4s"} <= names
     assert {"h2h-64k-1s-w8", "h2h-1m-4s-w8"} <= names  # pipelined rows, both sides windowed
     assert {r["window"] for r in rep["results"]} == {1, 8}

@@ -130,7 +130,9 @@ def test_connections_are_pooled_across_requests(procs):
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     pytest.importorskip("cryptography")
-    from _certs import make_ca, make_leaf
+    from _certs import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"), "server", "client")
 
     d = tmp_path_factory.mktemp("pki")
     ca = make_ca(d)

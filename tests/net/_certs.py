@@ -46,3 +46,9 @@ def make_leaf(directory: Path, ca, cn: str) -> tuple[str, str]:
                            critical=False)
             .sign(ca_key, hashes.SHA256()))
     return _write(directory / cn, key, cert)
+
+
+def make_pki(directory: Path, *leaves: str) -> dict:
+    """A CA and one leaf per name: ``{"ca": ca_cert_path, name: (cert_path, key_path), ...}``."""
+    ca = make_ca(directory)
+    return {"ca": ca[2], **{name: make_leaf(directory, ca, name) for name in leaves}}

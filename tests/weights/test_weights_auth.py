@@ -60,7 +60,9 @@ def test_a_receiver_without_the_token_is_refused_and_logged_while_others_are_ser
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     pytest.importorskip("cryptography")
-    from _certs import make_ca, make_leaf
+    from _certs import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"), "trainer", "sampler")
 
     d = tmp_path_factory.mktemp("pki")
     ca = make_ca(d)

@@ -27,17 +27,11 @@ from tiersync.errors import UsageError
 from tiersync.net import events as ev
 from tiersync.net.codec import MetaReader, MetaWriter
 from tiersync.net.errors import ProtocolError, ProtocolFault
-from tiersync.net.fields import check_u64
+from tiersync.net.fields import check_u32, check_u64
 from tiersync.net.frames import ProtocolConfig
 from tiersync.net.vocab import Vocabulary
 
 __all__ = ["KV", "KvDone", "KvLayer", "KvNext", "KvOp", "KvOpen", "KvOpened", "KvPull", "KvPullLocal"]
-
-
-def _check_u32(name: str, value: int) -> None:
-    check_u64(name, value)
-    if value >= 1 << 32:
-        raise UsageError("must be < 2**32", argument=name, value=value)
 
 
 class KvOp(enum.IntEnum):
@@ -103,7 +97,7 @@ class KvNext:
 
     def __post_init__(self) -> None:
         check_u64("request_id", self.request_id)
-        _check_u32("n", self.n)
+        check_u32("n", self.n)
 
     def meta(self) -> bytes:
         return MetaWriter().u32(self.n).getvalue()
@@ -123,7 +117,7 @@ class KvLayer:
 
     def __post_init__(self) -> None:
         check_u64("request_id", self.request_id)
-        _check_u32("layer", self.layer)
+        check_u32("layer", self.layer)
 
     def meta(self) -> bytes:
         return MetaWriter().u32(self.layer).getvalue()
@@ -148,7 +142,7 @@ class KvPull:
     def __post_init__(self) -> None:
         for name in ("request_id", "offset", "length"):
             check_u64(name, getattr(self, name))
-        _check_u32("n", self.n)
+        check_u32("n", self.n)
 
     def meta(self) -> bytes:
         return MetaWriter().u32(self.n).u64(self.offset).u64(self.length).getvalue()

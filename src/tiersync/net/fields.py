@@ -51,6 +51,11 @@ def check_u64(name: str, v: int) -> None:
         raise UsageError("must be an int in [0, 2**64)", argument=name, value=v)
 
 
+def check_u32(name: str, v: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 32:
+        raise UsageError("must be an int in [0, 2**32)", argument=name, value=v)
+
+
 def check_bytes(name: str, v: object, sizes: tuple[int, ...]) -> None:
     if not isinstance(v, bytes) or len(v) not in sizes:
         raise UsageError(f"must be bytes of length {sizes}", argument=name)

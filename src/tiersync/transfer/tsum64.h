@@ -159,7 +159,7 @@ static void ts_pick(void) {
 #endif
 }
 
-static void ts_update(ts_state *st, const unsigned char *p, size_t n) {
+__attribute__((unused)) static void ts_update(ts_state *st, const unsigned char *p, size_t n) {
     st->total += n;
     if (st->tail_len) {
         size_t take = 64 - st->tail_len;
