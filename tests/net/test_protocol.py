@@ -199,6 +199,24 @@ def test_event_fields_are_validated_at_construction():
         ProtocolConfig(max_frame_size=0)
 
 
+def test_local_reply_regions_travel_as_one_array_and_are_checked():
+    """LOCAL_REPLY's regions are an (n, 3) uint64 array end to end: tuples of ints are
+    accepted, anything else is refused naming ``regions``, and a parsed reply equals the sent one."""
+    import numpy as np
+    client, server = ready_pair(SUPPORTED[0])
+    deliver(client, server, ev.PullLocal(6, 1, ((b"k" * 16, 0, 10), (b"j" * 16, 4, 20))))
+    sent = ev.LocalReply(6, 1234, SUPPORTED[0], ((1 << 40, 10, 2 ** 64 - 1), (8, 20, 0)))
+    [got] = feed(client, b"".join(bytes(b) for b in server.send(sent)), [7, 1, 100])
+    assert got == sent and got.regions.dtype == np.uint64 and got.regions.tolist() == [[1 << 40, 10, 2 ** 64 - 1], [8, 20, 0]]
+    assert got != ev.LocalReply(6, 1234, SUPPORTED[0], ((1 << 40, 10, 2 ** 64 - 2), (8, 20, 0)))
+    with pytest.raises(ValueError, match="read-only"):
+        got.regions[0, 0] = 1  # read-only: what was verified stays what is copied
+    for bad in (((1, 2),), ((1, 2, -1),), np.zeros((2, 3), np.int64), np.zeros(3, np.uint64), "abc"):
+        with pytest.raises(UsageError) as exc:
+            ev.LocalReply(6, 1, SUPPORTED[0], bad)
+        assert exc.value.argument == "regions"
+
+
 # -- payload checksum negotiation ------------------------------------------------------------
 @pytest.mark.parametrize("algo", SUPPORTED)
 def test_data_carries_the_negotiated_algorithm_and_round_trips(algo):

@@ -119,7 +119,9 @@ class LyingSource(MemoryBlockSource):
         answers = super().handle(session, event)
         if isinstance(event, ev.PullLocal) and any(k == self.LIE for k, _, _ in event.items):
             reply = answers[0]
-            regions = tuple((a, n, s ^ 1 if k == self.LIE else s) for (a, n, s), (k, _, _) in zip(reply.regions, event.items))
+            regions = reply.regions.copy()
+            lie = [k == self.LIE for k, _, _ in event.items]
+            regions[lie, 2] ^= np.uint64(1)
             return [ev.LocalReply(reply.request_id, reply.pid, reply.algo, regions)]
         return answers
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from tiersync.disagg.geometry import KVOrder, PagedKVLayout
 from tiersync.net import local
 
-__all__ = ["BlockSums"]
+__all__ = ["BlockSums", "LayerSums"]
 
 
 class BlockSums:
@@ -66,20 +67,36 @@ class BlockSums:
             if self._kv_major:
                 offs[len(ids):] += self._v_base
             sums = local.sum_ranges(req.views[layer], offs, np.full(len(offs), self.unit, np.int64), self._threads)
-            req.sums[layer] = dict(zip(offs.tolist(), sums))
+            order = np.argsort(offs)
+            req.sums[layer] = LayerSums(offs[order], np.asarray(sums, np.uint64)[order])
 
-    def regions(self, view: np.ndarray, known: dict[int, int] | None, offs: np.ndarray,
-                lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    def regions(self, view: np.ndarray, known: "LayerSums | None", offs: np.ndarray,
+                lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The spans ``(offs, lens)`` of ``view`` cut at block boundaries, with each piece's tsum64
-        (from ``known`` where it is a whole summed block, else computed now)."""
+        (from ``known`` where it is a whole summed block, else computed now), all as arrays."""
         offs, lens = _cut(np.asarray(offs, np.int64), np.asarray(lens, np.int64), self.unit)
-        known = known or {}
-        sums = [known.get(o) if n == self.unit else None for o, n in zip(offs.tolist(), lens.tolist())]
-        todo = [i for i, s in enumerate(sums) if s is None]
-        if todo:
-            for i, s in zip(todo, local.sum_ranges(view, offs[todo], lens[todo], self._threads)):
-                sums[i] = s
+        sums = np.zeros(len(offs), np.uint64)
+        have = np.zeros(len(offs), bool)
+        if known is not None and len(known):
+            at = np.minimum(np.searchsorted(known.offsets, offs), len(known) - 1)
+            have = (known.offsets[at] == offs) & (lens == self.unit)
+            sums[have] = known.values[at[have]]
+        todo = np.flatnonzero(~have)
+        if todo.size:
+            sums[todo] = local.sum_ranges(view, offs[todo], lens[todo], self._threads)
         return offs, lens, sums
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSums:
+    """One layer's block sums: ``values[i]`` is the tsum64 of the block region at ``offsets[i]``
+    (sorted), ``unit`` bytes long."""
+
+    offsets: np.ndarray
+    values: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets)
 
 
 def _cut(offs: np.ndarray, lens: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:

@@ -146,14 +146,15 @@ def _verified_copy(channel: TcpChannel, reply: object, route: _Route, buf: np.nd
     and is scattered once verified."""
     if not isinstance(reply, ev.LocalReply):
         raise ProtocolError("expected LOCAL_REPLY", fault=ProtocolFault.UNEXPECTED, peer=channel.peer)
-    if sum(r[1] for r in reply.regions) != pull.length:
+    lengths = reply.regions[:, 1].tolist()
+    if sum(lengths) != pull.length:
         raise ProtocolError("LOCAL_REPLY does not cover the pull", fault=ProtocolFault.MALFORMED, peer=channel.peer)
-    pieces = _recut(route.dests(buf, pull.offset, pull.length), [r[1] for r in reply.regions])
+    pieces = _recut(route.dests(buf, pull.offset, pull.length), lengths)
     if pieces is not None:
         return channel.local_copy(reply, pieces)
     staging = np.empty(pull.length, np.uint8)
     pieces, pos = [], 0
-    for _, length, _ in reply.regions:
+    for length in lengths:
         pieces.append(memoryview(staging[pos:pos + length]))
         pos += length
     channel.local_copy(reply, pieces)

@@ -409,14 +409,15 @@ class KVProducer(Service):
             route.local_pulls += 1  # two buffers in turn: the reader keeps at most two pulls in flight
             view = gather(view, offs, lens, out=self._staging_of(session, event.length, route.local_pulls % 2))
             offs, lens = np.zeros(1, np.int64), np.array([view.size], np.int64)
-            sums = [payload_checksum(algo, view)]
+            sums = np.array([payload_checksum(algo, view)], np.uint64)
         elif algo is PayloadChecksum.TSUM64:
             offs, lens, sums = self._sums.regions(view, known, offs, lens)
         else:
-            sums = [payload_checksum(algo, view[o:o + n]) for o, n in zip(offs.tolist(), lens.tolist())]
+            sums = np.array([payload_checksum(algo, view[o:o + n]) for o, n in zip(offs.tolist(), lens.tolist())],
+                            np.uint64)
         base = local.buffer_address(view)[0]
-        return ev.LocalReply(event.request_id, os.getpid(), algo,
-                             tuple(zip((base + offs).tolist(), lens.tolist(), sums)))
+        regions = np.stack([offs.astype(np.uint64) + np.uint64(base), lens.astype(np.uint64), sums], axis=1)
+        return ev.LocalReply(event.request_id, os.getpid(), algo, regions)
 
     def _done(self, session: Session, route: _Route, event: KvDone) -> ev.CommitReply:
         with self._cond:

@@ -13,6 +13,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
+import numpy as np
+
 from tiersync.errors import UsageError
 from tiersync.net.codec import KEY_SIZE, MetaReader, MetaWriter
 from tiersync.net.errors import ProtocolError, ProtocolFault
@@ -426,35 +428,56 @@ class PullLocal:
         return cls(rid, r.u64(), _read_items(r, cfg))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class LocalReply:
     """Answer to PULL_LOCAL: process ``pid`` holds item ``i`` at ``regions[i] = (address,
     length, checksum)``, the checksum by ``algo`` (the connection's negotiated one). The bytes
-    stay put while the lease holds; the reader verifies every checksum after its copy."""
+    stay put while the lease holds; the reader verifies every checksum after its copy.
+    ``regions`` is kept as a read-only ``(n, 3)`` uint64 array (a tuple of 3-tuples of ints is
+    accepted): encoded, parsed and handed to the reader without Python work per region."""
 
     OP: ClassVar[Op] = Op.LOCAL_REPLY
     request_id: int
     pid: int
     algo: PayloadChecksum
-    regions: tuple[tuple[int, int, int], ...]
+    regions: np.ndarray
 
     def __post_init__(self) -> None:
         check_u64("request_id", self.request_id)
         check_u64("pid", self.pid)
         check_enum("algo", self.algo, PayloadChecksum)
-        check_rows("regions", self.regions, (int, int, int))
+        object.__setattr__(self, "regions", _region_array(self.regions))
+
+    def __eq__(self, other: object) -> bool:
+        return (type(other) is LocalReply and (self.request_id, self.pid, self.algo) ==
+                (other.request_id, other.pid, other.algo) and np.array_equal(self.regions, other.regions))
+
+    __hash__ = None  # type: ignore[assignment]
 
     def meta(self) -> bytes:
-        w = MetaWriter().u64(self.pid).u8(self.algo).u32(len(self.regions))
-        w.raw(b"".join(_REGION.pack(*g) for g in self.regions))
-        return w.getvalue()
+        return MetaWriter().u64(self.pid).u8(self.algo).u32(len(self.regions)).raw(self.regions.tobytes()).getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "LocalReply":
         pid, algo, n = r.u64(), PayloadChecksum(r.u8()), r.u32()
         if n > cfg.max_keys:
             raise ProtocolError("region count out of range", fault=ProtocolFault.MALFORMED, count=n)
-        return cls(rid, pid, algo, tuple(_REGION.iter_unpack(r.take(n * _REGION.size))))
+        return cls(rid, pid, algo, np.frombuffer(r.take(n * _REGION.size), "<u8").reshape(n, 3))
+
+
+def _region_array(regions: object) -> np.ndarray:
+    """``regions`` as a fresh read-only little-endian (n, 3) uint64 array; UsageError naming
+    ``regions`` for anything else."""
+    if isinstance(regions, np.ndarray):
+        if regions.dtype != np.uint64 or regions.ndim != 2 or regions.shape[1] != 3:
+            raise UsageError("must be an (n, 3) uint64 array or a tuple of (address, length, checksum)",
+                             argument="regions", got=f"{regions.dtype}{list(regions.shape)}")
+        out = np.array(regions, dtype="<u8", order="C")
+    else:
+        check_rows("regions", regions, (int, int, int))
+        out = np.array(regions, dtype="<u8").reshape(-1, 3)
+    out.flags.writeable = False
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -143,17 +143,19 @@ def _copy(pid: int, src: np.ndarray, dst: np.ndarray) -> None:
         src, dst = _advance(src, got), _advance(dst, got)
 
 
-def read_summed(pid: int, remote: Sequence[tuple[int, int]], local: Sequence[memoryview], threads: int) -> list[int] | None:
-    """:func:`read_remote` range by range (``local[i]`` exactly as long as ``remote[i]``) on up to
-    ``threads`` threads, returning the tsum64 of each landed range, summed while in cache
-    (native ``_local``). None when the native reader is not built (nothing was copied)."""
+def read_summed(pid: int, remote: Sequence[tuple[int, int]] | np.ndarray, local: Sequence[memoryview],
+                threads: int) -> Sequence[int] | None:
+    """:func:`read_remote` range by range (``local[i]`` exactly as long as ``remote[i]``; ``remote``
+    (address, length) pairs or an (n, 2) uint64 array) on up to ``threads`` threads, returning
+    the tsum64 of each landed range, summed while in cache (native ``_local``). None when the
+    native reader is not built (nothing was copied)."""
     if _native is None:
         return None
     if len(remote) != len(local):
         raise UsageError("one local buffer per remote range", argument="local")
-    pairs = np.array(remote, dtype=np.uint64).reshape(-1, 2) if len(remote) else np.zeros((0, 2), np.uint64)
+    pairs = np.ascontiguousarray(remote, dtype=np.uint64).reshape(-1, 2) if len(remote) else np.zeros((0, 2), np.uint64)
     try:
-        return list(_native.read_summed(pid, pairs.tobytes(), list(local), threads))
+        return _native.read_summed(pid, pairs.tobytes(), list(local), threads)
     except ValueError as exc:
         raise UsageError(str(exc), argument="local") from None
     except OSError as exc:

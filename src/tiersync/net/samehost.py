@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from tiersync.net import events as ev
 from tiersync.net import local
 from tiersync.net.errors import ProtocolError, ProtocolFault
@@ -26,14 +28,14 @@ def local_copy(reply: object, dests: Sequence[memoryview], peer: str, threads: i
     the source (the caller may fall back)."""
     if not isinstance(reply, ev.LocalReply):
         raise ProtocolError("expected LOCAL_REPLY", fault=ProtocolFault.UNEXPECTED, peer=peer)
-    if len(reply.regions) != len(dests) or any(r[1] != len(d) for r, d in zip(reply.regions, dests)):
+    regions = reply.regions
+    if len(regions) != len(dests) or not np.array_equal(regions[:, 1], np.fromiter(map(len, dests), np.uint64, len(dests))):
         raise ProtocolError("LOCAL_REPLY regions do not match the request", fault=ProtocolFault.MALFORMED, peer=peer)
-    ranges = [(addr, n) for addr, n, _ in reply.regions]
-    sums = local.read_summed(reply.pid, ranges, dests, threads) if reply.algo is PayloadChecksum.TSUM64 else None
+    sums = local.read_summed(reply.pid, regions[:, :2], dests, threads) if reply.algo is PayloadChecksum.TSUM64 else None
     if sums is None:  # no native reader, or another algorithm: copy, then a second pass
-        local.read_remote(reply.pid, ranges, dests)
+        local.read_remote(reply.pid, regions[:, :2], dests)
         sums = [payload_checksum(reply.algo, d) for d in dests]
-    for i, (got, (_, _, want)) in enumerate(zip(sums, reply.regions)):
-        if got != want:
-            raise ProtocolError("same-host copy checksum mismatch (the source changed or lied)",
-                                fault=ProtocolFault.BAD_CHECKSUM, peer=peer, region=i)
+    wrong = np.flatnonzero(np.fromiter(sums, np.uint64, len(dests)) != regions[:, 2])
+    if wrong.size:
+        raise ProtocolError("same-host copy checksum mismatch (the source changed or lied)",
+                            fault=ProtocolFault.BAD_CHECKSUM, peer=peer, region=int(wrong[0]))

@@ -18,6 +18,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 
+import numpy as np
+
 from tiersync.net import events as ev
 from tiersync.net import local
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
@@ -109,12 +111,13 @@ class BlockService(Service):
         if not session.info.same_host:
             raise BlockError(ev.ErrorCode.UNSUPPORTED, "PULL_LOCAL from another host")
         algo = SUPPORTED[0]
-        regions = []
+        columns: tuple[list[int], list[int], list[int]] = ([], [], [])
         for key, offset, length in req.items:
             view, known = self.view(req.lease_id, key, offset, length)
-            value = known[1] if known is not None and known[0] is algo else payload_checksum(algo, view)
-            regions.append((local.buffer_address(view)[0], len(view), value))
-        return ev.LocalReply(req.request_id, os.getpid(), algo, tuple(regions))
+            columns[0].append(local.buffer_address(view)[0])
+            columns[1].append(len(view))
+            columns[2].append(known[1] if known is not None and known[0] is algo else payload_checksum(algo, view))
+        return ev.LocalReply(req.request_id, os.getpid(), algo, np.array(columns, np.uint64).T)
 
     def opened(self, session: Session) -> None:
         if session.info.same_host:
