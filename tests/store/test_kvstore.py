@@ -46,6 +46,16 @@ def test_save_lookup_load_round_trip(store, dev_layout):
     assert [store.pins(k) for k in keys] == [0] * 4  # success consumed one pin each
 
 
+def test_loading_a_lookup_without_hits_completes_at_once_and_changes_nothing(store):
+    keys = keys_for(2)
+    store.save([0, 1], keys).result(10)
+    miss = store.lookup(keys_for(3, seed=9))
+    assert miss.keys == ()
+    fut = store.load(miss.keys, [])
+    assert fut.result(1) is None and fut.status is OpStatus.DONE
+    assert [store.pins(k) for k in keys] == [0, 0] and store.lookup(keys).keys == tuple(keys)
+
+
 def test_prefix_stops_at_first_miss_and_pins_nothing_after(store, dev_layout):
     keys = keys_for(4)
     store.save([0, 1, 3], [keys[0], keys[1], keys[3]]).result(10)

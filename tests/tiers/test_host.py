@@ -39,6 +39,15 @@ def test_config_rejects_bad_values(kw, argument):
     assert ei.value.argument == argument
 
 
+def test_for_layout_refuses_a_non_layout_and_an_arena_beyond_memory_clearly():
+    with pytest.raises(UsageError) as ei:
+        HostArena.for_layout([1, 2], 16)
+    assert ei.value.argument == "layout"
+    config = HostArenaConfig(num_blocks=10 ** 9, block_nbytes=1 << 20)  # 1 PB: no machine maps it
+    with pytest.raises(CapacityError, match="num_blocks"):
+        HostArena(config)
+
+
 def test_config_nbytes_and_arena_type_check():
     assert HostArenaConfig(num_blocks=3, block_nbytes=100).nbytes == 300
     with pytest.raises(UsageError) as ei:

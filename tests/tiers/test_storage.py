@@ -101,6 +101,40 @@ def test_corrupt_descriptor_and_truncated_file_are_skipped_and_counted(sdir):
         assert t.stats().corrupt >= 1 and key(0) not in t.keys()
 
 
+@pytest.mark.parametrize("flip", [0x01, 0x80])
+def test_a_damaged_record_count_never_sizes_a_read_and_loses_no_record(sdir, flip):
+    """The count is used before any checksum covers it: a flipped high byte once made the
+    open ask for hundreds of GB. Now the header counts as one corrupt and every record is
+    still found by its own checksum; the directory and the other segment open as usual."""
+    with open_tier(sdir) as t:
+        write(t, [key(i) for i in range(3)])
+        write(t, [key(i) for i in range(3, 5)])
+    first = os.path.join(sdir, segments(sdir)[0])
+    with open(first, "r+b") as f:
+        f.seek(12 + 3)  # the high byte of the u32 record count
+        f.write(bytes([flip]))
+    with open_tier(sdir) as t:
+        assert t.stats().corrupt == 1 and sorted(t.keys()) == sorted(key(i) for i in range(5))
+        st, data = read(t, [key(i) for i in range(5)])
+        assert st == [ReadStatus.OK] * 5 and data == [block_bytes(key(i), NB) for i in range(5)]
+
+
+def test_a_view_of_the_wrong_size_is_refused_and_the_block_stays(sdir):
+    """A destination one byte short is the caller's mistake: UsageError naming ``views``, nothing
+    read, the good block neither counted corrupt nor deleted (it once was, for good)."""
+    with open_tier(sdir) as t:
+        write(t, [key(1), key(2)])
+        for bad in (memoryview(bytearray(NB - 1)), memoryview(bytes(NB))):
+            with pytest.raises(UsageError) as exc:
+                t.read([key(1), key(2)], [memoryview(bytearray(NB)), bad])
+            assert exc.value.argument == "views"
+        assert t.contains(key(2)) and t.stats().read_corrupt == 0
+        st, data = read(t, [key(1), key(2)])
+        assert st == [ReadStatus.OK] * 2 and data == [block_bytes(key(1), NB), block_bytes(key(2), NB)]
+    with open_tier(sdir) as t:
+        assert sorted(t.keys()) == sorted([key(1), key(2)])
+
+
 def test_truncated_after_scan_reads_as_corrupt(sdir):
     with open_tier(sdir) as t:
         write(t, [key(1)])

@@ -203,7 +203,7 @@ def test_auto_allocate_full_arena_changes_nothing(rig):
     a = arena.allocator
     assert (a.num_free, a.num_locked, a.num_cached) == (1, 3, 0)
     for bad, arg in (([], "device_blocks"), ([1, 1], "device_blocks"), ([16], "device_blocks[0]"),
-                     ([-1], "device_blocks[0]"), ([0.5], "device_blocks")):
+                     ([-1], "device_blocks[0]"), ([0.5], "device_blocks"), (3, "device_blocks"), ("01", "device_blocks")):
         with pytest.raises(UsageError) as ei:
             eng.d2h_auto_allocate(bad)
         assert ei.value.argument == arg

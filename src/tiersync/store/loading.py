@@ -39,6 +39,11 @@ class LoadMixin:
             raise UsageError("needs one device block per key", argument="device_blocks",
                              keys=len(keys), blocks=len(dev))
         fut: StoreFuture[None] = StoreFuture()
+        if not keys:  # a lookup with no hit loads nothing: done at once (there is no copy to wait for)
+            with self._lock:
+                self._check_open()
+            fut._set(None)
+            return fut
         self._room_for_load(keys)  # evict only what is safe on storage (demotion.py)
         with self._lock:
             self._check_open()

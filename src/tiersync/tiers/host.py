@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tiersync.errors import ClosedError, UsageError, check_positive_int
+from tiersync.errors import CapacityError, ClosedError, UsageError, check_positive_int
 from tiersync.tiers.allocator import BlockAllocator
 from tiersync.tiers.eviction import LRUPolicy, S3FIFOPolicy
 
@@ -84,13 +84,19 @@ class HostArena:
     def for_layout(cls, layout: "KVLayout", num_blocks: int, *, shm: "ShmConfig | None" = None,
                    policy: str = "lru", on_evict: Callable[[list[int]], None] | None = None) -> "HostArena":
         """An arena whose blocks mirror ``layout`` (``layout.host_block_nbytes`` each)."""
+        if not callable(getattr(layout, "digest", None)) or not isinstance(getattr(layout, "host_block_nbytes", None), int):
+            raise UsageError("must be a KVLayout (tiersync.layout.kv_layout)", argument="layout", got=type(layout).__name__)
         cfg = HostArenaConfig(num_blocks=num_blocks, block_nbytes=layout.host_block_nbytes, shm=shm,
                               policy=policy, layout_digest=layout.digest())
         return cls(cfg, on_evict=on_evict)
 
     def _open_memory(self, config: HostArenaConfig) -> Any:
         if config.shm is None:
-            self._mmap = mmap.mmap(-1, config.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            try:
+                self._mmap = mmap.mmap(-1, config.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            except (OSError, OverflowError) as exc:  # ENOMEM: more than this machine will map
+                raise CapacityError("the host arena does not fit in memory", argument="num_blocks",
+                                    requested=config.nbytes, blocks=config.num_blocks, error=str(exc)) from None
             if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer TLB misses on scattered block copies
                 self._mmap.madvise(mmap.MADV_HUGEPAGE)
             return self._mmap

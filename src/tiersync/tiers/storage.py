@@ -289,7 +289,15 @@ class StorageTier:
         self._check_open()
         if len(keys) != len(views):
             raise UsageError("needs one view per key", argument="views", keys=len(keys), views=len(views))
-        return self._submit(self._reads, ([bytes(k) for k in keys], [memoryview(v).cast("B") for v in views]))
+        keys, views = [bytes(k) for k in keys], [memoryview(v).cast("B") for v in views]
+        with self._lock:  # a view of the wrong size is the caller's mistake: refused, nothing read or dropped
+            for i, (k, v) in enumerate(zip(keys, views)):
+                loc = self._locs.get(k)
+                if v.readonly or (loc is not None and len(v) != loc.record.length):
+                    raise UsageError("each view must be writable and exactly as long as its stored block",
+                                     argument="views", index=i, key=k.hex(), nbytes=len(v),
+                                     stored=loc.record.length if loc else None, readonly=v.readonly)
+        return self._submit(self._reads, (keys, views))
 
     # -- helpers -------------------------------------------------------------
     def _translate(self, exc: OSError, nbytes: int) -> Exception:

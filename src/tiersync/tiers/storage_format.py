@@ -122,22 +122,37 @@ def parse_head(buf: bytes) -> tuple[int, bytes, int] | None:
     return count, identity, seq
 
 
+def header_records(count: int, file_size: int) -> int:
+    """How many descriptors to read for a header counting ``count`` in a file of ``file_size``
+    bytes: ``count`` when its header area fits in the file, else (a damaged count, never
+    trusted to size a read) the most a complete file of that size can hold (each record has
+    a descriptor and at least ALIGN bytes of payload)."""
+    if header_nbytes(count) <= file_size:
+        return count
+    return max(file_size - HEAD_NBYTES, 0) // (DESC_NBYTES + ALIGN)
+
+
 def parse_segment(buf: bytes, identity: bytes, file_size: int) -> ParsedSegment:
-    """Validate a segment's header area ``buf`` (at least ``header_nbytes(count)`` bytes)."""
+    """Validate a segment's header area ``buf`` (the :func:`header_records` descriptors). A
+    count whose header area does not fit in the file is a damaged header (one corrupt): its
+    records are found by their own checksums, up to the first descriptor that fails."""
     head = parse_head(buf)
     if head is None:
         return ParsedSegment((), 0, corrupt=1, truncated=0)
     count, ident, seq = head
     if ident != identity:
         return ParsedSegment((), seq, 0, 0, foreign=True)
-    end = HEAD_NBYTES + DESC_NBYTES * count
-    if len(buf) < end:
+    n = header_records(count, file_size)
+    damaged = n != count
+    if len(buf) < HEAD_NBYTES + DESC_NBYTES * n:
         return ParsedSegment((), seq, corrupt=0, truncated=max(count, 1))
     # Each descriptor carries its own checksum, so a damaged segment header only costs
     # the records it no longer counts; the whole-area checksum is informational.
-    records, corrupt, truncated = [], 0, 0
-    for i in range(count):
+    records, corrupt, truncated = [], int(damaged), 0
+    for i in range(n):
         rec = _decode_desc(buf[HEAD_NBYTES + i * DESC_NBYTES:HEAD_NBYTES + (i + 1) * DESC_NBYTES], identity)
+        if rec is None and damaged:
+            break
         if rec is None:
             corrupt += 1
         elif rec.offset + rec.length > file_size:

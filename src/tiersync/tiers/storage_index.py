@@ -158,7 +158,7 @@ def _read_header_area(path: str) -> tuple[bytes, int]:
         size = os.fstat(f.fileno()).st_size
         head = f.read(fmt.HEAD_NBYTES)
         parsed = fmt.parse_head(head)
-        count = parsed[0] if parsed else 0
+        count = fmt.header_records(parsed[0], size) if parsed else 0  # a damaged count never sizes a read
         return head + f.read(max(fmt.header_nbytes(count) - fmt.HEAD_NBYTES, 0)), size
 
 

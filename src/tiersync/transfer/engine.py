@@ -123,6 +123,9 @@ class TransferEngine:
         ``future.host_blocks[i]`` receives ``device_blocks[i]``; they stay LOCKED
         until :meth:`unlock`. Raises CapacityError (nothing allocated) when full.
         """
+        if isinstance(device_blocks, (str, bytes)) or not hasattr(device_blocks, "__iter__"):
+            raise UsageError("must be a sequence of device block ids", argument="device_blocks",
+                             got=type(device_blocks).__name__)
         ids = list(device_blocks)
         validate_runs([(d, i, 1) for i, d in enumerate(ids)], src_blocks=self.layout.num_blocks,
                       dst_blocks=max(len(ids), 1), argument="device_blocks")
