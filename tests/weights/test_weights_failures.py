@@ -188,3 +188,20 @@ def test_receiver_to_a_dead_trainer_fails_cleanly():
     pub.close()
     with pytest.raises(tiersync.errors.RemoteError):
         WeightReceiver(Sharding.replicated(Mesh((1,), ("dp",))), ReceiverConfig((address,), connect_timeout_s=2))
+
+
+def test_a_publisher_the_program_never_closed_leaves_no_segment(tmp_path):
+    """The README's snippet never calls close(): the interpreter's exit removes the segment
+    name (it once stayed in /dev/shm, listed as unusable, one per run)."""
+    script = (
+        "import numpy as np\n"
+        "from tiersync.weights import Mesh, PublisherConfig, Sharding, WeightPublisher\n"
+        f"pub = WeightPublisher({{'w': np.ones((64, 64), np.float32)}}, Sharding(Mesh((1,), ('fsdp',)), ('fsdp',)),"
+        f" config=PublisherConfig(shm_dir={str(tmp_path)!r}))\n"
+        "pub.publish(1)\n"
+        "import os; print(os.listdir(pub.config.shm_dir))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "tiersync-weights-" in out.stdout  # it was there while the program ran
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("tiersync-weights-")]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import weakref
 
 import numpy as np
 
@@ -58,6 +59,8 @@ class SegmentWriter:
             os.unlink(path)
             raise
         os.close(fd)
+        # a publisher the program never closed still removes its name when the interpreter exits
+        self._unlink_at_exit = weakref.finalize(self, _unlink_quiet, path)
         self.payload_bytes = payload_bytes
         self._array = np.frombuffer(self._map, dtype=np.uint8)
         self._write_head(-1, EMPTY)
@@ -95,10 +98,14 @@ class SegmentWriter:
             except BufferError:
                 pass  # the last view frees the mapping
         self._map = None
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._unlink_at_exit()
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class SegmentReader:
