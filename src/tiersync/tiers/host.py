@@ -25,6 +25,7 @@ import numpy as np
 from tiersync.errors import CapacityError, ClosedError, UsageError, check_positive_int
 from tiersync.tiers.allocator import BlockAllocator
 from tiersync.tiers.eviction import LRUPolicy, S3FIFOPolicy
+from tiersync.tiers.prefault import Prefaulter
 
 if TYPE_CHECKING:
     from tiersync.layout.pool import KVLayout
@@ -68,6 +69,8 @@ class HostArena:
         self._on_evict = on_evict
         self._segment: Any = None
         self._mmap: mmap.mmap | None = None
+        self.prefault: Prefaulter | None = None
+        """Populates anonymous memory in the background (:mod:`tiersync.tiers.prefault`)."""
         self._keys: dict[int, bytes] = {}
         self.recovered: list[RecoveredBlock] = []
         buf = self._open_memory(config)
@@ -99,6 +102,7 @@ class HostArena:
                                     requested=config.nbytes, blocks=config.num_blocks, error=str(exc)) from None
             if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer TLB misses on scattered block copies
                 self._mmap.madvise(mmap.MADV_HUGEPAGE)
+            self.prefault = Prefaulter(self._mmap, config.nbytes)  # first copies at memory speed
             return self._mmap
         from tiersync.tiers.shm import Geometry, ShmSegment
 
@@ -199,6 +203,8 @@ class HostArena:
             except UsageError:  # views of the memory are still alive somewhere
                 log.warning("host arena closed while views of %s are alive: the segment stays "
                             "attached (and locked) until they are released", self.config.shm.path)
+        if self.prefault is not None:
+            self.prefault.stop()
         if self._mmap is not None:
             try:
                 self._mmap.close()
