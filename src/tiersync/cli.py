@@ -11,6 +11,10 @@ Subcommands::
                         [--registry HOST:PORT] [--heartbeat-s S]  ... and register there
     tiersync registry --port N [--redis URL]                  the global block registry (gRPC)
 
+The servers (``metrics --port``, ``store-node``, ``registry``) stop on Ctrl-C or SIGTERM alike:
+one "stopped" line on stderr, exit 0. A flag whose value cannot work here (a port in use, an
+address not on this host, more memory than there is) is one line naming the flag, exit 2.
+
 Exit status: 0 success; 1 a tiersync error; 2 bad usage; 3 a bench refused to
 report because its byte-exact round trip failed. Importing this module is
 cheap: each subcommand imports what it needs when it runs.
@@ -23,8 +27,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tiersync.cli_servers import bind_probe, redis_url, starting, stop_on_sigterm, stopped
+
 EXIT_ERROR, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
-BENCH_SUITES = ("d2h", "h2d", "storage", "h2h", "pd", "registry", "weights", "serve")  # keep in step with tiersync.bench.SUITES (checked by the tests)
+BENCH_SUITES = ("d2h", "h2d", "storage", "h2h", "pd", "registry", "weights", "serve", "workload")  # keep in step with tiersync.bench.SUITES (checked by the tests)
 TINY_ENV = "TIERSYNC_BENCH_TINY"
 
 
@@ -41,32 +47,76 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--storage-dir", default=None, help="keep the disk tier here (default: a temp dir)")
     d.set_defaults(func=cmd_demo)
     m = sub.add_parser("metrics", help="print the Prometheus metrics, or serve them with --port")
-    m.add_argument("--port", type=int, default=None, help="serve /metrics on this port until interrupted")
+    m.add_argument("--port", type=_port, default=None, help="serve /metrics on this port until interrupted")
     m.add_argument("--addr", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     m.set_defaults(func=cmd_metrics)
+    _add_store_node(sub)
+    _add_registry(sub)
+    for command in sub.choices.values():  # UsageError(argument=dest) is reported as the flag typed
+        command.set_defaults(flags=_flags(command))
+    return p
+
+
+def _add_store_node(sub: Any) -> None:
     n = sub.add_parser("store-node", help="serve host DRAM to remote readers and writers")
-    n.add_argument("--capacity", required=True, help="host arena size, e.g. 8GiB")
-    n.add_argument("--port", type=int, required=True, help="TCP port (0 picks one; printed)")
+    n.add_argument("--capacity", type=_size, required=True, help="host arena size, e.g. 8GiB")
+    n.add_argument("--port", type=_port, required=True, help="TCP port (0 picks one; printed)")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     n.add_argument("--token-file", default=None,
                    help="file holding the shared secret peers must prove (>= 16 bytes; default: $TIERSYNC_TOKEN)")
     n.add_argument("--token", default=None,
                    help="the secret itself (readable by every local user through ps: prefer --token-file)")
-    n.add_argument("--block-size", default="1MiB", help="bytes per host block (default 1MiB)")
+    n.add_argument("--block-size", type=_size, default="1MiB", help="bytes per host block (default 1MiB)")
     n.add_argument("--registry", default=None, help="register with this registry: HOST:PORT (gRPC) or redis://...")
     n.add_argument("--store-id", default=None, help="id in the registry (default: the advertised address)")
     n.add_argument("--advertise", default=None, help="HOST:PORT peers should dial (default: the bound address)")
     n.add_argument("--pool-group", default="", help="placement group (same group is preferred)")
-    n.add_argument("--heartbeat-s", type=float, default=300.0, help="registry heartbeat interval (default 300)")
+    n.add_argument("--heartbeat-s", type=_seconds, default=300.0, help="registry heartbeat interval (default 300)")
     n.set_defaults(func=cmd_store_node)
+
+
+def _add_registry(sub: Any) -> None:
     r = sub.add_parser("registry", help="serve the global block registry (gRPC)")
-    r.add_argument("--port", type=int, required=True, help="TCP port (0 picks one; printed)")
+    r.add_argument("--port", type=_port, required=True, help="TCP port (0 picks one; printed)")
     r.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     r.add_argument("--redis", default=None, help="keep the state in Redis at this URL (default: in memory)")
-    r.add_argument("--store-ttl-s", type=float, default=900.0, help="a store unheard for this long is dead")
-    r.add_argument("--block-ttl-s", type=float, default=3600.0, help="an ownership entry not re-published expires")
+    r.add_argument("--store-ttl-s", type=_seconds, default=900.0, help="a store unheard for this long is dead")
+    r.add_argument("--block-ttl-s", type=_seconds, default=3600.0, help="an ownership entry not re-published expires")
     r.set_defaults(func=cmd_registry)
-    return p
+
+
+def _flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """dest -> the flag a user types (its longest option string), for every option of ``parser``."""
+    return {a.dest: max(a.option_strings, key=len) for a in parser._actions if a.option_strings}
+
+
+# -- argparse types: a bad value is reported as "argument --flag: ..." (exit 2) -----------
+def _port(text: str) -> int:
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535] (0 picks one), not {text!r}")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, not {text!r}")
+    return value
+
+
+def _size(text: str) -> str:
+    """A size such as 8GiB, checked here and passed on as typed."""
+    from tiersync.errors import UsageError
+    from tiersync.net.store_node import parse_size
+
+    try:
+        parse_size(text)
+    except UsageError:
+        raise argparse.ArgumentTypeError(f"must be a size such as 8GiB or 512MiB, not {text!r}") from None
+    return text
 
 
 def _add_bench(sub: Any) -> None:
@@ -172,15 +222,18 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     if args.port is None:
         sys.stdout.write(metrics.render().decode())
         return 0
-    server = start_exporter(args.port, addr=args.addr, metrics=metrics)
+    stop = stop_on_sigterm()
+    with starting(args, host_dest="addr"):
+        server = start_exporter(args.port, addr=args.addr, metrics=metrics)
     print(f"serving http://{args.addr}:{server.server_port}/metrics (Ctrl-C to stop)", file=sys.stderr)
     try:
-        import threading
-
-        threading.Event().wait()
+        stop.wait()
     except KeyboardInterrupt:
+        pass
+    finally:
         server.shutdown()
-    return 0
+        server.server_close()
+    return stopped(args, 0)
 
 
 def cmd_store_node(args: argparse.Namespace) -> int:
@@ -188,16 +241,24 @@ def cmd_store_node(args: argparse.Namespace) -> int:
     from tiersync.net.store_node import main as node_main
 
     token = coerce_token(args.token, "--token") if args.token is not None else token_from(args.token_file)
-    return node_main(args.capacity, args.port, args.host, token, args.block_size, registry=args.registry,
-                     store_id=args.store_id, pool_group=args.pool_group, heartbeat_s=args.heartbeat_s,
-                     advertise=args.advertise)
+    with starting(args):  # the node stops on SIGTERM itself
+        rc = node_main(args.capacity, args.port, args.host, token, args.block_size, registry=args.registry,
+                       store_id=args.store_id, pool_group=args.pool_group, heartbeat_s=args.heartbeat_s,
+                       advertise=args.advertise)
+    return stopped(args, rc)
 
 
 def cmd_registry(args: argparse.Namespace) -> int:
     from tiersync.net.registry.process import main as registry_main
 
-    return registry_main(args.port, args.host, args.redis, store_ttl_s=args.store_ttl_s,
-                         block_ttl_s=args.block_ttl_s)
+    problem = bind_probe(args, "host")  # before gRPC, which logs its own bind failure first
+    if problem is not None:
+        raise problem
+    stop = stop_on_sigterm()
+    with starting(args), redis_url(args):
+        rc = registry_main(args.port, args.host, args.redis, store_ttl_s=args.store_ttl_s,
+                           block_ttl_s=args.block_ttl_s, stop=stop)
+    return stopped(args, rc)
 
 
 # -- entry point -------------------------------------------------------------
@@ -230,7 +291,7 @@ def _run(args: argparse.Namespace) -> int:
             print(json.dumps({"suite": getattr(args, "suite", None), "refused": True, "error": str(exc)}))
         return EXIT_REFUSED
     except UsageError as exc:
-        print(f"{name}: {exc}", file=sys.stderr)
+        print(f"{name}: {_as_typed(exc, getattr(args, 'flags', {}))}", file=sys.stderr)
         return EXIT_USAGE
     except TierSyncError as exc:
         print(f"{name}: {exc}", file=sys.stderr)
@@ -241,6 +302,14 @@ def _run(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # e.g. `tiersync bench d2h | head`: the reader left
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+def _as_typed(exc: Exception, flags: dict[str, str]) -> str:
+    """``exc`` as one line, an internal argument name (``block_ttl_s``) replaced by its flag (``--block-ttl-s``)."""
+    text, argument = str(exc), getattr(exc, "argument", None)
+    if argument not in flags or not text.startswith(f"{argument}: "):
+        return text
+    return flags[argument] + text[len(argument):]
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,6 +19,7 @@ SUITES: dict[str, str] = {
     "registry": "tiersync.bench.registry",
     "weights": "tiersync.bench.weights",
     "serve": "tiersync.bench.serve",
+    "workload": "tiersync.bench.workload",
 }
 
 
@@ -31,4 +32,7 @@ def run_suite(config: Any) -> dict[str, Any]:
     module = SUITES.get(config.suite)
     if module is None:
         raise UsageError("unknown suite", argument="suite", value=config.suite, choices=sorted(SUITES))
-    return importlib.import_module(module).run(config)
+    rep = importlib.import_module(module).run(config)
+    if config.cases is not None and not rep.get("results"):  # suites without their own check (copy, weights have one)
+        raise UsageError("no case matches", argument="--cases", value=config.cases)
+    return rep

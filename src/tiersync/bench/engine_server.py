@@ -114,9 +114,9 @@ def start(args: list[str], log: str, python: str, timeout: float = 600, prefix: 
     import subprocess
     import threading
 
-    env = dict(os.environ)
-    if args[0] == "engine":
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(json.loads(args[1]).get("kv_space_gib", 1)))
+    from tiersync.bench.serve_engine import engine_env
+
+    env = engine_env(json.loads(args[1])) if args[0] == "engine" else dict(os.environ)
     cmd = [*(prefix or []), python, "-m", "tiersync.bench.engine_server", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env,
                             text=True, errors="replace")

