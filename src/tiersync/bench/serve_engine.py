@@ -106,7 +106,8 @@ def run(spec: dict) -> list[dict]:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 1)))
+    if not spec.get("kv_cache_memory_bytes"):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 1)))
     run(spec)
     return 0
 
@@ -152,9 +153,14 @@ def parse_cores(bind: str) -> list[int]:
 
 
 def engine_env(spec: dict) -> dict[str, str]:
-    """The environment of one engine process: its KV pool size and the shared core binding."""
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(spec.get("kv_space_gib", 1)),
-            "VLLM_CPU_OMP_THREADS_BIND": spec.get("omp_bind") or omp_bind()}
+    """The environment of one engine process: its KV pool size and the shared core binding.
+    A spec with ``kv_cache_memory_bytes`` sizes the pool itself: vLLM's CPU platform would let
+    ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) override it, so that variable is left out."""
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": spec.get("omp_bind") or omp_bind(),
+           "VLLM_CPU_KVCACHE_SPACE": str(spec.get("kv_space_gib", 1))}
+    if spec.get("kv_cache_memory_bytes"):
+        del env["VLLM_CPU_KVCACHE_SPACE"]
+    return env
 
 
 class EngineFailed(RuntimeError):

@@ -113,7 +113,7 @@ def _serve(model: str, shape: Shape, mode: str, work: str) -> list[dict]:
     extra = {"model_id": "bench-workload", "host_bytes": "2GiB", "storage_dir": os.path.join(work, mode + "-kv")}
     pool_tokens = shape.pool_bytes // MODEL.kv_bytes_per_token()
     spec = {"model": model, "chunk": 4096, "vocab": MODEL.vocab_size, "kv_cache_memory_bytes": shape.pool_bytes,
-            "max_model_len": min(8192, pool_tokens // 128 * 128), "workload": asdict(shape), **MODES[mode]}
+            "max_model_len": min(8192, pool_tokens // 2 // 128 * 128), "workload": asdict(shape), **MODES[mode]}
     if spec.get("connector"):
         spec["extra"] = extra
     requests = 2 * shape.docs + shape.chats * shape.turns
