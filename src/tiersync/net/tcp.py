@@ -38,7 +38,6 @@ _GROUP_BYTES = 1 << 20  # pulls smaller than this are grouped into one PULL_MANY
 _GROUP_LIMIT = 4 << 20  # ... of about this size
 _GROUP_ITEMS = 64
 _LOCAL_GROUP = 32 << 20  # bytes per PULL_LOCAL: two in flight, one copied while the next is looked up
-_LOCAL_FIRST = 2 << 20  # the first group's bytes (groups double from there up to _LOCAL_GROUP)
 
 class TcpChannel(Channel):
     """Client side of one TCP connection. Use :meth:`TcpTransport.connect` to build."""
@@ -346,16 +345,14 @@ class TcpTransport(Transport):
 
 
 def _local_groups(items: list, max_keys: int):
-    """Consecutive items (at most ``max_keys`` each) in groups that start at _LOCAL_FIRST bytes
-    and double up to _LOCAL_GROUP: the first copy starts after a short lookup, and each later
-    lookup hides behind the copy of the group before it."""
-    group, size, target = [], 0, _LOCAL_FIRST
+    """Consecutive items of about _LOCAL_GROUP bytes (at most ``max_keys``) each."""
+    group, size = [], 0
     for item in items:
         group.append(item)
         size += len(item[2])
-        if size >= target or len(group) == max_keys:
+        if size >= _LOCAL_GROUP or len(group) == max_keys:
             yield group
-            group, size, target = [], 0, min(2 * target, _LOCAL_GROUP)
+            group, size = [], 0
     if group:
         yield group
 
