@@ -169,3 +169,17 @@ def test_python_dash_m_tiersync_is_the_command():
     bad = subprocess.run([sys.executable, "-m", "tiersync", "bench", "workload", "--cases", "nomatch-at-all",
                           "--workers", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--workers" in bad.stderr
+
+
+def test_shm_list_tells_a_running_publishers_weight_segment_from_a_stale_one(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    live, stale = (tmp_path / f"tiersync-weights-{pid}-0-abcd1234-0" for pid in (os.getpid(), int(dead.stdout)))
+    for path in (live, stale):
+        path.write_bytes(b"\0" * 4096)
+    out = _tiersync("shm", "list", "--dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines()}
+    assert f"pid {os.getpid()} (running)" in lines[str(live)] and "stale" in lines[str(stale)]
+    refused = _tiersync("shm", "reclaim", str(live), str(stale))
+    assert refused.returncode == 1 and "running process" in refused.stderr and "Traceback" not in refused.stderr
+    assert live.exists() and not stale.exists()

@@ -173,6 +173,7 @@ def cmd_shm_list(args: argparse.Namespace) -> int:
     for i in infos:
         p = i.get("problem")
         i["problem"] = None if p is None else getattr(p, "value", str(p))
+        i.update(_weights_owner(i["path"]))
     if args.json:
         import json
 
@@ -181,7 +182,7 @@ def cmd_shm_list(args: argparse.Namespace) -> int:
     if not infos:
         print(f"no tiersync segments in {args.dir}")
     for i in infos:
-        state = f"UNUSABLE ({i['problem']})" if i["problem"] else (
+        state = (_weights_state(i) or f"UNUSABLE ({i['problem']})") if i["problem"] else (
             f"model={i.get('model_id')} blocks={i.get('num_blocks')} x {i.get('block_nbytes')} B "
             f"valid={i.get('valid_blocks')}")
         print(f"{i['path']}  {i['size']} B  {state}")
@@ -190,18 +191,45 @@ def cmd_shm_list(args: argparse.Namespace) -> int:
 
 def cmd_shm_reclaim(args: argparse.Namespace) -> int:
     """Reclaim every path; report each failure and exit 1 if any failed."""
-    from tiersync.errors import TierSyncError
+    from tiersync.errors import TierSyncError, UsageError
     from tiersync.tiers.shm import ShmSegment
 
     failed = 0
     for path in args.paths:
         try:
+            if _weights_owner(path).get("stale") is False:  # not flock-ed: its owner's pid decides
+                raise UsageError(f"{path} belongs to running process {_weights_owner(path)['owner_pid']}",
+                                 argument="path")
             ShmSegment.reclaim(path)
             print(f"reclaimed {path}")
         except TierSyncError as exc:
             failed += 1
             print(f"tiersync shm reclaim: {exc}", file=sys.stderr)
     return EXIT_ERROR if failed else 0
+
+
+def _weights_owner(path: str) -> dict[str, Any]:
+    """``owner_pid`` and ``stale`` (that process is gone) of a weight-sync segment, else {}."""
+    from tiersync.weights.segment import segment_owner
+
+    pid = segment_owner(path)
+    if pid is None:
+        return {}
+    try:
+        os.kill(pid, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    except PermissionError:  # another user's process
+        alive = True
+    return {"owner_pid": pid, "stale": not alive}
+
+
+def _weights_state(info: dict[str, Any]) -> str | None:
+    if "owner_pid" not in info:
+        return None
+    how = "exited: stale, reclaim it" if info["stale"] else "running"
+    return f"weight-sync segment of pid {info['owner_pid']} ({how})"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ from tiersync.weights.config import PublisherConfig, SyncStatus, TransportKind
 from tiersync.weights.manifest import Manifest, host_id
 from tiersync.weights.ops import Ack, Announce, Ready, Register, Release, Welcome
 from tiersync.weights.plan import PlanOptions
-from tiersync.weights.segment import SegmentPool, tensor_offsets
+from tiersync.weights.segment import SEGMENT_PREFIX, SegmentPool, tensor_offsets
 from tiersync.weights.serving import SpanService
 from tiersync.weights.sharding import Sharding, local_shape
 from tiersync.weights.source import validate_source
@@ -113,7 +113,7 @@ class WeightPublisher:
         self._payload = payload
         self._pool: SegmentPool | None = None
         if self.config.shm:
-            path = os.path.join(self.config.shm_dir, f"tiersync-weights-{os.getpid()}-{rank}-{secrets.token_hex(4)}")
+            path = os.path.join(self.config.shm_dir, f"{SEGMENT_PREFIX}{os.getpid()}-{rank}-{secrets.token_hex(4)}")
             self._pool = SegmentPool(path, payload)
             self._store = self._segment_store(-1, set())
         else:

@@ -43,6 +43,20 @@ def tensor_offsets(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, pos
 
 
+SEGMENT_PREFIX = "tiersync-weights-"
+"""Weights segments are named ``tiersync-weights-<publisher pid>-<rank>-<random>-<n>``."""
+
+
+def segment_owner(path: str) -> int | None:
+    """The pid of the publisher that created the weights segment ``path`` (its name says), or
+    None when ``path`` is not named like one (``tiersync shm list`` tells live from stale)."""
+    name = os.path.basename(path)
+    if not name.startswith(SEGMENT_PREFIX):
+        return None
+    pid = name[len(SEGMENT_PREFIX):].split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
 class SegmentWriter:
     """Creates and owns ``path`` (``payload_bytes`` after the header); unlinks it on close."""
 
