@@ -19,6 +19,12 @@ write = functools.partial(write_keys, nbytes=NB)  # write(tier, keys) / read(tie
 read = functools.partial(read_keys, nbytes=NB)
 
 
+def test_a_writable_directory_is_probed_and_the_probe_leaves_nothing(sdir):
+    with open_tier(sdir) as t:
+        assert t.writable is True
+    assert os.listdir(sdir) == []
+
+
 def test_round_trip_and_restart_scan(sdir):
     keys = [key(i) for i in range(6)]
     with open_tier(sdir) as t:
@@ -188,6 +194,7 @@ def test_read_only_directory_refuses_writes_serves_reads():
             write(t, [key(1)])
         assert remount_ro(path)
         with open_tier(path) as t:
+            assert t.writable is False  # said at construction (a WARNING), not at the first write
             with pytest.raises(UsageError) as ei:
                 write(t, [key(2)])
             assert ei.value.argument == "StorageConfig.directory"

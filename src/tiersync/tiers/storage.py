@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import os
 import re
 import socket
@@ -57,6 +58,7 @@ from tiersync.tiers.storage_read import ReadPass, ReadStatus
 __all__ = ["ReadStatus", "StorageConfig", "StorageStats", "StorageTier"]
 
 _FULL = {errno.ENOSPC, errno.EDQUOT}
+log = logging.getLogger(__name__)
 _DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
 _THREAD_PREFIX = "tiersync-storage"
 _READ_PASSES = 2  # a lone read is served at once; what queues meanwhile shares the second pass
@@ -131,6 +133,8 @@ class StorageTier:
         self._prefix = config.identity.hex() + "-"
         self._host = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:32] or "host"
         self._writer = f"{self._host}.{os.getpid()}.{os.urandom(3).hex()}"
+        self.writable = self._probe_writable()
+        """Whether this process can write here (probed at construction; reads work either way)."""
         self._seq = itertools.count()
         self._index = SegmentIndex(self.directory, config.identity)
         self._lock = self._index.lock  # the index; never held during I/O
@@ -144,6 +148,19 @@ class StorageTier:
         self._closed = False
         self._remove_orphans()
         self.refresh()
+
+    def _probe_writable(self) -> bool:
+        """Create and remove a probe file: a read-only or foreign directory is said at once
+        (one WARNING), not found out by the first write."""
+        probe = os.path.join(self.directory, f"{fmt.TMP_PREFIX}{self._prefix}{self._writer}.probe")
+        try:
+            os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            os.unlink(probe)
+            return True
+        except OSError as exc:
+            log.warning("storage directory %s is not writable (%s): it serves reads only, every write is "
+                        "refused", self.directory, exc.strerror)
+            return False
 
     def __repr__(self) -> str:
         return f"<StorageTier {self.directory} blocks={len(self._locs)} segments={len(self._index.live)}>"
