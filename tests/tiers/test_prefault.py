@@ -1,6 +1,9 @@
 """Background pre-faulting of the anonymous host arena (tiersync.tiers.prefault)."""
 from __future__ import annotations
 
+import pytest
+
+from tiersync.errors import UsageError
 from tiersync.tiers.host import HostArena, HostArenaConfig
 
 
@@ -29,3 +32,14 @@ def test_closing_stops_the_population_at_once():
     arena = HostArena(HostArenaConfig(num_blocks=512, block_nbytes=1 << 20))
     arena.close()
     assert arena.prefault.done.is_set() and arena.prefault.populated <= arena.config.nbytes
+
+
+def test_prefault_can_be_turned_off_and_is_validated():
+    arena = HostArena(HostArenaConfig(num_blocks=4, block_nbytes=4096, prefault=False))
+    try:
+        assert arena.prefault is None
+    finally:
+        arena.close()
+    with pytest.raises(UsageError) as ei:
+        HostArenaConfig(num_blocks=4, block_nbytes=4096, prefault="yes")
+    assert ei.value.argument == "HostArenaConfig.prefault"

@@ -37,13 +37,16 @@ POLICIES = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
 
 @dataclass(frozen=True, slots=True)
 class HostArenaConfig:
-    """``num_blocks`` host blocks of ``block_nbytes`` bytes; ``shm`` for warm boot."""
+    """``num_blocks`` host blocks of ``block_nbytes`` bytes; ``shm`` for warm boot. ``prefault``:
+    populate anonymous memory in the background from the start (:mod:`tiersync.tiers.prefault`:
+    first copies at memory speed, and the arena's full size resident soon after it is made)."""
 
     num_blocks: int
     block_nbytes: int
     shm: "ShmConfig | None" = None
     policy: str = "lru"
     layout_digest: bytes = b"\0" * 16
+    prefault: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_nbytes"):
@@ -53,6 +56,8 @@ class HostArenaConfig:
                              value=self.policy, choices=sorted(POLICIES))
         if not isinstance(self.layout_digest, bytes) or len(self.layout_digest) != 16:
             raise UsageError("must be 16 bytes", argument="HostArenaConfig.layout_digest")
+        if not isinstance(self.prefault, bool):
+            raise UsageError("must be a bool", argument="HostArenaConfig.prefault", value=self.prefault)
 
     @property
     def nbytes(self) -> int:
@@ -85,12 +90,13 @@ class HostArena:
 
     @classmethod
     def for_layout(cls, layout: "KVLayout", num_blocks: int, *, shm: "ShmConfig | None" = None,
-                   policy: str = "lru", on_evict: Callable[[list[int]], None] | None = None) -> "HostArena":
+                   policy: str = "lru", on_evict: Callable[[list[int]], None] | None = None,
+                   prefault: bool = True) -> "HostArena":
         """An arena whose blocks mirror ``layout`` (``layout.host_block_nbytes`` each)."""
         if not callable(getattr(layout, "digest", None)) or not isinstance(getattr(layout, "host_block_nbytes", None), int):
             raise UsageError("must be a KVLayout (tiersync.layout.kv_layout)", argument="layout", got=type(layout).__name__)
         cfg = HostArenaConfig(num_blocks=num_blocks, block_nbytes=layout.host_block_nbytes, shm=shm,
-                              policy=policy, layout_digest=layout.digest())
+                              policy=policy, layout_digest=layout.digest(), prefault=prefault)
         return cls(cfg, on_evict=on_evict)
 
     def _open_memory(self, config: HostArenaConfig) -> Any:
@@ -102,7 +108,8 @@ class HostArena:
                                     requested=config.nbytes, blocks=config.num_blocks, error=str(exc)) from None
             if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer TLB misses on scattered block copies
                 self._mmap.madvise(mmap.MADV_HUGEPAGE)
-            self.prefault = Prefaulter(self._mmap, config.nbytes)  # first copies at memory speed
+            if config.prefault:
+                self.prefault = Prefaulter(self._mmap, config.nbytes)  # first copies at memory speed
             return self._mmap
         from tiersync.tiers.shm import Geometry, ShmSegment
 
