@@ -94,15 +94,33 @@ class Server:
             body["kv_transfer_params"] = kv_transfer_params
         return post(self.url + "/generate", body)
 
-    def kill(self) -> None:
-        """SIGKILL the whole process group (the engine's core and worker processes too)."""
+    def kill(self, grace_s: float = 20.0) -> None:
+        """Stop the whole process group (the engine's core and worker processes too): SIGTERM
+        first, so vLLM's processes exit and Python's resource tracker (which ignores SIGTERM)
+        removes the shared memory they leave in /dev/shm (a SIGKILL of the group left 400 MB
+        of ``psm_*`` per engine); SIGKILL whatever is left after ``grace_s``."""
         import os
         import signal
+        import time
 
+        group = self.proc.pid
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(group, signal.SIGTERM)
         except ProcessLookupError:
             pass
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end:
+            self.proc.poll()  # reap the leader: a zombie still counts as a member
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait()
 
 
