@@ -68,12 +68,18 @@ def _serve(mode: str, seed: int, address_q: Any, stop: Any) -> None:
     from tiersync.net.source import MemoryBlockSource
     from tiersync.net.tcp import TcpTransport
 
-    blocks: dict[bytes, bytes] = {}
+    from tiersync.tiers.host import HostArena, HostArenaConfig
+
+    blocks: dict[bytes, memoryview] = {}
     raw: dict[int, memoryview] = {}
-    for s in SIZES[mode]:
-        for i, b in enumerate(_blocks(seed, s, _count(mode, s))):
-            blocks[_key(s, i)] = b
-            raw[s << 20 | i] = memoryview(b)
+    arenas = []
+    for s in SIZES[mode]:  # in host arenas, as a store node holds them (private, huge pages)
+        data = _blocks(seed, s, _count(mode, s))
+        arenas.append(arena := HostArena(HostArenaConfig(num_blocks=len(data), block_nbytes=s)))
+        for i, (b, slot) in enumerate(zip(data, arena.allocate(len(data)))):
+            view = arena.block(slot)
+            view[:] = b
+            blocks[_key(s, i)] = raw[s << 20 | i] = view
     server = TcpTransport().serve("127.0.0.1:0", MemoryBlockSource(blocks))
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_accept, args=(listener, raw), daemon=True).start()
@@ -81,6 +87,8 @@ def _serve(mode: str, seed: int, address_q: Any, stop: Any) -> None:
     stop.wait(600)
     server.close()
     listener.close()
+    for arena in arenas:
+        arena.close()
 
 
 def _raw_accept(listener: socket.socket, blocks: dict[int, memoryview]) -> None:
@@ -242,8 +250,16 @@ class _Memcpy:
         import numpy as np
 
         self._np = np
-        self.src = np.frombuffer(b"".join(expected), np.uint8)
-        self.dst = np.empty_like(self.src)
+        self.src = self.buffer(sum(map(len, expected)))
+        self.src[:] = np.frombuffer(b"".join(expected), np.uint8)
+        self.dst = self.buffer(len(self.src))
+
+    @staticmethod
+    def buffer(nbytes: int) -> Any:
+        """A page-aligned uint8 array (numpy's allocator: huge pages where the kernel allows)."""
+        import numpy as np
+
+        return np.zeros(nbytes, np.uint8)
 
     def pull_window(self, w: int, idxs: list[int], dests: list[memoryview]) -> None:
         self._np.copyto(self.dst, self.src)
@@ -255,7 +271,8 @@ class _Memcpy:
 def _local_case(config: BenchConfig, address: str, size: int, bar: Any) -> dict[str, Any]:
     n = _count(config.mode, size)
     expected = _blocks(config.seed, size, n)
-    dests = [memoryview(bytearray(size)) for _ in range(n)]
+    pool = _Memcpy.buffer(size * n)  # the blocks land in one pool, as in an engine's KV cache
+    dests = [memoryview(pool[i * size:(i + 1) * size]) for i in range(n)]
     ours, memcpy = _Local(address, size, n), _Memcpy(expected)
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
