@@ -18,7 +18,9 @@ Offloading::
 With ``kv_load_failure_policy="recompute"`` a block that fails to load (a corrupt disk copy,
 a failed save) is recomputed by vLLM; with vLLM's default ("fail") the request fails.
 
-Settings: :mod:`tiersync.integrations.vllm.config`.
+Settings: :mod:`tiersync.integrations.vllm.config`. Hits per tier, bytes moved and load and
+save seconds reach vLLM's stats log and the OpenAI server's ``/metrics``
+(:mod:`tiersync.integrations.vllm.stats`).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from tiersync.integrations.vllm.config import ConnectorConfig
 from tiersync.integrations.vllm.metadata import PDMeta, StepMeta, WorkerReport
 from tiersync.integrations.vllm.pd import build_pd
 from tiersync.integrations.vllm.scheduler import OffloadScheduler
+from tiersync.integrations.vllm.stats import TierSyncPromMetrics, TierSyncStats
 from tiersync.integrations.vllm.worker import OffloadWorker
 from tiersync.store.keys import CacheIdentity
 
@@ -141,6 +144,21 @@ class TierSyncConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> WorkerReport | None:
         return self._worker.take_report() if self._worker is not None and not self._pd else None
+
+    def get_kv_connector_stats(self) -> TierSyncStats | None:
+        """This half's hits, bytes and seconds since vLLM last asked (offloading; None for
+        prefill -> decode)."""
+        part = self._worker if self._worker is not None else self._sched
+        return None if self._pd or part is None else part.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierSyncStats:
+        return TierSyncStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> TierSyncPromMetrics:
+        return TierSyncPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiersync.integrations.vllm.metadata import LoadJob, SaveJob, StepMeta, WorkerReport
+from tiersync.integrations.vllm.stats import StatsCounter, TierSyncStats
 from tiersync.store.keys import CacheIdentity, block_keys
 from tiersync.store.offload import LoadSpec, OffloadConfig, OffloadManager
 from tiersync.tiers.storage import StorageConfig, StorageTier
@@ -41,6 +42,7 @@ class OffloadScheduler:
         self.manager = OffloadManager(OffloadConfig(num_slots, policy, storage_dir is not None))
         self._reqs: dict[str, _Tracked] = {}
         self.hit_blocks = {"host": 0, "disk": 0}
+        self._stats = StatsCounter()
         if storage_dir is not None:
             self._scan(storage_dir)
 
@@ -123,6 +125,12 @@ class OffloadScheduler:
         disk = sum(spec.from_storage)
         self.hit_blocks["disk"] += disk
         self.hit_blocks["host"] += len(spec) - disk
+        self._stats.add("hit_tokens_disk", disk * self.block_size)
+        self._stats.add("hit_tokens_host", (len(spec) - disk) * self.block_size)
+
+    def take_stats(self) -> TierSyncStats | None:
+        """Hit tokens per tier since the last call (vLLM's ``get_kv_connector_stats``)."""
+        return self._stats.take()
 
     def _plan_save(self, meta: StepMeta, t: _Tracked, computed: int) -> None:
         full = min(computed // self.block_size, len(t.keys), len(t.block_ids))

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tiersync.errors import TierSyncError, UsageError
 from tiersync.integrations.vllm.metadata import LoadJob, SaveJob, WorkerReport
+from tiersync.integrations.vllm.stats import StatsCounter, TierSyncStats
 from tiersync.layout.adapters import kv_layout
 from tiersync.store.keys import CacheIdentity
 from tiersync.tiers.host import HostArena
@@ -55,6 +57,7 @@ class OffloadWorker:
         self._load_blocks: list[int] = []
         self._load_errors: set[int] = set()
         self._report = WorkerReport()
+        self._stats = StatsCounter()  # under _lock: disk writes and loads finish on other threads
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -78,7 +81,7 @@ class OffloadWorker:
     def start_loads(self, jobs: Sequence[LoadJob]) -> None:
         """Read disk hits into their slots, then post one host->engine copy for all jobs."""
         self._load, self._load_blocks = None, []
-        runs = []
+        runs, t0 = [], time.perf_counter()
         for job in jobs:
             good = self._stage(job)
             for i, (slot, dev) in enumerate(zip(job.spec.slots, job.device_blocks)):
@@ -89,6 +92,19 @@ class OffloadWorker:
                 self._load_blocks.append(dev)
         if runs:
             self._load = self._engine.h2d(runs)
+            self._count_load(t0, len(runs))
+
+    def _count_load(self, t0: float, blocks: int) -> None:
+        """Count a posted host -> engine copy; its seconds (from the step's first disk read)
+        once it completes."""
+        with self._lock:
+            self._stats.add("load_bytes_host", blocks * self._arena.block_nbytes)
+
+        def done(f: TransferFuture) -> None:
+            with self._lock:
+                self._stats.observe("load_seconds", time.perf_counter() - t0)
+
+        self._load.add_done_callback(done)
 
     def _stage(self, job: LoadJob) -> list[bool]:
         spec = job.spec
@@ -119,6 +135,7 @@ class OffloadWorker:
                     bad.add(k)
         with self._lock:
             self._report.bad_disk.update(bad)
+            self._stats.add("load_bytes_disk", (len(keys) - len(bad)) * self._arena.block_nbytes)
 
     def wait_layer(self, name: str) -> None:
         """Block until ``name``'s KV of this step's loads is in place. A failed or late
@@ -135,6 +152,9 @@ class OffloadWorker:
 
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
+        if out:
+            with self._lock:
+                self._stats.add("load_errors", len(out))
         return out
 
     # -- saves ----------------------------------------------------------------------
@@ -149,6 +169,7 @@ class OffloadWorker:
         for job in jobs:
             for s in job.spec.slots:
                 self._slot_key[s] = None
+        t0 = time.perf_counter()
         try:
             self._engine.d2h(runs).result(self._timeout)
         except (TierSyncError, TimeoutError, OSError):
@@ -156,6 +177,9 @@ class OffloadWorker:
                 self._report.bad_slots.update(k for job in jobs for k in job.spec.keys)
                 self._report.stored_failed.update(k for job in jobs if job.spec.to_storage for k in job.spec.keys)
             return
+        with self._lock:
+            self._stats.observe("save_seconds", time.perf_counter() - t0)
+            self._stats.add("save_bytes_host", len(runs) * self._arena.block_nbytes)
         for job in jobs:
             for k, s in zip(job.spec.keys, job.spec.slots):
                 self._slot_key[s] = k
@@ -172,7 +196,10 @@ class OffloadWorker:
 
         def done(f: Any) -> None:
             with self._lock:
-                (self._report.stored_failed if f.exception() else self._report.stored_ok).update(keys)
+                failed = f.exception() is not None
+                (self._report.stored_failed if failed else self._report.stored_ok).update(keys)
+                if not failed:
+                    self._stats.add("save_bytes_disk", len(keys) * self._arena.block_nbytes)
 
         future.add_done_callback(done)
 
@@ -180,6 +207,11 @@ class OffloadWorker:
         with self._lock:
             report, self._report = self._report, WorkerReport()
         return None if report.empty() else report
+
+    def take_stats(self) -> TierSyncStats | None:
+        """What this worker did since the last call (vLLM's ``get_kv_connector_stats``)."""
+        with self._lock:
+            return self._stats.take()
 
     def close(self) -> None:
         """Finish disk writes, then release the engine, arena and storage. Idempotent."""
