@@ -100,6 +100,40 @@ def test_python_fallback_kernel_roundtrip(rig, monkeypatch):
     roundtrip(pools, layout, arena, eng, rng, [3, 1, 7], [0, 9, 4])
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_copy_blocks_matches_a_numpy_reference(native, monkeypatch):
+    if not native:
+        monkeypatch.setattr(kernel, "_native", None)
+    elif kernel.KERNEL != "native":
+        pytest.skip("native kernel not built")
+    rng = np.random.default_rng(21)
+    src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, dtype=np.uint8)
+    want = dst.copy()
+    regions = np.array([[0, 4096, 300], [512, 0, 5000], [6000, 9000, 17]], dtype=np.int64)  # both copy paths
+    blocks = np.array([[0, 20000], [10000, 0], [40000, 40000]], dtype=np.int64)
+    for sb, db in blocks.tolist():
+        for sr, dr, n in regions.tolist():
+            want[db + dr:db + dr + n] = src[sb + sr:sb + sr + n]
+    kernel.copy_blocks(src.ctypes.data, dst.ctypes.data, np.ascontiguousarray(blocks[:, 0]),
+                       np.ascontiguousarray(blocks[:, 1]), *(np.ascontiguousarray(regions[:, i]) for i in range(3)))
+    assert np.array_equal(dst, want)
+
+
+def test_small_request_is_shared_by_every_worker(rig):
+    rng = np.random.default_rng(22)
+    p = make_pool("numpy", np.float32, rng, dim=1 << 16)  # 256 KiB blocks
+    layout, arena, _ = rig([p.tensor], num_host=16)
+    eng = TransferEngine(layout, arena, TransferConfig(workers=2))  # default chunk_bytes: 8 MiB
+    host = arena.allocate(16)
+    parts, piece = eng._plan(np.array([[d, host[d], 1] for d in range(16)], dtype=np.int64), True)
+    assert piece == max(16 * layout.host_block_nbytes // eng.config.workers, 1 << 20)
+    assert len(eng._pack(parts, piece)) == eng.config.workers
+    with eng:
+        eng.d2h([(d, host[d], 1) for d in range(16)]).result(timeout=60)
+    assert arena.memory[host].tobytes() == np.ascontiguousarray(p.tensor[:16]).tobytes()
+
+
 def test_jax_cpu_arrays_roundtrip():
     run_without_leaking_jax("""
         import jax.numpy as jnp
@@ -317,14 +351,14 @@ def test_post_that_loses_the_race_with_close_is_refused_not_lost(rig, monkeypatc
     layout, arena, eng = rig([p.tensor])
     host = arena.allocate(1)
     inside, resume = threading.Event(), threading.Event()
-    real = engine_mod.pool_spans
+    real = engine_mod.block_copy
 
-    def slow_pool_spans(*a, **kw):  # holds the poster after its open check, before it enqueues
+    def slow_block_copy(*a, **kw):  # holds the poster after its open check, before it enqueues
         inside.set()
         assert resume.wait(30)
         return real(*a, **kw)
 
-    monkeypatch.setattr(engine_mod, "pool_spans", slow_pool_spans)
+    monkeypatch.setattr(engine_mod, "block_copy", slow_block_copy)
     outcome: list[object] = []
 
     def poster() -> None:
@@ -365,7 +399,7 @@ def test_auto_allocate_failing_after_allocation_frees_its_blocks(rig, monkeypatc
     def boom(*a, **kw):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(engine_mod, "pool_spans", boom)
+    monkeypatch.setattr(engine_mod, "block_copy", boom)
     with pytest.raises(RuntimeError, match="injected"):
         eng.d2h_auto_allocate([0, 1])
     a = arena.allocator

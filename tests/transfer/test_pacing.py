@@ -82,6 +82,18 @@ def test_idle_time_builds_no_burst_credit(clock):
     assert clock.now == pytest.approx(61.0)
 
 
+def test_try_acquire_takes_room_only_when_acquire_would_not_wait():
+    p = Pacer(100)
+    assert p.try_acquire(60) and p.inflight == 60
+    assert not p.try_acquire(50) and p.inflight == 60  # no room: nothing taken
+    p.release(60)
+    assert p.try_acquire(500) and p.inflight == 500  # alone, larger than the budget, like acquire
+    p.release(500)
+    assert not Pacer(100, bandwidth_bytes_per_s=1e9).try_acquire(1)  # the cap's schedule is acquire's
+    p.close()
+    assert not p.try_acquire(1)
+
+
 def test_inflight_cap_blocks_until_release_in_order():
     p = Pacer(100)
     log: list[str] = []

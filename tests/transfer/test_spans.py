@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from tiersync.errors import UsageError
 from tiersync.layout.pool import PoolSpec, Region
-from tiersync.transfer.spans import Spans, coalesce, expand, pool_spans, validate_runs
+from tiersync.transfer.spans import (BlockCopy, Spans, block_copy, coalesce, expand, pool_pattern, pool_spans,
+                                     validate_runs)
 
 
 def spans(rows) -> Spans:
@@ -164,3 +165,47 @@ def test_split_cuts_at_byte_budget():
     assert [p.nbytes for p in s.split(30)] == [30, 30, 30, 10]
     assert [p.nbytes for p in s.split(1000)] == [100]
     assert [p.nbytes for p in s.split(1)] == [10] * 10
+
+
+# -- pool_pattern / block_copy: what the engine's kernel gets ------------------
+def pattern_byte_map(bc: BlockCopy, src_base: int = 0, dst_base: int = 0) -> dict[int, int]:
+    """Every source byte -> its destination byte, as copy_blocks moves them."""
+    p = bc.pattern
+    rows = [(sb + s, db + d, n) for sb, db in zip(bc.src.tolist(), bc.dst.tolist())
+            for s, d, n in zip(p.src.tolist(), p.dst.tolist(), p.length.tolist())]
+    return byte_map(spans(rows or np.zeros((0, 3))))
+
+
+def test_pattern_merges_regions_adjacent_on_both_sides():
+    spec = PoolSpec(num_blocks=4, block_stride=64, regions=(Region(0, 8), Region(8, 8), Region(32, 8)))
+    p = pool_pattern(spec, to_host=True)
+    assert (p.src.tolist(), p.dst.tolist(), p.length.tolist(), p.block_nbytes) == ([0, 32], [0, 16], [16, 8], 24)
+    back = pool_pattern(spec, to_host=False)
+    assert (back.src.tolist(), back.dst.tolist()) == ([0, 16], [0, 32])
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 9)), min_size=1, max_size=6),
+       st.permutations(range(8)), st.integers(1, 4), st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_block_copy_moves_exactly_the_bytes_pool_spans_names(gaps, perm, nruns, to_host):
+    regions, at = [], 0
+    for gap, n in gaps:
+        regions.append(Region(at + gap, n))
+        at += gap + n
+    spec = PoolSpec(num_blocks=8, block_stride=at + 3, regions=tuple(regions))
+    host_stride = sum(n for _, n in gaps) + 5
+    runs = np.array([[perm[i], i, 1] for i in range(nruns)], dtype=np.int64)
+    want = byte_map(pool_spans(spec, 0, host_stride, runs, to_host=to_host))
+    got = block_copy(pool_pattern(spec, to_host=to_host), spec.block_stride, host_stride, runs, to_host=to_host)
+    assert pattern_byte_map(got) == want and got.nbytes == len(want)
+
+
+@given(st.integers(1, 40), st.integers(1, 5), st.integers(1, 300))
+def test_block_copy_split_covers_every_block_once_in_order(blocks, per_block, max_bytes):
+    pattern = pool_pattern(PoolSpec(num_blocks=64, block_stride=16, regions=(Region(0, per_block),)), to_host=True)
+    runs = np.array([[i, 63 - i, 1] for i in range(blocks)], dtype=np.int64)
+    whole = block_copy(pattern, 16, 8, runs, to_host=True)
+    pieces = whole.split(max_bytes)
+    assert np.concatenate([p.src for p in pieces]).tolist() == whole.src.tolist()
+    assert np.concatenate([p.dst for p in pieces]).tolist() == whole.dst.tolist()
+    assert all(p.nbytes <= max(max_bytes, per_block) for p in pieces)

@@ -99,6 +99,45 @@ static PyObject *copy_spans(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* copy_blocks: every region of a block pattern, for every block pair (see kernel.py). */
+static PyObject *copy_blocks(PyObject *self, PyObject *args) {
+    unsigned long long src, dst;
+    PyObject *obj[5];
+    int streaming = 0;
+    static const char *names[5] = {"src_blocks", "dst_blocks", "src_regions", "dst_regions", "lengths"};
+    if (!PyArg_ParseTuple(args, "KKOOOOO|p", &src, &dst, &obj[0], &obj[1], &obj[2], &obj[3], &obj[4], &streaming))
+        return NULL;
+    Py_buffer v[5];
+    int got = 0;
+    for (; got < 5; got++)
+        if (get_i64(obj[got], &v[got], names[got]) < 0) break;
+    if (got == 5 && (v[1].len != v[0].len || v[3].len != v[2].len || v[4].len != v[2].len)) {
+        PyErr_SetString(PyExc_ValueError, "block arrays and region arrays must each agree in size");
+        got = -got;
+    }
+    if (got != 5) {
+        for (int i = 0; i < (got < 0 ? -got : got); i++) PyBuffer_Release(&v[i]);
+        return NULL;
+    }
+    const int64_t *sb = v[0].buf, *db = v[1].buf, *sr = v[2].buf, *dr = v[3].buf, *len = v[4].buf;
+    Py_ssize_t nb = v[0].len / 8, nr = v[2].len / 8;
+    char *s0 = (char *)(uintptr_t)src, *d0 = (char *)(uintptr_t)dst;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        char *s = s0 + sb[b], *d = d0 + db[b];
+        for (Py_ssize_t r = 0; r < nr; r++) {
+            if (streaming && len[r] >= 256) stream_copy(d + dr[r], s + sr[r], len[r]);
+            else memcpy(d + dr[r], s + sr[r], (size_t)len[r]);
+        }
+    }
+#ifdef TS_HAVE_SSE2
+    if (streaming) _mm_sfence();
+#endif
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < 5; i++) PyBuffer_Release(&v[i]);
+    Py_RETURN_NONE;
+}
+
 /* ---- tsum64 (core in tsum64.h) ------------------------------------------------------ */
 #include "tsum64.h"
 
@@ -207,6 +246,7 @@ static PyType_Spec Tsum64_spec = {
 
 static PyMethodDef methods[] = {
     {"copy_spans", copy_spans, METH_VARARGS, "Copy byte spans between two raw addresses, GIL released."},
+    {"copy_blocks", copy_blocks, METH_VARARGS, "Copy a region pattern for each block pair, GIL released."},
     {"tsum64", (PyCFunction)(void (*)(void))tsum64, METH_VARARGS | METH_KEYWORDS,
      "tsum64(data, seed=0) -> int: tiersync's 64-bit payload checksum, GIL released when large."},
     {"_tsum64_using", tsum64_using, METH_VARARGS, "Tests only: tsum64 through one stripe implementation."},

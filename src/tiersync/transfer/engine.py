@@ -13,7 +13,8 @@ submission and never locks or unlocks on the caller's behalf, except for
 ``unlock`` later (then LRU may evict them).
 
 Each request is cut per pool (layer order) into chunks of at most
-``chunk_bytes``; a dispatcher thread admits chunks under the :class:`Pacer`
+``chunk_bytes`` (smaller for a small request, so that every worker has a share); a
+dispatcher thread admits chunks under the :class:`Pacer`
 (bytes in flight, optional bandwidth cap) and a pool of ``workers`` threads
 copies them with the GIL released.
 """
@@ -28,12 +29,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiersync.errors import ClosedError, UsageError, check_positive_int
-from tiersync.layout.pool import Device, KVLayout, PoolSpec
+from tiersync.layout.pool import Device, KVLayout
 from tiersync.tiers.host import HostArena
 from tiersync.transfer.future import Direction, TransferFuture
-from tiersync.transfer.kernel import copy_spans
+from tiersync.transfer.kernel import copy_blocks
 from tiersync.transfer.pacing import Pacer
-from tiersync.transfer.spans import Spans, expand, pool_spans, validate_runs
+from tiersync.transfer.spans import BlockCopy, Pattern, block_copy, expand, pool_pattern, validate_runs
+
+
+_MIN_PIECE = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +88,10 @@ class TransferEngine:
         groups: dict[tuple, int] = {}  # pools with equal stride and regions share one span plan
         self._geometry = [groups.setdefault((p.spec.block_stride, p.spec.regions), len(groups))
                           for p in layout.pools]
-        self._relative: dict[int, PoolSpec] = {}  # per geometry: the spec with base offset 0
+        self._patterns: dict[tuple[int, bool], tuple[int, Pattern]] = {}  # (geometry, to_host) -> stride, pattern
         for g, p in zip(self._geometry, layout.pools):
-            self._relative.setdefault(g, PoolSpec(p.spec.num_blocks, p.spec.block_stride, p.spec.regions))
+            for to_host in (True, False):
+                self._patterns.setdefault((g, to_host), (p.spec.block_stride, pool_pattern(p.spec, to_host=to_host)))
         self.config = config if config is not None else TransferConfig()
         self.metrics = metrics
         rate = None if self.config.bandwidth_gbps is None else self.config.bandwidth_gbps * 1e9
@@ -94,6 +99,7 @@ class TransferEngine:
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="tiersync-copy")
         self._queue: queue.SimpleQueue[list[_Chunk] | None] = queue.SimpleQueue()
         self._closed = False
+        self._queued = 0  # work lists put on the queue and not yet fully dispatched
         self._state_lock = threading.Lock()  # orders posts against close: no work after the stop marker
         self._host_memory = arena.memory  # keeps the arena's mapping alive while copies may touch it
         self._dispatcher = threading.Thread(target=self._dispatch, name="tiersync-dispatch", daemon=True)
@@ -149,41 +155,73 @@ class TransferEngine:
         host_ids = expand(host_first, runs[:, 2])
         if not self.arena.allocator.all_locked(host_ids):
             raise UsageError("host blocks must be locked for the whole transfer", argument="runs")
-        parts = self._plan(runs, to_host)
+        parts, piece = self._plan(runs, to_host)
         per_layer = [0] * self.layout.num_layers
         for _, layer, _, _, _ in parts:
             per_layer[layer] += 1
         fut = TransferFuture(direction, sum(p[4].nbytes for p in parts), per_layer, host_ids.tolist())
-        work = [_Chunk(fut, tuple(group), sum(p[4].nbytes for p in group)) for group in self._pack(parts)]
+        work = [_Chunk(fut, tuple(group), sum(p[4].nbytes for p in group)) for group in self._pack(parts, piece)]
         with self._state_lock:
             self._check_open()
-            self._queue.put(work)
+            if self._queued == 0:  # nothing ahead of it: what fits now skips the dispatcher's hop
+                work = self._admit_now(work)
+            if work:
+                self._queued += 1
+                self._queue.put(work)
         return fut
 
-    def _plan(self, runs: np.ndarray, to_host: bool) -> list[tuple]:
-        """(pool, layer, src_addr, dst_addr, spans) parts, layer order. Spans are computed once
-        per distinct pool geometry, relative to the pool's first block and its host segment;
-        the per-pool offsets go into the two base addresses."""
-        by_geometry: dict[int, list[Spans]] = {}
+    def _admit_now(self, work: list[_Chunk]) -> list[_Chunk]:
+        """Submit the leading chunks the pacer admits without waiting; return the rest, in
+        order, for the dispatcher. Called under ``_state_lock`` with no work queued."""
+        for i, chunk in enumerate(work):
+            if not self._pacer.try_acquire(chunk.nbytes):
+                return work[i:]
+            self._submit(chunk)
+        return []
+
+    def _submit(self, chunk: _Chunk) -> None:
+        """Hand an admitted chunk to the copy pool (its bytes back, its future failed, when
+        ``close(wait=False)`` shut the pool down)."""
+        try:
+            self._pool.submit(self._run, chunk)
+        except RuntimeError:
+            self._pacer.release(chunk.nbytes)
+            chunk.future._finish(ClosedError("transfer engine closed before the copy ran"))
+
+    def _plan(self, runs: np.ndarray, to_host: bool) -> tuple[list[tuple], int]:
+        """(pool, layer, src_addr, dst_addr, spans) parts in layer order, and the piece size
+        they were cut to (:meth:`_piece_bytes`). Block offsets are computed once per distinct
+        pool geometry (its region pattern once per engine), relative to the pool's first block
+        and its host segment; the per-pool offsets go into the two base addresses."""
+        spans: dict[int, BlockCopy] = {}
+        for geo in self._geometry:
+            if geo not in spans:
+                stride, pattern = self._patterns[(geo, to_host)]
+                spans[geo] = block_copy(pattern, stride, self.arena.block_nbytes, runs, to_host=to_host)
+        piece = self._piece_bytes(sum(spans[geo].nbytes for geo in self._geometry))
+        pieces = {geo: sp.split(piece) for geo, sp in spans.items()}
         parts = []
         for i, (p, off) in enumerate(zip(self.layout.pools, self.layout.host_offsets)):
-            spec = p.spec
-            geo = self._geometry[i]
-            if geo not in by_geometry:
-                spans = pool_spans(self._relative[geo], 0, self.arena.block_nbytes, runs, to_host=to_host)
-                by_geometry[geo] = spans.split(self.config.chunk_bytes)
-            dev = p.address + spec.base_offset
+            dev = p.address + p.spec.base_offset
             host = self.arena.address + off
             src, dst = (dev, host) if to_host else (host, dev)
-            parts.extend((i, p.layer, src, dst, piece) for piece in by_geometry[geo])
-        return parts
+            parts.extend((i, p.layer, src, dst, sp) for sp in pieces[self._geometry[i]])
+        return parts, piece
 
-    def _pack(self, parts: list[tuple]) -> list[list[tuple]]:
-        """Group consecutive parts into work items of about ``chunk_bytes`` each."""
+    def _piece_bytes(self, total: int) -> int:
+        """Work-item size for a request of ``total`` bytes: ``chunk_bytes``, or less so that
+        every worker gets a share of a smaller request (one 8 MiB item would leave the other
+        workers idle), but not below _MIN_PIECE (each item costs a thread hand-off)."""
+        share = -(-total // self.config.workers)
+        return max(min(self.config.chunk_bytes, share), min(_MIN_PIECE, self.config.chunk_bytes))
+
+    @staticmethod
+    def _pack(parts: list[tuple], piece: int) -> list[list[tuple]]:
+        """Group consecutive parts into work items of about ``piece`` bytes each."""
         groups: list[list[tuple]] = []
-        size = self.config.chunk_bytes
+        size = piece
         for part in parts:
-            if groups and size + part[4].nbytes <= self.config.chunk_bytes:
+            if groups and size + part[4].nbytes <= piece:
                 groups[-1].append(part)
                 size += part[4].nbytes
             else:
@@ -205,11 +243,9 @@ class TransferEngine:
                 except ClosedError as exc:
                     chunk.future._finish(exc)
                     continue
-                try:
-                    self._pool.submit(self._run, chunk)
-                except RuntimeError:  # pool shut down by close(wait=False)
-                    self._pacer.release(chunk.nbytes)
-                    chunk.future._finish(ClosedError("transfer engine closed before the copy ran"))
+                self._submit(chunk)
+            with self._state_lock:
+                self._queued -= 1
 
     def _run(self, chunk: _Chunk) -> None:
         fut = chunk.future
@@ -217,7 +253,9 @@ class TransferEngine:
             for _, layer, src, dst, spans in chunk.parts:
                 if fut.done():
                     return  # failed elsewhere
-                copy_spans(src, dst, spans.src, spans.dst, spans.length, streaming=self.config.streaming_stores)
+                pat = spans.pattern
+                copy_blocks(src, dst, spans.src, spans.dst, pat.src, pat.dst, pat.length,
+                            streaming=self.config.streaming_stores)
                 if fut._chunk_done(layer):
                     fut._finish(None)
                     self._record(fut, ok=True)

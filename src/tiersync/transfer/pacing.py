@@ -49,6 +49,17 @@ class Pacer:
         if delay > 0:
             time.sleep(delay)
 
+    def try_acquire(self, nbytes: int) -> bool:
+        """:meth:`acquire` without waiting: False (nothing taken) when it would wait for room
+        or for the bandwidth cap's schedule, or when closed."""
+        with self._cv:
+            if self._closed or self.rate is not None:
+                return False
+            if self._inflight > 0 and self._inflight + nbytes > self.max_inflight_bytes:
+                return False
+            self._inflight += nbytes
+            return True
+
     def release(self, nbytes: int) -> None:
         with self._cv:
             self._inflight -= nbytes

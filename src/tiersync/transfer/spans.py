@@ -4,7 +4,10 @@ A *run* is ``(src_block, dst_block, count)``: copy ``count`` consecutive blocks.
 :func:`validate_runs` checks a whole request before anything moves (all or
 nothing); :func:`pool_spans` turns runs into the byte spans of one pool on the
 device side and its segment of the block-major host image, merging spans that
-are adjacent on both sides.
+are adjacent on both sides. What the engine hands its kernel is smaller:
+:func:`pool_pattern` (a pool's regions within one block, on both sides, computed once)
+and :func:`block_copy` (one offset per block and side), so a pool whose blocks hold
+a thousand small regions costs no Python or numpy work per region.
 """
 from __future__ import annotations
 
@@ -118,3 +121,57 @@ def coalesce(spans: Spans) -> Spans:
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     lengths = np.add.reduceat(n, starts)
     return Spans(np.ascontiguousarray(s[starts]), np.ascontiguousarray(d[starts]), lengths.astype(np.int64))
+
+
+@dataclass(frozen=True, slots=True)
+class Pattern:
+    """One pool's bytes within a block: region offsets on the source and destination side
+    and their lengths (parallel int64 arrays, regions adjacent on both sides merged)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+    block_nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_nbytes", int(self.length.sum()))
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Blocks to copy with one :class:`Pattern`: ``src[i]`` / ``dst[i]`` are block ``i``'s
+    byte offsets on each side (int64 arrays), ordered by source."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    pattern: Pattern
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", len(self.src) * self.pattern.block_nbytes)
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def split(self, max_bytes: int) -> list["BlockCopy"]:
+        """Consecutive pieces of at most ``max_bytes`` each (a block is never split)."""
+        per = max(1, max_bytes // max(self.pattern.block_nbytes, 1))
+        return [BlockCopy(self.src[i:i + per], self.dst[i:i + per], self.pattern) for i in range(0, len(self), per)]
+
+
+def pool_pattern(spec: PoolSpec, *, to_host: bool) -> Pattern:
+    """``spec``'s regions in a device block and in its segment of a host block."""
+    dev = np.array([r.offset for r in spec.regions], dtype=np.int64)
+    length = np.array([r.nbytes for r in spec.regions], dtype=np.int64)
+    host = np.concatenate(([0], np.cumsum(length)[:-1])).astype(np.int64)
+    merged = coalesce(Spans(dev, host, length) if to_host else Spans(host, dev, length))
+    return Pattern(merged.src, merged.dst, merged.length)
+
+
+def block_copy(pattern: Pattern, block_stride: int, host_stride: int, runs: np.ndarray, *, to_host: bool) -> BlockCopy:
+    """The block offsets of ``runs`` (validated) for a pool of ``block_stride`` with host
+    blocks of ``host_stride``. ``to_host``: runs are (device, host, n), else (host, device, n)."""
+    runs = runs[np.argsort(runs[:, 0], kind="stable")]
+    src_ids, dst_ids = expand(runs[:, 0], runs[:, 2]), expand(runs[:, 1], runs[:, 2])
+    src_stride, dst_stride = (block_stride, host_stride) if to_host else (host_stride, block_stride)
+    return BlockCopy(src_ids * src_stride, dst_ids * dst_stride, pattern)
