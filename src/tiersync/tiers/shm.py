@@ -239,7 +239,8 @@ class ShmSegment:
         """Blocks flagged valid whose checksum verifies, oldest ``seq`` first.
 
         Entries flagged valid that fail the checksum (torn) or carry impossible fields
-        (malformed) are invalidated and counted in :attr:`stats`; they are never returned.
+        (malformed) are invalidated and counted in :attr:`stats`; they are never returned,
+        and later publishes number their seqs after the newest block returned.
         """
         self._check_open()
         found = []
@@ -253,6 +254,9 @@ class ShmSegment:
             else:
                 fmt.set_valid(self._mm, self._entry_at(block), False)
         found.sort(key=lambda r: r.seq)
+        # Continue after the newest *verified* entry: a damaged one (say, its seq rotted to
+        # 2**64 - 1) counted at open and would push every later publish past a u64.
+        self._next_seq = found[-1].seq + 1 if found else 1
         return found
 
     def _verify(self, block: int, e: fmt.Entry) -> str:
@@ -278,7 +282,8 @@ class ShmSegment:
 
         Clears the valid word, checksums the bytes, writes seq / key / nbytes / checksum,
         then sets the valid word last. ``key`` is at most 32 bytes. Returns the new seq,
-        which grows monotonically (continuing after the largest seq found at open).
+        which grows monotonically (continuing after the largest seq flagged valid at open,
+        then after the largest one :meth:`recover` verified).
         """
         self._check_open()
         block = self._check_block(block)

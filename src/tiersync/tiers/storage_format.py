@@ -26,9 +26,10 @@ key length u16, pad u16, key 32 B, reserved 16 B, xxh3_64 of the first 56 bytes
 u64), one ``write`` per delete call with ``O_APPEND`` (atomic on a local file
 system), so a scan after a restart skips the records they name. A torn or
 damaged tombstone fails its checksum and is ignored: the block then comes back
-with its own verified bytes (never wrong ones). A segment whose every record is
-tombstoned is unlinked, then its sidecar; a sidecar without its segment is an
-orphan, removed on the next open.
+with its own verified bytes (never wrong ones); the records after it are still
+found (a scan looks for each record's magic, not at fixed offsets). A segment
+whose every record is tombstoned is unlinked, then its sidecar; a sidecar
+without its segment is an orphan, removed on the next open.
 """
 from __future__ import annotations
 
@@ -183,14 +184,19 @@ def encode_tombstones(keys: list[bytes]) -> bytes:
 
 
 def parse_tombstones(buf: bytes) -> set[bytes]:
-    """Keys named by the valid tombstone records of a sidecar; bad or partial records are skipped."""
+    """Keys named by the valid tombstone records of a sidecar; bad or partial records are skipped.
+
+    Records are found by their magic wherever they start, not only at multiples of
+    TOMB_NBYTES: a torn record (or junk) must not misalign, and so hide, the ones appended
+    after it."""
     keys = set()
-    for off in range(0, len(buf) - TOMB_NBYTES + 1, TOMB_NBYTES):
+    off = buf.find(TOMB_MAGIC)
+    while 0 <= off <= len(buf) - TOMB_NBYTES:
         rec = buf[off:off + TOMB_NBYTES]
-        magic, klen, _pad, key, _res = _TOMB.unpack_from(rec)
-        if magic != TOMB_MAGIC or not 0 < klen <= MAX_KEY_NBYTES:
-            continue
-        if xxhash.xxh3_64_intdigest(rec[:_TOMB.size]) != int.from_bytes(rec[_TOMB.size:], "little"):
-            continue
-        keys.add(key[:klen])
+        _magic, klen, _pad, key, _res = _TOMB.unpack_from(rec)
+        ok = 0 < klen <= MAX_KEY_NBYTES and \
+            xxhash.xxh3_64_intdigest(rec[:_TOMB.size]) == int.from_bytes(rec[_TOMB.size:], "little")
+        if ok:
+            keys.add(key[:klen])
+        off = buf.find(TOMB_MAGIC, off + (TOMB_NBYTES if ok else 1))
     return keys
