@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 def test_tiny_workload_rows_follow_the_contract():
     require_vllm()
+    from tiersync.bench.concurrency import SHAPES as CONC
     from tiersync.bench.workload import SHAPES, run
 
     rep = run(BenchConfig("workload", tiny=True, cases="tiersync"))
@@ -22,10 +23,17 @@ def test_tiny_workload_rows_follow_the_contract():
     rows = {r["name"]: r for r in rep["results"]}
     modes = ("recompute", "tiersync", "tiersync_prefix")
     rounds = [f"workload-r{k}" for k in (1, 2)] + [f"chat-t{k}" for k in range(1, shape.turns + 1)]
-    assert set(rows) == {f"{r}-{m}" for r in rounds for m in modes}
+    conc = [f"concurrent-{CONC['tiny'].requests}-{m}" for m in modes]
+    assert set(rows) == {f"{r}-{m}" for r in rounds for m in modes} | set(conc)
     for name, r in rows.items():
         assert r["tokens_match"] is True and r["baseline"] == name.rsplit("-", 1)[0] + "-recompute"
-        assert r["ratio"] == pytest.approx(r["baseline_ttft_s"] / r["ttft_s"], rel=1e-2)
+        if name in conc:
+            assert r["ratio"] == pytest.approx(r["baseline_batch_s"] / r["batch_s"], rel=1e-2)
+        else:
+            assert r["ratio"] == pytest.approx(r["baseline_ttft_s"] / r["ttft_s"], rel=1e-2)
+    # the batch's hits were loaded from disk (asynchronously), its misses computed
+    hits = CONC["tiny"].requests // 2 * ((CONC["tiny"].doc_len + CONC["tiny"].question_len - 1) // 128 * 128)
+    assert rows[conc[1]]["cached_tokens"] >= hits // 2 and rows[conc[0]]["cached_tokens"] == 0
     assert rows["workload-r1-tiersync"]["cached_tokens"] == 0  # round 1: every request a miss
     assert rows["workload-r2-tiersync"]["cached_tokens"] >= shape.docs * 128  # served from the host tier
     assert rows["workload-r2-recompute"]["cached_tokens"] == 0

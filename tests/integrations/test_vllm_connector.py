@@ -58,8 +58,13 @@ def test_miss_then_host_hit_match_recompute(model, disk, baseline):
     assert glob.glob(os.path.join(disk, "rank0", "*.seg")), "blocks were not written to disk"
 
 
-def test_disk_hit_after_restart(model, disk, baseline):
-    (row,) = run_engine(_spec(model, disk, ["gen"]))  # a new engine: empty host tier
+@pytest.mark.parametrize("background", [True, False])
+def test_disk_hit_after_restart(model, disk, baseline, background):
+    """A new engine (empty host tier) loads the prompt from disk: in the background through
+    vLLM's asynchronous load (the default), or before the forward."""
+    spec = _spec(model, disk, ["gen"])
+    spec["extra"]["async_disk_loads"] = background
+    (row,) = run_engine(spec)
     assert row["cached_tokens"] == HIT_TOKENS
     _same_output(row, baseline)
 

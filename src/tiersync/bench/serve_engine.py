@@ -53,13 +53,21 @@ def build_engine(spec: dict) -> Any:
                gpu_memory_utilization=0.3, max_model_len=spec.get("max_model_len", 8192),
                max_num_batched_tokens=spec.get("chunk", 4096), enable_chunked_prefill=True,
                enable_prefix_caching=bool(spec.get("prefix_cache", False)), enforce_eager=True, seed=0,
-               dtype=spec.get("dtype", "float32"), disable_log_stats=not spec.get("workload"), **pool)
+               dtype=spec.get("dtype", "float32"),
+               disable_log_stats=not (spec.get("workload") or spec.get("concurrent")), **pool)
 
 
 def generate(llm: Any, prompt: list[int], max_tokens: int, kv_transfer_params: dict | None = None) -> dict:
     """Greedy generation of ``max_tokens``: seconds, tokens, the chosen tokens' logprobs, how
     many prompt tokens the engine did not compute (prefix cache or connector hits) and the
     connector's ``kv_transfer_params`` of the finished request."""
+    return generate_batch(llm, [prompt], max_tokens, kv_transfer_params)[0]
+
+
+def generate_batch(llm: Any, prompts: list[list[int]], max_tokens: int,
+                   kv_transfer_params: dict | None = None) -> list[dict]:
+    """:func:`generate` for every prompt, submitted together (the engine batches them);
+    ``seconds`` is the whole batch's, ``first_seconds`` each request's own TTFT."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -67,14 +75,17 @@ def generate(llm: Any, prompt: list[int], max_tokens: int, kv_transfer_params: d
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=1,
                         extra_args=extra)
     t0 = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    gen, metrics = out[0].outputs[0], getattr(out[0], "metrics", None)
-    logprobs = [lp[t].logprob for t, lp in zip(gen.token_ids, gen.logprobs or [])]
-    first = getattr(metrics, "first_token_latency", 0.0) or seconds  # the engine's TTFT (needs log stats)
-    return {"seconds": seconds, "first_seconds": first, "tokens": list(gen.token_ids), "logprobs": logprobs,
-            "cached_tokens": out[0].num_cached_tokens or 0,
-            "kv_transfer_params": getattr(out[0], "kv_transfer_params", None)}
+    rows = []
+    for out in outs:
+        gen, metrics = out.outputs[0], getattr(out, "metrics", None)
+        logprobs = [lp[t].logprob for t, lp in zip(gen.token_ids, gen.logprobs or [])]
+        first = getattr(metrics, "first_token_latency", 0.0) or seconds  # the engine's TTFT (needs log stats)
+        rows.append({"seconds": seconds, "first_seconds": first, "tokens": list(gen.token_ids),
+                     "logprobs": logprobs, "cached_tokens": out.num_cached_tokens or 0,
+                     "kv_transfer_params": getattr(out, "kv_transfer_params", None)})
+    return rows
 
 
 def run(spec: dict) -> list[dict]:
@@ -95,6 +106,11 @@ def run(spec: dict) -> list[dict]:
         from tiersync.bench.workload import engine_run
 
         engine_run(llm, spec, emit, generate)
+        return results
+    if spec.get("concurrent"):  # a batch of hits and misses (tiersync.bench.concurrency)
+        from tiersync.bench.concurrency import engine_run as run_concurrent
+
+        run_concurrent(llm, spec, emit, generate_batch)
         return results
     prompt = make_prompt(spec["prompt_len"], spec.get("seed", 0), vocab)
     for step in spec["steps"]:

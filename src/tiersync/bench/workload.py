@@ -12,6 +12,8 @@ served by every mode in its own engine process (all engines on the same cores:
   the time round 2 asks about it again.
 - ``chat``: ``C`` conversations of ``T`` turns, taken in turn; each turn's prompt is the
   previous prompt, the previous answer and a new user message.
+- ``concurrent``: a batch of disk hits and misses submitted together
+  (:mod:`tiersync.bench.concurrency`, rows ``concurrent-<n>-<mode>``).
 
 Modes: ``recompute`` (no cache, the baseline), ``vllm_prefix`` (vLLM's prefix cache),
 ``tiersync`` (TierSyncConnector kv_both, host tier) and ``tiersync_prefix`` (the connector
@@ -29,6 +31,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+from tiersync.bench import concurrency
 from tiersync.bench.common import BenchConfig, RoundTripError, report
 from tiersync.bench.serve_engine import make_prompt, omp_bind, parse_cores, spawn, vllm_python
 from tiersync.bench.tiny_llama import TinyLlama, write_tiny_llama
@@ -101,8 +104,13 @@ def run(config: BenchConfig) -> dict:
         model = write_tiny_llama(os.path.join(work, "model"), MODEL)
         served = {m: _serve(model, shape, m, work) for m in modes}
         results = _rows(served, MODEL.kv_bytes_per_token())
+        conc = concurrency.SHAPES[config.mode]
+        results += concurrency.rows({m: concurrency.serve(model, conc, MODES[m], MODEL.kv_bytes_per_token(),
+                                                          MODEL.vocab_size, os.path.join(work, m + "-conc-kv"))
+                                     for m in modes}, MODEL.kv_bytes_per_token())
         bind = omp_bind()
-        return report(config, results, shape=asdict(shape), omp_bind=bind, omp_threads=len(parse_cores(bind)),
+        return report(config, results, shape=asdict(shape), concurrent=asdict(conc), omp_bind=bind,
+                      omp_threads=len(parse_cores(bind)),
                       kv_bytes_per_token=MODEL.kv_bytes_per_token(),
                       working_set_bytes=shape.docs * shape.doc_len * MODEL.kv_bytes_per_token(),
                       note="ratio = recompute mean TTFT / row mean TTFT; every engine computes on the cores "

@@ -11,6 +11,9 @@ key                  meaning (default)
 ``weights_version``  bump it on a weight update so old KV is never reused ("0")
 ``transfer_workers`` copy threads per worker (2)
 ``load_timeout_s``   deadline of one load; a late load is reported failed and recomputed (120)
+``async_disk_loads`` a load that reads disk runs in the background (vLLM's ``load_async``): the
+                     request waits for it, the batch does not; False: read before the forward,
+                     as host hits always are (True)
 ``role``             prefill->decode: "producer" / "consumer" set by ``kv_role``; read-only
 ``pd_host``          producer: address its KV server binds and advertises ("127.0.0.1")
 ``pd_port``          producer: port of its KV server (0: any free port)
@@ -35,7 +38,7 @@ from tiersync.net.store_node import parse_size
 __all__ = ["ConnectorConfig"]
 
 _KEYS = {"host_bytes", "storage_dir", "eviction", "model_id", "weights_version", "transfer_workers",
-         "load_timeout_s", "pd_host", "pd_port", "pd_token", "pd_token_file", "pd_route"}
+         "load_timeout_s", "async_disk_loads", "pd_host", "pd_port", "pd_token", "pd_token_file", "pd_route"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,7 @@ class ConnectorConfig:
     weights_version: str = "0"
     transfer_workers: int = 2
     load_timeout_s: float = 120.0
+    async_disk_loads: bool = True
     pd_host: str = "127.0.0.1"
     pd_port: int = 0
     pd_token: str | bytes | None = None
@@ -68,6 +72,9 @@ class ConnectorConfig:
         t = self.load_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise UsageError("must be a positive number", argument="kv_connector_extra_config.load_timeout_s")
+        if not isinstance(self.async_disk_loads, bool):
+            raise UsageError("must be true or false", argument="kv_connector_extra_config.async_disk_loads",
+                             value=self.async_disk_loads)
         if not isinstance(self.pd_port, int) or isinstance(self.pd_port, bool) or not 0 <= self.pd_port < 65536:
             raise UsageError("must be a port number", argument="kv_connector_extra_config.pd_port")
         if self.pd_route not in ("auto", "local", "tcp"):

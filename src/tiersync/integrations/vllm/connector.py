@@ -92,7 +92,8 @@ class TierSyncConnector(KVConnectorBase_V1):
         slots = num_host_slots(kv_cache_config, self.config.host_bytes)
         if scheduler:
             self._sched = OffloadScheduler(identity=identity, num_slots=slots, policy=self.config.eviction,
-                                           storage_dir=self.config.storage_dir)
+                                           storage_dir=self.config.storage_dir,
+                                           async_disk_loads=self.config.async_disk_loads)
         else:
             self._worker = OffloadWorker(identity=identity, num_slots=slots, rank=vllm_config.parallel_config.rank,
                                          storage_dir=self.config.storage_dir,
@@ -135,7 +136,7 @@ class TierSyncConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if not self._pd:
-            return KVConnectorTransferResults()
+            return KVConnectorTransferResults(finished_recving=self._worker.finished_loads() or None)
         sent, received, failed = self._worker.results(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=received, failed_recving=failed)
 
@@ -166,9 +167,7 @@ class TierSyncConnector(KVConnectorBase_V1):
 
     # -- scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        if self._pd:
-            return self._sched.num_new_matched_tokens(request, num_computed_tokens)
-        return self._sched.num_new_matched_tokens(request, num_computed_tokens), False
+        return self._sched.num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._sched.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
@@ -178,6 +177,7 @@ class TierSyncConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         if not self._pd:
+            self._sched.loads_finished(getattr(connector_output, "finished_recving", None))
             self._sched.on_report(getattr(connector_output, "kv_connector_worker_meta", None))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -15,11 +15,14 @@ __all__ = ["LoadJob", "PDMeta", "ReadJob", "SaveJob", "SendJob", "StepMeta", "Wo
 
 @dataclass(frozen=True, slots=True)
 class LoadJob:
-    """Load ``spec`` into the engine's ``device_blocks`` (one per key) for ``req_id``."""
+    """Load ``spec`` into the engine's ``device_blocks`` (one per key) for ``req_id``;
+    ``background``: off the forward's path, finished through ``get_finished`` (vLLM's
+    asynchronous load: the request waits, the batch does not)."""
 
     req_id: str
     spec: LoadSpec
     device_blocks: tuple[int, ...]
+    background: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ class _Tracked:
     load: LoadSpec | None = None  # pinned hits waiting for their blocks
     load_start: int = 0
     load_ready: tuple[int, ...] | None = None  # device blocks, once allocated
+    load_background: bool = False  # the load reads disk: vLLM loads it asynchronously
     offloaded: int = 0  # leading prompt blocks already cached (hit or saved)
 
 
@@ -36,11 +37,12 @@ class OffloadScheduler:
     """Request bookkeeping for ``kv_both`` offloading (host and disk)."""
 
     def __init__(self, *, identity: CacheIdentity, num_slots: int, policy: str,
-                 storage_dir: str | None) -> None:
-        self.identity = identity
+                 storage_dir: str | None, async_disk_loads: bool = True) -> None:
+        self.identity, self.async_disk_loads = identity, async_disk_loads
         self.block_size = identity.block_size
         self.manager = OffloadManager(OffloadConfig(num_slots, policy, storage_dir is not None))
         self._reqs: dict[str, _Tracked] = {}
+        self._loading: dict[str, list[bytes]] = {}  # background loads: pinned until the worker is done
         self.hit_blocks = {"host": 0, "disk": 0}
         self._stats = StatsCounter()
         if storage_dir is not None:
@@ -68,20 +70,25 @@ class OffloadScheduler:
         t.load, t.load_ready = None, None
 
     # -- vLLM scheduler hooks -------------------------------------------------------
-    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens past ``num_computed_tokens`` this cache can load now (block multiple);
-        the hits stay pinned until the step that loads them is built."""
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens past ``num_computed_tokens`` this cache can load now (block multiple), and
+        whether vLLM should load them asynchronously: a load that reads disk runs in the
+        background (the request waits for it, the batch does not); host hits are one memcpy,
+        done before the forward. The hits stay pinned until the worker has read them."""
         t = self._track(request)
         self._drop_load(t)
+        if request.request_id in self._loading:  # its background load is still running
+            return 0, False
         usable = max(0, (request.num_tokens - 1) // self.block_size)  # keep >= 1 token to compute
         start = num_computed_tokens // self.block_size
         if start >= min(usable, len(t.keys)):
-            return 0
+            return 0, False
         spec = self.manager.prepare_load(t.keys[start:usable])
         if not len(spec):
-            return 0
+            return 0, False
         t.load, t.load_start = spec, start
-        return len(spec) * self.block_size
+        t.load_background = self.async_disk_loads and any(spec.from_storage)
+        return len(spec) * self.block_size, t.load_background
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         t = self._reqs.get(request.request_id)
@@ -100,10 +107,14 @@ class OffloadScheduler:
         meta = StepMeta()
         for t in self._reqs.values():
             if t.load is not None and t.load_ready is not None:
-                meta.loads.append(LoadJob(t.request.request_id, t.load, t.load_ready))
+                rid = t.request.request_id
+                meta.loads.append(LoadJob(rid, t.load, t.load_ready, t.load_background))
                 self._count_hits(t.load)
                 t.offloaded = max(t.offloaded, t.load_start + len(t.load))
-                self.manager.release(t.load.keys)  # issued: the worker copies before any later spec
+                if t.load_background:  # slots stay pinned until the worker reports the request
+                    self._loading[rid] = list(t.load.keys)
+                else:  # the worker copies before the forward, before any later spec's save
+                    self.manager.release(t.load.keys)
                 t.load, t.load_ready = None, None
         for req in out.scheduled_new_reqs:
             t = self._reqs.get(req.req_id)
@@ -143,6 +154,13 @@ class OffloadScheduler:
         if len(spec):
             devs = tuple(t.block_ids[position[k]] for k in spec.keys)
             meta.saves.append(SaveJob(t.request.request_id, spec, devs))
+
+    def loads_finished(self, req_ids: set[str] | None) -> None:
+        """The workers finished these requests' background loads: unpin their slots."""
+        for rid in req_ids or ():
+            keys = self._loading.pop(rid, None)
+            if keys:
+                self.manager.release(keys)
 
     def on_report(self, report: WorkerReport | None) -> None:
         if report is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,8 @@ from tiersync.transfer.engine import TransferConfig, TransferEngine
 from tiersync.transfer.future import TransferFuture
 
 __all__ = ["OffloadWorker", "block_major"]
+
+YIELD_S = 0.002
 
 
 def block_major(tensor: Any, num_blocks: int, name: str) -> Any:
@@ -55,7 +58,11 @@ class OffloadWorker:
         self._storage: StorageTier | None = None
         self._load: TransferFuture | None = None
         self._load_blocks: list[int] = []
-        self._load_errors: set[int] = set()
+        self._load_errors: set[int] = set()  # under _lock, as _loaded: the loader thread adds to both
+        self._loaded: set[str] = set()
+        self._running = 0  # background loads submitted and not yet reported
+        self._load_ended = threading.Event()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tiersync-load")
         self._report = WorkerReport()
         self._stats = StatsCounter()  # under _lock: disk writes and loads finish on other threads
         self._lock = threading.Lock()
@@ -79,24 +86,72 @@ class OffloadWorker:
 
     # -- loads ----------------------------------------------------------------------
     def start_loads(self, jobs: Sequence[LoadJob]) -> None:
-        """Read disk hits into their slots, then post one host->engine copy for all jobs."""
+        """Start background jobs (:meth:`_background_load`); stage the others (host hits)
+        and post one host->engine copy for all of them, waited layer by layer."""
         self._load, self._load_blocks = None, []
         runs, t0 = [], time.perf_counter()
         for job in jobs:
-            good = self._stage(job)
-            for i, (slot, dev) in enumerate(zip(job.spec.slots, job.device_blocks)):
-                if not good[i]:
-                    self._load_errors.update(job.device_blocks[i:])  # vLLM recomputes from here
-                    break
-                runs.append((slot, dev, 1))
-                self._load_blocks.append(dev)
+            if job.background:
+                with self._lock:
+                    self._running += 1
+                self._loader.submit(self._background_load, job)
+                continue
+            good_runs = self._good_runs(job, self._stage(job))
+            runs += good_runs
+            self._load_blocks += [dev for _, dev, _ in good_runs]
         if runs:
             self._load = self._engine.h2d(runs)
             self._count_load(t0, len(runs))
 
-    def _count_load(self, t0: float, blocks: int) -> None:
-        """Count a posted host -> engine copy; its seconds (from the step's first disk read)
-        once it completes."""
+    def _good_runs(self, job: LoadJob, good: list[bool]) -> list[tuple[int, int, int]]:
+        """(slot, device block, 1) of the job's leading good blocks; the device blocks from
+        the first bad one on are load errors (vLLM recomputes from there)."""
+        runs = []
+        for i, (slot, dev) in enumerate(zip(job.spec.slots, job.device_blocks)):
+            if not good[i]:
+                with self._lock:
+                    self._load_errors.update(job.device_blocks[i:])
+                break
+            runs.append((slot, dev, 1))
+        return runs
+
+    def _background_load(self, job: LoadJob) -> None:
+        """vLLM's asynchronous load, on the loader thread: disk reads into the slots, one
+        host->engine copy, then the request is reported finished (:meth:`finished_loads`),
+        with its failed blocks as load errors. vLLM does not schedule the request, nor free
+        its blocks, until then; the scheduler keeps the slots pinned until then."""
+        t0 = time.perf_counter()
+        try:
+            runs = self._good_runs(job, self._stage(job))
+            if runs:
+                load = self._engine.h2d(runs)
+                self._count_load(t0, len(runs), load)
+                load.result(self._timeout)
+        except (TierSyncError, TimeoutError, OSError):
+            with self._lock:
+                self._load_errors.update(job.device_blocks)
+        finally:
+            with self._lock:
+                self._loaded.add(job.req_id)
+                self._load_ended.set()
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose background load ended since the last call (vLLM's finished_recving).
+        While loads run, an engine with nothing else to do calls this in a busy loop that
+        would starve the loader thread: wait (GIL released) for one to end, at most YIELD_S."""
+        with self._lock:
+            running = self._running
+        if running and not self._loaded:
+            self._load_ended.wait(YIELD_S)
+        with self._lock:
+            out, self._loaded = self._loaded, set()
+            self._running -= len(out)
+            self._load_ended.clear()
+        return out
+
+    def _count_load(self, t0: float, blocks: int, load: TransferFuture | None = None) -> None:
+        """Count a posted host -> engine copy (``load``, else this step's); its seconds (from
+        the first disk read) once it completes."""
         with self._lock:
             self._stats.add("load_bytes_host", blocks * self._arena.block_nbytes)
 
@@ -104,7 +159,7 @@ class OffloadWorker:
             with self._lock:
                 self._stats.observe("load_seconds", time.perf_counter() - t0)
 
-        self._load.add_done_callback(done)
+        (load or self._load).add_done_callback(done)
 
     def _stage(self, job: LoadJob) -> list[bool]:
         spec = job.spec
@@ -147,14 +202,14 @@ class OffloadWorker:
         try:
             f.wait_layer(idx, timeout=self._timeout)
         except (TierSyncError, TimeoutError, OSError):
-            self._load_errors.update(self._load_blocks)
+            with self._lock:
+                self._load_errors.update(self._load_blocks)
             self._load = None
 
     def take_load_errors(self) -> set[int]:
-        out, self._load_errors = self._load_errors, set()
-        if out:
-            with self._lock:
-                self._stats.add("load_errors", len(out))
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+            self._stats.add("load_errors", len(out))
         return out
 
     # -- saves ----------------------------------------------------------------------
@@ -214,7 +269,9 @@ class OffloadWorker:
             return self._stats.take()
 
     def close(self) -> None:
-        """Finish disk writes, then release the engine, arena and storage. Idempotent."""
+        """Finish background loads and disk writes, then release the engine, arena and
+        storage. Idempotent."""
+        self._loader.shutdown(wait=True)
         for closer in (self._storage, self._engine, self._arena):
             if closer is not None:
                 closer.close()
