@@ -4,6 +4,8 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
+import time
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -118,3 +120,40 @@ def test_lookup_of_host_keys_does_not_wait_for_a_directory_scan(sdir, monkeypatc
             release.set()
             missing.join(10)
         assert s.lookup(other).complete  # what the scan found is there after it
+
+
+def test_a_hung_write_down_delays_a_save_by_demote_wait_s_only(sdir, monkeypatch):
+    """The caller waits at most demote_wait_s; the entries being written stay on host (their
+    blocks are the write's source) and settle onto storage when the write ends."""
+    dev, layout = make_layout(num_blocks=8, nbytes=4096)
+    ref = fill(dev, 3)
+    keys = keys_for(8)
+    storage = make_storage(sdir, layout)
+    real, gate, entered = storage.write, threading.Event(), threading.Event()
+
+    def slow(keys, views):
+        entered.set()
+        fut = Future()
+        threading.Thread(target=lambda: (gate.wait(60), fut.set_result(real(keys, views).result(60)))).start()
+        return fut
+
+    cfg = StoreConfig(host_blocks=4, demote_wait_s=0.2, **NO_SWEEP)
+    with KVCacheStore(layout, cfg, storage=storage) as s:
+        s.save(range(4), keys[:4]).result(10)
+        monkeypatch.setattr(storage, "write", slow)
+        with pytest.raises(CapacityError):  # nothing else is evictable: refused, not hung
+            s.save(range(4, 8), keys[4:]).result(10)
+        assert entered.is_set()
+        assert s.residency(keys[:4]) == [Residency.HOST] * 4  # held, not dropped, not reused
+        assert s.residency(keys[4:]) == [Residency.NONE] * 4
+        gate.set()
+        assert s.wait_demotions(30)
+        deadline = time.monotonic() + 30
+        while not all(r & Residency.STORAGE for r in s.residency(keys[:4])) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(r & Residency.STORAGE for r in s.residency(keys[:4]))
+        hit = s.lookup(keys[:4])
+        dev[:] = 0
+        s.load(hit.keys, range(4)).result(10)
+        assert (dev[:4] == ref[:4]).all()
+        assert s.metrics.value("tiersync_store_evictions_total", tier="host_unsaved") == 0

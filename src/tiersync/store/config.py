@@ -19,7 +19,9 @@ class StoreConfig:
     """``host_blocks`` host blocks (``shm`` for warm boot); ``policy`` orders eviction in
     every tier. With a storage tier, when free host blocks fall under ``low_watermark``
     (fraction of ``host_blocks``) the coldest unpinned host entries are demoted to
-    storage, ``demote_batch`` per segment, until ``high_watermark`` are free."""
+    storage, ``demote_batch`` per segment, until ``high_watermark`` are free. A save or
+    promotion waits at most ``demote_wait_s`` for the storage write of the entries it would
+    evict (:mod:`tiersync.store.demotion`)."""
 
     host_blocks: int
     policy: str = "lru"
@@ -28,6 +30,7 @@ class StoreConfig:
     high_watermark: float = 0.05
     demote_batch: int = 128
     transfer: "TransferConfig | None" = None
+    demote_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("host_blocks", "demote_batch"):
@@ -35,6 +38,9 @@ class StoreConfig:
         if self.policy not in POLICIES:
             raise UsageError("unknown eviction policy", argument="StoreConfig.policy", value=self.policy,
                              choices=POLICIES)
+        w = self.demote_wait_s
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 < w < float("inf"):
+            raise UsageError("must be a positive number of seconds", argument="StoreConfig.demote_wait_s", value=w)
         if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
             raise UsageError("needs 0 <= low_watermark <= high_watermark <= 1", argument="StoreConfig.low_watermark",
                              low=self.low_watermark, high=self.high_watermark)

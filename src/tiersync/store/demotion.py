@@ -12,8 +12,9 @@ later; the host copies are untouched, so nothing is lost.
 Eviction never loses a block the sweep did not get to: with a storage tier, before a
 save or a promotion takes host blocks by evicting idle entries, those entries that
 have no storage copy yet are written down first (:meth:`_ensure_host_room`, the
-caller's thread waits for that write, the lock released), so only blocks already safe
-on storage are evicted. Only when that write fails (disk full, ...) or storage has no
+caller's thread waits for that write, the lock released, at most ``demote_wait_s``: a
+write still running then keeps its entries on host until it ends), so only blocks
+already safe on storage are evicted. Only when that write fails (disk full, ...) or storage has no
 room left are they dropped anyway (the reference's "no target: evict locally"),
 counted as ``tiersync_store_evictions_total{tier="host_unsaved"}`` and logged.
 Without a storage tier, eviction simply drops the coldest idle host entries.
@@ -24,6 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from tiersync.store.index import Entry
 from tiersync.store.residency import Residency
@@ -101,13 +103,32 @@ class DemotionMixin:
                 self._index.hold(batch)
                 views = [self.arena.block(e.host_block) for e in batch]
             try:
-                self.storage.write([e.key for e in batch], views).result()
-                exc = None
+                wf = self.storage.write([e.key for e in batch], views)
             except BaseException as e:  # noqa: BLE001 - the allocation then evicts and counts
-                exc = e
-            self._written_down(batch, exc)
-            if exc is not None:
+                self._written_down(batch, e)
                 return
+            if not self._wait_written(wf, batch):
+                return
+
+    def _wait_written(self, wf: Future, batch: list[Entry]) -> bool:
+        """Wait for the write-down ``wf`` of ``batch``, at most ``config.demote_wait_s``; True
+        when it succeeded. A write still running then is left to finish: its entries stay held
+        (their host blocks are the write's source, so they must not be reused) and settle
+        when it ends, and the caller goes on without that room."""
+        try:
+            wf.result(timeout=self.config.demote_wait_s)
+        except TimeoutError:
+            if not wf.done():
+                log.warning("storage write of %d evicted host entries still running after %.0f s; not "
+                            "waiting for it (they stay on host until it ends)", len(batch),
+                            self.config.demote_wait_s)
+            wf.add_done_callback(lambda f: self._written_down(batch, f.exception()))
+            return False
+        except BaseException as e:  # noqa: BLE001 - the allocation then evicts and counts
+            self._written_down(batch, e)
+            return False
+        self._written_down(batch, None)
+        return True
 
     def _written_down(self, batch: list[Entry], exc: BaseException | None) -> None:
         with self._lock:
