@@ -4,6 +4,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net.frames import SUPPORTED
 from tiersync.net.protocol import NEED_DATA, Connection, Role
 
@@ -53,11 +54,11 @@ def requests(rid=RID):
     keys = st.lists(KEYS, max_size=8).map(tuple)
     return st.one_of(
         st.builds(ev.Ping, rid, U64),
-        keys.flatmap(lambda ks: st.builds(ev.Offer, rid, U64, st.just(ks),
+        keys.flatmap(lambda ks: st.builds(so.Offer, rid, U64, st.just(ks),
                                           st.lists(U64, min_size=len(ks), max_size=len(ks)).map(tuple))),
-        st.builds(ev.ReadLease, rid, keys, U64),
-        st.builds(ev.Pull, rid, U64, KEYS, U64, U64),
-        st.builds(ev.Release, rid, U64),
+        st.builds(so.ReadLease, rid, keys, U64),
+        st.builds(so.Pull, rid, U64, KEYS, U64, U64),
+        st.builds(so.Release, rid, U64),
     )
 
 
@@ -68,11 +69,11 @@ def response_for(request):
     error = st.builds(ev.Error, rid, st.sampled_from(ev.ErrorCode), TEXT)
     answer = {
         ev.Ping: st.builds(ev.Pong, rid, U64),
-        ev.Offer: st.builds(ev.OfferReply, rid, st.sampled_from(ev.OfferStatus), keys),
-        ev.ReadLease: st.builds(ev.LeaseReply, rid, st.sampled_from(ev.LeaseStatus), U64, U64,
+        so.Offer: st.builds(so.OfferReply, rid, st.sampled_from(so.OfferStatus), keys),
+        so.ReadLease: st.builds(so.LeaseReply, rid, st.sampled_from(so.LeaseStatus), U64, U64,
                                 st.lists(U64, max_size=8).map(tuple), keys),
-        ev.Pull: st.builds(ev.Data, rid, st.binary(max_size=3000)),
-        ev.Release: st.builds(ev.CommitReply, rid, st.sampled_from(ev.CommitStatus), TEXT),
+        so.Pull: st.builds(ev.Data, rid, st.binary(max_size=3000)),
+        so.Release: st.builds(ev.CommitReply, rid, st.sampled_from(ev.CommitStatus), TEXT),
     }[type(request)]
     return st.one_of(answer, error)
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from _proto_helpers import CHUNKS, deliver, drain, feed, ready_pair, requests, response_for
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.frames import (HEADER_SIZE, MAGIC, PROTOCOL_VERSION, SUPPORTED, Op, PayloadChecksum,
                                  ProtocolConfig, checksum, encode_header, negotiate, payload_checksum)
@@ -47,7 +48,7 @@ def test_request_and_answer_round_trip(data):
     assert deliver(src, dst, request, data.draw(CHUNKS)) == [request]
     answer = data.draw(response_for(request))
     assert deliver(dst, src, answer, data.draw(CHUNKS)) == [answer]
-    more = isinstance(answer, ev.OfferReply) and answer.status in (ev.OfferStatus.ACCEPT, ev.OfferStatus.PARTIAL_EXIST)
+    more = isinstance(answer, so.OfferReply) and answer.status in (so.OfferStatus.ACCEPT, so.OfferStatus.PARTIAL_EXIST)
     assert src.outstanding == (1 if more else 0)
     if more:
         final = ev.CommitReply(request.request_id, ev.CommitStatus.COMMITTED)
@@ -64,7 +65,7 @@ def test_many_frames_in_one_chunk_come_out_in_order():
 
 def test_data_payload_is_sent_without_copy_and_lands_in_caller_buffer():
     client, server = ready_pair()
-    deliver(client, server, ev.Pull(9, 1, b"k" * 16, 0, 1000))
+    deliver(client, server, so.Pull(9, 1, b"k" * 16, 0, 1000))
     source = bytearray(range(256)) * 4
     bufs = server.send(ev.Data(9, memoryview(source)[:1000]))
     assert isinstance(bufs[1], memoryview) and bufs[1].obj is source
@@ -83,7 +84,7 @@ def test_data_payload_is_sent_without_copy_and_lands_in_caller_buffer():
 
 def test_data_of_wrong_size_for_the_sink_is_the_peers_fault():
     client, server = ready_pair()
-    deliver(client, server, ev.Pull(3, 1, b"k" * 16, 0, 10))
+    deliver(client, server, so.Pull(3, 1, b"k" * 16, 0, 10))
     client.expect_payload_into(3, bytearray(10))
     with pytest.raises(ProtocolError) as info:
         deliver(server, client, ev.Data(3, b"x" * 11))
@@ -120,7 +121,7 @@ def test_sending_an_oversize_frame_is_usage_error():
     deliver(server, client, ev.Challenge(b"s" * 16, b""))
     deliver(client, server, ev.Auth(b""))
     deliver(server, client, ev.Ready(1))
-    deliver(client, server, ev.Pull(1, 1, b"k" * 16, 0, 2000))
+    deliver(client, server, so.Pull(1, 1, b"k" * 16, 0, 2000))
     with pytest.raises(UsageError):
         server.send(ev.Data(1, bytes(2000)))
 
@@ -190,9 +191,9 @@ def test_clean_eof_between_frames_is_connection_closed():
 
 def test_event_fields_are_validated_at_construction():
     with pytest.raises(UsageError):
-        ev.Pull(1, 1, b"short", 0, 1)
+        so.Pull(1, 1, b"short", 0, 1)
     with pytest.raises(UsageError):
-        ev.Offer(1, 1, (b"k" * 16,), ())
+        so.Offer(1, 1, (b"k" * 16,), ())
     with pytest.raises(UsageError):
         ev.Ping(-1)
     with pytest.raises(UsageError):
@@ -204,7 +205,7 @@ def test_local_reply_regions_travel_as_one_array_and_are_checked():
     accepted, anything else is refused naming ``regions``, and a parsed reply equals the sent one."""
     import numpy as np
     client, server = ready_pair(SUPPORTED[0])
-    deliver(client, server, ev.PullLocal(6, 1, ((b"k" * 16, 0, 10), (b"j" * 16, 4, 20))))
+    deliver(client, server, so.PullLocal(6, 1, ((b"k" * 16, 0, 10), (b"j" * 16, 4, 20))))
     sent = ev.LocalReply(6, 1234, SUPPORTED[0], ((1 << 40, 10, 2 ** 64 - 1), (8, 20, 0)))
     [got] = feed(client, b"".join(bytes(b) for b in server.send(sent)), [7, 1, 100])
     assert got == sent and got.regions.dtype == np.uint64 and got.regions.tolist() == [[1 << 40, 10, 2 ** 64 - 1], [8, 20, 0]]
@@ -222,7 +223,7 @@ def test_local_reply_regions_travel_as_one_array_and_are_checked():
 def test_data_carries_the_negotiated_algorithm_and_round_trips(algo):
     client, server = ready_pair(algo)
     assert client.payload_algo is algo and server.payload_algo is algo
-    deliver(client, server, ev.Pull(4, 1, b"k" * 16, 0, 5000))
+    deliver(client, server, so.Pull(4, 1, b"k" * 16, 0, 5000))
     payload = bytes(range(250)) * 20
     wire = b"".join(bytes(b) for b in server.send(ev.Data(4, payload)))
     assert wire[48] == int(algo)
@@ -268,10 +269,10 @@ def test_a_known_payload_sum_is_sent_and_a_stale_one_is_refused():
     algo = SUPPORTED[0]
     client, server = ready_pair(algo)
     payload = b"z" * 3000
-    deliver(client, server, ev.Pull(1, 1, b"k" * 16, 0, 3000))
+    deliver(client, server, so.Pull(1, 1, b"k" * 16, 0, 3000))
     [got] = deliver(server, client, ev.Data(1, payload, (algo, payload_checksum(algo, payload))))
     assert bytes(got.payload) == payload
-    deliver(client, server, ev.Pull(2, 1, b"k" * 16, 0, 3000))
+    deliver(client, server, so.Pull(2, 1, b"k" * 16, 0, 3000))
     with pytest.raises(ProtocolError) as info:
         deliver(server, client, ev.Data(2, payload, (algo, 12345)))
     assert info.value.fault is ProtocolFault.BAD_CHECKSUM
@@ -309,7 +310,7 @@ def test_scatter_reads_deliver_the_same_events_and_bytes(data):
     sizes = data.draw(st.lists(st.integers(0, 3000), min_size=1, max_size=6))
     dests, wire, expected = [], b"", []
     for rid, size in enumerate(sizes, start=1):
-        for buf in client.send(ev.Pull(rid, 1, b"k" * 16, 0, size)):
+        for buf in client.send(so.Pull(rid, 1, b"k" * 16, 0, size)):
             server.receive_data(bytes(buf))
         drain(server)
         dests.append(bytearray(size))
@@ -357,5 +358,15 @@ def test_a_pull_with_trailing_metadata_is_the_peers_fault():
        st.integers(0, 2**64 - 1))
 def test_a_parsed_pull_equals_the_one_sent(lease, key, offset, length):
     client, server = ready_pair()
-    pull = ev.Pull(client.outstanding + 1, lease, key, offset, length)
+    pull = so.Pull(client.outstanding + 1, lease, key, offset, length)
     assert deliver(client, server, pull) == [pull]
+
+
+def test_every_core_and_store_op_has_exactly_one_event_class():
+    """The Op enum (core 1-15 and DATA, block store 16-31) and the two vocabularies agree:
+    each op code parses to one class whose OP is that member."""
+    from tiersync.net.frames import Op
+
+    assert set(so.STORE.types) == {int(op) for op in Op}
+    assert all(cls.OP is Op(code) for code, cls in so.STORE.types.items())
+    assert set(ev.CORE.types) < set(so.STORE.types)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net import local
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.frames import PayloadChecksum
@@ -117,7 +118,7 @@ class LyingSource(MemoryBlockSource):
 
     def handle(self, session, event):
         answers = super().handle(session, event)
-        if isinstance(event, ev.PullLocal) and any(k == self.LIE for k, _, _ in event.items):
+        if isinstance(event, so.PullLocal) and any(k == self.LIE for k, _, _ in event.items):
             reply = answers[0]
             regions = reply.regions.copy()
             lie = [k == self.LIE for k, _, _ in event.items]
@@ -136,7 +137,7 @@ def test_pull_many_on_route_local_spans_groups_and_refuses_a_lie():
     try:
         assert channel.info.same_host
         keys = [k for k in blocks if k != LyingSource.LIE]
-        lease = channel.request(ev.ReadLease(channel.new_request_id(), tuple(blocks), ttl_s=60)).lease_id
+        lease = channel.request(so.ReadLease(channel.new_request_id(), tuple(blocks), ttl_s=60)).lease_id
         dests = [memoryview(bytearray(len(blocks[k]))) for k in keys]
         channel.pull_many(lease, [(k, 0, d) for k, d in zip(keys, dests)])
         assert all(bytes(d) == blocks[k] for k, d in zip(keys, dests))

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net.errors import AuthError, PeerClosedError
 from tiersync.net.store_node import StoreNodeClient
 from tiersync.net.tcp import TcpConfig, TcpTransport
@@ -187,8 +187,8 @@ def test_a_reader_that_disconnects_mid_read_leaves_no_lease():
         data = os.urandom(1 << 20)
         _write_block(server.address, b"L" * 16, data)
         channel = TcpTransport(TcpConfig(token=TOKEN)).connect(server.address)
-        lease = channel.request(ev.ReadLease(channel.new_request_id(), (b"L" * 16,)))
-        assert lease.status is ev.LeaseStatus.GRANTED and node.active_leases == 1
+        lease = channel.request(so.ReadLease(channel.new_request_id(), (b"L" * 16,)))
+        assert lease.status is so.LeaseStatus.GRANTED and node.active_leases == 1
         channel.close()  # killed before RELEASE
         assert _until(lambda: node.active_leases == 0 and node.session_leases() == 0, 10)
         assert node.arena.allocator.num_free == node.arena.num_blocks - 1  # the block itself stays stored

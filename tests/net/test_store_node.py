@@ -9,6 +9,7 @@ import pytest
 from _peer import TOKEN, StoreNodeProc as Node
 from tiersync.errors import CapacityError, RemoteError
 from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net.errors import AuthError
 from tiersync.net.store_node import StoreNode, StoreNodeClient, StoreNodeServer, parse_size
 from tiersync.net.tcp import TcpConfig, TcpTransport
@@ -39,15 +40,15 @@ def test_write_then_read_byte_exact_and_all_exist(node):
     keys, bufs = _keys(6), _bufs(6)
     c = client(node.address)
     res = c.offer_and_push(keys, bufs)
-    assert res.offer is ev.OfferStatus.ACCEPT and res.commit is ev.CommitStatus.COMMITTED
+    assert res.offer is so.OfferStatus.ACCEPT and res.commit is ev.CommitStatus.COMMITTED
     into = [bytearray(BLOCK) for _ in keys]
     sizes = c.read(keys, into)
     assert [bytes(b[:s]) for b, s in zip(into, sizes)] == bufs
     again = c.offer_and_push(keys, bufs)
-    assert again.offer is ev.OfferStatus.ALL_EXIST and set(again.existing) == set(keys)
+    assert again.offer is so.OfferStatus.ALL_EXIST and set(again.existing) == set(keys)
     more, more_bufs = keys[:2] + _keys(2, tag=9), bufs[:2] + _bufs(2)
     part = c.offer_and_push(more, more_bufs)
-    assert part.offer is ev.OfferStatus.PARTIAL_EXIST and set(part.existing) == set(keys[:2])
+    assert part.offer is so.OfferStatus.PARTIAL_EXIST and set(part.existing) == set(keys[:2])
     into = [bytearray(BLOCK) for _ in more]
     sizes = c.read(more, into)
     assert [bytes(b[:s]) for b, s in zip(into, sizes)] == more_bufs
@@ -70,7 +71,7 @@ def test_node_killed_mid_transfer_then_retry_elsewhere(node):
     try:
         pulled, killed = threading.Event(), threading.Event()
 
-        def hook(_pull: ev.Pull) -> None:
+        def hook(_pull: so.Pull) -> None:
             if not killed.is_set():
                 pulled.set()
                 killed.wait(10)
@@ -123,13 +124,13 @@ def test_lease_expiry_unpins_and_fails_the_release():
         keys, bufs = _keys(2), _bufs(2)
         client(server.address).offer_and_push(keys, bufs)
         ch = TcpTransport(TcpConfig(token=TOKEN.encode())).connect(server.address)
-        lease = ch.request(ev.ReadLease(ch.new_request_id(), tuple(keys), ttl_s=1))
-        assert lease.status is ev.LeaseStatus.GRANTED and lease.ttl_s == 30 and node.active_leases == 1
+        lease = ch.request(so.ReadLease(ch.new_request_id(), tuple(keys), ttl_s=1))
+        assert lease.status is so.LeaseStatus.GRANTED and lease.ttl_s == 30 and node.active_leases == 1
         now[0] += 31
         with pytest.raises(RemoteError) as err:
-            ch.request(ev.Pull(ch.new_request_id(), lease.lease_id, keys[0], 0, 16))
+            ch.request(so.Pull(ch.new_request_id(), lease.lease_id, keys[0], 0, 16))
         assert err.value.code is ev.ErrorCode.LEASE_EXPIRED and node.active_leases == 0
-        done = ch.request(ev.Release(ch.new_request_id(), lease.lease_id))
+        done = ch.request(so.Release(ch.new_request_id(), lease.lease_id))
         assert done.status is ev.CommitStatus.FAILED
         assert all(node.arena.allocator.lock_count(b) == 1 for b, _ in node._index.values())
         ch.close()
@@ -168,12 +169,12 @@ def test_offer_carries_the_writer_address():
     assert writer_address(":4000", "[::1]:51234") == "[::1]:4000"
     assert writer_address(":4000", None) is None and writer_address("", "10.0.0.7:1") is None
     assert writer_address("host:0", None) is None and writer_address("host:x", None) is None
-    offer = ev.Offer(3, 9, (b"k" * 16,), (5,), ":4000")
+    offer = so.Offer(3, 9, (b"k" * 16,), (5,), ":4000")
     from tiersync.net.codec import MetaReader
     from tiersync.net.frames import ProtocolConfig
 
     r = MetaReader(offer.meta())
-    assert ev.Offer.parse(3, r, ProtocolConfig()) == offer
+    assert so.Offer.parse(3, r, ProtocolConfig()) == offer
     r.finish()
 
 
@@ -182,8 +183,8 @@ def test_offer_without_a_source_is_refused_and_a_wildcard_writer_is_dialled_back
     server = StoreNodeServer("127.0.0.1:0", node)
     try:
         ch = TcpTransport(TcpConfig(token=TOKEN.encode())).connect(server.address)
-        reply = ch.request(ev.Offer(ch.new_request_id(), 1, tuple(_keys(1)), (16,)))
-        assert reply.status is ev.OfferStatus.REFUSED and node.free_blocks == 4
+        reply = ch.request(so.Offer(ch.new_request_id(), 1, tuple(_keys(1)), (16,)))
+        assert reply.status is so.OfferStatus.REFUSED and node.free_blocks == 4
         ch.close()
         keys, bufs = _keys(2), _bufs(2)
         res = client(server.address, bind_host="0.0.0.0").offer_and_push(keys, bufs)  # source ":port"

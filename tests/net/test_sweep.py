@@ -15,7 +15,7 @@ import pytest
 from _peer import TOKEN, StoreNodeProc
 from tiersync.errors import UsageError
 from tiersync.layout.adapters import kv_layout
-from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net.registry.grpc_service import RegistryClient, serve_registry
 from tiersync.net.registry.memory import MemoryRegistry
 from tiersync.net.store_client import StoreNodeClient
@@ -168,7 +168,7 @@ def test_node_killed_mid_push_releases_the_batch_and_the_next_target_takes_it(re
     first, second = nodes(64), nodes(32)
     pulled = threading.Event()
 
-    def hook(_pull: ev.Pull) -> None:  # runs in our source server, before the PULL is answered
+    def hook(_pull: so.Pull) -> None:  # runs in our source server, before the PULL is answered
         if not pulled.is_set():
             pulled.set()
             first.kill()

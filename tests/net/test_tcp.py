@@ -12,6 +12,7 @@ import pytest
 
 from _peer import run_block_server
 from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, RequestError
 from tiersync.net.frames import SUPPORTED, PayloadChecksum
 from tiersync.net.source import MemoryBlockSource
@@ -49,17 +50,17 @@ def peer():
 def test_lease_pull_release_across_processes_is_byte_exact(peer):
     transport = TcpTransport(TcpConfig(token=TOKEN))
     channel = transport.connect(peer)
-    lease = channel.request(ev.ReadLease(channel.new_request_id(), (BIG, SMALL)))
-    assert lease.status is ev.LeaseStatus.GRANTED and lease.sizes == (len(BLOCKS[BIG]), 11)
+    lease = channel.request(so.ReadLease(channel.new_request_id(), (BIG, SMALL)))
+    assert lease.status is so.LeaseStatus.GRANTED and lease.sizes == (len(BLOCKS[BIG]), 11)
     dest = bytearray(lease.sizes[0])
-    data = channel.request(ev.Pull(channel.new_request_id(), lease.lease_id, BIG, 0, len(dest)),
+    data = channel.request(so.Pull(channel.new_request_id(), lease.lease_id, BIG, 0, len(dest)),
                            into=memoryview(dest))
     assert data.payload.obj is dest and dest == BLOCKS[BIG]
-    small = channel.request(ev.Pull(channel.new_request_id(), lease.lease_id, SMALL, 6, 5))
+    small = channel.request(so.Pull(channel.new_request_id(), lease.lease_id, SMALL, 6, 5))
     assert bytes(small.payload) == b"world"
-    done = channel.request(ev.Release(channel.new_request_id(), lease.lease_id))
+    done = channel.request(so.Release(channel.new_request_id(), lease.lease_id))
     assert done.status is ev.CommitStatus.COMMITTED
-    again = channel.request(ev.Release(channel.new_request_id(), lease.lease_id))
+    again = channel.request(so.Release(channel.new_request_id(), lease.lease_id))
     assert again.status is ev.CommitStatus.FAILED  # lease no longer held: no commit
     channel.close()
 
@@ -67,7 +68,7 @@ def test_lease_pull_release_across_processes_is_byte_exact(peer):
 def test_striped_pull_over_several_streams_and_pool_reuse(peer):
     pool = ChannelPool(TcpTransport(TcpConfig(token=TOKEN)), max_idle_per_peer=8)
     with pool.acquire(peer) as channel:
-        lease = channel.request(ev.ReadLease(channel.new_request_id(), (BIG,)))
+        lease = channel.request(so.ReadLease(channel.new_request_id(), (BIG,)))
     first = channel
     dest = bytearray(len(BLOCKS[BIG]))
     pull_striped(pool, peer, lease.lease_id, BIG, memoryview(dest), streams=4, min_chunk=1 << 20)
@@ -86,11 +87,11 @@ def test_striped_pull_over_several_streams_and_pool_reuse(peer):
 
 def test_missing_key_and_bad_range_answers(peer):
     channel = TcpTransport(TcpConfig(token=TOKEN)).connect(peer)
-    reply = channel.request(ev.ReadLease(channel.new_request_id(), (SMALL, b"?" * 16)))
-    assert reply.status is ev.LeaseStatus.MISSING and reply.missing == (b"?" * 16,)
-    lease = channel.request(ev.ReadLease(channel.new_request_id(), (SMALL,)))
+    reply = channel.request(so.ReadLease(channel.new_request_id(), (SMALL, b"?" * 16)))
+    assert reply.status is so.LeaseStatus.MISSING and reply.missing == (b"?" * 16,)
+    lease = channel.request(so.ReadLease(channel.new_request_id(), (SMALL,)))
     with pytest.raises(RequestError) as info:
-        channel.request(ev.Pull(channel.new_request_id(), lease.lease_id, SMALL, 5, 100))
+        channel.request(so.Pull(channel.new_request_id(), lease.lease_id, SMALL, 5, 100))
     assert info.value.code is ev.ErrorCode.BAD_REQUEST and info.value.peer == peer
     assert channel.request(ev.Ping(channel.new_request_id())).request_id  # channel still usable
     channel.close()
@@ -171,9 +172,9 @@ def test_mutual_tls_with_token_across_processes(pki):
         ccert, ckey = pki["client"]
         good = TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"], ccert, ckey)))
         channel = good.connect(address)
-        lease = channel.request(ev.ReadLease(channel.new_request_id(), (BIG,)))
+        lease = channel.request(so.ReadLease(channel.new_request_id(), (BIG,)))
         dest = bytearray(lease.sizes[0])
-        channel.request(ev.Pull(channel.new_request_id(), lease.lease_id, BIG, 0, len(dest)), into=memoryview(dest))
+        channel.request(so.Pull(channel.new_request_id(), lease.lease_id, BIG, 0, len(dest)), into=memoryview(dest))
         assert dest == BLOCKS[BIG]
         channel.close()
         no_cert = TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"])))
@@ -191,6 +192,7 @@ def test_pull_many_pipelines_into_each_destination(route):
     """pull_many keeps several PULLs in flight (small ones grouped into PULL_MANY, or the
     same-host route); every payload lands byte-exact in its own buffer."""
     from tiersync.net import events as ev
+    from tiersync.net import store_ops as so
     from tiersync.net.source import MemoryBlockSource
     from tiersync.net.tcp import Route, TcpTransport
 
@@ -199,7 +201,7 @@ def test_pull_many_pipelines_into_each_destination(route):
     server = transport.serve("127.0.0.1:0", MemoryBlockSource(blocks))
     try:
         ch = transport.connect(server.address)
-        lease = ch.request(ev.ReadLease(ch.new_request_id(), tuple(blocks), ttl_s=60)).lease_id
+        lease = ch.request(so.ReadLease(ch.new_request_id(), tuple(blocks), ttl_s=60)).lease_id
         dests = {k: memoryview(bytearray(len(v))) for k, v in blocks.items()}
         ch.pull_many(lease, [(k, 0, d) for k, d in dests.items()], window=4)
         assert all(bytes(dests[k]) == v for k, v in blocks.items())
@@ -217,6 +219,7 @@ _FALLBACK_PEER = r"""
 import sys
 sys.modules["tiersync.transfer._kernel"] = None  # this process is a build without the extension
 from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net.frames import SUPPORTED
 from tiersync.net.source import MemoryBlockSource
 from tiersync.net.tcp import TcpTransport
@@ -229,9 +232,9 @@ if sys.argv[1] == "serve":
     server.close()
 else:
     ch = TcpTransport().connect(sys.argv[2])
-    lease = ch.request(ev.ReadLease(ch.new_request_id(), (b"N" * 16,)))
+    lease = ch.request(so.ReadLease(ch.new_request_id(), (b"N" * 16,)))
     dest = bytearray(lease.sizes[0])
-    ch.request(ev.Pull(ch.new_request_id(), lease.lease_id, b"N" * 16, 0, len(dest)), into=memoryview(dest))
+    ch.request(so.Pull(ch.new_request_id(), lease.lease_id, b"N" * 16, 0, len(dest)), into=memoryview(dest))
     print("algo", ch.payload_checksum.name, "exact", dest == block, flush=True)
 """
 
@@ -258,9 +261,9 @@ def test_a_native_client_and_a_fallback_server_agree_on_xxh3():
         address = proc.stdout.readline().split()[1]
         ch = TcpTransport().connect(address)
         assert ch.payload_checksum is PayloadChecksum.XXH3_64
-        lease = ch.request(ev.ReadLease(ch.new_request_id(), (b"F" * 16,)))
+        lease = ch.request(so.ReadLease(ch.new_request_id(), (b"F" * 16,)))
         dest = bytearray(lease.sizes[0])
-        got = ch.request(ev.Pull(ch.new_request_id(), lease.lease_id, b"F" * 16, 0, len(dest)), into=memoryview(dest))
+        got = ch.request(so.Pull(ch.new_request_id(), lease.lease_id, b"F" * 16, 0, len(dest)), into=memoryview(dest))
         assert dest == bytes(range(256)) * 8192 and got.payload_sum[0] is PayloadChecksum.XXH3_64
         ch.close()
     finally:
@@ -271,7 +274,7 @@ def test_a_native_client_and_a_fallback_server_agree_on_xxh3():
 def test_two_native_peers_use_tsum64(peer):
     channel = TcpTransport(TcpConfig(token=TOKEN)).connect(peer)
     assert channel.payload_checksum is PayloadChecksum.TSUM64
-    lease = channel.request(ev.ReadLease(channel.new_request_id(), (BIG,)))
+    lease = channel.request(so.ReadLease(channel.new_request_id(), (BIG,)))
     dest = bytearray(lease.sizes[0])
     channel.pull_many(lease.lease_id, [(BIG, 0, memoryview(dest))] * 3, window=2)
     assert dest == BLOCKS[BIG]

@@ -16,6 +16,7 @@ import pytest
 import xxhash
 
 from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net.errors import ProtocolError, ProtocolFault, RequestError
 from tiersync.net.frames import PayloadChecksum
 from tiersync.net.source import MemoryBlockSource
@@ -33,7 +34,7 @@ class HostileSource(MemoryBlockSource):
     bytes than the lease said, REFUSE with an ERROR answer."""
 
     def handle(self, session, req):
-        if isinstance(req, ev.PullMany):  # grouped small pulls: hostile when any item is
+        if isinstance(req, so.PullMany):  # grouped small pulls: hostile when any item is
             keys = [k for k, _, _ in req.items]
             views = [self._blocks[k] for k in keys]
             if REFUSE in keys:
@@ -41,7 +42,7 @@ class HostileSource(MemoryBlockSource):
             if SHORT in keys:
                 views[keys.index(SHORT)] = views[keys.index(SHORT)][:-1]
             return [ev.Data(req.request_id, views, (PayloadChecksum.TSUM64, 12345) if STALE in keys else None)]
-        if not isinstance(req, ev.Pull):
+        if not isinstance(req, so.Pull):
             return super().handle(session, req)
         if req.key == STALE:
             return [ev.Data(req.request_id, self._blocks[req.key], (PayloadChecksum.TSUM64, 12345))]
@@ -60,7 +61,7 @@ def served():
     channel = transport.connect(server.address)
     try:
         assert channel.payload_checksum is PayloadChecksum.TSUM64  # the native path is the one used
-        lease = channel.request(ev.ReadLease(channel.new_request_id(), tuple(blocks), ttl_s=60)).lease_id
+        lease = channel.request(so.ReadLease(channel.new_request_id(), tuple(blocks), ttl_s=60)).lease_id
         yield channel, lease, blocks
     finally:
         channel.close()
@@ -103,7 +104,7 @@ def test_an_error_answer_in_a_window_is_a_request_error(served):
     server = TcpTransport(TcpConfig(route=Route.TCP)).serve("127.0.0.1:0", source)
     try:
         ch = TcpTransport(TcpConfig(route=Route.TCP)).connect(server.address)
-        lid = ch.request(ev.ReadLease(ch.new_request_id(), (GOOD[3], REFUSE, GOOD[4]), ttl_s=60)).lease_id
+        lid = ch.request(so.ReadLease(ch.new_request_id(), (GOOD[3], REFUSE, GOOD[4]), ttl_s=60)).lease_id
         items = [(GOOD[3], 0, memoryview(bytearray(1 << 20))), (REFUSE, 0, memoryview(bytearray(SIZE))),
                  (GOOD[4], 0, memoryview(bytearray(1 << 20)))]
         with pytest.raises(RequestError, match="refused on purpose"):
@@ -129,7 +130,7 @@ def test_a_frame_trickled_a_few_bytes_at_a_time_still_verifies():
 
     block = os.urandom(5000)
     client, server = ready_pair(PayloadChecksum.TSUM64)
-    pulls = [ev.Pull(rid, 7, GOOD[0], 0, len(block)) for rid in (1, 2)]
+    pulls = [so.Pull(rid, 7, GOOD[0], 0, len(block)) for rid in (1, 2)]
     for p in pulls:
         deliver(client, server, p)
     wire = b"".join(bytes(b) for p in pulls for b in server.send(ev.Data(p.request_id, block)))
@@ -194,7 +195,7 @@ def test_recv_many_verifies_what_the_parser_would(vectored):
 
     blocks = [os.urandom(SIZE), os.urandom(3 * SIZE + 5)]
     client, server = ready_pair(PayloadChecksum.TSUM64)
-    pulls = [ev.Pull(rid, 7, GOOD[0], 0, len(b)) for rid, b in zip((1, 2), blocks)]
+    pulls = [so.Pull(rid, 7, GOOD[0], 0, len(b)) for rid, b in zip((1, 2), blocks)]
     for p in pulls:
         deliver(client, server, p)
     wire = b"".join(bytes(x) for p, b in zip(pulls, blocks) for x in server.send(ev.Data(p.request_id, b)))

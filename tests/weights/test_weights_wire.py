@@ -9,6 +9,7 @@ import pytest
 
 from tiersync.errors import UsageError
 from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net.codec import MetaReader, MetaWriter
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.frames import EMPTY_CHECKSUM, Op, PayloadChecksum, ProtocolConfig, encode_header
@@ -90,8 +91,8 @@ def test_a_weights_connection_refuses_another_services_ops():
     client, server = _ready(WEIGHTS)
     server.receive_data(b"".join(bytes(b) for b in client.send(Get(1, 2, "w", (0,), StridedSpan(0, 4)))))
     assert isinstance(server.next_event(), Get)
-    store, _ = _ready(ev.STORE)
-    server.receive_data(b"".join(bytes(b) for b in store.send(ev.Pull(2, 1, b"k" * 16, 0, 4))))
+    store, _ = _ready(so.STORE)
+    server.receive_data(b"".join(bytes(b) for b in store.send(so.Pull(2, 1, b"k" * 16, 0, 4))))
     with pytest.raises(ProtocolError) as e:
         server.next_event()
     assert e.value.fault is ProtocolFault.UNKNOWN_OP

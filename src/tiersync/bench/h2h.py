@@ -133,18 +133,18 @@ class _Ours:
     """``streams`` tiersync channels, one lease over every block of ``size``."""
 
     def __init__(self, address: str, size: int, n: int, streams: int, window: int = 1) -> None:
-        from tiersync.net import events as ev
+        from tiersync.net import store_ops as so
         from tiersync.net.config import Route
         from tiersync.net.tcp import TcpConfig, TcpTransport
 
-        self._ev, self.size, self.window = ev, size, window
+        self._ops, self.size, self.window = so, size, window
         # the socket rows use the socket even though the server is on this host (route AUTO would not)
         transport = getattr(self, "_transport", None) or TcpTransport(TcpConfig(route=Route.TCP))
         self.channels = [transport.connect(address) for _ in range(streams)]
         self.keys = [_key(size, i) for i in range(n)]
         ch = self.channels[0]
-        reply = ch.request(ev.ReadLease(ch.new_request_id(), tuple(self.keys), ttl_s=600))
-        if reply.status is not ev.LeaseStatus.GRANTED:
+        reply = ch.request(so.ReadLease(ch.new_request_id(), tuple(self.keys), ttl_s=600))
+        if reply.status is not so.LeaseStatus.GRANTED:
             raise RoundTripError("source refused the lease", status=reply.status.name)
         self.lease = reply.lease_id
         from tiersync.transfer.kernel import TSUM64
@@ -154,7 +154,7 @@ class _Ours:
 
     def pull(self, w: int, i: int, dest: memoryview) -> None:
         ch = self.channels[w]
-        ch.request(self._ev.Pull(ch.new_request_id(), self.lease, self.keys[i], 0, self.size), into=dest)
+        ch.request(self._ops.Pull(ch.new_request_id(), self.lease, self.keys[i], 0, self.size), into=dest)
 
     def pull_window(self, w: int, idxs: list[int], dests: list[memoryview]) -> None:
         items = [(self.keys[i], 0, d) for i, d in zip(idxs, dests)]
@@ -162,7 +162,7 @@ class _Ours:
 
     def close(self) -> None:
         ch = self.channels[0]
-        ch.request(self._ev.Release(ch.new_request_id(), self.lease))
+        ch.request(self._ops.Release(ch.new_request_id(), self.lease))
         for c in self.channels:
             c.close()
 

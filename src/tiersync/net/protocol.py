@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net.codec import MetaReader
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.frames import (EMPTY_CHECKSUM, HEADER_SIZE, SUPPORTED, FrameHeader, Op, PayloadChecksum,
@@ -143,13 +144,13 @@ class Connection:
     """One side of a framed connection. Not thread-safe; guard it with one lock.
 
     ``role``: which side of the handshake this is. ``config``: bounds. ``vocabulary``: the
-    service's ops (default: the block store's, :data:`~tiersync.net.events.STORE`).
+    service's ops (default: the block store's, :data:`~tiersync.net.store_ops.STORE`).
     """
 
     def __init__(self, role: Role, config: ProtocolConfig | None = None, vocabulary: Vocabulary | None = None) -> None:
         if not isinstance(role, Role):
             raise UsageError("must be a Role", argument="role", value=role)
-        vocabulary = vocabulary if vocabulary is not None else ev.STORE
+        vocabulary = vocabulary if vocabulary is not None else so.STORE
         if not isinstance(vocabulary, Vocabulary):
             raise UsageError("must be a Vocabulary", argument="vocabulary")
         self.role, self.vocabulary = role, vocabulary

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 
 from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net import local
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 from tiersync.net.service import Service, Session
@@ -45,14 +46,14 @@ class BlockError(Exception):
 class BlockService(Service):
     """Base of every block server (see the module docstring)."""
 
-    vocabulary = ev.STORE
+    vocabulary = so.STORE
 
     def __init__(self) -> None:
         self._held: dict[Session, set[int]] = {}
         self._held_lock = threading.Lock()
 
     # -- what a block server implements -------------------------------------------------------
-    def lease(self, req: ev.ReadLease) -> ev.LeaseReply:
+    def lease(self, req: so.ReadLease) -> so.LeaseReply:
         """Pin every key of ``req`` (GRANTED with sizes) or none (MISSING)."""
         raise NotImplementedError
 
@@ -64,35 +65,35 @@ class BlockService(Service):
         """Unpin a lease; True when it was still held."""
         raise NotImplementedError
 
-    def offer(self, req: ev.Offer, session: Session) -> Iterator[object]:
+    def offer(self, req: so.Offer, session: Session) -> Iterator[object]:
         """Answers to an OFFER; a read-only server refuses every offer."""
-        yield ev.OfferReply(req.request_id, ev.OfferStatus.REFUSED)
+        yield so.OfferReply(req.request_id, so.OfferStatus.REFUSED)
 
     # -- the wire -------------------------------------------------------------------------------
     def handle(self, session: Session, event: object):
-        if isinstance(event, ev.Offer):
+        if isinstance(event, so.Offer):
             return self.offer(event, session)
         if isinstance(event, ev.Ping):
             return [ev.Pong(event.request_id, event.token)]
-        if isinstance(event, ev.ReadLease):
+        if isinstance(event, so.ReadLease):
             return [self._lease(session, event)]
-        if isinstance(event, ev.Release):
+        if isinstance(event, so.Release):
             return [self._release(session, event)]
         try:
-            if isinstance(event, ev.Pull):
+            if isinstance(event, so.Pull):
                 return [ev.Data(event.request_id, *self.view(event.lease_id, event.key, event.offset, event.length))]
-            if isinstance(event, ev.PullMany):
+            if isinstance(event, so.PullMany):
                 views = [self.view(event.lease_id, *item)[0] for item in event.items]
                 return [ev.Data(event.request_id, views)]
-            if isinstance(event, ev.PullLocal):
+            if isinstance(event, so.PullLocal):
                 return [self._local(session, event)]
         except BlockError as exc:
             return [ev.Error(event.request_id, exc.code, str(exc))]
         return [ev.Error(getattr(event, "request_id", 0), ev.ErrorCode.UNSUPPORTED, type(event).__name__)]
 
-    def _lease(self, session: Session, req: ev.ReadLease) -> ev.LeaseReply:
+    def _lease(self, session: Session, req: so.ReadLease) -> so.LeaseReply:
         reply = self.lease(req)
-        if reply.status is ev.LeaseStatus.GRANTED:
+        if reply.status is so.LeaseStatus.GRANTED:
             with self._held_lock:
                 held = self._held.setdefault(session, set())
                 held.add(reply.lease_id)
@@ -100,14 +101,14 @@ class BlockService(Service):
                 self.closed(session)
         return reply
 
-    def _release(self, session: Session, req: ev.Release) -> ev.CommitReply:
+    def _release(self, session: Session, req: so.Release) -> ev.CommitReply:
         with self._held_lock:
             self._held.get(session, set()).discard(req.lease_id)
         if self.release(req.lease_id):
             return ev.CommitReply(req.request_id, ev.CommitStatus.COMMITTED)
         return ev.CommitReply(req.request_id, ev.CommitStatus.FAILED, "lease expired")
 
-    def _local(self, session: Session, req: ev.PullLocal) -> ev.LocalReply:
+    def _local(self, session: Session, req: so.PullLocal) -> ev.LocalReply:
         if not session.info.same_host:
             raise BlockError(ev.ErrorCode.UNSUPPORTED, "PULL_LOCAL from another host")
         algo = SUPPORTED[0]
@@ -150,16 +151,16 @@ class MemoryBlockSource(BlockService):
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def lease(self, req: ev.ReadLease) -> ev.LeaseReply:
+    def lease(self, req: so.ReadLease) -> so.LeaseReply:
         missing = tuple(k for k in req.keys if k not in self._blocks)
         if missing:
-            return ev.LeaseReply(req.request_id, ev.LeaseStatus.MISSING, missing=missing)
+            return so.LeaseReply(req.request_id, so.LeaseStatus.MISSING, missing=missing)
         ttl = clamp_ttl(req.ttl_s)
         with self._lock:
             lease_id = next(self._ids)
             self._leases[lease_id] = (self._clock() + ttl, frozenset(req.keys))
         sizes = tuple(len(self._blocks[k]) for k in req.keys)
-        return ev.LeaseReply(req.request_id, ev.LeaseStatus.GRANTED, lease_id, ttl, sizes)
+        return so.LeaseReply(req.request_id, so.LeaseStatus.GRANTED, lease_id, ttl, sizes)
 
     def _held_keys(self, lease_id: int) -> frozenset[bytes] | None:
         with self._lock:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tiersync.errors import CapacityError, RemoteError, UsageError
 from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net.source import MemoryBlockSource
 from tiersync.net.config import coerce_token
 from tiersync.net.tcp import Deadline, TcpConfig, TcpTransport
@@ -24,7 +25,7 @@ _WILDCARD = ("", "0.0.0.0", "::")
 class PushResult:
     """``offer``: the node's OfferStatus; ``commit``: its CommitStatus (None for ALL_EXIST)."""
 
-    offer: ev.OfferStatus
+    offer: so.OfferStatus
     commit: ev.CommitStatus | None
     existing: tuple[bytes, ...]
 
@@ -39,7 +40,7 @@ class StoreNodeClient:
     """
 
     def __init__(self, address: str, *, token: bytes | str | None = None, timeout: float = 30.0,
-                 bind_host: str = "127.0.0.1", on_pull: Callable[[ev.Pull], None] | None = None) -> None:
+                 bind_host: str = "127.0.0.1", on_pull: Callable[[so.Pull], None] | None = None) -> None:
         if not timeout > 0:
             raise UsageError("must be > 0 seconds", argument="timeout", value=timeout)
         self.address, self.token, self.timeout = address, coerce_token(token), timeout
@@ -58,7 +59,7 @@ class StoreNodeClient:
         source = _ObservedSource(dict(zip(keys, buffers)), self._on_pull)
         server = TcpTransport(TcpConfig(token=self.token)).serve(f"{self._bind}:0", source)
         try:
-            lease = source.lease(ev.ReadLease(1, keys, ttl_s=max(int(self.timeout) + 1, 30)))
+            lease = source.lease(so.ReadLease(1, keys, ttl_s=max(int(self.timeout) + 1, 30)))
             host = "" if self._bind in _WILDCARD else self._bind
             pull_from = f"{host}:{server.address.rpartition(':')[2]}"
             channel = self._connect(deadline)
@@ -69,15 +70,15 @@ class StoreNodeClient:
         finally:
             server.close()
 
-    def _offer(self, channel, lease: ev.LeaseReply, keys: tuple[bytes, ...], source: str,
+    def _offer(self, channel, lease: so.LeaseReply, keys: tuple[bytes, ...], source: str,
                deadline: Deadline) -> PushResult:
         rid = channel.new_request_id()
-        reply = channel.request(ev.Offer(rid, lease.lease_id, keys, lease.sizes, source),
+        reply = channel.request(so.Offer(rid, lease.lease_id, keys, lease.sizes, source),
                                 timeout=deadline.remaining())
-        if reply.status is ev.OfferStatus.REFUSED:
+        if reply.status is so.OfferStatus.REFUSED:
             raise CapacityError("store node refused the offer (no free space, or keys in flight)",
                                 requested=len(keys), peer=self.address)
-        if reply.status is ev.OfferStatus.ALL_EXIST:
+        if reply.status is so.OfferStatus.ALL_EXIST:
             return PushResult(reply.status, None, reply.existing)
         commit = channel.next_answer(rid, timeout=deadline.remaining())
         if commit.status is not ev.CommitStatus.COMMITTED:
@@ -95,16 +96,16 @@ class StoreNodeClient:
         deadline = Deadline(self.timeout, self.address)
         channel = self._connect(deadline)
         try:
-            lease = channel.request(ev.ReadLease(channel.new_request_id(), keys), timeout=deadline.remaining())
-            if lease.status is not ev.LeaseStatus.GRANTED:
+            lease = channel.request(so.ReadLease(channel.new_request_id(), keys), timeout=deadline.remaining())
+            if lease.status is not so.LeaseStatus.GRANTED:
                 raise RemoteError("store node lacks keys", peer=self.address, missing=len(lease.missing))
             try:
                 self._pull_all(channel, lease, keys, into, deadline)
             except BaseException:
                 if not channel.closed:  # best effort: unpin now rather than at the lease's expiry
-                    channel.request(ev.Release(channel.new_request_id(), lease.lease_id), timeout=1.0)
+                    channel.request(so.Release(channel.new_request_id(), lease.lease_id), timeout=1.0)
                 raise
-            done = channel.request(ev.Release(channel.new_request_id(), lease.lease_id),
+            done = channel.request(so.Release(channel.new_request_id(), lease.lease_id),
                                    timeout=deadline.remaining())
             if done.status is not ev.CommitStatus.COMMITTED:
                 raise RemoteError("read lease expired before the read finished", peer=self.address)
@@ -113,7 +114,7 @@ class StoreNodeClient:
             channel.close()
 
     @staticmethod
-    def _pull_all(channel, lease: ev.LeaseReply, keys: tuple[bytes, ...], into, deadline: Deadline) -> None:
+    def _pull_all(channel, lease: so.LeaseReply, keys: tuple[bytes, ...], into, deadline: Deadline) -> None:
         items = []
         for key, size, buf in zip(keys, lease.sizes, into):
             view = memoryview(buf).cast("B")
@@ -131,6 +132,6 @@ class _ObservedSource(MemoryBlockSource):
         self._on_pull = on_pull
 
     def handle(self, session, event):
-        if self._on_pull is not None and isinstance(event, (ev.Pull, ev.PullMany, ev.PullLocal)):
+        if self._on_pull is not None and isinstance(event, (so.Pull, so.PullMany, so.PullLocal)):
             self._on_pull(event)
         return super().handle(session, event)

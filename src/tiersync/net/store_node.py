@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from tiersync.errors import RemoteError, UsageError
 from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net.service import Session
 from tiersync.net.source import BlockError, BlockService, clamp_ttl
 from tiersync.net.tcp import Deadline, TcpConfig, TcpServer, TcpTransport, parse_address
@@ -86,18 +87,18 @@ class StoreNode(BlockService):
         for lease_id in [i for i, (end, _, _) in self._leases.items() if end <= now]:
             self.arena.allocator.unlock(self._leases.pop(lease_id)[1])
 
-    def lease(self, req: ev.ReadLease) -> ev.LeaseReply:
+    def lease(self, req: so.ReadLease) -> so.LeaseReply:
         ttl = clamp_ttl(req.ttl_s)
         with self._lock:
             missing = tuple(k for k in req.keys if k not in self._index)
             if missing:
-                return ev.LeaseReply(req.request_id, ev.LeaseStatus.MISSING, missing=missing)
+                return so.LeaseReply(req.request_id, so.LeaseStatus.MISSING, missing=missing)
             blocks = [self._index[k][0] for k in req.keys]
             self.arena.allocator.lock(blocks)
             lease_id = next(self._ids)
             self._leases[lease_id] = (self._clock() + ttl, blocks, frozenset(req.keys))
             sizes = tuple(self._index[k][1] for k in req.keys)
-        return ev.LeaseReply(req.request_id, ev.LeaseStatus.GRANTED, lease_id, ttl, sizes)
+        return so.LeaseReply(req.request_id, so.LeaseStatus.GRANTED, lease_id, ttl, sizes)
 
     def view(self, lease_id: int, key: bytes, offset: int, length: int) -> tuple[memoryview, None]:
         with self._lock:
@@ -119,7 +120,7 @@ class StoreNode(BlockService):
         return lease is not None
 
     # -- writes --------------------------------------------------------------
-    def offer(self, req: ev.Offer, session: Session | None = None) -> Iterator[object]:
+    def offer(self, req: so.Offer, session: Session | None = None) -> Iterator[object]:
         """Answers to OFFER ``req``: the OFFER_REPLY, then (when accepted) the COMMIT_REPLY.
         An unexpected error becomes ERROR (before the reply) or FAILED (after).
 
@@ -127,7 +128,7 @@ class StoreNode(BlockService):
         """
         return _guarded(self._offer(req, session.peer if session is not None else None), req.request_id)
 
-    def _offer(self, req: ev.Offer, peer: str | None) -> Iterator[object]:
+    def _offer(self, req: so.Offer, peer: str | None) -> Iterator[object]:
         writer = writer_address(req.source, peer)
         reply, new, blocks = self._admit(req, writer)
         yield reply
@@ -150,21 +151,21 @@ class StoreNode(BlockService):
             self.on_stored([k for k, _ in new])
         yield ev.CommitReply(req.request_id, ev.CommitStatus.COMMITTED)
 
-    def _admit(self, req: ev.Offer, writer: str | None) -> tuple[ev.OfferReply, list, list[int]]:
-        refused = ev.OfferReply(req.request_id, ev.OfferStatus.REFUSED)
+    def _admit(self, req: so.Offer, writer: str | None) -> tuple[so.OfferReply, list, list[int]]:
+        refused = so.OfferReply(req.request_id, so.OfferStatus.REFUSED)
         with self._lock:
             existing = tuple(k for k in req.keys if k in self._index)
             new = list(dict((k, s) for k, s in zip(req.keys, req.sizes) if k not in self._index).items())
             if not new:
-                return ev.OfferReply(req.request_id, ev.OfferStatus.ALL_EXIST, existing), [], []
+                return so.OfferReply(req.request_id, so.OfferStatus.ALL_EXIST, existing), [], []
             too_big = any(s > self.arena.block_nbytes for _, s in new)
             if writer is None or too_big or any(k in self._landing for k, _ in new) \
                     or len(new) > self.arena.allocator.num_free:
                 return refused, [], []
             blocks = self.arena.allocate(len(new))  # free blocks only: checked above, under the lock
             self._landing.update(k for k, _ in new)
-        status = ev.OfferStatus.PARTIAL_EXIST if existing else ev.OfferStatus.ACCEPT
-        return ev.OfferReply(req.request_id, status, existing), new, blocks
+        status = so.OfferStatus.PARTIAL_EXIST if existing else so.OfferStatus.ACCEPT
+        return so.OfferReply(req.request_id, status, existing), new, blocks
 
     def _pull_from(self, writer: str, lease_id: int, new: list, blocks: list[int]) -> None:
         deadline = Deadline(self._pull_timeout, writer)
@@ -173,7 +174,7 @@ class StoreNode(BlockService):
             items = [(key, off, self.arena.block(b)[off:off + min(PULL_CHUNK, size - off)])
                      for (key, size), b in zip(new, blocks) for off in range(0, size, PULL_CHUNK)]
             channel.pull_many(lease_id, items, window=PULL_WINDOW, timeout=deadline.remaining())
-            done = channel.request(ev.Release(channel.new_request_id(), lease_id), timeout=deadline.remaining())
+            done = channel.request(so.Release(channel.new_request_id(), lease_id), timeout=deadline.remaining())
             if done.status is not ev.CommitStatus.COMMITTED:
                 raise RemoteError("writer's lease was lost before the pull finished", peer=writer)
         finally:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from tiersync.net.config import coerce_token
 from tiersync.errors import CapacityError, RemoteError, TierSyncError, UsageError, check_positive_int
-from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net.registry.base import Registry
 from tiersync.net.store_client import StoreNodeClient
 from tiersync.store.kvstore import KVCacheStore
@@ -171,7 +171,7 @@ class RemoteTier:
                 log.info("store node %s failed a sweep push: %s", target.store_id, exc)
                 report.failed.append(target.store_id)
                 continue
-            if result.offer is ev.OfferStatus.PARTIAL_EXIST:
+            if result.offer is so.OfferStatus.PARTIAL_EXIST:
                 report.partial += 1
             return target.store_id
         return None

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 from tiersync.net.config import Route, TcpConfig, parse_address
 from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault, RequestError
 from tiersync.net.framed import Deadline, FramedSocket, io_errors, tune
@@ -174,7 +175,7 @@ class TcpChannel(Channel):
         for key, offset, dest in items:
             view = _writable(dest)
             if len(view) >= _GROUP_BYTES:
-                out.append((ev.Pull(next(self._ids), lease_id, key, offset, len(view)), view))
+                out.append((so.Pull(next(self._ids), lease_id, key, offset, len(view)), view))
                 continue
             group.append((key, offset, view))
             size += len(view)
@@ -211,7 +212,7 @@ class TcpChannel(Channel):
         asked = []
         for i, group in enumerate(groups):
             while len(asked) < min(i + 2, len(groups)):
-                req = ev.PullLocal(self.new_request_id(), lease_id, tuple((k, o, len(v)) for k, o, v in groups[len(asked)]))
+                req = so.PullLocal(self.new_request_id(), lease_id, tuple((k, o, len(v)) for k, o, v in groups[len(asked)]))
                 self.send(req, timeout=deadline.remaining())
                 asked.append(req.request_id)
             reply = self.next_answer(asked[i], timeout=deadline.remaining())
@@ -239,9 +240,9 @@ class TcpChannel(Channel):
     def _group(self, lease_id: int, group: list) -> tuple[object, object]:
         if len(group) == 1:
             key, offset, view = group[0]
-            return ev.Pull(next(self._ids), lease_id, key, offset, len(view)), view
+            return so.Pull(next(self._ids), lease_id, key, offset, len(view)), view
         items = tuple((k, o, len(v)) for k, o, v in group)
-        return ev.PullMany(next(self._ids), lease_id, items), [v for _, _, v in group]
+        return so.PullMany(next(self._ids), lease_id, items), [v for _, _, v in group]
 
     def _send_pulls(self, todo, n: int, pending: collections.deque, deadline: Deadline) -> None:
         """Encode up to ``n`` more requests from ``todo``, register their buffers, send them in one go."""
@@ -314,7 +315,7 @@ class TcpTransport(Transport):
 
     def __init__(self, config: TcpConfig | None = None, vocabulary: Vocabulary | None = None) -> None:
         self.config = config or TcpConfig()
-        self.vocabulary = vocabulary if vocabulary is not None else ev.STORE
+        self.vocabulary = vocabulary if vocabulary is not None else so.STORE
 
     def connect(self, address: str, *, timeout: float | None = None) -> TcpChannel:
         host, port = parse_address(address)

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from tiersync.errors import ClosedError, UsageError
-from tiersync.net import events as ev
+from tiersync.net import store_ops as so
 
 class Channel(ABC):
     """One authenticated connection to ``peer``. Thread-safe: requests are serialised."""
@@ -41,7 +41,7 @@ class Channel(ABC):
         if window < 1:
             raise UsageError("must be >= 1", argument="window", value=window)
         for key, offset, dest in items:
-            self.request(ev.Pull(self.new_request_id(), lease_id, key, offset, len(dest)), timeout=timeout, into=dest)
+            self.request(so.Pull(self.new_request_id(), lease_id, key, offset, len(dest)), timeout=timeout, into=dest)
 
     @abstractmethod
     def new_request_id(self) -> int:
@@ -161,7 +161,7 @@ def pull_striped(pool: ChannelPool, address: str, lease_id: int, key: bytes, des
         offset, size = part
         with pool.acquire(address) as channel:
             rid = channel.new_request_id()
-            channel.request(ev.Pull(rid, lease_id, key, offset, size), timeout=timeout,
+            channel.request(so.Pull(rid, lease_id, key, offset, size), timeout=timeout,
                             into=view[offset:offset + size])
 
     if len(ranges) == 1:
