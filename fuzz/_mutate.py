@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import resource
 import struct
+import sys
 
 import numpy as np
 
@@ -51,6 +52,19 @@ def apply(buf: bytearray, kind: str, n: int, offset: int, value: int) -> bytearr
         chunk = bytes(buf[at:at + n])
         buf[at:at + n], buf[dst:dst + n] = buf[dst:dst + n], chunk
     return buf
+
+
+def fuzz(one_input, atheris, before=None) -> None:
+    """A target's ``main``: refuse without atheris, :func:`prepare_run`, ``before()`` (the
+    target's own set-up), then let libFuzzer drive ``one_input``."""
+    if atheris is None:
+        sys.exit("atheris is not installed: pip install atheris")
+    prepare_run()
+    if before is not None:
+        before()
+    atheris.instrument_all()
+    atheris.Setup(sys.argv, one_input)
+    atheris.Fuzz()
 
 
 def prepare_run() -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -153,13 +152,7 @@ def one_input(data: bytes) -> None:
 
 
 def main() -> None:
-    if atheris is None:
-        sys.exit("atheris is not installed: pip install atheris")
-    _mutate.prepare_run()
-    remove_stale()
-    atheris.instrument_all()
-    atheris.Setup(sys.argv, one_input)
-    atheris.Fuzz()
+    _mutate.fuzz(one_input, atheris, before=remove_stale)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -121,12 +120,7 @@ def one_input(data: bytes) -> None:
 
 
 def main() -> None:
-    if atheris is None:
-        sys.exit("atheris is not installed: pip install atheris")
-    _mutate.prepare_run()
-    atheris.instrument_all()
-    atheris.Setup(sys.argv, one_input)
-    atheris.Fuzz()
+    _mutate.fuzz(one_input, atheris)
 
 
 if __name__ == "__main__":

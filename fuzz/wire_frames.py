@@ -13,7 +13,6 @@ buffered payload outgrows the configured max frame size.
 """
 from __future__ import annotations
 
-import sys
 
 try:
     import atheris
@@ -85,12 +84,7 @@ def one_input(data: bytes) -> None:
 
 
 def main() -> None:
-    if atheris is None:
-        sys.exit("atheris is not installed: pip install atheris")
-    _mutate.prepare_run()
-    atheris.instrument_all()
-    atheris.Setup(sys.argv, one_input)
-    atheris.Fuzz()
+    _mutate.fuzz(one_input, atheris)
 
 
 if __name__ == "__main__":

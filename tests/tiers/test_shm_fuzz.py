@@ -34,6 +34,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _damage import damage
 from tiersync.tiers import shm_format as fmt
 from tiersync.tiers.shm import ColdStart, Geometry, ShmConfig, ShmSegment
 
@@ -106,22 +107,13 @@ MUTATION = st.tuples(
 
 
 def mutate(buf: bytearray, kind: str, at: int | float, n: int, value: int) -> bytearray:
-    """``buf`` damaged by one mutation at offset ``at`` (a float: that fraction of the file)."""
-    at = int(at * len(buf)) if isinstance(at, float) else min(at, len(buf))
-    if kind == "flip" and at < len(buf):
-        buf[at] ^= value % 255 + 1
-    elif kind in ("zero", "fill"):
-        buf[at:at + n] = bytes([0 if kind == "zero" else value % 256]) * len(buf[at:at + n])
-    elif kind == "truncate":
-        del buf[at:]
-    elif kind == "extend":
-        buf += np.random.default_rng(value).bytes(n)
-    elif kind in ("u64", "reseal") and at + 8 <= len(buf):
-        struct.pack_into("<Q", buf, at, value)
-        if kind == "reseal" and len(buf) >= HEADER_CHECKED:  # a writer that knows the format
-            body = bytearray(buf[:HEADER_CHECKED])
-            body[16:24] = bytes(8)
-            struct.pack_into("<Q", buf, 16, xxhash.xxh3_64_intdigest(bytes(body)))
+    """``buf`` damaged by one mutation at offset ``at`` (a float: that fraction of the file);
+    ``reseal``: a u64 written, then the header's checksum made valid again."""
+    buf, at, _ = damage(buf, "u64" if kind == "reseal" else kind, at, n, value)
+    if kind == "reseal" and at + 8 <= len(buf) and len(buf) >= HEADER_CHECKED:  # a writer that knows the format
+        body = bytearray(buf[:HEADER_CHECKED])
+        body[16:24] = bytes(8)
+        struct.pack_into("<Q", buf, 16, xxhash.xxh3_64_intdigest(bytes(body)))
     return buf
 
 

@@ -30,6 +30,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _damage import damage
 from _storage_helpers import block_bytes, key, open_tier, segments
 from tiersync.tiers import storage_format as fmt
 from tiersync.tiers.storage import ReadStatus
@@ -87,17 +88,12 @@ MUTATION = st.tuples(
 
 
 def mutate(buf: bytearray, kind: str, at: int | float, n: int, value: int) -> bytearray:
-    """``buf`` damaged by one mutation at offset ``at`` (a float: that fraction of the file)."""
-    at = int(at * len(buf)) if isinstance(at, float) else min(at, len(buf))
-    if kind == "flip" and at < len(buf):
-        buf[at] ^= value % 255 + 1
-    elif kind in ("zero", "fill"):
-        buf[at:at + n] = bytes([0 if kind == "zero" else value % 256]) * len(buf[at:at + n])
-    elif kind == "truncate":
-        del buf[at:]
-    elif kind == "extend":
-        buf += np.random.default_rng(value).bytes(n)
-    elif kind == "count" and len(buf) >= fmt.HEAD_NBYTES:
+    """``buf`` damaged by one mutation at offset ``at`` (a float: that fraction of the file):
+    the generic kinds, a record count, or a re-sealed descriptor field."""
+    buf, at, done = damage(buf, kind, at, n, value)
+    if done:
+        return buf
+    if kind == "count" and len(buf) >= fmt.HEAD_NBYTES:
         struct.pack_into("<I", buf, _COUNT_AT, value % 2**32)
     elif kind.startswith("reseal"):
         reseal(buf, at, _OFFSET_AT if kind == "reseal_offset" else _LENGTH_AT, value)

@@ -78,6 +78,16 @@ class BenchConfig:
 
 
 # -- statistics --------------------------------------------------------------
+def same_tokens(served: dict[str, list[dict]], what: str, reference: str = "recompute") -> None:
+    """Correct before fast for engine suites: every mode served as many requests as
+    ``reference`` with the same greedy ``tokens`` each, else RoundTripError naming ``what``."""
+    ref = served[reference]
+    for mode, reqs in served.items():
+        bad = [i for i, (a, b) in enumerate(zip(reqs, ref)) if a["tokens"] != b["tokens"]]
+        if bad or len(reqs) != len(ref):
+            raise RoundTripError(f"{what}: {mode}'s greedy tokens differ from {reference}'s", requests=bad[:8])
+
+
 def median(values: Sequence[float]) -> float:
     """Median (mean of the two middle values for an even count). ValueError when empty."""
     if not values:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from tiersync.bench.common import RoundTripError
+from tiersync.bench.common import same_tokens
 from tiersync.bench.serve_engine import make_prompt, spawn
 
 __all__ = ["Concurrent", "SHAPES", "engine_run", "rows", "serve"]
@@ -86,11 +86,8 @@ def serve(model: str, c: Concurrent, mode: dict, kv_per_token: int, vocab: int, 
 
 def rows(served: dict[str, list[dict]], kv_per_token: int) -> list[dict]:
     """One row per mode (RoundTripError when any request's tokens differ from recompute's)."""
+    same_tokens(served, "concurrent")
     ref = served["recompute"]
-    for mode, reqs in served.items():
-        bad = [i for i, (a, b) in enumerate(zip(reqs, ref)) if a["tokens"] != b["tokens"]]
-        if bad or len(reqs) != len(ref):
-            raise RoundTripError(f"concurrent: {mode}'s greedy tokens differ from recompute's", requests=bad[:8])
     base = _batch(ref)
     out = []
     for mode, reqs in served.items():

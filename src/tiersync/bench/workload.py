@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from tiersync.bench import concurrency
-from tiersync.bench.common import BenchConfig, RoundTripError, report
+from tiersync.bench.common import BenchConfig, report, same_tokens
 from tiersync.bench.serve_engine import make_prompt, omp_bind, parse_cores, spawn, vllm_python
 from tiersync.bench.tiny_llama import TinyLlama, write_tiny_llama
 from tiersync.errors import UsageError
@@ -131,11 +131,8 @@ def _serve(model: str, shape: Shape, mode: str, work: str) -> list[dict]:
 
 
 def _rows(served: dict[str, list[dict]], kv_per_token: int) -> list[dict]:
+    same_tokens(served, "workload")
     ref = served["recompute"]
-    for mode, reqs in served.items():
-        bad = [i for i, (a, b) in enumerate(zip(reqs, ref)) if a["tokens"] != b["tokens"]]
-        if bad or len(reqs) != len(ref):
-            raise RoundTripError(f"workload: {mode}'s greedy tokens differ from recompute's", requests=bad[:8])
     out = []
     for key in sorted({(r["shape"], r["round"]) for r in ref}):
         base = _mean_ttft(ref, key)
