@@ -33,7 +33,7 @@ def test_tiny_workload_rows_follow_the_contract():
             assert r["ratio"] == pytest.approx(r["baseline_ttft_s"] / r["ttft_s"], rel=1e-2)
     # the batch's hits were loaded from disk (asynchronously), its misses computed
     hits = CONC["tiny"].requests // 2 * ((CONC["tiny"].doc_len + CONC["tiny"].question_len - 1) // 128 * 128)
-    assert rows[conc[1]]["cached_tokens"] >= hits // 2 and rows[conc[0]]["cached_tokens"] == 0
+    assert rows[conc[1]]["cached_tokens"] == hits and rows[conc[0]]["cached_tokens"] == 0
     assert rows["workload-r1-tiersync"]["cached_tokens"] == 0  # round 1: every request a miss
     assert rows["workload-r2-tiersync"]["cached_tokens"] >= shape.docs * 128  # served from the host tier
     assert rows["workload-r2-recompute"]["cached_tokens"] == 0

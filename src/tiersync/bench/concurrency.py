@@ -3,7 +3,8 @@ for its KV hold up the others?
 
 One engine per mode, all on the same cores. Warm-up, one request at a time: a first question
 about each of ``requests / 2`` documents, then ``fillers`` unrelated documents, so that with
-the connector's host tier sized to the fillers the documents' KV is only on disk. Then one
+the connector's host tier sized to the fillers the documents' KV is only on disk (a disk hit
+is staged through host slots: the tier holds as many documents as the batch has hits). Then one
 batch of ``requests`` prompts submitted together, alternating a second question about a
 warmed document (a disk hit: the connector loads it asynchronously, through vLLM's
 ``load_async``, while the misses compute) and a new document (a miss everywhere).
@@ -35,10 +36,10 @@ class Concurrent:
     fillers: int
 
 
-SHAPES = {
-    "full": Concurrent(requests=8, doc_len=2000, question_len=48, fillers=2),
-    "quick": Concurrent(requests=8, doc_len=1000, question_len=32, fillers=2),
-    "tiny": Concurrent(requests=4, doc_len=400, question_len=16, fillers=1),
+SHAPES = {  # fillers >= requests / 2: the host tier (the fillers' blocks) can stage every hit at once
+    "full": Concurrent(requests=8, doc_len=2000, question_len=48, fillers=4),
+    "quick": Concurrent(requests=8, doc_len=1000, question_len=32, fillers=4),
+    "tiny": Concurrent(requests=4, doc_len=400, question_len=16, fillers=2),
 }
 
 
