@@ -197,9 +197,9 @@ def cmd_shm_reclaim(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.paths:
         try:
-            if _weights_owner(path).get("stale") is False:  # not flock-ed: its owner's pid decides
-                raise UsageError(f"{path} belongs to running process {_weights_owner(path)['owner_pid']}",
-                                 argument="path")
+            owner = _weights_owner(path)
+            if owner.get("stale") is False:  # not flock-ed: its owner's pid decides
+                raise UsageError(f"{path} belongs to running process {owner['owner_pid']}", argument="path")
             ShmSegment.reclaim(path)
             print(f"reclaimed {path}")
         except TierSyncError as exc:

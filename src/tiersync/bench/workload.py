@@ -135,9 +135,10 @@ def _rows(served: dict[str, list[dict]], kv_per_token: int) -> list[dict]:
     ref = served["recompute"]
     out = []
     for key in sorted({(r["shape"], r["round"]) for r in ref}):
-        base = _mean_ttft(ref, key)
+        base = _mean(_round(ref, key))
         for mode, reqs in served.items():
-            ttft, tokens = _mean_ttft(reqs, key), _round(reqs, key)
+            tokens = _round(reqs, key)
+            ttft = _mean(tokens)
             kv = sum(r["prompt_len"] for r in tokens) / len(tokens) * kv_per_token
             name = f"{'workload-r' if key[0] == 'docs' else 'chat-t'}{key[1]}-{mode}"
             out.append({"name": name, "ttft_s": round(ttft, 4), "baseline": f"{name.rsplit('-', 1)[0]}-recompute",
@@ -152,6 +153,6 @@ def _round(reqs: list[dict], key: tuple[str, int]) -> list[dict]:
     return [r for r in reqs if (r["shape"], r["round"]) == key]
 
 
-def _mean_ttft(reqs: list[dict], key: tuple[str, int]) -> float:
-    got = _round(reqs, key)
-    return sum(r["seconds"] for r in got) / len(got)
+def _mean(reqs: list[dict]) -> float:
+    """Mean TTFT of one round's requests."""
+    return sum(r["seconds"] for r in reqs) / len(reqs)
