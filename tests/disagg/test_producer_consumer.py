@@ -1,6 +1,8 @@
 """Prefill -> decode over real sockets between real processes: layer-wise, resharded, failures."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -169,7 +171,7 @@ def test_timeouts_fail_both_sides_never_done(procs):
     assert short.poll().failed_receiving == {"u"}
 
 
-def test_bad_token_refused_then_good_token_served(procs):
+def test_bad_token_refused_then_good_token_served(procs, caplog):
     src = _layout(1)
     prod = procs(src, token=TOKEN)
     prod.register("a", [0], 10)
@@ -177,9 +179,14 @@ def test_bad_token_refused_then_good_token_served(procs):
     source = SourceSpec(src, prod.addresses, [0], 10)
     for cfg in (DisaggConfig(token=b"x" * 32), DisaggConfig()):
         bad = KVConsumer(src, 0, cfg)
-        h = bad.start_read("a", source, [1], _landing(src))
-        assert h.wait(20) is RequestState.FAILED
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tiersync.disagg.consumer"):
+            h = bad.start_read("a", source, [1], _landing(src))
+            assert h.wait(20) is RequestState.FAILED
         assert isinstance(h.error, AuthError)
+        # the client says so at WARNING too, not only through the handle (a refused token is a
+        # configuration fault someone must see)
+        assert [r.levelno for r in caplog.records if "read of a from" in r.getMessage()] == [logging.WARNING]
     good = KVConsumer(src, 0, DisaggConfig(token=TOKEN))
     assert good.start_read("a", source, [1], _landing(src)).wait(20) is RequestState.DONE
     assert prod.wait_final("a") == ["done"]

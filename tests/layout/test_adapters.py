@@ -158,6 +158,10 @@ def test_kv_layout_refuses_bad_input():
     with pytest.raises(UsageError) as ei:
         kv_layout([(ok, ok)], tags=("k",))
     assert ei.value.argument == "tags"
+    for bad_tags in ("kv", ("k", 1)):  # a str of two letters is not two tags
+        with pytest.raises(UsageError) as ei:
+            kv_layout([(ok, ok)], tags=bad_tags)
+        assert ei.value.argument == "tags"
     with pytest.raises(UsageError) as ei:
         kv_layout([(ok, ok), (ok, np.zeros((5, 16), np.uint8))])
     assert ei.value.argument == "pools[3]"

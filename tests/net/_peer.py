@@ -53,7 +53,7 @@ class Proc:
         self.tail: deque[str] = deque(maxlen=200)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._drain, daemon=True).start()
-        self.line = self._wait_for(marker, timeout)
+        self.line = self.wait_for(marker, timeout)
 
     def _drain(self) -> None:
         try:
@@ -64,7 +64,8 @@ class Proc:
             pass
         self._lines.put(None)
 
-    def _wait_for(self, marker: str, timeout: float) -> str:
+    def wait_for(self, marker: str, timeout: float) -> str:
+        """The first line from now on containing ``marker``; kills the process and fails without one."""
         end = time.monotonic() + timeout
         while True:
             try:

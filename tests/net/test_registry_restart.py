@@ -104,3 +104,20 @@ def test_direct_redis_backend_outage_shortens_lookups(tmp_path):
     finally:
         reg.close()
         redis.kill()
+
+
+@needs_redis
+def test_registry_process_says_when_redis_goes_and_comes_back(tmp_path):
+    """An unreachable Redis is logged by the registry (once, at WARNING), and so is its return."""
+    redis = RedisProc(str(tmp_path))
+    registry = RegistryProc(redis=redis.url, store_ttl_s=1.0)  # health checked every second
+    try:
+        assert "unreachable" not in "".join(registry.tail)
+        redis.kill()
+        registry.wait_for(f"redis at {redis.url} is unreachable", 30)
+        redis = RedisProc(str(tmp_path), port=redis.port)
+        registry.wait_for(f"redis at {redis.url} is reachable again", 30)
+        assert "".join(registry.tail).count("is unreachable") == 1
+    finally:
+        registry.kill()
+        redis.kill()

@@ -73,6 +73,12 @@ def test_identity_validation():
         CacheIdentity("m", "v", "bf16", 0)
     with pytest.raises(UsageError, match="CacheIdentity.weights_version"):
         CacheIdentity("m", "", "bf16", 16)
+    for bad in ("fp16x", "auto/torch.float33", "bf16/"):
+        with pytest.raises(UsageError, match="CacheIdentity.kv_dtype") as ei:
+            CacheIdentity("m", "v", bad, 16)
+        assert ei.value.argument == "CacheIdentity.kv_dtype"
+    for good in ("auto/torch.float32", "fp8_e4m3/torch.bfloat16", "float16", "uint8"):
+        assert CacheIdentity("m", "v", good, 16).kv_dtype == good
 
 
 def test_stable_across_processes_and_hash_seeds():

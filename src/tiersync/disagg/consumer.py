@@ -26,6 +26,7 @@ once no thread can write them any more.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -42,9 +43,11 @@ from tiersync.disagg.reshard import ReshardPlan, ReshardPlanner, block_table, de
 from tiersync.disagg.spanio import byte_view
 from tiersync.errors import ClosedError, RemoteError, TierSyncError, UsageError, check_positive_int
 from tiersync.net.config import parse_address
-from tiersync.net.errors import NetTimeoutError, PeerClosedError
+from tiersync.net.errors import NetTimeoutError, PeerClosedError, log_level
 from tiersync.net.tcp import TcpChannel, TcpTransport
 from tiersync.net.transport import ChannelPool
+
+log = logging.getLogger(__name__)
 
 __all__ = ["KVConsumer", "ReadHandle", "SourceSpec"]
 
@@ -332,6 +335,7 @@ class KVConsumer:
                 finally:
                     handle._detach(channel)
         except (TierSyncError, OSError) as exc:
+            log.log(log_level(exc), "read of %s from %s failed: %s", handle.request_id, address, exc)
             if not read.notify_only:
                 err = exc if isinstance(exc, TierSyncError) else RemoteError(str(exc), peer=address)
                 handle._fail(err)

@@ -43,6 +43,9 @@ def kv_layout(layers: Sequence[Any], *, tags: Sequence[str] | None = None) -> KV
     """
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or len(layers) == 0:
         raise UsageError("must be a non-empty sequence of per-layer tensors", argument="layers")
+    if tags is not None and (isinstance(tags, (str, bytes)) or not all(isinstance(t, str) for t in tags)):
+        raise UsageError("must be a list of str, one per tensor of a layer (e.g. ['k', 'v'])", argument="tags",
+                         value=tags)
     pools = []
     for l, entry in enumerate(layers):
         group = entry if isinstance(entry, (tuple, list)) else (entry,)

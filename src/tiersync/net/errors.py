@@ -13,6 +13,7 @@ Local misuse (wrong state, bad argument) raises :class:`tiersync.errors.UsageErr
 from __future__ import annotations
 
 import enum
+import logging
 from typing import Any
 
 from tiersync.errors import RemoteError
@@ -41,6 +42,12 @@ class ProtocolError(RemoteError):
 
 class AuthError(RemoteError):
     """Authentication failed: wrong/missing token, bad proof, or a TLS handshake failure."""
+
+
+def log_level(exc: BaseException) -> int:
+    """How loudly a client logs a failed link: a refused token or TLS check is a configuration
+    fault someone must see (WARNING); a peer that is busy, gone or slow is routine (INFO)."""
+    return logging.WARNING if isinstance(exc, AuthError) else logging.INFO
 
 
 class NetTimeoutError(RemoteError, TimeoutError):

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tiersync.net.config import coerce_token
+from tiersync.net.errors import log_level
 from tiersync.errors import CapacityError, RemoteError, TierSyncError, UsageError, check_positive_int
 from tiersync.net import store_ops as so
 from tiersync.net.registry.base import Registry
@@ -168,7 +169,7 @@ class RemoteTier:
                 report.refused.append(target.store_id)
                 continue
             except RemoteError as exc:
-                log.info("store node %s failed a sweep push: %s", target.store_id, exc)
+                log.log(log_level(exc), "store node %s failed a sweep push: %s", target.store_id, exc)
                 report.failed.append(target.store_id)
                 continue
             if result.offer is so.OfferStatus.PARTIAL_EXIST:
@@ -259,7 +260,7 @@ class RemoteTier:
                 self.store.insert_host(keys, land)
                 return True
             except RemoteError as exc:
-                log.info("read-back from %s failed: %s", owner, exc)
+                log.log(log_level(exc), "read-back from %s failed: %s", owner, exc)
         return False
 
 

@@ -28,6 +28,14 @@ import xxhash
 from tiersync.errors import UsageError, check_positive_int
 
 KEY_NBYTES = 16
+# Element types a KV cache can hold, by the names numpy, torch ("torch." dropped), JAX and
+# vLLM's --kv-cache-dtype use; ``kv_dtype`` is one of them or several joined by "/" (the vLLM
+# connector writes "<cache dtype>/<model dtype>", e.g. "auto/torch.bfloat16").
+KV_DTYPES = frozenset({
+    "auto", "float16", "half", "fp16", "bfloat16", "bf16", "float32", "float", "fp32", "float64", "double",
+    "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+    "float8_e5m2fnuz", "float8_e8m0fnu", "int8", "uint8", "int4", "uint4", "nvfp4", "mxfp4", "int16", "int32",
+})
 _INT32 = (np.iinfo(np.int32).min, np.iinfo(np.int32).max)
 
 
@@ -51,6 +59,7 @@ class CacheIdentity:
             v = getattr(self, name)
             if not isinstance(v, str) or not v:
                 raise UsageError("must be a non-empty str", argument=f"CacheIdentity.{name}", value=v)
+        check_kv_dtype(self.kv_dtype)
         check_positive_int(self.block_size, "CacheIdentity.block_size")
         if not isinstance(self.layout_digest, bytes) or len(self.layout_digest) > 64:
             raise UsageError("must be at most 64 bytes", argument="CacheIdentity.layout_digest")
@@ -66,6 +75,14 @@ class CacheIdentity:
         h.update(struct.pack("<qq", self.block_size, self.rank))
         _update_bytes(h, self.layout_digest)
         return h.digest()
+
+
+def check_kv_dtype(kv_dtype: str) -> None:
+    """UsageError unless every "/"-separated part of ``kv_dtype`` names a KV element type."""
+    unknown = [p for p in kv_dtype.split("/") if p.removeprefix("torch.").removeprefix("jnp.") not in KV_DTYPES]
+    if unknown:
+        raise UsageError(f"names no KV dtype ({unknown[0]!r}); use one of {sorted(KV_DTYPES)}, or several "
+                         "joined by '/'", argument="CacheIdentity.kv_dtype", value=kv_dtype)
 
 
 def block_keys(

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 from tiersync.errors import TierSyncError
+from tiersync.net.errors import log_level
 from tiersync.net.tcp import TcpChannel
 from tiersync.weights.config import TransportKind
 from tiersync.weights.manifest import Manifest
@@ -32,4 +33,4 @@ class ShardLink:
         try:
             self.channel.send(event, timeout=timeout)
         except TierSyncError as exc:
-            log.info("%s to trainer shard %s failed: %s", type(event).__name__, self.rank, exc)
+            log.log(log_level(exc), "%s to trainer shard %s failed: %s", type(event).__name__, self.rank, exc)

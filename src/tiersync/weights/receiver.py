@@ -27,7 +27,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from tiersync.errors import ClosedError, IntegrityError, RemoteError, TierSyncError, UsageError
-from tiersync.net.errors import AuthError, ProtocolError, ProtocolFault, RequestError
+from tiersync.net.errors import AuthError, ProtocolError, ProtocolFault, RequestError, log_level
 from tiersync.net.framed import Deadline
 from tiersync.net.server import TcpServer
 from tiersync.net.tcp import TcpTransport
@@ -174,7 +174,7 @@ class WeightReceiver:
                     raise ProtocolError(f"unexpected {type(event).__name__}", fault=ProtocolFault.UNEXPECTED,
                                         peer=shard.address)
         except TierSyncError as exc:
-            log.info("trainer shard %s control ended: %s", shard.rank, exc)
+            log.log(log_level(exc), "trainer shard %s control ended: %s", shard.rank, exc)
             shard.channel.close()
         with self._cond:
             shard.alive = False

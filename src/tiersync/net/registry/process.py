@@ -6,9 +6,14 @@ re-publish what they hold) at their next heartbeat.
 """
 from __future__ import annotations
 
+import logging
 import threading
 
+from tiersync.errors import TierSyncError
 from tiersync.net.registry.base import Registry, RegistryConfig
+
+log = logging.getLogger(__name__)
+HEALTH_INTERVAL_S = 10.0
 
 
 def make_backend(redis_url: str | None, config: RegistryConfig) -> Registry:
@@ -37,8 +42,11 @@ def main(port: int, host: str = "127.0.0.1", redis_url: str | None = None, *, st
           flush=True)
     stop = stop or threading.Event()
     sweep = getattr(backend, "sweep", None)  # the memory backend drops expired entries on request
+    health = _Health(backend, redis_url)
     try:
-        while not stop.wait(min(store_ttl_s, 60.0)):
+        health.check()
+        while not stop.wait(min(store_ttl_s, HEALTH_INTERVAL_S)):
+            health.check()
             if sweep is not None:
                 sweep()
     except KeyboardInterrupt:
@@ -47,3 +55,27 @@ def main(port: int, host: str = "127.0.0.1", redis_url: str | None = None, *, st
         server.stop(grace=1.0)
         backend.close()
     return 0
+
+
+class _Health:
+    """Says when the backend (Redis) becomes unreachable and when it is back, once each: while
+    it is down, lookups answer nothing and registrations fail, so the operator must know."""
+
+    def __init__(self, backend: Registry, url: str | None) -> None:
+        self.ping = getattr(backend, "ping", None)
+        self.url, self.down = url, False
+
+    def check(self) -> None:
+        if self.ping is None:
+            return
+        try:
+            self.ping()
+        except TierSyncError as exc:
+            if not self.down:
+                log.warning("redis at %s is unreachable (%s): lookups answer nothing and stores cannot "
+                            "register until it is back", self.url, exc)
+            self.down = True
+            return
+        if self.down:
+            log.warning("redis at %s is reachable again", self.url)
+        self.down = False

@@ -134,6 +134,10 @@ class RedisRegistry(Registry):
             return []
         return rank_targets(live, pool_group, count, exclude)
 
+    def ping(self) -> None:
+        """RegistryUnavailableError unless Redis answers now."""
+        self._call(self._redis.ping)
+
     def _degraded(self, what: str, exc: Exception) -> None:
         self.failures += 1
         log.warning("registry %s degraded: %s", what, exc)
