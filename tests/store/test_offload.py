@@ -145,3 +145,36 @@ def test_slots_are_never_shared_and_pins_keep_hosts(ops, slots, storage):
         assert len(hosts) + m.num_free_slots == slots
         for key in pinned:
             assert m.pins(key) >= 1
+
+
+def test_change_log_names_every_store_promotion_eviction_and_invalidation():
+    from tiersync.store.offload import TierChange
+
+    H, S = Residency.HOST, Residency.STORAGE
+    m = OffloadManager(OffloadConfig(num_slots=2, storage=True, track_changes=True))
+    m.prepare_store([k(1), k(2)])
+    m.storage_done([k(1), k(2)])
+    m.storage_done([k(1)])  # reported twice: no second change
+    assert m.take_changes() == [TierChange(k(1), H, True), TierChange(k(2), H, True),
+                                TierChange(k(1), S, True), TierChange(k(2), S, True)]
+    assert m.take_changes() == []
+    m.prepare_store([k(3)])  # evicts the coldest host copy (k(1)); its disk copy stays
+    m.storage_done([k(3)])
+    assert m.take_changes() == [TierChange(k(1), H, False), TierChange(k(3), H, True), TierChange(k(3), S, True)]
+    load = m.prepare_load([k(1)])  # a disk hit promoted to host, evicting k(2)'s host copy
+    assert load.from_storage == (True,)
+    assert m.take_changes() == [TierChange(k(2), H, False), TierChange(k(1), H, True)]
+    m.release(load.keys)
+    m.invalidate([k(3)], storage=True)
+    assert m.take_changes() == [TierChange(k(3), H, False), TierChange(k(3), S, False)]
+    assert m.add_storage([k(3), k(1)]) == 1 and m.take_changes() == [TierChange(k(3), S, True)]
+
+
+def test_change_log_is_off_by_default_and_validated():
+    m = OffloadManager(OffloadConfig(num_slots=1))
+    m.prepare_store([k(1), k(2)])
+    m.prepare_store([k(3)])
+    assert m.take_changes() == []
+    with pytest.raises(UsageError) as ei:
+        OffloadConfig(num_slots=1, track_changes="yes")
+    assert ei.value.argument == "OffloadConfig.track_changes"

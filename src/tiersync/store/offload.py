@@ -15,6 +15,10 @@ Contract with the worker (which executes specs strictly in the order they were i
 - The manager commits optimistically; the worker validates every slot against the key it
   last wrote there and reports failures (:meth:`invalidate`), so a failed save or read
   becomes a miss, never wrong bytes.
+
+With ``track_changes`` the manager also keeps a log of :class:`TierChange` (a key gained or
+lost its host or disk copy: stored, promoted, evicted, invalidated), drained by
+:meth:`take_changes`; the vLLM connector turns it into KV events for routers.
 """
 from __future__ import annotations
 
@@ -27,20 +31,25 @@ from tiersync.store.keys import KEY_NBYTES, check_keys
 from tiersync.store.residency import Residency
 from tiersync.tiers.host import POLICIES
 
-__all__ = ["LoadSpec", "OffloadConfig", "OffloadManager", "StoreSpec"]
+__all__ = ["LoadSpec", "OffloadConfig", "OffloadManager", "StoreSpec", "TierChange"]
 
 
 @dataclass(frozen=True, slots=True)
 class OffloadConfig:
     """``num_slots`` host slots; ``policy`` orders host eviction; ``storage`` enables the
-    disk tier (every stored block is also written to disk, and disk hits are loaded)."""
+    disk tier (every stored block is also written to disk, and disk hits are loaded);
+    ``track_changes`` keeps the log of :class:`TierChange` (off: nothing is recorded)."""
 
     num_slots: int
     policy: str = "lru"
     storage: bool = False
+    track_changes: bool = False
 
     def __post_init__(self) -> None:
         check_positive_int(self.num_slots, "OffloadConfig.num_slots")
+        for name in ("storage", "track_changes"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError("must be a bool", argument=f"OffloadConfig.{name}", value=getattr(self, name))
         if self.policy not in POLICIES:
             raise UsageError("unknown eviction policy", argument="OffloadConfig.policy",
                              value=self.policy, choices=sorted(POLICIES))
@@ -72,6 +81,15 @@ class StoreSpec:
         return len(self.keys)
 
 
+@dataclass(frozen=True, slots=True)
+class TierChange:
+    """``key`` gained (``stored``) or lost its copy in ``tier`` (HOST or STORAGE)."""
+
+    key: bytes
+    tier: Residency
+    stored: bool
+
+
 class OffloadManager:
     """Host-slot and storage index of one cache identity (see the module docstring)."""
 
@@ -81,6 +99,7 @@ class OffloadManager:
         self.config = config
         self._index = PinIndex(POLICIES[config.policy](), POLICIES[config.policy]())
         self._free = list(range(config.num_slots - 1, -1, -1))
+        self._changes: list[TierChange] = []
         self.evictions = 0
 
     def __repr__(self) -> str:
@@ -131,6 +150,7 @@ class OffloadManager:
                 break
             if from_disk:
                 self._index.set_host(e, slot)
+                self._note(e.key, Residency.HOST, True)
             slots.append(slot)
             disk.append(from_disk)
         return LoadSpec(tuple(e.key for e in entries), tuple(slots), tuple(disk))
@@ -161,6 +181,7 @@ class OffloadManager:
             if slot is None:
                 break
             e = self._index.add_host(k, slot)
+            self._note(k, Residency.HOST, True)
             if self.config.storage:
                 self._index.hold([e])
             out_keys.append(k)
@@ -174,8 +195,9 @@ class OffloadManager:
             e = self._index.get(k)
             if e is None or e.busy == 0:
                 continue  # already invalidated
-            if present:
+            if present and not e.residency & Residency.STORAGE:
                 self._index.mark(e, Residency.STORAGE, True)
+                self._note(k, Residency.STORAGE, True)
             self._index.unhold([e])
 
     def add_storage(self, keys: Iterable[bytes]) -> int:
@@ -183,7 +205,9 @@ class OffloadManager:
         new = 0
         for k in keys:
             e = self._index.get(k)
-            new += e is None or not (e.residency & Residency.STORAGE)
+            if e is None or not (e.residency & Residency.STORAGE):
+                new += 1
+                self._note(k, Residency.STORAGE, True)
             self._index.add_storage(k)
         return new
 
@@ -197,8 +221,19 @@ class OffloadManager:
                 continue
             if e.residency & Residency.HOST:
                 self._free_slot(self._index.clear(e, Residency.HOST))
+                self._note(k, Residency.HOST, False)
             if storage and e.residency & Residency.STORAGE:
                 self._index.clear(e, Residency.STORAGE)
+                self._note(k, Residency.STORAGE, False)
+
+    def take_changes(self) -> list[TierChange]:
+        """The tier changes since the last call, in order (empty unless ``track_changes``)."""
+        out, self._changes = self._changes, []
+        return out
+
+    def _note(self, key: bytes, tier: Residency, stored: bool) -> None:
+        if self.config.track_changes:
+            self._changes.append(TierChange(key, tier, stored))
 
     # -- slots --------------------------------------------------------------------
     def _take_slot(self) -> int | None:
@@ -208,6 +243,7 @@ class OffloadManager:
         if not victims:
             return None
         self.evictions += 1
+        self._note(victims[0].key, Residency.HOST, False)
         return self._index.clear(victims[0], Residency.HOST)
 
     def _free_slot(self, slot: int | None) -> None:

@@ -54,6 +54,13 @@ def cache_identity(vllm_config: "VllmConfig", cfg: ConnectorConfig) -> CacheIden
                          block_size=vllm_config.cache_config.block_size, layout_digest=layout)
 
 
+def _publishes_kv_events(vllm_config: "VllmConfig") -> bool:
+    """Whether vLLM publishes KV events (``--kv-events-config``): only then are the host and
+    disk tiers' changes recorded and turned into events."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
 def num_host_slots(kv_cache_config: Any, host_bytes: int) -> int:
     """How many blocks (all layers of one block id) fit in ``host_bytes`` per worker."""
     groups = kv_cache_config.kv_cache_groups
@@ -93,7 +100,8 @@ class TierSyncConnector(KVConnectorBase_V1):
         if scheduler:
             self._sched = OffloadScheduler(identity=identity, num_slots=slots, policy=self.config.eviction,
                                            storage_dir=self.config.storage_dir,
-                                           async_disk_loads=self.config.async_disk_loads)
+                                           async_disk_loads=self.config.async_disk_loads,
+                                           kv_events=_publishes_kv_events(vllm_config))
         else:
             self._worker = OffloadWorker(identity=identity, num_slots=slots, rank=vllm_config.parallel_config.rank,
                                          storage_dir=self.config.storage_dir,
@@ -179,6 +187,11 @@ class TierSyncConnector(KVConnectorBase_V1):
         if not self._pd:
             self._sched.loads_finished(getattr(connector_output, "finished_recving", None))
             self._sched.on_report(getattr(connector_output, "kv_connector_worker_meta", None))
+
+    def take_events(self) -> list[Any]:
+        """The host and disk tiers' BlockStored / BlockRemoved since the last step (vLLM
+        publishes them with its own; see :mod:`tiersync.integrations.vllm.kv_events`)."""
+        return [] if self._pd or self._sched is None else self._sched.take_events()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._pd:

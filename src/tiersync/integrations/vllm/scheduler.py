@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiersync.integrations.vllm.kv_events import KVEventLog
 from tiersync.integrations.vllm.metadata import LoadJob, SaveJob, StepMeta, WorkerReport
 from tiersync.integrations.vllm.stats import StatsCounter, TierSyncStats
 from tiersync.store.keys import CacheIdentity, block_keys
@@ -37,10 +38,11 @@ class OffloadScheduler:
     """Request bookkeeping for ``kv_both`` offloading (host and disk)."""
 
     def __init__(self, *, identity: CacheIdentity, num_slots: int, policy: str,
-                 storage_dir: str | None, async_disk_loads: bool = True) -> None:
+                 storage_dir: str | None, async_disk_loads: bool = True, kv_events: bool = False) -> None:
         self.identity, self.async_disk_loads = identity, async_disk_loads
         self.block_size = identity.block_size
-        self.manager = OffloadManager(OffloadConfig(num_slots, policy, storage_dir is not None))
+        self.manager = OffloadManager(OffloadConfig(num_slots, policy, storage_dir is not None, kv_events))
+        self._events = KVEventLog(self.block_size) if kv_events else None
         self._reqs: dict[str, _Tracked] = {}
         self._loading: dict[str, list[bytes]] = {}  # background loads: pinned until the worker is done
         self.hit_blocks = {"host": 0, "disk": 0}
@@ -87,6 +89,8 @@ class OffloadScheduler:
         if not len(spec):
             return 0, False
         t.load, t.load_start = spec, start
+        if self._events is not None:  # blocks found on disk at startup get their token ids here
+            self._events.learn(request, enumerate(spec.keys, start))
         t.load_background = self.async_disk_loads and any(spec.from_storage)
         return len(spec) * self.block_size, t.load_background
 
@@ -139,6 +143,13 @@ class OffloadScheduler:
         self._stats.add("hit_tokens_disk", disk * self.block_size)
         self._stats.add("hit_tokens_host", (len(spec) - disk) * self.block_size)
 
+    def take_events(self) -> list[Any]:
+        """vLLM KV events for the host and disk tiers since the last call (empty unless vLLM
+        publishes KV events)."""
+        if self._events is None:
+            return []
+        return self._events.events(self.manager.take_changes())
+
     def take_stats(self) -> TierSyncStats | None:
         """Hit tokens per tier since the last call (vLLM's ``get_kv_connector_stats``)."""
         return self._stats.take()
@@ -152,6 +163,8 @@ class OffloadScheduler:
         spec = self.manager.prepare_store(keys)
         t.offloaded = full  # blocks that found no slot are not retried
         if len(spec):
+            if self._events is not None:
+                self._events.learn(t.request, ((position[k], k) for k in spec.keys))
             devs = tuple(t.block_ids[position[k]] for k in spec.keys)
             meta.saves.append(SaveJob(t.request.request_id, spec, devs))
 
