@@ -3,7 +3,8 @@
 A flag whose value cannot work on this host (a port in use, an address not here, more memory
 than there is, a missing 'net' extra, a bad Redis URL) becomes one :class:`UsageError` naming
 the flag as the user typed it (``args.flags``: dest -> flag, built by :mod:`tiersync.cli`);
-SIGTERM stops a server as Ctrl-C does, with one "stopped" line on stderr.
+SIGTERM stops a server as Ctrl-C does, with one "stopped" line on stderr. :func:`layer_flags` fills
+the flags not typed from the environment and the config file (:mod:`tiersync.settings`).
 """
 from __future__ import annotations
 
@@ -11,11 +12,53 @@ import argparse
 import contextlib
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
+from typing import Any
 
-__all__ = ["bind_probe", "redis_url", "starting", "stop_on_sigterm", "stopped"]
+__all__ = ["bind_probe", "layer_flags", "redis_url", "starting", "stop_on_sigterm", "stopped"]
 
 NET_MODULES = ("grpc", "redis", "cryptography")  # what the 'net' extra installs
+
+
+def layer_flags(args: argparse.Namespace, section: str, defaults: Mapping[str, Any],
+                types: Mapping[str, Callable[[str], Any]], *, required: Collection[str] = (),
+                environ: Mapping[str, str] | None = None) -> None:
+    """Set each flag of ``defaults`` (dest -> default) not typed (None in ``args``) from
+    ``$TIERSYNC_<SECTION>_<DEST>``, else the config file's ``[section]`` table, else its default.
+    Such a value passes the flag's argparse type (``types``; str otherwise); a bad one is a
+    UsageError naming the variable or the file's key, and a required flag set nowhere one
+    naming the flag. ``args.flags`` then names each value where it came from, so that a later
+    error (a port in use) names the variable or the file's key the value came from."""
+    from tiersync.errors import UsageError
+    from tiersync.settings import CONFIG_FILE_ENV, env_name, layered
+
+    typed = {dest: getattr(args, dest) for dest in defaults if getattr(args, dest) is not None}
+    got = layered(section, defaults, typed, explicit_origin=args.flags.__getitem__, environ=environ)
+    for dest, default in defaults.items():
+        if dest in typed:
+            continue
+        if dest in got.values:
+            setattr(args, dest, _flag_value(got.values[dest], types.get(dest), got.origins[dest]))
+            args.flags = {**args.flags, dest: got.origins[dest]}  # a new dict: the parser's default is shared
+        elif dest in required:
+            raise UsageError(f"required (typed, or ${env_name(section, dest)}, or {dest} in the [{section}] "
+                             f"table of ${CONFIG_FILE_ENV})", argument=args.flags[dest])
+        else:
+            setattr(args, dest, default)
+
+
+def _flag_value(value: Any, kind: Callable[[str], Any] | None, origin: str) -> Any:
+    """``value`` (a string from the environment; a string or number from the file) as the flag's type."""
+    from tiersync.errors import UsageError
+
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise UsageError("must be a string or a number", argument=origin)
+    if kind is None:
+        return str(value)
+    try:
+        return kind(str(value))
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(str(exc), argument=origin) from None
 
 
 @contextlib.contextmanager

@@ -1,4 +1,22 @@
-"""The connector's settings, read from vLLM's ``kv_connector_extra_config`` (documented keys).
+"""The connector's settings: vLLM's ``kv_connector_extra_config``, the environment and a config
+file (:mod:`tiersync.settings`); the first source that has a key wins:
+
+===========================================  ============================  ========================================
+source, highest first                        how a key is written          a bad value is reported as
+===========================================  ============================  ========================================
+``kv_connector_extra_config``                ``{"host_bytes": "4GiB"}``    ``kv_connector_extra_config.host_bytes``
+the environment: ``TIERSYNC_<KEY>``          ``TIERSYNC_HOST_BYTES=4GiB``  ``TIERSYNC_HOST_BYTES``
+the file named by ``$TIERSYNC_CONFIG_FILE``  table ``[connector]``:        ``PATH: connector.host_bytes``
+(TOML, or YAML: ``*.yaml`` and PyYAML)       ``host_bytes = "4GiB"``
+the defaults below
+===========================================  ============================  ========================================
+
+Only the keys below are read from the environment (``TIERSYNC_TOKEN`` and the other variables
+are not connector keys). A string value of a size, number or boolean key is converted as
+written: sizes ``"4GiB"`` / ``"4096"``, ints, floats, booleans ``true``/``false``/``1``/``0``.
+Unknown keys of the extra config and of the file's ``[connector]`` table are refused by name.
+``tiersync store-node`` reads the same file's ``[store_node]`` table and
+``TIERSYNC_STORE_NODE_<FLAG>`` under its flags (see :mod:`tiersync.cli`).
 
 ===================  =========================================================================
 key                  meaning (default)
@@ -7,7 +25,8 @@ key                  meaning (default)
 ``storage_dir``      directory of the disk tier; every offloaded block is also written there,
                      and it survives engine restarts (None: no disk tier)
 ``eviction``         host eviction policy, "lru" or "s3fifo" ("lru")
-``model_id``         the model's name in cache keys (the model path's last component)
+``model_id``         the model's name in cache keys (the model path's last component);
+                     ``$TIERSYNC_MODEL_ID`` is also the shm tier's model name
 ``weights_version``  bump it on a weight update so old KV is never reused ("0")
 ``transfer_workers`` copy threads per worker (2)
 ``load_timeout_s``   deadline of one load; a late load is reported failed and recomputed (120)
@@ -34,11 +53,18 @@ from typing import Any, Mapping
 from tiersync.errors import UsageError, check_positive_int
 from tiersync.net.config import coerce_token, token_from
 from tiersync.net.store_node import parse_size
+from tiersync.settings import layered
 
 __all__ = ["ConnectorConfig"]
 
 _KEYS = {"host_bytes", "storage_dir", "eviction", "model_id", "weights_version", "transfer_workers",
          "load_timeout_s", "async_disk_loads", "pd_host", "pd_port", "pd_token", "pd_token_file", "pd_route"}
+_KINDS = {"host_bytes": "size", "transfer_workers": "int", "pd_port": "int", "load_timeout_s": "float",
+          "async_disk_loads": "bool"}  # how a string value of these keys is read; the others are strings
+_EXPECTED = {"size": "must be a size such as 4GiB, or a number of bytes", "int": "must be an integer",
+             "float": "must be a number", "bool": "must be true or false (or 1 or 0)"}
+_BOOLS = {"true": True, "1": True, "false": False, "0": False}
+_EXTRA = "kv_connector_extra_config"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,24 +109,49 @@ class ConnectorConfig:
         coerce_token(self.pd_token, "kv_connector_extra_config.pd_token")
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None, model: str) -> "ConnectorConfig":
-        """Parse ``kv_connector_extra_config``; unknown keys are refused (a typo must not
-        silently disable the disk tier)."""
+    def from_extra(cls, extra: Mapping[str, Any] | None, model: str,
+                   environ: Mapping[str, str] | None = None) -> "ConnectorConfig":
+        """Parse ``kv_connector_extra_config`` over ``$TIERSYNC_<KEY>`` over the config file's
+        ``[connector]`` table (``environ``: default :data:`os.environ`). Unknown keys are refused
+        (a typo must not silently disable the disk tier); a bad value's UsageError names where
+        it came from, as the user wrote it."""
         extra = dict(extra or {})
         unknown = sorted(set(extra) - _KEYS)
         if unknown:
-            raise UsageError("unknown key(s)", argument="kv_connector_extra_config", unknown=unknown,
-                             known=sorted(_KEYS))
-        if "host_bytes" in extra and isinstance(extra["host_bytes"], str):
-            extra["host_bytes"] = parse_size(extra["host_bytes"])
-        if "transfer_workers" in extra or "pd_port" in extra:
-            for k in ("transfer_workers", "pd_port"):
-                if isinstance(extra.get(k), str) and extra[k].isdigit():
-                    extra[k] = int(extra[k])
-        if isinstance(extra.get("load_timeout_s"), str):
-            extra["load_timeout_s"] = float(extra["load_timeout_s"])
-        extra.setdefault("model_id", os.path.basename(os.path.normpath(model)) or model)
-        token_file = extra.pop("pd_token_file", None)
-        if extra.get("pd_token") is None:  # the file, else $TIERSYNC_TOKEN (read here, at the edge)
-            extra["pd_token"] = token_from(token_file, argument="kv_connector_extra_config.pd_token_file")
-        return cls(**extra)
+            raise UsageError("unknown key(s)", argument=_EXTRA, unknown=unknown, known=sorted(_KEYS))
+        got = layered("connector", _KEYS, extra, explicit_origin=f"{_EXTRA}.{{}}".format, environ=environ)
+        values = {key: _convert(value, _KINDS.get(key), got.origins[key]) for key, value in got.values.items()}
+        values.setdefault("model_id", os.path.basename(os.path.normpath(model)) or model)
+        token_file = values.pop("pd_token_file", None)
+        if values.get("pd_token") is None:  # the file, else $TIERSYNC_TOKEN (read here, at the edge)
+            argument = got.origins.get("pd_token_file", f"{_EXTRA}.pd_token_file")
+            values["pd_token"] = token_from(token_file, None if environ is None else dict(environ), argument=argument)
+        try:
+            return cls(**values)
+        except UsageError as exc:
+            raise _named(exc, got.origins) from None
+
+
+def _convert(value: Any, kind: str | None, origin: str) -> Any:
+    """A string ``value`` of a size, int, float or bool key as that type (other values as they are)."""
+    if kind is None or not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        if kind == "size":
+            return parse_size(text)
+        if kind == "bool":
+            return _BOOLS[text.lower()]
+        return int(text) if kind == "int" else float(text)
+    except (ValueError, KeyError):
+        raise UsageError(_EXPECTED[kind], argument=origin, value=value) from None
+
+
+def _named(exc: UsageError, origins: Mapping[str, str]) -> UsageError:
+    """``exc``, raised by validation naming ``kv_connector_extra_config.KEY``, naming instead where
+    KEY's value came from (``TIERSYNC_KEY``, ``PATH: connector.KEY``)."""
+    key = (exc.argument or "").removeprefix(f"{_EXTRA}.")
+    origin = origins.get(key)
+    if exc.argument is None or origin is None:
+        return exc
+    return UsageError(exc.message[len(exc.argument) + 2:], argument=origin, **exc.context)
