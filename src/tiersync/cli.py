@@ -11,6 +11,9 @@ Subcommands::
                         [--registry HOST:PORT] [--heartbeat-s S]  ... and register there
     tiersync registry --port N [--redis URL]                  the global block registry (gRPC)
 
+``store-node`` reads each flag not typed from ``$TIERSYNC_STORE_NODE_<FLAG>``, else from the
+``[store_node]`` table of the config file named by ``$TIERSYNC_CONFIG_FILE`` (:mod:`tiersync.settings`).
+
 The servers (``metrics --port``, ``store-node``, ``registry``) stop on Ctrl-C or SIGTERM alike:
 one "stopped" line on stderr, exit 0. A flag whose value cannot work here (a port in use, an
 address not on this host, more memory than there is) is one line naming the flag, exit 2.
@@ -22,12 +25,13 @@ cheap: each subcommand imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tiersync.cli_servers import bind_probe, redis_url, starting, stop_on_sigterm, stopped
+from tiersync.cli_servers import bind_probe, layer_flags, redis_url, starting, stop_on_sigterm, stopped
 
 EXIT_ERROR, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
 BENCH_SUITES = ("d2h", "h2d", "storage", "h2h", "pd", "registry", "weights", "serve", "workload")  # keep in step with tiersync.bench.SUITES (checked by the tests)
@@ -57,21 +61,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+STORE_NODE_DEFAULTS = {"capacity": None, "port": None, "host": "127.0.0.1", "token_file": None, "token": None,
+                       "block_size": "1MiB", "registry": None, "store_id": None, "advertise": None,
+                       "pool_group": "", "heartbeat_s": 300.0, "kv_events_endpoint": None,
+                       "kv_events_replay": None, "kv_events_topic": ""}  # None: required (capacity, port) or unset
+_KV_EVENTS_FLAGS = {"endpoint": "kv_events_endpoint", "replay_endpoint": "kv_events_replay", "topic": "kv_events_topic"}
+
+
 def _add_store_node(sub: Any) -> None:
-    n = sub.add_parser("store-node", help="serve host DRAM to remote readers and writers")
-    n.add_argument("--capacity", type=_size, required=True, help="host arena size, e.g. 8GiB")
-    n.add_argument("--port", type=_port, required=True, help="TCP port (0 picks one; printed)")
-    n.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    n.add_argument("--token-file", default=None,
-                   help="file holding the shared secret peers must prove (>= 16 bytes; default: $TIERSYNC_TOKEN)")
-    n.add_argument("--token", default=None,
-                   help="the secret itself (readable by every local user through ps: prefer --token-file)")
-    n.add_argument("--block-size", type=_size, default="1MiB", help="bytes per host block (default 1MiB)")
-    n.add_argument("--registry", default=None, help="register with this registry: HOST:PORT (gRPC) or redis://...")
-    n.add_argument("--store-id", default=None, help="id in the registry (default: the advertised address)")
-    n.add_argument("--advertise", default=None, help="HOST:PORT peers should dial (default: the bound address)")
-    n.add_argument("--pool-group", default="", help="placement group (same group is preferred)")
-    n.add_argument("--heartbeat-s", type=_seconds, default=300.0, help="registry heartbeat interval (default 300)")
+    n = sub.add_parser("store-node", help="serve host DRAM to remote readers and writers",
+                       description="Each flag not typed is read from $TIERSYNC_STORE_NODE_<FLAG> (e.g. "
+                                   "TIERSYNC_STORE_NODE_BLOCK_SIZE), else from the [store_node] table of the "
+                                   "config file named by $TIERSYNC_CONFIG_FILE (block_size = \"2MiB\").")
+    n.add_argument("--capacity", type=_size, help="host arena size, e.g. 8GiB (required)")
+    n.add_argument("--port", type=_port, help="TCP port (0 picks one; printed) (required)")
+    n.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    n.add_argument("--token-file", help="file holding the shared secret peers must prove (>= 16 bytes; "
+                                        "default: $TIERSYNC_TOKEN)")
+    n.add_argument("--token", help="the secret itself (readable by every local user through ps: prefer --token-file)")
+    n.add_argument("--block-size", type=_size, help="bytes per host block (default 1MiB)")
+    n.add_argument("--registry", help="register with this registry: HOST:PORT (gRPC) or redis://...")
+    n.add_argument("--store-id", help="id in the registry (default: the advertised address)")
+    n.add_argument("--advertise", help="HOST:PORT peers should dial (default: the bound address)")
+    n.add_argument("--pool-group", help="placement group (same group is preferred)")
+    n.add_argument("--heartbeat-s", type=_seconds, help="registry heartbeat interval (default 300)")
+    n.add_argument("--kv-events-endpoint", help="publish vLLM-format KV events on this ZMQ address, e.g. tcp://*:5557")
+    n.add_argument("--kv-events-replay", help="ZMQ address of the events' replay socket, e.g. tcp://*:5558")
+    n.add_argument("--kv-events-topic", help="topic of every event message (default kv@<store id>@*)")
     n.set_defaults(func=cmd_store_node)
 
 
@@ -268,12 +284,43 @@ def cmd_store_node(args: argparse.Namespace) -> int:
     from tiersync.net.config import coerce_token, token_from
     from tiersync.net.store_node import main as node_main
 
-    token = coerce_token(args.token, "--token") if args.token is not None else token_from(args.token_file)
-    with starting(args):  # the node stops on SIGTERM itself
+    types = {"capacity": _size, "port": _port, "block_size": _size, "heartbeat_s": _seconds}
+    layer_flags(args, "store_node", STORE_NODE_DEFAULTS, types, required=("capacity", "port"), environ=os.environ)
+    flags = args.flags  # where each value came from: the flag, $TIERSYNC_STORE_NODE_<FLAG> or the file
+    token = coerce_token(args.token, flags["token"]) if args.token is not None else token_from(
+        args.token_file, argument=flags["token_file"])
+    with starting(args), _kv_event_flags():  # the node stops on SIGTERM itself
         rc = node_main(args.capacity, args.port, args.host, token, args.block_size, registry=args.registry,
                        store_id=args.store_id, pool_group=args.pool_group, heartbeat_s=args.heartbeat_s,
-                       advertise=args.advertise)
+                       advertise=args.advertise, kv_events=_kv_events(args))
     return stopped(args, rc)
+
+
+def _kv_events(args: argparse.Namespace) -> Any:
+    """The store node's KVEventsConfig from --kv-events-*, or None without an endpoint."""
+    if args.kv_events_replay and not args.kv_events_endpoint:
+        from tiersync.errors import UsageError
+
+        raise UsageError("needs --kv-events-endpoint too", argument="kv_events_replay")
+    if not args.kv_events_endpoint:
+        return None
+    from tiersync.net.kv_events import KVEventsConfig
+
+    return KVEventsConfig(args.kv_events_endpoint, args.kv_events_replay, args.kv_events_topic or "")
+
+
+@contextlib.contextmanager
+def _kv_event_flags() -> Any:
+    """KVEventsConfig / publisher errors name their field: report them as the --kv-events-* flag."""
+    from tiersync.errors import UsageError
+
+    try:
+        yield
+    except UsageError as exc:
+        if exc.argument not in _KV_EVENTS_FLAGS:
+            raise
+        raise UsageError(exc.message.split(": ", 1)[-1], argument=_KV_EVENTS_FLAGS[exc.argument],
+                         **exc.context) from None
 
 
 def cmd_registry(args: argparse.Namespace) -> int:

@@ -1,8 +1,8 @@
 """A KV-event subscriber as a router runs one: vLLM's own event classes decode the stream.
 
-Run with the vLLM venv's python: ``_kv_subscriber.py PUB_ENDPOINT REPLAY_ENDPOINT TOPIC``.
+Run with the vLLM venv's python: ``_kv_subscriber.py PUB_ENDPOINT REPLAY_ENDPOINT TOPIC [FROM]``.
 Prints "ready", then one JSON line per batch received live ({"seq", "events"}); when stdin
-closes it asks the replay socket for every batch from sequence 0, prints those as
+closes it asks the replay socket for every batch from sequence FROM (0), prints those as
 {"replayed": seq, "events"} lines and "end". Events are printed as vLLM decoded them
 (class name, block hashes as hex or int, parent, token ids, block size, medium).
 """
@@ -33,6 +33,7 @@ def _event(e) -> dict:
 
 def main() -> None:
     pub, replay, topic = sys.argv[1:4]
+    start = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.connect(pub)
@@ -49,7 +50,7 @@ def main() -> None:
                   flush=True)
     req = ctx.socket(zmq.DEALER)
     req.connect(replay)
-    req.send_multipart([b"", (0).to_bytes(8, "big")])
+    req.send_multipart([b"", start.to_bytes(8, "big")])
     while req.poll(30_000):
         _, _, seq, payload = req.recv_multipart()
         if seq == END_SEQ:

@@ -7,11 +7,17 @@ indexer or Dynamo's router would. Three 11-block prompts overflow the host tier,
 first one comes back from disk. The stream must name every block saved to host (``CPU``) and
 to disk (``STORAGE``) with its token ids and chained hashes, a ``BlockRemoved`` for every host
 eviction, the disk hits' promotion back to host, and replay must return every batch.
+
+A store node publishes its own stream in the same format (topic ``kv@<node>@<model>``); a
+subscriber that restarts catches up through the replay socket from the next sequence it lacks.
 """
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -21,6 +27,7 @@ import pytest
 from _vllm_engine import complete, free_port, openai_server, require_vllm
 from tiersync.bench.serve_engine import make_prompt, vllm_python
 from tiersync.bench.tiny_llama import write_tiny_llama
+from tiersync.net.store_client import StoreNodeClient
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 BLOCK, PROMPT_LEN, SLOTS = 128, 1500, 16  # 1500 tokens: 11 full blocks; 16 slots of 1.5 MiB
@@ -31,12 +38,13 @@ SUBSCRIBER = str(Path(__file__).with_name("_kv_subscriber.py"))
 class Subscriber:
     """The subscriber process: live batches as they come, every batch again by replay at the end."""
 
-    def __init__(self, pub: str, replay: str) -> None:
-        self.proc = subprocess.Popen([vllm_python(), SUBSCRIBER, pub, replay, "kv"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+    def __init__(self, pub: str, replay: str, topic: str = "kv", start: int = 0) -> None:
+        self.proc = subprocess.Popen([vllm_python(), SUBSCRIBER, pub, replay, topic, str(start)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout.readline().strip() == "ready"
 
     def finish(self) -> tuple[dict[int, list], dict[int, list]]:
+        """Stop listening; replay; (live, replayed) batches by sequence number."""
         out, _ = self.proc.communicate("", timeout=120)
         live, replayed = {}, {}
         lines = out.splitlines()
@@ -108,3 +116,39 @@ def _check_stream(events: list[dict], prompts: list[list[int]]) -> None:
     live = [block for block, h in cpu.items() if h[-1] == "stored"]
     assert len(live) == SLOTS  # every eviction was announced: what is left fills the host tier
     assert all(cpu[(0, b)][:3] == ["stored", "removed", "stored"] for b in range(FULL))  # evicted, then a disk hit
+
+
+def test_store_node_stream_and_replay_after_a_subscriber_restart():
+    """A ``tiersync store-node`` process with --kv-events-endpoint/--kv-events-replay."""
+    require_vllm()
+    token, block = "t" * 32, 64 << 10
+    node = subprocess.Popen([sys.executable, "-m", "tiersync.cli", "store-node", "--capacity", str(64 * block),
+                             "--port", "0", "--block-size", str(block), "--kv-events-endpoint", "tcp://127.0.0.1:0",
+                             "--kv-events-replay", "tcp://127.0.0.1:0"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TIERSYNC_TOKEN": token})
+    try:
+        line = node.stdout.readline()
+        m = re.search(r"listening on (\S+) .*KV events on (\S+) \(replay (\S+), topic (\S+)\)", line)
+        assert m, line
+        address, pub, replay, topic = m.groups()
+        assert topic == f"kv@{address}@*"
+        client = StoreNodeClient(address, token=token)
+        keys = [bytes([i]) * 16 for i in range(12)]
+        first = Subscriber(pub, replay, topic)
+        client.offer_and_push(keys[:4], [bytes([i]) * block for i in range(4)])
+        live, replayed = first.finish()  # the subscriber goes away
+        seen = max(replayed)
+        client.offer_and_push(keys[4:], [bytes([i]) * block for i in range(4, 12)])  # missed while away
+        client.offer_and_push(keys[:6], [bytes([i]) * block for i in range(6)])  # 4 held: 2 new
+        _, caught_up = Subscriber(pub, replay, topic, start=seen + 1).finish()
+    finally:
+        node.terminate()
+        assert node.wait(30) == 0
+    assert replayed[0] == [{"type": "AllBlocksCleared", "block_hashes": [], "medium": None}]
+    assert all(replayed[seq] == got for seq, got in live.items())
+    assert sorted(caught_up) == list(range(seen + 1, seen + 1 + len(caught_up)))  # nothing skipped
+    stored = [e for seq in sorted(replayed) for e in replayed[seq]] + [e for s in sorted(caught_up)
+                                                                      for e in caught_up[s]]
+    hashes = [h for e in stored if e["type"] == "BlockStored" for h in e["block_hashes"]]
+    assert hashes == [k.hex() for k in keys]  # every key once, in commit order (no re-announcement)
+    assert {e["medium"] for e in stored if e["type"] == "BlockStored"} == {"CPU"}

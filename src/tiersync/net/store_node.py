@@ -17,11 +17,14 @@ landing block freed.
 Stored blocks stay locked in the allocator (nothing is evictable); a lease adds
 one lock per block. With a registry (``main(registry=...)``) the node registers,
 heartbeats and advertises the keys it holds (:mod:`tiersync.net.registry.agent`);
-``on_stored`` is called with new keys before COMMITTED is answered.
+with ``main(kv_events=...)`` it publishes them as vLLM KV events for routers
+(:mod:`tiersync.net.kv_events`). ``on_stored`` and every :meth:`StoreNode.add_listener`
+are called with new keys before COMMITTED is answered.
 :class:`StoreNodeClient` is the other side.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import re
@@ -40,6 +43,7 @@ from tiersync.net.tcp import Deadline, TcpConfig, TcpServer, TcpTransport, parse
 from tiersync.tiers.host import HostArena, HostArenaConfig
 
 if TYPE_CHECKING:
+    from tiersync.net.kv_events import KVEventPublisher, KVEventsConfig
     from tiersync.net.registry.agent import AgentConfig, StoreAgent
     from tiersync.net.registry.base import Registry
 
@@ -69,7 +73,8 @@ class StoreNode(BlockService):
             raise UsageError("capacity is smaller than one block", argument="capacity", value=capacity)
         self.arena = HostArena(HostArenaConfig(num_blocks=capacity // block_nbytes, block_nbytes=block_nbytes))
         self.config = config or TcpConfig()
-        self._clock, self._pull_timeout, self.on_stored = clock, pull_timeout_s, on_stored
+        self._clock, self._pull_timeout = clock, pull_timeout_s
+        self._listeners: list[Callable[[list[bytes]], None]] = [on_stored] if on_stored is not None else []
         self._index: dict[bytes, tuple[int, int]] = {}  # key -> (block, size)
         self._landing: set[bytes] = set()
         self._leases: dict[int, tuple[float, list[int], frozenset[bytes]]] = {}
@@ -147,8 +152,8 @@ class StoreNode(BlockService):
             self.arena.publish(blocks, [k for k, _ in new])
             self._index.update({k: (b, s) for (k, s), b in zip(new, blocks)})
             self._landing.difference_update(k for k, _ in new)
-        if self.on_stored is not None:
-            self.on_stored([k for k, _ in new])
+        for listener in self._listeners:
+            listener([k for k, _ in new])
         yield ev.CommitReply(req.request_id, ev.CommitStatus.COMMITTED)
 
     def _admit(self, req: so.Offer, writer: str | None) -> tuple[so.OfferReply, list, list[int]]:
@@ -179,6 +184,11 @@ class StoreNode(BlockService):
                 raise RemoteError("writer's lease was lost before the pull finished", peer=writer)
         finally:
             channel.close()
+
+    def add_listener(self, fn: Callable[[list[bytes]], None]) -> None:
+        """Call ``fn(keys)`` with the keys of every committed write, before COMMITTED is sent
+        (keep it short and non-raising: it runs on the connection's worker)."""
+        self._listeners.append(fn)
 
     # -- introspection --------------------------------------------------------
     def held_keys(self) -> list[bytes]:
@@ -256,9 +266,23 @@ def attach_registry(server: StoreNodeServer, registry: "Registry", config: "Agen
     node = server.node
     agent = StoreAgent(registry, config, free_blocks=lambda: node.free_blocks, held_keys=node.held_keys,
                        capacity_blocks=node.arena.num_blocks)
-    node.on_stored = agent.announce
+    node.add_listener(agent.announce)
     agent.start()
     return agent
+
+
+def attach_events(server: StoreNodeServer, config: "KVEventsConfig") -> "KVEventPublisher":
+    """Publish ``server``'s node as a vLLM KV event stream: ``AllBlocksCleared`` first (a
+    started node holds nothing, whatever a router remembers of an earlier one), then one
+    ``BlockStored`` (medium ``CPU``, the registry's 16-byte keys as hashes) per committed
+    write. The node never evicts, so there is no ``BlockRemoved``. Token ids are not known to
+    a node (writers offer keys): routers that index tiersync keys (the registry's) use them."""
+    from tiersync.net.kv_events import KVEventPublisher, all_cleared, block_stored
+
+    publisher = KVEventPublisher(config)
+    publisher.publish([all_cleared()])
+    server.node.add_listener(lambda keys: publisher.publish([block_stored(keys, "CPU")]))
+    return publisher
 
 
 def default_advertise(address: str) -> str:
@@ -270,17 +294,23 @@ def default_advertise(address: str) -> str:
 def main(capacity: str, port: int, host: str = "127.0.0.1", token: bytes | str | None = None,
          block_size: str = "1MiB", stop: threading.Event | None = None, *, registry: str | None = None,
          store_id: str | None = None, pool_group: str = "", heartbeat_s: float = 300.0,
-         advertise: str | None = None) -> int:
+         advertise: str | None = None, kv_events: "KVEventsConfig | None" = None) -> int:
     """The ``tiersync store-node`` process: print the address, serve until interrupted (or SIGTERM).
 
     ``registry``: "host:port" of ``tiersync registry`` (or "redis://..."): register as
     ``store_id`` (default "HOST:PORT" of ``advertise``) and heartbeat every ``heartbeat_s``.
+    ``kv_events``: publish a vLLM KV event stream (:func:`attach_events`); an empty topic
+    becomes ``kv@<store id>@*``.
     """
     server = serve(parse_size(capacity), f"{host}:{port}", token=token,
                    block_nbytes=parse_size(block_size))
     stop = stop or _stop_on_sigterm()
-    agent = reg = None
+    agent = reg = events = None
     try:
+        if kv_events is not None:
+            if not kv_events.topic:
+                kv_events = dataclasses.replace(kv_events, topic=f"kv@{store_id or server.address}@*")
+            events = attach_events(server, kv_events)
         if registry:
             from tiersync.net.registry import open_registry
             from tiersync.net.registry.agent import AgentConfig
@@ -290,12 +320,16 @@ def main(capacity: str, port: int, host: str = "127.0.0.1", token: bytes | str |
             agent = attach_registry(server, reg, AgentConfig(store_id or where, where, pool_group, heartbeat_s))
         print(f"tiersync store-node listening on {server.address} "
               f"({server.node.arena.num_blocks} blocks x {server.node.arena.block_nbytes} B)"
-              + (f" registered as {agent.config.store_id} in {registry}" if agent else ""), flush=True)
+              + (f" registered as {agent.config.store_id} in {registry}" if agent else "")
+              + (f"; KV events on {events.endpoint} (replay {events.replay_endpoint}, topic {events.config.topic})"
+                 if events else ""), flush=True)
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:
         pass
     finally:
+        if events is not None:
+            events.close()
         if agent is not None:
             agent.close()
         if reg is not None:
