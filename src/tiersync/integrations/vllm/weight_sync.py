@@ -18,11 +18,14 @@ in-place reload (``load_weights`` with HF names: ``q/k/v_proj`` -> ``qkv_proj``,
 CPU GEMM repacking), and resets vLLM's prefix cache, so no KV computed with the old weights
 is reused. It returns the version applied.
 
-KV connectors: vLLM's prefix cache is reset; the tiersync KV connector's offloaded KV is
-keyed by the ``weights_version`` fixed at engine start and has no reset, so
-:meth:`WeightSyncExtension.tiersync_join` refuses an engine running it with
-``kv_role="kv_both"`` (host/disk KV of the old weights would be served): restart such an
-engine with a new ``weights_version`` instead. Other connectors' ``reset_cache`` is called.
+KV connectors: vLLM's prefix cache is reset; the tiersync KV connector (``kv_both``) is told
+the weights changed (:func:`tell_kv_connector`): its keys follow the new weights and a load
+planned under the old ones is refused. Other connectors' ``reset_cache`` is called.
+
+vLLM's own weight-transfer API (``weight_transfer_config={"backend": "tiersync"}``,
+:mod:`tiersync.integrations.vllm.weight_transfer`) does the same through vLLM's routes and
+``LLM`` methods; this extension remains for what that API cannot do: an update that waits for
+"version v or a later one" and reports which version it applied, with its timings.
 
 Failures raise :class:`~tiersync.errors.UsageError` (bad config, wrong order),
 :class:`~tiersync.errors.RemoteError` (the trainer went away, the sync or the load failed in
@@ -42,7 +45,8 @@ from tiersync.errors import CapacityError, ClosedError, IntegrityError, RemoteEr
 from tiersync.net.config import token_from
 from tiersync.weights.config import ReceiverConfig, TransportKind
 
-__all__ = ["EXTENSION", "WeightSyncConfig", "WeightSyncExtension", "join_weight_sync", "update_weights"]
+__all__ = ["EXTENSION", "WeightSyncConfig", "WeightSyncExtension", "join_weight_sync", "tell_kv_connector",
+           "update_weights"]
 
 #: The value of ``LLM(worker_extension_cls=...)``.
 EXTENSION = "tiersync.integrations.vllm.weight_sync.WeightSyncExtension"
@@ -142,7 +146,6 @@ class WeightSyncExtension:
         cfg = WeightSyncConfig.from_dict(config)
         if getattr(self, "_tiersync_receiver", None) is not None:
             raise UsageError("this worker joined already; call tiersync_leave first", argument="config")
-        _refuse_stale_connector(self.vllm_config)
         world = int(self.vllm_config.parallel_config.world_size)
         rank = int(self.rank) % world
         self._tiersync_dtypes: dict[int, str] = {}
@@ -184,6 +187,7 @@ class WeightSyncExtension:
             t1 = time.perf_counter()
             self._tiersync_applied = None  # unknown until the load finishes
             nbytes = self._tiersync_load(lease.tensors)
+            tell_kv_connector()
             self._tiersync_applied = lease.version
             applied = lease.version
         return {"version": applied, "nbytes": nbytes, "tensors": len(lease.tensors), "wait_s": t1 - t0,
@@ -247,12 +251,16 @@ def _raise(report: Mapping[str, Any], method: str) -> None:
     raise cls(report["message"], **context)
 
 
-def _refuse_stale_connector(vllm_config: Any) -> None:
-    kv = getattr(vllm_config, "kv_transfer_config", None)
-    if kv is not None and kv.kv_connector == "TierSyncConnector" and kv.kv_role == "kv_both":
-        raise UsageError("the TierSyncConnector's offloaded KV is keyed by the weights_version fixed at "
-                         "engine start and would be served after a live update; restart the engine with a "
-                         "new kv_connector_extra_config.weights_version instead", argument="kv_transfer_config")
+def tell_kv_connector() -> None:
+    """This worker's weights changed: the engine's KV connector, when it is tiersync's
+    offloading one, moves to keys of the new weights (``weights_updated``) and never loads
+    KV of the old ones again."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        weights_updated = getattr(get_kv_transfer_group(), "weights_updated", None)
+        if weights_updated is not None:
+            weights_updated()
 
 
 def join_weight_sync(llm: Any, config: Mapping[str, Any] | WeightSyncConfig) -> list[dict[str, Any]]:

@@ -64,6 +64,7 @@ class OffloadWorker:
         self._load_ended = threading.Event()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tiersync-load")
         self._report = WorkerReport()
+        self.generation = 0  # weights updates seen (:meth:`weights_updated`)
         self._stats = StatsCounter()  # under _lock: disk writes and loads finish on other threads
         self._lock = threading.Lock()
 
@@ -85,10 +86,20 @@ class OffloadWorker:
             self._storage = StorageTier(StorageConfig(directory=directory, identity=self._identity.digest()))
 
     # -- loads ----------------------------------------------------------------------
-    def start_loads(self, jobs: Sequence[LoadJob]) -> None:
+    def weights_updated(self) -> None:
+        """The model's weights changed: loads planned before the scheduler hears of it (the
+        next report) are refused, and the scheduler moves to keys of the new weights."""
+        with self._lock:
+            self.generation += 1
+            self._report.generation = self.generation
+
+    def start_loads(self, jobs: Sequence[LoadJob], generation: int = 0) -> None:
         """Start background jobs (:meth:`_background_load`); stage the others (host hits)
-        and post one host->engine copy for all of them, waited layer by layer."""
+        and post one host->engine copy for all of them, waited layer by layer. Jobs planned
+        under an older weights ``generation`` are refused: every block a load error."""
         self._load, self._load_blocks = None, []
+        if generation < self.generation:
+            return self._refuse(jobs)
         runs, t0 = [], time.perf_counter()
         for job in jobs:
             if job.background:
@@ -102,6 +113,14 @@ class OffloadWorker:
         if runs:
             self._load = self._engine.h2d(runs)
             self._count_load(t0, len(runs))
+
+    def _refuse(self, jobs: Sequence[LoadJob]) -> None:
+        with self._lock:
+            for job in jobs:
+                self._load_errors.update(job.device_blocks)
+                if job.background:  # reported finished at once: vLLM then recomputes its blocks
+                    self._running += 1
+                    self._loaded.add(job.req_id)
 
     def _good_runs(self, job: LoadJob, good: list[bool]) -> list[tuple[int, int, int]]:
         """(slot, device block, 1) of the job's leading good blocks; the device blocks from

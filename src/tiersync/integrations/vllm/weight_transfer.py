@@ -1,0 +1,149 @@
+"""tiersync as a vLLM weight-transfer backend: the worker side (``WeightTransferEngine``).
+
+RL users select it as any of vLLM's backends and drive it with vLLM's own control plane::
+
+    python -m vllm.entrypoints.openai.api_server --model M --weight-transfer-config '{"backend": "tiersync"}'
+    # (VLLM_SERVER_DEV_MODE=1 exposes vLLM's /init_weight_transfer_engine, /start_weight_update,
+    #  /update_weights and /finish_weight_update routes; LLM(...) has the same methods)
+
+The trainer side (:mod:`tiersync.integrations.vllm.weight_trainer`) runs a
+:class:`~tiersync.weights.WeightPublisher` and drives the four calls. ``init_info`` is a
+:class:`~tiersync.integrations.vllm.weight_sync.WeightSyncConfig` dict (``publishers``,
+``transport``, ``token``, ...): each worker starts a :class:`~tiersync.weights.WeightReceiver`
+that follows the trainer in the background (shared memory on the trainer's host, else TCP;
+resharding, dedup and tree fan-out as for any receiver). ``update_info`` is ``{"version": v}``:
+the worker waits until version ``v`` (or a later one) has landed and loads it through vLLM's
+layerwise reload (``start_weight_update`` ... ``finish_weight_update``), holding the version's
+host buffer until the reload is final, so no later version can mix into it.
+
+KV of the old weights: ``finish_weight_update`` tells the tiersync KV connector, when the
+engine runs one (``kv_both``), that the weights changed: its keys follow the new weights from
+then on, and a load the scheduler planned before it learned of the change is refused (vLLM
+recomputes those blocks). The scheduler hears of it with the next step's report and moves to
+new keys then (blocks saved in that one step are abandoned: correct, not reused). vLLM's own
+prefix cache is the scheduler's: the trainer side resets it, and the connector's namespace,
+after ``finish_weight_update`` (``reset_prefix_cache``).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferUpdateInfo
+
+from tiersync.errors import RemoteError, UsageError
+from tiersync.integrations.vllm.weight_sync import WeightSyncConfig, tell_kv_connector
+
+__all__ = ["TierSyncUpdateInfo", "TierSyncWeightTransferEngine"]
+
+
+@dataclass
+class TierSyncUpdateInfo(WeightTransferUpdateInfo):
+    """``{"version": v}``: make version ``v`` (or the later one that landed first) live."""
+
+    version: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
+            raise UsageError("must be an int >= 0", argument="update_info.version", value=self.version)
+
+
+class TierSyncWeightTransferEngine(WeightTransferEngine[Any, TierSyncUpdateInfo]):
+    """One per vLLM worker (see the module docstring)."""
+
+    init_info_cls = WeightSyncConfig
+    update_info_cls = TierSyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._receiver: Any = None
+        self._config: WeightSyncConfig | None = None
+        self._lease: Any = None
+        self._dtypes: dict[int, str] = {}
+        self.applied: int | None = None
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> WeightSyncConfig:
+        return WeightSyncConfig.from_dict(init_dict)
+
+    def init_transfer_engine(self, init_info: WeightSyncConfig) -> None:
+        """Join the trainer: start this worker's receiver (the whole model, replicated on every
+        worker, so vLLM's ``load_weights`` does its own tensor-parallel split)."""
+        from tiersync.weights import Mesh, Sharding, WeightReceiver
+
+        if self._receiver is not None:
+            raise UsageError("joined already; call shutdown first", argument="init_info")
+        world = int(self.parallel_config.world_size)
+        rank = int(self.parallel_config.rank) % world
+        destination = Sharding.replicated(Mesh((world,), ("engine",)))
+        self._receiver = WeightReceiver(destination, init_info.receiver_config(rank), allocator=self._allocate)
+        self._config = init_info
+
+    def _allocate(self, shape: tuple[int, ...], dtype: str) -> Any:
+        from tiersync.weights.tensors import allocate
+
+        array = allocate(shape, dtype)
+        self._dtypes[array.ctypes.data] = dtype  # raw uint8 arrays (bfloat16) do not carry it
+        return array
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self._receiver is None:
+            raise UsageError("call init_weight_transfer_engine first", argument="start_weight_update")
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":  # the base class's device sync; nothing to wait for on a CPU
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: TierSyncUpdateInfo) -> None:
+        """Wait for the version to land, then hand its tensors to the model's ``load_weights``
+        (HF names, as in a checkpoint). The version's buffer stays leased until finish."""
+        if self._receiver is None or self._config is None:
+            raise UsageError("call init_weight_transfer_engine first", argument="update_weights")
+        timeout = self._config.apply_timeout_s
+        try:
+            self._receiver.receive(update_info.version).result(timeout)
+        except TimeoutError:
+            raise RemoteError("the version did not land in time", peer="trainer", version=update_info.version,
+                              apply_timeout_s=timeout) from None
+        self._release()
+        self._lease = self._receiver.acquire(timeout)
+        self.applied = None  # unknown until the reload is final
+        self.model.load_weights(self._named(self._lease.tensors))
+
+    def _named(self, arrays: dict[str, Any]) -> list[tuple[str, Any]]:
+        from tiersync.weights.tensors import as_torch
+
+        with warnings.catch_warnings():  # the lease's arrays are read-only; load_weights only reads them
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return [(name, as_torch(a, self._dtypes.get(a.ctypes.data))) for name, a in arrays.items()]
+
+    def finish_weight_update(self) -> None:
+        """Finalize the layerwise reload, release the version's buffer, and move the tiersync
+        KV connector (if any) to keys of the new weights."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+            self.applied = None if self._lease is None else self._lease.version
+        finally:
+            self._release()
+        tell_kv_connector()
+
+    def _release(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+
+    def shutdown(self) -> None:
+        """Leave the trainer and free the host buffers; the model keeps its weights."""
+        self._release()
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.close()
+

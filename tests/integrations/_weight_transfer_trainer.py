@@ -1,0 +1,50 @@
+"""An RL trainer as verl / OpenRLHF users write one, on vLLM's weight-transfer API (vLLM venv).
+
+``python _weight_transfer_trainer.py URL CHECKPOINT_DIR TOKEN``: builds the ``tiersync``
+trainer engine through vLLM's ``WeightTransferTrainerFactory`` with vLLM's HTTP client of the
+server's routes and a ``WeightSource`` over the checkpoint's tensors, sends them once, and
+prints one JSON line: the version sent and the publisher's per-sampler outcomes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from safetensors.torch import load_file
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+from tiersync.integrations.vllm.weight_trainer import TierSyncTrainerInitInfo
+
+
+class CheckpointSource(WeightSource):
+    """The trainer's weights: here, a checkpoint's tensors (a trainer passes ModuleSource(model))."""
+
+    def __init__(self, tensors: dict) -> None:
+        self.tensors = tensors
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+
+    def __iter__(self):
+        return iter(self.tensors.items())
+
+
+def main() -> None:
+    url, checkpoint, token = sys.argv[1:4]
+    source = CheckpointSource(load_file(os.path.join(checkpoint, "model.safetensors")))
+    engine = WeightTransferTrainerFactory.trainer_init(TierSyncTrainerInitInfo(rank=0, token=token),
+                                                       client=HTTPVLLMWeightSyncClient(url), source=source)
+    try:
+        engine.send_weights()
+        last = engine.last
+        print(json.dumps({"version": engine.version, "ok": last.ok, "nbytes": last.nbytes,
+                          "outcomes": [[o.status.value, o.transport.value] for o in last.outcomes]}), flush=True)
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
