@@ -21,7 +21,18 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/tiersync demo
 
-test: $(VENV)/.installed
+# SGLang's HiCache module for tests/integrations/test_sglang_hicache.py: sglang itself without
+# its dependency tree (a GPU stack), plus exactly what its hicache_storage and storage-factory
+# imports need on a CPU machine.
+SGLANG_TEST_DEPS := orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 pillow==13.0.0 \
+	starlette==1.10.0 triton==3.9.0 ipython==9.18.1 aiohttp==3.14.5
+
+$(VENV)/.sglang: $(VENV)/.installed
+	$(PIP) install -q --no-deps "sglang==0.5.23"
+	$(PIP) install -q $(SGLANG_TEST_DEPS)
+	touch $@
+
+test: $(VENV)/.installed $(VENV)/.sglang
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.installed
