@@ -25,6 +25,8 @@ SERVERS = [
     pytest.param(["store-node", "--capacity", "4MiB"], "--host", id="store-node"),
     pytest.param(["registry"], "--host", id="registry", marks=needs_grpc),
     pytest.param(["metrics"], "--addr", id="metrics"),
+    pytest.param(["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"], "--host",
+                 id="router"),
 ]
 
 
@@ -79,6 +81,14 @@ def test_port_out_of_range_names_port(command, host_flag):
     (["store-node", "--capacity", "4MiB", "--port", "0", "--heartbeat-s", "-1"], "--heartbeat-s", "heartbeat_s"),
     (["store-node", "--capacity", "4MiB", "--port", "0", "--registry", "127.0.0.1:99999"], "--registry",
      ": registry:"),
+    (["store-node", "--capacity", "4MiB", "--port", "0", "--kv-events-endpoint", "5557"], "--kv-events-endpoint",
+     ": endpoint:"),
+    (["store-node", "--capacity", "4MiB", "--port", "0", "--kv-events-replay", "tcp://127.0.0.1:0"],
+     "--kv-events-replay", ": replay_endpoint:"),
+    (["router", "--prefill", "localhost:8000", "--decode", "http://127.0.0.1:2", "--port", "0"], "--prefill",
+     ": prefill:"),
+    (["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "0",
+      "--timeout-s", "0"], "--timeout-s", ": timeout_s:"),
 ])
 def test_bad_value_names_the_flag_not_the_field(args, flag, internal):
     _assert_clear(_tiersync(*args), flag, not_named=internal)
@@ -145,6 +155,8 @@ def _wait_for(stream, needle: str, timeout: float = 60) -> str:
     pytest.param(["registry", "--port", "0"], "listening on", False, id="registry", marks=needs_grpc),
     pytest.param(["metrics", "--port", "0"], "serving http://", True, id="metrics"),
     pytest.param(["store-node", "--capacity", "4MiB", "--port", "0"], "listening on", False, id="store-node"),
+    pytest.param(["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "0"],
+                 "listening on", False, id="router"),
 ])
 def test_sigterm_stops_a_server_as_ctrl_c_does(command, startup, on_stderr):
     proc = subprocess.Popen([sys.executable, "-m", "tiersync.cli", *command], stdout=subprocess.PIPE,

@@ -1,25 +1,31 @@
-"""Prefill -> decode on one host: a router, a prefill engine and a decode engine, each its
-own process, talking HTTP (router) and tiersync's KV protocol (prefill -> decode, TCP).
+"""Prefill -> decode on one host: two vLLM OpenAI servers and ``tiersync router`` in front.
 
     python examples/single_host_disagg/run.py [--prompt-tokens 6000] [--requests 3]
 
-The router sends each request to the prefill engine (one output token, with
-``kv_transfer_params={"do_remote_decode": true}``), then to the decode engine with the
-``kv_transfer_params`` the prefill engine returned; the decode engine pulls the prompt's KV
-layer by layer instead of computing it. Prints TTFT (time to the decode engine's first
-token) and TPOT per request, beside the same prompt on one engine (monolithic).
+The prefill server runs the connector as ``kv_producer``, the decode server as
+``kv_consumer``. The router (``tiersync router --prefill URL --decode URL``) sends each request
+to the prefill server with one output token and ``kv_transfer_params={"do_remote_decode":
+true}``, then the client's request to the decode server with the ``kv_transfer_params`` the
+prefill server returned; the decode engine pulls the KV layer by layer instead of computing it.
+Prints TTFT (the router's answer to a 1-token request) and TPOT per request, beside the same
+prompt on the prefill server alone (monolithic), and whether the greedy tokens are identical.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import random
+import subprocess
 import sys
 import tempfile
 
-from tiersync.bench.engine_server import start
-from tiersync.bench.serve_engine import make_prompt
-from tiersync.bench.tiny_llama import write_tiny_llama
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _openai import OpenAIServer, complete, free_port  # noqa: E402
+
+
+def kv(role: str, **extra: object) -> dict:
+    return {"kv_connector": "TierSyncConnector", "kv_role": role, "kv_connector_module_path": "tiersync.integrations.vllm",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def main() -> int:
@@ -27,40 +33,39 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=6000)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--requests", type=int, default=3)
-    ap.add_argument("--pd-port", type=int, default=17700, help="the prefill engine's KV server port")
     args = ap.parse_args()
+    from tiersync.bench.tiny_llama import write_tiny_llama
+
     work = tempfile.mkdtemp(prefix="tiersync-pd-")
     model = write_tiny_llama(os.path.join(work, "model"))
-    base = {"model": model, "connector": "tiersync"}
-    py = sys.executable
-    servers = []
+    token = os.environ.get("TIERSYNC_TOKEN") or "example-only-token-change-me"  # >= 16 bytes
+    prefill = OpenAIServer(model, kv("kv_producer", pd_port=free_port(), pd_token=token), f"{work}/prefill.log")
+    decode = router = None
     try:
-        prefill = start(["engine", json.dumps({**base, "kv_role": "kv_producer",
-                                               "extra": {"pd_port": args.pd_port}}), "0"],
-                        os.path.join(work, "prefill.log"), py)
-        servers.append(prefill)
-        decode = start(["engine", json.dumps({**base, "kv_role": "kv_consumer"}), "0"],
-                       os.path.join(work, "decode.log"), py)
-        servers.append(decode)
-        router = start(["router", prefill.url, decode.url, "0"], os.path.join(work, "router.log"), py)
-        servers.append(router)
-        same = True
+        decode = OpenAIServer(model, kv("kv_consumer", pd_token=token), f"{work}/decode.log")
+        router = subprocess.Popen([sys.executable, "-m", "tiersync", "router", "--prefill", prefill.url,
+                                   "--decode", decode.url, "--port", "0"], stdout=subprocess.PIPE, text=True)
+        url = "http://" + router.stdout.readline().split("listening on ")[1].split()[0]
+        r, same = random.Random(0), True
         for i in range(args.requests):
-            prompt = make_prompt(args.prompt_tokens, 100 + i, 4096)
-            mono_first = prefill.generate(prompt, 1)["seconds"]  # monolithic TTFT
-            mono = prefill.generate(prompt, args.output_tokens)
-            pd_first = router.generate(prompt, 1)["seconds"]  # prefill + transfer + decode's first token
-            pd = router.generate(prompt, args.output_tokens)
-            tpot = (pd["seconds"] - pd_first) / (args.output_tokens - 1)
-            same &= pd["tokens"] == mono["tokens"]
+            prompt = [r.randrange(3, 4000) for _ in range(args.prompt_tokens)]
+            mono_first, _ = complete(prefill.url, model, prompt, 1)
+            _, mono = complete(prefill.url, model, prompt, args.output_tokens)
+            pd_first, _ = complete(url, model, prompt, 1)
+            seconds, pd = complete(url, model, prompt, args.output_tokens)
+            same &= pd == mono
             print(f"request {i}: monolithic TTFT {mono_first * 1e3:7.0f} ms | prefill->decode TTFT "
-                  f"{pd_first * 1e3:7.0f} ms ({pd_first / mono_first:.2f}x), TPOT {tpot * 1e3:5.1f} ms, "
-                  f"{pd['cached_tokens']} prompt tokens pulled, tokens identical: {pd['tokens'] == mono['tokens']}")
+                  f"{pd_first * 1e3:7.0f} ms ({pd_first / mono_first:.2f}x), TPOT "
+                  f"{(seconds - pd_first) / (args.output_tokens - 1) * 1e3:5.1f} ms, tokens identical: {pd == mono}")
         print("logs:", work)
         return 0 if same else 1
     finally:
-        for s in servers:
-            s.kill()
+        if router is not None:
+            router.terminate()
+            router.wait(30)
+        for server in (decode, prefill):
+            if server is not None:
+                server.stop()
 
 
 if __name__ == "__main__":

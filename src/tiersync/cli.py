@@ -10,11 +10,12 @@ Subcommands::
     tiersync store-node --capacity 8GiB --port N [--token T]  serve host DRAM to peers
                         [--registry HOST:PORT] [--heartbeat-s S]  ... and register there
     tiersync registry --port N [--redis URL]                  the global block registry (gRPC)
+    tiersync router --prefill URL --decode URL --port N       prefill -> decode before vLLM servers
 
 ``store-node`` reads each flag not typed from ``$TIERSYNC_STORE_NODE_<FLAG>``, else from the
 ``[store_node]`` table of the config file named by ``$TIERSYNC_CONFIG_FILE`` (:mod:`tiersync.settings`).
 
-The servers (``metrics --port``, ``store-node``, ``registry``) stop on Ctrl-C or SIGTERM alike:
+The servers (``metrics --port``, ``store-node``, ``registry``, ``router``) stop on Ctrl-C or SIGTERM alike:
 one "stopped" line on stderr, exit 0. A flag whose value cannot work here (a port in use, an
 address not on this host, more memory than there is) is one line naming the flag, exit 2.
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_metrics)
     _add_store_node(sub)
     _add_registry(sub)
+    _add_router(sub)
     for command in sub.choices.values():  # UsageError(argument=dest) is reported as the flag typed
         command.set_defaults(flags=_flags(command))
     return p
@@ -99,6 +101,19 @@ def _add_registry(sub: Any) -> None:
     r.add_argument("--store-ttl-s", type=_seconds, default=900.0, help="a store unheard for this long is dead")
     r.add_argument("--block-ttl-s", type=_seconds, default=3600.0, help="an ownership entry not re-published expires")
     r.set_defaults(func=cmd_registry)
+
+
+def _add_router(sub: Any) -> None:
+    r = sub.add_parser("router", help="prefill -> decode in front of vLLM's OpenAI servers",
+                       description="Clients talk to it as to one OpenAI server; each request is prefilled on a "
+                                   "--prefill server (kv_producer), then decoded on a --decode server "
+                                   "(kv_consumer) that pulls the prompt's KV.")
+    r.add_argument("--prefill", action="append", required=True, help="prefill server URL (repeat for several)")
+    r.add_argument("--decode", action="append", required=True, help="decode server URL (repeat for several)")
+    r.add_argument("--port", type=_port, required=True, help="TCP port (0 picks one; printed)")
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    r.add_argument("--timeout-s", type=_seconds, default=600.0, help="bound of one upstream request (default 600)")
+    r.set_defaults(func=cmd_router)
 
 
 def _flags(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -334,6 +349,28 @@ def cmd_registry(args: argparse.Namespace) -> int:
         rc = registry_main(args.port, args.host, args.redis, store_ttl_s=args.store_ttl_s,
                            block_ttl_s=args.block_ttl_s, stop=stop)
     return stopped(args, rc)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    import threading
+
+    from tiersync.integrations.router import Router, RouterConfig
+
+    config = RouterConfig(tuple(args.prefill), tuple(args.decode), timeout_s=args.timeout_s)
+    stop = stop_on_sigterm()
+    with starting(args):
+        router = Router(config, args.host, args.port)
+    print(f"tiersync router listening on {router.address} (prefill {', '.join(config.prefill)}; "
+          f"decode {', '.join(config.decode)})", flush=True)
+    thread = threading.Thread(target=router.serve_forever, name="tiersync-router", daemon=True)
+    thread.start()
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        router.close()
+    return stopped(args, 0)
 
 
 # -- entry point -------------------------------------------------------------

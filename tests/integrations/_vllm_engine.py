@@ -93,3 +93,14 @@ def total(samples: dict[str, float], name: str, **labels: str) -> float:
     want = [f'{k}="{v}"' for k, v in labels.items()]
     return sum(v for k, v in samples.items()
                if k.split("{")[0] == name and all(w in k for w in want))
+
+
+def settled_total(srv: Server, name: str, at_least: float, timeout: float = 60, **labels: str) -> float:
+    """``total`` of metric ``name`` on ``srv``'s /metrics once it reaches ``at_least`` (vLLM records a
+    step's stats after the step: poll up to ``timeout`` s); the last value read otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = total(metrics(srv), name, **labels)
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)

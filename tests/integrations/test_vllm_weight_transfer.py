@@ -12,33 +12,22 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from _vllm_engine import complete, metrics, openai_server, require_vllm, total
+from _vllm_engine import complete, metrics, openai_server, require_vllm, settled_total, total
 from tiersync.bench.serve_engine import make_prompt, vllm_python
 from tiersync.bench.tiny_llama import write_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 TRAINER = str(Path(__file__).with_name("_weight_transfer_trainer.py"))
 TOKEN = "weight-transfer-test-token-00001"
+HITS = "tiersync_connector_hit_tokens_total"
 PROMPTS = [make_prompt(700, seed=s, vocab=1000) for s in (1, 2)]  # 5 full blocks of 128 each
 KV = {"kv_connector": "TierSyncConnector", "kv_role": "kv_both", "kv_connector_module_path": "tiersync.integrations.vllm",
       "kv_connector_extra_config": {"host_bytes": "256MiB"}, "kv_load_failure_policy": "recompute"}
-
-
-def _hits(srv, more_than: float = 0.0) -> float:
-    """Host-tier hit tokens on ``/metrics``, once above ``more_than`` (vLLM records a step's
-    connector stats after the step: poll up to 60 s); the last value read otherwise."""
-    deadline = time.monotonic() + 60
-    while True:
-        hits = total(metrics(srv), "tiersync_connector_hit_tokens_total", tier="host")
-        if hits > more_than or time.monotonic() > deadline:
-            return hits
-        time.sleep(0.5)
 
 
 def test_http_driven_update_serves_the_new_checkpoint_and_never_the_old_kv(tmp_path):
@@ -51,7 +40,8 @@ def test_http_driven_update_serves_the_new_checkpoint_and_never_the_old_kv(tmp_p
                        json.dumps({"backend": "tiersync"}), env={"VLLM_SERVER_DEV_MODE": "1"}) as srv:
         before = [complete(srv, model_a, p) for p in PROMPTS]
         assert before != expected  # A and B differ
-        assert complete(srv, model_a, PROMPTS[0]) == before[0] and _hits(srv) > 0  # the host tier serves A's KV
+        assert complete(srv, model_a, PROMPTS[0]) == before[0]
+        assert settled_total(srv, HITS, 1, tier="host") > 0  # the host tier serves A's KV
         trainer = subprocess.run([vllm_python(), TRAINER, srv.url, model_b, TOKEN], capture_output=True, text=True,
                                  timeout=600)
         assert trainer.returncode == 0, trainer.stderr[-3000:]
@@ -59,7 +49,7 @@ def test_http_driven_update_serves_the_new_checkpoint_and_never_the_old_kv(tmp_p
         assert sent["version"] == 1 and sent["ok"] and sent["outcomes"] == [["ok", "shm"]], sent
         with urllib.request.urlopen(srv.url + "/weight_info", timeout=30) as r:
             assert json.loads(r.read())["weight_version"] == "1"
-        hits = total(metrics(srv), "tiersync_connector_hit_tokens_total", tier="host")
+        hits = total(metrics(srv), HITS, tier="host")
         after = [complete(srv, model_a, p) for p in PROMPTS]  # cached under A: must not be reused
         assert after == expected
         # The scheduler hears of the new weights with the first step after the update and moves
@@ -67,4 +57,4 @@ def test_http_driven_update_serves_the_new_checkpoint_and_never_the_old_kv(tmp_p
         # host tier serves B's KV.
         for _ in range(2):
             assert complete(srv, model_a, PROMPTS[0]) == expected[0]
-        assert _hits(srv, more_than=hits) > hits
+        assert settled_total(srv, HITS, hits + 1, tier="host") > hits

@@ -1,0 +1,179 @@
+"""``tiersync router``: prefill -> decode in front of vLLM's OpenAI servers.
+
+Clients talk to the router as to one OpenAI server (``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``, ``/health``). Each generation request goes to a
+prefill server first (``max_tokens=1``, no streaming, ``kv_transfer_params={"do_remote_decode":
+true}``); the prefill engine (``kv_role="kv_producer"``) computes the prompt and answers with
+``kv_transfer_params`` naming where its KV is served; the router then sends the client's own
+request, with those params, to a decode server (``kv_role="kv_consumer"``), which pulls the KV
+instead of computing it, and relays the decode server's answer (streamed as it comes when
+the client asked for ``stream``). Several ``--prefill`` / ``--decode`` URLs are used in turn.
+
+Failures: a prefill server that cannot be reached or refuses is an HTTP 502 naming it; a
+prefill answer without ``kv_transfer_params`` sends the request to decode alone (it computes the
+prompt itself). Request bodies are capped (``max_body``) and must be JSON objects.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from tiersync.errors import UsageError, check_positive_int
+
+__all__ = ["Router", "RouterConfig"]
+
+log = logging.getLogger(__name__)
+GENERATE = ("/v1/completions", "/v1/chat/completions")
+_CHUNK = 64 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """``prefill`` / ``decode``: base URLs of vLLM OpenAI servers (``http://host:port``);
+    ``timeout_s``: bound of one upstream request; ``max_body``: largest request accepted."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    timeout_s: float = 600.0
+    max_body: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            urls = getattr(self, name)
+            if isinstance(urls, str) or not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
+                                                          for u in urls):
+                raise UsageError("must be one or more http://host:port URLs", argument=name, value=urls)
+            object.__setattr__(self, name, tuple(u.rstrip("/") for u in urls))
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise UsageError("must be a number of seconds > 0", argument="timeout_s", value=self.timeout_s)
+        check_positive_int(self.max_body, "max_body")
+
+
+class _Upstream(Exception):
+    """An upstream server failed: the status and message the client gets."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Router:
+    """The router's HTTP server on ``host:port`` (0 picks one: see :attr:`address`)."""
+
+    def __init__(self, config: RouterConfig, host: str = "127.0.0.1", port: int = 0) -> None:
+        if not isinstance(config, RouterConfig):
+            raise UsageError("must be a RouterConfig", argument="config", got=type(config).__name__)
+        self.config = config
+        self._prefill, self._decode = itertools.cycle(config.prefill), itertools.cycle(config.decode)
+        self._turn = threading.Lock()
+        self._http = ThreadingHTTPServer((host, port), _handler(self))
+        self._http.daemon_threads = True
+        self.address = f"{host}:{self._http.server_address[1]}"
+
+    def serve_forever(self) -> None:
+        self._http.serve_forever(poll_interval=0.2)
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+
+    def next_pair(self) -> tuple[str, str]:
+        with self._turn:
+            return next(self._prefill), next(self._decode)
+
+    def prefill(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """Run the prompt on prefill server ``url``: the ``kv_transfer_params`` it returned."""
+        ask = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        ask.pop("stream_options", None)
+        ask.pop("max_completion_tokens", None)
+        answer = json.loads(self.call(url, path, ask).read())
+        return answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+
+    def call(self, url: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """POST ``body`` (GET without one) to ``url + path``; the open response. _Upstream on failure."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            return urllib.request.urlopen(request, timeout=self.config.timeout_s)
+        except urllib.error.HTTPError as exc:
+            raise _Upstream(exc.code, f"{url} answered {exc.code}: {exc.read()[:500].decode(errors='replace')}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise _Upstream(502, f"{url} unreachable: {getattr(exc, 'reason', exc)}") from None
+
+
+def _handler(router: Router) -> type:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path not in ("/health", "/v1/models"):
+                return self._error(404, f"no route {self.path}")
+            self._relay(lambda: router.call(router.next_pair()[1], self.path))
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path not in GENERATE:
+                return self._error(404, f"no route {self.path}")
+            body = self._body()
+            if body is None:
+                return None
+            prefill, decode = router.next_pair()
+
+            def run() -> Any:
+                params = router.prefill(prefill, self.path, body)
+                if params is None:
+                    log.warning("prefill %s returned no kv_transfer_params: decode computes the prompt", prefill)
+                return router.call(decode, self.path, {**body, "kv_transfer_params": params} if params else body)
+
+            self._relay(run)
+
+        def _body(self) -> dict[str, Any] | None:
+            try:
+                n = int(self.headers.get("Content-Length") or -1)
+            except ValueError:
+                n = -1
+            if not 0 < n <= router.config.max_body:
+                self._error(413 if n > router.config.max_body else 411, "a JSON body with Content-Length is required")
+                return None
+            try:
+                body = json.loads(self.rfile.read(n))
+            except ValueError:
+                body = None
+            if not isinstance(body, dict):
+                self._error(400, "the body must be a JSON object")
+                return None
+            return body
+
+        def _relay(self, run: Any) -> None:
+            try:
+                upstream = run()
+            except _Upstream as exc:
+                return self._error(exc.status, str(exc))
+            with upstream:
+                self.send_response(upstream.status)
+                self.send_header("Content-Type", upstream.headers.get("Content-Type", "application/json"))
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                while chunk := upstream.read1(_CHUNK):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+
+        def _error(self, status: int, message: str) -> None:
+            data = json.dumps({"error": {"message": message, "code": status}}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            log.debug("router: " + fmt, *args)
+
+    return Handler

@@ -1,0 +1,71 @@
+"""``tiersync router`` in front of two vLLM OpenAI servers: prefill (kv_producer) -> decode (kv_consumer).
+
+Real processes: both engines run vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``)
+with ``--kv-transfer-config``; the router is the ``tiersync router`` command. A client sends
+``/v1/completions`` to the router (plain and streamed): the greedy tokens equal the prefill
+server's own answer for the prompt alone (monolithic), and the decode server counts the prompt's
+full blocks as external prefix-cache hits (it pulled them instead of computing them).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from _vllm_engine import complete, free_port, openai_server, require_vllm, settled_total
+from tiersync.bench.engine_server import Server, post
+from tiersync.bench.serve_engine import make_prompt
+from tiersync.bench.tiny_llama import write_tiny_llama
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
+BLOCK, PROMPT_LEN = 128, 1500
+PULLED = (PROMPT_LEN - 1) // BLOCK * BLOCK  # the decode engine computes the last partial block
+
+
+def _kv(role: str, **extra: object) -> dict:
+    return {"kv_connector": "TierSyncConnector", "kv_role": role, "kv_connector_module_path": "tiersync.integrations.vllm",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"pd_token": "router-test-token-0123456", **extra}}
+
+
+def _stream(url: str, body: dict) -> list[int]:
+    """The token ids of a streamed completion (server-sent events), in order."""
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    tokens = []
+    with urllib.request.urlopen(request, timeout=600) as answer:
+        for line in answer:
+            line = line.strip()
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    tokens += choice.get("token_ids") or []
+    return tokens
+
+
+def test_router_serves_prefill_then_decode_with_monolithic_tokens(tmp_path):
+    require_vllm()
+    model = write_tiny_llama(str(tmp_path / "model"))
+    prompt = make_prompt(PROMPT_LEN, seed=7, vocab=1000)
+    with openai_server(model, _kv("kv_producer", pd_port=free_port()), str(tmp_path / "prefill.log")) as prefill, \
+            openai_server(model, _kv("kv_consumer"), str(tmp_path / "decode.log")) as decode:
+        router = subprocess.Popen([sys.executable, "-m", "tiersync.cli", "router", "--prefill", prefill.url,
+                                   "--decode", decode.url, "--port", "0"], stdout=subprocess.PIPE, text=True)
+        try:
+            line = router.stdout.readline()
+            assert "listening on" in line, line
+            srv = Server(router, "http://" + line.split("listening on ")[1].split()[0], "")
+            monolithic = complete(prefill, model, prompt, max_tokens=12)
+            assert complete(srv, model, prompt, max_tokens=12) == monolithic
+            body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+            assert _stream(srv.url, body) == monolithic
+            assert settled_total(decode, "vllm:external_prefix_cache_hits_total", 2 * PULLED) == 2 * PULLED
+            with pytest.raises(urllib.error.HTTPError) as ei:
+                post(srv.url + "/v1/nothing", {})
+            assert ei.value.code == 404
+        finally:
+            router.terminate()
+            assert router.wait(30) == 0
