@@ -27,12 +27,13 @@ demo: $(VENV)/.installed
 SGLANG_TEST_DEPS := orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 pillow==13.0.0 \
 	starlette==1.10.0 triton==3.9.0 ipython==9.18.1 aiohttp==3.14.5
 
-$(VENV)/.sglang: $(VENV)/.installed
+# Ray for tests/integrations/test_ray_weight_sync.py and examples/ray_weight_sync (the ray extra).
+$(VENV)/.test-extras: $(VENV)/.installed
 	$(PIP) install -q --no-deps "sglang==0.5.23"
-	$(PIP) install -q $(SGLANG_TEST_DEPS)
+	$(PIP) install -q $(SGLANG_TEST_DEPS) "ray==2.60.0"
 	touch $@
 
-test: $(VENV)/.installed $(VENV)/.sglang
+test: $(VENV)/.installed $(VENV)/.test-extras
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.installed
