@@ -77,6 +77,7 @@ def test_port_out_of_range_names_port(command, host_flag):
     (["registry", "--port", "0", "--block-ttl-s", "0"], "--block-ttl-s", "block_ttl_s"),
     (["store-node", "--capacity", "banana", "--port", "0"], "--capacity", ": size:"),
     (["store-node", "--capacity", "4MiB", "--block-size", "0", "--port", "0"], "--block-size", ": size:"),
+    (["store-node", "--capacity", "4MiB", "--block-size", "3", "--port", "0"], "--block-size", ": block_size:"),
     (["store-node", "--capacity", "512KiB", "--port", "0"], "--capacity", ": capacity:"),
     (["store-node", "--capacity", "4MiB", "--port", "0", "--heartbeat-s", "-1"], "--heartbeat-s", "heartbeat_s"),
     (["store-node", "--capacity", "4MiB", "--port", "0", "--registry", "127.0.0.1:99999"], "--registry",

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PULL_CHUNK = 16 << 20
+MIN_BLOCK_NBYTES = 1 << 10  # a smaller block costs more in bookkeeping than it holds (KV blocks are >= 16 KiB)
 PULL_WINDOW = 8
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -69,6 +70,8 @@ class StoreNode(BlockService):
                  clock: Callable[[], float] = time.monotonic, pull_timeout_s: float = 60.0,
                  on_stored: Callable[[list[bytes]], None] | None = None) -> None:
         super().__init__()
+        if isinstance(block_nbytes, bool) or not isinstance(block_nbytes, int) or block_nbytes < MIN_BLOCK_NBYTES:
+            raise UsageError(f"must be at least {MIN_BLOCK_NBYTES} bytes", argument="block_size", value=block_nbytes)
         if capacity < block_nbytes:
             raise UsageError("capacity is smaller than one block", argument="capacity", value=capacity)
         self.arena = HostArena(HostArenaConfig(num_blocks=capacity // block_nbytes, block_nbytes=block_nbytes))
