@@ -132,7 +132,8 @@ def test_shm_list_empty_dir_and_reclaim_refusal(tmp_path, capsys):
 
 def test_metrics_prints_exposition(capsys):
     assert cli.main(["metrics"]) == 0
-    assert "tiersync_d2h_transfer_time_ms" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "# TYPE tiersync_transfer_seconds histogram" in out and "tiersync_buffer_allocated_bytes" in out
 
 
 def test_no_command_prints_help():

@@ -185,7 +185,7 @@ def _telemetry(metrics: Any) -> dict[str, Any]:
     for d in DIRECTIONS:
         out[d] = {
             "transferred_bytes": get("tiersync_transferred_bytes_total", {"direction": d}) or 0.0,
-            "transfers": get("tiersync_transfer_duration_ms_count", {"direction": d}) or 0.0,
+            "transfers": get("tiersync_transfer_seconds_count", {"direction": d}) or 0.0,
             "failures": get("tiersync_transfer_failures_total", {"direction": d}) or 0.0,
         }
     return out

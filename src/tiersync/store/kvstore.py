@@ -67,7 +67,8 @@ class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
             layout, config.host_blocks, shm=config.shm, policy=config.policy)
         self._own_arena = arena is None
         self.engine = TransferEngine(layout, self.arena, config.transfer)
-        self.metrics = metrics if metrics is not None else StoreMetrics()
+        self.metrics = metrics if metrics is not None else StoreMetrics()  # the default registry
+        self._own_metrics = metrics is None
         self._lock = threading.RLock()
         policy = _POLICY[config.policy]
         self._index = PinIndex(policy(), policy())
@@ -275,6 +276,8 @@ class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
             gc.collect()
         if self._own_arena:
             self.arena.close()
+        if self._own_metrics:  # a closed store's series leave the process's registry
+            self.metrics.release()
 
     def __enter__(self) -> "KVCacheStore":
         return self

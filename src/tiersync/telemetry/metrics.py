@@ -1,28 +1,43 @@
-"""Prometheus metrics, named as in the reference system under a ``tiersync_`` prefix.
+"""Prometheus metrics of the transfer engine and the host arenas, Prometheus-style names.
 
-=========================================  =========================================
-metric                                     meaning
-=========================================  =========================================
-tiersync_sent_bytes_total                  bytes sent to peers
-tiersync_received_bytes_total              bytes received from peers
-tiersync_transferred_bytes_total{direction}  bytes copied d2h / h2d
-tiersync_transfer_failures_total{direction}  failed transfers
-tiersync_transfer_duration_ms{direction}   wall time of one transfer (histogram)
-tiersync_d2h_transfer_time_ms              device -> host copy time (histogram)
-tiersync_h2d_transfer_time_ms              host -> device copy time (histogram)
-tiersync_buffer_allocated_bytes            host arena bytes holding data
-=========================================  =========================================
+=============================================  ==============================================
+metric                                         meaning
+=============================================  ==============================================
+tiersync_transferred_bytes_total{direction}    bytes copied d2h / h2d
+tiersync_transfer_failures_total{direction}    failed transfers
+tiersync_transfer_seconds{direction}           wall time of one transfer (histogram)
+tiersync_buffer_allocated_bytes                host arena bytes holding data, every live arena
+=============================================  ==============================================
 
-Histogram buckets run from 0.1 ms to 50 s. Nothing is exported unless
-:func:`start_exporter` is called; importing this module registers nothing
-until :meth:`Metrics.default` (or a constructor with a registry) is called.
+The reference system's ``d2h_transfer_time_ms`` / ``h2d_transfer_time_ms`` are
+``tiersync_transfer_seconds{direction="d2h"|"h2d"}`` (seconds, as Prometheus names a time);
+no duplicate series are kept for them. Every ``TransferEngine`` records into
+:meth:`Metrics.default` (prometheus_client's default registry) unless given other metrics,
+and every ``HostArena`` counts in the allocated-bytes gauge while it is open; the KV cache
+store's metrics (:mod:`tiersync.telemetry.store_metrics`) are on the same registry. Importing
+this module registers nothing: the default set is created on first use.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
-BUCKETS_MS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000)
+BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50)
+_ARENAS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # open arenas, for the allocated-bytes gauge
+
+
+def track_arena(arena: Any) -> None:
+    """Count ``arena`` (anything with ``allocated_bytes()``) in the gauge while it lives."""
+    _ARENAS.add(arena)
+
+
+def untrack_arena(arena: Any) -> None:
+    _ARENAS.discard(arena)
+
+
+def _allocated() -> float:
+    return float(sum(a.allocated_bytes() for a in list(_ARENAS)))
 
 
 class Metrics:
@@ -36,18 +51,13 @@ class Metrics:
 
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.sent_bytes = Counter("tiersync_sent_bytes", "Bytes sent to peers", registry=r)
-        self.received_bytes = Counter("tiersync_received_bytes", "Bytes received from peers", registry=r)
         self.transferred_bytes = Counter(
             "tiersync_transferred_bytes", "Bytes copied between device and host", ["direction"], registry=r)
         self.failures = Counter("tiersync_transfer_failures", "Failed transfers", ["direction"], registry=r)
-        self.duration = Histogram("tiersync_transfer_duration_ms", "Transfer wall time (ms)", ["direction"],
-                                  buckets=BUCKETS_MS, registry=r)
-        self.d2h_time = Histogram("tiersync_d2h_transfer_time_ms", "Device to host copy time (ms)",
-                                  buckets=BUCKETS_MS, registry=r)
-        self.h2d_time = Histogram("tiersync_h2d_transfer_time_ms", "Host to device copy time (ms)",
-                                  buckets=BUCKETS_MS, registry=r)
+        self.duration = Histogram("tiersync_transfer_seconds", "Wall time of one transfer", ["direction"],
+                                  buckets=BUCKETS_S, registry=r)
         self.allocated = Gauge("tiersync_buffer_allocated_bytes", "Host arena bytes holding data", registry=r)
+        self.allocated.set_function(_allocated)
 
     @classmethod
     def default(cls) -> "Metrics":
@@ -60,10 +70,8 @@ class Metrics:
             return cls._default
 
     def transfer_done(self, direction: str, nbytes: int, seconds: float) -> None:
-        ms = seconds * 1e3
         self.transferred_bytes.labels(direction).inc(nbytes)
-        self.duration.labels(direction).observe(ms)
-        (self.d2h_time if direction == "d2h" else self.h2d_time).observe(ms)
+        self.duration.labels(direction).observe(seconds)
 
     def transfer_failed(self, direction: str) -> None:
         self.failures.labels(direction).inc()

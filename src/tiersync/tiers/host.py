@@ -25,6 +25,7 @@ import numpy as np
 from tiersync.errors import CapacityError, ClosedError, UsageError, check_positive_int
 from tiersync.tiers.allocator import BlockAllocator
 from tiersync.tiers.eviction import LRUPolicy, S3FIFOPolicy
+from tiersync.telemetry.metrics import track_arena, untrack_arena
 from tiersync.tiers.prefault import Prefaulter
 
 if TYPE_CHECKING:
@@ -87,6 +88,13 @@ class HostArena:
             self.allocator.adopt_cached([r.block for r in self.recovered])
             self._keys = {r.block: r.key for r in self.recovered}
         self._closed = False
+        track_arena(self)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of blocks holding data (not free), 0 once closed (the metrics' gauge)."""
+        if self._closed:
+            return 0
+        return (self.config.num_blocks - self.allocator.num_free) * self.config.block_nbytes
 
     @classmethod
     def for_layout(cls, layout: "KVLayout", num_blocks: int, *, shm: "ShmConfig | None" = None,
@@ -203,6 +211,7 @@ class HostArena:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        untrack_arena(self)
         self.memory = None  # type: ignore[assignment]
         if self._segment is not None:
             try:

@@ -30,6 +30,7 @@ import numpy as np
 
 from tiersync.errors import ClosedError, UsageError, check_positive_int
 from tiersync.layout.pool import Device, KVLayout
+from tiersync.telemetry.metrics import Metrics
 from tiersync.tiers.host import HostArena
 from tiersync.transfer.future import Direction, TransferFuture
 from tiersync.transfer.kernel import copy_blocks
@@ -72,7 +73,7 @@ class TransferEngine:
     """Moves blocks between ``layout``'s pools and ``arena``. Thread-safe."""
 
     def __init__(self, layout: KVLayout, arena: HostArena, config: TransferConfig | None = None,
-                 *, metrics: object | None = None) -> None:
+                 *, metrics: Metrics | None = None) -> None:
         if not isinstance(layout, KVLayout):
             raise UsageError("must be a KVLayout", argument="layout", got=type(layout).__name__)
         if not isinstance(arena, HostArena):
@@ -93,7 +94,7 @@ class TransferEngine:
             for to_host in (True, False):
                 self._patterns.setdefault((g, to_host), (p.spec.block_stride, pool_pattern(p.spec, to_host=to_host)))
         self.config = config if config is not None else TransferConfig()
-        self.metrics = metrics
+        self.metrics = metrics if metrics is not None else Metrics.default()
         rate = None if self.config.bandwidth_gbps is None else self.config.bandwidth_gbps * 1e9
         self._pacer = Pacer(self.config.max_inflight_bytes, rate)
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="tiersync-copy")
@@ -267,8 +268,6 @@ class TransferEngine:
             self._pacer.release(chunk.nbytes)
 
     def _record(self, fut: TransferFuture, *, ok: bool) -> None:
-        if self.metrics is None:
-            return
         if ok:
             self.metrics.transfer_done(fut.direction.value, fut.nbytes, fut.seconds or 0.0)
         else:
