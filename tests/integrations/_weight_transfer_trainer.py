@@ -1,9 +1,12 @@
 """An RL trainer as verl / OpenRLHF users write one, on vLLM's weight-transfer API (vLLM venv).
 
-``python _weight_transfer_trainer.py URL CHECKPOINT_DIR TOKEN``: builds the ``tiersync``
+``python _weight_transfer_trainer.py URL CHECKPOINT_DIR TOKEN [routes-only]``: builds the ``tiersync``
 trainer engine through vLLM's ``WeightTransferTrainerFactory`` with vLLM's HTTP client of the
 server's routes and a ``WeightSource`` over the checkpoint's tensors, sends them once, and
 prints one JSON line: the version sent and the publisher's per-sampler outcomes.
+``routes-only``: the client offers the four weight-sync routes and nothing else (no base URL),
+so nothing resets the server's caches after the update: only the connector's own reaction to
+the new weights keeps old KV out.
 """
 from __future__ import annotations
 
@@ -32,11 +35,21 @@ class CheckpointSource(WeightSource):
         return iter(self.tensors.items())
 
 
+class RoutesOnly:
+    """vLLM's weight-sync client protocol, exactly its four methods (a user's own client)."""
+
+    def __init__(self, url: str) -> None:
+        self._http = HTTPVLLMWeightSyncClient(url)
+        for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
+            setattr(self, name, getattr(self._http, name))
+
+
 def main() -> None:
     url, checkpoint, token = sys.argv[1:4]
+    client = RoutesOnly(url) if sys.argv[4:] == ["routes-only"] else HTTPVLLMWeightSyncClient(url)
     source = CheckpointSource(load_file(os.path.join(checkpoint, "model.safetensors")))
     engine = WeightTransferTrainerFactory.trainer_init(TierSyncTrainerInitInfo(rank=0, token=token),
-                                                       client=HTTPVLLMWeightSyncClient(url), source=source)
+                                                       client=client, source=source)
     try:
         engine.send_weights()
         last = engine.last

@@ -30,20 +30,32 @@ KV = {"kv_connector": "TierSyncConnector", "kv_role": "kv_both", "kv_connector_m
       "kv_connector_extra_config": {"host_bytes": "256MiB"}, "kv_load_failure_policy": "recompute"}
 
 
-def test_http_driven_update_serves_the_new_checkpoint_and_never_the_old_kv(tmp_path):
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Checkpoints A and B, and B's greedy tokens for PROMPTS from a server started from B."""
     require_vllm()
-    model_a = write_tiny_llama(str(tmp_path / "a"), seed=0)
-    model_b = write_tiny_llama(str(tmp_path / "b"), seed=1)
-    with openai_server(model_b, None, str(tmp_path / "ref.log")) as ref:
-        expected = [complete(ref, model_b, p) for p in PROMPTS]
+    root = tmp_path_factory.mktemp("checkpoints")
+    model_a, model_b = write_tiny_llama(str(root / "a"), seed=0), write_tiny_llama(str(root / "b"), seed=1)
+    with openai_server(model_b, None, str(root / "ref.log")) as ref:
+        return model_a, model_b, [complete(ref, model_b, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("client", ["http", "routes-only"])
+def test_http_driven_update_serves_the_new_checkpoint_and_never_the_old_kv(tmp_path, client, checkpoints):
+    """``http``: vLLM's HTTP client, after which the trainer side resets the prefix caches
+    (vLLM's and the connector's key namespace). ``routes-only``: a client with the four routes
+    only, so nothing resets anything: the workers' weights generation alone must keep the host
+    tier's KV of the old weights from being loaded."""
+    model_a, model_b, expected = checkpoints
     with openai_server(model_a, KV, str(tmp_path / "server.log"), "--weight-transfer-config",
                        json.dumps({"backend": "tiersync"}), env={"VLLM_SERVER_DEV_MODE": "1"}) as srv:
         before = [complete(srv, model_a, p) for p in PROMPTS]
         assert before != expected  # A and B differ
         assert complete(srv, model_a, PROMPTS[0]) == before[0]
         assert settled_total(srv, HITS, 1, tier="host") > 0  # the host tier serves A's KV
-        trainer = subprocess.run([vllm_python(), TRAINER, srv.url, model_b, TOKEN], capture_output=True, text=True,
-                                 timeout=600)
+        routes = [client] if client != "http" else []
+        trainer = subprocess.run([vllm_python(), TRAINER, srv.url, model_b, TOKEN, *routes], capture_output=True,
+                                 text=True, timeout=600)
         assert trainer.returncode == 0, trainer.stderr[-3000:]
         sent = json.loads(trainer.stdout.strip().splitlines()[-1])
         assert sent["version"] == 1 and sent["ok"] and sent["outcomes"] == [["ok", "shm"]], sent
@@ -52,6 +64,11 @@ def test_http_driven_update_serves_the_new_checkpoint_and_never_the_old_kv(tmp_p
         hits = total(metrics(srv), HITS, tier="host")
         after = [complete(srv, model_a, p) for p in PROMPTS]  # cached under A: must not be reused
         assert after == expected
+        refused = total(metrics(srv), "tiersync_connector_load_errors_total")
+        if client == "http":  # the reset re-keyed the connector before any request: nothing to refuse
+            assert refused == 0
+        else:  # the first request's host hits were planned under A's keys; the worker refused them
+            assert settled_total(srv, "tiersync_connector_load_errors_total", 1) > 0
         # The scheduler hears of the new weights with the first step after the update and moves
         # to new keys once more (the blocks saved in that step are not reused): from then on the
         # host tier serves B's KV.
