@@ -26,13 +26,13 @@ cheap: each subcommand imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tiersync.cli_servers import bind_probe, layer_flags, redis_url, starting, stop_on_sigterm, stopped
+from tiersync.cli_servers import (bind_probe, kv_event_flags, kv_events_config, layer_flags, redis_url, starting,
+                                  stop_on_sigterm, stopped)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
 BENCH_SUITES = ("d2h", "h2d", "storage", "h2h", "pd", "registry", "weights", "serve", "workload")  # keep in step with tiersync.bench.SUITES (checked by the tests)
@@ -67,7 +67,6 @@ STORE_NODE_DEFAULTS = {"capacity": None, "port": None, "host": "127.0.0.1", "tok
                        "block_size": "1MiB", "registry": None, "store_id": None, "advertise": None,
                        "pool_group": "", "heartbeat_s": 300.0, "kv_events_endpoint": None,
                        "kv_events_replay": None, "kv_events_topic": ""}  # None: required (capacity, port) or unset
-_KV_EVENTS_FLAGS = {"endpoint": "kv_events_endpoint", "replay_endpoint": "kv_events_replay", "topic": "kv_events_topic"}
 
 
 def _add_store_node(sub: Any) -> None:
@@ -304,38 +303,11 @@ def cmd_store_node(args: argparse.Namespace) -> int:
     flags = args.flags  # where each value came from: the flag, $TIERSYNC_STORE_NODE_<FLAG> or the file
     token = coerce_token(args.token, flags["token"]) if args.token is not None else token_from(
         args.token_file, argument=flags["token_file"])
-    with starting(args), _kv_event_flags():  # the node stops on SIGTERM itself
+    with starting(args), kv_event_flags():  # the node stops on SIGTERM itself
         rc = node_main(args.capacity, args.port, args.host, token, args.block_size, registry=args.registry,
                        store_id=args.store_id, pool_group=args.pool_group, heartbeat_s=args.heartbeat_s,
-                       advertise=args.advertise, kv_events=_kv_events(args))
+                       advertise=args.advertise, kv_events=kv_events_config(args))
     return stopped(args, rc)
-
-
-def _kv_events(args: argparse.Namespace) -> Any:
-    """The store node's KVEventsConfig from --kv-events-*, or None without an endpoint."""
-    if args.kv_events_replay and not args.kv_events_endpoint:
-        from tiersync.errors import UsageError
-
-        raise UsageError("needs --kv-events-endpoint too", argument="kv_events_replay")
-    if not args.kv_events_endpoint:
-        return None
-    from tiersync.net.kv_events import KVEventsConfig
-
-    return KVEventsConfig(args.kv_events_endpoint, args.kv_events_replay, args.kv_events_topic or "")
-
-
-@contextlib.contextmanager
-def _kv_event_flags() -> Any:
-    """KVEventsConfig / publisher errors name their field: report them as the --kv-events-* flag."""
-    from tiersync.errors import UsageError
-
-    try:
-        yield
-    except UsageError as exc:
-        if exc.argument not in _KV_EVENTS_FLAGS:
-            raise
-        raise UsageError(exc.message.split(": ", 1)[-1], argument=_KV_EVENTS_FLAGS[exc.argument],
-                         **exc.context) from None
 
 
 def cmd_registry(args: argparse.Namespace) -> int:

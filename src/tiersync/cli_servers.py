@@ -15,7 +15,8 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
-__all__ = ["bind_probe", "layer_flags", "redis_url", "starting", "stop_on_sigterm", "stopped"]
+__all__ = ["bind_probe", "kv_event_flags", "kv_events_config", "layer_flags", "redis_url", "starting", "stop_on_sigterm",
+           "stopped"]
 
 NET_MODULES = ("grpc", "redis", "cryptography")  # what the 'net' extra installs
 
@@ -167,3 +168,33 @@ def stop_on_sigterm() -> threading.Event:
 def stopped(args: argparse.Namespace, rc: int) -> int:
     print(f"tiersync {args.command}: stopped", file=sys.stderr, flush=True)
     return rc
+
+
+_KV_EVENTS_FLAGS = {"endpoint": "kv_events_endpoint", "replay_endpoint": "kv_events_replay", "topic": "kv_events_topic"}
+
+
+def kv_events_config(args: argparse.Namespace) -> Any:
+    """The store node's KVEventsConfig from --kv-events-*, or None without an endpoint."""
+    if args.kv_events_replay and not args.kv_events_endpoint:
+        from tiersync.errors import UsageError
+
+        raise UsageError("needs --kv-events-endpoint too", argument="kv_events_replay")
+    if not args.kv_events_endpoint:
+        return None
+    from tiersync.net.kv_events import KVEventsConfig
+
+    return KVEventsConfig(args.kv_events_endpoint, args.kv_events_replay, args.kv_events_topic or "")
+
+
+@contextlib.contextmanager
+def kv_event_flags() -> Any:
+    """KVEventsConfig / publisher errors name their field: report them as the --kv-events-* flag."""
+    from tiersync.errors import UsageError
+
+    try:
+        yield
+    except UsageError as exc:
+        if exc.argument not in _KV_EVENTS_FLAGS:
+            raise
+        raise UsageError(exc.message.split(": ", 1)[-1], argument=_KV_EVENTS_FLAGS[exc.argument],
+                         **exc.context) from None

@@ -73,8 +73,8 @@ class Router:
         self.config = config
         self._prefill, self._decode = itertools.cycle(config.prefill), itertools.cycle(config.decode)
         self._turn = threading.Lock()
-        self._http = ThreadingHTTPServer((host, port), _handler(self))
-        self._http.daemon_threads = True
+        self._http = _HTTPServer((host, port), _Handler)
+        self._http.router = self
         self.address = f"{host}:{self._http.server_address[1]}"
 
     def serve_forever(self) -> None:
@@ -108,72 +108,80 @@ class Router:
             raise _Upstream(502, f"{url} unreachable: {getattr(exc, 'reason', exc)}") from None
 
 
-def _handler(router: Router) -> type:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    router: Router
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            if self.path not in ("/health", "/v1/models"):
-                return self._error(404, f"no route {self.path}")
-            self._relay(lambda: router.call(router.next_pair()[1], self.path))
 
-        def do_POST(self) -> None:  # noqa: N802
-            if self.path not in GENERATE:
-                return self._error(404, f"no route {self.path}")
-            body = self._body()
-            if body is None:
-                return None
-            prefill, decode = router.next_pair()
+class _Handler(BaseHTTPRequestHandler):
+    """One client connection: GET /health and /v1/models go to a decode server, generation
+    requests through prefill then decode (see the module docstring)."""
 
-            def run() -> Any:
-                params = router.prefill(prefill, self.path, body)
-                if params is None:
-                    log.warning("prefill %s returned no kv_transfer_params: decode computes the prompt", prefill)
-                return router.call(decode, self.path, {**body, "kv_transfer_params": params} if params else body)
+    protocol_version = "HTTP/1.1"
+    server: _HTTPServer
 
-            self._relay(run)
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        router = self.server.router
+        if self.path not in ("/health", "/v1/models"):
+            return self._error(404, f"no route {self.path}")
+        self._relay(lambda: router.call(router.next_pair()[1], self.path))
 
-        def _body(self) -> dict[str, Any] | None:
-            try:
-                n = int(self.headers.get("Content-Length") or -1)
-            except ValueError:
-                n = -1
-            if not 0 < n <= router.config.max_body:
-                self._error(413 if n > router.config.max_body else 411, "a JSON body with Content-Length is required")
-                return None
-            try:
-                body = json.loads(self.rfile.read(n))
-            except ValueError:
-                body = None
-            if not isinstance(body, dict):
-                self._error(400, "the body must be a JSON object")
-                return None
-            return body
+    def do_POST(self) -> None:  # noqa: N802
+        router = self.server.router
+        if self.path not in GENERATE:
+            return self._error(404, f"no route {self.path}")
+        body = self._body(router.config.max_body)
+        if body is None:
+            return None
+        prefill, decode = router.next_pair()
 
-        def _relay(self, run: Any) -> None:
-            try:
-                upstream = run()
-            except _Upstream as exc:
-                return self._error(exc.status, str(exc))
-            with upstream:
-                self.send_response(upstream.status)
-                self.send_header("Content-Type", upstream.headers.get("Content-Type", "application/json"))
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                while chunk := upstream.read1(_CHUNK):
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                    self.wfile.flush()
-                self.wfile.write(b"0\r\n\r\n")
+        def run() -> Any:
+            params = router.prefill(prefill, self.path, body)
+            if params is None:
+                log.warning("prefill %s returned no kv_transfer_params: decode computes the prompt", prefill)
+            return router.call(decode, self.path, {**body, "kv_transfer_params": params} if params else body)
 
-        def _error(self, status: int, message: str) -> None:
-            data = json.dumps({"error": {"message": message, "code": status}}).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
+        self._relay(run)
+
+    def _body(self, limit: int) -> dict[str, Any] | None:
+        try:
+            n = int(self.headers.get("Content-Length") or -1)
+        except ValueError:
+            n = -1
+        if not 0 < n <= limit:
+            self._error(413 if n > limit else 411, "a JSON body with Content-Length is required")
+            return None
+        try:
+            body = json.loads(self.rfile.read(n))
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            self._error(400, "the body must be a JSON object")
+            return None
+        return body
+
+    def _relay(self, run: Any) -> None:
+        try:
+            upstream = run()
+        except _Upstream as exc:
+            return self._error(exc.status, str(exc))
+        with upstream:
+            self.send_response(upstream.status)
+            self.send_header("Content-Type", upstream.headers.get("Content-Type", "application/json"))
+            self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            self.wfile.write(data)
+            while chunk := upstream.read1(_CHUNK):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
 
-        def log_message(self, fmt: str, *args: Any) -> None:
-            log.debug("router: " + fmt, *args)
+    def _error(self, status: int, message: str) -> None:
+        data = json.dumps({"error": {"message": message, "code": status}}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
-    return Handler
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("router: " + fmt, *args)
