@@ -19,6 +19,9 @@ process) to 1, 2 and 4 sampler PROCESSES, each holding the whole model (replicat
   1-trainer case also gets a ``weights-1t-<n>s-tcp-vs-raw`` row: the same ``tcp`` times with
   this raw figure as the baseline (ratio = tiersync TCP GB/s / raw GB/s: what the wire stack,
   token, checksums and GET protocol cost over bare sockets).
+- the delta rows ``weights-1t-4s-delta-{1,10,100}pct`` (:mod:`tiersync.bench.weights_delta`):
+  versions changing that share of the chunks, delta samplers vs full-sync samplers. The rows
+  above run with ``ReceiverConfig.delta`` off: they move every byte of every version.
 
 Seconds are publish to "every sampler switched" (tiersync: D2H into the version buffer
 included) and first to last broadcast (gloo). ``gbps`` is per receiver (model bytes /
@@ -37,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from tiersync.bench import weights_procs as procs
+from tiersync.bench import weights_delta, weights_procs as procs
 from tiersync.bench.weights_raw import memcpy_gbps, raw_seconds
 from tiersync.bench.common import BenchConfig, RoundTripError, median, progress, report, row, throughput
 from tiersync.errors import RemoteError, UsageError
@@ -225,7 +228,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
     """Every (trainer shards, samplers) case: tiersync shm and tcp vs gloo, plus the raw figure."""
     t_start = time.perf_counter()
     mode = config.mode
-    cases = _select(config)  # before the model and any process: --cases matching nothing is refused
+    cases, pcts = _select(config)  # before the model and any process: --cases matching nothing is refused
     _MODE[0] = mode
     layers, memory_note = _layers(mode)
     model = _Model(mode, layers, config.seed)
@@ -240,9 +243,13 @@ def run(config: BenchConfig) -> dict[str, Any]:
         version[0] = out[-1]
         return out
 
-    pool = [_spawn(procs.worker_main) for _ in range(max(n for _, n in cases))]
+    pool = [_spawn(procs.worker_main) for _ in range(max([n for _, n in cases] + [weights_delta.SAMPLERS] * bool(pcts)))]
     try:
-        _sweep(config, model, layers, cases, pool, results, versions, warm, iters, phases)
+        if cases:
+            _sweep(config, model, layers, cases, pool, results, versions, warm, iters, phases)
+        if pcts:
+            results += _timed(phases, "delta", lambda: weights_delta.run_rows(
+                config, model, pool, versions, iters, BUFFERS[mode], _expect, pcts))
     except (BrokenPipeError, EOFError, ConnectionError) as exc:  # not stdout: a child process died
         raise RemoteError(f"a bench child process died (out of memory?): {exc!r}") from exc
     finally:
@@ -254,13 +261,16 @@ def run(config: BenchConfig) -> dict[str, Any]:
                   elapsed_s=round(time.perf_counter() - t_start, 3))
 
 
-def _select(config: BenchConfig) -> list[tuple[int, int]]:
-    """The (shards, samplers) cases whose name ("2t-4s") contains ``--cases``; UsageError if none does."""
+def _select(config: BenchConfig) -> tuple[list[tuple[int, int]], list[int]]:
+    """The (shards, samplers) cases whose name ("2t-4s") contains ``--cases``, and the delta rows'
+    percentages whose name does; UsageError if nothing does."""
     names = {f"{s}t-{n}s": (s, n) for s, n in CASES[config.mode]}
     chosen = [case for name, case in names.items() if config.cases is None or config.cases in name]
-    if not chosen:
-        raise UsageError("no case matches", argument="--cases", value=config.cases, cases=sorted(names))
-    return chosen
+    pcts = weights_delta.selected(config)
+    if not chosen and not pcts:
+        raise UsageError("no case matches", argument="--cases", value=config.cases,
+                         cases=sorted(names) + [weights_delta.NAME.format(p) for p in weights_delta.PCTS])
+    return chosen, pcts
 
 
 def _sweep(config: BenchConfig, model: _Model, layers: int, cases: list, pool: list, results: list,

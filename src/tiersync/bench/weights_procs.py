@@ -68,7 +68,8 @@ def shard_rows(rows: int, shards: int, s: int) -> tuple[int, int]:
 def worker_main(conn: Any) -> None:
     """One sampler process for the whole run; commands over ``conn``:
 
-    ``("join", addresses, rank, count, transport, buffers, zero_copy)`` -> ``("ready", transports)``;
+    ``("join", addresses, rank, count, transport, buffers, zero_copy[, delta])`` -> ``("ready", transports)``
+    (``delta`` False unless given: the full-sync rows move every byte of every version);
     ``("digest", version)`` -> ``("digest", version, {name: xxh3})``; ``("leave",)`` -> ``("left",)``;
     ``("raw", port, nbytes)`` -> ``("ready",)``, then ``("round",)`` receives one model and
     answers one byte on the socket, ``("rawdigest",)`` -> ``("digest", xxh3)``, ``("rawclose",)``;
@@ -133,14 +134,14 @@ class _Arena:
 
 
 def _join(arena: _Arena, addresses: list[str], rank: int, count: int, transport: str, buffers: int,
-          zero_copy: bool = False, streams: int = 4) -> Any:
+          zero_copy: bool = False, delta: bool = False, streams: int = 4) -> Any:
     from tiersync.weights.config import ReceiverConfig, TransportKind
     from tiersync.weights.receiver import WeightReceiver
     from tiersync.weights.sharding import Mesh, Sharding
 
     dest = Sharding.replicated(Mesh((count,), ("dp",)))
     cfg = ReceiverConfig(tuple(addresses), rank=rank, transport=TransportKind(transport), buffers=buffers,
-                         streams=streams, sampler_id=f"bench-{rank}", zero_copy=zero_copy)
+                         streams=streams, sampler_id=f"bench-{rank}", zero_copy=zero_copy, delta=delta)
     return WeightReceiver(dest, cfg, allocator=arena)
 
 

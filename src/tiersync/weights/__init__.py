@@ -12,6 +12,8 @@
   configured by :class:`PublisherConfig` / :class:`ReceiverConfig` (:class:`TransportKind`,
   ``token``, ``tls``). They speak :mod:`~tiersync.weights.ops` (the weights vocabulary) over the
   one wire stack, :mod:`tiersync.net`; :mod:`~tiersync.weights.serving` answers span GETs.
+- :mod:`~tiersync.weights.delta`: delta syncs (``ReceiverConfig.delta``): a sampler fetches only
+  the chunks whose trainer checksum differs from what it holds, verified after landing.
 
 Pure Python and numpy: importing never imports torch or JAX.
 """

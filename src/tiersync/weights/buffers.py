@@ -105,6 +105,20 @@ class VersionedBuffers:
         with self._cond:
             return None if self._active is None else self._version[self._active]
 
+    @property
+    def writing(self) -> int | None:
+        """The set a sync is writing (None outside a sync)."""
+        with self._cond:
+            return self._writing
+
+    def active_set(self) -> tuple[int, dict[str, np.ndarray]] | None:
+        """``(index, arrays)`` of the active set while another one is written (a delta sync
+        copies unchanged chunks out of it; nobody writes it meanwhile); None otherwise."""
+        with self._cond:
+            if self._active is None or self._active == self._writing:
+                return None
+            return self._active, self._sets[self._active]
+
     def begin_write(self, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
         """The set a sync may overwrite, once no lease holds it. CapacityError after ``timeout``."""
         end = time.monotonic() + timeout

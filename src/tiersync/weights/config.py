@@ -16,7 +16,7 @@ from tiersync.net.config import Route, TcpConfig, coerce_token
 from tiersync.net.frames import ProtocolConfig
 from tiersync.net.tls import TlsConfig
 
-__all__ = ["MAX_SPAN_BYTES", "PublisherConfig", "ReceiverConfig", "SyncStatus", "TransportKind"]
+__all__ = ["MAX_SPAN_BYTES", "PublisherConfig", "ReceiveResult", "ReceiverConfig", "SyncStatus", "TransportKind"]
 
 MAX_SPAN_BYTES = 64 << 20
 """Largest span one GET moves: the planner cuts chunks to ``segment_bytes``, at most this."""
@@ -42,6 +42,20 @@ class SyncStatus(enum.Enum):
     FAILED = "failed"  #: the sampler reported an error (its message says which)
     DISCONNECTED = "disconnected"  #: the sampler's connection dropped before it answered
     TIMEOUT = "timeout"  #: no answer before the publish deadline
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveResult:
+    """Version ``version`` is active: ``nbytes`` landed in ``seconds`` (announce to switch), of
+    which ``moved`` were fetched (shm, tcp, relay) and ``copied`` copied from the other buffer
+    set (a delta sync; the rest was already in place)."""
+
+    version: int
+    nbytes: int
+    seconds: float
+    transports: tuple[TransportKind, ...]  # per trainer shard
+    moved: int = 0
+    copied: int = 0
 
 
 def _check_seconds(value: object, argument: str) -> None:
@@ -142,6 +156,8 @@ class ReceiverConfig:
     (read-only views in the lease, no copy) when this sampler's slice of it is one contiguous
     run of one SHM shard's bytes; other tensors are copied. The trainer then writes later
     versions to other segments until this sampler released the version (no lease, not active).
+    ``delta``: fetch only the chunks whose trainer checksum differs from what this sampler
+    holds (:mod:`tiersync.weights.delta`); False fetches every byte of every version.
     ``token``: the trainer's shared secret (str or bytes, >= 16 bytes), proven on every
     connection (control, data, relays); relaying samplers demand it too. ``tls``: optional
     :class:`~tiersync.net.tls.TlsConfig`: ``cafile`` verifies the trainer shards and relays;
@@ -163,6 +179,7 @@ class ReceiverConfig:
     sampler_id: str | None = None
     max_meta_bytes: int = 4 << 20
     zero_copy: bool = False
+    delta: bool = True
     token: bytes | str | None = field(default=None, repr=False)  # never printed
     tls: TlsConfig | None = None
 
@@ -179,8 +196,9 @@ class ReceiverConfig:
             raise UsageError("must be a TransportKind", argument="transport", value=self.transport)
         if self.buffers not in (1, 2) or isinstance(self.buffers, bool):
             raise UsageError("must be 1 or 2", argument="buffers", value=self.buffers)
-        if not isinstance(self.zero_copy, bool):
-            raise UsageError("must be a bool", argument="zero_copy", value=self.zero_copy)
+        for name in ("zero_copy", "delta"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError("must be a bool", argument=name, value=getattr(self, name))
         for name in ("streams", "copy_threads", "max_meta_bytes"):
             check_positive_int(getattr(self, name), name)
         _check_address(self.listen, "listen")

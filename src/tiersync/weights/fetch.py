@@ -27,7 +27,7 @@ from tiersync.net.errors import RequestError
 from tiersync.net.tcp import TcpChannel, TcpTransport
 from tiersync.weights.config import TransportKind
 from tiersync.weights.executor import span_view
-from tiersync.weights.ops import WEIGHTS, Get
+from tiersync.weights.ops import WEIGHTS, Get, Sums, SumsReply
 from tiersync.weights.plan import TransferKind, TransferPlan
 from tiersync.weights.segment import SegmentReader
 from tiersync.weights.spans import StridedSpan
@@ -57,6 +57,8 @@ class Job:
     stage: int
     dst_span: StridedSpan
     sources: tuple[Source, ...]
+    origin: int = 0  # the trainer shard that pushes the chunk (what a delta asks for its checksum)
+    origin_span: StridedSpan | None = None  # the chunk in that shard's local buffer
 
     @property
     def nbytes(self) -> int:
@@ -83,7 +85,7 @@ def build_jobs(plan: TransferPlan, rank: int, order: Mapping[str, int], transpor
             if t.kind is TransferKind.RELAY and t.src_rank in peers:
                 sources = (Source(TransportKind.TCP, t.src_span, address=peers[t.src_rank]), direct)
         jobs.append(Job(t.tensor, order[t.tensor], t.global_box.start, t.stage if len(sources) > 1 else 0,
-                        t.dst_span, sources))
+                        t.dst_span, sources, src, root.src_span))
     jobs.sort(key=lambda j: (j.stage, j.index, j.key))
     return jobs
 
@@ -158,6 +160,22 @@ class TcpPool:
             self._give(address, channel)
         if strided is not None:
             np.copyto(strided, np.frombuffer(into, np.uint8).reshape(strided.shape))
+
+    def sums(self, address: str, version: int, tensor: str, spans: tuple[StridedSpan, ...]) -> SumsReply:
+        """W_SUMS to the trainer shard at ``address``: the checksums of ``spans`` of ``tensor``.
+        Raises RemoteError (refused, e.g. the shard moved on) or ProtocolError."""
+        end = time.monotonic() + self._io_s
+        channel = self._take(address, end)
+        try:
+            reply = channel.request(Sums(channel.new_request_id(), version, tensor, spans),
+                                    timeout=max(0.001, end - time.monotonic()))
+        except RequestError as exc:
+            raise RemoteError(f"W_SUMS refused: {exc.message}", peer=address) from None
+        finally:
+            self._give(address, channel)
+        if not isinstance(reply, SumsReply) or len(reply.sums) != len(spans):
+            raise RemoteError("W_SUMS answered with the wrong number of checksums", peer=address)
+        return reply
 
     def close(self) -> None:
         with self._lock:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import logging
 
-from tiersync.errors import TierSyncError
-from tiersync.net.errors import log_level
-from tiersync.net.tcp import TcpChannel
+from tiersync.errors import TierSyncError, UsageError
+from tiersync.net.errors import AuthError, ProtocolError, ProtocolFault, RequestError, log_level
+from tiersync.net.tcp import TcpChannel, TcpTransport
 from tiersync.weights.config import TransportKind
 from tiersync.weights.manifest import Manifest
+from tiersync.weights.ops import Register, Welcome
 from tiersync.weights.segment import SegmentReader
 
 __all__ = ["ShardLink"]
@@ -26,6 +27,26 @@ class ShardLink:
         self.ready: dict[int, int] = {}
         self.alive = False
         self.readers: dict[str, SegmentReader] = {}  # segment path -> mapping (latest last)
+
+    def register(self, transport: TcpTransport, hello: Register, timeout: float) -> None:
+        """Connect, send ``hello`` (its request id is replaced) and take the W_WELCOME: the
+        transport granted. AuthError (token/TLS refused), UsageError (transport refused),
+        RemoteError (unreachable) or ProtocolError."""
+        try:
+            channel = self.channel = transport.connect(self.address)
+        except AuthError as exc:
+            raise AuthError(f"trainer shard {self.rank} refused the link ({exc.message}); ReceiverConfig.token "
+                            "and tls must match its PublisherConfig", peer=self.address) from None
+        hello = Register(channel.new_request_id(), hello.label, hello.rank, hello.host, hello.transport,
+                         hello.relay, hello.zero_copy)
+        try:
+            welcome = channel.request(hello, timeout=timeout)
+        except RequestError as exc:
+            raise UsageError(f"trainer shard {self.rank} refused: {exc.message}", argument="transport") from None
+        if not isinstance(welcome, Welcome) or welcome.source_rank != self.rank:
+            raise ProtocolError("expected W_WELCOME from this source rank", fault=ProtocolFault.UNEXPECTED,
+                                peer=self.address)
+        self.transport, self.alive = welcome.transport, True
 
     def send(self, event: object, timeout: float) -> None:
         """Send one-way message ``event`` (thread-safe); a failure is logged: the control reader

@@ -9,14 +9,14 @@ wire. :func:`host_id` identifies this machine and boot (same host = shared memor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from tiersync.errors import UsageError
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.weights.plan import PlanOptions, TensorSpec
 from tiersync.weights.sharding import Mesh, Sharding
 
-__all__ = ["Manifest", "host_id", "sharding_from_json", "sharding_to_json"]
+__all__ = ["Manifest", "destination_layout", "host_id", "sharding_from_json", "sharding_to_json"]
 
 
 def host_id() -> str:
@@ -110,3 +110,14 @@ class Manifest:
         """True when ``other`` describes the same tensors, shardings and options."""
         return (self.names, self.specs, self.source, self.options, self.source_ranks) == (
             other.names, other.specs, other.source, other.options, other.source_ranks)
+
+
+def destination_layout(destination: Sharding | Mapping[str, Sharding], m: Manifest) -> Mapping[str, Sharding]:
+    """A sampler's destination sharding of every tensor ``m`` names; UsageError (``destination``)
+    when one is missing."""
+    if isinstance(destination, Sharding):
+        return {n: destination for n in m.names}
+    missing = [n for n in m.names if n not in destination]
+    if missing:
+        raise UsageError(f"no destination sharding for {missing[:3]}", argument="destination")
+    return destination

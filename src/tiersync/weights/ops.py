@@ -7,12 +7,14 @@ publisher.WeightPublisher`) and registers; the shard then pushes each version to
                                                                   (or ERROR: refused)
     <- W_ANNOUNCE{manifest}     one-way: version v is being written (JSON, bounded)
     <- W_READY{v, count}        one-way: the first ``count`` tensors of v are complete
-    W_ACK{v, ok, seconds, error} ->   one-way: this sampler's outcome of v
+    W_ACK{v, ok, seconds, error, moved} ->   one-way: this sampler's outcome of v
     W_RELEASE{v} ->             one-way, zero-copy samplers: no longer reading v's segment
 
 Data connections (to a trainer shard, or to a relaying sampler) only ask for spans::
 
     W_GET{v, tensor, key, span} -> DATA (the span's bytes in C order) or ERROR
+    W_SUMS{v, tensor, spans} -> W_SUMS_REPLY{algo, sums}   (trainer shards only: the payload
+                                checksum of each span of v; what delta syncs compare)
 
 Every frame is checksummed and bounded by the stack (token, TLS and deadlines:
 ``PublisherConfig.tcp_config`` / ``ReceiverConfig.tcp_config``); each field is validated on
@@ -34,9 +36,11 @@ from tiersync.weights.config import MAX_SPAN_BYTES, TransportKind
 from tiersync.weights.manifest import Manifest
 from tiersync.weights.spans import StridedSpan
 
-__all__ = ["WEIGHTS", "Ack", "Announce", "Get", "Ready", "Register", "Release", "Welcome", "WeightsOp"]
+__all__ = ["WEIGHTS", "Ack", "Announce", "Get", "Ready", "Register", "Release", "Sums", "SumsReply", "Welcome",
+           "WeightsOp"]
 
 _MAX_DIMS = 32
+_MAX_SPANS = 1 << 16  # spans of one W_SUMS (one tensor's chunks from one trainer shard)
 
 
 class WeightsOp(enum.IntEnum):
@@ -49,6 +53,8 @@ class WeightsOp(enum.IntEnum):
     W_ACK = 52
     W_RELEASE = 53
     W_GET = 54
+    W_SUMS = 55
+    W_SUMS_REPLY = 56
 
 
 def _flag(r: MetaReader) -> bool:
@@ -162,20 +168,23 @@ class Ack:
     ok: bool
     seconds: float = 0.0
     error: str = ""
+    moved: int = 0  # bytes this sampler fetched for the version (shm, tcp, relay)
 
     def __post_init__(self) -> None:
         check_u64("version", self.version)
+        check_u64("moved", self.moved)
         check_text("error", self.error)
         if not isinstance(self.ok, bool) or isinstance(self.seconds, bool) or \
                 not isinstance(self.seconds, (int, float)) or not self.seconds >= 0:
             raise UsageError("ok must be a bool and seconds a number >= 0", argument="seconds")
 
     def meta(self) -> bytes:
-        return MetaWriter().u64(self.version).u8(self.ok).f64(float(self.seconds)).text(self.error).getvalue()
+        w = MetaWriter().u64(self.version).u8(self.ok).f64(float(self.seconds)).text(self.error)
+        return w.u64(self.moved).getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Ack":
-        return cls(r.u64(), _flag(r), r.f64(), r.text(cfg.max_string))
+        return cls(r.u64(), _flag(r), r.f64(), r.text(cfg.max_string), r.u64())
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,26 +222,94 @@ class Get:
             check_u64(name, getattr(self, name))
         check_text("tensor", self.tensor)
         check_u64s("key", self.key)
-        s = self.span
-        if (not isinstance(s, StridedSpan) or len(self.key) > _MAX_DIMS or len(s.counts) > _MAX_DIMS
-                or len(s.counts) != len(s.strides)):
-            raise UsageError(f"must be a StridedSpan of at most {_MAX_DIMS} dimensions", argument="span")
-        check_u64s("span", (s.offset, *s.counts, *s.strides))
-        if s.row_bytes <= 0 or any(c <= 0 for c in s.counts) or s.nbytes > MAX_SPAN_BYTES:
-            raise UsageError(f"must hold 1..{MAX_SPAN_BYTES} bytes", argument="span")
+        if len(self.key) > _MAX_DIMS:
+            raise UsageError(f"must have at most {_MAX_DIMS} dimensions", argument="key")
+        _check_span(self.span)
 
     def meta(self) -> bytes:
-        s = self.span
-        w = MetaWriter().u64(self.version).text(self.tensor).u64s(self.key)
-        return w.u64(s.offset).u64(s.row_bytes).u64s(s.counts).u64s(s.strides).getvalue()
+        return _write_span(MetaWriter().u64(self.version).text(self.tensor).u64s(self.key), self.span).getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Get":
         version, tensor, key = r.u64(), r.text(cfg.max_string), r.u64s(_MAX_DIMS)
-        span = StridedSpan(r.u64(), r.u64(), r.u64s(_MAX_DIMS), r.u64s(_MAX_DIMS))
-        return cls(rid, version, tensor, key, span)
+        return cls(rid, version, tensor, key, _read_span(r))
 
 
-WEIGHTS = Vocabulary("weights", {Register: (Welcome,), Get: (ev.Data,)}, oneway=(Announce, Ready, Ack, Release),
+def _check_span(s: object) -> None:
+    if not isinstance(s, StridedSpan) or len(s.counts) > _MAX_DIMS or len(s.counts) != len(s.strides):
+        raise UsageError(f"must be a StridedSpan of at most {_MAX_DIMS} dimensions", argument="span")
+    check_u64s("span", (s.offset, *s.counts, *s.strides))
+    if s.row_bytes <= 0 or any(c <= 0 for c in s.counts) or s.nbytes > MAX_SPAN_BYTES:
+        raise UsageError(f"must hold 1..{MAX_SPAN_BYTES} bytes", argument="span")
+
+
+def _write_span(w: MetaWriter, s: StridedSpan) -> MetaWriter:
+    return w.u64(s.offset).u64(s.row_bytes).u64s(s.counts).u64s(s.strides)
+
+
+def _read_span(r: MetaReader) -> StridedSpan:
+    return StridedSpan(r.u64(), r.u64(), r.u64s(_MAX_DIMS), r.u64s(_MAX_DIMS))
+
+
+@dataclass(frozen=True, slots=True)
+class Sums:
+    """Sampler -> trainer shard: the payload checksums of ``spans`` of its local shard of
+    ``tensor``, version ``version`` (answered once that tensor is written)."""
+
+    OP: ClassVar[WeightsOp] = WeightsOp.W_SUMS
+    request_id: int
+    version: int
+    tensor: str
+    spans: tuple[StridedSpan, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("request_id", "version"):
+            check_u64(name, getattr(self, name))
+        check_text("tensor", self.tensor)
+        if not isinstance(self.spans, tuple) or not 0 < len(self.spans) <= _MAX_SPANS:
+            raise UsageError(f"must be a tuple of 1..{_MAX_SPANS} spans", argument="spans")
+        for s in self.spans:
+            _check_span(s)
+
+    def meta(self) -> bytes:
+        w = MetaWriter().u64(self.version).text(self.tensor).u32(len(self.spans))
+        for s in self.spans:
+            _write_span(w, s)
+        return w.getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Sums":
+        version, tensor, n = r.u64(), r.text(cfg.max_string), r.u32()
+        if not 0 < n <= _MAX_SPANS:
+            raise ValueError(f"a W_SUMS names 1..{_MAX_SPANS} spans, not {n}")
+        return cls(rid, version, tensor, tuple(_read_span(r) for _ in range(n)))
+
+
+@dataclass(frozen=True, slots=True)
+class SumsReply:
+    """Answer to W_SUMS: ``sums[i]`` is the checksum (algorithm ``algo``, a
+    :class:`~tiersync.net.frames.PayloadChecksum` value) of the i-th span's bytes in C order."""
+
+    OP: ClassVar[WeightsOp] = WeightsOp.W_SUMS_REPLY
+    request_id: int
+    algo: int
+    sums: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        check_u64("request_id", self.request_id)
+        check_u64("algo", self.algo)
+        check_u64s("sums", self.sums)
+        if len(self.sums) > _MAX_SPANS:
+            raise UsageError(f"must hold at most {_MAX_SPANS} sums", argument="sums")
+
+    def meta(self) -> bytes:
+        return MetaWriter().u64(self.algo).u64s(self.sums).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "SumsReply":
+        return cls(rid, r.u64(), r.u64s(_MAX_SPANS))
+
+
+WEIGHTS = Vocabulary("weights", {Register: (Welcome,), Get: (ev.Data,), Sums: (SumsReply,)}, oneway=(Announce, Ready, Ack, Release),
                      include=(ev.CORE,))
 """What weight-sync connections speak (control and data alike)."""

@@ -45,7 +45,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class SamplerOutcome:
-    """One sampler's answer for one version. ``error`` is None when ``status`` is OK."""
+    """One sampler's answer for one version. ``error`` is None when ``status`` is OK.
+    ``moved``: bytes that sampler fetched for the version (from every trainer shard and its
+    relays; a delta sync fetches only changed chunks), as it reported them."""
 
     sampler: str
     rank: int
@@ -53,11 +55,13 @@ class SamplerOutcome:
     transport: TransportKind
     error: str | None = None
     seconds: float | None = None
+    moved: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class PublishResult:
-    """The outcome of :meth:`WeightPublisher.publish`: per sampler, and the wall time."""
+    """The outcome of :meth:`WeightPublisher.publish`: per sampler, and the wall time.
+    ``nbytes``: this trainer shard's bytes of the version; :attr:`moved`: bytes the samplers fetched."""
 
     version: int
     outcomes: tuple[SamplerOutcome, ...]
@@ -72,6 +76,12 @@ class PublishResult:
     @property
     def failed(self) -> tuple[SamplerOutcome, ...]:
         return tuple(o for o in self.outcomes if o.status is not SyncStatus.OK)
+
+    @property
+    def moved(self) -> int:
+        """Bytes every sampler together fetched for this version (their reports; every trainer
+        shard's result carries the same total)."""
+        return sum(o.moved for o in self.outcomes)
 
 
 @dataclass(eq=False)
@@ -368,5 +378,5 @@ def _outcome(s: _Sampler, version: int) -> SamplerOutcome:
         status = SyncStatus.TIMEOUT if s.alive else SyncStatus.DISCONNECTED
         return SamplerOutcome(s.label, s.rank, status, s.transport, f"no answer ({status.value})")
     if ack.ok:
-        return SamplerOutcome(s.label, s.rank, SyncStatus.OK, s.transport, None, ack.seconds)
-    return SamplerOutcome(s.label, s.rank, SyncStatus.FAILED, s.transport, ack.error, ack.seconds)
+        return SamplerOutcome(s.label, s.rank, SyncStatus.OK, s.transport, None, ack.seconds, ack.moved)
+    return SamplerOutcome(s.label, s.rank, SyncStatus.FAILED, s.transport, ack.error, ack.seconds, ack.moved)

@@ -13,6 +13,7 @@ when ``tls`` is set. Readers use :meth:`acquire` (a :class:`WeightsLease` on one
 With ``ReceiverConfig.zero_copy`` the tensors :mod:`tiersync.weights.zerocopy` allows are not
 copied: the commit installs read-only views of the segment, and a RELEASE tells the trainer
 shards once this sampler no longer reads that version (until then they write elsewhere).
+With ``ReceiverConfig.delta`` only changed chunks are fetched (:mod:`tiersync.weights.delta`).
 """
 from __future__ import annotations
 
@@ -21,22 +22,22 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import numpy as np
 
 from tiersync.errors import ClosedError, IntegrityError, RemoteError, TierSyncError, UsageError
-from tiersync.net.errors import AuthError, ProtocolError, ProtocolFault, RequestError, log_level
+from tiersync.net.errors import ProtocolError, ProtocolFault, log_level
 from tiersync.net.framed import Deadline
 from tiersync.net.server import TcpServer
 from tiersync.net.tcp import TcpTransport
 from tiersync.weights.buffers import VersionedBuffers, WeightsLease
-from tiersync.weights.config import ReceiverConfig, TransportKind
+from tiersync.weights.config import ReceiveResult, ReceiverConfig, TransportKind
+from tiersync.weights.delta import DeltaState, Landing, land_delta
 from tiersync.weights.fetch import Job, TcpPool, build_jobs, first_error, shm_copy
 from tiersync.weights.links import ShardLink
-from tiersync.weights.manifest import Manifest, host_id
-from tiersync.weights.ops import WEIGHTS, Ack, Announce, Ready, Register, Release, Welcome
+from tiersync.weights.manifest import Manifest, destination_layout, host_id
+from tiersync.weights.ops import WEIGHTS, Ack, Announce, Ready, Register, Release
 from tiersync.weights.planner import plan_transfer
 from tiersync.weights.segment import SegmentReader
 from tiersync.weights.serving import SpanService
@@ -48,16 +49,6 @@ __all__ = ["ReceiveResult", "WeightReceiver"]
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int, int], None]
-
-
-@dataclass(frozen=True, slots=True)
-class ReceiveResult:
-    """Version ``version`` is active: ``nbytes`` landed in ``seconds`` (announce to switch)."""
-
-    version: int
-    nbytes: int
-    seconds: float
-    transports: tuple[TransportKind, ...]  # per trainer shard
 
 
 class WeightReceiver:
@@ -92,6 +83,7 @@ class WeightReceiver:
         tcp = config.tcp_config()
         self._transport = TcpTransport(tcp, WEIGHTS)
         self._pool = TcpPool(config.streams, tcp, config.io_timeout_s)
+        self._delta = DeltaState(config.buffers, self._pool, config.max_meta_bytes)
         self._server = TcpServer(config.listen, SpanService(self._provide, config.io_timeout_s), tcp) \
             if config.relays else None
         try:
@@ -143,21 +135,9 @@ class WeightReceiver:
     # -- control ---------------------------------------------------------------
     def _register(self, shard: ShardLink) -> None:
         cfg = self.config
-        try:
-            channel = shard.channel = self._transport.connect(shard.address)
-        except AuthError as exc:
-            raise AuthError(f"trainer shard {shard.rank} refused the link ({exc.message}); ReceiverConfig.token "
-                            "and tls must match its PublisherConfig", peer=shard.address) from None
-        hello = Register(channel.new_request_id(), cfg.label, cfg.rank, host_id(), cfg.transport,
-                         self._server.address if self._server is not None else "", cfg.zero_copy)
-        try:
-            welcome = channel.request(hello, timeout=cfg.io_timeout_s)
-        except RequestError as exc:
-            raise UsageError(f"trainer shard {shard.rank} refused: {exc.message}", argument="transport") from None
-        if not isinstance(welcome, Welcome) or welcome.source_rank != shard.rank:
-            raise ProtocolError("expected W_WELCOME from this source rank", fault=ProtocolFault.UNEXPECTED,
-                                peer=shard.address)
-        shard.transport, shard.alive = welcome.transport, True
+        shard.register(self._transport, Register(0, cfg.label, cfg.rank, host_id(), cfg.transport,
+                                                 self._server.address if self._server is not None else "",
+                                                 cfg.zero_copy), cfg.io_timeout_s)
         threading.Thread(target=self._read_control, args=(shard,), daemon=True, name=f"ctl-{shard.rank}").start()
 
     def _read_control(self, shard: ShardLink) -> None:
@@ -213,7 +193,7 @@ class WeightReceiver:
         manifests = self._manifests(version, deadline)
         m0 = manifests[0]
         specs = dict(zip(m0.names, m0.specs))
-        plan = plan_transfer(dict(zip(m0.names, m0.source)), self._dest_layout(m0), specs, m0.options)
+        plan = plan_transfer(dict(zip(m0.names, m0.source)), destination_layout(self._destination, m0), specs, m0.options)
         local = {n: shard_boxes(s.shape, plan.destination[n])[self.config.rank].shape for n, s in specs.items()}
         self._buffers.ensure({n: (local[n], specs[n].dtype) for n in m0.names})
         jobs = build_jobs(plan, self.config.rank, m0.index(), {s.rank: s.transport for s in self._shards},
@@ -224,10 +204,11 @@ class WeightReceiver:
         views = zero_copy_views(jobs, manifests, readers, {n: (local[n], specs[n].dtype) for n in m0.names}) \
             if self.config.zero_copy else {}
         index, bufs = self._buffers.begin_write(self.config.lease_timeout_s)
+        here = self._delta.begin(index)
         try:
             with self._cond:
                 self._relay = (version, {**bufs, **views}, set())
-            self._run_jobs(version, [j for j in jobs if j.tensor not in views], manifests, bufs, deadline)
+            landing = self._land(version, [j for j in jobs if j.tensor not in views], manifests, bufs, here, deadline)
             self._await_views(version, [j for j in jobs if j.tensor in views], deadline)
             if any(not r.still_version(version) for r in readers.values()):
                 raise IntegrityError("the trainer moved on while this sampler was reading", version=version)
@@ -241,15 +222,31 @@ class WeightReceiver:
         if not views:
             self._released(version)
         nbytes = sum(j.nbytes for j in jobs)
-        return ReceiveResult(version, nbytes, time.perf_counter() - t0, self.transports())
+        return ReceiveResult(version, nbytes, time.perf_counter() - t0, self.transports(), landing.moved,
+                             landing.copied)
 
-    def _dest_layout(self, m: Manifest) -> Mapping[str, Sharding]:
-        if isinstance(self._destination, Sharding):
-            return {n: self._destination for n in m.names}
-        missing = [n for n in m.names if n not in self._destination]
-        if missing:
-            raise UsageError(f"no destination sharding for {missing[:3]}", argument="destination")
-        return self._destination
+    def _land(self, version: int, jobs: list[Job], manifests: list[Manifest], bufs: dict, here: tuple,
+              deadline: Deadline) -> Landing:
+        """Fetch ``jobs`` into ``bufs``: every one, or (delta) the changed ones, verified."""
+        index = self._buffers.writing
+        got = self._delta.sums(version, jobs, {s.rank: s.address for s in self._shards}) \
+            if self.config.delta and jobs else None
+        if got is None:
+            self._run_jobs(version, jobs, manifests, bufs, deadline)
+            return Landing(moved=sum(j.nbytes for j in jobs))
+        algo, want = got
+        other = self._buffers.active_set()
+        held = self._delta.held(other[0]) if other is not None else (None, {})
+        active = (held[1], other[1]) if other is not None and held[0] is algo else None
+        landing = land_delta(algo, want, jobs, bufs, here[1] if here[0] is algo else {}, active,
+                             lambda js: self._run_jobs(version, js, manifests, bufs, deadline), self._landed)
+        self._delta.commit(index, algo, want)
+        return landing
+
+    def _landed(self, jobs: list[Job]) -> None:
+        with self._cond:
+            self._relay[2].update((j.tensor, j.key) for j in jobs)
+            self._cond.notify_all()
 
     def _manifests(self, version: int, deadline: Deadline) -> list[Manifest]:
         with self._cond:
@@ -352,7 +349,8 @@ class WeightReceiver:
         return arr.reshape(-1).view(np.uint8), lambda: None  # a relay's bytes stay until the next version
 
     def _finish(self, version: int, result: ReceiveResult | None, error: BaseException | None, seconds: float) -> None:
-        ack = Ack(version, error is None, max(0.0, seconds), "" if error is None else str(error)[:512])
+        ack = Ack(version, error is None, max(0.0, seconds), "" if error is None else str(error)[:512],
+                  0 if result is None else result.moved)
         for s in self._shards:
             if s.alive and version in s.manifests:
                 s.send(ack, self.config.io_timeout_s)

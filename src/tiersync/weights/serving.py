@@ -4,7 +4,9 @@
 ``W_GET`` (:mod:`tiersync.weights.ops`) with DATA carrying the span's bytes (views of the
 holder's buffer sent without a copy, or gathered when the span is many small rows), or ERROR
 when the provider refuses (stale version, unknown tensor, not there in time, span out of
-range). Anything else goes to ``control`` (a trainer shard's registrations and acks).
+range). ``W_SUMS`` (a delta sync asking a trainer shard which chunks changed) is answered
+with the same per-span checksums DATA carries, computed once per span and version.
+Anything else goes to ``control`` (a trainer shard's registrations and acks).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_hasher
 from tiersync.net.service import Service, Session
 from tiersync.weights.executor import span_view
-from tiersync.weights.ops import WEIGHTS, Get
+from tiersync.weights.ops import WEIGHTS, Get, Sums, SumsReply
 from tiersync.weights.spans import StridedSpan
 
 __all__ = ["Provider", "SpanService", "span_payload"]
@@ -57,8 +59,9 @@ class _Sums:
         self._sums: dict[tuple, int] = {}
         self._version = -1
 
-    def of(self, get: Get, payload: list[memoryview]) -> tuple[PayloadChecksum, int]:
-        key, algo = (get.version, get.tensor, get.span), SUPPORTED[0]
+    def of(self, get: Get | Sums, payload: list[memoryview], span: StridedSpan | None = None
+           ) -> tuple[PayloadChecksum, int]:
+        key, algo = (get.version, get.tensor, get.span if span is None else span), SUPPORTED[0]
         with self._lock:
             known = self._sums.get(key)
         if known is not None:
@@ -92,6 +95,8 @@ class SpanService(Service):
     def handle(self, session: Session, event: object) -> Iterable[object]:
         if isinstance(event, Get):
             return self._get(event)
+        if isinstance(event, Sums) and self._control is not None:  # trainer shards only
+            return self._checksums(event)
         if self._control is None:
             session.close()  # a data-only server: a control message is out of place
             return []
@@ -115,5 +120,20 @@ class SpanService(Service):
             yield ev.Data(get.request_id, payload, self._sums.of(get, payload))
         except ProtocolError as exc:
             yield ev.Error(get.request_id, ev.ErrorCode.BAD_REQUEST, exc.message[:512])
+        finally:
+            release()
+
+    def _checksums(self, req: Sums):
+        """W_SUMS_REPLY with the checksum of every span (the ones DATA of a GET would carry), or ERROR."""
+        try:
+            shard, release = self._provider(req.version, req.tensor, (), self._timeout)
+        except TierSyncError as exc:
+            yield ev.Error(req.request_id, ev.ErrorCode.NOT_FOUND, exc.message[:512])
+            return
+        try:
+            sums = [self._sums.of(req, span_payload(shard, s), s) for s in req.spans]
+            yield SumsReply(req.request_id, int(sums[0][0]), tuple(v for _, v in sums))
+        except ProtocolError as exc:
+            yield ev.Error(req.request_id, ev.ErrorCode.BAD_REQUEST, exc.message[:512])
         finally:
             release()
