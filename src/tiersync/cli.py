@@ -132,8 +132,8 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, not {text!r}")
+    if not 0 < value < 1e9:  # nan and inf too: they break every timer they reach
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (finite), not {text!r}")
     return value
 
 

@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["bind_probe", "kv_event_flags", "kv_events_config", "layer_flags", "redis_url", "starting", "stop_on_sigterm",
            "stopped"]
 
-NET_MODULES = ("grpc", "redis", "cryptography")  # what the 'net' extra installs
+NET_MODULES = ("grpc", "redis", "cryptography", "zmq", "msgspec")  # what the 'net' extra installs
 
 
 def layer_flags(args: argparse.Namespace, section: str, defaults: Mapping[str, Any],

@@ -39,6 +39,7 @@ class Layered:
 
     values: dict[str, Any]
     origins: dict[str, str]
+MAX_CONFIG_BYTES = 1 << 20
 
 
 def env_name(section: str, key: str) -> str:
@@ -90,11 +91,16 @@ def read_section(path: str, section: str, keys: Collection[str]) -> dict[str, An
 
 def _load(path: str) -> Any:
     """The parsed file: TOML, or YAML for a ``.yaml``/``.yml`` name (None for an empty YAML file)."""
+    if not os.path.isfile(path) and os.path.exists(path):  # a FIFO or a device would block or never end
+        raise UsageError(f"{path} is not a regular file", argument=CONFIG_FILE_ENV, path=path)
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}", argument=CONFIG_FILE_ENV, path=path) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UsageError(f"{path} is over {MAX_CONFIG_BYTES} bytes: not a config file", argument=CONFIG_FILE_ENV,
+                         path=path)
     if path.endswith((".yaml", ".yml")):
         return _load_yaml(raw, path)
     import tomllib

@@ -87,6 +87,15 @@ def test_malformed_replay_requests_are_dropped_and_the_socket_keeps_answering(pu
         ctx.destroy(linger=0)
     assert len(_replay(publisher, [b"", bytes(8)])) == 1
     assert publisher.bad_replays == 3
+    ctx = zmq.Context()
+    try:  # a huge frame is refused by the socket itself (the peer is dropped), nothing is buffered
+        big = ctx.socket(zmq.DEALER)
+        big.connect(publisher.replay_endpoint)
+        big.send_multipart([b"", b"x" * (8 << 20)])
+        assert not big.poll(300)
+    finally:
+        ctx.destroy(linger=0)
+    assert len(_replay(publisher, [b"", bytes(8)])) == 1 and publisher.bad_replays == 3
 
 
 def test_live_subscriber_sees_topic_sequence_and_payload(publisher):

@@ -9,12 +9,17 @@ request, with those params, to a decode server (``kv_role="kv_consumer"``), whic
 instead of computing it, and relays the decode server's answer (streamed as it comes when
 the client asked for ``stream``). Several ``--prefill`` / ``--decode`` URLs are used in turn.
 
-Failures: a prefill server that cannot be reached or refuses is an HTTP 502 naming it; a
-prefill answer without ``kv_transfer_params`` sends the request to decode alone (it computes the
-prompt itself). Request bodies are capped (``max_body``) and must be JSON objects.
+Failures: a prefill server that cannot be reached, refuses or answers what is not JSON is an
+HTTP 502 naming it; a prefill answer without ``kv_transfer_params`` sends the request to decode
+alone (it computes the prompt itself). Hostile clients: request bodies are capped
+(``max_body``) and must be JSON objects; a client's own ``kv_transfer_params`` are dropped (only
+what the prefill server returned reaches decode: a client must not point decode at a KV server
+of its choosing); a connection whose request was refused is closed; every client socket has
+the upstream timeout; at most ``max_connections`` clients are served at once (more get 503).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -43,6 +48,7 @@ class RouterConfig:
     decode: tuple[str, ...]
     timeout_s: float = 600.0
     max_body: int = 64 << 20
+    max_connections: int = 256
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode"):
@@ -51,9 +57,11 @@ class RouterConfig:
                                                           for u in urls):
                 raise UsageError("must be one or more http://host:port URLs", argument=name, value=urls)
             object.__setattr__(self, name, tuple(u.rstrip("/") for u in urls))
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise UsageError("must be a number of seconds > 0", argument="timeout_s", value=self.timeout_s)
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6:
+            raise UsageError("must be a number of seconds in (0, 1e6)", argument="timeout_s", value=t)
         check_positive_int(self.max_body, "max_body")
+        check_positive_int(self.max_connections, "max_connections")
 
 
 class _Upstream(Exception):
@@ -75,6 +83,7 @@ class Router:
         self._turn = threading.Lock()
         self._http = _HTTPServer((host, port), _Handler)
         self._http.router = self
+        self._http.slots = threading.BoundedSemaphore(config.max_connections)
         self.address = f"{host}:{self._http.server_address[1]}"
 
     def serve_forever(self) -> None:
@@ -93,8 +102,16 @@ class Router:
         ask = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         ask.pop("stream_options", None)
         ask.pop("max_completion_tokens", None)
-        answer = json.loads(self.call(url, path, ask).read())
-        return answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        with self.call(url, path, ask) as answer:
+            raw = answer.read(self.config.max_body + 1)
+        try:
+            parsed = json.loads(raw) if len(raw) <= self.config.max_body else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise _Upstream(502, f"{url} answered the prefill with no JSON object")
+        params = parsed.get("kv_transfer_params")
+        return params if isinstance(params, dict) else None
 
     def call(self, url: str, path: str, body: dict[str, Any] | None = None) -> Any:
         """POST ``body`` (GET without one) to ``url + path``; the open response. _Upstream on failure."""
@@ -103,14 +120,31 @@ class Router:
         try:
             return urllib.request.urlopen(request, timeout=self.config.timeout_s)
         except urllib.error.HTTPError as exc:
-            raise _Upstream(exc.code, f"{url} answered {exc.code}: {exc.read()[:500].decode(errors='replace')}") from None
+            raise _Upstream(exc.code, f"{url} answered {exc.code}: {exc.read(500).decode(errors='replace')}") from None
         except (urllib.error.URLError, OSError) as exc:
             raise _Upstream(502, f"{url} unreachable: {getattr(exc, 'reason', exc)}") from None
 
 
 class _HTTPServer(ThreadingHTTPServer):
+    """Threads per connection, at most ``slots`` at once: one more gets 503 and is closed."""
+
     daemon_threads = True
     router: Router
+    slots: threading.BoundedSemaphore
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -119,6 +153,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server: _HTTPServer
+
+    def setup(self) -> None:
+        self.timeout = self.server.router.config.timeout_s  # a client that stalls is dropped
+        super().setup()
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         router = self.server.router
@@ -134,6 +172,8 @@ class _Handler(BaseHTTPRequestHandler):
         if body is None:
             return None
         prefill, decode = router.next_pair()
+
+        body.pop("kv_transfer_params", None)  # only the prefill server's reach decode
 
         def run() -> Any:
             params = router.prefill(prefill, self.path, body)
@@ -170,12 +210,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", upstream.headers.get("Content-Type", "application/json"))
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            while chunk := upstream.read1(_CHUNK):
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
+            try:
+                while chunk := upstream.read1(_CHUNK):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+            except OSError as exc:  # the client or the upstream went away mid-answer: end this connection
+                log.info("router: relay to %s ended: %s", self.client_address[0], exc)
+                self.close_connection = True
 
     def _error(self, status: int, message: str) -> None:
+        self.close_connection = True  # the request body may be unread: never parse it as a request
         data = json.dumps({"error": {"message": message, "code": status}}).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")

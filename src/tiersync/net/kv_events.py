@@ -132,6 +132,8 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay = self._ctx.socket(zmq.ROUTER) if config.replay_endpoint else None
+        if self._replay is not None:  # a replay request is 3 small frames: refuse big ones at the socket
+            self._replay.setsockopt(zmq.MAXMSGSIZE, 256)
         argument, where = "endpoint", config.endpoint
         try:
             self.endpoint = _bind(self._pub, where)
@@ -160,16 +162,22 @@ class KVEventPublisher:
                     self.dropped += 1
 
     def flush(self, timeout: float) -> bool:
-        """Wait until every batch queued so far is sent; False when ``timeout`` passed first."""
+        """Wait until every batch queued so far is handled (sent, or logged as lost); False
+        when ``timeout`` passed first."""
         with self._progress:
             return self._progress.wait_for(lambda: self.sent >= self._queued, timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued (up to ``timeout``), then close the sockets. Idempotent."""
+        """Send what is queued (up to ``timeout``), then close the sockets. Idempotent. The
+        sending thread owns the sockets and closes them itself; one still busy after
+        ``timeout`` keeps them (it exits after its current batch) rather than share them."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout)
-        self._ctx.destroy(linger=0)
+        if self._thread.is_alive():
+            log.warning("kv events: the sender is still busy after %.1f s; it closes its sockets when done", timeout)
+            return
+        self._ctx.term()
 
     def __enter__(self) -> "KVEventPublisher":
         return self
@@ -179,25 +187,43 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         """Send queued batches; answer replays only with the queue empty, so a replay asked
-        after a batch was queued (a store node's COMMITTED) includes it."""
+        after a batch was queued (a store node's COMMITTED) includes it. A batch or a replay
+        that fails is logged and skipped: the thread keeps serving. It closes the sockets."""
         seq = 0
-        while True:
-            try:
-                events = self._queue.get(timeout=0.02)
-            except queue.Empty:
-                events = ()
-            if events is None:
-                return
-            if events:
-                payload = self._schema["encode"](self._schema["KVEventBatch"](ts=time.time(), events=events))
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-                self._buffer.append((seq, payload))
-                seq += 1
-                with self._progress:
-                    self.sent += 1
-                    self._progress.notify_all()
-            if self._replay is not None and self._queue.empty() and self._replay.poll(0):
-                self._answer_replay()
+        try:
+            while (events := self._next()) is not None:
+                if events:
+                    seq = self._send(seq, events)
+                if self._replay is not None and self._queue.empty() and self._replay.poll(0):
+                    try:
+                        self._answer_replay()
+                    except Exception as exc:  # noqa: BLE001 - a peer's request must not end the thread
+                        log.warning("kv events: replay failed: %s", exc)
+        finally:
+            for sock in (self._pub, self._replay):
+                if sock is not None:
+                    sock.close(linger=1000)
+
+    def _next(self) -> list[Any] | None:
+        try:
+            return self._queue.get(timeout=0.02)
+        except queue.Empty:
+            return []
+
+    def _send(self, seq: int, events: list[Any]) -> int:
+        try:
+            payload = self._schema["encode"](self._schema["KVEventBatch"](ts=time.time(), events=events))
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        except Exception as exc:  # noqa: BLE001 - one bad batch is lost, not the stream
+            log.warning("kv events: batch %d not sent: %s", seq, exc)
+            payload = None
+        if payload is not None:
+            self._buffer.append((seq, payload))
+            seq += 1
+        with self._progress:
+            self.sent += 1
+            self._progress.notify_all()
+        return seq
 
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()

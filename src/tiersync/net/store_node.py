@@ -311,8 +311,9 @@ def main(capacity: str, port: int, host: str = "127.0.0.1", token: bytes | str |
     agent = reg = events = None
     try:
         if kv_events is not None:
-            if not kv_events.topic:
-                kv_events = dataclasses.replace(kv_events, topic=f"kv@{store_id or server.address}@*")
+            if not kv_events.topic:  # the id the registry knows the node by
+                node_id = store_id or advertise or default_advertise(server.address)
+                kv_events = dataclasses.replace(kv_events, topic=f"kv@{node_id}@*")
             events = attach_events(server, kv_events)
         if registry:
             from tiersync.net.registry import open_registry

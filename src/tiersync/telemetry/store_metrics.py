@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from typing import Any
 
 _FAMILIES = {  # name -> (kind, help, labels after "store")
@@ -35,7 +36,7 @@ _FAMILIES = {  # name -> (kind, help, labels after "store")
     "corrupt": ("counter", "tiersync_store_corrupt", "Blocks found corrupt", ("tier",)),
     "entries": ("gauge", "tiersync_store_entries", "Entries with a copy in the tier", ("tier",)),
 }
-_shared: dict[int, dict[str, Any]] = {}  # id(registry) -> families registered there
+_shared: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()  # registry -> families
 _lock = threading.Lock()
 _ids = itertools.count(1)
 
@@ -44,9 +45,9 @@ def _families(registry: Any) -> dict[str, Any]:
     from prometheus_client import Counter, Gauge
 
     with _lock:
-        fams = _shared.get(id(registry))
+        fams = _shared.get(registry)
         if fams is None:
-            fams = _shared[id(registry)] = {
+            fams = _shared[registry] = {
                 attr: (Counter if kind == "counter" else Gauge)(name, doc, ("store", *labels), registry=registry)
                 for attr, (kind, name, doc, labels) in _FAMILIES.items()}
         return fams

@@ -24,6 +24,8 @@ save seconds reach vLLM's stats log and the OpenAI server's ``/metrics``
 """
 from __future__ import annotations
 
+import logging
+
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -41,6 +43,8 @@ from tiersync.store.keys import CacheIdentity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TierSyncConnector", "cache_identity", "num_host_slots"]
 
@@ -95,6 +99,10 @@ class TierSyncConnector(KVConnectorBase_V1):
         if tc.kv_role != "kv_both":
             raise UsageError("must be kv_both, kv_producer or kv_consumer", argument="kv_role", value=tc.kv_role)
         self._pd = False
+        if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning("kv_load_failure_policy=%r: a load tiersync refuses (a corrupt or missing block, "
+                        "KV of weights replaced since) fails its request instead of being recomputed; "
+                        "set kv_load_failure_policy='recompute'", tc.kv_load_failure_policy)
         identity = cache_identity(vllm_config, self.config)
         slots = num_host_slots(kv_cache_config, self.config.host_bytes)
         if scheduler:

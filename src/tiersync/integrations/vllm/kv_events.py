@@ -52,6 +52,7 @@ class KVEventLog:
         self._announced: dict[bytes, set[Residency]] = {}  # tiers a BlockStored was sent for
         self._silent: dict[bytes, set[Residency]] = {}  # present, no token ids known yet
         self._late: list[TierChange] = []  # silent copies a request has now described
+        self._retired: list[tuple[Residency, Any]] = []  # (tier, block hash) of a retired namespace
 
     def learn(self, request: Any, blocks: Iterable[tuple[int, bytes]]) -> None:
         """``blocks`` are (index in the prompt, key) of the request's blocks: remember what a
@@ -69,11 +70,25 @@ class KVEventLog:
             for tier in self._silent.pop(key, ()):
                 self._late.append(TierChange(key, tier, True))
 
+    def retire_all(self) -> None:
+        """The scheduler moved to a new key namespace: every block announced so far is gone for
+        routers (its keys are never hit again), even while its bytes age out of the tiers; the
+        next :meth:`events` says so, and later changes of the old keys are not announced."""
+        for key, tiers in self._announced.items():
+            self._retired += [(tier, self._blocks[key].block_hash) for tier in tiers]
+        self._blocks.clear()
+        self._announced.clear()
+        self._silent.clear()
+        self._late.clear()
+
     def events(self, changes: Sequence[TierChange]) -> list[Any]:
         """The events for ``changes`` (and for silent copies described since the last call)."""
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-        out: list[Any] = []
+        out: list[Any] = [BlockRemoved(block_hashes=[h for t, h in self._retired if t is tier],
+                                       medium=self._medium[tier], group_idx=0)
+                          for tier in self._medium if any(t is tier for t, _ in self._retired)]
+        self._retired = []
         run: list[tuple[TierChange, _Block | None]] = []
         for change in [*self._late, *changes]:
             block = self._apply(change)

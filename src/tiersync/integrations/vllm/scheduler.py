@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ class OffloadScheduler:
                  storage_dir: str | None, async_disk_loads: bool = True, kv_events: bool = False) -> None:
         self.identity, self.async_disk_loads = identity, async_disk_loads
         self._base_identity, self.generation, self._resets = identity, 0, 0
+        self._nonce = secrets.token_hex(8)  # re-keyed namespaces of this process are its own
         self.block_size = identity.block_size
         self.manager = OffloadManager(OffloadConfig(num_slots, policy, storage_dir is not None, kv_events))
         self._events = KVEventLog(self.block_size) if kv_events else None
@@ -83,6 +85,9 @@ class OffloadScheduler:
         done before the forward. The hits stay pinned until the worker has read them."""
         t = self._track(request)
         self._drop_load(t)
+        # blocks vLLM serves from its own prefix cache are never saved: an earlier request
+        # computed (and saved) them, maybe under weights this engine no longer has
+        t.offloaded = max(t.offloaded, num_computed_tokens // self.block_size)
         if request.request_id in self._loading:  # its background load is still running
             return 0, False
         usable = max(0, (request.num_tokens - 1) // self.block_size)  # keep >= 1 token to compute
@@ -197,13 +202,17 @@ class OffloadScheduler:
         return True
 
     def _rekey(self) -> None:
-        """A new key namespace (the identity's weights version gets ``+g<weights generation>``
-        and ``+r<resets>``): blocks cached under the old keys are never hit again and age out
-        of the tiers. Hits planned under the old keys and not yet sent are dropped; the
-        workers refuse those already sent when the weights changed. Requests tracked now save
-        nothing more: part of their KV may come from the old weights."""
-        version = f"{self._base_identity.weights_version}+g{self.generation}+r{self._resets}"
+        """A new key namespace (the identity's weights version gets ``+<nonce>.g<weights
+        generation>.r<resets>``; the nonce is this process's, so no later engine on the same disk
+        tier ever reuses it for other weights): blocks cached under the old keys are never hit
+        again and age out of the tiers (routers are told they are gone). Hits planned under the
+        old keys and not yet sent are dropped; the workers refuse those already sent when the
+        weights changed. Requests tracked now save nothing more: part of their KV may come
+        from the old weights."""
+        version = f"{self._base_identity.weights_version}+{self._nonce}.g{self.generation}.r{self._resets}"
         self.identity = dataclasses.replace(self._base_identity, weights_version=version)
+        if self._events is not None:
+            self._events.retire_all()
         for t in self._reqs.values():
             self._drop_load(t)
             t.keys = self._keys(t.request)

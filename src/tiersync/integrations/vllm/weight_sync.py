@@ -36,16 +36,15 @@ version until a later update succeeds. Importing this module imports neither tor
 from __future__ import annotations
 
 import time
-import warnings
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from tiersync.errors import CapacityError, ClosedError, IntegrityError, RemoteError, TierSyncError, UsageError
+from tiersync.integrations.vllm.engine_receiver import EngineReceiver, tell_kv_connector
 from tiersync.net.config import token_from
 from tiersync.weights.config import ReceiverConfig, TransportKind
 
-__all__ = ["EXTENSION", "WeightSyncConfig", "WeightSyncExtension", "join_weight_sync", "tell_kv_connector",
+__all__ = ["EXTENSION", "WeightSyncConfig", "WeightSyncExtension", "join_weight_sync",
            "update_weights"]
 
 #: The value of ``LLM(worker_extension_cls=...)``.
@@ -141,27 +140,14 @@ class WeightSyncExtension:
         return _reported(self._tiersync_join, config)
 
     def _tiersync_join(self, config: Mapping[str, Any]) -> dict[str, Any]:
-        from tiersync.weights import Mesh, Sharding, WeightReceiver
-
         cfg = WeightSyncConfig.from_dict(config)
         if getattr(self, "_tiersync_receiver", None) is not None:
             raise UsageError("this worker joined already; call tiersync_leave first", argument="config")
         world = int(self.vllm_config.parallel_config.world_size)
         rank = int(self.rank) % world
-        self._tiersync_dtypes: dict[int, str] = {}
-        destination = Sharding.replicated(Mesh((world,), ("engine",)))
-        self._tiersync_receiver = WeightReceiver(destination, cfg.receiver_config(rank), allocator=self._tiersync_alloc)
+        self._tiersync_receiver = EngineReceiver(cfg.receiver_config(rank), world)
         self._tiersync_config, self._tiersync_applied = cfg, None
-        return {"rank": rank, "transports": [t.value for t in self._tiersync_receiver.transports()]}
-
-    def _tiersync_alloc(self, shape: tuple[int, ...], dtype: str) -> Any:
-        """The receiver's allocator: tiersync's, remembering each array's dtype name (raw
-        uint8 arrays, used when numpy lacks the dtype, do not carry it)."""
-        from tiersync.weights.tensors import allocate
-
-        array = allocate(shape, dtype)
-        self._tiersync_dtypes[array.ctypes.data] = dtype
-        return array
+        return {"rank": rank, "transports": [t.value for t in self._tiersync_receiver.receiver.transports()]}
 
     def tiersync_apply(self, version: int) -> dict[str, Any]:
         """Load version ``version`` (or the later one that landed first) into the model.
@@ -178,32 +164,18 @@ class WeightSyncExtension:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise UsageError("must be an int >= 0", argument="version", value=version)
         t0 = time.perf_counter()
-        timeout = self._tiersync_config.apply_timeout_s
-        try:
-            result = receiver.receive(version).result(timeout)
-        except FutureTimeout:
-            raise RemoteError("the version did not land in time", version=version, apply_timeout_s=timeout) from None
-        with receiver.acquire(self._tiersync_config.apply_timeout_s) as lease:
+        result = receiver.wait(version, self._tiersync_config.apply_timeout_s)
+        with receiver.receiver.acquire(self._tiersync_config.apply_timeout_s) as lease:
             t1 = time.perf_counter()
             self._tiersync_applied = None  # unknown until the load finishes
-            nbytes = self._tiersync_load(lease.tensors)
-            tell_kv_connector()
-            self._tiersync_applied = lease.version
-            applied = lease.version
+            try:
+                self.reload_weights(weights_iterator=iter(receiver.named(lease.tensors)), is_checkpoint_format=True)
+            finally:  # even a failed load may have changed some weights
+                tell_kv_connector()
+            self._tiersync_applied = applied = lease.version
+            nbytes = sum(a.nbytes for a in lease.tensors.values())
         return {"version": applied, "nbytes": nbytes, "tensors": len(lease.tensors), "wait_s": t1 - t0,
                 "load_s": time.perf_counter() - t1, "sync_s": result.seconds}
-
-    def _tiersync_load(self, arrays: Mapping[str, Any]) -> int:
-        from tiersync.weights.tensors import as_torch
-
-        named, nbytes = [], 0
-        with warnings.catch_warnings():  # the lease's arrays are read-only; load_weights only reads them
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            for name, array in arrays.items():
-                named.append((name, as_torch(array, self._tiersync_dtypes.get(array.ctypes.data))))
-                nbytes += array.nbytes
-            self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
-        return nbytes
 
     def tiersync_weights_version(self) -> int | None:
         """The version last applied to the model (None before the first, or after a failed load)."""
@@ -249,18 +221,6 @@ def _raise(report: Mapping[str, Any], method: str) -> None:
         context.pop("peer", None)
         raise RemoteError(report["message"], peer="vllm-worker", **context)
     raise cls(report["message"], **context)
-
-
-def tell_kv_connector() -> None:
-    """This worker's weights changed: the engine's KV connector, when it is tiersync's
-    offloading one, moves to keys of the new weights (``weights_updated``) and never loads
-    KV of the old ones again."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    if has_kv_transfer_group():
-        weights_updated = getattr(get_kv_transfer_group(), "weights_updated", None)
-        if weights_updated is not None:
-            weights_updated()
 
 
 def join_weight_sync(llm: Any, config: Mapping[str, Any] | WeightSyncConfig) -> list[dict[str, Any]]:

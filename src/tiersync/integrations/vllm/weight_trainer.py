@@ -24,6 +24,7 @@ module registers the backend ``"tiersync"`` with vLLM's factories (both sides).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -102,14 +103,22 @@ class TierSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[TierSyncTr
         version = self.version + 1
         tensors = {name: t.detach().cpu() for name, t in self.source}
         published = self.publisher.publish(version, tensors)
+        self.version = version  # published: the next round is the next version, whatever happens
         self.client.start_weight_update()
-        self.client.update_weights({"version": version})
-        self.last = published.result(self.info.timeout_s)
+        try:
+            self.client.update_weights({"version": version})
+            self.last = published.result(self.info.timeout_s)
+        except BaseException:  # end the engine's update session anyway, or its next start is refused
+            with contextlib.suppress(Exception):  # (vLLM may have ended it already: the error is the first one)
+                self._finish(version)
+            raise
+        self._finish(version)
         if not self.last.ok:
             raise RemoteError("a sampler did not receive the version", peer="samplers", version=version,
                               failed=[o.sampler for o in self.last.failed])
+
+    def _finish(self, version: int) -> None:
         self.client.finish_weight_update(str(version))
-        self.version = version
         _reset_prefix_cache(self.client)
 
     def shutdown(self) -> None:

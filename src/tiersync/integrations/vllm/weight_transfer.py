@@ -26,15 +26,15 @@ after ``finish_weight_update`` (``reset_prefix_cache``).
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferUpdateInfo
 
-from tiersync.errors import RemoteError, UsageError
-from tiersync.integrations.vllm.weight_sync import WeightSyncConfig, tell_kv_connector
+from tiersync.errors import UsageError
+from tiersync.integrations.vllm.engine_receiver import EngineReceiver, tell_kv_connector
+from tiersync.integrations.vllm.weight_sync import WeightSyncConfig
 
 __all__ = ["TierSyncUpdateInfo", "TierSyncWeightTransferEngine"]
 
@@ -59,34 +59,21 @@ class TierSyncWeightTransferEngine(WeightTransferEngine[Any, TierSyncUpdateInfo]
 
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
-        self._receiver: Any = None
+        self._receiver: EngineReceiver | None = None
         self._config: WeightSyncConfig | None = None
         self._lease: Any = None
-        self._dtypes: dict[int, str] = {}
         self.applied: int | None = None
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> WeightSyncConfig:
         return WeightSyncConfig.from_dict(init_dict)
 
     def init_transfer_engine(self, init_info: WeightSyncConfig) -> None:
-        """Join the trainer: start this worker's receiver (the whole model, replicated on every
-        worker, so vLLM's ``load_weights`` does its own tensor-parallel split)."""
-        from tiersync.weights import Mesh, Sharding, WeightReceiver
-
+        """Join the trainer: start this worker's receiver (:class:`EngineReceiver`)."""
         if self._receiver is not None:
             raise UsageError("joined already; call shutdown first", argument="init_info")
         world = int(self.parallel_config.world_size)
-        rank = int(self.parallel_config.rank) % world
-        destination = Sharding.replicated(Mesh((world,), ("engine",)))
-        self._receiver = WeightReceiver(destination, init_info.receiver_config(rank), allocator=self._allocate)
+        self._receiver = EngineReceiver(init_info.receiver_config(int(self.parallel_config.rank) % world), world)
         self._config = init_info
-
-    def _allocate(self, shape: tuple[int, ...], dtype: str) -> Any:
-        from tiersync.weights.tensors import allocate
-
-        array = allocate(shape, dtype)
-        self._dtypes[array.ctypes.data] = dtype  # raw uint8 arrays (bfloat16) do not carry it
-        return array
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -102,30 +89,24 @@ class TierSyncWeightTransferEngine(WeightTransferEngine[Any, TierSyncUpdateInfo]
 
     def receive_weights(self, update_info: TierSyncUpdateInfo) -> None:
         """Wait for the version to land, then hand its tensors to the model's ``load_weights``
-        (HF names, as in a checkpoint). The version's buffer stays leased until finish."""
+        (HF names, as in a checkpoint). The version's buffer stays leased until finish. A load
+        that fails may have changed some weights: the KV connector is told, the lease freed."""
         if self._receiver is None or self._config is None:
             raise UsageError("call init_weight_transfer_engine first", argument="update_weights")
-        timeout = self._config.apply_timeout_s
-        try:
-            self._receiver.receive(update_info.version).result(timeout)
-        except TimeoutError:
-            raise RemoteError("the version did not land in time", peer="trainer", version=update_info.version,
-                              apply_timeout_s=timeout) from None
+        self._receiver.wait(update_info.version, self._config.apply_timeout_s)
         self._release()
-        self._lease = self._receiver.acquire(timeout)
+        self._lease = self._receiver.receiver.acquire(self._config.apply_timeout_s)
         self.applied = None  # unknown until the reload is final
-        self.model.load_weights(self._named(self._lease.tensors))
-
-    def _named(self, arrays: dict[str, Any]) -> list[tuple[str, Any]]:
-        from tiersync.weights.tensors import as_torch
-
-        with warnings.catch_warnings():  # the lease's arrays are read-only; load_weights only reads them
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return [(name, as_torch(a, self._dtypes.get(a.ctypes.data))) for name, a in arrays.items()]
+        try:
+            self.model.load_weights(self._receiver.named(self._lease.tensors))
+        except BaseException:
+            self._release()
+            tell_kv_connector()
+            raise
 
     def finish_weight_update(self) -> None:
         """Finalize the layerwise reload, release the version's buffer, and move the tiersync
-        KV connector (if any) to keys of the new weights."""
+        KV connector (if any) to keys of the new weights (also when finalizing fails)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         try:
@@ -133,7 +114,7 @@ class TierSyncWeightTransferEngine(WeightTransferEngine[Any, TierSyncUpdateInfo]
             self.applied = None if self._lease is None else self._lease.version
         finally:
             self._release()
-        tell_kv_connector()
+            tell_kv_connector()
 
     def _release(self) -> None:
         lease, self._lease = self._lease, None
@@ -146,4 +127,3 @@ class TierSyncWeightTransferEngine(WeightTransferEngine[Any, TierSyncUpdateInfo]
         receiver, self._receiver = self._receiver, None
         if receiver is not None:
             receiver.close()
-

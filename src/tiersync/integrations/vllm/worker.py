@@ -105,7 +105,7 @@ class OffloadWorker:
             if job.background:
                 with self._lock:
                     self._running += 1
-                self._loader.submit(self._background_load, job)
+                self._loader.submit(self._background_load, job, generation)
                 continue
             good_runs = self._good_runs(job, self._stage(job))
             runs += good_runs
@@ -134,7 +134,7 @@ class OffloadWorker:
             runs.append((slot, dev, 1))
         return runs
 
-    def _background_load(self, job: LoadJob) -> None:
+    def _background_load(self, job: LoadJob, generation: int) -> None:
         """vLLM's asynchronous load, on the loader thread: disk reads into the slots, one
         host->engine copy, then the request is reported finished (:meth:`finished_loads`),
         with its failed blocks as load errors. vLLM does not schedule the request, nor free
@@ -151,6 +151,8 @@ class OffloadWorker:
                 self._load_errors.update(job.device_blocks)
         finally:
             with self._lock:
+                if generation < self.generation:  # the weights changed while it loaded: old KV
+                    self._load_errors.update(job.device_blocks)
                 self._loaded.add(job.req_id)
                 self._load_ended.set()
 

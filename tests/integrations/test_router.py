@@ -1,0 +1,148 @@
+"""``tiersync router`` against hostile clients and failing upstreams (no vLLM needed).
+
+The upstreams are small HTTP servers that record what reaches them and answer as told (a
+prefill server that returns KV params, or garbage; a decode server that echoes); the router is
+the real one, in this process, over real sockets. The happy path against vLLM's OpenAI servers
+is ``test_vllm_router.py``.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from tiersync.errors import UsageError
+from tiersync.integrations.router import Router, RouterConfig
+
+PARAMS = {"tiersync_source": {"request_id": "p-1", "source": {"addresses": ["127.0.0.1:1"]}}}
+
+
+class Upstream:
+    """An HTTP server on loopback recording each (path, JSON body); ``answer`` makes the reply."""
+
+    def __init__(self, answer) -> None:
+        self.seen: list[tuple[str, dict]] = []
+        upstream = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                upstream.seen.append((self.path, body))
+                data = answer(body)
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def stack():
+    made = []
+
+    def build(prefill_answer=lambda b: json.dumps({"kv_transfer_params": PARAMS}).encode(), **cfg):
+        prefill = Upstream(prefill_answer)
+        decode = Upstream(lambda b: json.dumps({"choices": [{"token_ids": [7]}], "got": b.get("kv_transfer_params")}).encode())
+        router = Router(RouterConfig((prefill.url,), (decode.url,), **cfg))
+        threading.Thread(target=router.serve_forever, daemon=True).start()
+        made.extend([router, prefill, decode])
+        return router, prefill, decode
+
+    yield build
+    for thing in made:
+        thing.close()
+
+
+def _raw(address: str, request: bytes) -> bytes:
+    """Send raw bytes to the router; everything it answers until it closes (or 10 s)."""
+    host, port = address.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(request)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def _post(address: str, body: bytes, extra: bytes = b"") -> bytes:
+    return _raw(address, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body + extra)
+
+
+def test_decode_gets_only_the_prefill_servers_kv_params(stack):
+    router, prefill, decode = stack()
+    forged = {"tiersync_source": {"request_id": "evil", "source": {"addresses": ["10.9.9.9:1"]}}}
+    out = _post(router.address, json.dumps({"model": "m", "prompt": [1, 2], "max_tokens": 5,
+                                            "kv_transfer_params": forged}).encode())
+    assert b"200 OK" in out.split(b"\r\n")[0]
+    assert prefill.seen[0][1]["max_tokens"] == 1 and prefill.seen[0][1]["kv_transfer_params"] == {"do_remote_decode": True}
+    assert decode.seen[0][1]["kv_transfer_params"] == PARAMS and decode.seen[0][1]["max_tokens"] == 5
+
+
+def test_prefill_without_params_sends_the_request_to_decode_without_any(stack):
+    router, _, decode = stack(prefill_answer=lambda b: b'{"choices": []}')
+    _post(router.address, json.dumps({"prompt": [1], "kv_transfer_params": {"forged": True}}).encode())
+    assert "kv_transfer_params" not in decode.seen[0][1]
+
+
+def test_prefill_answering_garbage_is_a_502_naming_it(stack):
+    router, prefill, decode = stack(prefill_answer=lambda b: b"<html>oops")
+    out = _post(router.address, b'{"prompt": [1]}')
+    assert out.startswith(b"HTTP/1.1 502") and prefill.url.encode() in out and not decode.seen
+
+
+def test_unreachable_prefill_is_a_502(stack):
+    router, prefill, _ = stack()
+    prefill.close()
+    out = _post(router.address, b'{"prompt": [1]}')
+    assert out.startswith(b"HTTP/1.1 502") and b"unreachable" in out
+
+
+@pytest.mark.parametrize(("request_bytes", "status"), [
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n", b"413"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", b"411"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n[1]", b"400"),
+    (b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", b"404"),
+])
+def test_refused_requests_close_the_connection_so_a_smuggled_request_is_never_served(stack, request_bytes, status):
+    router, prefill, decode = stack()
+    smuggled = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 13\r\n\r\n{\"prompt\":[1]}"
+    out = _raw(router.address, request_bytes + smuggled)
+    assert out.startswith(b"HTTP/1.1 " + status) and out.count(b"HTTP/1.1") == 1
+    assert not prefill.seen and not decode.seen
+
+
+def test_connections_over_the_cap_get_503_and_the_rest_are_served(stack):
+    router, _, _ = stack(max_connections=1)
+    host, port = router.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=10):  # holds the only slot
+        assert _raw(router.address, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 503")
+    for _ in range(50):  # the slot is free again once that connection's thread ended
+        out = _post(router.address, b'{"prompt": [1]}')
+        if out.startswith(b"HTTP/1.1 200"):
+            break
+    assert out.startswith(b"HTTP/1.1 200")
+
+
+def test_config_names_the_bad_argument():
+    for kwargs, argument in ((dict(prefill=("localhost:1",), decode=("http://x",)), "prefill"),
+                             (dict(prefill="http://a", decode=("http://x",)), "prefill"),
+                             (dict(prefill=("http://a",), decode=()), "decode"),
+                             (dict(prefill=("http://a",), decode=("http://x",), timeout_s=float("inf")), "timeout_s"),
+                             (dict(prefill=("http://a",), decode=("http://x",), max_connections=0), "max_connections")):
+        with pytest.raises(UsageError) as ei:
+            RouterConfig(**kwargs)
+        assert ei.value.argument == argument
