@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -70,3 +71,13 @@ def complete(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[
     with urllib.request.urlopen(request, timeout=600) as answer:
         tokens = json.loads(answer.read())["choices"][0]["token_ids"]
     return time.perf_counter() - t0, tokens
+
+
+def done(work: str, ok: bool) -> int:
+    """The exit status; the work directory (model, disk tier, logs) is removed after a run
+    that went well and kept, with its path printed, after one that did not."""
+    if ok:
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
+    print("logs kept in", work, file=sys.stderr)
+    return 1

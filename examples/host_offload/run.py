@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _openai import OpenAIServer, complete  # noqa: E402
+from _openai import OpenAIServer, complete, done  # noqa: E402
 
 KV = {"kv_connector": "TierSyncConnector", "kv_role": "kv_both", "kv_connector_module_path": "tiersync.integrations.vllm",
       "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"host_bytes": "1GiB"}}
@@ -49,11 +49,14 @@ def main() -> int:
     r = random.Random(0)
     prompt = [r.randrange(3, 4000) for _ in range(args.prompt_tokens)]
     warm = [r.randrange(3, 4000) for _ in range(300)]
-    results = []
+    results: list[list[int]] = []
     for name, connector, phases in (("reference", None, ["no connector"]),
                                     ("first", kv, ["miss (computed, offloaded)", "host hit"]),
                                     ("restart", kv, ["disk hit after restart"])):
-        server = OpenAIServer(model, connector, os.path.join(work, f"{name}.log"))
+        try:
+            server = OpenAIServer(model, connector, os.path.join(work, f"{name}.log"))
+        except RuntimeError:
+            return done(work, False)
         try:
             complete(server.url, model, warm, 2)  # warm-up on an unrelated prompt
             results += [phase(server, p, prompt, args.output_tokens) for p in phases]
@@ -61,8 +64,7 @@ def main() -> int:
             server.stop()
     same = all(tokens == results[0] for tokens in results)
     print("greedy tokens identical to the server without a connector in every phase:", same)
-    print("logs:", work)
-    return 0 if same else 1
+    return done(work, same)
 
 
 if __name__ == "__main__":

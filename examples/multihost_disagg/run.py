@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,7 @@ def main() -> int:
     base = {"model": model, "connector": "tiersync"}
     py, servers = sys.executable, []
     make_hosts()
+    ok = False
     try:
         on = [["ip", "netns", "exec", ns] for ns in NS]
         prefill = start(["engine", json.dumps({**base, "kv_role": "kv_producer", "extra": {
@@ -66,9 +68,9 @@ def main() -> int:
         decode = start(["engine", json.dumps({**base, "kv_role": "kv_consumer"}), "0", ADDR[1]],
                        os.path.join(work, "decode.log"), py, prefix=on[1])
         servers.append(decode)
+        ok = True
         client = [*on[1], py, "-c", "import json,sys; from tiersync.bench.engine_server import post; "
                   "print(json.dumps(post(sys.argv[1], json.loads(sys.argv[2]))))"]
-        ok = True
         for i in range(args.requests):
             prompt = make_prompt(args.prompt_tokens, 200 + i, 4096)
             before = rx_bytes()
@@ -87,12 +89,16 @@ def main() -> int:
                   f"({out['cached_tokens']} prompt tokens pulled over the link, {moved / 1e6:.1f} MB received by B), "
                   f"TTFT ~{(first['seconds'] + out['seconds'] - (args.output_tokens - 1) * tpot) * 1e3:.0f} ms, "
                   f"tokens identical to monolithic: {same}")
-        return 0 if ok else 1
     finally:
         for s in servers:
             s.kill()
         for ns in NS:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    if ok:  # the model and logs are kept only when something went wrong
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
+    print("logs kept in", work, file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

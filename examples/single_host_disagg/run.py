@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _openai import OpenAIServer, complete, free_port  # noqa: E402
+from _openai import OpenAIServer, complete, done, free_port  # noqa: E402
 
 
 def kv(role: str, **extra: object) -> dict:
@@ -39,9 +39,10 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="tiersync-pd-")
     model = write_tiny_llama(os.path.join(work, "model"))
     token = os.environ.get("TIERSYNC_TOKEN") or "example-only-token-change-me"  # >= 16 bytes
-    prefill = OpenAIServer(model, kv("kv_producer", pd_port=free_port(), pd_token=token), f"{work}/prefill.log")
-    decode = router = None
+    prefill = decode = router = None
+    same = False
     try:
+        prefill = OpenAIServer(model, kv("kv_producer", pd_port=free_port(), pd_token=token), f"{work}/prefill.log")
         decode = OpenAIServer(model, kv("kv_consumer", pd_token=token), f"{work}/decode.log")
         router = subprocess.Popen([sys.executable, "-m", "tiersync", "router", "--prefill", prefill.url,
                                    "--decode", decode.url, "--port", "0"], stdout=subprocess.PIPE, text=True)
@@ -57,8 +58,9 @@ def main() -> int:
             print(f"request {i}: monolithic TTFT {mono_first * 1e3:7.0f} ms | prefill->decode TTFT "
                   f"{pd_first * 1e3:7.0f} ms ({pd_first / mono_first:.2f}x), TPOT "
                   f"{(seconds - pd_first) / (args.output_tokens - 1) * 1e3:5.1f} ms, tokens identical: {pd == mono}")
-        print("logs:", work)
-        return 0 if same else 1
+    except RuntimeError as exc:  # a server did not start
+        print(exc, file=sys.stderr)
+        same = False
     finally:
         if router is not None:
             router.terminate()
@@ -66,6 +68,7 @@ def main() -> int:
         for server in (decode, prefill):
             if server is not None:
                 server.stop()
+    return done(work, same)
 
 
 if __name__ == "__main__":

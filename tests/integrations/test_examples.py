@@ -22,9 +22,10 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
     ("single_host_disagg/run.py", ["--prompt-tokens", "1500", "--output-tokens", "4", "--requests", "1"],
      "tokens identical: True"),
 ])
-def test_example_runs_on_the_openai_server(script, args, verdict):
+def test_example_runs_on_the_openai_server(script, args, verdict, tmp_path):
     require_vllm()
     run = subprocess.run([vllm_python(), os.path.join(EXAMPLES, script), *args], capture_output=True, text=True,
-                         timeout=1200, env=engine_env({}))
+                         timeout=1200, env={**engine_env({}), "TMPDIR": str(tmp_path)})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert verdict in run.stdout, run.stdout
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("tiersync-")] == []  # its work dir is gone

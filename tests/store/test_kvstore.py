@@ -224,3 +224,16 @@ def test_demotion_sweeps_in_batches_until_the_high_watermark(tmpdir_path):
         st = s.stats()
         assert st.host_free_blocks >= 15, st  # ceil(0.9 * 16) free: seven batches of two, not one
         assert st.storage_entries >= 14
+
+
+def test_empty_requests_complete_at_once_and_change_nothing():
+    """A lookup with no hit, then ``load([], [])`` / ``save([], [])``: futures done at once (a
+    script without a timeout must never hang on them)."""
+    _, layout = make_layout(num_blocks=4)
+    with KVCacheStore(layout, StoreConfig(host_blocks=4)) as store:
+        hit = store.lookup(keys_for(2))
+        assert not hit.keys
+        load, save = store.load([], []), store.save([], [])
+        assert load.done() and save.done()
+        assert load.result(0) is None and save.result(0).saved == () and save.result(0).skipped == ()
+        assert store.residency(keys_for(2)) == [Residency.NONE] * 2
