@@ -134,10 +134,6 @@ def pki(tmp_path_factory):
 
     return make_pki(tmp_path_factory.mktemp("pki"), "server", "client")
 
-    d = tmp_path_factory.mktemp("pki")
-    ca = make_ca(d)
-    return {"ca": ca[2], "server": make_leaf(d, ca, "server"), "client": make_leaf(d, ca, "client")}
-
 
 def test_tls_with_token_byte_exact_and_plain_peer_refused(procs, pki):
     cert, key = pki["server"]

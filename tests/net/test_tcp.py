@@ -191,7 +191,6 @@ def test_mutual_tls_with_token_across_processes(pki):
 def test_pull_many_pipelines_into_each_destination(route):
     """pull_many keeps several PULLs in flight (small ones grouped into PULL_MANY, or the
     same-host route); every payload lands byte-exact in its own buffer."""
-    from tiersync.net import events as ev
     from tiersync.net import store_ops as so
     from tiersync.net.source import MemoryBlockSource
     from tiersync.net.tcp import Route, TcpTransport

@@ -64,10 +64,6 @@ def pki(tmp_path_factory):
 
     return make_pki(tmp_path_factory.mktemp("pki"), "trainer", "sampler")
 
-    d = tmp_path_factory.mktemp("pki")
-    ca = make_ca(d)
-    return {"ca": ca[2], "trainer": make_leaf(d, ca, "trainer"), "sampler": make_leaf(d, ca, "sampler")}
-
 
 def test_publish_over_tls_with_relays_is_bitwise(pki):
     """Mutual TLS and the token on every link, TCP forced, fanout 1: the second sampler's

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 
 import numpy as np
 import pytest
 from _sync_helpers import digests, fsdp
 
-import tiersync
 from tiersync.errors import IntegrityError, UsageError
 from tiersync.net.frames import SUPPORTED
 from tiersync.weights import Mesh, Sharding
@@ -26,33 +21,19 @@ from tiersync.weights.publisher import WeightPublisher
 from tiersync.weights.receiver import WeightReceiver
 from tiersync.weights.spans import StridedSpan
 
+from _lines import LineChild
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 60
 ROW = 1024  # bytes per row of "w" = one chunk (segment_bytes)
 ROWS = 300
 
 
-class _Child:
+class _Child(LineChild):
     """A delta sampler process; its stdout lines arrive on a queue, commands go to its stdin."""
 
     def __init__(self, address: str, rank: int, transport: str, buffers: int) -> None:
-        src = os.path.dirname(os.path.dirname(tiersync.__file__))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, src])}
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_delta_child.py"), address, str(rank), "3",
-                                      transport, str(buffers)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env)
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.strip())
-
-    def expect(self, prefix: str) -> str:
-        while True:
-            line = self.lines.get(timeout=TIMEOUT)
-            if line.startswith(prefix):
-                return line
+        super().__init__("_delta_child.py", [address, str(rank), "3", transport, str(buffers)], TIMEOUT, stdin=True)
 
     def command(self, line: str, answer: str) -> None:
         self.proc.stdin.write(line + "\n")

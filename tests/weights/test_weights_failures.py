@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -21,30 +20,17 @@ from tiersync.weights.config import PublisherConfig, ReceiverConfig, SyncStatus,
 from tiersync.weights.publisher import WeightPublisher
 from tiersync.weights.receiver import WeightReceiver
 
+from _lines import LineChild
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 60
 
 
-class _Child:
+class _Child(LineChild):
     """A sampler process; its stdout lines arrive on a queue."""
 
     def __init__(self, address: str, rank: int, count: int, stall: int) -> None:
-        src = os.path.dirname(os.path.dirname(tiersync.__file__))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, src])}
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_sampler_child.py"), address, str(rank),
-                                      str(count), str(stall)], stdout=subprocess.PIPE, text=True, env=env)
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.strip())
-
-    def expect(self, prefix: str) -> str:
-        while True:
-            line = self.lines.get(timeout=TIMEOUT)
-            if line.startswith(prefix):
-                return line
+        super().__init__("_sampler_child.py", [address, str(rank), str(count), str(stall)], TIMEOUT)
 
     def version(self, v: int) -> dict[str, int]:
         while True:

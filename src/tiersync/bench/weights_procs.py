@@ -157,7 +157,6 @@ def gloo_main(rank: int, world: int, trainers: int, store: str, mode: str, layer
     """
     import datetime
 
-    import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
