@@ -140,7 +140,7 @@ def _seconds(text: str) -> float:
 def _size(text: str) -> str:
     """A size such as 8GiB, checked here and passed on as typed."""
     from tiersync.errors import UsageError
-    from tiersync.net.store_node import parse_size
+    from tiersync.sizes import parse_size
 
     try:
         parse_size(text)

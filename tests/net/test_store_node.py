@@ -11,7 +11,7 @@ from tiersync.errors import CapacityError, RemoteError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.errors import AuthError
-from tiersync.net.store_node import StoreNode, StoreNodeClient, StoreNodeServer, parse_size
+from tiersync.net.store_node import StoreNode, StoreNodeClient, StoreNodeServer
 from tiersync.net.tcp import TcpConfig, TcpTransport
 
 BLOCK = 256 << 10
@@ -153,12 +153,6 @@ def test_failed_pull_frees_landing_blocks():
     finally:
         server.close()
         node.close()
-
-
-def test_parse_size():
-    assert parse_size("8GiB") == 8 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("4096") == 4096
-    with pytest.raises(ValueError):
-        parse_size("lots")
 
 
 def test_offer_carries_the_writer_address():

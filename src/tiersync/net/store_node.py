@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import re
 import socket
 import threading
 import time
@@ -40,6 +39,7 @@ from tiersync.net import store_ops as so
 from tiersync.net.service import Session
 from tiersync.net.source import BlockError, BlockService, clamp_ttl
 from tiersync.net.tcp import Deadline, TcpConfig, TcpServer, TcpTransport, parse_address
+from tiersync.sizes import parse_size
 from tiersync.tiers.host import HostArena, HostArenaConfig
 
 if TYPE_CHECKING:
@@ -51,18 +51,6 @@ log = logging.getLogger(__name__)
 PULL_CHUNK = 16 << 20
 MIN_BLOCK_NBYTES = 1 << 10  # a smaller block costs more in bookkeeping than it holds (KV blocks are >= 16 KiB)
 PULL_WINDOW = 8
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """ "8GiB" / "512MiB" / "4096" -> bytes. Raises UsageError when malformed."""
-    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", str(text))
-    if m is None or m.group(2).lower() not in _UNITS or int(m.group(1)) <= 0:
-        raise UsageError("must be a size such as 8GiB", argument="size", value=text)
-    return int(m.group(1)) * _UNITS[m.group(2).lower()]
-
-
 class StoreNode(BlockService):
     """The node's block service over a HostArena of ``capacity`` bytes. Thread-safe."""
 

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import xxhash
 
 from tiersync.errors import UsageError
-from tiersync.net.store_node import parse_size
+from tiersync.sizes import parse_size
 from tiersync.store.keys import CacheIdentity
 
 __all__ = ["HiCacheConfig", "namespace"]

@@ -52,7 +52,7 @@ from typing import Any, Mapping
 
 from tiersync.errors import UsageError, check_positive_int
 from tiersync.net.config import coerce_token, token_from
-from tiersync.net.store_node import parse_size
+from tiersync.sizes import parse_size
 from tiersync.settings import layered
 
 __all__ = ["ConnectorConfig"]
