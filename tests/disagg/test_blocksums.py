@@ -18,12 +18,20 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _kvsim import global_kv, shard, unshard  # noqa: E402
-from tiersync.disagg import DisaggConfig, KVConsumer, KVOrder, KVProducer, PagedKVLayout, RequestState, SourceSpec  # noqa: E402
-from tiersync.disagg.blocksums import BlockSums, _cut  # noqa: E402
-from tiersync.disagg.link import _recut  # noqa: E402
-from tiersync.net import local  # noqa: E402
-from tiersync.transfer.kernel import TSUM64, tsum64  # noqa: E402
+from _kvsim import global_kv, shard, unshard
+from tiersync.disagg import (
+    DisaggConfig,
+    KVConsumer,
+    KVOrder,
+    KVProducer,
+    PagedKVLayout,
+    RequestState,
+    SourceSpec,
+)
+from tiersync.disagg.blocksums import BlockSums, _cut
+from tiersync.disagg.link import _recut
+from tiersync.net import local
+from tiersync.transfer.kernel import TSUM64, tsum64
 
 needs_native = pytest.mark.skipif(TSUM64 is None or not local.can_read(os.getpid()),
                                   reason="needs the native checksum and process_vm_readv")
@@ -123,13 +131,19 @@ def test_same_host_reads_from_precomputed_sums_are_exact_and_changes_are_refused
 class _BadAddressProducer(KVProducer):
     """Names an unmapped address for the second layer's regions: the kernel refuses the copy."""
 
-    def _pull_local(self, session, route, event):
-        reply = super()._pull_local(session, route, event)
-        if event.n != 1:
-            return reply
-        regions = reply.regions.copy()
-        regions[:, 0] = 8
-        return type(reply)(reply.request_id, reply.pid, reply.algo, regions)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        answer = self._reads.pull_local
+
+        def pull_local(session, route, event):
+            reply = answer(session, route, event)
+            if event.n != 1:
+                return reply
+            regions = reply.regions.copy()
+            regions[:, 0] = 8
+            return type(reply)(reply.request_id, reply.pid, reply.algo, regions)
+
+        self._reads.pull_local = pull_local
 
 
 @needs_native

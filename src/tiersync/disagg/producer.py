@@ -22,72 +22,28 @@ fails or disconnects, or on :meth:`abort`. Unknown requests are refused (ERROR
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import numpy as np
-
 from tiersync.disagg.config import DisaggConfig, RequestState, TransferStatus, check_side
+from tiersync.disagg.layer_reads import LayerReads, Outgoing, Refused, Route
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.disagg.messages import ReadRequest, check_request_id
 from tiersync.disagg.ops import KV, KvDone, KvLayer, KvNext, KvOpen, KvOpened, KvPull, KvPullLocal
 from tiersync.disagg.reshard import ReshardPlanner, block_table, default_planner
-from tiersync.disagg.blocksums import BlockSums
-from tiersync.disagg.spanio import byte_view, gather, route_slice
+from tiersync.disagg.spanio import byte_view
 from tiersync.errors import ClosedError, UsageError, check_positive_int
 from tiersync.net import events as ev
 from tiersync.net import local
-from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 from tiersync.net.server import TcpServer
 from tiersync.net.service import Service, Session
 
 __all__ = ["KVProducer"]
 
 _FORGET_AFTER = 4096  # final request ids remembered so a late layer_ready is a no-op
-_ZERO_COPY_SPANS = 256  # pulls of at most this many spans (or of large ones) go out as views
-_ZERO_COPY_AVG = 16 << 10
 Code = ev.ErrorCode
-
-
-class _Refused(Exception):
-    def __init__(self, code: ev.ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(eq=False)
-class _Outgoing:
-    request_id: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    views: list[np.ndarray]
-    deadline: float
-    ready: list[int] = field(default_factory=list)  # layers in the order they became ready
-    state: RequestState = RequestState.PENDING
-    reason: str = ""
-    dst_layout: PagedKVLayout | None = None
-    expected: frozenset[int] = frozenset()
-    joined: set[int] = field(default_factory=set)
-    acked: set[int] = field(default_factory=set)
-    sessions: set[Session] = field(default_factory=set)
-    sums: dict[int, dict[int, int]] = field(default_factory=dict)  # layer -> block offset -> tsum64
-
-
-@dataclass(eq=False)
-class _Route:
-    """One session's open request: what it reads (spans of a layer) and the layers it was told of."""
-
-    req: _Outgoing
-    dst_rank: int
-    offsets: np.ndarray
-    lengths: np.ndarray
-    told: list[int] = field(default_factory=list)
-    counted: bool = False
-    local_pulls: int = 0
 
 
 class KVProducer(Service):
@@ -103,14 +59,14 @@ class KVProducer(Service):
         self.layout, self.rank = layout, rank
         self._planner = planner or default_planner()
         self._cond = threading.Condition()
-        self._requests: dict[str, _Outgoing] = {}
+        self._requests: dict[str, Outgoing] = {}
         self._final: OrderedDict[str, RequestState] = OrderedDict()
         self._unreported: list[tuple[str, RequestState]] = []
         self._progress = threading.Event()  # set when a request became final since the last poll
         self._closed = threading.Event()
-        self._routes: dict[int, _Route] = {}  # session id -> its open request
-        self._staging: dict[tuple[int, int], np.ndarray] = {}  # (session id, slot) -> gather buffer
-        self._sums = BlockSums(layout, self.config.local_threads)
+        self._routes: dict[int, Route] = {}  # session id -> its open request
+        self._reads = LayerReads(layout, self.config)
+        self._sums = self._reads.sums
         self._server = TcpServer(f"{host}:{port}", self, self.config.tcp_config(server=True))
         self.address = self._server.address
 
@@ -135,7 +91,7 @@ class KVProducer(Service):
         with self._cond:
             if request_id in self._requests or request_id in self._final:
                 raise UsageError("already registered", argument="request_id", value=request_id)
-            self._requests[request_id] = _Outgoing(request_id, table, num_tokens, views,
+            self._requests[request_id] = Outgoing(request_id, table, num_tokens, views,
                                                    time.monotonic() + self.config.timeout_s)
 
     def layer_ready(self, request_id: str, layer: int) -> bool:
@@ -216,7 +172,7 @@ class KVProducer(Service):
             raise ClosedError("producer is closed", argument="self")
 
     # -- state transitions (always under the condition) ----------------------------------------
-    def _finish(self, req: _Outgoing, state: RequestState, reason: str = "") -> list[Session] | None:
+    def _finish(self, req: Outgoing, state: RequestState, reason: str = "") -> list[Session] | None:
         """Move a PENDING request to ``state``; returns its sessions, or None when already final."""
         if req.state is not RequestState.PENDING:
             return None
@@ -229,7 +185,7 @@ class KVProducer(Service):
         self._cond.notify_all()
         return socks
 
-    def _fail(self, req: _Outgoing, reason: str) -> None:
+    def _fail(self, req: Outgoing, reason: str) -> None:
         """FAILED; its readers' sessions are closed *before* it becomes visible to poll, so a
         buffer the caller reuses after the report is never sent."""
         with self._cond:
@@ -242,7 +198,7 @@ class KVProducer(Service):
             self._unreported.append((req.request_id, RequestState.FAILED))
         self._progress.set()
 
-    def _ack(self, req: _Outgoing, dst_rank: int) -> bool:
+    def _ack(self, req: Outgoing, dst_rank: int) -> bool:
         """Count reader ``dst_rank``; False when the request is no longer pending (not counted)."""
         with self._cond:
             if req.state is not RequestState.PENDING or time.monotonic() >= req.deadline:
@@ -264,16 +220,16 @@ class KVProducer(Service):
             return self._waiting(session, event)
         try:
             if isinstance(event, KvPull):
-                return self._pull(session, event)
+                return self._reads.pull(session, event, self._route_of)
             answer = self._answer(session, event)
-        except _Refused as exc:
+        except Refused as exc:
             answer = ev.Error(event.request_id, exc.code, str(exc)[:512])
         return [answer]
 
     def _waiting(self, session: Session, event: KvNext):
         try:
             yield self._answer(session, event)
-        except _Refused as exc:
+        except Refused as exc:
             yield ev.Error(event.request_id, exc.code, str(exc)[:512])
 
     def _answer(self, session: Session, event: object) -> object:
@@ -283,10 +239,10 @@ class KVProducer(Service):
         if isinstance(event, KvNext):
             return self._next(route, event)
         if isinstance(event, KvPullLocal):
-            return self._pull_local(session, route, event)
+            return self._reads.pull_local(session, route, event)
         if isinstance(event, KvDone):
             return self._done(session, route, event)
-        raise _Refused(Code.UNSUPPORTED, f"{type(event).__name__} is not a prefill -> decode request")
+        raise Refused(Code.UNSUPPORTED, f"{type(event).__name__} is not a prefill -> decode request")
 
     def opened(self, session: Session) -> None:
         if session.info.same_host:
@@ -297,64 +253,63 @@ class KVProducer(Service):
         """A reader's connection ended: a request it joined and did not finish fails."""
         with self._cond:
             route = self._routes.pop(session.session_id, None)
-            for slot in (0, 1):
-                self._staging.pop((session.session_id, slot), None)
             if route is not None:
                 route.req.sessions.discard(session)
+        self._reads.forget(session)
         if route is not None and not route.counted:
             self._fail(route.req, f"reader {session.peer} disconnected before it was done")
 
-    def _route_of(self, session: Session) -> _Route:
+    def _route_of(self, session: Session) -> Route:
         with self._cond:
             route = self._routes.get(session.session_id)
         if route is None:
-            raise _Refused(Code.BAD_REQUEST, "no request is open on this connection (KV_OPEN first)")
+            raise Refused(Code.BAD_REQUEST, "no request is open on this connection (KV_OPEN first)")
         if route.req.state is not RequestState.PENDING:
-            raise _Refused(Code.LEASE_EXPIRED, "request timed out, was aborted or failed")
+            raise Refused(Code.LEASE_EXPIRED, "request timed out, was aborted or failed")
         return route
 
     def _open(self, session: Session, event: KvOpen) -> KvOpened:
-        """Check a KV_OPEN against the registration; join the reader. Raises _Refused."""
+        """Check a KV_OPEN against the registration; join the reader. Raises Refused."""
         read = event.read
         with self._cond:
             if session.session_id in self._routes:
-                raise _Refused(Code.BAD_REQUEST, "a request is already open on this connection")
+                raise Refused(Code.BAD_REQUEST, "a request is already open on this connection")
         if read.src_rank != self.rank:
-            raise _Refused(Code.BAD_REQUEST, f"wrong rank: this is rank {self.rank}, not {read.src_rank}")
+            raise Refused(Code.BAD_REQUEST, f"wrong rank: this is rank {self.rank}, not {read.src_rank}")
         with self._cond:
             req = self._requests.get(read.request_id)
         if req is None:
-            raise _Refused(Code.NOT_FOUND, f"unknown request {read.request_id!r}: not registered or already final")
+            raise Refused(Code.NOT_FOUND, f"unknown request {read.request_id!r}: not registered or already final")
         if read.num_tokens != req.num_tokens or read.src_block_ids[: len(req.block_ids)] != req.block_ids:
-            raise _Refused(Code.BAD_REQUEST, "mismatch: num_tokens or source block ids differ from the registration")
+            raise Refused(Code.BAD_REQUEST, "mismatch: num_tokens or source block ids differ from the registration")
         try:
             plan = self._planner.plan(self.layout, read.dst_layout, req.block_ids, read.dst_block_ids, req.num_tokens)
         except UsageError as exc:
-            raise _Refused(Code.BAD_REQUEST, exc.message) from None
+            raise Refused(Code.BAD_REQUEST, exc.message) from None
         spans = plan.route_spans(self.rank, read.dst_rank)
-        route = _Route(req, read.dst_rank, spans[:, 0].copy(), spans[:, 2].copy())
+        route = Route(req, read.dst_rank, spans[:, 0].copy(), spans[:, 2].copy())
         with self._cond:
             self._join(req, read, plan.readers_of(self.rank) or (0,), session)
             self._routes[session.session_id] = route
         return KvOpened(event.request_id, int(route.lengths.sum()))
 
-    def _join(self, req: _Outgoing, read: ReadRequest, expected: tuple[int, ...], session: Session) -> None:
+    def _join(self, req: Outgoing, read: ReadRequest, expected: tuple[int, ...], session: Session) -> None:
         if req.state is not RequestState.PENDING:
-            raise _Refused(Code.NOT_FOUND, "unknown request: already final")
+            raise Refused(Code.NOT_FOUND, "unknown request: already final")
         if req.dst_layout is None:
             req.dst_layout, req.expected = read.dst_layout, frozenset(expected)
         elif req.dst_layout != read.dst_layout:
-            raise _Refused(Code.BAD_REQUEST, "mismatch: another reader of this request uses a different layout")
+            raise Refused(Code.BAD_REQUEST, "mismatch: another reader of this request uses a different layout")
         if read.dst_rank not in req.expected or read.dst_rank in req.joined:
-            raise _Refused(Code.BAD_REQUEST, f"mismatch: destination rank {read.dst_rank} is not expected "
+            raise Refused(Code.BAD_REQUEST, f"mismatch: destination rank {read.dst_rank} is not expected "
                                              "or already reading")
         req.joined.add(read.dst_rank)
         req.sessions.add(session)
 
-    def _next(self, route: _Route, event: KvNext) -> KvLayer:
+    def _next(self, route: Route, event: KvNext) -> KvLayer:
         """The ``n``-th ready layer, waiting (on this pool worker) until it is ready."""
         if event.n != len(route.told) or event.n >= self.layout.num_layers:
-            raise _Refused(Code.BAD_REQUEST, f"KV_NEXT {event.n} out of order (expected {len(route.told)})")
+            raise Refused(Code.BAD_REQUEST, f"KV_NEXT {event.n} out of order (expected {len(route.told)})")
         req = route.req
         with self._cond:
             while req.state is RequestState.PENDING and len(req.ready) <= event.n:
@@ -363,63 +318,12 @@ class KVProducer(Service):
                     break
                 self._cond.wait(min(left, 1.0))
             if req.state is not RequestState.PENDING or len(req.ready) <= event.n:
-                raise _Refused(Code.LEASE_EXPIRED, "request timed out or was aborted")
+                raise Refused(Code.LEASE_EXPIRED, "request timed out or was aborted")
             layer = req.ready[event.n]
         route.told.append(layer)
         return KvLayer(event.request_id, layer)
 
-    def _spans(self, route: _Route, n: int, offset: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The ``n``-th ready layer's host buffer and the spans of the pull in it."""
-        if n >= len(route.told):
-            raise _Refused(Code.BAD_REQUEST, f"the {n}-th ready layer was not asked for by KV_NEXT")
-        if length > self.config.protocol.max_frame_size or offset + length > int(route.lengths.sum()):
-            raise _Refused(Code.BAD_REQUEST, "pull outside the route or over the frame size")
-        return (route.req.views[route.told[n]], *route_slice(route.offsets, route.lengths, offset, length))
-
-    def _pull(self, session: Session, event: KvPull):
-        """DATA: views of the host buffer when the spans are few or large, else gathered."""
-        try:
-            route = self._route_of(session)
-            view, offs, lens = self._spans(route, event.n, event.offset, event.length)
-        except _Refused as exc:
-            return [ev.Error(event.request_id, exc.code, str(exc)[:512])]
-        if lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= _ZERO_COPY_AVG:
-            return [ev.Data(event.request_id, [memoryview(view[o:o + n]) for o, n in zip(offs.tolist(), lens.tolist())])]
-        staging = gather(view, offs, lens, out=self._staging_of(session, event.length, 0))
-        return _written_before_next(ev.Data(event.request_id, memoryview(staging)))
-
-    def _staging_of(self, session: Session, nbytes: int, slot: int) -> np.ndarray:
-        """The session's gather buffer ``slot``, at least ``nbytes`` (grown on demand, bounded
-        by the frame size)."""
-        key = (session.session_id, slot)
-        with self._cond:
-            buf = self._staging.get(key)
-            if buf is None or buf.size < nbytes:
-                buf = self._staging[key] = np.empty(nbytes, np.uint8)
-            return buf[:nbytes]
-
-    def _pull_local(self, session: Session, route: _Route, event: KvPullLocal) -> ev.LocalReply:
-        """Where the bytes are in this process, each region checksummed (the reader copies them
-        with ``process_vm_readv`` and verifies); many small spans are gathered first."""
-        if not session.info.same_host:
-            raise _Refused(Code.UNSUPPORTED, "KV_PULL_LOCAL from another host")
-        view, offs, lens = self._spans(route, event.n, event.offset, event.length)
-        algo, known = SUPPORTED[0], route.req.sums.get(route.told[event.n])
-        if not (lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= _ZERO_COPY_AVG):
-            route.local_pulls += 1  # two buffers in turn: the reader keeps at most two pulls in flight
-            view = gather(view, offs, lens, out=self._staging_of(session, event.length, route.local_pulls % 2))
-            offs, lens = np.zeros(1, np.int64), np.array([view.size], np.int64)
-            sums = np.array([payload_checksum(algo, view)], np.uint64)
-        elif algo is PayloadChecksum.TSUM64:
-            offs, lens, sums = self._sums.regions(view, known, offs, lens)
-        else:
-            sums = np.array([payload_checksum(algo, view[o:o + n]) for o, n in zip(offs.tolist(), lens.tolist())],
-                            np.uint64)
-        base = local.buffer_address(view)[0]
-        regions = np.stack([offs.astype(np.uint64) + np.uint64(base), lens.astype(np.uint64), sums], axis=1)
-        return ev.LocalReply(event.request_id, os.getpid(), algo, regions)
-
-    def _done(self, session: Session, route: _Route, event: KvDone) -> ev.CommitReply:
+    def _done(self, session: Session, route: Route, event: KvDone) -> ev.CommitReply:
         with self._cond:
             self._routes.pop(session.session_id, None)
             route.req.sessions.discard(session)
@@ -427,8 +331,3 @@ class KVProducer(Service):
         if route.counted:
             return ev.CommitReply(event.request_id, ev.CommitStatus.COMMITTED)
         return ev.CommitReply(event.request_id, ev.CommitStatus.FAILED, "request timed out, was aborted or failed")
-
-
-def _written_before_next(answer: object):
-    """A generator answer: the server sends what a handler yields before it reads on."""
-    yield answer

@@ -300,6 +300,17 @@ class ConnectionClosed:
     """Local event: the peer closed the stream cleanly between frames. Never sent."""
 
 
+class _NeedData:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA = _NeedData()
+"""Returned by :meth:`~tiersync.net.protocol.Connection.next_event` when more bytes are needed."""
+
+
 CORE = Vocabulary("core", {Ping: (Pong,)}, responses=(Hello, Challenge, Auth, Ready, Error, Data))
 """What every connection speaks (the handshake classes are listed so their ops parse; the
 protocol's state table decides when each is allowed)."""

@@ -38,106 +38,19 @@ from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.codec import MetaReader
 from tiersync.net.errors import ProtocolError, ProtocolFault
-from tiersync.net.frames import (EMPTY_CHECKSUM, HEADER_SIZE, SUPPORTED, FrameHeader, Op, PayloadChecksum,
-                                 ProtocolConfig, checksum, decode_header, encode_header, payload_checksum,
-                                 payload_hasher)
-from tiersync.net.states import HANDSHAKE as _HANDSHAKE
-from tiersync.net.states import Direction, Role, State
-from tiersync.net.states import then as _then
+from tiersync.net.events import NEED_DATA
+from tiersync.net.frames import (EMPTY_CHECKSUM, HEADER_SIZE, FrameHeader, Op, PayloadChecksum, ProtocolConfig,
+                                 checksum, decode_header, encode_header, payload_hasher)
+from tiersync.net.ledger import Ledger
+from tiersync.net.pieces import Pieces, bytes_view, payload_views, sum_of
+from tiersync.net.states import Role, State
 from tiersync.net.vocab import Vocabulary
 
 __all__ = ["NEED_DATA", "Connection", "Role", "State"]
 
 
-_S, _R = Direction.SEND, Direction.RECV
-_LOCAL = frozenset(int(a) for a in SUPPORTED)
 _FAST_ALGO = PayloadChecksum.TSUM64  # what a native receiver verifies (data_fast_targets)
 _EMPTY = memoryview(b"")
-
-
-def _bytes_view(buf: object) -> memoryview:
-    view = memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _payload_views(payload: object) -> list[memoryview]:
-    parts = payload if isinstance(payload, (list, tuple)) else (payload,)
-    return [v for v in (_bytes_view(p) for p in parts) if len(v)]
-
-
-def _sum_of(algo: PayloadChecksum, parts: list[memoryview]) -> int:
-    if len(parts) == 1:
-        return payload_checksum(algo, parts[0])
-    hasher = payload_hasher(algo)
-    for part in parts:
-        hasher.update(part)
-    return hasher.intdigest()
-
-
-class _Pieces:
-    """A DATA payload landing in several caller buffers, in order (a vectored pull)."""
-
-    __slots__ = ("views", "total", "index", "offset")
-
-    def __init__(self, views: list[memoryview]) -> None:
-        self.views, self.total, self.index, self.offset = views, sum(len(v) for v in views), 0, 0
-
-    def __len__(self) -> int:
-        return self.total
-
-    def tail(self) -> memoryview:
-        """The unfilled rest of the current buffer."""
-        return self.views[self.index][self.offset:]
-
-    def advance(self, n: int) -> None:
-        """``n`` bytes (at most :meth:`tail`'s length) landed in the current buffer."""
-        self.offset += n
-        if self.offset == len(self.views[self.index]) and self.index + 1 < len(self.views):
-            self.index, self.offset = self.index + 1, 0
-
-    def head(self, n: int) -> bytes:
-        """The first ``n`` bytes across the buffers (a scatter read's bytes given back)."""
-        out, left = bytearray(), n
-        for view in self.views:
-            out += view[:left]
-            left = n - len(out)
-            if not left:
-                break
-        return bytes(out)
-
-    def rest(self) -> list[memoryview]:
-        """Every unfilled buffer, the current one's tail first."""
-        return [self.tail(), *self.views[self.index + 1:]] if self.total else []
-
-    def landed(self, n: int, hasher: object) -> None:
-        """``n`` bytes were received in place across :meth:`rest`: hash them, move on."""
-        while n:
-            tail = self.tail()
-            k = min(len(tail), n)
-            hasher.update(tail[:k])
-            self.advance(k)
-            n -= k
-
-    def fill(self, data: memoryview, hasher: object) -> None:
-        """Copy ``data`` into the buffers from the current position, hashing what lands."""
-        while len(data):
-            tail = self.tail()
-            k = min(len(tail), len(data))
-            tail[:k] = data[:k]
-            hasher.update(tail[:k])
-            self.advance(k)
-            data = data[k:]
-
-
-class _NeedData:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "NEED_DATA"
-
-
-NEED_DATA = _NeedData()
-"""Returned by :meth:`Connection.next_event` when more bytes are needed."""
 
 
 class Connection:
@@ -154,25 +67,19 @@ class Connection:
         if not isinstance(vocabulary, Vocabulary):
             raise UsageError("must be a Vocabulary", argument="vocabulary")
         self.role, self.vocabulary = role, vocabulary
-        self._answers, self._responses = vocabulary.answers, vocabulary.response_ops
-        self._oneway, self._types = vocabulary.oneway_ops, vocabulary.types
+        self._ledger = Ledger(role, vocabulary)
+        self._types = vocabulary.types
         self._members = {op: cls.OP for op, cls in vocabulary.types.items()}
         self.config = config or ProtocolConfig()
-        self.state = State.IDLE
         self._buf = bytearray()
         self._eof = False
         self._header: FrameHeader | None = None
         self._payload: bytearray | memoryview | None = None
         self._filled = 0
-        self._mine: dict[int, frozenset[Op]] = {}    # requests I sent -> responses I may receive
-        self._theirs: dict[int, frozenset[Op]] = {}  # requests I received -> responses I may send
         self._sinks: dict[int, memoryview] = {}
         self._prefill: tuple[int, int] | None = None  # (request id, bytes) of a scatter read's payload part
         self._prefilled = 0
         self._hasher: object | None = None
-        self._offered: tuple[int, ...] = ()  # payload checksum ids offered in HELLO
-        self.payload_algo = PayloadChecksum.XXH3_64
-        """The algorithm this side sums its payloads with (XXH3_64 until negotiated)."""
 
     # ---------------------------------------------------------------- sending
     def send(self, event: ev.Event) -> list[bytes | memoryview]:
@@ -184,71 +91,19 @@ class Connection:
         self._check_open()
         op = event.OP
         rid = getattr(event, "request_id", 0)
-        self._check_send_allowed(op, rid, event)
+        self._ledger.check_send(op, rid, event)
         meta = event.meta()
-        parts = _payload_views(event.payload) if op is Op.DATA else []
+        parts = payload_views(event.payload) if op is Op.DATA else []
         size = sum(len(p) for p in parts)
         if len(meta) > self.config.max_meta_size or len(meta) + size > self.config.max_frame_size:
             raise UsageError("frame exceeds max_frame_size", argument="event", meta_len=len(meta), payload_len=size)
-        self._apply_send(op, rid, event)
+        self._ledger.sent(op, rid, event)
         algo = self.payload_algo
         if not size:
             return [encode_header(op, rid, meta, 0, EMPTY_CHECKSUM[algo], algo) + meta]
         known = event.payload_sum
-        value = known[1] if known is not None and known[0] is algo else _sum_of(algo, parts)
+        value = known[1] if known is not None and known[0] is algo else sum_of(algo, parts)
         return [encode_header(op, rid, meta, size, value, algo) + meta, *parts]
-
-    def _check_send_allowed(self, op: Op, rid: int, event: object) -> None:
-        if self.state is not State.READY:
-            if op is Op.ERROR:
-                return
-            if (self.role, self.state, _S, op) in _HANDSHAKE:
-                return self._check_checksums(op, event)
-            raise UsageError(f"cannot send {op.name} in state {self.state.value}", argument="event")
-        if op not in self._types:
-            raise UsageError(f"{op.name} is not in the {self.vocabulary.name} vocabulary", argument="event")
-        if op in self._answers:
-            if rid == 0 or rid in self._mine:
-                raise UsageError("request id must be nonzero and not outstanding", argument="event", request_id=rid)
-        elif op in self._oneway:
-            return
-        elif op in self._responses:
-            if op is Op.ERROR and rid == 0:
-                return
-            if op not in self._theirs.get(rid, ()) and not (op is Op.ERROR and rid in self._theirs):
-                raise UsageError(f"no outstanding peer request {rid} answerable by {op.name}", argument="event")
-        else:
-            raise UsageError(f"cannot send {op.name} after the handshake", argument="event")
-
-    def _check_checksums(self, op: Op, event: object) -> None:
-        if op is Op.HELLO and any(c not in _LOCAL for c in event.checksums):
-            raise UsageError("HELLO may offer only payload checksums this build verifies", argument="event",
-                             offered=event.checksums, supported=sorted(_LOCAL))
-        if op is Op.CHALLENGE and (event.checksum not in self._offered or event.checksum not in SUPPORTED):
-            raise UsageError("CHALLENGE must pick a payload checksum the client offered and this build has",
-                             argument="event", offered=self._offered, picked=event.checksum.name)
-
-    def _apply_send(self, op: Op, rid: int, event: object) -> None:
-        if op is Op.ERROR and (rid == 0 or self.state is not State.READY):
-            self.state = State.CLOSED
-        elif self.state is not State.READY:
-            self.state = _HANDSHAKE[(self.role, self.state, _S, op)]
-            if op is Op.HELLO:
-                self._offered = event.checksums
-            elif op is Op.CHALLENGE:
-                self.payload_algo = event.checksum
-        elif op in self._answers:
-            self._mine[rid] = self._answers[op]
-        elif op not in self._oneway:
-            self._advance(self._theirs, rid, event)
-
-    @staticmethod
-    def _advance(table: dict[int, frozenset[Op]], rid: int, event: object) -> None:
-        nxt = _then(event)
-        if nxt is None:
-            del table[rid]
-        else:
-            table[rid] = nxt
 
     # -------------------------------------------------------------- receiving
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
@@ -271,13 +126,13 @@ class Connection:
         Use :meth:`payload_sink` / :meth:`payload_received` to receive straight
         into it. A DATA frame of another size raises ProtocolError(MALFORMED).
         """
-        if request_id not in self._mine or Op.DATA not in self._mine[request_id]:
+        if request_id not in self._ledger.mine or Op.DATA not in self._ledger.mine[request_id]:
             raise UsageError("no outstanding request answered by DATA with this id", argument="request_id",
                              request_id=request_id)
-        views = [_bytes_view(b) for b in buffer] if isinstance(buffer, (list, tuple)) else [_bytes_view(buffer)]
+        views = [bytes_view(b) for b in buffer] if isinstance(buffer, (list, tuple)) else [bytes_view(buffer)]
         if not views or any(v.readonly for v in views):
             raise UsageError("must be writable (and at least one buffer)", argument="buffer")
-        self._sinks[request_id] = views[0] if len(views) == 1 else _Pieces([v for v in views if len(v)])
+        self._sinks[request_id] = views[0] if len(views) == 1 else Pieces([v for v in views if len(v)])
 
     def payload_sink(self) -> memoryview | None:
         """The unfilled tail of the caller buffer being received into, or None.
@@ -289,7 +144,7 @@ class Connection:
             return None
         if isinstance(self._payload, memoryview):
             return self._payload[self._filled:]
-        return self._payload.tail() if isinstance(self._payload, _Pieces) else None
+        return self._payload.tail() if isinstance(self._payload, Pieces) else None
 
     def read_hint(self) -> int:
         """How many bytes to read next so as not to read past a header into a payload that
@@ -307,9 +162,9 @@ class Connection:
         that turn out not to be that payload go back into the stream, so until its DATA has
         arrived the buffer's contents are undefined."""
         target = self._oldest_sink()
-        return None if isinstance(target, _Pieces) else target
+        return None if isinstance(target, Pieces) else target
 
-    def _oldest_sink(self) -> memoryview | _Pieces | None:
+    def _oldest_sink(self) -> memoryview | Pieces | None:
         """At a frame boundary with nothing buffered, the oldest registered payload sink."""
         if self._header is not None or self._buf or self._eof or not self._sinks:
             return None
@@ -336,7 +191,7 @@ class Connection:
         if header.op is Op.DATA and header.request_id == rid and header.meta_len == 0 and header.payload_len == len(sink):
             self._prefilled = n
         else:
-            self._buf += sink.head(n) if isinstance(sink, _Pieces) else sink[:n]
+            self._buf += sink.head(n) if isinstance(sink, Pieces) else sink[:n]
 
     def data_fast_targets(self, request_ids: Sequence[int]) -> list:
         """The buffers of :meth:`expect_payload_into` (a buffer, or the list of a vectored pull's
@@ -352,7 +207,7 @@ class Connection:
         for rid, (mine, sink) in zip(request_ids, self._sinks.items()):
             if rid != mine or len(sink) > limit:
                 break
-            out.append(list(sink.views) if isinstance(sink, _Pieces) else sink)
+            out.append(list(sink.views) if isinstance(sink, Pieces) else sink)
         return out
 
     def data_fast_received(self, request_id: int, payload_sum: int) -> ev.Data:
@@ -364,7 +219,7 @@ class Connection:
         sink = next(iter(self.data_fast_targets((request_id,))), None)
         if sink is None:
             raise UsageError("no fast DATA target for this request", argument="request_id", request_id=request_id)
-        self._check_recv_allowed(Op.DATA, request_id)
+        self._ledger.check_recv(Op.DATA, request_id)
         payload = _EMPTY if isinstance(sink, list) else sink  # a vectored pull landed in the caller's buffers
         event = ev.Data(request_id, payload, (_FAST_ALGO, payload_sum))
         self._apply_recv(Op.DATA, request_id, event)
@@ -373,7 +228,7 @@ class Connection:
     def payload_sinks(self) -> list[memoryview]:
         """Like :meth:`payload_sink`, every unfilled buffer of a payload landing in several (a
         vectored pull), for one scatter read; empty when there is no sink."""
-        if isinstance(self._payload, _Pieces) and self._header is not None and not self._buf:
+        if isinstance(self._payload, Pieces) and self._header is not None and not self._buf:
             return self._payload.rest()
         sink = self.payload_sink()
         return [] if sink is None else [sink]
@@ -381,7 +236,7 @@ class Connection:
     def payload_received(self, n: int) -> None:
         """Record ``n`` bytes written into :meth:`payload_sink` (or across :meth:`payload_sinks`).
         Raises UsageError when out of range."""
-        if isinstance(self._payload, _Pieces) and self._header is not None and not self._buf:
+        if isinstance(self._payload, Pieces) and self._header is not None and not self._buf:
             if not 0 < n <= self._payload.total - self._filled:
                 raise UsageError("count out of range", argument="n", value=n)
             self._payload.landed(n, self._hasher)
@@ -404,7 +259,7 @@ class Connection:
         try:
             return self._next_event()
         except ProtocolError:
-            self.state = State.POISONED
+            self._ledger.state = State.POISONED
             self._buf.clear()
             self._payload = None
             raise
@@ -432,7 +287,7 @@ class Connection:
             return NEED_DATA
         if self._buf:
             raise ProtocolError("stream ended inside a frame header", fault=ProtocolFault.TRUNCATED)
-        self.state = State.CLOSED
+        self._ledger.state = State.CLOSED
         return ev.ConnectionClosed()
 
     def _need_more(self) -> object:
@@ -443,7 +298,7 @@ class Connection:
     def _start_frame(self) -> None:
         header = decode_header(bytes(self._buf[:HEADER_SIZE]), self.config, self._members)
         del self._buf[:HEADER_SIZE]
-        self._check_recv_allowed(header.op, header.request_id)
+        self._ledger.check_recv(header.op, header.request_id)
         self._header = header
         if self._prefill is not None:
             self._settle_prefill(header)
@@ -465,7 +320,7 @@ class Connection:
         self._hasher = payload_hasher(header.payload_algo) if header.payload_len else None
         if self._prefilled:  # a scatter read already landed the start of this payload
             self._filled, self._prefilled = self._prefilled, 0
-            if isinstance(self._payload, _Pieces):
+            if isinstance(self._payload, Pieces):
                 self._payload.landed(self._filled, self._hasher)
             else:
                 self._hasher.update(self._payload[:self._filled])
@@ -478,7 +333,7 @@ class Connection:
             piece = self._payload[self._filled:self._filled + take]
             piece[:] = self._buf[:take]
             self._hasher.update(piece)
-        elif isinstance(self._payload, _Pieces):
+        elif isinstance(self._payload, Pieces):
             with memoryview(self._buf) as view:
                 self._payload.fill(view[:take], self._hasher)
         else:
@@ -502,7 +357,7 @@ class Connection:
         if header.op is Op.DATA:
             if self._meta:
                 raise ProtocolError("DATA carries no metadata", fault=ProtocolFault.MALFORMED)
-            if isinstance(payload, _Pieces):  # landed in the caller's buffers
+            if isinstance(payload, Pieces):  # landed in the caller's buffers
                 payload = _EMPTY
             return ev.Data(header.request_id, payload, (header.payload_algo, payload_sum))
         reader = MetaReader(self._meta)
@@ -514,57 +369,29 @@ class Connection:
         reader.finish()
         return event
 
-    def _check_recv_allowed(self, op: Op, rid: int) -> None:
-        if self.state is State.CLOSED:
-            raise ProtocolError("frame after the connection ended", fault=ProtocolFault.UNEXPECTED)
-        if self.state is not State.READY:
-            if op is Op.ERROR or (self.role, self.state, _R, op) in _HANDSHAKE:
-                return
-        elif op in self._answers:
-            if rid != 0 and rid not in self._theirs:
-                return
-        elif op in self._oneway:
-            return
-        elif op is Op.ERROR and (rid == 0 or rid in self._mine):
-            return
-        elif op in self._responses and op in self._mine.get(rid, ()):
-            return
-        raise ProtocolError(f"unexpected {op.name} in state {self.state.value}",
-                            fault=ProtocolFault.UNEXPECTED, request_id=rid)
-
-    def _apply_recv(self, op: Op, rid: int, event: object) -> None:
-        if op is Op.ERROR and (rid == 0 or self.state is not State.READY):
-            self.state = State.CLOSED
-        elif self.state is not State.READY:
-            self.state = _HANDSHAKE[(self.role, self.state, _R, op)]
-            self._negotiate(op, event)
-        elif op in self._answers:
-            self._theirs[rid] = self._answers[op]
-        elif op not in self._oneway:
-            self._sinks.pop(rid, None)
-            self._advance(self._mine, rid, event)
-
-    def _negotiate(self, op: Op, event: object) -> None:
-        if op is Op.HELLO:
-            self._offered = event.checksums
-        elif op is Op.CHALLENGE:
-            if event.checksum not in self._offered:
-                raise ProtocolError("server picked a payload checksum the client did not offer",
-                                    fault=ProtocolFault.MALFORMED, picked=event.checksum.name, offered=self._offered)
-            self.payload_algo = event.checksum
-
     @property
     def peer_checksums(self) -> tuple[int, ...]:
         """Server side: the payload checksum ids the client's HELLO offered (empty before HELLO)."""
-        return self._offered if self.role is Role.SERVER else ()
-
-    def _check_open(self) -> None:
-        if self.state is State.POISONED:
-            raise ClosedError("connection poisoned by an earlier protocol error")
-        if self.state is State.CLOSED:
-            raise ClosedError("connection closed")
+        return self._ledger.offered if self.role is Role.SERVER else ()
 
     @property
     def outstanding(self) -> int:
         """Requests I sent that are not yet finished."""
-        return len(self._mine)
+        return len(self._ledger.mine)
+
+    @property
+    def state(self) -> State:
+        """Handshake / connection state (:class:`~tiersync.net.states.State`)."""
+        return self._ledger.state
+
+    @property
+    def payload_algo(self) -> PayloadChecksum:
+        """The algorithm this side sums its payloads with (XXH3_64 until negotiated)."""
+        return self._ledger.payload_algo
+
+    def _check_open(self) -> None:
+        self._ledger.check_open()
+
+    def _apply_recv(self, op: Op, rid: int, event: object) -> None:
+        if self._ledger.received(op, rid, event):
+            self._sinks.pop(rid, None)

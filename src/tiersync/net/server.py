@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import heapq
-import inspect
 import itertools
 import logging
 import queue
@@ -32,56 +31,17 @@ from tiersync.net import events as ev
 from tiersync.net.config import TcpConfig, parse_address
 from tiersync.net.errors import ProtocolError
 from tiersync.net.framed import Deadline, tune, write_nonblocking
-from tiersync.net.handshake import ServerHandshake
 from tiersync.net.protocol import NEED_DATA, Connection, Role
-from tiersync.net.service import PeerInfo, Service, Session
+from tiersync.net.responder import Responder, ServerSession
+from tiersync.net.service import Service
 from tiersync.net.tls import server_context
 
 __all__ = ["TcpServer"]
 
 log = logging.getLogger(__name__)
-_BATCH = 16  # most buffered requests answered in one turn (one send)
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _ACCEPT_PAUSE_S = 0.1
 _ACCEPT_BURST = 256
-
-
-class _Session(Session):
-    """One connection of a :class:`TcpServer` (see :class:`Session`)."""
-
-    def __init__(self, server: "TcpServer", sock: socket.socket, peer: str, session_id: int) -> None:
-        self._server, self.sock, self.peer, self.session_id = server, sock, peer, session_id
-        self.conn = Connection(Role.SERVER, server.config.protocol, server.service.vocabulary)
-        self.hs = ServerHandshake(self.conn, server.config.token, session_id)
-        self.info = PeerInfo("", "", 0, False)
-        self.lock = threading.Lock()    # the Connection's state
-        self.wlock = threading.Lock()   # writes to the socket
-        self.tls_pending = isinstance(sock, ssl.SSLSocket)
-        self.registered = False         # in the selector (loop thread only)
-        self.opened = False
-        self._closed = False
-
-    def send(self, event: object, *, timeout: float | None = None) -> None:
-        if self._closed:
-            raise ClosedError("session closed", peer=self.peer)
-        with self.lock:
-            bufs = self.conn.send(event)
-        self.write(bufs, Deadline(timeout or self._server.config.op_timeout_s, self.peer))
-
-    def write(self, bufs: list, deadline: Deadline) -> None:
-        try:
-            with self.wlock:
-                write_nonblocking(self.sock, bufs, deadline)
-        except (TierSyncError, OSError):
-            self.close()
-            raise
-
-    def close(self) -> None:
-        self._server._end(self)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
 
 class TcpServer:
@@ -100,11 +60,12 @@ class TcpServer:
         self._wake_r.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._todo: queue.SimpleQueue = queue.SimpleQueue()  # (action, session) for the loop thread
-        self._sessions: set[_Session] = set()
+        self._sessions: set[ServerSession] = set()
         self._deadlines: list = []  # (handshake deadline, session id, session)
         self._ids = itertools.count(1)
         self._rbuf = memoryview(bytearray(max(self.config.recv_chunk, 64 << 10)))
         self._workers = ThreadPoolExecutor(self.config.workers, thread_name_prefix=f"tiersync-serve-{port}")
+        self._responder = Responder(self.service, self.config, end=self._end, rearm=lambda s: self._wake("rearm", s))
         self._paused_until = 0.0
         self._fd_logged = False
         self._stop = threading.Event()
@@ -181,22 +142,22 @@ class TcpServer:
         except OSError:
             sock.close()
             return
-        s = _Session(self, sock, peer, next(self._ids))
+        s = ServerSession(self._end, self.config, self.service.vocabulary, sock, peer, next(self._ids))
         self._sessions.add(s)
         heapq.heappush(self._deadlines, (time.monotonic() + self.config.connect_timeout_s, s.session_id, s))
         self._register(s)
 
-    def _register(self, s: _Session) -> None:
+    def _register(self, s: ServerSession) -> None:
         if not s.registered and not s.closed:
             self._sel.register(s.sock, selectors.EVENT_READ, s)
             s.registered = True
 
-    def _unregister(self, s: _Session) -> None:
+    def _unregister(self, s: ServerSession) -> None:
         if s.registered:
             self._sel.unregister(s.sock)
             s.registered = False
 
-    def _readable(self, s: _Session) -> None:
+    def _readable(self, s: ServerSession) -> None:
         if s.tls_pending and not self._tls_handshake(s):
             return
         while True:
@@ -212,7 +173,7 @@ class TcpServer:
             if not n or not (isinstance(s.sock, ssl.SSLSocket) and s.sock.pending()):
                 return self._advance(s)  # TLS may hold decrypted bytes the selector cannot see
 
-    def _tls_handshake(self, s: _Session) -> bool:
+    def _tls_handshake(self, s: ServerSession) -> bool:
         try:
             s.sock.do_handshake()
         except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
@@ -223,7 +184,7 @@ class TcpServer:
         s.tls_pending = False
         return True
 
-    def _advance(self, s: _Session) -> None:
+    def _advance(self, s: ServerSession) -> None:
         """Handshake events answered here; the first request hands the session to a worker."""
         while not s.closed:
             try:
@@ -242,10 +203,10 @@ class TcpServer:
                 self._handshake_step(s, event)
                 continue
             self._unregister(s)
-            self._workers.submit(self._work, s, event)
+            self._workers.submit(self._responder.work, s, event)
             return
 
-    def _handshake_step(self, s: _Session, event: object) -> None:
+    def _handshake_step(self, s: ServerSession, event: object) -> None:
         with s.lock:
             bufs = s.hs.step(event)
         try:
@@ -262,7 +223,7 @@ class TcpServer:
                 log.exception("service refused a session")
                 self._end(s)
 
-    def _auth_failed(self, s: _Session, why: str) -> None:
+    def _auth_failed(self, s: ServerSession, why: str) -> None:
         self.refused += 1
         level = logging.WARNING if self.refused <= 10 or self.refused % 1000 == 0 else logging.DEBUG
         log.log(level, "tiersync server %s refused %s: %s (%d refused so far)", self.address, s.peer, why,
@@ -298,98 +259,18 @@ class TcpServer:
                 self._register(s)
                 self._advance(s)  # bytes may have arrived while the worker ran
 
-    def _wake(self, action: str, s: _Session) -> None:
+    def _wake(self, action: str, s: ServerSession) -> None:
         self._todo.put((action, s))
         try:
             self._wake_w.send(b"\0")
         except OSError:
             pass
 
-    # -- workers -------------------------------------------------------------------------------
-    def _work(self, s: _Session, event: object) -> None:
-        try:
-            while event is not None and not s.closed:
-                event = self._turn(s, event)
-                if event is None:  # a pipelining peer's next requests are often in flight already
-                    event = self._more(s)
-        except (TierSyncError, OSError) as exc:
-            log.debug("session %s ended: %s", s.peer, exc)
-            self._end(s)
-            return
-        if not s.closed:
-            self._wake("rearm", s)
-
-    def _turn(self, s: _Session, event: object) -> object | None:
-        """Answer ``event`` and up to ``_BATCH`` requests buffered behind it, in one send; the
-        next buffered event (batch full) or None (nothing buffered)."""
-        bufs: list = []
-        deadline = Deadline(self.config.op_timeout_s, s.peer)
-        for _ in range(_BATCH):
-            bufs = self._answer(s, event, bufs, deadline)
-            try:
-                with s.lock:
-                    event = s.conn.next_event()
-            except ProtocolError:
-                s.write(bufs, deadline)  # answer what came before the bad frame, then end
-                raise
-            if event is NEED_DATA or isinstance(event, ev.ConnectionClosed) or isinstance(event, ev.Error):
-                s.write(bufs, deadline)
-                if event is not NEED_DATA:
-                    self._end(s)
-                return None
-        s.write(bufs, deadline)
-        return event
-
-    def _more(self, s: _Session) -> object | None:
-        """Without waiting: the next request if its bytes are already here (read on this worker,
-        so a busy session does not go back through the selector between turns), else None."""
-        if isinstance(s.sock, ssl.SSLSocket):
-            return None
-        buf = _worker_buffer()
-        try:
-            n = s.sock.recv_into(buf)
-        except (BlockingIOError, InterruptedError):
-            return None
-        with s.lock:
-            s.conn.receive_data(buf[:n] if n else b"")
-            event = s.conn.next_event()
-        if isinstance(event, ev.ConnectionClosed) or (isinstance(event, ev.Error) and event.request_id == 0):
-            self._end(s)
-            return None
-        return None if event is NEED_DATA else event
-
-    def _answer(self, s: _Session, event: object, bufs: list, deadline: Deadline) -> list:
-        answers = self._answers(s, event)
-        streamed = inspect.isgenerator(answers)
-        if streamed and bufs:  # its body has not run yet and may wait: earlier answers go out first
-            s.write(bufs, deadline)
-            bufs = []
-        for answer in answers:
-            with s.lock:
-                bufs += s.conn.send(answer)
-            if streamed:  # a handler that yields may block before its next answer: send this one now
-                s.write(bufs, deadline)
-                bufs = []
-        return bufs
-
-    def _answers(self, s: _Session, event: object):
-        try:
-            answers = self.service.handle(s, event)
-            return answers if inspect.isgenerator(answers) else list(answers or ())
-        except TierSyncError as exc:
-            code = ev.ErrorCode.BAD_REQUEST if isinstance(exc, ValueError) else ev.ErrorCode.INTERNAL
-            return [ev.Error(event.request_id, code, exc.message[:512])] if _answerable(event) else []
-        except Exception as exc:  # noqa: BLE001 - a handler bug must not kill the server
-            log.exception("handler failed")
-            return [ev.Error(event.request_id, ev.ErrorCode.INTERNAL, type(exc).__name__)] if _answerable(event) else []
-
     # -- ending ----------------------------------------------------------------------------------
-    def _end(self, s: _Session) -> None:
+    def _end(self, s: ServerSession) -> None:
         """End ``s`` once: tell the service, shut the socket now, release it in the loop thread."""
-        with s.lock:
-            if s._closed:
-                return
-            s._closed = True
+        if not s.mark_closed():
+            return
         if s.opened:
             try:
                 self.service.closed(s)
@@ -404,7 +285,7 @@ class TcpServer:
         else:
             self._wake("close", s)
 
-    def _release_socket(self, s: _Session) -> None:
+    def _release_socket(self, s: ServerSession) -> None:
         self._unregister(s)
         self._sessions.discard(s)
         s.sock.close()
@@ -425,20 +306,6 @@ class TcpServer:
         self._wake("stop", None)  # type: ignore[arg-type]
         self._thread.join(timeout=10)
         self._workers.shutdown(wait=False, cancel_futures=True)
-
-
-_local = threading.local()
-
-
-def _worker_buffer() -> memoryview:
-    buf = getattr(_local, "buf", None)
-    if buf is None:
-        buf = _local.buf = memoryview(bytearray(256 << 10))
-    return buf
-
-
-def _answerable(event: object) -> bool:
-    return bool(getattr(event, "request_id", 0))
 
 
 def _refuse_over_cap(sock: socket.socket, cap: int) -> None:

@@ -1,0 +1,142 @@
+"""Prefill side: a request being served, a reader's route through it, and the answers to pulls.
+
+:class:`LayerReads` answers one route's KV_PULL (views of the host buffer when the spans are few
+or large, else gathered into a per-session staging buffer) and KV_PULL_LOCAL (same host: where
+the bytes are in this process, each region checksummed, for ``process_vm_readv``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+
+from tiersync.disagg.blocksums import BlockSums
+from tiersync.disagg.config import DisaggConfig, RequestState
+from tiersync.disagg.geometry import PagedKVLayout
+from tiersync.disagg.ops import KvPull, KvPullLocal
+from tiersync.disagg.spanio import gather, route_slice
+from tiersync.net import events as ev
+from tiersync.net import local
+from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
+from tiersync.net.service import Session
+
+__all__ = ["LayerReads", "Outgoing", "Refused", "Route"]
+
+_ZERO_COPY_SPANS = 256  # pulls of at most this many spans (or of large ones) go out as views
+_ZERO_COPY_AVG = 16 << 10
+Code = ev.ErrorCode
+
+
+class Refused(Exception):
+    """A reader's request refused with ``code`` (answered as ERROR)."""
+
+    def __init__(self, code: ev.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(eq=False)
+class Outgoing:
+    """A registered request and the readers that joined it."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    views: list[np.ndarray]
+    deadline: float
+    ready: list[int] = field(default_factory=list)  # layers in the order they became ready
+    state: RequestState = RequestState.PENDING
+    reason: str = ""
+    dst_layout: PagedKVLayout | None = None
+    expected: frozenset[int] = frozenset()
+    joined: set[int] = field(default_factory=set)
+    acked: set[int] = field(default_factory=set)
+    sessions: set[Session] = field(default_factory=set)
+    sums: dict[int, dict[int, int]] = field(default_factory=dict)  # layer -> block offset -> tsum64
+
+
+@dataclass(eq=False)
+class Route:
+    """One session's open request: what it reads (spans of a layer) and the layers it was told of."""
+
+    req: Outgoing
+    dst_rank: int
+    offsets: np.ndarray
+    lengths: np.ndarray
+    told: list[int] = field(default_factory=list)
+    counted: bool = False
+    local_pulls: int = 0
+
+
+class LayerReads:
+    """Answers pulls of routes through ``layout``'s host layers (see the module doc)."""
+
+    def __init__(self, layout: PagedKVLayout, config: DisaggConfig) -> None:
+        self.config = config
+        self.sums = BlockSums(layout, config.local_threads)
+        self._lock = threading.Lock()
+        self._staging: dict[tuple[int, int], np.ndarray] = {}  # (session id, slot) -> gather buffer
+
+    def forget(self, session: Session) -> None:
+        """The session ended: drop its staging buffers."""
+        with self._lock:
+            for slot in (0, 1):
+                self._staging.pop((session.session_id, slot), None)
+
+    def spans(self, route: Route, n: int, offset: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ``n``-th ready layer's host buffer and the spans of the pull in it."""
+        if n >= len(route.told):
+            raise Refused(Code.BAD_REQUEST, f"the {n}-th ready layer was not asked for by KV_NEXT")
+        if length > self.config.protocol.max_frame_size or offset + length > int(route.lengths.sum()):
+            raise Refused(Code.BAD_REQUEST, "pull outside the route or over the frame size")
+        return (route.req.views[route.told[n]], *route_slice(route.offsets, route.lengths, offset, length))
+
+    def pull(self, session: Session, event: KvPull, route_of: Callable[[Session], Route]) -> Iterable[object]:
+        """DATA: views of the host buffer when the spans are few or large, else gathered."""
+        try:
+            view, offs, lens = self.spans(route_of(session), event.n, event.offset, event.length)
+        except Refused as exc:
+            return [ev.Error(event.request_id, exc.code, str(exc)[:512])]
+        if lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= _ZERO_COPY_AVG:
+            return [ev.Data(event.request_id, [memoryview(view[o:o + n]) for o, n in zip(offs.tolist(), lens.tolist())])]
+        staging = gather(view, offs, lens, out=self._staging_of(session, event.length, 0))
+        return written_before_next(ev.Data(event.request_id, memoryview(staging)))
+
+    def _staging_of(self, session: Session, nbytes: int, slot: int) -> np.ndarray:
+        """The session's gather buffer ``slot``, at least ``nbytes`` (grown on demand, bounded
+        by the frame size)."""
+        key = (session.session_id, slot)
+        with self._lock:
+            buf = self._staging.get(key)
+            if buf is None or buf.size < nbytes:
+                buf = self._staging[key] = np.empty(nbytes, np.uint8)
+            return buf[:nbytes]
+
+    def pull_local(self, session: Session, route: Route, event: KvPullLocal) -> ev.LocalReply:
+        """Where the bytes are in this process, each region checksummed (the reader copies them
+        with ``process_vm_readv`` and verifies); many small spans are gathered first."""
+        if not session.info.same_host:
+            raise Refused(Code.UNSUPPORTED, "KV_PULL_LOCAL from another host")
+        view, offs, lens = self.spans(route, event.n, event.offset, event.length)
+        algo, known = SUPPORTED[0], route.req.sums.get(route.told[event.n])
+        if not (lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= _ZERO_COPY_AVG):
+            route.local_pulls += 1  # two buffers in turn: the reader keeps at most two pulls in flight
+            view = gather(view, offs, lens, out=self._staging_of(session, event.length, route.local_pulls % 2))
+            offs, lens = np.zeros(1, np.int64), np.array([view.size], np.int64)
+            sums = np.array([payload_checksum(algo, view)], np.uint64)
+        elif algo is PayloadChecksum.TSUM64:
+            offs, lens, sums = self.sums.regions(view, known, offs, lens)
+        else:
+            sums = np.array([payload_checksum(algo, view[o:o + n]) for o, n in zip(offs.tolist(), lens.tolist())],
+                            np.uint64)
+        base = local.buffer_address(view)[0]
+        regions = np.stack([offs.astype(np.uint64) + np.uint64(base), lens.astype(np.uint64), sums], axis=1)
+        return ev.LocalReply(event.request_id, os.getpid(), algo, regions)
+
+
+def written_before_next(answer: object):
+    """A generator answer: the server sends what a handler yields before it reads on."""
+    yield answer

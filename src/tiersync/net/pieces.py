@@ -1,0 +1,83 @@
+"""Payload buffers of one frame: byte views, checksums over several parts, and :class:`Pieces`
+(a DATA payload landing in several caller buffers in order, as a vectored pull does)."""
+from __future__ import annotations
+
+from typing import Any
+
+from tiersync.net.frames import PayloadChecksum, payload_checksum, payload_hasher
+
+__all__ = ["Pieces", "bytes_view", "payload_views", "sum_of"]
+
+
+def bytes_view(buf: object) -> memoryview:
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def payload_views(payload: object) -> list[memoryview]:
+    parts = payload if isinstance(payload, (list, tuple)) else (payload,)
+    return [v for v in (bytes_view(p) for p in parts) if len(v)]
+
+
+def sum_of(algo: PayloadChecksum, parts: list[memoryview]) -> int:
+    if len(parts) == 1:
+        return payload_checksum(algo, parts[0])
+    hasher = payload_hasher(algo)
+    for part in parts:
+        hasher.update(part)
+    return hasher.intdigest()
+
+
+class Pieces:
+    """A DATA payload landing in several caller buffers, in order (a vectored pull)."""
+
+    __slots__ = ("views", "total", "index", "offset")
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self.views, self.total, self.index, self.offset = views, sum(len(v) for v in views), 0, 0
+
+    def __len__(self) -> int:
+        return self.total
+
+    def tail(self) -> memoryview:
+        """The unfilled rest of the current buffer."""
+        return self.views[self.index][self.offset:]
+
+    def advance(self, n: int) -> None:
+        """``n`` bytes (at most :meth:`tail`'s length) landed in the current buffer."""
+        self.offset += n
+        if self.offset == len(self.views[self.index]) and self.index + 1 < len(self.views):
+            self.index, self.offset = self.index + 1, 0
+
+    def head(self, n: int) -> bytes:
+        """The first ``n`` bytes across the buffers (a scatter read's bytes given back)."""
+        out, left = bytearray(), n
+        for view in self.views:
+            out += view[:left]
+            left = n - len(out)
+            if not left:
+                break
+        return bytes(out)
+
+    def rest(self) -> list[memoryview]:
+        """Every unfilled buffer, the current one's tail first."""
+        return [self.tail(), *self.views[self.index + 1:]] if self.total else []
+
+    def landed(self, n: int, hasher: Any) -> None:
+        """``n`` bytes were received in place across :meth:`rest`: hash them, move on."""
+        while n:
+            tail = self.tail()
+            k = min(len(tail), n)
+            hasher.update(tail[:k])
+            self.advance(k)
+            n -= k
+
+    def fill(self, data: memoryview, hasher: Any) -> None:
+        """Copy ``data`` into the buffers from the current position, hashing what lands."""
+        while len(data):
+            tail = self.tail()
+            k = min(len(tail), len(data))
+            tail[:k] = data[:k]
+            hasher.update(tail[:k])
+            self.advance(k)
+            data = data[k:]

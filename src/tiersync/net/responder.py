@@ -1,0 +1,178 @@
+"""Server sessions and the answering of their requests on pool workers.
+
+A :class:`ServerSession` is one accepted connection; the :class:`Responder` runs the service's
+handler for a session's request on a worker, answers the requests a pipelining peer buffered
+behind it in the same turn (one send), reads on without waiting while bytes are already there,
+then hands the session back (``rearm``) or ends it (``end``).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import socket
+import ssl
+import threading
+from typing import Callable
+
+from tiersync.errors import ClosedError, TierSyncError
+from tiersync.net import events as ev
+from tiersync.net.config import TcpConfig
+from tiersync.net.errors import ProtocolError
+from tiersync.net.framed import Deadline, write_nonblocking
+from tiersync.net.handshake import ServerHandshake
+from tiersync.net.protocol import NEED_DATA, Connection, Role
+from tiersync.net.service import PeerInfo, Service, Session
+from tiersync.net.vocab import Vocabulary
+
+__all__ = ["Responder", "ServerSession"]
+
+log = logging.getLogger(__name__)
+_BATCH = 16  # most buffered requests answered in one turn (one send)
+
+
+class ServerSession(Session):
+    """One connection of a :class:`~tiersync.net.server.TcpServer` (see :class:`Session`);
+    ``end`` is the server's way to end it (once)."""
+
+    def __init__(self, end: Callable[["ServerSession"], None], config: TcpConfig, vocabulary: Vocabulary,
+                 sock: socket.socket, peer: str, session_id: int) -> None:
+        self._end, self._config, self.sock, self.peer, self.session_id = end, config, sock, peer, session_id
+        self.conn = Connection(Role.SERVER, config.protocol, vocabulary)
+        self.hs = ServerHandshake(self.conn, config.token, session_id)
+        self.info = PeerInfo("", "", 0, False)
+        self.lock = threading.Lock()    # the Connection's state
+        self.wlock = threading.Lock()   # writes to the socket
+        self.tls_pending = isinstance(sock, ssl.SSLSocket)
+        self.registered = False         # in the selector (loop thread only)
+        self.opened = False
+        self._closed = False
+
+    def send(self, event: object, *, timeout: float | None = None) -> None:
+        if self._closed:
+            raise ClosedError("session closed", peer=self.peer)
+        with self.lock:
+            bufs = self.conn.send(event)
+        self.write(bufs, Deadline(timeout or self._config.op_timeout_s, self.peer))
+
+    def write(self, bufs: list, deadline: Deadline) -> None:
+        try:
+            with self.wlock:
+                write_nonblocking(self.sock, bufs, deadline)
+        except (TierSyncError, OSError):
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._end(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def mark_closed(self) -> bool:
+        """Mark the session ended; False when it already was (the server ends it once)."""
+        with self.lock:
+            if self._closed:
+                return False
+            self._closed = True
+            return True
+
+
+class Responder:
+    """Answers sessions' requests with ``service`` on pool workers (see the module doc)."""
+
+    def __init__(self, service: Service, config: TcpConfig, *, end: Callable[[ServerSession], None],
+                 rearm: Callable[[ServerSession], None]) -> None:
+        self.service, self.config, self._end, self._rearm = service, config, end, rearm
+
+    def work(self, s: ServerSession, event: object) -> None:
+        """Answer ``event`` and what follows it on ``s`` (a pool worker runs this)."""
+        try:
+            while event is not None and not s.closed:
+                event = self._turn(s, event)
+                if event is None:  # a pipelining peer's next requests are often in flight already
+                    event = self._more(s)
+        except (TierSyncError, OSError) as exc:
+            log.debug("session %s ended: %s", s.peer, exc)
+            self._end(s)
+            return
+        if not s.closed:
+            self._rearm(s)
+
+    def _turn(self, s: ServerSession, event: object) -> object | None:
+        """Answer ``event`` and up to ``_BATCH`` requests buffered behind it, in one send; the
+        next buffered event (batch full) or None (nothing buffered)."""
+        bufs: list = []
+        deadline = Deadline(self.config.op_timeout_s, s.peer)
+        for _ in range(_BATCH):
+            bufs = self._answer(s, event, bufs, deadline)
+            try:
+                with s.lock:
+                    event = s.conn.next_event()
+            except ProtocolError:
+                s.write(bufs, deadline)  # answer what came before the bad frame, then end
+                raise
+            if event is NEED_DATA or isinstance(event, ev.ConnectionClosed) or isinstance(event, ev.Error):
+                s.write(bufs, deadline)
+                if event is not NEED_DATA:
+                    self._end(s)
+                return None
+        s.write(bufs, deadline)
+        return event
+
+    def _more(self, s: ServerSession) -> object | None:
+        """Without waiting: the next request if its bytes are already here (read on this worker,
+        so a busy session does not go back through the selector between turns), else None."""
+        if isinstance(s.sock, ssl.SSLSocket):
+            return None
+        buf = _worker_buffer()
+        try:
+            n = s.sock.recv_into(buf)
+        except (BlockingIOError, InterruptedError):
+            return None
+        with s.lock:
+            s.conn.receive_data(buf[:n] if n else b"")
+            event = s.conn.next_event()
+        if isinstance(event, ev.ConnectionClosed) or (isinstance(event, ev.Error) and event.request_id == 0):
+            self._end(s)
+            return None
+        return None if event is NEED_DATA else event
+
+    def _answer(self, s: ServerSession, event: object, bufs: list, deadline: Deadline) -> list:
+        answers = self._answers(s, event)
+        streamed = inspect.isgenerator(answers)
+        if streamed and bufs:  # its body has not run yet and may wait: earlier answers go out first
+            s.write(bufs, deadline)
+            bufs = []
+        for answer in answers:
+            with s.lock:
+                bufs += s.conn.send(answer)
+            if streamed:  # a handler that yields may block before its next answer: send this one now
+                s.write(bufs, deadline)
+                bufs = []
+        return bufs
+
+    def _answers(self, s: ServerSession, event: object):
+        try:
+            answers = self.service.handle(s, event)
+            return answers if inspect.isgenerator(answers) else list(answers or ())
+        except TierSyncError as exc:
+            code = ev.ErrorCode.BAD_REQUEST if isinstance(exc, ValueError) else ev.ErrorCode.INTERNAL
+            return [ev.Error(event.request_id, code, exc.message[:512])] if _answerable(event) else []
+        except Exception as exc:  # noqa: BLE001 - a handler bug must not kill the server
+            log.exception("handler failed")
+            return [ev.Error(event.request_id, ev.ErrorCode.INTERNAL, type(exc).__name__)] if _answerable(event) else []
+
+
+_local = threading.local()
+
+
+def _worker_buffer() -> memoryview:
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(256 << 10))
+    return buf
+
+
+def _answerable(event: object) -> bool:
+    return bool(getattr(event, "request_id", 0))
