@@ -33,7 +33,7 @@ from tiersync.layout.pool import Device, KVLayout
 from tiersync.telemetry.metrics import Metrics
 from tiersync.tiers.host import HostArena
 from tiersync.transfer.future import Direction, TransferFuture
-from tiersync.transfer.kernel import copy_blocks
+from tiersync.transfer.backends import CopyBackend, backend_for
 from tiersync.transfer.pacing import Pacer
 from tiersync.transfer.spans import BlockCopy, Pattern, block_copy, expand, pool_pattern, validate_runs
 
@@ -51,10 +51,14 @@ class TransferConfig:
     bandwidth_gbps: float | None = None
     chunk_bytes: int = 8 << 20
     streaming_stores: bool = True
+    backend: str | None = None
+    """Copy backend by name (``native``, ``python-memmove``); None picks per pool device."""
 
     def __post_init__(self) -> None:
         for name in ("workers", "max_inflight_bytes", "chunk_bytes"):
             check_positive_int(getattr(self, name), f"TransferConfig.{name}")
+        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
+            raise UsageError("must be a backend name or None", argument="TransferConfig.backend")
         bw = self.bandwidth_gbps
         if bw is not None and (not isinstance(bw, (int, float)) or isinstance(bw, bool) or not bw > 0):
             raise UsageError("must be positive or None", argument="TransferConfig.bandwidth_gbps")
@@ -81,10 +85,9 @@ class TransferEngine:
         if arena.block_nbytes < layout.host_block_nbytes:
             raise UsageError("host blocks are smaller than the layout's host image", argument="arena",
                              block_nbytes=arena.block_nbytes, needed=layout.host_block_nbytes)
-        unsupported = layout.devices - {Device.CPU}
-        if unsupported:
-            raise UsageError("pools on this device need a device backend that is not available",
-                             argument="layout", devices=sorted(d.value for d in unsupported))
+        self.config = config if config is not None else TransferConfig()
+        self.backends = _backends(layout, self.config)
+        """The copy backend of each device the layout's pools live on."""
         self.layout, self.arena = layout, arena
         groups: dict[tuple, int] = {}  # pools with equal stride and regions share one span plan
         self._geometry = [groups.setdefault((p.spec.block_stride, p.spec.regions), len(groups))
@@ -93,7 +96,6 @@ class TransferEngine:
         for g, p in zip(self._geometry, layout.pools):
             for to_host in (True, False):
                 self._patterns.setdefault((g, to_host), (p.spec.block_stride, pool_pattern(p.spec, to_host=to_host)))
-        self.config = config if config is not None else TransferConfig()
         self.metrics = metrics if metrics is not None else Metrics.default()
         rate = None if self.config.bandwidth_gbps is None else self.config.bandwidth_gbps * 1e9
         self._pacer = Pacer(self.config.max_inflight_bytes, rate)
@@ -251,12 +253,12 @@ class TransferEngine:
     def _run(self, chunk: _Chunk) -> None:
         fut = chunk.future
         try:
-            for _, layer, src, dst, spans in chunk.parts:
+            for pool, layer, src, dst, spans in chunk.parts:
                 if fut.done():
                     return  # failed elsewhere
-                pat = spans.pattern
-                copy_blocks(src, dst, spans.src, spans.dst, pat.src, pat.dst, pat.length,
-                            streaming=self.config.streaming_stores)
+                backend = self.backends[self.layout.pools[pool].device]
+                backend.copy(src, dst, spans)
+                backend.synchronize()  # the layer may be reported done only once its bytes landed
                 if fut._chunk_done(layer):
                     fut._finish(None)
                     self._record(fut, ok=True)
@@ -297,3 +299,9 @@ class TransferEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _backends(layout: KVLayout, config: TransferConfig) -> dict[Device, CopyBackend]:
+    """One backend per device of ``layout``'s pools (UsageError when a device has none)."""
+    return {d: backend_for(d, name=config.backend, streaming=config.streaming_stores)
+            for d in sorted(layout.devices, key=lambda d: d.value)}

@@ -1,9 +1,8 @@
 """The byte mover: copy lists of spans, or a region pattern per block, between two
 host-addressable buffers.
 
-Uses the native ``_kernel`` extension when it was built (GIL released,
-non-temporal stores for large spans); otherwise a pure-Python fallback built on
-``ctypes.memmove`` (also GIL-free per call, but with per-span Python overhead).
+The native ``_kernel`` extension, when it was built (GIL released, non-temporal stores for
+large spans); :mod:`tiersync.transfer.backends` falls back to ``ctypes.memmove`` without it.
 ``KERNEL`` names the implementation in use, so benchmarks can report it.
 
 It also carries ``tsum64``, tiersync's own 64-bit payload checksum (spec in
@@ -15,7 +14,6 @@ Callers validate bounds: these functions trust their offsets.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -49,23 +47,6 @@ def tsum64_hasher(seed: int = 0) -> object:
     return _native.Tsum64(seed)
 
 
-def copy_spans(
-    src_addr: int, dst_addr: int, src_off: np.ndarray, dst_off: np.ndarray, lengths: np.ndarray,
-    *, streaming: bool = True,
-) -> None:
-    """Copy ``lengths[i]`` bytes from ``src_addr+src_off[i]`` to ``dst_addr+dst_off[i]``.
-
-    The three arrays are C-contiguous int64 of equal length. ``streaming`` asks
-    for non-temporal stores (native kernel on x86-64 only; ignored elsewhere).
-    """
-    if _native is not None:
-        _native.copy_spans(src_addr, dst_addr, src_off, dst_off, lengths, streaming)
-        return
-    move = ctypes.memmove
-    for s, d, n in zip(src_off.tolist(), dst_off.tolist(), lengths.tolist()):
-        move(dst_addr + d, src_addr + s, n)
-
-
 def copy_blocks(
     src_addr: int, dst_addr: int, src_blocks: np.ndarray, dst_blocks: np.ndarray, src_regions: np.ndarray,
     dst_regions: np.ndarray, lengths: np.ndarray, *, streaming: bool = True,
@@ -76,12 +57,7 @@ def copy_blocks(
 
     All five arrays are C-contiguous int64; block arrays equal in length, region arrays too.
     """
-    if _native is not None:
-        _native.copy_blocks(src_addr, dst_addr, src_blocks, dst_blocks, src_regions, dst_regions, lengths,
-                            streaming)
-        return
-    move = ctypes.memmove
-    regions = list(zip(src_regions.tolist(), dst_regions.tolist(), lengths.tolist()))
-    for sb, db in zip(src_blocks.tolist(), dst_blocks.tolist()):
-        for s, d, n in regions:
-            move(dst_addr + db + d, src_addr + sb + s, n)
+    if _native is None:
+        raise RuntimeError("copy_blocks needs the native extension (tiersync.transfer._kernel); "
+                           "tiersync.transfer.backends.MemmoveCopier is the fallback")
+    _native.copy_blocks(src_addr, dst_addr, src_blocks, dst_blocks, src_regions, dst_regions, lengths, streaming)
