@@ -12,7 +12,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "tiersync"
 # lowest first; a package may import the packages of strictly lower layers (and itself)
 LAYERS = [
-    {"errors", "telemetry", "settings", "sizes", "iov", "__init__"},
+    {"errors", "telemetry", "settings", "sizes", "iov", "completion", "__init__"},
     {"layout"},
     {"tiers"},
     {"transfer"},

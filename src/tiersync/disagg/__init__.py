@@ -14,7 +14,7 @@
 
 Imports numpy and xxhash, never torch or JAX; ``import tiersync`` does not import this package.
 """
-from tiersync.disagg.config import DisaggConfig, RequestState, TransferStatus
+from tiersync.disagg.config import DisaggConfig, RequestState, FinishedRequests
 from tiersync.disagg.consumer import KVConsumer, ReadHandle, SourceSpec
 from tiersync.disagg.geometry import KVOrder, PagedKVLayout
 from tiersync.disagg.producer import KVProducer
@@ -34,7 +34,7 @@ __all__ = [
     "Route",
     "SourceSpec",
     "Transfer",
-    "TransferStatus",
+    "FinishedRequests",
     "apply_plan",
     "gather",
     "plan_reshard",

@@ -1,16 +1,16 @@
 """Settings, states and the polled status of the prefill -> decode transfer."""
 from __future__ import annotations
 
-import enum
 import os
 from dataclasses import dataclass, field
 
+from tiersync.completion import Status
 from tiersync.errors import UsageError, check_positive_int
 from tiersync.net.config import Route, TcpConfig, coerce_token
 from tiersync.net.frames import ProtocolConfig
 from tiersync.net.tls import TlsConfig
 
-__all__ = ["DisaggConfig", "RequestState", "TransferStatus"]
+__all__ = ["DisaggConfig", "RequestState", "FinishedRequests"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,16 +83,13 @@ class DisaggConfig:
                          route=self.route, local_threads=self.local_threads, protocol=self.protocol)
 
 
-class RequestState(enum.Enum):
-    """Life of one request on either side. DONE and FAILED are final."""
-
-    PENDING = "pending"  # producer: registered, not every reader done; consumer: receiving
-    DONE = "done"
-    FAILED = "failed"
+RequestState = Status
+"""Life of one request on either side (:class:`tiersync.completion.Status`): PENDING (producer:
+registered, not every reader done; consumer: receiving), then DONE or FAILED, for good."""
 
 
 @dataclass(frozen=True, slots=True)
-class TransferStatus:
+class FinishedRequests:
     """Requests that reached a final state since the previous poll (each reported once).
 
     Producer polls fill ``done_sending`` / ``failed_sending``; consumer polls fill

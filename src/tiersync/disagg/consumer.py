@@ -34,7 +34,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from tiersync.disagg.config import DisaggConfig, RequestState, TransferStatus, check_side
+from tiersync.completion import Completion
+from tiersync.disagg.config import DisaggConfig, RequestState, FinishedRequests, check_side
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.disagg.link import pull_route
 from tiersync.disagg.messages import ReadRequest, check_request_id
@@ -91,8 +92,9 @@ class SourceSpec:
                    tuple(data["block_ids"]), data["num_tokens"])
 
 
-class ReadHandle:
-    """One request being received. ``state``, ``error`` (why it FAILED), ``arrived_layers``.
+class ReadHandle(Completion[None]):
+    """One request being received (a :class:`~tiersync.completion.Completion`): ``state``,
+    ``error`` (why it FAILED), ``arrived_layers``.
 
     :meth:`wait_layer` blocks until a layer landed in its host buffer (True), the timeout
     passed (False) or the read failed (raises the RemoteError behind it).
@@ -100,18 +102,28 @@ class ReadHandle:
 
     def __init__(self, request_id: str, plan: ReshardPlan, sources: tuple[int, ...], views: list[np.ndarray],
                  deadline: float, on_layer: LayerCallback | None, progress: threading.Event | None = None) -> None:
+        super().__init__()
         self.request_id, self.plan, self.sources = request_id, plan, sources
         self._progress = progress  # set once this read becomes final
         self.deadline = deadline
         self._views, self._on_layer = views, on_layer
-        self._cond = threading.Condition()
         self._counts = [0] * plan.num_layers
         self._commits = 0
         self._arrived: list[int] = []
         self._channels: set[TcpChannel] = set()
         self._pulling = 0  # threads that may still write the landing buffers
-        self.state = RequestState.PENDING
-        self.error: TierSyncError | None = None
+
+    what = "prefill -> decode read"
+
+    @property
+    def state(self) -> RequestState:
+        """PENDING while receiving, then DONE or FAILED."""
+        return self.status
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the read FAILED (None otherwise)."""
+        return self._error
 
     @property
     def arrived_layers(self) -> tuple[int, ...]:
@@ -133,7 +145,7 @@ class ReadHandle:
                 self._cond.wait(left)
             if layer in self._arrived:
                 return True
-            raise self.error
+            raise self._error  # type: ignore[misc]  # FAILED: set by _fail
 
     def wait(self, timeout: float | None = None) -> RequestState:
         """Wait until DONE or FAILED (or the timeout); returns the state."""
@@ -200,21 +212,17 @@ class ReadHandle:
             self._commits += 1
             if self.state is not RequestState.PENDING or self._commits < len(self.sources):
                 return
-            if len(self._arrived) != self.plan.num_layers:
+            if len(self._arrived) != self.plan.num_layers or not self._settle(None):
                 return
-            self.state = RequestState.DONE
-            self._cond.notify_all()
         if self._progress is not None:
             self._progress.set()
 
-    def _fail(self, error: TierSyncError) -> bool:
+    def _fail(self, error: BaseException) -> bool:
         """FAILED (once): close every connection of the request. True when this call failed it."""
-        with self._cond:
-            if self.state is not RequestState.PENDING:
+        with self._cond:  # re-entrant: the state and the channels change together
+            if not super()._fail(error):
                 return False
-            self.state, self.error = RequestState.FAILED, error
             channels, self._channels = list(self._channels), set()
-            self._cond.notify_all()
         for channel in channels:
             channel.close()
         if self._progress is not None:
@@ -274,7 +282,7 @@ class KVConsumer:
                              name="tiersync-kv-recv").start()
         return handle
 
-    def poll(self) -> TransferStatus:
+    def poll(self) -> FinishedRequests:
         """Fail overdue reads, then report (once) every read that became DONE or FAILED."""
         now = time.monotonic()
         with self._lock:
@@ -290,7 +298,7 @@ class KVConsumer:
                     del self._reads[h.request_id]
             items, self._unreported = self._unreported, []
         done = frozenset(i for i, s in items if s is RequestState.DONE)
-        return TransferStatus(done_receiving=done, failed_receiving=frozenset(i for i, _ in items) - done)
+        return FinishedRequests(done_receiving=done, failed_receiving=frozenset(i for i, _ in items) - done)
 
     def wait_progress(self, timeout: float) -> bool:
         """Block (GIL released) until a read became final that :meth:`poll` has not yet

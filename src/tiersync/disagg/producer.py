@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Sequence
 
-from tiersync.disagg.config import DisaggConfig, RequestState, TransferStatus, check_side
+from tiersync.disagg.config import DisaggConfig, RequestState, FinishedRequests, check_side
 from tiersync.disagg.layer_reads import LayerReads, Outgoing, Refused, Route
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.disagg.messages import ReadRequest, check_request_id
@@ -129,7 +129,7 @@ class KVProducer(Service):
             req = self._requests.get(request_id)
             return req.state if req is not None else self._final.get(request_id)
 
-    def poll(self) -> TransferStatus:
+    def poll(self) -> FinishedRequests:
         """Expire overdue requests (FAILED), then report every request that became final since
         the last poll, once: ``done_sending`` (every reader acknowledged) and ``failed_sending``."""
         now = time.monotonic()
@@ -141,7 +141,7 @@ class KVProducer(Service):
             self._progress.clear()
             items, self._unreported = self._unreported, []
         done = frozenset(i for i, s in items if s is RequestState.DONE)
-        return TransferStatus(done_sending=done, failed_sending=frozenset(i for i, s in items) - done)
+        return FinishedRequests(done_sending=done, failed_sending=frozenset(i for i, s in items) - done)
 
     def wait_progress(self, timeout: float) -> bool:
         """Block (GIL released) until a request became final that :meth:`poll` has not yet

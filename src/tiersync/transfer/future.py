@@ -10,9 +10,9 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, TimeoutError as FutureTimeout
+from collections.abc import Sequence
 
+from tiersync.completion import Completion, Status
 from tiersync.errors import UsageError
 
 
@@ -21,22 +21,22 @@ class Direction(enum.Enum):
     H2D = "h2d"
 
 
-class TransferStatus(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
+TransferStatus = Status
+"""A transfer's status: :class:`tiersync.completion.Status` (the one status of every handle)."""
 
 
-class TransferFuture:
+class TransferFuture(Completion[None]):
     """Completion of one d2h/h2d request. Thread-safe; results are ``None``."""
 
+    what = "transfer"
+
     def __init__(self, direction: Direction, nbytes: int, layer_chunks: Sequence[int], host_blocks: Sequence[int]):
+        super().__init__()
         self.direction = direction
         self.nbytes = nbytes
         self.host_blocks = tuple(host_blocks)
         self.started = time.perf_counter()
         self.finished: float | None = None
-        self._future: Future = Future()
         self._lock = threading.Lock()
         self._remaining = list(layer_chunks)
         self._left = sum(1 for n in layer_chunks if n > 0)
@@ -49,33 +49,11 @@ class TransferFuture:
         return f"<TransferFuture {self.direction.value} {self.nbytes} B {self.status.value}>"
 
     @property
-    def status(self) -> TransferStatus:
-        if not self._future.done():
-            return TransferStatus.PENDING
-        return TransferStatus.FAILED if self._future.exception() else TransferStatus.DONE
-
-    @property
     def seconds(self) -> float | None:
         """Wall time from submission to completion, or None while pending."""
         return None if self.finished is None else self.finished - self.started
 
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> None:
-        """Wait; re-raises the transfer's error. Raises ``TimeoutError`` after ``timeout`` s."""
-        try:
-            return self._future.result(timeout)
-        except FutureTimeout:
-            raise TimeoutError(f"transfer not done after {timeout} s") from None
-
-    wait = result
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._future.exception(timeout)
-
-    def add_done_callback(self, fn: Callable[["TransferFuture"], None]) -> None:
-        self._future.add_done_callback(lambda _f: fn(self))
+    wait = Completion.result
 
     def layer_done(self, layer: int) -> bool:
         return self._layer_events[self._layer_index(layer)].is_set()
@@ -90,7 +68,7 @@ class TransferFuture:
         if not self._layer_events[self._layer_index(layer)].wait(timeout):
             raise TimeoutError(f"layer {layer} not done after {timeout} s")
         if self._remaining[layer] != 0:
-            self._future.result()
+            self.result()
 
     # -- engine side -------------------------------------------------------
     def _chunk_done(self, layer: int) -> bool:
@@ -103,13 +81,11 @@ class TransferFuture:
             return self._left == 0
 
     def _finish(self, exc: BaseException | None) -> None:
-        with self._lock:
-            if self.finished is not None:
-                return
-            self.finished = time.perf_counter()
-        for ev in self._layer_events:  # wake layer waiters; they check _remaining
-            ev.set()
-        if exc is None:
-            self._future.set_result(None)
-        else:
-            self._future.set_exception(exc)
+        """Settle the transfer (first call wins) and wake every layer waiter (they check
+        ``_remaining``)."""
+        if self._settle(None) if exc is None else self._fail(exc):
+            for ev in self._layer_events:
+                ev.set()
+
+    def _on_end(self) -> None:
+        self.finished = time.perf_counter()
