@@ -23,12 +23,21 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from tiersync.store.index import Entry
 from tiersync.store.residency import Residency
+
+if TYPE_CHECKING:
+    from tiersync.store.config import StoreConfig
+    from tiersync.store.index import PinIndex
+    from tiersync.telemetry.store_metrics import StoreMetrics
+    from tiersync.tiers.host import HostArena
+    from tiersync.tiers.storage import StorageTier
 
 log = logging.getLogger("tiersync.store")
 HOST, STORAGE = Residency.HOST, Residency.STORAGE
@@ -37,6 +46,22 @@ HOST, STORAGE = Residency.HOST, Residency.STORAGE
 class DemotionMixin:
     """Needs ``storage``, ``arena``, ``config``, ``metrics``, ``_lock``, ``_index``,
     ``_closed``, ``_demoting``, ``_demote_idle`` (a Condition on ``_lock``), ``_demote_backoff_until`` and ``_gauge``."""
+
+    if TYPE_CHECKING:  # provided by KVCacheStore
+        storage: StorageTier | None
+        arena: HostArena
+        config: StoreConfig
+        metrics: StoreMetrics
+        _lock: threading.RLock
+        _index: PinIndex
+        _closed: bool
+        _demoting: bool
+        _demote_idle: threading.Condition
+        _demote_backoff_until: float
+
+        def _gauge(self) -> None: ...
+
+    _sweeping: bool  # set by _maybe_demote (absent: False)
 
     def wait_demotions(self, timeout: float | None = None) -> bool:
         """Block until no demotion is in flight and none is due. False on timeout."""
@@ -71,13 +96,13 @@ class DemotionMixin:
             victims = self._index.coldest(HOST, want)
             stored = [e for e in victims if e.residency & STORAGE]
             if stored:
-                self.arena.free([self._index.clear(e, HOST) for e in stored])
+                self.arena.free([self._index.clear_host(e) for e in stored])
             batch = self._make_room([e for e in victims if not e.residency & STORAGE][: self.config.demote_batch])
             if not batch:
                 return
             self._index.hold(batch)
             self._demoting = True
-            views = [self.arena.block(e.host_block) for e in batch]
+            views = [self.arena.block(e.block) for e in batch]
         try:
             wf = self.storage.write([e.key for e in batch], views)
         except BaseException as exc:  # noqa: BLE001
@@ -101,7 +126,7 @@ class DemotionMixin:
                 if not batch:
                     return
                 self._index.hold(batch)
-                views = [self.arena.block(e.host_block) for e in batch]
+                views = [self.arena.block(e.block) for e in batch]
             try:
                 wf = self.storage.write([e.key for e in batch], views)
             except BaseException as e:  # noqa: BLE001 - the allocation then evicts and counts
@@ -110,7 +135,7 @@ class DemotionMixin:
             if not self._wait_written(wf, batch):
                 return
 
-    def _wait_written(self, wf: Future, batch: list[Entry]) -> bool:
+    def _wait_written(self, wf: Future[None], batch: list[Entry]) -> bool:
         """Wait for the write-down ``wf`` of ``batch``, at most ``config.demote_wait_s``; True
         when it succeeded. A write still running then is left to finish: its entries stay held
         (their host blocks are the write's source, so they must not be reused) and settle
@@ -145,7 +170,7 @@ class DemotionMixin:
             for e in batch:
                 self._index.mark(e, STORAGE, True)
                 if e.idle and e.residency & HOST:
-                    self.arena.free([self._index.clear(e, HOST)])
+                    self.arena.free([self._index.clear_host(e)])
         self._gauge()
         if exc is None:
             self.metrics.demotions.inc(len(batch))
@@ -161,7 +186,7 @@ class DemotionMixin:
             entries = [self._index.get(k) for k in set(keys)]
             if any(e is None or e.pins == 0 or not e.visible for e in entries):
                 return 0
-            return sum(1 for e in entries if not e.residency & HOST)
+            return sum(1 for e in entries if e is not None and not e.residency & HOST)
         self._ensure_host_room(need)
 
     def _count_unsaved(self, victims: list[Entry]) -> None:
@@ -174,6 +199,7 @@ class DemotionMixin:
             log.warning("evicting %d host entries that have no storage copy", lost)
 
     def _make_room(self, batch: list[Entry]) -> list[Entry]:
+        assert self.storage is not None  # called only with a storage tier
         cap = self.storage.config.capacity_blocks
         if cap is None or not batch:
             return batch
@@ -186,7 +212,7 @@ class DemotionMixin:
             self.metrics.evictions.labels("storage").inc(len(victims))
         return batch[: max(len(batch) - (over - len(victims)), 0)] if over > 0 else batch
 
-    def _demoted(self, wf, batch: list[Entry], exc: BaseException | None) -> None:
+    def _demoted(self, wf: Future[None] | None, batch: list[Entry], exc: BaseException | None) -> None:
         with self._lock:
             self._demoting = False
             self._demote_idle.notify_all()

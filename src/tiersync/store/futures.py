@@ -14,7 +14,7 @@ class StoreFuture(Generic[T]):
     """Completion of one store operation. ``result()`` returns its value or raises its error."""
 
     def __init__(self) -> None:
-        self._f: Future = Future()
+        self._f: Future[T] = Future()
 
     @classmethod
     def completed(cls, value: T) -> "StoreFuture[T]":

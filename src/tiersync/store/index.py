@@ -43,11 +43,17 @@ class Entry:
     def idle(self) -> bool:
         return self.pins == 0 and self.busy == 0 and not self.pending
 
+    @property
+    def block(self) -> int:
+        """``host_block`` of an entry that holds one (a HOST copy, or a save in flight)."""
+        assert self.host_block is not None, "entry holds no host block"
+        return self.host_block
+
 
 class PinIndex:
     """Entries by key with one eviction policy per tier (HOST, STORAGE)."""
 
-    def __init__(self, host_policy: "EvictionPolicy", storage_policy: "EvictionPolicy") -> None:
+    def __init__(self, host_policy: "EvictionPolicy[bytes]", storage_policy: "EvictionPolicy[bytes]") -> None:
         self._entries: dict[bytes, Entry] = {}
         self._policy = {Residency.HOST: host_policy, Residency.STORAGE: storage_policy}
         self.counts = {Residency.HOST: 0, Residency.STORAGE: 0}
@@ -150,6 +156,12 @@ class PinIndex:
         if tier is Residency.HOST:
             block, e.host_block = e.host_block, None
         self._set(e, tier, False)
+        return block
+
+    def clear_host(self, e: Entry) -> int:
+        """Drop the HOST copy ``e`` has; returns its host block."""
+        block = self.clear(e, Residency.HOST)
+        assert block is not None, "a HOST copy always has a host block"
         return block
 
     def mark(self, e: Entry, flag: Residency, present: bool) -> None:

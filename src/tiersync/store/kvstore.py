@@ -42,6 +42,7 @@ from tiersync.tiers.eviction import LRUPolicy, S3FIFOPolicy
 from tiersync.tiers.host import HostArena
 from tiersync.tiers.storage import StorageTier
 from tiersync.transfer.engine import TransferEngine
+from tiersync.transfer.future import TransferFuture
 
 log = logging.getLogger("tiersync.store")
 _POLICY = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
@@ -90,7 +91,7 @@ class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
         for r in recovered:
             e = self._index.get(r.key)
             if e is not None and e.residency & HOST:  # same key published twice: keep the newest
-                self.arena.free([self._index.clear(e, HOST)])
+                self.arena.free([self._index.clear_host(e)])
             self._index.add_host(r.key, r.block)
         log.info("store index rebuilt from %d warm-booted host blocks", len(recovered))
 
@@ -105,10 +106,11 @@ class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
         with self._lock:
             self._check_open()
             scan = self.storage is not None and len(self._prefix(keys)) < len(keys)
-        found = self.storage.refresh() if scan else []  # outside the lock: lookups go on meanwhile
+        # outside the lock: lookups go on meanwhile
+        found = self.storage.refresh() if scan and self.storage is not None else []
         with self._lock:
             self._check_open()
-            if scan:
+            if scan and self.storage is not None:
                 self._absorb(found)
                 self._absorb([k for k in keys if self._index.visible(k) is None and self.storage.contains(k)])
             hits = self._prefix(keys)
@@ -208,14 +210,15 @@ class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
         tf.add_done_callback(lambda t: self._saved(t, entries, blocks, tuple(skipped), fut))
         return fut
 
-    def _saved(self, tf, entries: list[Entry], blocks: list[int], skipped, fut: StoreFuture) -> None:
+    def _saved(self, tf: TransferFuture, entries: list[Entry], blocks: list[int], skipped: tuple[bytes, ...],
+               fut: StoreFuture[SaveResult]) -> None:
         exc = tf.exception()
         with self._lock:
             if exc is None and not self._closed:
                 try:
                     self.arena.publish(blocks, [e.key for e in entries])
-                except Exception as e:  # noqa: BLE001 - delivered through the future
-                    exc = e
+                except Exception as err:  # noqa: BLE001 - delivered through the future
+                    exc = err
             if exc is not None or self._closed:
                 self._drop_pending(entries, blocks)
             else:
@@ -247,7 +250,7 @@ class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
                                 used=self.arena.num_blocks - self.arena.allocator.num_free)
         if victims:
             self._count_unsaved(victims)
-            self.arena.free([self._index.clear(e, HOST) for e in victims])
+            self.arena.free([self._index.clear_host(e) for e in victims])
             self.metrics.evictions.labels("host").inc(len(victims))
         return self.arena.allocate(n)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from tiersync.errors import IntegrityError, RemoteError, UsageError
 from tiersync.store.futures import StoreFuture
@@ -19,12 +20,34 @@ from tiersync.store.keys import check_keys
 from tiersync.store.residency import Residency
 from tiersync.tiers.storage import ReadStatus
 
+if TYPE_CHECKING:
+    from tiersync.store.index import PinIndex
+    from tiersync.telemetry.store_metrics import StoreMetrics
+    from tiersync.tiers.host import HostArena
+    from tiersync.tiers.storage import StorageTier
+    from tiersync.transfer.engine import TransferEngine
+    from tiersync.transfer.future import TransferFuture
+
 HOST, STORAGE = Residency.HOST, Residency.STORAGE
 
 
 class LoadMixin:
     """Needs ``storage``, ``arena``, ``engine``, ``metrics``, ``_lock``, ``_index``,
     ``_check_open``, ``_allocate_host``, ``_room_for_load``, ``_maybe_demote`` and ``_gauge``."""
+
+    if TYPE_CHECKING:  # provided by KVCacheStore
+        storage: StorageTier | None
+        arena: HostArena
+        engine: TransferEngine
+        metrics: StoreMetrics
+        _lock: threading.RLock
+        _index: PinIndex
+
+        def _check_open(self) -> None: ...
+        def _allocate_host(self, n: int) -> list[int]: ...
+        def _room_for_load(self, keys: list[bytes]) -> None: ...
+        def _maybe_demote(self) -> None: ...
+        def _gauge(self) -> None: ...
 
     def load(self, keys: Sequence[bytes], device_blocks: Sequence[int]) -> StoreFuture[None]:
         """Copy pinned ``keys`` into ``device_blocks``; storage-only entries are promoted to host first.
@@ -54,13 +77,15 @@ class LoadMixin:
         if not cold:
             self._to_device(entries, dev, fut)
             return fut
+        assert self.storage is not None  # cold entries have a STORAGE copy
         rf = self.storage.read([e.key for e in cold], [self.arena.block(b) for b in blocks])
         rf.add_done_callback(lambda f: self._promoted(f, cold, blocks, entries, dev, fut))
         return fut
 
     def _pinned_entries(self, keys: list[bytes]) -> list[Entry]:
         """Entries of ``keys``; each needs one pin per time it is named (as in release)."""
-        entries, named = [], {}
+        entries: list[Entry] = []
+        named: dict[bytes, int] = {}
         for k in keys:
             e = self._index.get(k)
             named[k] = named.get(k, 0) + 1
@@ -70,13 +95,15 @@ class LoadMixin:
             entries.append(e)
         return entries
 
-    def _promoted(self, rf, cold: list[Entry], blocks: list[int], entries, dev, fut: StoreFuture) -> None:
+    def _promoted(self, rf: Future[list[ReadStatus]], cold: list[Entry], blocks: list[int], entries: list[Entry],
+                  dev: list[int], fut: StoreFuture[None]) -> None:
         try:
             self._promote_finish(rf, cold, blocks, entries, dev, fut)
         except BaseException as exc:  # noqa: BLE001 - never strand a future
             fut._fail(exc)
 
-    def _promote_finish(self, rf, cold: list[Entry], blocks: list[int], entries, dev, fut: StoreFuture) -> None:
+    def _promote_finish(self, rf: Future[list[ReadStatus]], cold: list[Entry], blocks: list[int],
+                        entries: list[Entry], dev: list[int], fut: StoreFuture[None]) -> None:
         exc = rf.exception()
         statuses = [ReadStatus.UNREADABLE] * len(cold) if exc is not None else rf.result()
         with self._lock:
@@ -104,14 +131,14 @@ class LoadMixin:
         self._to_device(entries, dev, fut)
         self._maybe_demote()
 
-    def _to_device(self, entries: list[Entry], dev: list[int], fut: StoreFuture) -> None:
+    def _to_device(self, entries: list[Entry], dev: list[int], fut: StoreFuture[None]) -> None:
         rounds: list[list[tuple[int, int, int]]] = []  # a key loaded twice: its host block in a 2nd copy
         seen: dict[int, int] = {}
         for e, d in zip(entries, dev):
-            i = seen[e.host_block] = seen.get(e.host_block, -1) + 1
+            i = seen[e.block] = seen.get(e.block, -1) + 1
             if i == len(rounds):
                 rounds.append([])
-            rounds[i].append((e.host_block, d, 1))
+            rounds[i].append((e.block, d, 1))
         try:
             tfs = [self.engine.h2d(r) for r in rounds]
         except BaseException as exc:  # noqa: BLE001 - pins kept, delivered through the future
@@ -121,7 +148,7 @@ class LoadMixin:
             return
         left, errors, gate = [len(tfs)], [], threading.Lock()
 
-        def one(t: Any) -> None:
+        def one(t: TransferFuture) -> None:
             with gate:
                 left[0] -= 1
                 if t.exception() is not None:
@@ -133,7 +160,7 @@ class LoadMixin:
         for tf in tfs:
             tf.add_done_callback(one)
 
-    def _loaded(self, exc: BaseException | None, entries: list[Entry], fut: StoreFuture) -> None:
+    def _loaded(self, exc: BaseException | None, entries: list[Entry], fut: StoreFuture[None]) -> None:
         with self._lock:
             self._index.unhold(entries)
             if exc is None:

@@ -138,7 +138,7 @@ class OffloadManager:
         loadable. Every key in the spec stays pinned until :meth:`release`.
         """
         n = self.lookup(keys)
-        entries = [self._index.get(k) for k in keys[:n]]
+        entries = [e for k in keys[:n] if (e := self._index.get(k)) is not None]  # all n: lookup found them
         self._index.pin(entries)  # pinned first: evicting for disk hits never takes them
         slots, disk = [], []
         for i, e in enumerate(entries):

@@ -16,10 +16,17 @@ refills it with :meth:`insert_host`.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.store.residency import Residency
+
+if TYPE_CHECKING:
+    from tiersync.store.index import Entry, PinIndex
+    from tiersync.telemetry.store_metrics import StoreMetrics
+    from tiersync.tiers.host import HostArena
 
 HOST, REMOTE = Residency.HOST, Residency.REMOTE
 
@@ -27,6 +34,18 @@ HOST, REMOTE = Residency.HOST, Residency.REMOTE
 class RemoteTierMixin:
     """Needs ``arena``, ``metrics``, ``_lock``, ``_index``, ``_closed``, ``_check_open``,
     ``_allocate_host``, ``_drop_pending`` and ``_gauge`` (all of :class:`KVCacheStore`)."""
+
+    if TYPE_CHECKING:  # provided by KVCacheStore
+        arena: HostArena
+        metrics: StoreMetrics
+        _lock: threading.RLock
+        _index: PinIndex
+        _closed: bool
+
+        def _check_open(self) -> None: ...
+        def _allocate_host(self, n: int) -> list[int]: ...
+        def _drop_pending(self, entries: list[Entry], blocks: list[int]) -> None: ...
+        def _gauge(self) -> None: ...
 
     def take_evictable(self, n: int) -> list[tuple[bytes, memoryview]]:
         """Up to ``n`` idle host entries, least recently used first, held until :meth:`give_back`.
@@ -39,7 +58,7 @@ class RemoteTierMixin:
             self._check_open()
             taken = self._index.coldest(HOST, n)
             self._index.hold(taken)
-            return [(e.key, self.arena.block(e.host_block)) for e in taken]
+            return [(e.key, self.arena.block(e.block)) for e in taken]
 
     def give_back(self, keys: Sequence[bytes], *, remote: bool = False, drop: bool = False) -> int:
         """End the take of ``keys`` (each exactly as taken); returns how many host blocks were freed.
@@ -49,8 +68,8 @@ class RemoteTierMixin:
         kept count as just used (most recently used in the eviction order).
         """
         with self._lock:
-            entries = [self._index.get(k) for k in keys]
-            if any(e is None or e.busy == 0 for e in entries):
+            entries = [e for k in keys if (e := self._index.get(k)) is not None and e.busy]
+            if len(entries) != len(keys):
                 raise UsageError("key was not taken (take_evictable first)", argument="keys")
             self._index.unhold(entries)
             freed = []
@@ -58,7 +77,7 @@ class RemoteTierMixin:
                 if remote:
                     self._index.mark(e, REMOTE, True)
                 if drop and e.idle and e.residency & HOST:
-                    freed.append(self._index.clear(e, HOST))
+                    freed.append(self._index.clear_host(e))
             self.arena.free(freed)
             self._gauge()
         if freed:

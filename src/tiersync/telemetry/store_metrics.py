@@ -36,7 +36,7 @@ _FAMILIES = {  # name -> (kind, help, labels after "store")
     "corrupt": ("counter", "tiersync_store_corrupt", "Blocks found corrupt", ("tier",)),
     "entries": ("gauge", "tiersync_store_entries", "Entries with a copy in the tier", ("tier",)),
 }
-_shared: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()  # registry -> families
+_shared: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()  # registry -> families
 _lock = threading.Lock()
 _ids = itertools.count(1)
 
@@ -56,7 +56,7 @@ def _families(registry: Any) -> dict[str, Any]:
 class _Bound:
     """One family with the store's label filled in: ``.labels(tier, ...)``, ``.inc``, ``.set``."""
 
-    def __init__(self, family: Any, store: str, used: set) -> None:
+    def __init__(self, family: Any, store: str, used: set[tuple[Any, tuple[str, ...]]]) -> None:
         self._family, self._store, self._used = family, store, used
 
     def labels(self, *values: str) -> Any:
@@ -77,7 +77,16 @@ class StoreMetrics:
         if registry is None:
             from prometheus_client import REGISTRY as registry
         self.registry, self.store = registry, store or f"store-{next(_ids)}"
-        self._used: set = set()
+        self._used: set[tuple[Any, tuple[str, ...]]] = set()
+        # one attribute per _FAMILIES entry, set below
+        self.hits: _Bound
+        self.misses: _Bound
+        self.evictions: _Bound
+        self.demotions: _Bound
+        self.promotions: _Bound
+        self.bytes: _Bound
+        self.corrupt: _Bound
+        self.entries: _Bound
         for attr, family in _families(registry).items():
             setattr(self, attr, _Bound(family, self.store, self._used))
 

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from tiersync.errors import CapacityError, UsageError, check_positive_int
 from tiersync.tiers.eviction import EvictionPolicy, LRUPolicy
@@ -34,12 +35,12 @@ class BlockAllocator:
     """Thread-safe allocator over ``num_blocks`` host block ids ``0..num_blocks-1``."""
 
     def __init__(
-        self, num_blocks: int, *, policy: EvictionPolicy | None = None,
+        self, num_blocks: int, *, policy: EvictionPolicy[int] | None = None,
         on_evict: Callable[[list[int]], None] | None = None,
     ) -> None:
         check_positive_int(num_blocks, "num_blocks")
         self.num_blocks = num_blocks
-        self._policy = policy if policy is not None else LRUPolicy()
+        self._policy: EvictionPolicy[int] = policy if policy is not None else LRUPolicy()
         self._on_evict = on_evict
         self._locks = np.zeros(num_blocks, dtype=np.int64)
         self._state = np.zeros(num_blocks, dtype=np.int8)
@@ -160,7 +161,7 @@ class BlockAllocator:
             raise UsageError("block id out of range", argument=argument, block=b, num_blocks=self.num_blocks)
         return int(b)
 
-    def _ids(self, blocks: Sequence[int], argument: str, unique: bool = False) -> np.ndarray:
+    def _ids(self, blocks: Iterable[int], argument: str, unique: bool = False) -> npt.NDArray[np.int64]:
         try:
             raw = (blocks if isinstance(blocks, np.ndarray) else np.asarray(list(blocks))).reshape(-1)
             if raw.size and raw.dtype.kind not in "iu":  # a plain int64 cast truncates floats, parses strings

@@ -9,36 +9,38 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
+
+K = TypeVar("K", bound=Hashable)  # the key type: host block ids (int), store keys (bytes)
 
 
-class EvictionPolicy(Protocol):
-    def add(self, key: Hashable) -> None: ...
-    def touch(self, key: Hashable) -> None: ...
-    def remove(self, key: Hashable) -> None: ...
-    def choose(self, n: int) -> list[Hashable] | None: ...
+class EvictionPolicy(Protocol[K]):
+    def add(self, key: K) -> None: ...
+    def touch(self, key: K) -> None: ...
+    def remove(self, key: K) -> None: ...
+    def choose(self, n: int) -> list[K] | None: ...
     def __len__(self) -> int: ...
     def __contains__(self, key: object) -> bool: ...
 
 
-class LRUPolicy:
+class LRUPolicy(Generic[K]):
     """Least recently used first. ``touch`` of an unknown key is ignored."""
 
     def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
+        self._order: OrderedDict[K, None] = OrderedDict()
 
-    def add(self, key: Hashable) -> None:
+    def add(self, key: K) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: K) -> None:
         if key in self._order:
             self._order.move_to_end(key)
 
-    def remove(self, key: Hashable) -> None:
+    def remove(self, key: K) -> None:
         self._order.pop(key, None)
 
-    def choose(self, n: int) -> list[Hashable] | None:
+    def choose(self, n: int) -> list[K] | None:
         if n > len(self._order):
             return None
         it = iter(self._order)
@@ -51,35 +53,35 @@ class LRUPolicy:
         return key in self._order
 
 
-class S3FIFOPolicy:
+class S3FIFOPolicy(Generic[K]):
     """Scan-resistant S3-FIFO: new keys enter a small FIFO; keys touched there move to
     the main FIFO; victims come from the small FIFO first (one-hit wonders), then main
     (with one second chance per touch). ``small_ratio`` sizes the small queue."""
 
     def __init__(self, small_ratio: float = 0.1) -> None:
-        self._small: OrderedDict[Hashable, int] = OrderedDict()
-        self._main: OrderedDict[Hashable, int] = OrderedDict()
+        self._small: OrderedDict[K, int] = OrderedDict()
+        self._main: OrderedDict[K, int] = OrderedDict()
         self._ratio = small_ratio
 
-    def add(self, key: Hashable) -> None:
+    def add(self, key: K) -> None:
         self.remove(key)
         self._small[key] = 0
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: K) -> None:
         if key in self._small:
             self._small[key] = 1
         elif key in self._main:
             self._main[key] = min(self._main[key] + 1, 3)
 
-    def remove(self, key: Hashable) -> None:
+    def remove(self, key: K) -> None:
         self._small.pop(key, None)
         self._main.pop(key, None)
 
-    def choose(self, n: int) -> list[Hashable] | None:
+    def choose(self, n: int) -> list[K] | None:
         if n > len(self):
             return None
         small, main = OrderedDict(self._small), OrderedDict(self._main)  # dry run; commit nothing
-        victims: list[Hashable] = []
+        victims: list[K] = []
         while len(victims) < n:
             if small and (len(small) >= self._ratio * (len(small) + len(main)) or not main):
                 key, freq = small.popitem(last=False)

@@ -18,7 +18,7 @@ import logging
 import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from tiersync.tiers.prefault import Prefaulter
 
 if TYPE_CHECKING:
     from tiersync.layout.pool import KVLayout
-    from tiersync.tiers.shm import RecoveredBlock, ShmConfig
+    from tiersync.tiers.shm import RecoveredBlock, ShmConfig, ShmSegment
 
 log = logging.getLogger("tiersync.host")
 POLICIES = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
@@ -73,7 +73,7 @@ class HostArena:
             raise UsageError("must be a HostArenaConfig", argument="config", got=type(config).__name__)
         self.config = config
         self._on_evict = on_evict
-        self._segment: Any = None
+        self._segment: ShmSegment | None = None
         self._mmap: mmap.mmap | None = None
         self.prefault: Prefaulter | None = None
         """Populates anonymous memory in the background (:mod:`tiersync.tiers.prefault`)."""
@@ -107,7 +107,7 @@ class HostArena:
                               policy=policy, layout_digest=layout.digest(), prefault=prefault)
         return cls(cfg, on_evict=on_evict)
 
-    def _open_memory(self, config: HostArenaConfig) -> Any:
+    def _open_memory(self, config: HostArenaConfig) -> mmap.mmap | memoryview:
         if config.shm is None:
             try:
                 self._mmap = mmap.mmap(-1, config.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -218,7 +218,7 @@ class HostArena:
                 self._segment.close()
             except UsageError:  # views of the memory are still alive somewhere
                 log.warning("host arena closed while views of %s are alive: the segment stays "
-                            "attached (and locked) until they are released", self.config.shm.path)
+                            "attached (and locked) until they are released", self._segment.config.path)
         if self.prefault is not None:
             self.prefault.stop()
         if self._mmap is not None:

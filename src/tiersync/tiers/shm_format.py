@@ -27,6 +27,7 @@ import fcntl
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
@@ -204,7 +205,8 @@ def compare(found: Header, wanted: Header, file_nbytes: int) -> tuple[ColdStart,
     """Why ``found`` (from a file of ``file_nbytes``) cannot be attached as ``wanted``; None if it can."""
     if found.model_id != wanted.model_id or found.model_digest != wanted.model_digest:
         return ColdStart.MODEL_MISMATCH, f"model_id {found.model_id!r} != {wanted.model_id!r}"
-    geo = lambda h: (h.num_blocks, h.block_nbytes, h.layout_digest.hex())  # noqa: E731
+    geo: Callable[[Header], tuple[int, int, str]] = lambda h: (  # noqa: E731
+        h.num_blocks, h.block_nbytes, h.layout_digest.hex())
     if geo(found) != geo(wanted):
         return ColdStart.GEOMETRY_MISMATCH, f"geometry {geo(found)} != {geo(wanted)}"
     if file_nbytes != found.file_nbytes:
@@ -257,6 +259,8 @@ def inspect(path: str) -> SegmentInfo:
 def os_failure(exc: OSError, path: str, action: str, requested: int | None = None) -> Exception:
     """Translate an OSError on ``path`` into CapacityError (no room) or UsageError."""
     if exc.errno in NO_ROOM:
+        used: int | None
+        free: int | None
         try:
             st = os.statvfs(os.path.dirname(path) or ".")
             used, free = (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_bavail * st.f_frsize

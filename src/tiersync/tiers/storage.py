@@ -42,9 +42,10 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import xxhash
 
@@ -62,6 +63,8 @@ log = logging.getLogger(__name__)
 _DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
 _THREAD_PREFIX = "tiersync-storage"
 _READ_PASSES = 2  # a lone read is served at once; what queues meanwhile shares the second pass
+_Request = tuple[list[bytes], list[memoryview]]  # (keys, views) of one write or read
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +147,8 @@ class StorageTier:
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix=_THREAD_PREFIX)
         self._writes = Combiner(self._pool, self._serve_writes, max_active=config.workers, take=self._take_writes)
         self._io = ThreadPoolExecutor(config.read_depth, thread_name_prefix=_THREAD_PREFIX + "-read")
-        self._reads = Combiner(self._pool, lambda reqs: ReadPass(self, reqs, self._io).run(), max_active=_READ_PASSES)
+        self._reads: Combiner[_Request, list[ReadStatus]] = Combiner(
+            self._pool, lambda reqs: ReadPass(self, reqs, self._io).run(), max_active=_READ_PASSES)
         self._closed = False
         self._remove_orphans()
         self.refresh()
@@ -243,13 +247,13 @@ class StorageTier:
                 raise UsageError(f"keys must be 1..{fmt.MAX_KEY_NBYTES} bytes", argument="keys", key=k)
         return self._submit(self._writes, (keys, [memoryview(v).cast("B") for v in views]))
 
-    def _submit(self, combiner: Combiner, request) -> Future:
+    def _submit(self, combiner: Combiner[_Request, _T], request: _Request) -> Future[_T]:
         try:
             return combiner.submit(request)
         except RuntimeError as exc:  # the pool shut down between the check and the submit
             raise ClosedError("storage tier is closed") from exc
 
-    def _take_writes(self, reqs: list) -> int:
+    def _take_writes(self, reqs: list[_Request]) -> int:
         n, total = 0, 0
         for _, views in reqs:
             total += sum(len(v) for v in views)
@@ -258,8 +262,8 @@ class StorageTier:
             n += 1
         return n
 
-    def _serve_writes(self, reqs: list) -> list[None]:
-        batch = {}  # key -> view; a key written twice in a burst keeps its last bytes
+    def _serve_writes(self, reqs: list[_Request]) -> list[None]:
+        batch: dict[bytes, memoryview] = {}  # key -> view; a key written twice in a burst keeps its last bytes
         for keys, views in reqs:
             batch.update(zip(keys, views))
         self._index.sync_tombstones()
@@ -289,7 +293,8 @@ class StorageTier:
             raise self._translate(exc, nbytes) from exc
         self._index.bury(self._index.publish(name, recs, seq, nbytes))  # older copies: superseded
 
-    def _write_file(self, path: str, header_nbytes: int, header, views: list[memoryview]) -> None:
+    def _write_file(self, path: str, header_nbytes: int, header: Callable[[list[int]], bytes],
+                    views: list[memoryview]) -> None:
         direct = self._direct and self.config.direct_writes and all(sio.aligned(v) for v in views)
         used, _ = sio.write_file(path, header_nbytes, header, views, xxhash.xxh3_64_intdigest, direct=direct,
                                  fsync=self.config.fsync, pool=self._io)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiersync.tiers import storage_format as fmt
@@ -99,7 +100,7 @@ class SegmentIndex:
             return dead
 
     # -- deletion ------------------------------------------------------------
-    def drop(self, items: list[tuple[bytes, str | None]]) -> Dead:
+    def drop(self, items: Sequence[tuple[bytes, str | None]]) -> Dead:
         """Under :attr:`lock`: forget each key (only while it is still in ``segment``, when given).
         Pass the result to :meth:`bury` once the lock is released."""
         dead: list[str] = []

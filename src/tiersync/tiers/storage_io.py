@@ -14,12 +14,16 @@ import ctypes
 import errno
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tiersync.iov import consume
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _IOV_MAX = 512
@@ -55,7 +59,7 @@ def open_for_read(path: str, direct: bool) -> tuple[int, bool]:
     return os.open(path, flags), False
 
 
-def pwritev_all(fd: int, bufs: list, offset: int) -> int:
+def pwritev_all(fd: int, bufs: Sequence[Buffer], offset: int) -> int:
     """Write every buffer at ``offset`` onward, resuming after short writes. Returns bytes written."""
     views = [memoryview(b).cast("B") for b in bufs]
     views = [v for v in views if len(v)]
@@ -85,7 +89,7 @@ def write_file(path: str, header_nbytes: int, make_header: Callable[[list[int]],
     checksums). Raises OSError; the caller removes the file.
     """
     fd, direct = open_for_write(path, direct)
-    pending: list[Future] = []
+    pending: list[Future[int]] = []
     try:
         sums: list[int] = []
         off, chunk, size = header_nbytes, [], 0
@@ -102,7 +106,7 @@ def write_file(path: str, header_nbytes: int, make_header: Callable[[list[int]],
         for f in pending:
             f.result()
         header = make_header(sums)
-        head = header
+        head: bytes | mmap.mmap = header
         if direct:
             head = mmap.mmap(-1, len(header))
             head[:] = header
@@ -122,10 +126,10 @@ def write_file(path: str, header_nbytes: int, make_header: Callable[[list[int]],
                              pool=pool)[1]
 
 
-def _padded(views: list[memoryview], direct: bool) -> list:
+def _padded(views: list[memoryview], direct: bool) -> list[memoryview]:
     if direct:
         return list(views)
-    bufs: list = []
+    bufs: list[memoryview] = []
     for v in views:
         bufs.append(v)
         if len(v) % ALIGN:
@@ -133,8 +137,8 @@ def _padded(views: list[memoryview], direct: bool) -> list:
     return bufs
 
 
-def _done(value: int) -> Future:
-    f: Future = Future()
+def _done(value: int) -> Future[int]:
+    f: Future[int] = Future()
     f.set_result(value)
     return f
 

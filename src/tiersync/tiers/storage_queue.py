@@ -13,25 +13,29 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
-from typing import Any
+from typing import Generic, TypeVar
+
+R = TypeVar("R")  # a request
+T = TypeVar("T")  # its result
 
 
-class Combiner:
+class Combiner(Generic[R, T]):
     """FIFO of requests served in batches by at most ``max_active`` loops on ``pool``."""
 
-    def __init__(self, pool: Executor, serve: Callable[[list[Any]], list[Any]], *, max_active: int,
-                 take: Callable[[list[Any]], int] | None = None) -> None:
+    def __init__(self, pool: Executor, serve: Callable[[list[R]], Sequence[T | BaseException]], *,
+                 max_active: int, take: Callable[[list[R]], int] | None = None) -> None:
         self._pool, self._serve, self._max = pool, serve, max_active
-        self._take = take if take is not None else len  # how many requests from the head
-        self._queue: deque = deque()
+        # how many requests from the head
+        self._take: Callable[[list[R]], int] = take if take is not None else len
+        self._queue: deque[tuple[R, Future[T]]] = deque()
         self._lock = threading.Lock()
         self._active = 0
 
-    def submit(self, request: Any) -> Future:
+    def submit(self, request: R) -> Future[T]:
         """Queue ``request``; its future gets the result ``serve`` gave for it."""
-        fut: Future = Future()
+        fut: Future[T] = Future()
         item = (request, fut)
         with self._lock:
             self._queue.append(item)
@@ -60,6 +64,7 @@ class Combiner:
                 reqs = [r for r, _ in self._queue]
                 n = max(1, min(self._take(reqs), len(reqs)))
                 batch = [self._queue.popleft() for _ in range(n)]
+            results: Sequence[T | BaseException]
             try:
                 results = self._serve([r for r, _ in batch])
             except BaseException as exc:  # noqa: BLE001 - delivered through every future

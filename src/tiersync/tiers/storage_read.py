@@ -20,11 +20,15 @@ import enum
 import errno
 import os
 from concurrent.futures import Executor, Future
-from typing import Any
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from tiersync.tiers import storage_io as sio
+from tiersync.tiers.storage_format import Record
+
+if TYPE_CHECKING:
+    from tiersync.tiers.storage import StorageTier
 
 DIRECT_RUN_NBYTES = 4 << 20  # the virtio disk's max request; 8 of them in flight measured best
 BUFFERED_RUN_NBYTES = 32 << 20
@@ -37,10 +41,13 @@ class ReadStatus(enum.Enum):
     UNREADABLE = "unreadable"  # permission denied or another I/O error
 
 
+_Item = tuple[int, int, Record]  # (request, index in it, record)
+
+
 class _Segment:
     """One file of the pass: its records (``items``: (request, index, record)) and open fd."""
 
-    def __init__(self, path: str, items: list, views: list[memoryview], direct: bool) -> None:
+    def __init__(self, path: str, items: list[_Item], views: list[memoryview], direct: bool) -> None:
         self.path, self.items = path, items
         self.extents = [(r.offset, v) for (_, _, r), v in zip(items, views)]
         self.wanted_direct = direct and all(sio.aligned(v) for v in views)
@@ -56,7 +63,7 @@ class _Segment:
 class ReadPass:
     """Serve ``requests`` (``(keys, views)`` each) of ``tier``; :meth:`run` gives their statuses."""
 
-    def __init__(self, tier: Any, requests: list[tuple[list[bytes], list[memoryview]]], io: Executor) -> None:
+    def __init__(self, tier: StorageTier, requests: list[tuple[list[bytes], list[memoryview]]], io: Executor) -> None:
         self.tier, self.requests, self._io = tier, requests, io
         self.out = [[ReadStatus.MISSING] * len(keys) for keys, _ in requests]
         self._segment_of: dict[tuple[int, int], str] = {}
@@ -64,7 +71,7 @@ class ReadPass:
     def run(self) -> list[list[ReadStatus]]:
         segments = self._open(self._resolve())
         try:
-            pending: list[Future] = []
+            pending: list[Future[list[int] | None]] = []
             for seg in segments:
                 if seg.direct:
                     pending += [self._io.submit(self._read, seg, run) for run in seg.runs]
@@ -84,8 +91,8 @@ class ReadPass:
         self._finish()
         return self.out
 
-    def _resolve(self) -> dict[str, list]:
-        plan: dict[str, list] = {}
+    def _resolve(self) -> dict[str, list[_Item]]:
+        plan: dict[str, list[_Item]] = {}
         with self.tier._lock:
             for q, (keys, views) in enumerate(self.requests):
                 for i, (k, v) in enumerate(zip(keys, views)):
@@ -98,7 +105,7 @@ class ReadPass:
                     plan.setdefault(loc.segment, []).append((q, i, loc.record))
         return plan
 
-    def _open(self, plan: dict[str, list]) -> list[_Segment]:
+    def _open(self, plan: dict[str, list[_Item]]) -> list[_Segment]:
         out = []
         for name in sorted(plan):
             items = plan[name]
@@ -142,7 +149,7 @@ class ReadPass:
             ok = n == r.length and xxhash.xxh3_64_intdigest(seg.extents[j][1]) == r.checksum
             self.out[q][i] = ReadStatus.OK if ok else ReadStatus.CORRUPT
 
-    def _mark(self, items: list, status: ReadStatus) -> None:
+    def _mark(self, items: list[_Item], status: ReadStatus) -> None:
         for q, i, _ in items:
             self.out[q][i] = status
 
