@@ -4,6 +4,7 @@
 transport's receive fast path (one DATA frame received and verified per call, GIL released).
 """
 import os
+
 from setuptools import Extension, setup
 
 _OPTIONAL = os.environ.get("TIERSYNC_REQUIRE_NATIVE") != "1"

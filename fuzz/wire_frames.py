@@ -13,7 +13,6 @@ buffered payload outgrows the configured max frame size.
 """
 from __future__ import annotations
 
-
 try:
     import atheris
 except ImportError:  # the tests run one_input without it
@@ -74,13 +73,13 @@ def one_input(data: bytes) -> None:
             drain(conn)
         conn.receive_data(b"")
         drain(conn)
-    except ProtocolError:
+    except ProtocolError as exc:
         for call in (conn.next_event, lambda: conn.receive_data(b"x")):
             try:
                 call()
             except ClosedError:
                 continue
-            raise AssertionError("a connection that raised ProtocolError is not poisoned")
+            raise AssertionError("a connection that raised ProtocolError is not poisoned") from exc
 
 
 def main() -> None:

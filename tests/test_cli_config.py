@@ -22,7 +22,7 @@ def _env(**variables: str) -> dict[str, str]:
 
 
 def _store_node(*flags: str, **variables: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tiersync", "store-node", *flags], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tiersync", "store-node", *flags], check=False, capture_output=True, text=True,
                           timeout=60, env=_env(**variables))
 
 

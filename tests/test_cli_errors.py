@@ -35,7 +35,7 @@ def _tiersync(*args: str, timeout: float = 60, code: str = "pass") -> subprocess
     run = f"import sys; {code}; from tiersync.cli import main; sys.exit(main(sys.argv[1:]))"
     env = {**os.environ, cli.TINY_ENV: "1"}
     env.pop("TIERSYNC_TOKEN", None)
-    return subprocess.run([sys.executable, "-c", run, *args], capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([sys.executable, "-c", run, *args], check=False, capture_output=True, text=True, timeout=timeout,
                           env=env)
 
 
@@ -177,15 +177,15 @@ def test_sigterm_stops_a_server_as_ctrl_c_does(command, startup, on_stderr):
 
 
 def test_python_dash_m_tiersync_is_the_command():
-    ok = subprocess.run([sys.executable, "-m", "tiersync", "--version"], capture_output=True, text=True, timeout=60)
+    ok = subprocess.run([sys.executable, "-m", "tiersync", "--version"], check=False, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and ok.stdout.startswith("tiersync ")
     bad = subprocess.run([sys.executable, "-m", "tiersync", "bench", "workload", "--cases", "nomatch-at-all",
-                          "--workers", "0"], capture_output=True, text=True, timeout=60)
+                          "--workers", "0"], check=False, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--workers" in bad.stderr
 
 
 def test_shm_list_tells_a_running_publishers_weight_segment_from_a_stale_one(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=False, capture_output=True, text=True)
     live, stale = (tmp_path / f"tiersync-weights-{pid}-0-abcd1234-0" for pid in (os.getpid(), int(dead.stdout)))
     for path in (live, stale):
         path.write_bytes(b"\0" * 4096)

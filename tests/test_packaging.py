@@ -26,7 +26,7 @@ def dist(tmp_path_factory):
     # --no-isolation: this venv's setuptools (the dev extra), no download; the wheel is built from the
     # sdist, as pip builds one from PyPI; TIERSYNC_REQUIRE_NATIVE=1: a C compile error fails the build
     proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), ROOT],
-                          capture_output=True, text=True, timeout=300, cwd=str(out),
+                          check=False, capture_output=True, text=True, timeout=300, cwd=str(out),
                           env={**os.environ, "TIERSYNC_REQUIRE_NATIVE": "1"})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     names = sorted(os.listdir(out))
@@ -46,7 +46,7 @@ def test_wheel_holds_the_compiled_extensions_and_the_entry_point(dist, tmp_path)
     assert "tiersync = tiersync.cli:main" in entry_points
     code = ("import sys, tiersync.transfer._kernel as k, tiersync.net._wire, tiersync.net._local; "
             "from tiersync.cli import main; print(k.__file__); sys.exit(main(['--version']))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
                           env={**os.environ, "PYTHONPATH": str(tmp_path)})  # before this checkout's src/
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [str(tmp_path / f"tiersync/transfer/_kernel{SUFFIX}"), "tiersync 0.1.0"]

@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _openai import OpenAIServer, complete, done  # noqa: E402
+from _openai import OpenAIServer, complete, done
 
 KV = {"kv_connector": "TierSyncConnector", "kv_role": "kv_both", "kv_connector_module_path": "tiersync.integrations.vllm",
       "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"host_bytes": "1GiB"}}

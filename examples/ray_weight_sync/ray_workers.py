@@ -21,8 +21,16 @@ import numpy as np
 import ray
 import torch
 
-from tiersync.weights import (Mesh, PublishResult, PublisherConfig, ReceiverConfig, Sharding, WeightPublisher,
-                              WeightReceiver, shard_slices)
+from tiersync.weights import (
+    Mesh,
+    PublisherConfig,
+    PublishResult,
+    ReceiverConfig,
+    Sharding,
+    WeightPublisher,
+    WeightReceiver,
+    shard_slices,
+)
 
 TRAINER_NAME = "tiersync-weight-trainer"
 TIMEOUT_S = 300.0

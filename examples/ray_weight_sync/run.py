@@ -17,7 +17,6 @@ import sys
 import time
 
 import ray
-
 from ray_workers import TRAINER_NAME, SamplerWorker, TrainerWorker
 
 

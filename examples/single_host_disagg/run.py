@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _openai import OpenAIServer, complete, done, free_port  # noqa: E402
+from _openai import OpenAIServer, complete, done, free_port
 
 
 def kv(role: str, **extra: object) -> dict:

@@ -31,8 +31,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tiersync.cli_servers import (bind_probe, kv_event_flags, kv_events_config, layer_flags, redis_url, starting,
-                                  stop_on_sigterm, stopped)
+from tiersync.cli_servers import (
+    bind_probe,
+    kv_event_flags,
+    kv_events_config,
+    layer_flags,
+    redis_url,
+    starting,
+    stop_on_sigterm,
+    stopped,
+)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
 BENCH_SUITES = ("d2h", "h2d", "storage", "h2h", "pd", "registry", "weights", "serve", "workload")  # keep in step with tiersync.bench.SUITES (checked by the tests)

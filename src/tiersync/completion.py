@@ -118,5 +118,5 @@ def _call(fn: Callable[[Any], object], handle: Completion[Any]) -> None:
     """A done callback that raises is logged and ignored (as concurrent.futures does)."""
     try:
         fn(handle)
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.exception("done callback of %r failed", handle)

@@ -13,7 +13,7 @@ ROW_KEYS = {"name", "gbps", "baseline", "baseline_gbps", "ratio"}
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TIERSYNC_BENCH_TINY": "1"}
-    return subprocess.run([sys.executable, "-m", "tiersync.cli", "bench", *args, "--json"], env=env,
+    return subprocess.run([sys.executable, "-m", "tiersync.cli", "bench", *args, "--json"], check=False, env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -36,7 +36,7 @@ def test_h2h_rows_follow_the_contract():
     assert {r["name"] for r in local} >= {"h2h-64k-local", "h2h-1m-local"}  # the same-host route has rows
     for r in rep["results"]:
         base = "memcpy" if r in local else "raw-socket"
-        assert ROW_KEYS <= set(r) and r["baseline"] == base and r["gbps"] > 0
+        assert set(r) >= ROW_KEYS and r["baseline"] == base and r["gbps"] > 0
         assert r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"], rel=1e-2)
         assert r["p99_ms"] >= r["p50_ms"] > 0
         assert r["payload_checksum"].split()[0] in {"TSUM64", "XXH3_64"}  # every payload is verified
@@ -53,7 +53,7 @@ def test_registry_rows_carry_their_unit():
     rep = json.loads(out.stdout)
     assert rep["units"] == "lookups/s" and rep["results"]
     for r in rep["results"]:
-        assert ROW_KEYS <= set(r) and r["unit"] == "lookups/s" and r["baseline"] == "dict-lookup-loop"
+        assert set(r) >= ROW_KEYS and r["unit"] == "lookups/s" and r["baseline"] == "dict-lookup-loop"
         assert r["gbps"] > 0 and r["ratio"] > 0
 
 
@@ -70,7 +70,7 @@ def test_pd_rows_follow_the_contract():
     assert set(rows) == {"pd-link-tcp", "pd-link-local"}
     assert rows["pd-link-tcp"]["baseline"] == "raw-socket" and rows["pd-link-local"]["baseline"] == "memcpy"
     for r in rows.values():
-        assert ROW_KEYS <= set(r) and r["gbps"] > 0 and r["roundtrip"] == "ok"
+        assert set(r) >= ROW_KEYS and r["gbps"] > 0 and r["roundtrip"] == "ok"
         assert r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"], rel=1e-2)
         assert set(rep["target"][r["name"]]) == {"min_ratio", "ratio", "met"}
 

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tiersync.demo import main  # noqa: E402
+from tiersync.demo import main
 
 pytestmark = pytest.mark.torch
 
@@ -42,7 +42,7 @@ def test_reuse_matches_full_recompute(capsys: pytest.CaptureFixture[str]) -> Non
     assert r["reused_tokens"] == r["blocks_reused"] * BLOCK
     assert r["suffix_tokens"] == TINY_PROMPT - r["reused_tokens"]
     assert r["h2d_bytes"] == r["blocks_reused"] * BLOCK_BYTES
-    first1, last1 = r["device_blocks"]["request1"]
+    _first1, last1 = r["device_blocks"]["request1"]
     first2, last2 = r["device_blocks"]["request2"]
     assert first2 > last1 and last2 - first2 + 1 == r["blocks_reused"], "request 2 lands in fresh device blocks"
 

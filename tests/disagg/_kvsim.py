@@ -31,9 +31,9 @@ def shard(layout: PagedKVLayout, kv: np.ndarray, block_ids, fill: int = 0) -> li
     for r in range(layout.tp_size):
         first, count = layout.heads_of(r)
         layers = []
-        for l in range(layout.num_layers):
+        for layer in range(layout.num_layers):
             buf = np.full(layout.layer_nbytes, fill, dtype=np.uint8)
-            _rank_view(buf, layout)[:, blocks, slots] = kv[l, :, :, first:first + count]
+            _rank_view(buf, layout)[:, blocks, slots] = kv[layer, :, :, first:first + count]
             layers.append(buf)
         ranks.append(layers)
     return ranks
@@ -46,8 +46,8 @@ def unshard(layout: PagedKVLayout, ranks, block_ids, num_tokens: int) -> np.ndar
     blocks, slots = np.asarray(block_ids)[t // layout.block_size], t % layout.block_size
     for r in range(layout.tp_size):
         first, count = layout.heads_of(r)
-        for l in range(layout.num_layers):
-            out[l, :, :, first:first + count] = _rank_view(np.asarray(ranks[r][l]).reshape(-1), layout)[:, blocks, slots]
+        for layer in range(layout.num_layers):
+            out[layer, :, :, first:first + count] = _rank_view(np.asarray(ranks[r][layer]).reshape(-1), layout)[:, blocks, slots]
     return out
 
 

@@ -28,7 +28,7 @@ def producer_main(layout_dict, ranks, config_kwargs, conn) -> None:
             conn.send("ok")
         elif cmd[0] == "ready":
             _, rid, layers = cmd
-            conn.send([[p.layer_ready(rid, l) for l in layers] for p in producers])
+            conn.send([[p.layer_ready(rid, layer) for layer in layers] for p in producers])
         elif cmd[0] == "poll":
             statuses = [p.poll() for p in producers]
             conn.send([(set(s.done_sending), set(s.failed_sending)) for s in statuses])

@@ -7,7 +7,15 @@ import threading
 import numpy as np
 import pytest
 
-from tiersync.disagg import DisaggConfig, KVConsumer, KVOrder, KVProducer, PagedKVLayout, RequestState, SourceSpec
+from tiersync.disagg import (
+    DisaggConfig,
+    KVConsumer,
+    KVOrder,
+    KVProducer,
+    PagedKVLayout,
+    RequestState,
+    SourceSpec,
+)
 from tiersync.disagg.ops import KV, KvDone, KvLayer, KvNext, KvOpen, KvOpened, KvPull
 from tiersync.disagg.reshard import default_planner
 from tiersync.errors import ClosedError, UsageError
@@ -109,9 +117,9 @@ def test_garbage_closes_connection_and_producer_keeps_serving(producer):
     h = KVConsumer(LAYOUT, 0).start_read("g", SourceSpec(LAYOUT, (producer.address,), (1, 2), 8), [3, 4], landing)
     assert h.wait(20) is RequestState.DONE
     nb = LAYOUT.block_nbytes
-    for l in range(2):  # block-major: K,V of block 1..2 -> blocks 3..4, contiguous
-        np.testing.assert_array_equal(landing[l][3 * 2 * nb:5 * 2 * nb], src[1 * 2 * nb:3 * 2 * nb])
-        assert not landing[l][: 3 * 2 * nb].any() and not landing[l][5 * 2 * nb:].any()
+    for layer in range(2):  # block-major: K,V of block 1..2 -> blocks 3..4, contiguous
+        np.testing.assert_array_equal(landing[layer][3 * 2 * nb:5 * 2 * nb], src[1 * 2 * nb:3 * 2 * nb])
+        assert not landing[layer][: 3 * 2 * nb].any() and not landing[layer][5 * 2 * nb:].any()
     assert _poll_until(producer, "g").done_sending == {"g"}  # the reader's DONE ack lands after its own DONE
 
 
@@ -156,6 +164,7 @@ _LIAR_MEMORY = np.full(LAYOUT.layer_nbytes + 64, 7, np.uint8)
 
 def _local_reply(event, checksum, extra=0):
     import os
+
     from tiersync.net.frames import SUPPORTED, payload_checksum
     from tiersync.net.local import buffer_address
     n = event.length + extra
@@ -196,7 +205,7 @@ def test_consumer_fails_on_bad_answers(lies):
         h = consumer.start_read("b", SourceSpec(LAYOUT, (address,), (0, 1), 8), [0, 1], landing)
         assert h.wait(20) is RequestState.FAILED
         assert isinstance(h.error, ProtocolError)
-        assert not any(l.any() for l in landing[1:])  # nothing after the bad answer was landed
+        assert not any(buf.any() for buf in landing[1:])  # nothing after the bad answer was landed
         assert consumer.poll().failed_receiving == {"b"}
     finally:
         consumer.close()
@@ -221,6 +230,7 @@ def _raw_reader(producer, read):
 
 def test_ack_after_producer_deadline_is_failed_not_done():
     import time
+
     from tiersync.disagg.messages import ReadRequest
     with KVProducer(LAYOUT, 0, DisaggConfig(timeout_s=1.0)) as producer:
         src = np.arange(LAYOUT.layer_nbytes, dtype=np.uint8)

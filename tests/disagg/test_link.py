@@ -10,17 +10,24 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "net"))
 
-from _kvsim import global_kv, unshard  # noqa: E402
-from _procs import ProducerProcess  # noqa: E402
-from tiersync.disagg import DisaggConfig, KVConsumer, KVOrder, PagedKVLayout, RequestState, SourceSpec  # noqa: E402
-from tiersync.disagg.messages import ReadRequest  # noqa: E402
-from tiersync.disagg.ops import KV, KvDone, KvLayer, KvNext, KvOpen, KvOpened, KvPull, KvPullLocal  # noqa: E402
-from tiersync.disagg.spanio import route_slice  # noqa: E402
-from tiersync.errors import UsageError  # noqa: E402
-from tiersync.net.codec import MetaReader, MetaWriter  # noqa: E402
-from tiersync.net.errors import AuthError, PeerClosedError, ProtocolError, ProtocolFault  # noqa: E402
-from tiersync.net.frames import ProtocolConfig  # noqa: E402
-from tiersync.net.tls import TlsConfig  # noqa: E402
+from _kvsim import global_kv, unshard
+from _procs import ProducerProcess
+from tiersync.disagg import (
+    DisaggConfig,
+    KVConsumer,
+    KVOrder,
+    PagedKVLayout,
+    RequestState,
+    SourceSpec,
+)
+from tiersync.disagg.messages import ReadRequest
+from tiersync.disagg.ops import KV, KvDone, KvLayer, KvNext, KvOpen, KvOpened, KvPull, KvPullLocal
+from tiersync.disagg.spanio import route_slice
+from tiersync.errors import UsageError
+from tiersync.net.codec import MetaReader, MetaWriter
+from tiersync.net.errors import AuthError, PeerClosedError, ProtocolError, ProtocolFault
+from tiersync.net.frames import ProtocolConfig
+from tiersync.net.tls import TlsConfig
 
 TOKEN = "a-shared-token-of-32-characters!"
 LAYOUT = PagedKVLayout(num_layers=3, num_kv_heads=4, head_dim=8, block_size=16, num_blocks=24, dtype="float16",

@@ -8,7 +8,15 @@ import pytest
 
 from _kvsim import global_kv, unshard
 from _procs import ProducerProcess
-from tiersync.disagg import DisaggConfig, KVConsumer, KVOrder, KVProducer, PagedKVLayout, RequestState, SourceSpec
+from tiersync.disagg import (
+    DisaggConfig,
+    KVConsumer,
+    KVOrder,
+    KVProducer,
+    PagedKVLayout,
+    RequestState,
+    SourceSpec,
+)
 from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, RequestError
 from tiersync.net.fields import ErrorCode
 
@@ -47,7 +55,7 @@ def test_layerwise_byte_exact_in_ready_order(procs):
     with KVConsumer(dst, 0, DisaggConfig(token=TOKEN)) as consumer:
         landing = _landing(dst)
         handle = consumer.start_read("r1", SourceSpec(src, prod.addresses, sids, ntok), dids, landing,
-                                     on_layer=lambda rid, l: seen.append((rid, l)))
+                                     on_layer=lambda rid, layer: seen.append((rid, layer)))
         for layer in (0, 1, 3, 2):
             assert prod.ready("r1", [layer]) == [[True]]
             assert handle.wait_layer(layer, timeout=20)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _kvsim import expected_mask, global_kv, shard, unshard
 from tiersync.disagg.geometry import KVOrder, PagedKVLayout

@@ -14,10 +14,10 @@ import os
 import urllib.request
 
 import ray
-from _vllm_engine import complete, openai_server
 from ray_workers import TrainerWorker, node_address
 from safetensors.torch import load_file
 
+from _vllm_engine import complete, openai_server
 from tiersync.weights import Mesh, PublisherConfig, Sharding, WeightPublisher
 
 

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 def test_quick_serve_rows_follow_the_contract():
     require_vllm()
     proc = subprocess.run([sys.executable, "-m", "tiersync.cli", "bench", "serve", "--quick", "--json"],
-                          capture_output=True, text=True, timeout=1500, env=dict(os.environ))
+                          check=False, capture_output=True, text=True, timeout=1500, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(proc.stdout)
     assert rep["suite"] == "serve" and rep["units"] == "decimal GB/s"

@@ -151,7 +151,7 @@ def _print_config(extra: dict, **variables: str) -> subprocess.CompletedProcess:
     """Build the config as the connector does, in a fresh interpreter whose environment has no
     TIERSYNC_* variable but ``variables``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSYNC_")}
-    return subprocess.run([sys.executable, "-c", PRINT_CONFIG, json.dumps(extra)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", PRINT_CONFIG, json.dumps(extra)], check=False, capture_output=True, text=True,
                           timeout=120, env={**env, **variables})
 
 

@@ -24,7 +24,7 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
 ])
 def test_example_runs_on_the_openai_server(script, args, verdict, tmp_path):
     require_vllm()
-    run = subprocess.run([vllm_python(), os.path.join(EXAMPLES, script), *args], capture_output=True, text=True,
+    run = subprocess.run([vllm_python(), os.path.join(EXAMPLES, script), *args], check=False, capture_output=True, text=True,
                          timeout=1200, env={**engine_env({}), "TMPDIR": str(tmp_path)})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert verdict in run.stdout, run.stdout

@@ -28,7 +28,7 @@ class Upstream:
         upstream = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 upstream.seen.append((self.path, body))
                 data = answer(body)

@@ -64,7 +64,7 @@ class HostPool:
 
 
 def storage_config(extra: dict, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
-                   model: str = "tiny-llama") -> "hs.HiCacheStorageConfig":
+                   model: str = "tiny-llama") -> hs.HiCacheStorageConfig:
     return hs.HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                    attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
                                    is_page_first_layout=False, model_name=model, extra_config=extra)

@@ -6,7 +6,6 @@ The prefill engine doubles as the monolithic reference: a request without
 """
 from __future__ import annotations
 
-
 import pytest
 
 from _vllm_engine import CHUNK, PROMPT_LEN, require_vllm

@@ -13,6 +13,7 @@ subscriber that restarts catches up through the replay socket from the next sequ
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -112,7 +113,7 @@ def _check_stream(events: list[dict], prompts: list[list[int]]) -> None:
     cpu = history["CPU"]
     assert set(cpu) == every
     for block, h in cpu.items():  # stored, removed, stored, ...: never two in a row
-        assert all(a != b for a, b in zip(h, h[1:])) and h[0] == "stored", (block, h)
+        assert all(a != b for a, b in itertools.pairwise(h)) and h[0] == "stored", (block, h)
     live = [block for block, h in cpu.items() if h[-1] == "stored"]
     assert len(live) == SLOTS  # every eviction was announced: what is left fills the host tier
     assert all(cpu[(0, b)][:3] == ["stored", "removed", "stored"] for b in range(FULL))  # evicted, then a disk hit

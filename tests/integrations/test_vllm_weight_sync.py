@@ -74,20 +74,20 @@ class Proc:
 
 
 def test_config_refuses_bad_values_naming_the_field(tmp_path):
-    with pytest.raises(UsageError, match="weight_sync.publishers"):
+    with pytest.raises(UsageError, match=r"weight_sync.publishers"):
         WeightSyncConfig.from_dict({"publishers": ["no-port"]})
-    with pytest.raises(UsageError, match="weight_sync.publishers"):
+    with pytest.raises(UsageError, match=r"weight_sync.publishers"):
         WeightSyncConfig.from_dict({})
-    with pytest.raises(UsageError, match="weight_sync.transport"):
+    with pytest.raises(UsageError, match=r"weight_sync.transport"):
         WeightSyncConfig(("127.0.0.1:1",), transport="rdma")
-    with pytest.raises(UsageError, match="weight_sync.buffers"):
+    with pytest.raises(UsageError, match=r"weight_sync.buffers"):
         WeightSyncConfig(("127.0.0.1:1",), buffers=3)
     with pytest.raises(UsageError, match="unknown"):
         WeightSyncConfig.from_dict({"publishers": ["127.0.0.1:1"], "publisher": "x"})
     cfg = WeightSyncConfig.from_dict({"publishers": ["127.0.0.1:1"], "transport": "tcp"})
     assert WeightSyncConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.receiver_config(3).label == "vllm-3"
-    with pytest.raises(UsageError, match="weight_sync.token"):
+    with pytest.raises(UsageError, match=r"weight_sync.token"):
         WeightSyncConfig(("127.0.0.1:1",), token="short")
     assert WeightSyncConfig(("127.0.0.1:1",), token=TOKEN).receiver_config(0).token == TOKEN.encode()
     path = tmp_path / "token"

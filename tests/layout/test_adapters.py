@@ -141,7 +141,7 @@ def test_torch_sparse_is_refused():
 def test_kv_layout_assigns_layers_and_tags():
     layers = [(np.zeros((4, 16), np.float16), np.zeros((4, 16), np.float16)) for _ in range(3)]
     lay = kv_layout(layers, tags=("k", "v"))
-    assert [(p.layer, p.spec.tag) for p in lay.pools] == [(l, t) for l in range(3) for t in "kv"]
+    assert [(p.layer, p.spec.tag) for p in lay.pools] == [(layer, t) for layer in range(3) for t in "kv"]
     assert lay.num_layers == 3 and lay.host_block_nbytes == 6 * 64  # 32 live B, aligned to 64
     single = kv_layout([np.zeros((4, 16), np.uint8)] * 2)
     assert [p.layer for p in single.pools] == [0, 1]

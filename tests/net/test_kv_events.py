@@ -14,7 +14,12 @@ msgspec = pytest.importorskip("msgspec", reason="msgspec (the net extra) is not 
 
 from tiersync.errors import UsageError  # noqa: E402
 from tiersync.net.kv_events import (  # noqa: E402
-    END_SEQ, KVEventPublisher, KVEventsConfig, all_cleared, block_removed, block_stored,
+    END_SEQ,
+    KVEventPublisher,
+    KVEventsConfig,
+    all_cleared,
+    block_removed,
+    block_stored,
 )
 
 KEYS = [bytes([i]) * 16 for i in range(4)]

@@ -17,8 +17,19 @@ from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.errors import ProtocolError, ProtocolFault
-from tiersync.net.frames import (HEADER_SIZE, MAGIC, PROTOCOL_VERSION, SUPPORTED, Op, PayloadChecksum,
-                                 ProtocolConfig, checksum, encode_header, negotiate, payload_checksum)
+from tiersync.net.frames import (
+    HEADER_SIZE,
+    MAGIC,
+    PROTOCOL_VERSION,
+    SUPPORTED,
+    Op,
+    PayloadChecksum,
+    ProtocolConfig,
+    checksum,
+    encode_header,
+    negotiate,
+    payload_checksum,
+)
 from tiersync.net.protocol import NEED_DATA, Connection, Role, State
 
 FAST = settings(max_examples=60, deadline=None)
@@ -127,7 +138,7 @@ def test_sending_an_oversize_frame_is_usage_error():
 
 
 def test_unsolicited_response_poisons_the_connection():
-    client, server = ready_pair()
+    client, _server = ready_pair()
     wire = encode_header(Op.PONG, 77, struct.pack("<Q", 0), 0, checksum(b""))
     client.receive_data(wire + struct.pack("<Q", 0))
     with pytest.raises(ProtocolError) as info:
@@ -182,7 +193,7 @@ def test_fatal_error_closes_both_sides():
 
 
 def test_clean_eof_between_frames_is_connection_closed():
-    client, server = ready_pair()
+    _client, server = ready_pair()
     server.receive_data(b"")
     assert isinstance(server.next_event(), ev.ConnectionClosed)
     with pytest.raises(UsageError):
@@ -329,7 +340,7 @@ def test_scatter_reads_deliver_the_same_events_and_bytes(data):
 
 
 def test_scatter_received_without_a_target_is_usage_error():
-    client, server = ready_pair()
+    client, _server = ready_pair()
     assert client.scatter_target() is None
     with pytest.raises(UsageError):
         client.scatter_received(bytearray(HEADER_SIZE), 10)
@@ -338,7 +349,7 @@ def test_scatter_received_without_a_target_is_usage_error():
 @pytest.mark.parametrize("key_len", [0, 15, 17])
 def test_a_pull_whose_key_is_not_16_bytes_is_the_peers_fault(key_len):
     """The fixed-layout PULL parse takes only the exact layout; any other key length is refused."""
-    client, server = ready_pair()
+    _client, server = ready_pair()
     meta = struct.pack("<QI", 1, key_len) + b"k" * key_len + struct.pack("<QQ", 0, 8)
     with pytest.raises(ProtocolError) as exc:
         feed(server, encode_header(Op.PULL, 9, meta, 0, checksum(b"")) + meta)
@@ -346,7 +357,7 @@ def test_a_pull_whose_key_is_not_16_bytes_is_the_peers_fault(key_len):
 
 
 def test_a_pull_with_trailing_metadata_is_the_peers_fault():
-    client, server = ready_pair()
+    _client, server = ready_pair()
     meta = struct.pack("<QI", 1, 16) + b"k" * 16 + struct.pack("<QQ", 0, 8) + b"!"
     with pytest.raises(ProtocolError) as exc:
         feed(server, encode_header(Op.PULL, 9, meta, 0, checksum(b"")) + meta)

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from tiersync.net import events as ev
-from tiersync.net import store_ops as so
 from tiersync.net import local
+from tiersync.net import store_ops as so
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.frames import PayloadChecksum
 from tiersync.net.samehost import local_copy

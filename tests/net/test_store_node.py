@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from _peer import TOKEN, StoreNodeProc as Node
+from _peer import TOKEN
+from _peer import StoreNodeProc as Node
 from tiersync.errors import CapacityError, RemoteError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so

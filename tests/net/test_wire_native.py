@@ -98,7 +98,7 @@ def test_a_frame_of_another_size_is_refused(served):
 
 
 def test_an_error_answer_in_a_window_is_a_request_error(served):
-    channel, lease, blocks = served
+    _channel, _lease, blocks = served
     big = {k: os.urandom(1 << 20) for k in (GOOD[3], GOOD[4])}  # whole-block PULLs: one answer each
     source = HostileSource({**big, REFUSE: blocks[REFUSE]})
     server = TcpTransport(TcpConfig(route=Route.TCP)).serve("127.0.0.1:0", source)
@@ -115,7 +115,7 @@ def test_an_error_answer_in_a_window_is_a_request_error(served):
 
 
 def test_a_refused_range_in_a_grouped_pull_refuses_the_group(served):
-    channel, lease, blocks = served
+    channel, lease, _blocks = served
     items = _dests([GOOD[3], REFUSE, GOOD[4]])  # small ranges travel as one PULL_MANY
     with pytest.raises(RequestError, match="refused on purpose"):
         channel.pull_many(lease, items, window=4)
@@ -125,7 +125,6 @@ def test_a_refused_range_in_a_grouped_pull_refuses_the_group(served):
 def test_a_frame_trickled_a_few_bytes_at_a_time_still_verifies():
     """Every read returns a fragment (header and payload cut into 7-byte writes)."""
     from _proto_helpers import deliver, ready_pair
-
     from tiersync.net.framed import Deadline, FramedSocket
 
     block = os.urandom(5000)
@@ -181,8 +180,8 @@ def test_native_constants_match_the_frame_format():
     """A protocol bump that forgets the C side would silently turn the fast path off."""
     from tiersync.net.frames import PROTOCOL_VERSION, Op
 
-    assert (_wire.VERSION, _wire.OP_DATA, _wire.ALGO_TSUM64) == (PROTOCOL_VERSION, int(Op.DATA),
-                                                                 int(PayloadChecksum.TSUM64))
+    assert (PROTOCOL_VERSION, int(Op.DATA),
+                                                                 int(PayloadChecksum.TSUM64)) == (_wire.VERSION, _wire.OP_DATA, _wire.ALGO_TSUM64)
 
 
 @pytest.mark.parametrize("vectored", [False, True])
@@ -190,7 +189,6 @@ def test_recv_many_verifies_what_the_parser_would(vectored):
     """Frames the sans-IO side encodes are taken and verified by the native receiver itself
     (``done`` counts them), into one buffer or scattered into several."""
     from _proto_helpers import deliver, ready_pair
-
     from tiersync.net.framed import EMPTY_META_CHECKSUM
 
     blocks = [os.urandom(SIZE), os.urandom(3 * SIZE + 5)]

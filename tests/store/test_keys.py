@@ -40,7 +40,7 @@ def test_identity_fields_give_disjoint_keys():
         CacheIdentity("llama-3-70b", "step-100", "bf16", 16, b"\x01" * 16),
     ):
         assert base.isdisjoint(block_keys(toks, other)), other
-    assert len(ID.digest()) == 16 and ID.digest() == CacheIdentity(*"llama-3-8b step-100 bf16".split(), 16,
+    assert len(ID.digest()) == 16 and ID.digest() == CacheIdentity(*["llama-3-8b", "step-100", "bf16"], 16,
                                                                     b"\x01" * 16).digest()
 
 
@@ -69,12 +69,12 @@ def test_bad_arguments_are_named(bad, arg):
 
 
 def test_identity_validation():
-    with pytest.raises(UsageError, match="CacheIdentity.block_size"):
+    with pytest.raises(UsageError, match=r"CacheIdentity.block_size"):
         CacheIdentity("m", "v", "bf16", 0)
-    with pytest.raises(UsageError, match="CacheIdentity.weights_version"):
+    with pytest.raises(UsageError, match=r"CacheIdentity.weights_version"):
         CacheIdentity("m", "", "bf16", 16)
     for bad in ("fp16x", "auto/torch.float33", "bf16/"):
-        with pytest.raises(UsageError, match="CacheIdentity.kv_dtype") as ei:
+        with pytest.raises(UsageError, match=r"CacheIdentity.kv_dtype") as ei:
             CacheIdentity("m", "v", bad, 16)
         assert ei.value.argument == "CacheIdentity.kv_dtype"
     for good in ("auto/torch.float32", "fp8_e4m3/torch.bfloat16", "float16", "uint8"):

@@ -178,7 +178,7 @@ def test_demotion_by_watermarks_and_promotion_on_hit(tmpdir_path):
 
 
 def test_storage_capacity_evicts_coldest(tmpdir_path):
-    dev, layout = make_layout(num_blocks=16, nbytes=4096)
+    _dev, layout = make_layout(num_blocks=16, nbytes=4096)
     cfg = StoreConfig(host_blocks=4, low_watermark=0.5, high_watermark=1.0, demote_batch=2)
     keys = keys_for(16)
     with KVCacheStore(layout, cfg, storage=make_storage(tmpdir_path, layout, capacity_blocks=6)) as s:
@@ -195,7 +195,7 @@ def test_corrupt_storage_block_fails_load_keeps_pin_never_serves(tmpdir_path):
     keys = keys_for(2)
     storage = make_storage(tmpdir_path, layout)
     storage.write(keys, [memoryview(dev[0]), memoryview(dev[1])]).result()
-    seg = [n for n in os.listdir(tmpdir_path) if n.endswith(".seg")][0]
+    seg = next(n for n in os.listdir(tmpdir_path) if n.endswith(".seg"))
     with open(os.path.join(tmpdir_path, seg), "r+b") as f:
         f.seek(8192 + 100)
         f.write(b"\xff\x00\xff")

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from _store_helpers import keys_for, make_layout
 from tiersync.errors import CapacityError, UsageError
 from tiersync.store import KVCacheStore, Residency, StoreConfig
-from _store_helpers import keys_for, make_layout
 
 CAP = 4
 POOL = keys_for(10, seed=3)
@@ -120,7 +121,7 @@ def test_lru_pin_algebra_matches_model(script):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops)
 def test_s3fifo_never_evicts_pinned_and_keeps_pins_exact(script):
-    dev, layout = make_layout(num_blocks=8, nbytes=128)
+    _dev, layout = make_layout(num_blocks=8, nbytes=128)
     with KVCacheStore(layout, StoreConfig(host_blocks=CAP, policy="s3fifo")) as store:
         pins: dict[bytes, int] = {}
         for op, keys in script:

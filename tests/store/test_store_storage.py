@@ -76,7 +76,7 @@ def test_failed_write_down_drops_and_counts_the_unsaved(sdir, monkeypatch):
 
 
 def test_without_storage_eviction_drops_quietly():
-    dev, layout = make_layout(num_blocks=8, nbytes=256)
+    _dev, layout = make_layout(num_blocks=8, nbytes=256)
     keys = keys_for(8)
     with KVCacheStore(layout, StoreConfig(host_blocks=4)) as s:
         s.save(range(4), keys[:4]).result(10)

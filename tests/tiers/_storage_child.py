@@ -16,8 +16,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _storage_helpers import IDENT, block_bytes, key  # noqa: E402
-from tiersync.tiers.storage import ReadStatus, StorageConfig, StorageTier  # noqa: E402
+from _storage_helpers import IDENT, block_bytes, key
+from tiersync.tiers.storage import ReadStatus, StorageConfig, StorageTier
 
 NB = 8192
 

@@ -51,14 +51,14 @@ def tmpfs(size: str):
     """Mount a private tmpfs of ``size``; yields its path, or None when mounting is not allowed."""
     path = tempfile.mkdtemp(prefix="tiersync-tmpfs-")
     ok = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True).returncode == 0
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=False, capture_output=True).returncode == 0
     try:
         yield path if ok else None
     finally:
         if ok:
-            subprocess.run(["umount", "-l", path], capture_output=True)
+            subprocess.run(["umount", "-l", path], check=False, capture_output=True)
         os.rmdir(path)
 
 
 def remount_ro(path: str) -> bool:
-    return subprocess.run(["mount", "-o", "remount,ro", path], capture_output=True).returncode == 0
+    return subprocess.run(["mount", "-o", "remount,ro", path], check=False, capture_output=True).returncode == 0

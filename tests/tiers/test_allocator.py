@@ -146,8 +146,8 @@ class Model:
 
     def __init__(self, n: int, exact_order: bool) -> None:
         self.n, self.exact = n, exact_order
-        self.state = {b: F for b in range(n)}
-        self.locks = {b: 0 for b in range(n)}
+        self.state = dict.fromkeys(range(n), F)
+        self.locks = dict.fromkeys(range(n), 0)
         self.free_stack = list(range(n - 1, -1, -1))
         self.lru: list[int] = []      # cached blocks, least recently used first
 

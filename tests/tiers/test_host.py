@@ -119,7 +119,7 @@ def test_publish_refusals_change_nothing(arena):
         with pytest.raises(UsageError) as ei:
             arena.publish(*args)
         assert ei.value.argument == argument, args
-        assert {b: arena.key_of(b) for b in range(8)} == {**{b: None for b in range(8)}, blocks[0]: b"old"}
+        assert {b: arena.key_of(b) for b in range(8)} == {**dict.fromkeys(range(8)), blocks[0]: b"old"}
     assert arena.key_of(-1) is None
 
 

@@ -64,10 +64,10 @@ def check_recovered(arena: HostArena, layout, pools, acked: list[tuple[int, int]
     found = {}
     for r in arena.recovered:
         d, rnd = struct.unpack("<qq", r.key)
-        for l, (p, off) in enumerate(zip(pools, layout.host_offsets)):
+        for layer, (p, off) in enumerate(zip(pools, layout.host_offsets)):
             want = content(d, rnd, p[d].shape).reshape(-1)
             got = arena.memory[r.block, off:off + want.size]
-            assert np.array_equal(got, want), f"block {r.block} key {(d, rnd)} layer {l}: wrong bytes"
+            assert np.array_equal(got, want), f"block {r.block} key {(d, rnd)} layer {layer}: wrong bytes"
         found[(d, rnd)] = r.block
     recent = acked[-(HOST_BLOCKS - 2):]
     missing = [k for k in recent if k not in found]
@@ -116,14 +116,13 @@ def test_recovered_blocks_are_evictable_and_reloadable(tmp_path):
     from tiersync.transfer import TransferEngine
 
     cfg = ShmConfig(key="re", model_id="m1", directory=str(tmp_path))
-    with HostArena.for_layout(layout, HOST_BLOCKS, shm=cfg) as arena:
-        with TransferEngine(layout, arena) as engine:
-            for p in pools:
-                p[2] = content(2, 1, p[2].shape)
-            [h] = arena.allocate(1)
-            engine.d2h([(2, h, 1)]).result()
-            arena.publish([h], [b"k2"])
-            arena.allocator.unlock([h])
+    with HostArena.for_layout(layout, HOST_BLOCKS, shm=cfg) as arena, TransferEngine(layout, arena) as engine:
+        for p in pools:
+            p[2] = content(2, 1, p[2].shape)
+        [h] = arena.allocate(1)
+        engine.d2h([(2, h, 1)]).result()
+        arena.publish([h], [b"k2"])
+        arena.allocator.unlock([h])
     for p in pools:
         p[:] = 0
     with HostArena.for_layout(layout, HOST_BLOCKS, shm=cfg) as arena:

@@ -1,17 +1,27 @@
 """Storage tier: round trips, restart scan, identity isolation, corruption, full disk, permissions."""
 from __future__ import annotations
 
-import functools
 import errno
+import functools
 import mmap
 import os
 
 import pytest
 
-from _storage_helpers import IDENT, block_bytes, key, open_tier, read_keys, remount_ro, segments, tmpfs, write_keys
+from _storage_helpers import (
+    IDENT,
+    block_bytes,
+    key,
+    open_tier,
+    read_keys,
+    remount_ro,
+    segments,
+    tmpfs,
+    write_keys,
+)
 from tiersync.errors import CapacityError, ClosedError, UsageError
-from tiersync.tiers import storage_io
 from tiersync.tiers import storage_format as fmt
+from tiersync.tiers import storage_io
 from tiersync.tiers.storage import ReadStatus, StorageConfig
 
 NB = 16384
@@ -104,7 +114,7 @@ def test_corrupt_descriptor_and_truncated_file_are_skipped_and_counted(sdir):
     with open(first, "r+b") as f:
         f.write(b"not a segment at all")
     with open_tier(sdir) as t:
-        assert t.stats().corrupt >= 1 and key(0) not in t.keys()
+        assert t.stats().corrupt >= 1 and key(0) not in t.keys()  # noqa: SIM118 - keys() is the tier's listing; a tier has no __contains__
 
 
 @pytest.mark.parametrize("flip", [0x01, 0x80])
@@ -223,17 +233,16 @@ def test_unreadable_directory_for_non_root(sdir):
         write(t, [key(1)])
     os.chmod(sdir, 0o500)
     try:
-        with open_tier(sdir) as t:
-            with pytest.raises(UsageError):
-                write(t, [key(2)])
+        with open_tier(sdir) as t, pytest.raises(UsageError):
+            write(t, [key(2)])
     finally:
         os.chmod(sdir, 0o700)
 
 
 def test_bad_arguments_and_closed(sdir):
-    with pytest.raises(UsageError, match="StorageConfig.identity"):
+    with pytest.raises(UsageError, match=r"StorageConfig.identity"):
         StorageConfig(sdir, b"short")
-    with pytest.raises(UsageError, match="StorageConfig.capacity_blocks"):
+    with pytest.raises(UsageError, match=r"StorageConfig.capacity_blocks"):
         StorageConfig(sdir, IDENT, capacity_blocks=0)
     t = open_tier(sdir)
     with pytest.raises(UsageError, match="keys"):

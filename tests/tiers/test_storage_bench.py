@@ -35,7 +35,7 @@ def test_quick_json_cli_rows_and_cold_reads():
 
     env = {**os.environ, cli.TINY_ENV: "1"}
     proc = subprocess.run([sys.executable, "-m", "tiersync.cli", "bench", "storage", "--quick", "--json"],
-                          capture_output=True, text=True, timeout=120, env=env)
+                          check=False, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     write, read = rep["results"]

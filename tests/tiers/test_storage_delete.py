@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 
-
 from _storage_helpers import block_bytes, key, open_tier, read_keys, write_keys
 from tiersync.tiers import storage_format as fmt
 from tiersync.tiers.storage import ReadStatus

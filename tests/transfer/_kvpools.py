@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-
 SENTINEL = 0xA5
 HOST_SENTINEL = 0x5A
 

@@ -13,8 +13,15 @@ from tiersync.errors import UsageError
 from tiersync.layout.adapters import kv_layout
 from tiersync.layout.pool import Device, DevicePool, KVLayout
 from tiersync.tiers.host import HostArena
-from tiersync.transfer.backends import (CopyBackend, MemmoveCopier, NativeCopier, TransferFailed, backend_for,
-                                        register, unregister)
+from tiersync.transfer.backends import (
+    CopyBackend,
+    MemmoveCopier,
+    NativeCopier,
+    TransferFailed,
+    backend_for,
+    register,
+    unregister,
+)
 from tiersync.transfer.engine import TransferConfig, TransferEngine
 from tiersync.transfer.future import TransferStatus
 from tiersync.transfer.spans import BlockCopy, Pattern

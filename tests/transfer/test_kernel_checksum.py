@@ -69,7 +69,7 @@ def test_every_implementation_matches_the_spec_at_every_tail_length():
     data = os.urandom(700)
     impls = _impls()
     assert "scalar" in impls and kernel.TSUM64 in impls
-    for n in list(range(0, 200)) + [255, 256, 257, 511, 512, 700]:
+    for n in list(range(200)) + [255, 256, 257, 511, 512, 700]:
         want = reference(data[:n])
         assert kernel.tsum64(data[:n]) == want, n
         for name in impls:

@@ -185,7 +185,13 @@ def test_close_wakes_a_blocked_acquire_with_closed_error():
     p = Pacer(10)
     p.acquire(10)
     errors: list[BaseException] = []
-    t = threading.Thread(target=lambda: errors.append(pytest.raises(ClosedError, p.acquire, 5).value))
+
+    def acquire() -> None:
+        with pytest.raises(ClosedError) as closed:
+            p.acquire(5)
+        errors.append(closed.value)
+
+    t = threading.Thread(target=acquire)
     t.start()
     p.close()
     t.join(10)

@@ -8,8 +8,16 @@ from hypothesis import strategies as st
 
 from tiersync.errors import UsageError
 from tiersync.layout.pool import PoolSpec, Region
-from tiersync.transfer.spans import (BlockCopy, Spans, block_copy, coalesce, expand, pool_pattern, pool_spans,
-                                     validate_runs)
+from tiersync.transfer.spans import (
+    BlockCopy,
+    Spans,
+    block_copy,
+    coalesce,
+    expand,
+    pool_pattern,
+    pool_spans,
+    validate_runs,
+)
 
 
 def spans(rows) -> Spans:

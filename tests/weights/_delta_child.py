@@ -16,8 +16,8 @@ import sys
 import threading
 
 import numpy as np
-from _sync_helpers import digests
 
+from _sync_helpers import digests
 from tiersync.errors import TierSyncError
 from tiersync.weights import Mesh, Sharding
 from tiersync.weights.config import ReceiverConfig, TransportKind

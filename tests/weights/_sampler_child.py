@@ -11,7 +11,6 @@ import sys
 import threading
 
 from _sync_helpers import digests
-
 from tiersync.weights import Mesh, Sharding
 from tiersync.weights.config import ReceiverConfig
 from tiersync.weights.receiver import WeightReceiver

@@ -7,8 +7,8 @@ import os
 import sys
 
 import pytest
-from _sync_helpers import assert_bitwise, fsdp, model
 
+from _sync_helpers import assert_bitwise, fsdp, model
 from tiersync.errors import UsageError
 from tiersync.net.config import TcpConfig
 from tiersync.net.errors import AuthError, PeerClosedError

@@ -9,8 +9,9 @@ import signal
 
 import numpy as np
 import pytest
-from _sync_helpers import digests, fsdp
 
+from _lines import LineChild
+from _sync_helpers import digests, fsdp
 from tiersync.errors import IntegrityError, UsageError
 from tiersync.net.frames import SUPPORTED
 from tiersync.weights import Mesh, Sharding
@@ -20,8 +21,6 @@ from tiersync.weights.fetch import Job, Source
 from tiersync.weights.publisher import WeightPublisher
 from tiersync.weights.receiver import WeightReceiver
 from tiersync.weights.spans import StridedSpan
-
-from _lines import LineChild
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 60

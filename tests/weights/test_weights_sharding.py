@@ -4,7 +4,15 @@ from __future__ import annotations
 import pytest
 
 from tiersync.errors import UsageError
-from tiersync.weights import Box, Mesh, Sharding, local_shape, replica_groups, shard_boxes, shard_slices
+from tiersync.weights import (
+    Box,
+    Mesh,
+    Sharding,
+    local_shape,
+    replica_groups,
+    shard_boxes,
+    shard_slices,
+)
 
 
 def test_mesh_defaults_and_size():

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from _sync_helpers import assert_bitwise, fsdp, model, shards_of, tp_dp_layout
 
+from _sync_helpers import assert_bitwise, fsdp, model, shards_of, tp_dp_layout
 from tiersync.errors import UsageError
 from tiersync.store.keys import CacheIdentity
 from tiersync.weights import Mesh, Sharding

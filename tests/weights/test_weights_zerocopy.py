@@ -6,8 +6,8 @@ import os
 import time
 
 import pytest
-from _sync_helpers import assert_bitwise, fsdp, model, shards_of
 
+from _sync_helpers import assert_bitwise, fsdp, model, shards_of
 from tiersync.errors import UsageError
 from tiersync.weights import Mesh, Sharding
 from tiersync.weights.config import PublisherConfig, ReceiverConfig
@@ -30,7 +30,7 @@ def _setup(g, shards=1, samplers=2, **cfg):
 
 
 def _publish(pubs, g, version):
-    for p in pubs:
+    for _p in pubs:
         for a in g.values():
             a.reshape(-1)[0] = version  # the publisher's shards are copies: refresh them
     futures = [p.publish(version, shards_of(g, fsdp(len(pubs)), r)) for r, p in enumerate(pubs)]

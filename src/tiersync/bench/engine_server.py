@@ -16,8 +16,9 @@ import json
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any, Callable
+from typing import Any
 
 MAX_BODY = 16 << 20  # a request body larger than this is refused
 
@@ -30,7 +31,7 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
 
 def _handler(fn: Callable[[dict], dict]) -> type:
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        def do_POST(self) -> None:
             n = int(self.headers.get("Content-Length") or 0)
             if self.path != "/generate" or not 0 < n <= MAX_BODY:
                 self.send_error(404 if self.path != "/generate" else 413)

@@ -29,7 +29,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tiersync.bench.common import BenchConfig, RoundTripError, percentile, progress, report, row, throughput
+from tiersync.bench.common import (
+    BenchConfig,
+    RoundTripError,
+    percentile,
+    progress,
+    report,
+    row,
+    throughput,
+)
 
 _REQ = struct.Struct("<QQQ")  # raw reference request: block index, offset, length
 _BUF = 16 << 20
@@ -67,7 +75,6 @@ def _serve(mode: str, seed: int, address_q: Any, stop: Any) -> None:
     """Server process: both listeners over the same blocks, until ``stop`` is set."""
     from tiersync.net.source import MemoryBlockSource
     from tiersync.net.tcp import TcpTransport
-
     from tiersync.tiers.host import HostArena, HostArenaConfig
 
     blocks: dict[bytes, memoryview] = {}

@@ -29,7 +29,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiersync.bench.common import BenchConfig, RoundTripError, median, report
-from tiersync.bench.serve_engine import EngineFailed, make_prompt, omp_bind, parse_cores, spawn, vllm_python
+from tiersync.bench.serve_engine import (
+    EngineFailed,
+    make_prompt,
+    omp_bind,
+    parse_cores,
+    spawn,
+    vllm_python,
+)
 from tiersync.bench.tiny_llama import TinyLlama, write_tiny_llama
 from tiersync.errors import UsageError
 
@@ -148,7 +155,7 @@ def _pd_measure(case: _Case, prefill: Any, router: Any) -> list[dict]:
     return out
 
 
-def _example_row(name: str, base: dict, timed: list[str], work: str, ref: "_Row") -> "_Row":
+def _example_row(name: str, base: dict, timed: list[str], work: str, ref: _Row) -> _Row:
     path = tempfile.mkdtemp(prefix="example-", dir=work)
     try:
         return _Row(name, spawn({**base, "connector": "example", "storage_dir": path,
@@ -163,7 +170,7 @@ def _first_error(log: str) -> str:
 
 
 class _Row:
-    def __init__(self, name: str, steps: list[dict], ref: "_Row | None", error: str | None = None) -> None:
+    def __init__(self, name: str, steps: list[dict], ref: _Row | None, error: str | None = None) -> None:
         self.name, self.steps, self.ref, self.error = name, steps, ref, error
 
     def ttft(self) -> float:

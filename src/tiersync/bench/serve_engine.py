@@ -201,7 +201,7 @@ def spawn(spec: dict, timeout: float = 900, python: str | None = None) -> list[d
     os.close(fd)
     try:
         proc = subprocess.run([exe, "-m", "tiersync.bench.serve_engine", json.dumps({**spec, "results_path": path})],
-                              capture_output=True, text=True, timeout=timeout, env=env)
+                              check=False, capture_output=True, text=True, timeout=timeout, env=env)
         with open(path) as f:
             rows = [json.loads(line[7:]) for line in f if line.startswith("RESULT ")]
     finally:

@@ -29,14 +29,22 @@ import time
 
 import numpy as np
 
-from tiersync.bench.common import BenchConfig, RoundTripError, median, percentile, report, row, throughput
+from tiersync.bench.common import (
+    BenchConfig,
+    RoundTripError,
+    median,
+    percentile,
+    report,
+    row,
+    throughput,
+)
 from tiersync.tiers.storage import ReadStatus, StorageConfig, StorageTier
 
 BLOCK = 64 << 10
 IDENT = b"tiersync-bench!!"
 
 
-def run(quick: "bool | BenchConfig", directory: str | None = None) -> dict:
+def run(quick: bool | BenchConfig, directory: str | None = None) -> dict:
     """Run the bench in ``directory`` (a temp dir inside it; None = the system temp dir).
 
     ``quick`` may be a :class:`BenchConfig` (``tiersync bench storage``). Returns the

@@ -45,8 +45,10 @@ def write_tiny_llama(directory: str, shape: TinyLlama = TinyLlama(), seed: int =
     them when the same shape and seed are already there. Returns ``directory``."""
     stamp = json.dumps({"shape": asdict(shape), "seed": seed, "std": INIT_STD}, sort_keys=True)
     marker = os.path.join(directory, "tiersync-model.json")
-    if os.path.exists(marker) and open(marker).read() == stamp:
-        return directory
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if f.read() == stamp:
+                return directory
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -40,9 +40,18 @@ from typing import Any
 
 import numpy as np
 
-from tiersync.bench import weights_delta, weights_procs as procs
+from tiersync.bench import weights_delta
+from tiersync.bench import weights_procs as procs
+from tiersync.bench.common import (
+    BenchConfig,
+    RoundTripError,
+    median,
+    progress,
+    report,
+    row,
+    throughput,
+)
 from tiersync.bench.weights_raw import memcpy_gbps, raw_seconds
-from tiersync.bench.common import BenchConfig, RoundTripError, median, progress, report, row, throughput
 from tiersync.errors import RemoteError, UsageError
 
 CASES = {"full": ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)), "quick": ((1, 4), (2, 4)),
@@ -132,7 +141,7 @@ def _expect(conn: Any, kind: str, proc: Any, timeout: float = 600) -> tuple:
 
 
 def _stop(children: list[tuple[Any, Any]]) -> None:
-    for proc, conn in children:
+    for _, conn in children:
         try:
             conn.send(("stop",))
         except OSError:
@@ -170,7 +179,7 @@ def _tiersync(model: _Model, pubs: list, pool: list, n: int, who: str, versions:
                 _check(model, v, [c for _, c in workers], procs_=[p for p, _ in workers])
         return times[1:]
     finally:
-        for p, c in workers:
+        for _, c in workers:
             c.send(("leave",))
         for p, c in workers:
             _expect(c, "left", p, 120)
@@ -180,7 +189,7 @@ def _tiersync(model: _Model, pubs: list, pool: list, n: int, who: str, versions:
 
 def _check(model: _Model, version: int, conns: list, procs_: list) -> None:
     expected = model.digests(version)
-    for conn, proc in zip(conns, procs_):
+    for conn, _ in zip(conns, procs_):
         conn.send(("digest", version))
     for conn, proc in zip(conns, procs_):
         _, got_version, got = _expect(conn, "digest", proc)
@@ -207,12 +216,12 @@ class _Gloo:
             _expect(c, "ready", p)
 
     def run(self, k: int) -> list[float]:
-        shards, n, versions = self.cases[k]
+        _shards, n, versions = self.cases[k]
         for _, c in self.children:
             c.send(("go", k))
         expected = self.model.digests(versions[0])
         for p, c in self.children[self.trainers: self.trainers + n]:
-            _, v, got = _expect(c, "digest", p)
+            _, _v, got = _expect(c, "digest", p)
             if got != expected:
                 raise RoundTripError("a gloo receiver's weights differ from the source; refusing to report")
         return _expect(self.children[0][1], "times", self.children[0][0])[1][1:]
@@ -299,8 +308,8 @@ def _sweep(config: BenchConfig, model: _Model, layers: int, cases: list, pool: l
                         for rnd in range(rounds):
                             k = plan.index((shards, n, rnd))
                             _round(model, pubs, pool, n, rnd, times, phases, versions, warm, iters, BUFFERS[mode],
-                                   lambda: _gloo_run(shared, model, mode, layers, config.seed, gloo_cases, k))
-                            _timed(phases, "raw", lambda: raw_times.setdefault(n, []).extend(
+                                   lambda k=k: _gloo_run(shared, model, mode, layers, config.seed, gloo_cases, k))
+                            _timed(phases, "raw", lambda n=n, rnd=rnd: raw_times.setdefault(n, []).extend(
                                 raw_seconds(model, pool, n, iters, _expect, TRIM[mode])) if n not in raw_times or rnd else None)
                             bar.update(1)
                         results += _rows(model.nbytes, shards, n, times, raw_times[n], BUFFERS[mode])
@@ -322,7 +331,7 @@ def _round(model, pubs, pool, n, rnd, times, phases, versions, warm, iters, buff
         if who == "gloo":
             times[who] += _timed(phases, who, gloo)[warm - 1:]
         else:
-            times[who] += _timed(phases, who, lambda: _tiersync(model, pubs, pool, n, who, versions(iters),
+            times[who] += _timed(phases, who, lambda who=who: _tiersync(model, pubs, pool, n, who, versions(iters),
                                                                 buffers))[warm - 1:]
 
 
@@ -334,7 +343,7 @@ def _timed(phases: dict, name: str, fn: Any) -> Any:
         phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
 
 
-def _gloo_run(shared: "_Gloo | None", model: _Model, mode: str, layers: int, seed: int, cases: list, k: int):
+def _gloo_run(shared: _Gloo | None, model: _Model, mode: str, layers: int, seed: int, cases: list, k: int):
     if shared is not None:
         return shared.run(k)
     group = _Gloo(model, mode, layers, seed, [cases[k]])

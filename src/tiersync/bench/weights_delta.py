@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -106,7 +107,7 @@ def _contender(model, pub, pool, chunks, pct, delta, versions, iters, buffers, c
                 _check(model, v, workers, expect, config.inject_corruption)
         return times[1:]
     finally:
-        for p, c in workers:
+        for _, c in workers:
             c.send(("leave",))
         for p, c in workers:
             expect(c, "left", p, 120)

@@ -28,8 +28,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tiersync.bench import concurrency
 from tiersync.bench.common import BenchConfig, report, same_tokens

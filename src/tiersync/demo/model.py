@@ -40,7 +40,7 @@ class KVGeometry:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, cfg: LlamaConfig) -> "KVGeometry":
+    def of(cls, cfg: LlamaConfig) -> KVGeometry:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, torch.float32)
 
@@ -79,8 +79,8 @@ class TinyModel:
     def cache_from_layers(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         """A ``DynamicCache`` holding ``layers[l] = (k, v)``, each (1, kv_heads, seq, head_dim)."""
         cache = DynamicCache(config=self.config)
-        for l, (k, v) in enumerate(layers):
-            cache.update(k, v, l)
+        for layer, (k, v) in enumerate(layers):
+            cache.update(k, v, layer)
         return cache
 
 
@@ -88,4 +88,4 @@ def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer ``(keys, values)`` of a DynamicCache, (batch, kv_heads, seq, head_dim) each."""
     if hasattr(cache, "layers"):  # transformers >= 4.56: a list of DynamicLayer
         return [(layer.keys, layer.values) for layer in cache.layers]
-    return [(cache.key_cache[l], cache.value_cache[l]) for l in range(len(cache.key_cache))]
+    return [(cache.key_cache[layer], cache.value_cache[layer]) for layer in range(len(cache.key_cache))]

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tiersync.layout import KVLayout, kv_layout
 from tiersync.demo.model import KVGeometry
+from tiersync.layout import KVLayout, kv_layout
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 

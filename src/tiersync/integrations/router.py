@@ -158,13 +158,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.timeout = self.server.router.config.timeout_s  # a client that stalls is dropped
         super().setup()
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         router = self.server.router
         if self.path not in ("/health", "/v1/models"):
             return self._error(404, f"no route {self.path}")
         self._relay(lambda: router.call(router.next_pair()[1], self.path))
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         router = self.server.router
         if self.path not in GENERATE:
             return self._error(404, f"no route {self.path}")

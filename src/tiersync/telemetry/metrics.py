@@ -24,7 +24,7 @@ import weakref
 from typing import Any
 
 BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50)
-_ARENAS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # open arenas, for the allocated-bytes gauge
+_ARENAS: weakref.WeakSet[Any] = weakref.WeakSet()  # open arenas, for the allocated-bytes gauge
 
 
 def track_arena(arena: Any) -> None:
@@ -43,7 +43,7 @@ def _allocated() -> float:
 class Metrics:
     """A set of tiersync metrics in one ``prometheus_client`` registry."""
 
-    _default: "Metrics | None" = None
+    _default: Metrics | None = None
     _default_lock = threading.Lock()
 
     def __init__(self, registry: Any = None) -> None:
@@ -60,7 +60,7 @@ class Metrics:
         self.allocated.set_function(_allocated)
 
     @classmethod
-    def default(cls) -> "Metrics":
+    def default(cls) -> Metrics:
         """The process-wide metrics, registered in prometheus_client's global registry."""
         with cls._default_lock:
             if cls._default is None:

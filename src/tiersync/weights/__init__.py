@@ -20,11 +20,26 @@ Pure Python and numpy: importing never imports torch or JAX.
 from tiersync.weights.buffers import WeightsLease
 from tiersync.weights.config import PublisherConfig, ReceiverConfig, SyncStatus, TransportKind
 from tiersync.weights.executor import allocate_destination, execute_local, span_view
-from tiersync.weights.plan import PlanOptions, TensorSpec, Transfer, TransferKind, TransferPlan, dtype_info
+from tiersync.weights.plan import (
+    PlanOptions,
+    TensorSpec,
+    Transfer,
+    TransferKind,
+    TransferPlan,
+    dtype_info,
+)
 from tiersync.weights.planner import PlanCache, default_plan_cache, plan_transfer
 from tiersync.weights.publisher import PublishResult, SamplerOutcome, WeightPublisher
 from tiersync.weights.receiver import ReceiveResult, WeightReceiver
-from tiersync.weights.sharding import Box, Mesh, Sharding, local_shape, replica_groups, shard_boxes, shard_slices
+from tiersync.weights.sharding import (
+    Box,
+    Mesh,
+    Sharding,
+    local_shape,
+    replica_groups,
+    shard_boxes,
+    shard_slices,
+)
 from tiersync.weights.spans import StridedSpan, box_span
 
 __all__ = [

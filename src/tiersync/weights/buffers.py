@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,7 @@ class WeightsLease:
     ``tensors`` maps each name to a read-only numpy array of the sampler's local shard.
     """
 
-    def __init__(self, owner: "VersionedBuffers", index: int, version: int, tensors: Mapping[str, np.ndarray]):
+    def __init__(self, owner: VersionedBuffers, index: int, version: int, tensors: Mapping[str, np.ndarray]):
         self._owner, self._index = owner, index
         self.version = version
         self.tensors = tensors
@@ -51,7 +52,7 @@ class WeightsLease:
             self._released = True
             self._owner._release(self._index)
 
-    def __enter__(self) -> "WeightsLease":
+    def __enter__(self) -> WeightsLease:
         return self
 
     def __exit__(self, *exc: object) -> None:

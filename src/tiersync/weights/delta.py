@@ -22,9 +22,9 @@ With one buffer set the new version overwrites the live one: unchanged chunks st
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping
 
 import numpy as np
 

@@ -6,7 +6,7 @@ use it as the oracle; nothing here is tuned for speed.
 """
 from __future__ import annotations
 
-from typing import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 import numpy as np
 

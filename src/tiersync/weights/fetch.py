@@ -16,8 +16,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 

@@ -8,8 +8,9 @@ wire. :func:`host_id` identifies this machine and boot (same host = shared memor
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from tiersync.errors import UsageError
 from tiersync.net.errors import ProtocolError, ProtocolFault
@@ -83,7 +84,7 @@ class Manifest:
         }
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "Manifest":
+    def from_json(cls, obj: dict[str, Any]) -> Manifest:
         """Decode; ProtocolError (MALFORMED) on anything missing or ill-typed."""
         try:
             tensors = obj["tensors"]
@@ -106,7 +107,7 @@ class Manifest:
         """Tensor name -> write position."""
         return {n: i for i, n in enumerate(self.names)}
 
-    def same_model(self, other: "Manifest") -> bool:
+    def same_model(self, other: Manifest) -> bool:
         """True when ``other`` describes the same tensors, shardings and options."""
         return (self.names, self.specs, self.source, self.options, self.source_ranks) == (
             other.names, other.specs, other.source, other.options, other.source_ranks)
@@ -116,7 +117,7 @@ def destination_layout(destination: Sharding | Mapping[str, Sharding], m: Manife
     """A sampler's destination sharding of every tensor ``m`` names; UsageError (``destination``)
     when one is missing."""
     if isinstance(destination, Sharding):
-        return {n: destination for n in m.names}
+        return dict.fromkeys(m.names, destination)
     missing = [n for n in m.names if n not in destination]
     if missing:
         raise UsageError(f"no destination sharding for {missing[:3]}", argument="destination")

@@ -36,8 +36,19 @@ from tiersync.weights.config import MAX_SPAN_BYTES, TransportKind
 from tiersync.weights.manifest import Manifest
 from tiersync.weights.spans import StridedSpan
 
-__all__ = ["WEIGHTS", "Ack", "Announce", "Get", "Ready", "Register", "Release", "Sums", "SumsReply", "Welcome",
-           "WeightsOp"]
+__all__ = [
+    "WEIGHTS",
+    "Ack",
+    "Announce",
+    "Get",
+    "Ready",
+    "Register",
+    "Release",
+    "Sums",
+    "SumsReply",
+    "WeightsOp",
+    "Welcome",
+]
 
 _MAX_DIMS = 32
 _MAX_SPANS = 1 << 16  # spans of one W_SUMS (one tensor's chunks from one trainer shard)
@@ -92,7 +103,7 @@ class Register:
         return w.text(self.relay).u8(self.zero_copy).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Register":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Register:
         n = cfg.max_string
         return cls(rid, r.text(n), r.u64(), r.text(n), TransportKind(r.text(n)), r.text(n), _flag(r))
 
@@ -116,7 +127,7 @@ class Welcome:
         return MetaWriter().text(self.transport.value).u64(self.source_rank).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Welcome":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Welcome:
         return cls(rid, TransportKind(r.text(cfg.max_string)), r.u64())
 
 
@@ -135,7 +146,7 @@ class Announce:
         return MetaWriter().json(self.manifest.to_json()).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Announce":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Announce:
         return cls(Manifest.from_json(r.json(cfg.max_meta_size)))
 
 
@@ -155,7 +166,7 @@ class Ready:
         return MetaWriter().u64(self.version).u64(self.count).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Ready":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Ready:
         return cls(r.u64(), r.u64())
 
 
@@ -183,7 +194,7 @@ class Ack:
         return w.u64(self.moved).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Ack":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Ack:
         return cls(r.u64(), _flag(r), r.f64(), r.text(cfg.max_string), r.u64())
 
 
@@ -201,7 +212,7 @@ class Release:
         return MetaWriter().u64(self.version).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Release":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Release:
         return cls(r.u64())
 
 
@@ -230,7 +241,7 @@ class Get:
         return _write_span(MetaWriter().u64(self.version).text(self.tensor).u64s(self.key), self.span).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Get":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Get:
         version, tensor, key = r.u64(), r.text(cfg.max_string), r.u64s(_MAX_DIMS)
         return cls(rid, version, tensor, key, _read_span(r))
 
@@ -278,7 +289,7 @@ class Sums:
         return w.getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Sums":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Sums:
         version, tensor, n = r.u64(), r.text(cfg.max_string), r.u32()
         if not 0 < n <= _MAX_SPANS:
             raise ValueError(f"a W_SUMS names 1..{_MAX_SPANS} spans, not {n}")
@@ -306,7 +317,7 @@ class SumsReply:
         return MetaWriter().u64(self.algo).u64s(self.sums).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "SumsReply":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> SumsReply:
         return cls(rid, r.u64(), r.u64s(_MAX_SPANS))
 
 

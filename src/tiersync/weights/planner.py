@@ -24,8 +24,9 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterator, Mapping
+from typing import Any
 
 from tiersync.errors import UsageError
 from tiersync.weights.plan import PlanOptions, TensorSpec, Transfer, TransferKind, TransferPlan

@@ -17,9 +17,10 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -171,7 +172,7 @@ class WeightPublisher:
                 self._cond.wait(left)
 
     # -- publishing ------------------------------------------------------------
-    def publish(self, version: int, tensors: Mapping[str, Any] | None = None) -> "Future[PublishResult]":
+    def publish(self, version: int, tensors: Mapping[str, Any] | None = None) -> Future[PublishResult]:
         """Send version ``version`` (an int above every earlier one) to every registered sampler.
 
         ``tensors``: replacement objects (same names, shapes, dtypes) to read from now on, e.g.
@@ -365,7 +366,7 @@ class WeightPublisher:
                 self._store = np.zeros(0, np.uint8)
                 self._pool.close()
 
-    def __enter__(self) -> "WeightPublisher":
+    def __enter__(self) -> WeightPublisher:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,8 +21,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Mapping
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from tiersync.net.framed import Deadline
 from tiersync.net.server import TcpServer
 from tiersync.net.tcp import TcpTransport
 from tiersync.weights.buffers import VersionedBuffers, WeightsLease
-from tiersync.weights.config import ReceiveResult, ReceiverConfig, TransportKind
+from tiersync.weights.config import ReceiverConfig, ReceiveResult, TransportKind
 from tiersync.weights.delta import DeltaState, Landing, land_delta
 from tiersync.weights.fetch import Job, TcpPool, build_jobs, first_error, shm_copy
 from tiersync.weights.links import ShardLink
@@ -111,7 +111,7 @@ class WeightReceiver:
         with self._cond:
             return dict(self._stats)
 
-    def receive(self, version: int) -> "Future[ReceiveResult]":
+    def receive(self, version: int) -> Future[ReceiveResult]:
         """A future resolved once version ``version`` or a later one is active (its result names
         which); failed with the sync's error when version ``version`` itself failed."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -384,12 +384,12 @@ class WeightReceiver:
                 r.close()
         self._buffers.close()
         with self._cond:
-            for v, futs in self._waiters.items():
+            for futs in self._waiters.values():
                 for f in futs:
                     f.set_exception(ClosedError("receiver closed", argument="receiver"))
             self._waiters.clear()
 
-    def __enter__(self) -> "WeightReceiver":
+    def __enter__(self) -> WeightReceiver:
         return self
 
     def __exit__(self, *exc: object) -> None:

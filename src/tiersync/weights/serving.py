@@ -11,7 +11,7 @@ Anything else goes to ``control`` (a trainer shard's registrations and acks).
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 

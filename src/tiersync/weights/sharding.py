@@ -16,12 +16,12 @@ major-to-minor (the first axis named is the most significant digit of the shard 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from tiersync.errors import UsageError
 
-__all__ = ["Box", "Mesh", "Sharding", "shard_boxes", "shard_slices", "local_shape", "replica_groups"]
+__all__ = ["Box", "Mesh", "Sharding", "local_shape", "replica_groups", "shard_boxes", "shard_slices"]
 
 DimSpec = str | Sequence[str] | None
 
@@ -131,7 +131,7 @@ class Sharding:
         object.__setattr__(self, "spec", dims)
 
     @classmethod
-    def replicated(cls, mesh: Mesh) -> "Sharding":
+    def replicated(cls, mesh: Mesh) -> Sharding:
         """Every rank holds the whole tensor."""
         return cls(mesh, ())
 
@@ -194,7 +194,7 @@ class Box:
         """The box as a tuple of slices, ready to index a numpy array."""
         return tuple(slice(a, b) for a, b in zip(self.start, self.stop))
 
-    def intersect(self, other: "Box") -> "Box | None":
+    def intersect(self, other: Box) -> Box | None:
         """The overlap of two boxes of equal rank, or ``None`` when it holds no element."""
         start = tuple(max(a, b) for a, b in zip(self.start, other.start))
         stop = tuple(min(a, b) for a, b in zip(self.stop, other.stop))
@@ -202,7 +202,7 @@ class Box:
             return None
         return Box(start, stop)
 
-    def relative_to(self, origin: "Box") -> "Box":
+    def relative_to(self, origin: Box) -> Box:
         """This box in the coordinates of ``origin`` (which should contain it)."""
         return Box(
             tuple(a - o for a, o in zip(self.start, origin.start)),

@@ -1,7 +1,8 @@
 """The publisher's argument check: named local tensors and their source shardings."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tiersync.errors import UsageError
 from tiersync.weights.plan import TensorSpec

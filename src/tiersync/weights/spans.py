@@ -9,8 +9,8 @@ and a box of evenly spaced rows has exactly one (``row_stride``/``row_count``).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 from tiersync.errors import UsageError
 from tiersync.weights.sharding import Box

@@ -8,7 +8,7 @@ else is copied as before.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

@@ -22,11 +22,15 @@ raises NotImplementedError for them.
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 import xxhash
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
 
 from tiersync.errors import UsageError
 from tiersync.integrations.sglang.config import HiCacheConfig, namespace
@@ -41,7 +45,7 @@ class TierSyncHiCacheStorage(HiCacheStorage):
     """HiCache pages in tiersync's host and disk tiers; every byte read back is verified, so a
     missing, damaged or foreign page reads as a miss (False / None), never as wrong bytes."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         if not isinstance(storage_config, HiCacheStorageConfig):
             raise UsageError("must be SGLang's HiCacheStorageConfig", argument="storage_config",
                              got=type(storage_config).__name__)
@@ -60,31 +64,31 @@ class TierSyncHiCacheStorage(HiCacheStorage):
                f"|{getattr(mem_pool_host, 'page_size', '')}")
         self._salt = self.identity + xxhash.xxh3_128_digest(fmt.encode())
 
-    def _keys(self, keys: List[str]) -> list[bytes]:
+    def _keys(self, keys: list[str]) -> list[bytes]:
         return [xxhash.xxh3_128_digest(self._salt + k.encode()) for k in keys]
 
     # -- existence -----------------------------------------------------------
     def exists(self, key: str) -> bool:
         return self.tiers.prefix(self._keys([key])) == 1
 
-    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many of ``keys``, from the first, are all stored (a gap stops the count)."""
         return self.tiers.prefix(self._keys(keys))
 
     # -- page tensors (SGLang's default path for a dynamic backend) ----------
-    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> bool:
+    def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> bool:
         if values is None or len(values) != len(keys):
             log.error("tiersync: batch_set needs one page tensor per key")
             return False
         return all(self.tiers.put(self._keys(keys), [_page_bytes(v) for v in values]))
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> bool:
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> bool:
         return self.batch_set([key], None if value is None else [value])
 
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+    def batch_get(self, keys: list[str], target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> list[torch.Tensor | None]:
         """Fill ``target_locations[i]`` (flat page tensors; default: fresh dummy pages of the
         registered pool) with page ``keys[i]``; the tensor, or None where the page is not served."""
         targets = list(target_locations) if target_locations is not None else [self._dummy_page() for _ in keys]
@@ -94,24 +98,24 @@ class TierSyncHiCacheStorage(HiCacheStorage):
         ok = self.tiers.get(self._keys(keys), [_page_bytes(t, writable=True) for t in targets])
         return [t if good else None for t, good in zip(targets, ok)]
 
-    def get(self, key: str, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
+    def get(self, key: str, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> torch.Tensor | None:
         return self.batch_get([key], None if target_location is None else [target_location])[0]
 
-    def _dummy_page(self) -> Optional[torch.Tensor]:
+    def _dummy_page(self) -> torch.Tensor | None:
         return None if self.mem_pool_host is None else self.mem_pool_host.get_dummy_flat_data_page()
 
     # -- host-pool indices ("interface_v1": 1) -------------------------------
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         slots = self._slots(keys, host_indices)
         if slots is None:
             return [False] * len(keys)
         pages = [_page_bytes(self.mem_pool_host.get_data_page(s, flat=True)) for s in slots]
         return self.tiers.put(self._keys(keys), pages)
 
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         slots = self._slots(keys, host_indices)
         if slots is None:
             return [False] * len(keys)
@@ -123,7 +127,7 @@ class TierSyncHiCacheStorage(HiCacheStorage):
                 pool.set_from_flat_data_page(slot, page)
         return ok
 
-    def _slots(self, keys: List[str], host_indices: torch.Tensor) -> Optional[list[int]]:
+    def _slots(self, keys: list[str], host_indices: torch.Tensor) -> list[int] | None:
         """The host-pool index where each key's page starts, or None (logged) if they do not fit."""
         pool = self.mem_pool_host
         if pool is None:

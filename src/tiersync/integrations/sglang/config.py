@@ -21,8 +21,9 @@ silently drop the disk tier.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import xxhash
 
@@ -70,7 +71,7 @@ class HiCacheConfig:
             raise UsageError("must be true or false", argument=f"{EXTRA}.fsync", value=self.fsync)
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> "HiCacheConfig":
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> HiCacheConfig:
         """Parse SGLang's ``storage_config.extra_config``; unknown keys are refused by name."""
         if extra is not None and not isinstance(extra, Mapping):
             raise UsageError("must be a JSON object", argument=EXTRA, got=type(extra).__name__)

@@ -47,13 +47,14 @@ key                  meaning (default)
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from tiersync.errors import UsageError, check_positive_int
 from tiersync.net.config import coerce_token, token_from
-from tiersync.sizes import parse_size
 from tiersync.settings import layered
+from tiersync.sizes import parse_size
 
 __all__ = ["ConnectorConfig"]
 
@@ -110,7 +111,7 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, model: str,
-                   environ: Mapping[str, str] | None = None) -> "ConnectorConfig":
+                   environ: Mapping[str, str] | None = None) -> ConnectorConfig:
         """Parse ``kv_connector_extra_config`` over ``$TIERSYNC_<KEY>`` over the config file's
         ``[connector]`` table (``environ``: default :data:`os.environ`). Unknown keys are refused
         (a typo must not silently disable the disk tier); a bad value's UsageError names where

@@ -25,12 +25,13 @@ save seconds reach vLLM's stats log and the OpenAI server's ``/metrics``
 from __future__ import annotations
 
 import logging
-
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
 
 from tiersync.errors import UsageError
 from tiersync.integrations.vllm.config import ConnectorConfig
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 __all__ = ["TierSyncConnector", "cache_identity", "num_host_slots"]
 
 
-def cache_identity(vllm_config: "VllmConfig", cfg: ConnectorConfig) -> CacheIdentity:
+def cache_identity(vllm_config: VllmConfig, cfg: ConnectorConfig) -> CacheIdentity:
     """The namespace of this engine's blocks: equal only for interchangeable KV."""
     par = vllm_config.parallel_config
     dtype = f"{vllm_config.cache_config.cache_dtype}/{vllm_config.model_config.dtype}"
@@ -58,7 +59,7 @@ def cache_identity(vllm_config: "VllmConfig", cfg: ConnectorConfig) -> CacheIden
                          block_size=vllm_config.cache_config.block_size, layout_digest=layout)
 
 
-def _publishes_kv_events(vllm_config: "VllmConfig") -> bool:
+def _publishes_kv_events(vllm_config: VllmConfig) -> bool:
     """Whether vLLM publishes KV events (``--kv-events-config``): only then are the host and
     disk tiers' changes recorded and turned into events."""
     events = getattr(vllm_config, "kv_events_config", None)
@@ -82,7 +83,7 @@ def num_host_slots(kv_cache_config: Any, host_bytes: int) -> int:
 class TierSyncConnector(KVConnectorBase_V1):
     """Host/disk offloading (``kv_both``) or prefill -> decode transfer (producer/consumer)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, vllm_config.model_config.model)
@@ -179,7 +180,7 @@ class TierSyncConnector(KVConnectorBase_V1):
         return TierSyncStats(data)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> TierSyncPromMetrics:
         return TierSyncPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

@@ -9,8 +9,9 @@ Importing this module imports neither torch nor vLLM.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Mapping
+from typing import Any
 
 from tiersync.errors import RemoteError
 from tiersync.weights.config import ReceiverConfig

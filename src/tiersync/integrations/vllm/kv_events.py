@@ -18,8 +18,9 @@ Consecutive blocks of one request and tier travel in one event, as vLLM's own do
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from tiersync.store.offload import TierChange
 from tiersync.store.residency import Residency
@@ -131,7 +132,7 @@ class KVEventLog:
             self._blocks.pop(key, None)
         return block
 
-    def _event(self, run: list[tuple[TierChange, "_Block | None"]], stored: type, removed: type) -> Any:
+    def _event(self, run: list[tuple[TierChange, _Block | None]], stored: type, removed: type) -> Any:
         change, first = run[0]
         medium = self._medium[change.tier]
         if not change.stored:

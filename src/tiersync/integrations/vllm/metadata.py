@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from tiersync.store.offload import LoadSpec, StoreSpec
 
@@ -58,7 +61,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
     stored_failed: set[bytes] = field(default_factory=set)
     generation: int = 0
 
-    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "WorkerReport":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
         if not isinstance(other, WorkerReport):
             return self
         failed = self.stored_failed | other.stored_failed

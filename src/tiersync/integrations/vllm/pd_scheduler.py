@@ -17,7 +17,7 @@ from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.errors import UsageError
 from tiersync.integrations.vllm.metadata import PDMeta, ReadJob, SendJob
 
-__all__ = ["PDScheduler", "SOURCE_KEY"]
+__all__ = ["SOURCE_KEY", "PDScheduler"]
 
 SOURCE_KEY = "tiersync_source"
 

@@ -14,7 +14,10 @@ _MODULE = "tiersync.integrations.vllm"
 
 def register() -> None:
     """Register ``"tiersync"`` with vLLM's worker-side and trainer-side weight-transfer factories."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
 
     for factory, module, cls in ((WeightTransferEngineFactory, f"{_MODULE}.weight_transfer",
                                   "TierSyncWeightTransferEngine"),

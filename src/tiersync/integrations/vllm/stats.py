@@ -23,7 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 __all__ = ["COUNTERS", "HISTOGRAMS", "StatsCounter", "TierSyncPromMetrics", "TierSyncStats"]
 
@@ -49,14 +52,14 @@ class StatsCounter:
         if len(self._data[name]) < MAX_OBSERVATIONS:
             self._data[name].append(seconds)
 
-    def take(self) -> "TierSyncStats | None":
+    def take(self) -> TierSyncStats | None:
         data, self._data = self._data, _empty()
         stats = TierSyncStats(data)
         return None if stats.is_empty() else stats
 
 
 def _empty() -> dict[str, Any]:
-    return {**{k: 0 for k in COUNTERS}, **{k: [] for k in HISTOGRAMS}}
+    return {**dict.fromkeys(COUNTERS, 0), **{k: [] for k in HISTOGRAMS}}
 
 
 def _normalized(data: dict[str, Any] | None) -> dict[str, Any]:
@@ -77,7 +80,7 @@ class TierSyncStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = _empty()
 
-    def aggregate(self, other: KVConnectorStats) -> "TierSyncStats":
+    def aggregate(self, other: KVConnectorStats) -> TierSyncStats:
         theirs = _normalized(other.data)
         for k in COUNTERS:
             self.data[k] += theirs[k]

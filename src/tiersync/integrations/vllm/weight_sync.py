@@ -36,10 +36,18 @@ version until a later update succeeds. Importing this module imports neither tor
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
-from tiersync.errors import CapacityError, ClosedError, IntegrityError, RemoteError, TierSyncError, UsageError
+from tiersync.errors import (
+    CapacityError,
+    ClosedError,
+    IntegrityError,
+    RemoteError,
+    TierSyncError,
+    UsageError,
+)
 from tiersync.integrations.vllm.engine_receiver import EngineReceiver, tell_kv_connector
 from tiersync.net.config import token_from
 from tiersync.weights.config import ReceiverConfig, TransportKind
@@ -106,7 +114,7 @@ class WeightSyncConfig:
                               sampler_id=self.sampler_id or f"vllm-{rank}", token=self.token)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | "WeightSyncConfig") -> "WeightSyncConfig":
+    def from_dict(cls, values: Mapping[str, Any] | WeightSyncConfig) -> WeightSyncConfig:
         """Parse a dict of the fields above; unknown keys are refused."""
         if isinstance(values, WeightSyncConfig):
             return values
@@ -258,7 +266,7 @@ def _rpc(llm: Any, method: str, args: tuple, version: int | None) -> list[Any]:
     its tiersync type, any other failure of the RPC as RemoteError with the engine's message."""
     try:
         results = list(llm.collective_rpc(method, args=args))
-    except Exception as exc:  # noqa: BLE001 - vLLM re-raises worker failures as plain exceptions
+    except Exception as exc:
         raise RemoteError(f"{method} failed in the engine", peer="vllm", version=version,
                           engine_error=f"{type(exc).__name__}: {exc}") from exc
     for r in results:

@@ -67,7 +67,7 @@ class TierSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[TierSyncTr
 
     @classmethod
     def trainer_init(cls, init_info: TierSyncTrainerInitInfo, *, client: Any, source: Any = None
-                     ) -> "TierSyncTrainerWeightTransferEngine":
+                     ) -> TierSyncTrainerWeightTransferEngine:
         if source is None:
             raise UsageError("the tiersync backend publishes a WeightSource; pass source=", argument="source")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
