@@ -14,7 +14,7 @@
 
 Imports numpy and xxhash, never torch or JAX; ``import tiersync`` does not import this package.
 """
-from tiersync.disagg.config import DisaggConfig, RequestState, FinishedRequests
+from tiersync.disagg.config import DisaggConfig, FinishedRequests, RequestState
 from tiersync.disagg.consumer import KVConsumer, ReadHandle, SourceSpec
 from tiersync.disagg.geometry import KVOrder, PagedKVLayout
 from tiersync.disagg.producer import KVProducer
@@ -23,6 +23,7 @@ from tiersync.disagg.spanio import apply_plan, gather, scatter
 
 __all__ = [
     "DisaggConfig",
+    "FinishedRequests",
     "KVConsumer",
     "KVOrder",
     "KVProducer",
@@ -34,7 +35,6 @@ __all__ = [
     "Route",
     "SourceSpec",
     "Transfer",
-    "FinishedRequests",
     "apply_plan",
     "gather",
     "plan_reshard",

@@ -70,7 +70,7 @@ class BlockSums:
             order = np.argsort(offs)
             req.sums[layer] = LayerSums(offs[order], np.asarray(sums, np.uint64)[order])
 
-    def regions(self, view: np.ndarray, known: "LayerSums | None", offs: np.ndarray,
+    def regions(self, view: np.ndarray, known: LayerSums | None, offs: np.ndarray,
                 lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The spans ``(offs, lens)`` of ``view`` cut at block boundaries, with each piece's tsum64
         (from ``known`` where it is a whole summed block, else computed now), all as arrays."""

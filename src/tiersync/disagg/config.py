@@ -10,7 +10,7 @@ from tiersync.net.config import Route, TcpConfig, coerce_token
 from tiersync.net.frames import ProtocolConfig
 from tiersync.net.tls import TlsConfig
 
-__all__ = ["DisaggConfig", "RequestState", "FinishedRequests"]
+__all__ = ["DisaggConfig", "FinishedRequests", "RequestState"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +106,7 @@ class FinishedRequests:
         return bool(self.done_sending or self.failed_sending or self.done_receiving or self.failed_receiving)
 
 
-def check_side(layout: object, rank: int, config: "DisaggConfig | None") -> "DisaggConfig":
+def check_side(layout: object, rank: int, config: DisaggConfig | None) -> DisaggConfig:
     """Validate a producer's or consumer's ``layout`` and ``rank``; returns ``config`` or the
     default. UsageError naming ``layout``, ``rank`` or ``config``."""
     from tiersync.disagg.geometry import PagedKVLayout

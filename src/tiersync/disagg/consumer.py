@@ -29,13 +29,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from tiersync.completion import Completion
-from tiersync.disagg.config import DisaggConfig, RequestState, FinishedRequests, check_side
+from tiersync.disagg.config import DisaggConfig, FinishedRequests, RequestState, check_side
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.disagg.link import pull_route
 from tiersync.disagg.messages import ReadRequest, check_request_id
@@ -84,7 +85,7 @@ class SourceSpec:
                 "block_ids": list(self.block_ids), "num_tokens": self.num_tokens}
 
     @classmethod
-    def from_dict(cls, data: Any) -> "SourceSpec":
+    def from_dict(cls, data: Any) -> SourceSpec:
         """Inverse of :meth:`to_dict`. Raises UsageError naming ``source`` or the field."""
         if not isinstance(data, dict) or set(data) != {"layout", "addresses", "block_ids", "num_tokens"}:
             raise UsageError("malformed source description", argument="source")
@@ -322,7 +323,7 @@ class KVConsumer:
             h._quiet(timeout=5.0)
         self._pool.close()
 
-    def __enter__(self) -> "KVConsumer":
+    def __enter__(self) -> KVConsumer:
         return self
 
     def __exit__(self, *exc: object) -> None:

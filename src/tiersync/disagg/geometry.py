@@ -202,7 +202,7 @@ class PagedKVLayout:
                 "tp_size": self.tp_size, "order": self.order.value}
 
     @classmethod
-    def from_dict(cls, data: object, argument: str = "layout") -> "PagedKVLayout":
+    def from_dict(cls, data: object, argument: str = "layout") -> PagedKVLayout:
         """Rebuild from :meth:`to_dict`'s output. Raises UsageError naming ``argument`` when malformed."""
         if not isinstance(data, dict) or set(data) != set(cls.__dataclass_fields__):
             raise UsageError("malformed layout description", argument=argument)

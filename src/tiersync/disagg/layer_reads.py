@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import numpy as np
 

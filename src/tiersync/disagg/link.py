@@ -12,8 +12,8 @@ verified; route AUTO falls back to TCP when that is refused) — report each lay
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -128,7 +128,7 @@ def _copy_local(channel: TcpChannel, num_layers: int, route: _Route, total: int,
         try:
             _verified_copy(channel, answer, route, buffer(told[n]), req)
         except LocalReadError as exc:
-            for rest, m, p in sent:  # answers still in flight
+            for rest, _m, p in sent:  # answers still in flight
                 later = channel.next_answer(rest.request_id, timeout=_left(deadline, channel))
                 if p is None:
                     _told(channel, later, told, num_layers)

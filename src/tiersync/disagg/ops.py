@@ -63,7 +63,7 @@ class KvOpen:
         return MetaWriter().json(self.read.to_meta()).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "KvOpen":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> KvOpen:
         return cls(rid, parse_read(r.json(cfg.max_meta_size)))
 
 
@@ -83,7 +83,7 @@ class KvOpened:
         return MetaWriter().u64(self.route_bytes).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "KvOpened":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> KvOpened:
         return cls(rid, r.u64())
 
 
@@ -103,7 +103,7 @@ class KvNext:
         return MetaWriter().u32(self.n).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "KvNext":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> KvNext:
         return cls(rid, r.u32())
 
 
@@ -123,7 +123,7 @@ class KvLayer:
         return MetaWriter().u32(self.layer).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "KvLayer":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> KvLayer:
         return cls(rid, r.u32())
 
 
@@ -148,7 +148,7 @@ class KvPull:
         return MetaWriter().u32(self.n).u64(self.offset).u64(self.length).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "KvPull":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> KvPull:
         n, offset, length = r.u32(), r.u64(), r.u64()
         if not 0 < length <= cfg.max_frame_size:
             raise ProtocolError("pull length out of range", fault=ProtocolFault.MALFORMED, length=length)
@@ -169,7 +169,7 @@ class KvPullLocal:
     meta = KvPull.meta
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "KvPullLocal":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> KvPullLocal:
         pull = KvPull.parse(rid, r, cfg)
         return cls(rid, pull.n, pull.offset, pull.length)
 
@@ -188,7 +188,7 @@ class KvDone:
         return b""
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "KvDone":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> KvDone:
         return cls(rid)
 
 

@@ -25,11 +25,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from tiersync.disagg.config import DisaggConfig, RequestState, FinishedRequests, check_side
-from tiersync.disagg.layer_reads import LayerReads, Outgoing, Refused, Route
+from tiersync.disagg.config import DisaggConfig, FinishedRequests, RequestState, check_side
 from tiersync.disagg.geometry import PagedKVLayout
+from tiersync.disagg.layer_reads import LayerReads, Outgoing, Refused, Route
 from tiersync.disagg.messages import ReadRequest, check_request_id
 from tiersync.disagg.ops import KV, KvDone, KvLayer, KvNext, KvOpen, KvOpened, KvPull, KvPullLocal
 from tiersync.disagg.reshard import ReshardPlanner, block_table, default_planner
@@ -161,7 +162,7 @@ class KVProducer(Service):
         self._server.close()
         self._sums.close()
 
-    def __enter__(self) -> "KVProducer":
+    def __enter__(self) -> KVProducer:
         return self
 
     def __exit__(self, *exc: object) -> None:

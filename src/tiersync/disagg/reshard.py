@@ -18,16 +18,25 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.errors import UsageError, check_positive_int
 
-__all__ = ["ReshardPlan", "block_table", "ReshardPlanner", "Route", "Transfer", "check_compatible", "plan_reshard",
-           "default_planner"]
+__all__ = [
+    "ReshardPlan",
+    "ReshardPlanner",
+    "Route",
+    "Transfer",
+    "block_table",
+    "check_compatible",
+    "default_planner",
+    "plan_reshard",
+]
 
 SRC_RANK, SRC_OFF, DST_RANK, DST_OFF, NBYTES = range(5)
 
@@ -199,9 +208,9 @@ class ReshardPlan:
     def transfers(self, layer: int | None = None) -> Iterator[Transfer]:
         """Every span as a :class:`Transfer`, for ``layer`` or (None) for every layer in order."""
         layers = range(self.num_layers) if layer is None else (layer,)
-        for l in layers:
+        for each in layers:
             for row in self.spans.tolist():
-                yield Transfer(row[SRC_RANK], l, row[SRC_OFF], row[DST_RANK], row[DST_OFF], row[NBYTES])
+                yield Transfer(row[SRC_RANK], each, row[SRC_OFF], row[DST_RANK], row[DST_OFF], row[NBYTES])
 
 
 def _build_plan(src: PagedKVLayout, dst: PagedKVLayout, routes: tuple[Route, ...], src_ids: object,

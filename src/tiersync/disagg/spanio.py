@@ -7,7 +7,8 @@ the gcd of every offset and length; a few large spans are moved slice by slice.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

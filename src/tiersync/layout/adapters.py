@@ -47,13 +47,13 @@ def kv_layout(layers: Sequence[Any], *, tags: Sequence[str] | None = None) -> KV
         raise UsageError("must be a list of str, one per tensor of a layer (e.g. ['k', 'v'])", argument="tags",
                          value=tags)
     pools = []
-    for l, entry in enumerate(layers):
+    for index, entry in enumerate(layers):
         group = entry if isinstance(entry, (tuple, list)) else (entry,)
         if tags is not None and len(tags) != len(group):
             raise UsageError("needs one tag per tensor of a layer", argument="tags", tags=len(tags), tensors=len(group))
         for j, t in enumerate(group):
             tag = tags[j] if tags is not None else ""
-            pools.append(as_pool(t, tag=tag, layer=l, argument=f"layers[{l}][{j}]"))
+            pools.append(as_pool(t, tag=tag, layer=index, argument=f"layers[{index}][{j}]"))
     return KVLayout(tuple(pools))
 
 
@@ -134,7 +134,7 @@ def _from_torch(t: Any, tag: str, layer: int, argument: str) -> DevicePool:
     kind = t.device.type
     if kind not in ("cpu", "cuda"):
         raise UsageError("torch tensors must be on cpu or cuda", argument=argument, device=str(t.device))
-    if t.is_sparse or t.is_quantized or t.dtype.is_complex and False:
+    if t.is_sparse or t.is_quantized:  # complex tensors are plain bytes here: allowed
         raise UsageError("sparse and quantized tensors are not supported", argument=argument)
     storage = t.untyped_storage()
     item = t.element_size()

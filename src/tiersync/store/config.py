@@ -25,11 +25,11 @@ class StoreConfig:
 
     host_blocks: int
     policy: str = "lru"
-    shm: "ShmConfig | None" = None
+    shm: ShmConfig | None = None
     low_watermark: float = 0.03
     high_watermark: float = 0.05
     demote_batch: int = 128
-    transfer: "TransferConfig | None" = None
+    transfer: TransferConfig | None = None
     demote_wait_s: float = 30.0
 
     def __post_init__(self) -> None:

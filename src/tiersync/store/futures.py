@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, TimeoutError as FutureTimeout
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Generic, TypeVar
 
 from tiersync.store.residency import OpStatus
@@ -17,7 +18,7 @@ class StoreFuture(Generic[T]):
         self._f: Future[T] = Future()
 
     @classmethod
-    def completed(cls, value: T) -> "StoreFuture[T]":
+    def completed(cls, value: T) -> StoreFuture[T]:
         f: StoreFuture[T] = cls()
         f._f.set_result(value)
         return f
@@ -40,7 +41,7 @@ class StoreFuture(Generic[T]):
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._f.exception(timeout)
 
-    def add_done_callback(self, fn: Callable[["StoreFuture[T]"], Any]) -> None:
+    def add_done_callback(self, fn: Callable[[StoreFuture[T]], Any]) -> None:
         self._f.add_done_callback(lambda _f: fn(self))
 
     def __repr__(self) -> str:

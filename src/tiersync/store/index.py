@@ -53,7 +53,7 @@ class Entry:
 class PinIndex:
     """Entries by key with one eviction policy per tier (HOST, STORAGE)."""
 
-    def __init__(self, host_policy: "EvictionPolicy[bytes]", storage_policy: "EvictionPolicy[bytes]") -> None:
+    def __init__(self, host_policy: EvictionPolicy[bytes], storage_policy: EvictionPolicy[bytes]) -> None:
         self._entries: dict[bytes, Entry] = {}
         self._policy = {Residency.HOST: host_policy, Residency.STORAGE: storage_policy}
         self.counts = {Residency.HOST: 0, Residency.STORAGE: 0}

@@ -153,7 +153,7 @@ def _encode_extras(extra_keys: Iterable[object]) -> bytes:
     return bytes(out)
 
 
-def _update_bytes(h: "xxhash.xxh3_128", data: bytes) -> None:
+def _update_bytes(h: xxhash.xxh3_128, data: bytes) -> None:
     h.update(struct.pack("<I", len(data)) + data)
 
 

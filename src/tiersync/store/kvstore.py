@@ -29,13 +29,13 @@ from collections.abc import Sequence
 
 from tiersync.errors import CapacityError, ClosedError, UsageError
 from tiersync.layout.pool import KVLayout
-from tiersync.store.demotion import DemotionMixin
-from tiersync.store.remote import RemoteTierMixin
 from tiersync.store.config import LookupResult, SaveResult, StoreConfig, StoreStats
+from tiersync.store.demotion import DemotionMixin
 from tiersync.store.futures import StoreFuture
 from tiersync.store.index import Entry, PinIndex
 from tiersync.store.keys import check_keys
 from tiersync.store.loading import LoadMixin
+from tiersync.store.remote import RemoteTierMixin
 from tiersync.store.residency import Residency
 from tiersync.telemetry.store_metrics import StoreMetrics
 from tiersync.tiers.eviction import LRUPolicy, S3FIFOPolicy
@@ -79,7 +79,7 @@ class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
         self._closed = False
         self._adopt_recovered()
         if storage is not None:
-            for k in storage.keys():
+            for k in storage.keys():  # noqa: SIM118 - a StorageTier method (a list), not a dict
                 self._index.add_storage(k)
         self._gauge()
 
@@ -282,7 +282,7 @@ class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
         if self._own_metrics:  # a closed store's series leave the process's registry
             self.metrics.release()
 
-    def __enter__(self) -> "KVCacheStore":
+    def __enter__(self) -> KVCacheStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

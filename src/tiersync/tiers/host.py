@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tiersync.errors import CapacityError, ClosedError, UsageError, check_positive_int
+from tiersync.telemetry.metrics import track_arena, untrack_arena
 from tiersync.tiers.allocator import BlockAllocator
 from tiersync.tiers.eviction import LRUPolicy, S3FIFOPolicy
-from tiersync.telemetry.metrics import track_arena, untrack_arena
 from tiersync.tiers.prefault import Prefaulter
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class HostArenaConfig:
 
     num_blocks: int
     block_nbytes: int
-    shm: "ShmConfig | None" = None
+    shm: ShmConfig | None = None
     policy: str = "lru"
     layout_digest: bytes = b"\0" * 16
     prefault: bool = True
@@ -97,9 +97,9 @@ class HostArena:
         return (self.config.num_blocks - self.allocator.num_free) * self.config.block_nbytes
 
     @classmethod
-    def for_layout(cls, layout: "KVLayout", num_blocks: int, *, shm: "ShmConfig | None" = None,
+    def for_layout(cls, layout: KVLayout, num_blocks: int, *, shm: ShmConfig | None = None,
                    policy: str = "lru", on_evict: Callable[[list[int]], None] | None = None,
-                   prefault: bool = True) -> "HostArena":
+                   prefault: bool = True) -> HostArena:
         """An arena whose blocks mirror ``layout`` (``layout.host_block_nbytes`` each)."""
         if not callable(getattr(layout, "digest", None)) or not isinstance(getattr(layout, "host_block_nbytes", None), int):
             raise UsageError("must be a KVLayout (tiersync.layout.kv_layout)", argument="layout", got=type(layout).__name__)
@@ -231,7 +231,7 @@ class HostArena:
         if getattr(self, "_closed", False):
             raise ClosedError("host arena is closed")
 
-    def __enter__(self) -> "HostArena":
+    def __enter__(self) -> HostArena:
         return self
 
     def __exit__(self, *exc: object) -> None:

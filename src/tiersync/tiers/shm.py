@@ -143,8 +143,19 @@ class ShmStats:
 class ShmSegment:
     """An attached segment. Not thread-safe; one per process per path (flock enforced)."""
 
-    __slots__ = ("config", "geometry", "cold_start", "payload", "address", "_fd", "_mm", "_header",
-                 "_next_seq", "_counts", "_closed")
+    __slots__ = (
+        "_closed",
+        "_counts",
+        "_fd",
+        "_header",
+        "_mm",
+        "_next_seq",
+        "address",
+        "cold_start",
+        "config",
+        "geometry",
+        "payload",
+    )
 
     def __init__(self, config: ShmConfig, geometry: Geometry, cold_start: ColdStart | None, fd: int,
                  header: fmt.Header) -> None:

@@ -230,7 +230,7 @@ class StorageTier:
         self._index.bury(dead)
 
     # -- writes --------------------------------------------------------------
-    def write(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> "Future[None]":
+    def write(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> Future[None]:
         """Write blocks (packed with other queued writes into one segment). ``views`` must stay
         unchanged until the future is done.
 
@@ -302,7 +302,7 @@ class StorageTier:
             self._direct = False  # the file system refused O_DIRECT; buffered from now on
 
     # -- reads ---------------------------------------------------------------
-    def read(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> "Future[list[ReadStatus]]":
+    def read(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> Future[list[ReadStatus]]:
         """Read blocks into ``views`` (each exactly the stored length). Result: one ReadStatus per key.
 
         A view whose status is not OK holds unspecified bytes and must not be used; an
@@ -341,10 +341,10 @@ class StorageTier:
         pat = re.compile(re.escape(fmt.TMP_PREFIX + self._prefix + self._host) + r"\.(\d+)\.")
         for n in names:
             m = pat.match(n)
-            if m and not _pid_alive(int(m.group(1))):
-                unlink_quiet(os.path.join(self.directory, n))
-            elif n.startswith(self._prefix) and n.endswith(fmt.SUFFIX + fmt.TOMB_SUFFIX) \
-                    and n[: -len(fmt.TOMB_SUFFIX)] not in names:
+            dead_tmp = m is not None and not _pid_alive(int(m.group(1)))
+            stale_tomb = (n.startswith(self._prefix) and n.endswith(fmt.SUFFIX + fmt.TOMB_SUFFIX)
+                          and n[: -len(fmt.TOMB_SUFFIX)] not in names)
+            if dead_tmp or stale_tomb:
                 unlink_quiet(os.path.join(self.directory, n))
 
     def _check_open(self) -> None:
@@ -360,7 +360,7 @@ class StorageTier:
         self._io.shutdown(wait=True)
         self._index.sync_tombstones()
 
-    def __enter__(self) -> "StorageTier":
+    def __enter__(self) -> StorageTier:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -29,16 +29,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiersync.errors import ClosedError, UsageError, check_positive_int
-from tiersync.layout.pool import Device, KVLayout
+from tiersync.layout.pool import Device, KVLayout, Region
 from tiersync.telemetry.metrics import Metrics
 from tiersync.tiers.host import HostArena
-from tiersync.transfer.future import Direction, TransferFuture
 from tiersync.transfer.backends import CopyBackend, backend_for
+from tiersync.transfer.future import Direction, TransferFuture
 from tiersync.transfer.pacing import Pacer
-from tiersync.transfer.spans import BlockCopy, Pattern, block_copy, expand, pool_pattern, validate_runs
-
+from tiersync.transfer.spans import (
+    BlockCopy,
+    Pattern,
+    block_copy,
+    expand,
+    pool_pattern,
+    validate_runs,
+)
 
 _MIN_PIECE = 1 << 20
+_Part = tuple[int, int, int, int, BlockCopy]  # (pool index, layer, source address, destination address, spans)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +76,7 @@ class _Chunk:
     """One work item: parts ``(pool, layer, src_addr, dst_addr, spans)`` copied in order."""
 
     future: TransferFuture
-    parts: tuple
+    parts: tuple[_Part, ...]
     nbytes: int
 
 
@@ -89,7 +96,7 @@ class TransferEngine:
         self.backends = _backends(layout, self.config)
         """The copy backend of each device the layout's pools live on."""
         self.layout, self.arena = layout, arena
-        groups: dict[tuple, int] = {}  # pools with equal stride and regions share one span plan
+        groups: dict[tuple[int, tuple[Region, ...]], int] = {}  # equal stride and regions: one span plan
         self._geometry = [groups.setdefault((p.spec.block_stride, p.spec.regions), len(groups))
                           for p in layout.pools]
         self._patterns: dict[tuple[int, bool], tuple[int, Pattern]] = {}  # (geometry, to_host) -> stride, pattern
@@ -104,7 +111,7 @@ class TransferEngine:
         self._closed = False
         self._queued = 0  # work lists put on the queue and not yet fully dispatched
         self._state_lock = threading.Lock()  # orders posts against close: no work after the stop marker
-        self._host_memory = arena.memory  # keeps the arena's mapping alive while copies may touch it
+        self._host_memory: np.ndarray | None = arena.memory  # keeps the arena's mapping alive while copies may touch it
         self._dispatcher = threading.Thread(target=self._dispatch, name="tiersync-dispatch", daemon=True)
         self._dispatcher.start()
 
@@ -191,7 +198,7 @@ class TransferEngine:
             self._pacer.release(chunk.nbytes)
             chunk.future._finish(ClosedError("transfer engine closed before the copy ran"))
 
-    def _plan(self, runs: np.ndarray, to_host: bool) -> tuple[list[tuple], int]:
+    def _plan(self, runs: np.ndarray, to_host: bool) -> tuple[list[_Part], int]:
         """(pool, layer, src_addr, dst_addr, spans) parts in layer order, and the piece size
         they were cut to (:meth:`_piece_bytes`). Block offsets are computed once per distinct
         pool geometry (its region pattern once per engine), relative to the pool's first block
@@ -203,7 +210,7 @@ class TransferEngine:
                 spans[geo] = block_copy(pattern, stride, self.arena.block_nbytes, runs, to_host=to_host)
         piece = self._piece_bytes(sum(spans[geo].nbytes for geo in self._geometry))
         pieces = {geo: sp.split(piece) for geo, sp in spans.items()}
-        parts = []
+        parts: list[_Part] = []
         for i, (p, off) in enumerate(zip(self.layout.pools, self.layout.host_offsets)):
             dev = p.address + p.spec.base_offset
             host = self.arena.address + off
@@ -219,9 +226,9 @@ class TransferEngine:
         return max(min(self.config.chunk_bytes, share), min(_MIN_PIECE, self.config.chunk_bytes))
 
     @staticmethod
-    def _pack(parts: list[tuple], piece: int) -> list[list[tuple]]:
+    def _pack(parts: list[_Part], piece: int) -> list[list[_Part]]:
         """Group consecutive parts into work items of about ``piece`` bytes each."""
-        groups: list[list[tuple]] = []
+        groups: list[list[_Part]] = []
         size = piece
         for part in parts:
             if groups and size + part[4].nbytes <= piece:
@@ -294,7 +301,7 @@ class TransferEngine:
         if wait:
             self._host_memory = None  # no copy can touch the arena any more
 
-    def __enter__(self) -> "TransferEngine":
+    def __enter__(self) -> TransferEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

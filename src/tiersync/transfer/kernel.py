@@ -14,13 +14,14 @@ Callers validate bounds: these functions trust their offsets.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
 
 try:  # pragma: no cover - depends on the build
-    from tiersync.transfer import _kernel as _native
+    from tiersync.transfer import _kernel
+    _native: Any = _kernel
 except ImportError:  # pragma: no cover
     _native = None
 
@@ -33,7 +34,7 @@ def tsum64(data: bytes | bytearray | memoryview, seed: int = 0) -> int:
     """tsum64 of a contiguous buffer. Raises RuntimeError when the extension is not built."""
     if TSUM64 is None:
         raise RuntimeError("tsum64 needs the native extension (tiersync.transfer._kernel)")
-    return _native.tsum64(data, seed)
+    return int(_native.tsum64(data, seed))
 
 
 def tsum64_hasher(seed: int = 0) -> object:

@@ -11,7 +11,8 @@ a thousand small regions costs no Python or numpy work per region.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,17 +36,17 @@ class Spans:
     def __len__(self) -> int:
         return len(self.length)
 
-    def split(self, max_bytes: int) -> list["Spans"]:
+    def split(self, max_bytes: int) -> list[Spans]:
         """Cut into consecutive pieces of at most ~``max_bytes`` (a span is never split)."""
         if len(self) == 0:
             return []
         csum = np.cumsum(self.length)
         cuts = np.searchsorted(csum, np.arange(max_bytes, int(csum[-1]), max_bytes), side="left") + 1
-        edges = [0, *sorted(set(int(c) for c in cuts if 0 < c < len(self))), len(self)]
-        return [Spans(self.src[a:b], self.dst[a:b], self.length[a:b]) for a, b in zip(edges, edges[1:]) if b > a]
+        edges = [0, *sorted({int(c) for c in cuts if 0 < c < len(self)}), len(self)]
+        return [Spans(self.src[a:b], self.dst[a:b], self.length[a:b]) for a, b in itertools.pairwise(edges) if b > a]
 
 
-def validate_runs(runs: Iterable, *, src_blocks: int, dst_blocks: int, argument: str = "runs") -> np.ndarray:
+def validate_runs(runs: Iterable[Sequence[int]], *, src_blocks: int, dst_blocks: int, argument: str = "runs") -> np.ndarray:
     """Return runs as an (n, 3) int64 array, or raise :class:`UsageError`.
 
     Refuses: a malformed run, a count <= 0, an index out of range on either side,
@@ -153,7 +154,7 @@ class BlockCopy:
     def __len__(self) -> int:
         return len(self.src)
 
-    def split(self, max_bytes: int) -> list["BlockCopy"]:
+    def split(self, max_bytes: int) -> list[BlockCopy]:
         """Consecutive pieces of at most ``max_bytes`` each (a block is never split)."""
         per = max(1, max_bytes // max(self.pattern.block_nbytes, 1))
         return [BlockCopy(self.src[i:i + per], self.dst[i:i + per], self.pattern) for i in range(0, len(self), per)]
