@@ -143,12 +143,12 @@ class StorageTier:
         self._lock = self._index.lock  # the index; never held during I/O
         self._locs = self._index.locs
         self._scan_lock = threading.Lock()  # one directory scan at a time
-        self._direct = config.direct_io
+        self._direct = sio.DirectIO(config.direct_io)
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix=_THREAD_PREFIX)
         self._writes = Combiner(self._pool, self._serve_writes, max_active=config.workers, take=self._take_writes)
         self._io = ThreadPoolExecutor(config.read_depth, thread_name_prefix=_THREAD_PREFIX + "-read")
         self._reads: Combiner[_Request, list[ReadStatus]] = Combiner(
-            self._pool, lambda reqs: ReadPass(self, reqs, self._io).run(), max_active=_READ_PASSES)
+            self._pool, lambda reqs: ReadPass(self._index, self.directory, self._direct, reqs, self._io).run(), max_active=_READ_PASSES)
         self._closed = False
         self._remove_orphans()
         self.refresh()
@@ -215,7 +215,7 @@ class StorageTier:
             c = self._index.counts
             return StorageStats(len(self._locs), len(self._index.live), c["corrupt"], c["truncated"], c["foreign"],
                                 c["unreadable"], c["read_corrupt"], c["bytes_written"], c["bytes_read"],
-                                self._direct, c["deleted"])
+                                self._direct.on, c["deleted"])
 
     def delete(self, keys: Sequence[bytes]) -> None:
         """Forget ``keys`` for good (this process and any later scan, e.g. after a restart).
@@ -295,11 +295,11 @@ class StorageTier:
 
     def _write_file(self, path: str, header_nbytes: int, header: Callable[[list[int]], bytes],
                     views: list[memoryview]) -> None:
-        direct = self._direct and self.config.direct_writes and all(sio.aligned(v) for v in views)
+        direct = self._direct.on and self.config.direct_writes and all(sio.aligned(v) for v in views)
         used, _ = sio.write_file(path, header_nbytes, header, views, xxhash.xxh3_64_intdigest, direct=direct,
                                  fsync=self.config.fsync, pool=self._io)
         if direct and not used:
-            self._direct = False  # the file system refused O_DIRECT; buffered from now on
+            self._direct.refused()
 
     # -- reads ---------------------------------------------------------------
     def read(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> Future[list[ReadStatus]]:

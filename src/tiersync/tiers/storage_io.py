@@ -32,6 +32,20 @@ _SCRATCH = memoryview(bytearray(ALIGN))  # padding between records lands here (n
 _ZEROS = memoryview(bytes(ALIGN))  # padding written after a record
 
 
+class DirectIO:
+    """Whether a tier still tries O_DIRECT: on when configured, off for good once the file system
+    refuses it (one object shared by the tier's writer and its read passes)."""
+
+    __slots__ = ("on",)
+
+    def __init__(self, wanted: bool) -> None:
+        self.on = wanted
+
+    def refused(self) -> None:
+        """The file system refused O_DIRECT: buffered I/O from now on."""
+        self.on = False
+
+
 def open_for_write(path: str, direct: bool) -> tuple[int, bool]:
     """Create ``path`` exclusively; try O_DIRECT first when ``direct``. Returns (fd, direct)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)

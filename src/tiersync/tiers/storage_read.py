@@ -28,7 +28,7 @@ from tiersync.tiers import storage_io as sio
 from tiersync.tiers.storage_format import Record
 
 if TYPE_CHECKING:
-    from tiersync.tiers.storage import StorageTier
+    from tiersync.tiers.storage_index import SegmentIndex
 
 DIRECT_RUN_NBYTES = 4 << 20  # the virtio disk's max request; 8 of them in flight measured best
 BUFFERED_RUN_NBYTES = 32 << 20
@@ -61,10 +61,14 @@ class _Segment:
 
 
 class ReadPass:
-    """Serve ``requests`` (``(keys, views)`` each) of ``tier``; :meth:`run` gives their statuses."""
+    """Serve ``requests`` (``(keys, views)`` each) from the segments ``index`` knows in
+    ``directory``; :meth:`run` gives their statuses. ``direct`` is the tier's O_DIRECT switch
+    (turned off here when the file system refuses it); ``io`` runs the checksum checks."""
 
-    def __init__(self, tier: StorageTier, requests: list[tuple[list[bytes], list[memoryview]]], io: Executor) -> None:
-        self.tier, self.requests, self._io = tier, requests, io
+    def __init__(self, index: SegmentIndex, directory: str, direct: sio.DirectIO,
+                 requests: list[tuple[list[bytes], list[memoryview]]], io: Executor) -> None:
+        self.index, self.directory, self.direct = index, directory, direct
+        self.requests, self._io = requests, io
         self.out = [[ReadStatus.MISSING] * len(keys) for keys, _ in requests]
         self._segment_of: dict[tuple[int, int], str] = {}
 
@@ -93,10 +97,10 @@ class ReadPass:
 
     def _resolve(self) -> dict[str, list[_Item]]:
         plan: dict[str, list[_Item]] = {}
-        with self.tier._lock:
+        with self.index.lock:
             for q, (keys, views) in enumerate(self.requests):
                 for i, (k, v) in enumerate(zip(keys, views)):
-                    loc = self.tier._locs.get(k)
+                    loc = self.index.locs.get(k)
                     if loc is None:
                         continue
                     if len(v) != loc.record.length:  # rewritten at another size since read() checked: not
@@ -110,15 +114,15 @@ class ReadPass:
         for name in sorted(plan):
             items = plan[name]
             try:
-                seg = _Segment(os.path.join(self.tier.directory, name), items,
-                               [self.requests[q][1][i] for q, i, _ in items], self.tier._direct)
+                seg = _Segment(os.path.join(self.directory, name), items,
+                               [self.requests[q][1][i] for q, i, _ in items], self.direct.on)
             except FileNotFoundError:
                 continue  # MISSING
             except OSError:
                 self._mark(items, ReadStatus.UNREADABLE)
                 continue
             if seg.wanted_direct and not seg.direct:
-                self.tier._direct = False  # the file system refused O_DIRECT; buffered from now on
+                self.direct.refused()
             out.append(seg)
         return out
 
@@ -129,7 +133,7 @@ class ReadPass:
             if not (seg.direct and exc.errno == errno.EINVAL):
                 self._mark([seg.items[j] for j in run], ReadStatus.UNREADABLE)
                 return None
-            self.tier._direct = False  # the file system refused O_DIRECT; buffered from now on
+            self.direct.refused()
             try:
                 fd = os.open(seg.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
                 try:
@@ -154,7 +158,7 @@ class ReadPass:
             self.out[q][i] = status
 
     def _finish(self) -> None:
-        tier, nbytes, corrupt, forget = self.tier, 0, 0, []
+        nbytes, corrupt, forget = 0, 0, []
         for q, (keys, views) in enumerate(self.requests):
             for i, st in enumerate(self.out[q]):
                 if st is ReadStatus.OK:
@@ -163,7 +167,7 @@ class ReadPass:
                 corrupt += st is ReadStatus.CORRUPT
                 if st is not ReadStatus.UNREADABLE and (q, i) in self._segment_of:
                     forget.append((keys[i], self._segment_of[(q, i)]))  # vanished or bad: for good
-        index = tier._index
+        index = self.index
         with index.lock:
             index.counts["bytes_read"] += nbytes
             index.counts["read_corrupt"] += corrupt
