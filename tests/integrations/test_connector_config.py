@@ -95,7 +95,7 @@ def test_a_table_that_is_not_a_table_is_refused(tmp_path):
     ("env", "host_bytes", "lots", "must be a size"),
     ("env", "async_disk_loads", "maybe", "true or false"),
     ("env", "transfer_workers", "two", "integer"),
-    ("env", "eviction", "fifo", "'lru' or 's3fifo'"),  # refused by the config's own checks
+    ("env", "eviction", "fifo", "unknown eviction policy"),  # refused by the config's own checks
     ("env", "pd_token", "short", "at least 16 bytes"),
     ("file", "host_bytes", '"lots"', "must be a size"),
     ("file", "transfer_workers", "0", "positive int"),

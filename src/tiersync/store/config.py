@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING
 
 from tiersync.errors import UsageError, check_positive_int
 from tiersync.store.residency import Residency
+from tiersync.tiers.eviction import check_policy
 
 if TYPE_CHECKING:
     from tiersync.tiers.shm import ShmConfig
     from tiersync.transfer.engine import TransferConfig
 
-POLICIES = ("lru", "s3fifo")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,9 +35,7 @@ class StoreConfig:
     def __post_init__(self) -> None:
         for name in ("host_blocks", "demote_batch"):
             check_positive_int(getattr(self, name), f"StoreConfig.{name}")
-        if self.policy not in POLICIES:
-            raise UsageError("unknown eviction policy", argument="StoreConfig.policy", value=self.policy,
-                             choices=POLICIES)
+        check_policy(self.policy, "StoreConfig.policy")
         w = self.demote_wait_s
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 < w < float("inf"):
             raise UsageError("must be a positive number of seconds", argument="StoreConfig.demote_wait_s", value=w)

@@ -19,37 +19,43 @@ Pin algebra (the reference system's), exactly:
   any tier and never demoted; eviction takes the coldest idle entries of a tier.
 
 Thread-safe: one lock guards the index; it is never held while waiting for I/O.
+
+Structure: the store holds its shared state in one :class:`~tiersync.store.holdings.Holdings`
+(index, arena, storage, engine, metrics, lock) and hands it to three collaborators: a
+:class:`~tiersync.store.loading.Loader` (``load``), a :class:`~tiersync.store.demotion.Demoter`
+(watermark sweeps and write-downs before eviction) and the
+:class:`~tiersync.store.remote.RemoteHooks` a store-node sweeper uses. Lookups, pins and saves
+are here.
 """
 from __future__ import annotations
 
 import gc
 import logging
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from tiersync.errors import CapacityError, ClosedError, UsageError
+from tiersync.errors import ClosedError, UsageError
 from tiersync.layout.pool import KVLayout
 from tiersync.store.config import LookupResult, SaveResult, StoreConfig, StoreStats
-from tiersync.store.demotion import DemotionMixin
+from tiersync.store.demotion import Demoter
 from tiersync.store.futures import StoreFuture
+from tiersync.store.holdings import Holdings
 from tiersync.store.index import Entry, PinIndex
 from tiersync.store.keys import check_keys
-from tiersync.store.loading import LoadMixin
-from tiersync.store.remote import RemoteTierMixin
+from tiersync.store.loading import Loader
+from tiersync.store.remote import RemoteHooks
 from tiersync.store.residency import Residency
 from tiersync.telemetry.store_metrics import StoreMetrics
-from tiersync.tiers.eviction import LRUPolicy, S3FIFOPolicy
+from tiersync.tiers.eviction import POLICIES
 from tiersync.tiers.host import HostArena
 from tiersync.tiers.storage import StorageTier
 from tiersync.transfer.engine import TransferEngine
 from tiersync.transfer.future import TransferFuture
 
 log = logging.getLogger("tiersync.store")
-_POLICY = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
 HOST, STORAGE = Residency.HOST, Residency.STORAGE
 
 
-class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
+class KVCacheStore:
     """Prefix-keyed KV blocks in host DRAM (and optionally storage) for one ``layout``.
 
     ``arena`` may be given (e.g. warm-booted from /dev/shm by the caller); otherwise one
@@ -67,21 +73,25 @@ class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
         self.arena = arena if arena is not None else HostArena.for_layout(
             layout, config.host_blocks, shm=config.shm, policy=config.policy)
         self._own_arena = arena is None
-        self.engine = TransferEngine(layout, self.arena, config.transfer)
         self.metrics = metrics if metrics is not None else StoreMetrics()  # the default registry
         self._own_metrics = metrics is None
-        self._lock = threading.RLock()
-        policy = _POLICY[config.policy]
-        self._index = PinIndex(policy(), policy())
-        self._demoting = False
-        self._demote_idle = threading.Condition(self._lock)
-        self._demote_backoff_until = 0.0
-        self._closed = False
+        policy = POLICIES[config.policy]
+        self._h = Holdings(config, PinIndex(policy(), policy()), self.arena, storage,
+                           TransferEngine(layout, self.arena, config.transfer), self.metrics)
+        self._index, self._lock = self._h.index, self._h.lock
+        self._demoter = Demoter(self._h)
+        self._loader = Loader(self._h, self._demoter)
+        self._remote = RemoteHooks(self._h)
         self._adopt_recovered()
         if storage is not None:
             for k in storage.keys():  # noqa: SIM118 - a StorageTier method (a list), not a dict
                 self._index.add_storage(k)
-        self._gauge()
+        self._h.gauge()
+
+    @property
+    def engine(self) -> TransferEngine:
+        """The transfer engine between the layout's pools and the host arena."""
+        return self._h.engine
 
     def _adopt_recovered(self) -> None:
         recovered = sorted(self.arena.recovered, key=lambda r: r.seq)
@@ -104,12 +114,12 @@ class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
         """
         keys = check_keys(keys)
         with self._lock:
-            self._check_open()
+            self._h.check_open()
             scan = self.storage is not None and len(self._prefix(keys)) < len(keys)
         # outside the lock: lookups go on meanwhile
         found = self.storage.refresh() if scan and self.storage is not None else []
         with self._lock:
-            self._check_open()
+            self._h.check_open()
             if scan and self.storage is not None:
                 self._absorb(found)
                 self._absorb([k for k in keys if self._index.visible(k) is None and self.storage.contains(k)])
@@ -165,6 +175,28 @@ class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
                 if e is not None:
                     self._index.mark(e, flag, present)
 
+    # -- collaborators ---------------------------------------------------------
+    def load(self, keys: Sequence[bytes], device_blocks: Sequence[int]) -> StoreFuture[None]:
+        """See :meth:`tiersync.store.loading.Loader.load`."""
+        return self._loader.load(keys, device_blocks)
+
+    def wait_demotions(self, timeout: float | None = None) -> bool:
+        """Block until no demotion is in flight and none is due. False on timeout."""
+        return self._demoter.wait(timeout)
+
+    def take_evictable(self, n: int) -> list[tuple[bytes, memoryview]]:
+        """See :meth:`tiersync.store.remote.RemoteHooks.take_evictable`."""
+        return self._remote.take_evictable(n)
+
+    def give_back(self, keys: Sequence[bytes], *, remote: bool = False, drop: bool = False) -> int:
+        """See :meth:`tiersync.store.remote.RemoteHooks.give_back`."""
+        return self._remote.give_back(keys, remote=remote, drop=drop)
+
+    def insert_host(self, keys: Sequence[bytes],
+                    fill: Callable[[list[bytes], list[memoryview]], None]) -> tuple[bytes, ...]:
+        """See :meth:`tiersync.store.remote.RemoteHooks.insert_host`."""
+        return self._remote.insert_host(keys, fill)
+
     # -- pins ----------------------------------------------------------------
     def release(self, keys: Sequence[bytes]) -> None:
         """Drop one pin per key (all-or-nothing; UsageError naming ``keys`` if one is not pinned)."""
@@ -186,9 +218,9 @@ class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
         if len(dev) != len(keys):
             raise UsageError("needs one key per device block", argument="keys", keys=len(keys), blocks=len(dev))
         fut: StoreFuture[SaveResult] = StoreFuture()
-        self._room_for_save(keys)  # evict only what is safe on storage (demotion.py)
+        self._demoter.room_for_save(keys)  # evict only what is safe on storage (demotion.py)
         with self._lock:
-            self._check_open()
+            self._h.check_open()
             new, skipped, seen = [], [], set()
             for d, k in zip(dev, keys):
                 e = self._index.get(k)
@@ -200,12 +232,12 @@ class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
             if not new:
                 fut._set(SaveResult((), tuple(skipped)))
                 return fut
-            blocks = self._allocate_host(len(new))
+            blocks = self._h.allocate_host(len(new))
             entries = [self._index.add_pending(k, b) for (_, k), b in zip(new, blocks)]
             try:
-                tf = self.engine.d2h([(d, b, 1) for (d, _), b in zip(new, blocks)])
+                tf = self._h.engine.d2h([(d, b, 1) for (d, _), b in zip(new, blocks)])
             except BaseException:
-                self._drop_pending(entries, blocks)
+                self._h.drop_pending(entries, blocks)
                 raise
         tf.add_done_callback(lambda t: self._saved(t, entries, blocks, tuple(skipped), fut))
         return fut
@@ -214,67 +246,40 @@ class KVCacheStore(LoadMixin, DemotionMixin, RemoteTierMixin):
                fut: StoreFuture[SaveResult]) -> None:
         exc = tf.exception()
         with self._lock:
-            if exc is None and not self._closed:
+            if exc is None and not self._h.closed:
                 try:
                     self.arena.publish(blocks, [e.key for e in entries])
                 except Exception as err:  # noqa: BLE001 - delivered through the future
                     exc = err
-            if exc is not None or self._closed:
-                self._drop_pending(entries, blocks)
+            if exc is not None or self._h.closed:
+                self._h.drop_pending(entries, blocks)
             else:
                 for e in entries:
                     self._index.commit(e)
-            self._gauge()
+            self._h.gauge()
         if exc is not None:
             fut._fail(exc)
             return
-        if self._closed:
+        if self._h.closed:
             fut._fail(ClosedError("store closed during save"))
             return
         self.metrics.bytes.labels("host", "in").inc(len(blocks) * self.arena.block_nbytes)
         fut._set(SaveResult(tuple(e.key for e in entries), skipped))
-        self._maybe_demote()
-
-    def _drop_pending(self, entries: list[Entry], blocks: list[int]) -> None:
-        for e in entries:
-            self._index.abort(e)
-        self.arena.free(blocks)
-
-    def _allocate_host(self, n: int) -> list[int]:
-        """``n`` owned host blocks: free first, then evicting idle host entries. CapacityError else."""
-        need = n - self.arena.allocator.num_free
-        victims = self._index.victims(HOST, need)
-        if victims is None:
-            raise CapacityError("host tier full: not enough free blocks or unpinned entries", requested=n,
-                                free=self.arena.allocator.num_free + self._index.evictable(HOST),
-                                used=self.arena.num_blocks - self.arena.allocator.num_free)
-        if victims:
-            self._count_unsaved(victims)
-            self.arena.free([self._index.clear_host(e) for e in victims])
-            self.metrics.evictions.labels("host").inc(len(victims))
-        return self.arena.allocate(n)
+        self._demoter.maybe_demote()
 
     # -- lifecycle -----------------------------------------------------------
-    def _gauge(self) -> None:
-        self.metrics.entries.labels("host").set(self._index.counts[HOST])
-        self.metrics.entries.labels("storage").set(self._index.counts[STORAGE])
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("store is closed")
-
     def close(self) -> None:
         """Finish copies in flight, then stop. Idempotent. Closes the arena if the store made it."""
-        if self._closed:
+        if self._h.closed:
             return
-        self.engine.close(wait=True)
+        self._h.engine.close(wait=True)
         if self.storage is not None:
             self.storage.close()
         with self._lock:
-            self._closed = True
+            self._h.closed = True
         # The engine keeps a reference to the arena's memory (its threads form a cycle),
         # and an shm arena refuses to unmap while one is alive: drop and collect it first.
-        self.engine = None  # type: ignore[assignment]
+        self._h.engine = None  # type: ignore[assignment]
         if self.arena.persistent:
             gc.collect()
         if self._own_arena:

@@ -1,4 +1,4 @@
-"""Loads: (storage ->) host -> device (a mixin of :class:`KVCacheStore`).
+"""Loads: (storage ->) host -> device (the :class:`Loader` of a :class:`KVCacheStore`).
 
 A load needs every key pinned (one pin per time it is named). Host-resident entries are
 copied to the device blocks at once; storage-only entries are first read into fresh host
@@ -21,33 +21,19 @@ from tiersync.store.residency import Residency
 from tiersync.tiers.storage import ReadStatus
 
 if TYPE_CHECKING:
-    from tiersync.store.index import PinIndex
-    from tiersync.telemetry.store_metrics import StoreMetrics
-    from tiersync.tiers.host import HostArena
-    from tiersync.tiers.storage import StorageTier
-    from tiersync.transfer.engine import TransferEngine
+    from tiersync.store.demotion import Demoter
+    from tiersync.store.holdings import Holdings
     from tiersync.transfer.future import TransferFuture
 
 HOST, STORAGE = Residency.HOST, Residency.STORAGE
 
 
-class LoadMixin:
-    """Needs ``storage``, ``arena``, ``engine``, ``metrics``, ``_lock``, ``_index``,
-    ``_check_open``, ``_allocate_host``, ``_room_for_load``, ``_maybe_demote`` and ``_gauge``."""
+class Loader:
+    """Loads pinned entries of ``holdings`` into device blocks; ``demoter`` makes host room
+    for promotions and sweeps after them."""
 
-    if TYPE_CHECKING:  # provided by KVCacheStore
-        storage: StorageTier | None
-        arena: HostArena
-        engine: TransferEngine
-        metrics: StoreMetrics
-        _lock: threading.RLock
-        _index: PinIndex
-
-        def _check_open(self) -> None: ...
-        def _allocate_host(self, n: int) -> list[int]: ...
-        def _room_for_load(self, keys: list[bytes]) -> None: ...
-        def _maybe_demote(self) -> None: ...
-        def _gauge(self) -> None: ...
+    def __init__(self, holdings: Holdings, demoter: Demoter) -> None:
+        self._h, self._demoter = holdings, demoter
 
     def load(self, keys: Sequence[bytes], device_blocks: Sequence[int]) -> StoreFuture[None]:
         """Copy pinned ``keys`` into ``device_blocks``; storage-only entries are promoted to host first.
@@ -63,22 +49,22 @@ class LoadMixin:
                              keys=len(keys), blocks=len(dev))
         fut: StoreFuture[None] = StoreFuture()
         if not keys:  # a lookup with no hit loads nothing: done at once (there is no copy to wait for)
-            with self._lock:
-                self._check_open()
+            with self._h.lock:
+                self._h.check_open()
             fut._set(None)
             return fut
-        self._room_for_load(keys)  # evict only what is safe on storage (demotion.py)
-        with self._lock:
-            self._check_open()
+        self._demoter.room_for_load(keys)  # evict only what is safe on storage (demotion.py)
+        with self._h.lock:
+            self._h.check_open()
             entries = self._pinned_entries(keys)
             cold = [e for e in dict.fromkeys(entries) if not e.residency & HOST]
-            blocks = self._allocate_host(len(cold)) if cold else []
-            self._index.hold(entries)
+            blocks = self._h.allocate_host(len(cold)) if cold else []
+            self._h.index.hold(entries)
         if not cold:
             self._to_device(entries, dev, fut)
             return fut
-        assert self.storage is not None  # cold entries have a STORAGE copy
-        rf = self.storage.read([e.key for e in cold], [self.arena.block(b) for b in blocks])
+        assert self._h.storage is not None  # cold entries have a STORAGE copy
+        rf = self._h.storage.read([e.key for e in cold], [self._h.arena.block(b) for b in blocks])
         rf.add_done_callback(lambda f: self._promoted(f, cold, blocks, entries, dev, fut))
         return fut
 
@@ -87,7 +73,7 @@ class LoadMixin:
         entries: list[Entry] = []
         named: dict[bytes, int] = {}
         for k in keys:
-            e = self._index.get(k)
+            e = self._h.index.get(k)
             named[k] = named.get(k, 0) + 1
             if e is None or e.pins < named[k] or not e.visible:
                 raise UsageError("key is not pinned (once per time it is named) or not loadable: lookup first",
@@ -106,30 +92,30 @@ class LoadMixin:
                         entries: list[Entry], dev: list[int], fut: StoreFuture[None]) -> None:
         exc = rf.exception()
         statuses = [ReadStatus.UNREADABLE] * len(cold) if exc is not None else rf.result()
-        with self._lock:
+        with self._h.lock:
             good = [(e, b) for e, b, s in zip(cold, blocks, statuses) if s is ReadStatus.OK]
             bad = [(e, b, s) for e, b, s in zip(cold, blocks, statuses) if s is not ReadStatus.OK]
             if good:
-                self.arena.publish([b for _, b in good], [e.key for e, _ in good])
+                self._h.arena.publish([b for _, b in good], [e.key for e, _ in good])
                 for e, b in good:
-                    self._index.set_host(e, b)
+                    self._h.index.set_host(e, b)
             for e, b, s in bad:
-                self.arena.free([b])
+                self._h.arena.free([b])
                 if s is not ReadStatus.UNREADABLE:
-                    self._index.clear(e, STORAGE)  # gone or corrupt on disk: never served
+                    self._h.index.clear(e, STORAGE)  # gone or corrupt on disk: never served
             if bad:
-                self._index.unhold(entries)
-            self._gauge()
-        self.metrics.promotions.inc(len(good))
-        self.metrics.bytes.labels("storage", "out").inc(len(good) * self.arena.block_nbytes)
+                self._h.index.unhold(entries)
+            self._h.gauge()
+        self._h.metrics.promotions.inc(len(good))
+        self._h.metrics.bytes.labels("storage", "out").inc(len(good) * self._h.arena.block_nbytes)
         if bad:
             e, _, s = bad[0]
             if s is ReadStatus.CORRUPT:
-                self.metrics.corrupt.labels("storage").inc(sum(1 for *_, x in bad if x is ReadStatus.CORRUPT))
+                self._h.metrics.corrupt.labels("storage").inc(sum(1 for *_, x in bad if x is ReadStatus.CORRUPT))
             fut._fail(_read_error(s, e.key, exc))
             return
         self._to_device(entries, dev, fut)
-        self._maybe_demote()
+        self._demoter.maybe_demote()
 
     def _to_device(self, entries: list[Entry], dev: list[int], fut: StoreFuture[None]) -> None:
         rounds: list[list[tuple[int, int, int]]] = []  # a key loaded twice: its host block in a 2nd copy
@@ -140,10 +126,10 @@ class LoadMixin:
                 rounds.append([])
             rounds[i].append((e.block, d, 1))
         try:
-            tfs = [self.engine.h2d(r) for r in rounds]
+            tfs = [self._h.engine.h2d(r) for r in rounds]
         except BaseException as exc:  # noqa: BLE001 - pins kept, delivered through the future
-            with self._lock:
-                self._index.unhold(entries)
+            with self._h.lock:
+                self._h.index.unhold(entries)
             fut._fail(exc)
             return
         left, errors, gate = [len(tfs)], [], threading.Lock()
@@ -161,16 +147,16 @@ class LoadMixin:
             tf.add_done_callback(one)
 
     def _loaded(self, exc: BaseException | None, entries: list[Entry], fut: StoreFuture[None]) -> None:
-        with self._lock:
-            self._index.unhold(entries)
+        with self._h.lock:
+            self._h.index.unhold(entries)
             if exc is None:
-                self._index.unpin([e.key for e in entries])
+                self._h.index.unpin([e.key for e in entries])
         if exc is not None:
             fut._fail(exc)
         else:
-            self.metrics.bytes.labels("host", "out").inc(len(entries) * self.arena.block_nbytes)
+            self._h.metrics.bytes.labels("host", "out").inc(len(entries) * self._h.arena.block_nbytes)
             fut._set(None)
-            self._maybe_demote()
+            self._demoter.maybe_demote()
 
 
 def _read_error(status: ReadStatus, key: bytes, exc: BaseException | None) -> Exception:

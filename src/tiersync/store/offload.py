@@ -29,7 +29,7 @@ from tiersync.errors import UsageError, check_positive_int
 from tiersync.store.index import PinIndex
 from tiersync.store.keys import KEY_NBYTES, check_keys
 from tiersync.store.residency import Residency
-from tiersync.tiers.host import POLICIES
+from tiersync.tiers.eviction import POLICIES, check_policy
 
 __all__ = ["LoadSpec", "OffloadConfig", "OffloadManager", "StoreSpec", "TierChange"]
 
@@ -50,9 +50,7 @@ class OffloadConfig:
         for name in ("storage", "track_changes"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError("must be a bool", argument=f"OffloadConfig.{name}", value=getattr(self, name))
-        if self.policy not in POLICIES:
-            raise UsageError("unknown eviction policy", argument="OffloadConfig.policy",
-                             value=self.policy, choices=sorted(POLICIES))
+        check_policy(self.policy, "OffloadConfig.policy")
 
 
 @dataclass(frozen=True, slots=True)

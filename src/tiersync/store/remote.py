@@ -1,4 +1,4 @@
-"""Hooks for a remote tier (store nodes) on :class:`KVCacheStore` (a mixin; no networking here).
+"""Hooks for a remote tier (store nodes) on a :class:`KVCacheStore` (no networking here).
 
 The store itself never talks to the network. A sweeper of layer 5
 (:mod:`tiersync.net.sweep`) uses these three calls:
@@ -16,7 +16,6 @@ refills it with :meth:`insert_host`.
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -24,28 +23,16 @@ from tiersync.errors import ClosedError, UsageError
 from tiersync.store.residency import Residency
 
 if TYPE_CHECKING:
-    from tiersync.store.index import Entry, PinIndex
-    from tiersync.telemetry.store_metrics import StoreMetrics
-    from tiersync.tiers.host import HostArena
+    from tiersync.store.holdings import Holdings
 
 HOST, REMOTE = Residency.HOST, Residency.REMOTE
 
 
-class RemoteTierMixin:
-    """Needs ``arena``, ``metrics``, ``_lock``, ``_index``, ``_closed``, ``_check_open``,
-    ``_allocate_host``, ``_drop_pending`` and ``_gauge`` (all of :class:`KVCacheStore`)."""
+class RemoteHooks:
+    """The three calls of the module doc, on ``holdings``."""
 
-    if TYPE_CHECKING:  # provided by KVCacheStore
-        arena: HostArena
-        metrics: StoreMetrics
-        _lock: threading.RLock
-        _index: PinIndex
-        _closed: bool
-
-        def _check_open(self) -> None: ...
-        def _allocate_host(self, n: int) -> list[int]: ...
-        def _drop_pending(self, entries: list[Entry], blocks: list[int]) -> None: ...
-        def _gauge(self) -> None: ...
+    def __init__(self, holdings: Holdings) -> None:
+        self._h = holdings
 
     def take_evictable(self, n: int) -> list[tuple[bytes, memoryview]]:
         """Up to ``n`` idle host entries, least recently used first, held until :meth:`give_back`.
@@ -54,11 +41,11 @@ class RemoteTierMixin:
         """
         if not isinstance(n, int) or n < 0:
             raise UsageError("must be an int >= 0", argument="n", value=n)
-        with self._lock:
-            self._check_open()
-            taken = self._index.coldest(HOST, n)
-            self._index.hold(taken)
-            return [(e.key, self.arena.block(e.block)) for e in taken]
+        with self._h.lock:
+            self._h.check_open()
+            taken = self._h.index.coldest(HOST, n)
+            self._h.index.hold(taken)
+            return [(e.key, self._h.arena.block(e.block)) for e in taken]
 
     def give_back(self, keys: Sequence[bytes], *, remote: bool = False, drop: bool = False) -> int:
         """End the take of ``keys`` (each exactly as taken); returns how many host blocks were freed.
@@ -67,21 +54,21 @@ class RemoteTierMixin:
         host copy whose entry is idle again; a pinned entry keeps its host copy. Entries
         kept count as just used (most recently used in the eviction order).
         """
-        with self._lock:
-            entries = [e for k in keys if (e := self._index.get(k)) is not None and e.busy]
+        with self._h.lock:
+            entries = [e for k in keys if (e := self._h.index.get(k)) is not None and e.busy]
             if len(entries) != len(keys):
                 raise UsageError("key was not taken (take_evictable first)", argument="keys")
-            self._index.unhold(entries)
+            self._h.index.unhold(entries)
             freed = []
             for e in entries:
                 if remote:
-                    self._index.mark(e, REMOTE, True)
+                    self._h.index.mark(e, REMOTE, True)
                 if drop and e.idle and e.residency & HOST:
-                    freed.append(self._index.clear_host(e))
-            self.arena.free(freed)
-            self._gauge()
+                    freed.append(self._h.index.clear_host(e))
+            self._h.arena.free(freed)
+            self._h.gauge()
         if freed:
-            self.metrics.evictions.labels("host").inc(len(freed))
+            self._h.metrics.evictions.labels("host").inc(len(freed))
         return len(freed)
 
     def insert_host(self, keys: Sequence[bytes],
@@ -94,25 +81,25 @@ class RemoteTierMixin:
         is created and the exception propagates.
         """
         keys = list(dict.fromkeys(keys))
-        with self._lock:
-            self._check_open()
-            new = [k for k in keys if (e := self._index.get(k)) is None or not (e.visible or e.pending)]
+        with self._h.lock:
+            self._h.check_open()
+            new = [k for k in keys if (e := self._h.index.get(k)) is None or not (e.visible or e.pending)]
             if not new:
                 return ()
-            blocks = self._allocate_host(len(new))
-            entries = [self._index.add_pending(k, b) for k, b in zip(new, blocks)]
+            blocks = self._h.allocate_host(len(new))
+            entries = [self._h.index.add_pending(k, b) for k, b in zip(new, blocks)]
         try:
-            fill(list(new), [self.arena.block(b) for b in blocks])
+            fill(list(new), [self._h.arena.block(b) for b in blocks])
         except BaseException:
-            with self._lock:
-                self._drop_pending(entries, blocks)
+            with self._h.lock:
+                self._h.drop_pending(entries, blocks)
             raise
-        with self._lock:
-            if self._closed:
-                self._drop_pending(entries, blocks)
+        with self._h.lock:
+            if self._h.closed:
+                self._h.drop_pending(entries, blocks)
                 raise ClosedError("store closed during insert")
-            self.arena.publish(blocks, new)
+            self._h.arena.publish(blocks, new)
             for e in entries:
-                self._index.commit(e)
-            self._gauge()
+                self._h.index.commit(e)
+            self._h.gauge()
         return tuple(new)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
+
+from tiersync.errors import UsageError
 
 K = TypeVar("K", bound=Hashable)  # the key type: host block ids (int), store keys (bytes)
 
@@ -102,3 +104,14 @@ class S3FIFOPolicy(Generic[K]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._small or key in self._main
+
+
+POLICIES: dict[str, type[LRUPolicy[Any]] | type[S3FIFOPolicy[Any]]] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
+"""Every eviction policy by the name configs use (the one registry)."""
+
+
+def check_policy(name: object, argument: str) -> str:
+    """``name`` when it names a policy of :data:`POLICIES`; UsageError naming ``argument`` else."""
+    if not isinstance(name, str) or name not in POLICIES:
+        raise UsageError("unknown eviction policy", argument=argument, value=name, choices=sorted(POLICIES))
+    return name

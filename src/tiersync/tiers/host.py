@@ -25,7 +25,7 @@ import numpy as np
 from tiersync.errors import CapacityError, ClosedError, UsageError, check_positive_int
 from tiersync.telemetry.metrics import track_arena, untrack_arena
 from tiersync.tiers.allocator import BlockAllocator
-from tiersync.tiers.eviction import LRUPolicy, S3FIFOPolicy
+from tiersync.tiers.eviction import POLICIES, check_policy
 from tiersync.tiers.prefault import Prefaulter
 
 if TYPE_CHECKING:
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from tiersync.tiers.shm import RecoveredBlock, ShmConfig, ShmSegment
 
 log = logging.getLogger("tiersync.host")
-POLICIES = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +51,7 @@ class HostArenaConfig:
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_nbytes"):
             check_positive_int(getattr(self, name), f"HostArenaConfig.{name}")
-        if self.policy not in POLICIES:
-            raise UsageError("unknown eviction policy", argument="HostArenaConfig.policy",
-                             value=self.policy, choices=sorted(POLICIES))
+        check_policy(self.policy, "HostArenaConfig.policy")
         if not isinstance(self.layout_digest, bytes) or len(self.layout_digest) != 16:
             raise UsageError("must be 16 bytes", argument="HostArenaConfig.layout_digest")
         if not isinstance(self.prefault, bool):

@@ -30,6 +30,7 @@ import xxhash
 from tiersync.errors import UsageError
 from tiersync.sizes import parse_size
 from tiersync.store.keys import CacheIdentity
+from tiersync.tiers.eviction import check_policy
 
 __all__ = ["HiCacheConfig", "namespace"]
 
@@ -62,8 +63,7 @@ class HiCacheConfig:
         if hb == 0 and self.storage_dir is None:
             raise UsageError("no tier to store pages in: give a storage_dir or host_bytes > 0",
                              argument=f"{EXTRA}.storage_dir")
-        if self.eviction not in ("lru", "s3fifo"):
-            raise UsageError("must be 'lru' or 's3fifo'", argument=f"{EXTRA}.eviction", value=self.eviction)
+        check_policy(self.eviction, f"{EXTRA}.eviction")
         if not isinstance(self.weights_version, str) or not self.weights_version:
             raise UsageError("must be a non-empty str", argument=f"{EXTRA}.weights_version",
                              value=self.weights_version)

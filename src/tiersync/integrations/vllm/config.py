@@ -55,6 +55,7 @@ from tiersync.errors import UsageError, check_positive_int
 from tiersync.net.config import coerce_token, token_from
 from tiersync.settings import layered
 from tiersync.sizes import parse_size
+from tiersync.tiers.eviction import check_policy
 
 __all__ = ["ConnectorConfig"]
 
@@ -91,9 +92,7 @@ class ConnectorConfig:
         for name in ("model_id", "weights_version", "pd_host"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise UsageError("must be a non-empty str", argument=f"kv_connector_extra_config.{name}")
-        if self.eviction not in ("lru", "s3fifo"):
-            raise UsageError("must be 'lru' or 's3fifo'", argument="kv_connector_extra_config.eviction",
-                             value=self.eviction)
+        check_policy(self.eviction, "kv_connector_extra_config.eviction")
         if self.storage_dir is not None and (not isinstance(self.storage_dir, str) or not self.storage_dir):
             raise UsageError("must be a directory path or None", argument="kv_connector_extra_config.storage_dir")
         t = self.load_timeout_s
