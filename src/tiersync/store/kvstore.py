@@ -230,7 +230,7 @@ class KVCacheStore:
                     seen.add(k)
                     new.append((d, k))
             if not new:
-                fut._set(SaveResult((), tuple(skipped)))
+                fut._settle(SaveResult((), tuple(skipped)))
                 return fut
             blocks = self._h.allocate_host(len(new))
             entries = [self._index.add_pending(k, b) for (_, k), b in zip(new, blocks)]
@@ -264,7 +264,7 @@ class KVCacheStore:
             fut._fail(ClosedError("store closed during save"))
             return
         self.metrics.bytes.labels("host", "in").inc(len(blocks) * self.arena.block_nbytes)
-        fut._set(SaveResult(tuple(e.key for e in entries), skipped))
+        fut._settle(SaveResult(tuple(e.key for e in entries), skipped))
         self._demoter.maybe_demote()
 
     # -- lifecycle -----------------------------------------------------------

@@ -51,7 +51,7 @@ class Loader:
         if not keys:  # a lookup with no hit loads nothing: done at once (there is no copy to wait for)
             with self._h.lock:
                 self._h.check_open()
-            fut._set(None)
+            fut._settle(None)
             return fut
         self._demoter.room_for_load(keys)  # evict only what is safe on storage (demotion.py)
         with self._h.lock:
@@ -155,7 +155,7 @@ class Loader:
             fut._fail(exc)
         else:
             self._h.metrics.bytes.labels("host", "out").inc(len(entries) * self._h.arena.block_nbytes)
-            fut._set(None)
+            fut._settle(None)
             self._demoter.maybe_demote()
 
 

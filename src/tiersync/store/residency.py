@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import enum
 
+from tiersync.completion import Status
+
 
 class Residency(enum.IntFlag):
     """Tiers holding a copy of an entry. The store tracks HOST and STORAGE itself;
@@ -18,7 +20,5 @@ class Residency(enum.IntFlag):
 LOADABLE = Residency.HOST | Residency.STORAGE
 
 
-class OpStatus(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
+OpStatus = Status
+"""A store operation's status: :class:`tiersync.completion.Status` (the one status of every handle)."""
