@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
+from typing import Any
 
 from tiersync.net.errors import ProtocolError, ProtocolFault
 
@@ -17,7 +19,7 @@ KEY_SIZE = 16
 _U8, _U16, _U32, _U64, _F64 = (struct.Struct(f"<{c}") for c in "BHIQd")
 
 
-def _malformed(message: str, **context: object) -> ProtocolError:
+def _malformed(message: str, **context: Any) -> ProtocolError:
     return ProtocolError(message, fault=ProtocolFault.MALFORMED, **context)
 
 
@@ -29,51 +31,51 @@ class MetaWriter:
     def __init__(self) -> None:
         self._parts: list[bytes] = []
 
-    def u8(self, v: int) -> "MetaWriter":
+    def u8(self, v: int) -> MetaWriter:
         self._parts.append(_U8.pack(v))
         return self
 
-    def u16(self, v: int) -> "MetaWriter":
+    def u16(self, v: int) -> MetaWriter:
         self._parts.append(_U16.pack(v))
         return self
 
-    def u32(self, v: int) -> "MetaWriter":
+    def u32(self, v: int) -> MetaWriter:
         self._parts.append(_U32.pack(v))
         return self
 
-    def u64(self, v: int) -> "MetaWriter":
+    def u64(self, v: int) -> MetaWriter:
         self._parts.append(_U64.pack(v))
         return self
 
-    def f64(self, v: float) -> "MetaWriter":
+    def f64(self, v: float) -> MetaWriter:
         self._parts.append(_F64.pack(v))
         return self
 
-    def blob(self, v: bytes) -> "MetaWriter":
+    def blob(self, v: bytes) -> MetaWriter:
         """u32 length + bytes."""
         self._parts.append(_U32.pack(len(v)))
         self._parts.append(bytes(v))
         return self
 
-    def text(self, v: str) -> "MetaWriter":
+    def text(self, v: str) -> MetaWriter:
         return self.blob(v.encode("utf-8"))
 
-    def json(self, v: object) -> "MetaWriter":
+    def json(self, v: object) -> MetaWriter:
         """A JSON document (compact UTF-8) as a blob; :meth:`MetaReader.json` reads it back."""
         return self.blob(json.dumps(v, separators=(",", ":")).encode())
 
-    def keys(self, keys: tuple[bytes, ...] | list[bytes]) -> "MetaWriter":
+    def keys(self, keys: Sequence[bytes]) -> MetaWriter:
         """u32 count + count * 16 bytes."""
         self._parts.append(_U32.pack(len(keys)))
         self._parts.extend(bytes(k) for k in keys)
         return self
 
-    def raw(self, v: bytes) -> "MetaWriter":
+    def raw(self, v: bytes) -> MetaWriter:
         """Bytes as they are (a fixed layout the reader knows the size of)."""
         self._parts.append(v)
         return self
 
-    def u64s(self, values: tuple[int, ...] | list[int]) -> "MetaWriter":
+    def u64s(self, values: tuple[int, ...] | list[int]) -> MetaWriter:
         self._parts.append(_U32.pack(len(values)))
         self._parts.append(struct.pack(f"<{len(values)}Q", *values))
         return self
@@ -104,19 +106,24 @@ class MetaReader:
         return self._take(n)
 
     def u8(self) -> int:
-        return _U8.unpack(self._take(1))[0]
+        v: int = _U8.unpack(self._take(1))[0]
+        return v
 
     def u16(self) -> int:
-        return _U16.unpack(self._take(2))[0]
+        v: int = _U16.unpack(self._take(2))[0]
+        return v
 
     def u32(self) -> int:
-        return _U32.unpack(self._take(4))[0]
+        v: int = _U32.unpack(self._take(4))[0]
+        return v
 
     def u64(self) -> int:
-        return _U64.unpack(self._take(8))[0]
+        v: int = _U64.unpack(self._take(8))[0]
+        return v
 
     def f64(self) -> float:
-        return _F64.unpack(self._take(8))[0]
+        v: float = _F64.unpack(self._take(8))[0]
+        return v
 
     def blob(self, max_len: int) -> bytes:
         n = self.u32()
@@ -131,7 +138,7 @@ class MetaReader:
         except UnicodeDecodeError as exc:
             raise _malformed("string is not UTF-8") from exc
 
-    def json(self, max_len: int) -> dict:
+    def json(self, max_len: int) -> dict[str, Any]:
         """A JSON object written by :meth:`MetaWriter.json` (at most ``max_len`` bytes); anything
         else (bad UTF-8, bad JSON, not an object) is MALFORMED."""
         raw = self.blob(max_len)
@@ -156,7 +163,7 @@ class MetaReader:
             raise _malformed("too many values", count=n, max=max_count)
         return struct.unpack(f"<{n}Q", self._take(8 * n))
 
-    def peek_exact(self, fmt: struct.Struct) -> tuple | None:
+    def peek_exact(self, fmt: struct.Struct) -> tuple[Any, ...] | None:
         """``fmt`` unpacked from the rest of the data when exactly ``fmt.size`` bytes are left
         (nothing consumed: :meth:`skip` them once the values are accepted); else None."""
         if len(self._data) - self._pos != fmt.size:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +55,8 @@ def coerce_token(value: Any, argument: str = "token") -> bytes | None:
     return bytes(value)
 
 
-def token_from(token_file: str | None, environ: dict | None = None, *, argument: str = "--token-file") -> bytes | None:
+def token_from(token_file: str | None, environ: Mapping[str, str] | None = None, *,
+               argument: str = "--token-file") -> bytes | None:
     """The token of a process: the contents of ``token_file`` (trailing newline stripped),
     else ``$TIERSYNC_TOKEN``, else None. Command lines never carry the secret itself (argv is
     readable by every local user). Raises UsageError naming ``argument`` or the variable."""

@@ -10,16 +10,22 @@ Enum fields travel as u8; their values are wire format — never renumber.
 """
 from __future__ import annotations
 
+import enum
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import numpy as np
 
 from tiersync.errors import UsageError
 from tiersync.net.codec import MetaReader, MetaWriter
 from tiersync.net.errors import ProtocolError, ProtocolFault
-from tiersync.net.fields import (CommitStatus, ErrorCode, check_bytes, check_enum, check_text, check_rows, check_u64)
+
+# CommitStatus and ErrorCode are re-exported: users of this module spell ev.ErrorCode
+from tiersync.net.fields import CommitStatus as CommitStatus
+from tiersync.net.fields import ErrorCode as ErrorCode
+from tiersync.net.fields import check_bytes, check_enum, check_rows, check_text, check_u64
 from tiersync.net.frames import SUPPORTED, Op, PayloadChecksum, ProtocolConfig
 from tiersync.net.vocab import Vocabulary
 
@@ -31,6 +37,22 @@ _REGION = struct.Struct("<QQQ")  # one LOCAL_REPLY region: address, length, chec
 
 MAX_CHECKSUMS = 16
 _LOCAL_CHECKSUMS = tuple(int(a) for a in SUPPORTED)
+
+
+class Event(Protocol):
+    """What a connection sends: an event class of some vocabulary (:mod:`tiersync.net.vocab`)."""
+
+    @property
+    def OP(self) -> enum.IntEnum: ...  # noqa: N802 - the event classes' OP (read-only: each narrows it)
+
+    def meta(self) -> bytes: ...
+
+
+class Request(Event, Protocol):
+    """An event that names a request: a request, or an answer to one."""
+
+    @property
+    def request_id(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +82,7 @@ class Hello:
         return w.text(self.host).u64(self.pid).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Hello":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Hello:
         return cls(r.text(cfg.max_string), r.blob(NONCE_SIZE), tuple(r.blob(MAX_CHECKSUMS)), r.text(cfg.max_string),
                    r.u64())
 
@@ -84,7 +106,7 @@ class Challenge:
         return MetaWriter().blob(self.nonce).blob(self.proof).u8(self.checksum).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Challenge":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Challenge:
         return cls(r.blob(NONCE_SIZE), r.blob(PROOF_SIZE), PayloadChecksum(r.u8()))
 
 
@@ -102,7 +124,7 @@ class Auth:
         return MetaWriter().blob(self.proof).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Auth":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Auth:
         return cls(r.blob(PROOF_SIZE))
 
 
@@ -125,7 +147,7 @@ class Ready:
         return MetaWriter().u64(self.session_id).text(self.host).u64(self.pid).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Ready":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Ready:
         return cls(r.u64(), r.text(cfg.max_string), r.u64())
 
 
@@ -147,7 +169,7 @@ class Error:
         return MetaWriter().u8(self.code).text(self.message).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Error":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Error:
         return cls(rid, ErrorCode(r.u8()), r.text(cfg.max_string))
 
 
@@ -165,7 +187,7 @@ class Ping:
         return MetaWriter().u64(self.token).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Ping":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Ping:
         return cls(rid, r.u64())
 
 
@@ -175,11 +197,14 @@ class Pong:
     request_id: int
     token: int = 0
 
-    __post_init__ = Ping.__post_init__
+    def __post_init__(self) -> None:
+        check_u64("request_id", self.request_id)
+        check_u64("token", self.token)
+
     meta = Ping.meta
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Pong":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Pong:
         return cls(rid, r.u64())
 
 
@@ -199,7 +224,7 @@ class Data:
 
     OP: ClassVar[Op] = Op.DATA
     request_id: int
-    payload: bytes | bytearray | memoryview
+    payload: bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
     payload_sum: tuple[PayloadChecksum, int] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -217,7 +242,7 @@ class Data:
         return b""
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Data":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Data:
         raise AssertionError("DATA is built by the Connection")  # pragma: no cover
 
 
@@ -251,7 +276,7 @@ class LocalReply:
         return MetaWriter().u64(self.pid).u8(self.algo).u32(len(self.regions)).raw(self.regions.tobytes()).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "LocalReply":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> LocalReply:
         pid, algo, n = r.u64(), PayloadChecksum(r.u8()), r.u32()
         if n > cfg.max_keys:
             raise ProtocolError("region count out of range", fault=ProtocolFault.MALFORMED, count=n)
@@ -291,7 +316,7 @@ class CommitReply:
         return MetaWriter().u8(self.status).text(self.message).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "CommitReply":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> CommitReply:
         return cls(rid, CommitStatus(r.u8()), r.text(cfg.max_string))
 
 

@@ -12,7 +12,8 @@ import ssl
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, NoReturn, cast
 
 from tiersync.iov import consume
 from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError
@@ -20,16 +21,19 @@ from tiersync.net.frames import EMPTY_META_CHECKSUM, HEADER_SIZE, SUPPORTED, Pay
 from tiersync.net.protocol import NEED_DATA, Connection
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     from tiersync.net.config import TcpConfig
+    from tiersync.net.events import Event
 
 __all__ = ["Deadline", "FramedSocket", "io_errors", "tune", "write_nonblocking"]
 
 try:  # the receive fast path (GIL released); without it every frame takes the reference path
     from tiersync.net import _wire
 except ImportError:  # pragma: no cover - depends on the build
-    _wire = None
+    _wire = None  # type: ignore[assignment]  # an optional compiled module: mypy cannot type it "or None"
 if PayloadChecksum.TSUM64 not in SUPPORTED:  # pragma: no cover - the fallback must verify what it accepts
-    _wire = None
+    _wire = None  # type: ignore[assignment]
 
 _IOV_MAX = 1024
 _PIECE = 4 << 20  # most bytes one recv lands in a payload before the checksum reads them
@@ -40,7 +44,7 @@ _TIMEVAL = struct.Struct("@ll")
 class Deadline:
     """Absolute deadline for one operation against ``peer``."""
 
-    __slots__ = ("_end", "peer", "_timeout")
+    __slots__ = ("_end", "_timeout", "peer")
 
     def __init__(self, timeout: float, peer: str) -> None:
         self._timeout, self.peer = timeout, peer
@@ -54,7 +58,7 @@ class Deadline:
         return left
 
 
-def write_nonblocking(sock: socket.socket, bufs: list, deadline: Deadline) -> None:
+def write_nonblocking(sock: socket.socket, bufs: Sequence[bytes | memoryview], deadline: Deadline) -> None:
     """Write every buffer to a non-blocking socket (plain or TLS), waiting for room with poll
     until ``deadline``. Raises NetTimeoutError, PeerClosedError, AuthError (TLS)."""
     views = [memoryview(b).cast("B") for b in bufs if len(b)]
@@ -114,14 +118,14 @@ class FramedSocket:
             self.sock.setsockopt(socket.SOL_SOCKET, which, _TIMEVAL.pack(sec, max(1, int((left - sec) * 1e6))))
             self._armed[which] = left
 
-    def write(self, event: object, deadline: Deadline) -> None:
+    def write(self, event: Event, deadline: Deadline) -> None:
         with self.lock:
             bufs = self.conn.send(event)
         self.send_buffers(bufs, deadline)
 
-    def send_buffers(self, bufs: list, deadline: Deadline) -> None:
+    def send_buffers(self, bufs: Sequence[bytes | memoryview], deadline: Deadline) -> None:
         """Write encoded frames (``Connection.send`` output, possibly several concatenated)."""
-        views = [b for b in bufs if len(b)]
+        views = cast("list[memoryview]", [b for b in bufs if len(b)])  # headers are bytes: consume slices them alike
         try:
             while views:
                 self._arm(socket.SO_SNDTIMEO, deadline)
@@ -156,13 +160,14 @@ class FramedSocket:
         except OSError as exc:
             _raise_io(exc, self.peer)
 
-    def read_data(self, request_ids: Sequence[int], deadline: Deadline) -> list:
+    def read_data(self, request_ids: Sequence[int], deadline: Deadline) -> list[object]:
         """The next events where the next frames should be the DATA answers to ``request_ids``, in
         order: at least one event, at most one per id. With the native receiver (plain TCP) one
         GIL-free call lands consecutive frames in their registered buffers and verifies each as the
         parser would (:meth:`Connection.data_fast_received`); the first frame it did not verify goes
         to the reference parser (:meth:`Connection.scatter_received`), whose event ends the list."""
-        conn, out = self.conn, []
+        conn = self.conn
+        out: list[object] = []
         if _wire is None or self._tls:
             return [self.read(deadline)]
         try:
@@ -219,7 +224,7 @@ class FramedSocket:
         self.sock.close()
 
 
-def _raise_io(exc: OSError, peer: str) -> None:
+def _raise_io(exc: OSError, peer: str) -> NoReturn:
     """Raise the RemoteError family member for socket error ``exc``, naming ``peer``."""
     if isinstance(exc, socket.timeout):
         raise NetTimeoutError("socket operation timed out", peer=peer) from exc
@@ -237,7 +242,8 @@ class io_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind, exc, tb) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:
         if isinstance(exc, OSError) and not isinstance(exc, NetTimeoutError):
             _raise_io(exc, self.peer)
         return False

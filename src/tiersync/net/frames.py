@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple
+from typing import NamedTuple, Protocol, cast
 
 import xxhash
 
@@ -79,10 +80,18 @@ def payload_checksum(algo: PayloadChecksum, data: bytes | bytearray | memoryview
     raise UsageError(f"payload checksum {algo!r} is not available in this build", argument="algo")
 
 
-def payload_hasher(algo: PayloadChecksum) -> object:
+class Hasher(Protocol):
+    """An incremental payload checksum: ``update`` with each part in order, then ``intdigest``."""
+
+    def update(self, data: bytes | bytearray | memoryview, /) -> None: ...
+
+    def intdigest(self) -> int: ...
+
+
+def payload_hasher(algo: PayloadChecksum) -> Hasher:
     """An incremental hasher (``update``, ``intdigest``) for ``algo``; UsageError when unavailable."""
     if algo is PayloadChecksum.TSUM64 and kernel.TSUM64 is not None:
-        return kernel.tsum64_hasher()
+        return cast(Hasher, kernel.tsum64_hasher())  # a native Tsum64 (typed object there)
     if algo is PayloadChecksum.XXH3_64:
         return xxhash.xxh3_64()
     raise UsageError(f"payload checksum {algo!r} is not available in this build", argument="algo")

@@ -9,6 +9,7 @@ of half-open connections without a thread each.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, TypeVar
 
 from tiersync.errors import TierSyncError
 from tiersync.net import auth
@@ -19,10 +20,15 @@ from tiersync.net.local import host_identity
 from tiersync.net.protocol import Connection
 from tiersync.net.service import PeerInfo
 
+if TYPE_CHECKING:
+    from tiersync.net.framed import Deadline, FramedSocket
+
 __all__ = ["ServerHandshake", "client_handshake"]
 
+_E = TypeVar("_E")
 
-def client_handshake(framed: object, token: bytes | None, node_id: str, deadline: object) -> PeerInfo:
+
+def client_handshake(framed: FramedSocket, token: bytes | None, node_id: str, deadline: Deadline) -> PeerInfo:
     """Run the client side on ``framed``; returns what the server told about itself.
     Raises AuthError when either side lacks the token (or the server refused us; a server
     that fails our check is told so, ERROR AUTH_FAILED, so both ends log the refusal),
@@ -41,7 +47,7 @@ def client_handshake(framed: object, token: bytes | None, node_id: str, deadline
     return PeerInfo("", ready.host, ready.pid, bool(ready.host) and ready.host == host_identity())
 
 
-def _expect(framed: object, kind: type, deadline: object) -> object:
+def _expect(framed: FramedSocket, kind: type[_E], deadline: Deadline) -> _E:
     event = framed.read(deadline)
     if isinstance(event, ev.Error):
         if event.code is ev.ErrorCode.AUTH_FAILED:
@@ -69,7 +75,7 @@ class ServerHandshake:
         self.failed: str | None = None
         self.info: PeerInfo | None = None
 
-    def step(self, event: object) -> list:
+    def step(self, event: object) -> list[bytes | memoryview]:
         """Frames to send in answer to ``event`` (a handshake event from the client)."""
         if self._hello is None:
             if not isinstance(event, ev.Hello):
@@ -84,7 +90,7 @@ class ServerHandshake:
         self.info = PeerInfo(hello.node_id, hello.host, hello.pid, bool(hello.host) and hello.host == host_identity())
         return self.conn.send(ev.Ready(self.session_id, host_identity(), os.getpid()))
 
-    def _challenge(self, hello: ev.Hello) -> list:
+    def _challenge(self, hello: ev.Hello) -> list[bytes | memoryview]:
         try:
             algo = negotiate(hello.checksums)
         except ProtocolError as exc:
@@ -94,6 +100,6 @@ class ServerHandshake:
         proof = auth.server_proof(self.token, hello.nonce, self._nonce)
         return self.conn.send(ev.Challenge(self._nonce, proof, algo))
 
-    def _refuse(self, why: str) -> list:
+    def _refuse(self, why: str) -> list[bytes | memoryview]:
         self.failed = why
         return self.conn.send(ev.Error(0, ev.ErrorCode.AUTH_FAILED, "authentication failed"))

@@ -21,11 +21,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiersync.errors import UsageError, check_positive_int
 
-__all__ = ["KVEventPublisher", "KVEventsConfig", "END_SEQ", "block_removed", "block_stored", "all_cleared"]
+if TYPE_CHECKING:
+    import zmq
+
+__all__ = ["END_SEQ", "KVEventPublisher", "KVEventsConfig", "all_cleared", "block_removed", "block_stored"]
 
 log = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -134,11 +137,12 @@ class KVEventPublisher:
         self._replay = self._ctx.socket(zmq.ROUTER) if config.replay_endpoint else None
         if self._replay is not None:  # a replay request is 3 small frames: refuse big ones at the socket
             self._replay.setsockopt(zmq.MAXMSGSIZE, 256)
+        where: str | None
         argument, where = "endpoint", config.endpoint
         try:
             self.endpoint = _bind(self._pub, where)
             argument, where = "replay_endpoint", config.replay_endpoint
-            self.replay_endpoint = _bind(self._replay, where) if self._replay else None
+            self.replay_endpoint = _bind(self._replay, where) if self._replay and where else None
         except zmq.ZMQError as exc:
             self._ctx.destroy(linger=0)
             raise UsageError(f"cannot bind: {exc}", argument=argument, value=where) from None
@@ -179,7 +183,7 @@ class KVEventPublisher:
             return
         self._ctx.term()
 
-    def __enter__(self) -> "KVEventPublisher":
+    def __enter__(self) -> KVEventPublisher:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -226,7 +230,9 @@ class KVEventPublisher:
         return seq
 
     def _answer_replay(self) -> None:
-        frames = self._replay.recv_multipart()
+        replay = self._replay
+        assert replay is not None  # _run answers replays only with a replay socket
+        frames = replay.recv_multipart()
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             self.bad_replays += 1
             if self.bad_replays == 1:
@@ -235,11 +241,11 @@ class KVEventPublisher:
         client, start = frames[0], int.from_bytes(frames[2], "big")
         for seq, payload in list(self._buffer):
             if seq >= start:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+                replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
-def _bind(sock: Any, endpoint: str) -> str:
+def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
     """Bind ``endpoint``; with port 0 (``tcp://127.0.0.1:0``) the address actually bound."""
     import zmq
 

@@ -6,11 +6,20 @@ handshake, and two tables of outstanding requests — the ones this side sent (w
 may receive) and the peer's (which answers this side may send). ``check_*`` refuse an op without
 changing anything (local misuse is :class:`UsageError`, a peer's is :class:`ProtocolError`);
 ``sent`` / ``received`` apply an op that passed its check.
+
+Payload checksums (see :mod:`tiersync.net.frames`): the client's HELLO offers ids (each one
+this build verifies, else UsageError), the server's CHALLENGE picks one of them (else
+UsageError; a client receiving a pick it did not offer raises ProtocolError), and from then on
+:attr:`Ledger.payload_algo` sums what this side sends.
 """
 from __future__ import annotations
 
+import enum
+from typing import cast
+
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net.errors import ProtocolError, ProtocolFault
+from tiersync.net.events import Challenge, Hello
 from tiersync.net.frames import SUPPORTED, Op, PayloadChecksum
 from tiersync.net.states import HANDSHAKE, Direction, Role, State, then
 from tiersync.net.vocab import Vocabulary
@@ -29,8 +38,8 @@ class Ledger:
         self._answers, self._responses = vocabulary.answers, vocabulary.response_ops
         self._oneway, self.types = vocabulary.oneway_ops, vocabulary.types
         self.state = State.IDLE
-        self.mine: dict[int, frozenset[Op]] = {}    # requests I sent -> responses I may receive
-        self._theirs: dict[int, frozenset[Op]] = {}  # requests I received -> responses I may send
+        self.mine: dict[int, frozenset[int]] = {}    # requests I sent -> responses I may receive
+        self._theirs: dict[int, frozenset[int]] = {}  # requests I received -> responses I may send
         self.offered: tuple[int, ...] = ()  # payload checksum ids offered in HELLO
         self.payload_algo = PayloadChecksum.XXH3_64
         """The algorithm this side sums its payloads with (XXH3_64 until negotiated)."""
@@ -43,7 +52,7 @@ class Ledger:
             raise ClosedError("connection closed")
 
     # ---------------------------------------------------------------- sending
-    def check_send(self, op: Op, rid: int, event: object) -> None:
+    def check_send(self, op: enum.IntEnum, rid: int, event: object) -> None:
         """UsageError when this side may not send ``op`` for request ``rid`` now."""
         if self.state is not State.READY:
             if op is Op.ERROR:
@@ -66,33 +75,33 @@ class Ledger:
         else:
             raise UsageError(f"cannot send {op.name} after the handshake", argument="event")
 
-    def _check_checksums(self, op: Op, event: object) -> None:
-        if op is Op.HELLO and any(c not in _LOCAL for c in event.checksums):  # type: ignore[attr-defined]
+    def _check_checksums(self, op: enum.IntEnum, event: object) -> None:
+        if op is Op.HELLO and any(c not in _LOCAL for c in cast(Hello, event).checksums):
             raise UsageError("HELLO may offer only payload checksums this build verifies", argument="event",
-                             offered=event.checksums, supported=sorted(_LOCAL))  # type: ignore[attr-defined]
+                             offered=cast(Hello, event).checksums, supported=sorted(_LOCAL))
         if op is Op.CHALLENGE:
-            picked = event.checksum  # type: ignore[attr-defined]
+            picked = cast(Challenge, event).checksum
             if picked not in self.offered or picked not in SUPPORTED:
                 raise UsageError("CHALLENGE must pick a payload checksum the client offered and this build has",
                                  argument="event", offered=self.offered, picked=picked.name)
 
-    def sent(self, op: Op, rid: int, event: object) -> None:
+    def sent(self, op: enum.IntEnum, rid: int, event: object) -> None:
         """Apply an op :meth:`check_send` allowed."""
         if op is Op.ERROR and (rid == 0 or self.state is not State.READY):
             self.state = State.CLOSED
         elif self.state is not State.READY:
             self.state = HANDSHAKE[(self.role, self.state, _S, op)]
             if op is Op.HELLO:
-                self.offered = event.checksums  # type: ignore[attr-defined]
+                self.offered = cast(Hello, event).checksums
             elif op is Op.CHALLENGE:
-                self.payload_algo = event.checksum  # type: ignore[attr-defined]
+                self.payload_algo = cast(Challenge, event).checksum
         elif op in self._answers:
             self.mine[rid] = self._answers[op]
         elif op not in self._oneway:
             _advance(self._theirs, rid, event)
 
     # -------------------------------------------------------------- receiving
-    def check_recv(self, op: Op, rid: int) -> None:
+    def check_recv(self, op: enum.IntEnum, rid: int) -> None:
         """ProtocolError(UNEXPECTED) when the peer may not send ``op`` for ``rid`` now."""
         if self.state is State.CLOSED:
             raise ProtocolError("frame after the connection ended", fault=ProtocolFault.UNEXPECTED)
@@ -102,16 +111,12 @@ class Ledger:
         elif op in self._answers:
             if rid != 0 and rid not in self._theirs:
                 return
-        elif op in self._oneway:
-            return
-        elif op is Op.ERROR and (rid == 0 or rid in self.mine):
-            return
-        elif op in self._responses and op in self.mine.get(rid, ()):
+        elif op in self._oneway or (op is Op.ERROR and (rid == 0 or rid in self.mine)) or (op in self._responses and op in self.mine.get(rid, ())):
             return
         raise ProtocolError(f"unexpected {op.name} in state {self.state.value}",
                             fault=ProtocolFault.UNEXPECTED, request_id=rid)
 
-    def received(self, op: Op, rid: int, event: object) -> bool:
+    def received(self, op: enum.IntEnum, rid: int, event: object) -> bool:
         """Apply an op :meth:`check_recv` allowed; True when it answered one of my requests."""
         if op is Op.ERROR and (rid == 0 or self.state is not State.READY):
             self.state = State.CLOSED
@@ -125,18 +130,18 @@ class Ledger:
             return True
         return False
 
-    def _negotiate(self, op: Op, event: object) -> None:
+    def _negotiate(self, op: enum.IntEnum, event: object) -> None:
         if op is Op.HELLO:
-            self.offered = event.checksums  # type: ignore[attr-defined]
+            self.offered = cast(Hello, event).checksums
         elif op is Op.CHALLENGE:
-            picked = event.checksum  # type: ignore[attr-defined]
+            picked = cast(Challenge, event).checksum
             if picked not in self.offered:
                 raise ProtocolError("server picked a payload checksum the client did not offer",
                                     fault=ProtocolFault.MALFORMED, picked=picked.name, offered=self.offered)
             self.payload_algo = picked
 
 
-def _advance(table: dict[int, frozenset[Op]], rid: int, event: object) -> None:
+def _advance(table: dict[int, frozenset[int]], rid: int, event: object) -> None:
     nxt = then(event)
     if nxt is None:
         del table[rid]

@@ -14,11 +14,15 @@ import errno
 import functools
 import os
 import secrets
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from tiersync.errors import RemoteError, UsageError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["LocalReadError", "allow_readers", "buffer_address", "can_read", "host_identity", "read_remote",
            "read_summed"]
@@ -35,7 +39,7 @@ if _readv is not None:
 try:
     from tiersync.net import _local as _native
 except ImportError:  # pragma: no cover - built without a compiler: read_remote + a second pass
-    _native = None
+    _native = None  # type: ignore[assignment]  # an optional compiled module: mypy cannot type it "or None"
 
 
 class LocalReadError(RemoteError):
@@ -59,7 +63,7 @@ def host_identity() -> str:
 def buffer_address(buf: object) -> tuple[int, int]:
     """(address, nbytes) of a C-contiguous buffer (read-only ones too). UsageError otherwise."""
     try:
-        view = memoryview(buf)
+        view = memoryview(cast("Buffer", buf))
     except TypeError:
         raise UsageError("must support the buffer protocol", argument="buffer") from None
     if not view.c_contiguous:
@@ -85,10 +89,11 @@ def can_read(pid: int) -> bool:
     if _readv is None:
         return False
     iov = np.zeros(1, _IOVEC)
-    return _readv(pid, iov.ctypes.data, 1, iov.ctypes.data, 1, 0) == 0
+    rc: int = _readv(pid, iov.ctypes.data, 1, iov.ctypes.data, 1, 0)
+    return rc == 0
 
 
-def _iovecs(regions: Sequence[tuple[int, int]]) -> np.ndarray:
+def _iovecs(regions: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
     arr = np.array(regions, dtype=np.uint64).reshape(-1, 2) if len(regions) else np.zeros((0, 2), np.uint64)
     out = np.empty(len(arr), _IOVEC)
     out["base"], out["len"] = arr[:, 0], arr[:, 1]
@@ -108,7 +113,7 @@ def _advance(iov: np.ndarray, n: int) -> np.ndarray:
     return rest
 
 
-def read_remote(pid: int, remote: Sequence[tuple[int, int]], local: Sequence[memoryview]) -> None:
+def read_remote(pid: int, remote: Sequence[tuple[int, int]] | np.ndarray, local: Sequence[memoryview]) -> None:
     """Copy the concatenated ``remote`` (address, length) regions of process ``pid`` into the
     concatenated writable ``local`` buffers (equal totals, else UsageError naming ``local``).
     LocalReadError when the kernel refuses (EPERM, ESRCH, EFAULT, ENOSYS) or the copy ends short."""
@@ -121,7 +126,7 @@ def read_remote(pid: int, remote: Sequence[tuple[int, int]], local: Sequence[mem
 
 
 def _writable_address(buf: object) -> tuple[int, int]:
-    view = memoryview(buf)
+    view = memoryview(cast("Buffer", buf))  # TypeError for anything else
     if view.readonly:
         raise UsageError("must be writable", argument="local")
     return buffer_address(view)
@@ -170,6 +175,6 @@ def sum_ranges(buf: np.ndarray, offsets: Sequence[int], lengths: Sequence[int], 
     if _native is None:
         from tiersync.transfer import kernel
 
-        return [kernel.tsum64(buf[o:o + n]) for o, n in zip(offsets, lengths)]
+        return [kernel.tsum64(buf[o:o + n].data) for o, n in zip(offsets, lengths)]
     pairs = np.stack([np.asarray(offsets, np.uint64), np.asarray(lengths, np.uint64)], axis=1)
     return list(_native.sum_ranges(buf, pairs.tobytes(), threads))

@@ -2,15 +2,18 @@
 (a DATA payload landing in several caller buffers in order, as a vectored pull does)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
-from tiersync.net.frames import PayloadChecksum, payload_checksum, payload_hasher
+from tiersync.net.frames import Hasher, PayloadChecksum, payload_checksum, payload_hasher
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["Pieces", "bytes_view", "payload_views", "sum_of"]
 
 
 def bytes_view(buf: object) -> memoryview:
-    view = memoryview(buf)
+    view = memoryview(cast("Buffer", buf))  # TypeError for anything else
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
@@ -31,7 +34,7 @@ def sum_of(algo: PayloadChecksum, parts: list[memoryview]) -> int:
 class Pieces:
     """A DATA payload landing in several caller buffers, in order (a vectored pull)."""
 
-    __slots__ = ("views", "total", "index", "offset")
+    __slots__ = ("index", "offset", "total", "views")
 
     def __init__(self, views: list[memoryview]) -> None:
         self.views, self.total, self.index, self.offset = views, sum(len(v) for v in views), 0, 0
@@ -63,7 +66,7 @@ class Pieces:
         """Every unfilled buffer, the current one's tail first."""
         return [self.tail(), *self.views[self.index + 1:]] if self.total else []
 
-    def landed(self, n: int, hasher: Any) -> None:
+    def landed(self, n: int, hasher: Hasher) -> None:
         """``n`` bytes were received in place across :meth:`rest`: hash them, move on."""
         while n:
             tail = self.tail()
@@ -72,7 +75,7 @@ class Pieces:
             self.advance(k)
             n -= k
 
-    def fill(self, data: memoryview, hasher: Any) -> None:
+    def fill(self, data: memoryview, hasher: Hasher) -> None:
         """Copy ``data`` into the buffers from the current position, hashing what lands."""
         while len(data):
             tail = self.tail()

@@ -21,33 +21,39 @@ connection. Errors:
 
 Memory: nothing is allocated from a peer-declared size beyond
 :class:`ProtocolConfig` bounds; payload buffers grow only as bytes arrive.
-
-Payload checksums (see :mod:`tiersync.net.frames`): the client's HELLO offers ids
-(each one this build verifies, else UsageError), the server's CHALLENGE picks one
-of them (else UsageError; a client receiving a pick it did not offer raises
-ProtocolError), and from then on :attr:`Connection.payload_algo` sums what this
-side sends. Received payloads are verified by the algorithm their header names,
-incrementally as the bytes arrive.
+Payload checksums are negotiated in the handshake (:mod:`tiersync.net.ledger`); received
+payloads are verified by the algorithm their header names, incrementally as the bytes arrive.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import enum
+from collections.abc import Sequence
+from typing import cast
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
-from tiersync.net.codec import MetaReader
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.events import NEED_DATA
-from tiersync.net.frames import (EMPTY_CHECKSUM, HEADER_SIZE, FrameHeader, Op, PayloadChecksum, ProtocolConfig,
-                                 checksum, decode_header, encode_header, payload_hasher)
+from tiersync.net.frames import (
+    EMPTY_CHECKSUM,
+    HEADER_SIZE,
+    FrameHeader,
+    Hasher,
+    Op,
+    PayloadChecksum,
+    ProtocolConfig,
+    checksum,
+    decode_header,
+    encode_header,
+    payload_hasher,
+)
 from tiersync.net.ledger import Ledger
 from tiersync.net.pieces import Pieces, bytes_view, payload_views, sum_of
 from tiersync.net.states import Role, State
 from tiersync.net.vocab import Vocabulary
 
 __all__ = ["NEED_DATA", "Connection", "Role", "State"]
-
 
 _FAST_ALGO = PayloadChecksum.TSUM64  # what a native receiver verifies (data_fast_targets)
 _EMPTY = memoryview(b"")
@@ -74,12 +80,12 @@ class Connection:
         self._buf = bytearray()
         self._eof = False
         self._header: FrameHeader | None = None
-        self._payload: bytearray | memoryview | None = None
+        self._payload: bytearray | memoryview | Pieces | None = None
         self._filled = 0
-        self._sinks: dict[int, memoryview] = {}
+        self._sinks: dict[int, memoryview | Pieces] = {}
         self._prefill: tuple[int, int] | None = None  # (request id, bytes) of a scatter read's payload part
         self._prefilled = 0
-        self._hasher: object | None = None
+        self._hasher: Hasher | None = None
 
     # ---------------------------------------------------------------- sending
     def send(self, event: ev.Event) -> list[bytes | memoryview]:
@@ -88,12 +94,12 @@ class Connection:
         Raises UsageError when the event is not allowed now (state, request id,
         size), ClosedError when the connection is closed or poisoned.
         """
-        self._check_open()
-        op = event.OP
-        rid = getattr(event, "request_id", 0)
+        self._ledger.check_open()
+        op, data = event.OP, cast(ev.Data, event)  # data: read only when op is DATA
+        rid: int = getattr(event, "request_id", 0)
         self._ledger.check_send(op, rid, event)
         meta = event.meta()
-        parts = payload_views(event.payload) if op is Op.DATA else []
+        parts = payload_views(data.payload) if op is Op.DATA else []
         size = sum(len(p) for p in parts)
         if len(meta) > self.config.max_meta_size or len(meta) + size > self.config.max_frame_size:
             raise UsageError("frame exceeds max_frame_size", argument="event", meta_len=len(meta), payload_len=size)
@@ -101,7 +107,7 @@ class Connection:
         algo = self.payload_algo
         if not size:
             return [encode_header(op, rid, meta, 0, EMPTY_CHECKSUM[algo], algo) + meta]
-        known = event.payload_sum
+        known = data.payload_sum
         value = known[1] if known is not None and known[0] is algo else sum_of(algo, parts)
         return [encode_header(op, rid, meta, size, value, algo) + meta, *parts]
 
@@ -111,7 +117,7 @@ class Connection:
 
         Raises UsageError after end of stream, ClosedError when poisoned/closed.
         """
-        self._check_open()
+        self._ledger.check_open()
         if self._eof:
             raise UsageError("data after end of stream", argument="data")
         if not data:
@@ -182,10 +188,10 @@ class Connection:
         if n > HEADER_SIZE:
             self._prefill = (next(iter(self._sinks)), n - HEADER_SIZE)
 
-    def _settle_prefill(self, header: FrameHeader) -> None:
+    def _settle_prefill(self, header: FrameHeader, prefill: tuple[int, int]) -> None:
         """The frame after a scatter read is decoded: keep the bytes in place if it is the
         predicted DATA, else put them back into the stream (right after this header)."""
-        rid, n = self._prefill
+        rid, n = prefill
         self._prefill = None
         sink = self._sinks[rid]
         if header.op is Op.DATA and header.request_id == rid and header.meta_len == 0 and header.payload_len == len(sink):
@@ -193,19 +199,18 @@ class Connection:
         else:
             self._buf += sink.head(n) if isinstance(sink, Pieces) else sink[:n]
 
-    def data_fast_targets(self, request_ids: Sequence[int]) -> list:
-        """The buffers of :meth:`expect_payload_into` (a buffer, or the list of a vectored pull's
-        buffers) for the longest prefix of ``request_ids``
-        whose next frames should be their DATA answers, in this order, and which a caller may
-        receive and verify itself (:meth:`data_fast_received`): READY, at a frame boundary with
-        nothing buffered, TSUM64 negotiated, the ids the oldest registered ones in order, each
-        size within ``max_frame_size``. Empty when none qualifies."""
+    def data_fast_targets(self, request_ids: Sequence[int]) -> list[memoryview | list[memoryview]]:
+        """The buffers of :meth:`expect_payload_into` (a buffer, or the list of a vectored pull's buffers)
+        for the longest prefix of ``request_ids`` whose next frames should be their DATA answers, in this
+        order, and which a caller may receive and verify itself (:meth:`data_fast_received`): READY, at a
+        frame boundary with nothing buffered, TSUM64 negotiated, the ids the oldest registered ones in
+        order, each size within ``max_frame_size``. Empty when none qualifies."""
         if (self.state is not State.READY or self._header is not None or self._buf or self._eof
                 or self._prefill is not None or self.payload_algo is not _FAST_ALGO):
             return []
-        out, limit = [], self.config.max_frame_size
+        out: list[memoryview | list[memoryview]] = []
         for rid, (mine, sink) in zip(request_ids, self._sinks.items()):
-            if rid != mine or len(sink) > limit:
+            if rid != mine or len(sink) > self.config.max_frame_size:
                 break
             out.append(list(sink.views) if isinstance(sink, Pieces) else sink)
         return out
@@ -237,15 +242,15 @@ class Connection:
         """Record ``n`` bytes written into :meth:`payload_sink` (or across :meth:`payload_sinks`).
         Raises UsageError when out of range."""
         if isinstance(self._payload, Pieces) and self._header is not None and not self._buf:
-            if not 0 < n <= self._payload.total - self._filled:
+            if self._hasher is None or not 0 < n <= self._payload.total - self._filled:
                 raise UsageError("count out of range", argument="n", value=n)
             self._payload.landed(n, self._hasher)
             self._filled += n
             return
-        sink = self.payload_sink()
-        if sink is None or not 0 < n <= len(sink):
+        sink, hasher = self.payload_sink(), self._hasher
+        if sink is None or hasher is None or not 0 < n <= len(sink):
             raise UsageError("no payload sink or count out of range", argument="n", value=n)
-        self._hasher.update(sink[:n])
+        hasher.update(sink[:n])
         self._filled += n
 
     def next_event(self) -> object:
@@ -301,7 +306,7 @@ class Connection:
         self._ledger.check_recv(header.op, header.request_id)
         self._header = header
         if self._prefill is not None:
-            self._settle_prefill(header)
+            self._settle_prefill(header, self._prefill)
 
     def _begin_payload(self, header: FrameHeader) -> None:
         meta = bytes(self._buf[:header.meta_len])
@@ -320,6 +325,7 @@ class Connection:
         self._hasher = payload_hasher(header.payload_algo) if header.payload_len else None
         if self._prefilled:  # a scatter read already landed the start of this payload
             self._filled, self._prefilled = self._prefilled, 0
+            assert self._hasher is not None  # a prefill lands in a registered, non-empty buffer
             if isinstance(self._payload, Pieces):
                 self._payload.landed(self._filled, self._hasher)
             else:
@@ -329,6 +335,7 @@ class Connection:
         take = min(len(self._buf), header.payload_len - self._filled)
         if not take:
             return
+        assert self._payload is not None and self._hasher is not None  # mid-payload: _begin_payload set both
         if isinstance(self._payload, memoryview):
             piece = self._payload[self._filled:self._filled + take]
             piece[:] = self._buf[:take]
@@ -346,6 +353,7 @@ class Connection:
     def _finish_frame(self, header: FrameHeader) -> object:
         payload, hasher = self._payload, self._hasher
         self._header, self._payload, self._filled, self._hasher = None, None, 0, None
+        assert payload is not None  # set by _begin_payload
         got = hasher.intdigest() if hasher is not None else EMPTY_CHECKSUM[header.payload_algo]
         if got != header.payload_checksum:
             raise ProtocolError("payload checksum mismatch", fault=ProtocolFault.BAD_CHECKSUM)
@@ -353,21 +361,14 @@ class Connection:
         self._apply_recv(header.op, header.request_id, event)
         return event
 
-    def _parse(self, header: FrameHeader, payload: bytearray | memoryview, payload_sum: int) -> object:
+    def _parse(self, header: FrameHeader, payload: bytearray | memoryview | Pieces, payload_sum: int) -> object:
         if header.op is Op.DATA:
             if self._meta:
                 raise ProtocolError("DATA carries no metadata", fault=ProtocolFault.MALFORMED)
             if isinstance(payload, Pieces):  # landed in the caller's buffers
                 payload = _EMPTY
             return ev.Data(header.request_id, payload, (header.payload_algo, payload_sum))
-        reader = MetaReader(self._meta)
-        parse: Callable = self._types[header.op].parse
-        try:
-            event = parse(header.request_id, reader, self.config)
-        except ValueError as exc:  # UsageError from field checks, bad enum values
-            raise ProtocolError(f"invalid {header.op.name} fields: {exc}", fault=ProtocolFault.MALFORMED) from exc
-        reader.finish()
-        return event
+        return self.vocabulary.parse(header.op, header.request_id, self._meta, self.config)
 
     @property
     def peer_checksums(self) -> tuple[int, ...]:
@@ -389,9 +390,6 @@ class Connection:
         """The algorithm this side sums its payloads with (XXH3_64 until negotiated)."""
         return self._ledger.payload_algo
 
-    def _check_open(self) -> None:
-        self._ledger.check_open()
-
-    def _apply_recv(self, op: Op, rid: int, event: object) -> None:
+    def _apply_recv(self, op: enum.IntEnum, rid: int, event: object) -> None:
         if self._ledger.received(op, rid, event):
             self._sinks.pop(rid, None)

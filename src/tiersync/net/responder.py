@@ -12,7 +12,8 @@ import logging
 import socket
 import ssl
 import threading
-from typing import Callable
+from collections.abc import Callable, Iterable
+from typing import cast
 
 from tiersync.errors import ClosedError, TierSyncError
 from tiersync.net import events as ev
@@ -34,11 +35,12 @@ class ServerSession(Session):
     """One connection of a :class:`~tiersync.net.server.TcpServer` (see :class:`Session`);
     ``end`` is the server's way to end it (once)."""
 
-    def __init__(self, end: Callable[["ServerSession"], None], config: TcpConfig, vocabulary: Vocabulary,
+    def __init__(self, end: Callable[[ServerSession], None], config: TcpConfig, vocabulary: Vocabulary,
                  sock: socket.socket, peer: str, session_id: int) -> None:
         self._end, self._config, self.sock, self.peer, self.session_id = end, config, sock, peer, session_id
         self.conn = Connection(Role.SERVER, config.protocol, vocabulary)
-        self.hs = ServerHandshake(self.conn, config.token, session_id)
+        token = cast("bytes | None", config.token)  # TcpConfig coerced it to bytes
+        self.hs = ServerHandshake(self.conn, token, session_id)
         self.info = PeerInfo("", "", 0, False)
         self.lock = threading.Lock()    # the Connection's state
         self.wlock = threading.Lock()   # writes to the socket
@@ -51,10 +53,10 @@ class ServerSession(Session):
         if self._closed:
             raise ClosedError("session closed", peer=self.peer)
         with self.lock:
-            bufs = self.conn.send(event)
+            bufs = self.conn.send(cast(ev.Event, event))  # an event of the session's vocabulary
         self.write(bufs, Deadline(timeout or self._config.op_timeout_s, self.peer))
 
-    def write(self, bufs: list, deadline: Deadline) -> None:
+    def write(self, bufs: list[bytes | memoryview], deadline: Deadline) -> None:
         try:
             with self.wlock:
                 write_nonblocking(self.sock, bufs, deadline)
@@ -102,7 +104,7 @@ class Responder:
     def _turn(self, s: ServerSession, event: object) -> object | None:
         """Answer ``event`` and up to ``_BATCH`` requests buffered behind it, in one send; the
         next buffered event (batch full) or None (nothing buffered)."""
-        bufs: list = []
+        bufs: list[bytes | memoryview] = []
         deadline = Deadline(self.config.op_timeout_s, s.peer)
         for _ in range(_BATCH):
             bufs = self._answer(s, event, bufs, deadline)
@@ -112,7 +114,7 @@ class Responder:
             except ProtocolError:
                 s.write(bufs, deadline)  # answer what came before the bad frame, then end
                 raise
-            if event is NEED_DATA or isinstance(event, ev.ConnectionClosed) or isinstance(event, ev.Error):
+            if event is NEED_DATA or isinstance(event, (ev.ConnectionClosed, ev.Error)):
                 s.write(bufs, deadline)
                 if event is not NEED_DATA:
                     self._end(s)
@@ -138,7 +140,8 @@ class Responder:
             return None
         return None if event is NEED_DATA else event
 
-    def _answer(self, s: ServerSession, event: object, bufs: list, deadline: Deadline) -> list:
+    def _answer(self, s: ServerSession, event: object, bufs: list[bytes | memoryview],
+                deadline: Deadline) -> list[bytes | memoryview]:
         answers = self._answers(s, event)
         streamed = inspect.isgenerator(answers)
         if streamed and bufs:  # its body has not run yet and may wait: earlier answers go out first
@@ -146,22 +149,23 @@ class Responder:
             bufs = []
         for answer in answers:
             with s.lock:
-                bufs += s.conn.send(answer)
+                bufs += s.conn.send(cast(ev.Event, answer))  # the service answers with events
             if streamed:  # a handler that yields may block before its next answer: send this one now
                 s.write(bufs, deadline)
                 bufs = []
         return bufs
 
-    def _answers(self, s: ServerSession, event: object):
+    def _answers(self, s: ServerSession, event: object) -> Iterable[object]:
         try:
             answers = self.service.handle(s, event)
             return answers if inspect.isgenerator(answers) else list(answers or ())
         except TierSyncError as exc:
             code = ev.ErrorCode.BAD_REQUEST if isinstance(exc, ValueError) else ev.ErrorCode.INTERNAL
-            return [ev.Error(event.request_id, code, exc.message[:512])] if _answerable(event) else []
-        except Exception as exc:  # noqa: BLE001 - a handler bug must not kill the server
+            return [ev.Error(getattr(event, "request_id", 0), code, exc.message[:512])] if _answerable(event) else []
+        except Exception as exc:
             log.exception("handler failed")
-            return [ev.Error(event.request_id, ev.ErrorCode.INTERNAL, type(exc).__name__)] if _answerable(event) else []
+            return ([ev.Error(getattr(event, "request_id", 0), ev.ErrorCode.INTERNAL, type(exc).__name__)]
+                    if _answerable(event) else [])
 
 
 _local = threading.local()

@@ -9,7 +9,7 @@ frame with a bad checksum would be: nothing unverified is ever reported as lande
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

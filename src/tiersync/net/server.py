@@ -25,6 +25,7 @@ import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 from tiersync.errors import ClosedError, TierSyncError
 from tiersync.net import events as ev
@@ -35,6 +36,7 @@ from tiersync.net.protocol import NEED_DATA, Connection, Role
 from tiersync.net.responder import Responder, ServerSession
 from tiersync.net.service import Service
 from tiersync.net.tls import server_context
+from tiersync.net.transport import Server
 
 __all__ = ["TcpServer"]
 
@@ -44,7 +46,7 @@ _ACCEPT_PAUSE_S = 0.1
 _ACCEPT_BURST = 256
 
 
-class TcpServer:
+class TcpServer(Server):
     """Serves ``service`` on ``address`` ("host:port"; ``.address`` has the bound port)."""
 
     def __init__(self, address: str, service: Service, config: TcpConfig | None = None) -> None:
@@ -59,9 +61,10 @@ class TcpServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._todo: queue.SimpleQueue = queue.SimpleQueue()  # (action, session) for the loop thread
+        # (action, session) for the loop thread
+        self._todo: queue.SimpleQueue[tuple[str, ServerSession | None]] = queue.SimpleQueue()
         self._sessions: set[ServerSession] = set()
-        self._deadlines: list = []  # (handshake deadline, session id, session)
+        self._deadlines: list[tuple[float, int, ServerSession]] = []  # (handshake deadline, session id, session)
         self._ids = itertools.count(1)
         self._rbuf = memoryview(bytearray(max(self.config.recv_chunk, 64 << 10)))
         self._workers = ThreadPoolExecutor(self.config.workers, thread_name_prefix=f"tiersync-serve-{port}")
@@ -124,7 +127,7 @@ class TcpServer:
         """Out of descriptors: stop accepting for a moment (the backlog keeps the peers)."""
         if not self._fd_logged:
             log.warning("tiersync server %s cannot accept (%s); retrying every %.1f s while it lasts",
-                        self.address, errno.errorcode.get(exc.errno, exc.errno), _ACCEPT_PAUSE_S)
+                        self.address, errno.errorcode.get(exc.errno or 0, exc.errno), _ACCEPT_PAUSE_S)
             self._fd_logged = True
         self._sel.unregister(self._listener)
         self._paused_until = time.monotonic() + _ACCEPT_PAUSE_S
@@ -175,7 +178,7 @@ class TcpServer:
 
     def _tls_handshake(self, s: ServerSession) -> bool:
         try:
-            s.sock.do_handshake()
+            cast(ssl.SSLSocket, s.sock).do_handshake()  # tls_pending: an SSLSocket
         except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return False
         except OSError as exc:
@@ -216,10 +219,11 @@ class TcpServer:
         if s.hs.failed is not None:
             return self._auth_failed(s, s.hs.failed)
         if s.hs.done:
+            assert s.hs.info is not None  # set with done
             s.info, s.opened = s.hs.info, True
             try:
                 self.service.opened(s)
-            except Exception:  # noqa: BLE001 - a service bug closes this session only
+            except Exception:
                 log.exception("service refused a session")
                 self._end(s)
 
@@ -259,7 +263,7 @@ class TcpServer:
                 self._register(s)
                 self._advance(s)  # bytes may have arrived while the worker ran
 
-    def _wake(self, action: str, s: ServerSession) -> None:
+    def _wake(self, action: str, s: ServerSession | None) -> None:
         self._todo.put((action, s))
         try:
             self._wake_w.send(b"\0")
@@ -274,7 +278,7 @@ class TcpServer:
         if s.opened:
             try:
                 self.service.closed(s)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("service failed to release a session")
         try:
             s.sock.shutdown(socket.SHUT_RDWR)
@@ -303,7 +307,7 @@ class TcpServer:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._wake("stop", None)  # type: ignore[arg-type]
+        self._wake("stop", None)
         self._thread.join(timeout=10)
         self._workers.shutdown(wait=False, cancel_futures=True)
 

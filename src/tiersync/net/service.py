@@ -17,8 +17,8 @@ connection cap and the worker pool; a service owns only its operations:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from tiersync.net.vocab import Vocabulary
 
@@ -69,8 +69,8 @@ class Service(ABC):
     def handle(self, session: Session, event: object) -> Iterable[object]:
         """The answers to request ``event`` in order (none for a one-way message)."""
 
-    def opened(self, session: Session) -> None:
+    def opened(self, session: Session) -> None:  # noqa: B027 - a default hook, overridden when needed
         """A session finished its handshake."""
 
-    def closed(self, session: Session) -> None:
+    def closed(self, session: Session) -> None:  # noqa: B027 - a default hook, overridden when needed
         """A session ended (exactly once per opened session)."""

@@ -16,17 +16,21 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from tiersync.net import events as ev
-from tiersync.net import store_ops as so
 from tiersync.net import local
+from tiersync.net import store_ops as so
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 from tiersync.net.service import Service, Session
 
-__all__ = ["BlockError", "BlockService", "LEASE_TTL_MAX_S", "LEASE_TTL_MIN_S", "MemoryBlockSource", "clamp_ttl"]
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["LEASE_TTL_MAX_S", "LEASE_TTL_MIN_S", "BlockError", "BlockService", "MemoryBlockSource", "clamp_ttl"]
 
 LEASE_TTL_MIN_S, LEASE_TTL_MAX_S = 30, 600
 
@@ -57,7 +61,8 @@ class BlockService(Service):
         """Pin every key of ``req`` (GRANTED with sizes) or none (MISSING)."""
         raise NotImplementedError
 
-    def view(self, lease_id: int, key: bytes, offset: int, length: int) -> tuple[memoryview, tuple | None]:
+    def view(self, lease_id: int, key: bytes, offset: int, length: int
+             ) -> tuple[memoryview, tuple[PayloadChecksum, int] | None]:
         """``(bytes, known (algo, checksum) of exactly those bytes or None)``; BlockError to refuse."""
         raise NotImplementedError
 
@@ -70,7 +75,7 @@ class BlockService(Service):
         yield so.OfferReply(req.request_id, so.OfferStatus.REFUSED)
 
     # -- the wire -------------------------------------------------------------------------------
-    def handle(self, session: Session, event: object):
+    def handle(self, session: Session, event: object) -> Iterable[object]:
         if isinstance(event, so.Offer):
             return self.offer(event, session)
         if isinstance(event, ev.Ping):
@@ -88,7 +93,7 @@ class BlockService(Service):
             if isinstance(event, so.PullLocal):
                 return [self._local(session, event)]
         except BlockError as exc:
-            return [ev.Error(event.request_id, exc.code, str(exc))]
+            return [ev.Error(getattr(event, "request_id", 0), exc.code, str(exc))]
         return [ev.Error(getattr(event, "request_id", 0), ev.ErrorCode.UNSUPPORTED, type(event).__name__)]
 
     def _lease(self, session: Session, req: so.ReadLease) -> so.LeaseReply:
@@ -142,9 +147,9 @@ class MemoryBlockSource(BlockService):
     ``clock``: monotonic seconds (injectable so lease expiry can be tested).
     """
 
-    def __init__(self, blocks: Mapping[bytes, bytes], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, blocks: Mapping[bytes, object], clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self._blocks = {bytes(k): memoryview(v).cast("B") for k, v in blocks.items()}
+        self._blocks = {bytes(k): memoryview(cast("Buffer", v)).cast("B") for k, v in blocks.items()}
         self._clock = clock
         self._sums: dict[bytes, tuple[PayloadChecksum, int]] = {}
         self._leases: dict[int, tuple[float, frozenset[bytes]]] = {}
@@ -169,7 +174,8 @@ class MemoryBlockSource(BlockService):
                 return None
             return lease[1]
 
-    def view(self, lease_id: int, key: bytes, offset: int, length: int) -> tuple[memoryview, tuple | None]:
+    def view(self, lease_id: int, key: bytes, offset: int, length: int
+             ) -> tuple[memoryview, tuple[PayloadChecksum, int] | None]:
         keys = self._held_keys(lease_id)
         if keys is None:
             raise BlockError(ev.ErrorCode.LEASE_EXPIRED, "lease not held")

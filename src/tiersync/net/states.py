@@ -37,7 +37,7 @@ class Direction(enum.Enum):
 
 
 _S, _R = Direction.SEND, Direction.RECV  # table shorthand
-HANDSHAKE: dict[tuple[Role, State, Direction, Op], State] = {
+HANDSHAKE: dict[tuple[Role, State, Direction, int], State] = {  # op: a raw code or its IntEnum member
     (Role.CLIENT, State.IDLE, _S, Op.HELLO): State.AWAIT_CHALLENGE,
     (Role.CLIENT, State.AWAIT_CHALLENGE, _R, Op.CHALLENGE): State.MUST_AUTH,
     (Role.CLIENT, State.MUST_AUTH, _S, Op.AUTH): State.AWAIT_READY,

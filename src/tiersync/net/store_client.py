@@ -7,18 +7,21 @@ pinned on this side. A refused offer raises :class:`~tiersync.errors.CapacityErr
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from tiersync.errors import CapacityError, RemoteError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
-from tiersync.net.source import MemoryBlockSource
 from tiersync.net.config import coerce_token
-from tiersync.net.tcp import Deadline, TcpConfig, TcpTransport
+from tiersync.net.service import Session
+from tiersync.net.source import MemoryBlockSource
+from tiersync.net.tcp import Deadline, TcpChannel, TcpConfig, TcpTransport
 
 PULL_WINDOW = 8
 _WILDCARD = ("", "0.0.0.0", "::")
+_OnPull = Callable[[so.Pull | so.PullMany | so.PullLocal], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,18 +38,18 @@ class StoreNodeClient:
 
     ``bind_host``: where this side serves its blocks for the node to pull; the
     OFFER names it (a wildcard bind sends an empty host: the node then dials the
-    IP it sees us connect from). ``on_pull`` (tests): called with each PULL the
-    node sends us, before it is answered.
+    IP it sees us connect from). ``on_pull`` (tests): called with each PULL (or
+    PULL_MANY, PULL_LOCAL) the node sends us, before it is answered.
     """
 
     def __init__(self, address: str, *, token: bytes | str | None = None, timeout: float = 30.0,
-                 bind_host: str = "127.0.0.1", on_pull: Callable[[so.Pull], None] | None = None) -> None:
+                 bind_host: str = "127.0.0.1", on_pull: _OnPull | None = None) -> None:
         if not timeout > 0:
             raise UsageError("must be > 0 seconds", argument="timeout", value=timeout)
         self.address, self.token, self.timeout = address, coerce_token(token), timeout
         self._bind, self._on_pull = bind_host, on_pull
 
-    def _connect(self, deadline: Deadline):
+    def _connect(self, deadline: Deadline) -> TcpChannel:
         cfg = TcpConfig(token=self.token, node_id="tiersync-client", connect_timeout_s=min(self.timeout, 30.0))
         return TcpTransport(cfg).connect(self.address, timeout=deadline.remaining())
 
@@ -70,17 +73,17 @@ class StoreNodeClient:
         finally:
             server.close()
 
-    def _offer(self, channel, lease: so.LeaseReply, keys: tuple[bytes, ...], source: str,
+    def _offer(self, channel: TcpChannel, lease: so.LeaseReply, keys: tuple[bytes, ...], source: str,
                deadline: Deadline) -> PushResult:
         rid = channel.new_request_id()
-        reply = channel.request(so.Offer(rid, lease.lease_id, keys, lease.sizes, source),
-                                timeout=deadline.remaining())
+        offer = so.Offer(rid, lease.lease_id, keys, lease.sizes, source)
+        reply = cast(so.OfferReply, channel.request(offer, timeout=deadline.remaining()))  # an OFFER's one answer
         if reply.status is so.OfferStatus.REFUSED:
             raise CapacityError("store node refused the offer (no free space, or keys in flight)",
                                 requested=len(keys), peer=self.address)
         if reply.status is so.OfferStatus.ALL_EXIST:
             return PushResult(reply.status, None, reply.existing)
-        commit = channel.next_answer(rid, timeout=deadline.remaining())
+        commit = cast(ev.CommitReply, channel.next_answer(rid, timeout=deadline.remaining()))
         if commit.status is not ev.CommitStatus.COMMITTED:
             raise RemoteError(f"store node failed the write: {commit.message}", peer=self.address)
         return PushResult(reply.status, commit.status, reply.existing)
@@ -96,7 +99,8 @@ class StoreNodeClient:
         deadline = Deadline(self.timeout, self.address)
         channel = self._connect(deadline)
         try:
-            lease = channel.request(so.ReadLease(channel.new_request_id(), keys), timeout=deadline.remaining())
+            ask = so.ReadLease(channel.new_request_id(), keys)
+            lease = cast(so.LeaseReply, channel.request(ask, timeout=deadline.remaining()))
             if lease.status is not so.LeaseStatus.GRANTED:
                 raise RemoteError("store node lacks keys", peer=self.address, missing=len(lease.missing))
             try:
@@ -105,8 +109,8 @@ class StoreNodeClient:
                 if not channel.closed:  # best effort: unpin now rather than at the lease's expiry
                     channel.request(so.Release(channel.new_request_id(), lease.lease_id), timeout=1.0)
                 raise
-            done = channel.request(so.Release(channel.new_request_id(), lease.lease_id),
-                                   timeout=deadline.remaining())
+            release = so.Release(channel.new_request_id(), lease.lease_id)
+            done = cast(ev.CommitReply, channel.request(release, timeout=deadline.remaining()))
             if done.status is not ev.CommitStatus.COMMITTED:
                 raise RemoteError("read lease expired before the read finished", peer=self.address)
             return list(lease.sizes)
@@ -114,8 +118,9 @@ class StoreNodeClient:
             channel.close()
 
     @staticmethod
-    def _pull_all(channel, lease: so.LeaseReply, keys: tuple[bytes, ...], into, deadline: Deadline) -> None:
-        items = []
+    def _pull_all(channel: TcpChannel, lease: so.LeaseReply, keys: tuple[bytes, ...],
+                  into: Sequence[memoryview | bytearray], deadline: Deadline) -> None:
+        items: list[tuple[bytes, int, memoryview]] = []
         for key, size, buf in zip(keys, lease.sizes, into):
             view = memoryview(buf).cast("B")
             if len(view) < size:
@@ -127,11 +132,11 @@ class StoreNodeClient:
 class _ObservedSource(MemoryBlockSource):
     """The writer's blocks; ``on_pull`` (tests) sees every PULL / PULL_MANY before it is answered."""
 
-    def __init__(self, blocks: dict, on_pull: Callable[[object], None] | None) -> None:
+    def __init__(self, blocks: Mapping[bytes, object], on_pull: _OnPull | None) -> None:
         super().__init__(blocks)
         self._on_pull = on_pull
 
-    def handle(self, session, event):
+    def handle(self, session: Session, event: object) -> Iterable[object]:
         if self._on_pull is not None and isinstance(event, (so.Pull, so.PullMany, so.PullLocal)):
             self._on_pull(event)
         return super().handle(session, event)

@@ -30,15 +30,16 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, cast
 
 from tiersync.errors import RemoteError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
+from tiersync.net.server import TcpServer
 from tiersync.net.service import Session
 from tiersync.net.source import BlockError, BlockService, clamp_ttl
-from tiersync.net.tcp import Deadline, TcpConfig, TcpServer, TcpTransport, parse_address
+from tiersync.net.tcp import Deadline, TcpConfig, TcpTransport, parse_address
 from tiersync.sizes import parse_size
 from tiersync.tiers.host import HostArena, HostArenaConfig
 
@@ -73,7 +74,7 @@ class StoreNode(BlockService):
         self._lock = threading.Lock()
 
     # -- reads ---------------------------------------------------------------
-    def handle(self, session: Session, event: object):
+    def handle(self, session: Session, event: object) -> Iterable[object]:
         with self._lock:
             self._expire()
         return super().handle(session, event)
@@ -130,9 +131,10 @@ class StoreNode(BlockService):
         yield reply
         if not new:
             return
+        assert writer is not None  # _admit accepts nothing without one
         try:
             self._pull_from(writer, req.lease_id, new, blocks)
-        except Exception as exc:  # any failure: free the landing blocks, answer FAILED
+        except Exception as exc:  # noqa: BLE001 - any failure: free the landing blocks, answer FAILED
             log.info("offer %d from %s failed: %s", req.request_id, writer, exc)
             with self._lock:
                 self.arena.free(blocks)
@@ -147,11 +149,11 @@ class StoreNode(BlockService):
             listener([k for k, _ in new])
         yield ev.CommitReply(req.request_id, ev.CommitStatus.COMMITTED)
 
-    def _admit(self, req: so.Offer, writer: str | None) -> tuple[so.OfferReply, list, list[int]]:
+    def _admit(self, req: so.Offer, writer: str | None) -> tuple[so.OfferReply, list[tuple[bytes, int]], list[int]]:
         refused = so.OfferReply(req.request_id, so.OfferStatus.REFUSED)
         with self._lock:
             existing = tuple(k for k in req.keys if k in self._index)
-            new = list(dict((k, s) for k, s in zip(req.keys, req.sizes) if k not in self._index).items())
+            new = list({k: s for k, s in zip(req.keys, req.sizes) if k not in self._index}.items())
             if not new:
                 return so.OfferReply(req.request_id, so.OfferStatus.ALL_EXIST, existing), [], []
             too_big = any(s > self.arena.block_nbytes for _, s in new)
@@ -163,14 +165,15 @@ class StoreNode(BlockService):
         status = so.OfferStatus.PARTIAL_EXIST if existing else so.OfferStatus.ACCEPT
         return so.OfferReply(req.request_id, status, existing), new, blocks
 
-    def _pull_from(self, writer: str, lease_id: int, new: list, blocks: list[int]) -> None:
+    def _pull_from(self, writer: str, lease_id: int, new: list[tuple[bytes, int]], blocks: list[int]) -> None:
         deadline = Deadline(self._pull_timeout, writer)
         channel = TcpTransport(self.config).connect(writer, timeout=deadline.remaining())
         try:
             items = [(key, off, self.arena.block(b)[off:off + min(PULL_CHUNK, size - off)])
                      for (key, size), b in zip(new, blocks) for off in range(0, size, PULL_CHUNK)]
             channel.pull_many(lease_id, items, window=PULL_WINDOW, timeout=deadline.remaining())
-            done = channel.request(so.Release(channel.new_request_id(), lease_id), timeout=deadline.remaining())
+            release = so.Release(channel.new_request_id(), lease_id)
+            done = cast(ev.CommitReply, channel.request(release, timeout=deadline.remaining()))
             if done.status is not ev.CommitStatus.COMMITTED:
                 raise RemoteError("writer's lease was lost before the pull finished", peer=writer)
         finally:
@@ -250,7 +253,7 @@ def serve(capacity: int, address: str = "127.0.0.1:0", *, token: bytes | str | N
     return StoreNodeServer(address, StoreNode(capacity, block_nbytes, config=TcpConfig(token=token)))
 
 
-def attach_registry(server: StoreNodeServer, registry: "Registry", config: "AgentConfig") -> "StoreAgent":
+def attach_registry(server: StoreNodeServer, registry: Registry, config: AgentConfig) -> StoreAgent:
     """Register ``server``'s node in ``registry``, heartbeat, advertise what it stores; returns the started agent."""
     from tiersync.net.registry.agent import StoreAgent
 
@@ -262,7 +265,7 @@ def attach_registry(server: StoreNodeServer, registry: "Registry", config: "Agen
     return agent
 
 
-def attach_events(server: StoreNodeServer, config: "KVEventsConfig") -> "KVEventPublisher":
+def attach_events(server: StoreNodeServer, config: KVEventsConfig) -> KVEventPublisher:
     """Publish ``server``'s node as a vLLM KV event stream: ``AllBlocksCleared`` first (a
     started node holds nothing, whatever a router remembers of an earlier one), then one
     ``BlockStored`` (medium ``CPU``, the registry's 16-byte keys as hashes) per committed
@@ -285,7 +288,7 @@ def default_advertise(address: str) -> str:
 def main(capacity: str, port: int, host: str = "127.0.0.1", token: bytes | str | None = None,
          block_size: str = "1MiB", stop: threading.Event | None = None, *, registry: str | None = None,
          store_id: str | None = None, pool_group: str = "", heartbeat_s: float = 300.0,
-         advertise: str | None = None, kv_events: "KVEventsConfig | None" = None) -> int:
+         advertise: str | None = None, kv_events: KVEventsConfig | None = None) -> int:
     """The ``tiersync store-node`` process: print the address, serve until interrupted (or SIGTERM).
 
     ``registry``: "host:port" of ``tiersync registry`` (or "redis://..."): register as
@@ -340,7 +343,16 @@ def _stop_on_sigterm() -> threading.Event:
     return stop
 
 
-from tiersync.net.store_client import StoreNodeClient, PushResult  # noqa: E402  (re-export)
+from tiersync.net.store_client import PushResult, StoreNodeClient  # noqa: E402  (re-export)
 
-__all__ = ["StoreNode", "StoreNodeServer", "StoreNodeClient", "PushResult", "serve", "attach_registry", "main",
-           "parse_size", "writer_address"]
+__all__ = [
+    "PushResult",
+    "StoreNode",
+    "StoreNodeClient",
+    "StoreNodeServer",
+    "attach_registry",
+    "main",
+    "parse_size",
+    "serve",
+    "writer_address",
+]

@@ -17,13 +17,35 @@ from tiersync.errors import UsageError
 from tiersync.net.codec import KEY_SIZE, MetaReader, MetaWriter
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.events import CORE, CommitReply, Data, LocalReply
-from tiersync.net.fields import (CommitStatus, LeaseStatus, OfferStatus, check_bytes, check_enum, check_keys,
-                                 check_rows, check_text, check_u64, check_u64s)
+from tiersync.net.fields import (
+    CommitStatus,
+    LeaseStatus,
+    OfferStatus,
+    check_bytes,
+    check_enum,
+    check_keys,
+    check_rows,
+    check_text,
+    check_u64,
+    check_u64s,
+)
 from tiersync.net.frames import Op, ProtocolConfig
 from tiersync.net.vocab import Vocabulary
 
-__all__ = ["STORE", "CommitStatus", "LeaseStatus", "Offer", "OfferReply", "OfferStatus", "Pull", "PullLocal",
-           "PullMany", "ReadLease", "LeaseReply", "Release"]
+__all__ = [
+    "STORE",
+    "CommitStatus",
+    "LeaseReply",
+    "LeaseStatus",
+    "Offer",
+    "OfferReply",
+    "OfferStatus",
+    "Pull",
+    "PullLocal",
+    "PullMany",
+    "ReadLease",
+    "Release",
+]
 
 _PULL_META = struct.Struct(f"<QI{KEY_SIZE}sQQ")  # lease id, key length, key, offset, length
 _ITEM = struct.Struct(f"<{KEY_SIZE}sQQ")  # one PULL_MANY / PULL_LOCAL item: key, offset, length
@@ -57,7 +79,7 @@ class Offer:
         return MetaWriter().u64(self.lease_id).keys(self.keys).u64s(self.sizes).text(self.source).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Offer":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Offer:
         return cls(rid, r.u64(), r.keys(cfg.max_keys), r.u64s(cfg.max_keys), r.text(cfg.max_string))
 
 
@@ -85,7 +107,7 @@ class OfferReply:
         return None
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "OfferReply":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> OfferReply:
         return cls(rid, OfferStatus(r.u8()), r.keys(cfg.max_keys))
 
 
@@ -107,7 +129,7 @@ class ReadLease:
         return MetaWriter().keys(self.keys).u64(self.ttl_s).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "ReadLease":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> ReadLease:
         return cls(rid, r.keys(cfg.max_keys), r.u64())
 
 
@@ -136,7 +158,7 @@ class LeaseReply:
         return w.u64s(self.sizes).keys(self.missing).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "LeaseReply":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> LeaseReply:
         return cls(rid, LeaseStatus(r.u8()), r.u64(), r.u64(), r.u64s(cfg.max_keys), r.keys(cfg.max_keys))
 
 
@@ -161,7 +183,7 @@ class Pull:
         return w.u64(self.offset).u64(self.length).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Pull":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Pull:
         fixed = r.peek_exact(_PULL_META)
         if fixed is not None and fixed[1] == KEY_SIZE:  # the usual layout: one unpack
             r.skip(_PULL_META.size)
@@ -177,13 +199,13 @@ def _check_items(name: str, items: object) -> None:
         raise UsageError(f"keys must be {KEY_SIZE} bytes", argument=name)
 
 
-def _write_items(w: MetaWriter, items: tuple) -> MetaWriter:
+def _write_items(w: MetaWriter, items: tuple[tuple[bytes, int, int], ...]) -> MetaWriter:
     w.u32(len(items))
     w.raw(b"".join(_ITEM.pack(*item) for item in items))
     return w
 
 
-def _read_items(r: MetaReader, cfg: ProtocolConfig) -> tuple:
+def _read_items(r: MetaReader, cfg: ProtocolConfig) -> tuple[tuple[bytes, int, int], ...]:
     n = r.u32()
     if not 0 < n <= cfg.max_keys:
         raise ProtocolError("item count out of range", fault=ProtocolFault.MALFORMED, count=n, max=cfg.max_keys)
@@ -211,7 +233,7 @@ class PullMany:
         return _write_items(MetaWriter().u64(self.lease_id), self.items).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "PullMany":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> PullMany:
         return cls(rid, r.u64(), _read_items(r, cfg))
 
 
@@ -226,11 +248,15 @@ class PullLocal:
     lease_id: int
     items: tuple[tuple[bytes, int, int], ...]
 
-    __post_init__ = PullMany.__post_init__
+    def __post_init__(self) -> None:
+        check_u64("request_id", self.request_id)
+        check_u64("lease_id", self.lease_id)
+        _check_items("items", self.items)
+
     meta = PullMany.meta
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "PullLocal":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> PullLocal:
         return cls(rid, r.u64(), _read_items(r, cfg))
 
 
@@ -250,7 +276,7 @@ class Release:
         return MetaWriter().u64(self.lease_id).getvalue()
 
     @classmethod
-    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> "Release":
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Release:
         return cls(rid, r.u64())
 
 STORE = Vocabulary("store", {Offer: (OfferReply,), ReadLease: (LeaseReply,), Pull: (Data,), PullMany: (Data,),

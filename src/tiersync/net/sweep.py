@@ -27,11 +27,17 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from tiersync.errors import (
+    CapacityError,
+    RemoteError,
+    TierSyncError,
+    UsageError,
+    check_positive_int,
+)
+from tiersync.net import store_ops as so
 from tiersync.net.config import coerce_token
 from tiersync.net.errors import log_level
-from tiersync.errors import CapacityError, RemoteError, TierSyncError, UsageError, check_positive_int
-from tiersync.net import store_ops as so
-from tiersync.net.registry.base import Registry
+from tiersync.net.registry.base import Registry, StoreInfo
 from tiersync.net.store_client import StoreNodeClient
 from tiersync.store.kvstore import KVCacheStore
 from tiersync.store.residency import LOADABLE
@@ -196,7 +202,7 @@ class RemoteTier:
             try:
                 if self.needed():
                     self.sweep()
-            except Exception:  # noqa: BLE001 - the loop must survive; the next round retries
+            except Exception:
                 log.exception("remote sweep failed")
 
     def trigger(self) -> None:
@@ -252,7 +258,8 @@ class RemoteTier:
                     continue
                 client = self._client(info.address)
 
-                def land(new: list[bytes], views: list[memoryview]) -> None:
+                def land(new: list[bytes], views: list[memoryview], client: StoreNodeClient = client,
+                         info: StoreInfo = info) -> None:  # called before the loop moves on
                     sizes = client.read(new, views)
                     if any(s != nbytes for s in sizes):
                         raise RemoteError("remote block has another size", peer=info.address, need=nbytes)

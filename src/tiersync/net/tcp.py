@@ -13,24 +13,35 @@ import collections
 import itertools
 import socket
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, cast
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.config import Route, TcpConfig, parse_address
-from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault, RequestError
+from tiersync.net.errors import (
+    AuthError,
+    NetTimeoutError,
+    PeerClosedError,
+    ProtocolError,
+    ProtocolFault,
+    RequestError,
+)
 from tiersync.net.framed import Deadline, FramedSocket, io_errors, tune
 from tiersync.net.frames import PayloadChecksum
 from tiersync.net.handshake import client_handshake
 from tiersync.net.local import LocalReadError
-from tiersync.net.samehost import local_copy
 from tiersync.net.protocol import Connection, Role
+from tiersync.net.samehost import local_copy
 from tiersync.net.server import TcpServer
 from tiersync.net.service import PeerInfo, Service
 from tiersync.net.tls import client_context
 from tiersync.net.transport import Channel, Server, Transport
 from tiersync.net.vocab import Vocabulary
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["Deadline", "Route", "TcpChannel", "TcpConfig", "TcpTransport", "parse_address"]
 
@@ -39,6 +50,8 @@ _GROUP_BYTES = 1 << 20  # pulls smaller than this are grouped into one PULL_MANY
 _GROUP_LIMIT = 4 << 20  # ... of about this size
 _GROUP_ITEMS = 64
 _LOCAL_GROUP = 32 << 20  # bytes per PULL_LOCAL: two in flight, one copied while the next is looked up
+_Item = tuple[bytes, int, memoryview]  # (key, offset, destination) of a pull, checked
+_Pull = tuple[so.Pull | so.PullMany, memoryview | list[memoryview]]  # a request and where its DATA lands
 
 class TcpChannel(Channel):
     """Client side of one TCP connection. Use :meth:`TcpTransport.connect` to build."""
@@ -57,7 +70,8 @@ class TcpChannel(Channel):
     def handshake(self, deadline: Deadline) -> None:
         """Run HELLO/CHALLENGE/AUTH/READY. Raises AuthError when either side lacks the token."""
         cfg = self._framed.cfg
-        self.info = client_handshake(self._framed, cfg.token, cfg.node_id, deadline)
+        token = cast("bytes | None", cfg.token)  # TcpConfig coerced it to bytes
+        self.info = client_handshake(self._framed, token, cfg.node_id, deadline)
 
     def send(self, event: object, *, timeout: float | None = None) -> None:
         """Send one-way message ``event`` (thread-safe beside a :meth:`receive` in another
@@ -65,7 +79,8 @@ class TcpChannel(Channel):
         with self._wlock:
             self._check_open()
             try:
-                self._framed.write(event, Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer))
+                deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
+                self._framed.write(cast(ev.Event, event), deadline)  # a message of this channel's vocabulary
             except _BROKEN:
                 self._shut()
                 raise
@@ -96,15 +111,16 @@ class TcpChannel(Channel):
 
     def request(self, event: object, *, timeout: float | None = None, into: object | None = None) -> object:
         """See :meth:`Channel.request`; ``into`` may also be a list of buffers filled in order."""
+        req = cast(ev.Request, event)  # a request of this channel's vocabulary
         with self._rlock, self._wlock:
             self._check_open()
             deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
             try:
-                self._framed.write(event, deadline)
+                self._framed.write(req, deadline)
                 if into is None:
-                    return self._answer(event.request_id, deadline)
-                self._framed.conn.expect_payload_into(event.request_id, into)
-                return self._answer(event.request_id, deadline, data=True)
+                    return self._answer(req.request_id, deadline)
+                self._framed.conn.expect_payload_into(req.request_id, into)
+                return self._answer(req.request_id, deadline, data=True)
             except _BROKEN:
                 self._shut()
                 raise
@@ -126,7 +142,7 @@ class TcpChannel(Channel):
             return self._pull_local(lease_id, items, timeout)
         self.pipeline(self._pulls(lease_id, items), window=window, timeout=timeout)
 
-    def pipeline(self, requests: Iterable[tuple[object, object]], *, window: int = 8, timeout: float | None = None,
+    def pipeline(self, requests: Iterable[tuple[ev.Request, object]], *, window: int = 8, timeout: float | None = None,
                  landed: Callable[[int, object], None] | None = None) -> None:
         """Send ``(request, destination)`` pairs keeping ``window`` requests in flight. A request
         with a destination (a buffer or a list of buffers, exact size) is answered by one DATA
@@ -140,7 +156,8 @@ class TcpChannel(Channel):
         with self._rlock, self._wlock:
             self._check_open()
             deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
-            todo, pending = iter(requests), collections.deque()
+            todo = iter(requests)
+            pending: collections.deque[tuple[int, bool]] = collections.deque()
             try:
                 half = max(1, window // 2)
                 self._send_pulls(todo, window, pending, deadline)
@@ -152,7 +169,7 @@ class TcpChannel(Channel):
                 self._shut()
                 raise
 
-    def _receive_some(self, pending: collections.deque, most: int, deadline: Deadline,
+    def _receive_some(self, pending: collections.deque[tuple[int, bool]], most: int, deadline: Deadline,
                       landed: Callable[[int, object], None] | None) -> None:
         """The answers to the first pending requests: consecutive DATA ones in one native call."""
         rid, has_dest = pending[0]
@@ -168,10 +185,12 @@ class TcpChannel(Channel):
             if landed is not None:
                 landed(rid, None)
 
-    def _pulls(self, lease_id: int, items) -> list[tuple[object, object]]:
+    def _pulls(self, lease_id: int, items: Iterable[tuple[bytes, int, object]]) -> list[_Pull]:
         """Validate every item before anything is sent (UsageError naming ``items``), then group
         the small ones: ``(PULL or PULL_MANY, destination buffer or buffers)``."""
-        out, group, size = [], [], 0
+        out: list[_Pull] = []
+        group: list[_Item] = []
+        size = 0
         for key, offset, dest in items:
             view = _writable(dest)
             if len(view) >= _GROUP_BYTES:
@@ -200,7 +219,8 @@ class TcpChannel(Channel):
             return False
         return True
 
-    def _pull_local(self, lease_id: int, items, timeout: float | None) -> None:
+    def _pull_local(self, lease_id: int, items: Iterable[tuple[bytes, int, object]],
+                    timeout: float | None) -> None:
         """PULL_LOCAL, then copy every range out of the server's memory (``process_vm_readv``)
         and verify it against the checksum the server sent; groups of about _LOCAL_GROUP bytes,
         the next one asked for before this one is copied (the server's lookups and checksums
@@ -209,7 +229,7 @@ class TcpChannel(Channel):
         checked = [(key, offset, _writable(dest)) for key, offset, dest in items]
         deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
         groups = list(_local_groups(checked, self._framed.cfg.protocol.max_keys))
-        asked = []
+        asked: list[int] = []
         for i, group in enumerate(groups):
             while len(asked) < min(i + 2, len(groups)):
                 req = so.PullLocal(self.new_request_id(), lease_id, tuple((k, o, len(v)) for k, o, v in groups[len(asked)]))
@@ -237,16 +257,18 @@ class TcpChannel(Channel):
             raise exc
         self._local_failed = True
 
-    def _group(self, lease_id: int, group: list) -> tuple[object, object]:
+    def _group(self, lease_id: int, group: list[_Item]) -> _Pull:
         if len(group) == 1:
             key, offset, view = group[0]
             return so.Pull(next(self._ids), lease_id, key, offset, len(view)), view
         items = tuple((k, o, len(v)) for k, o, v in group)
         return so.PullMany(next(self._ids), lease_id, items), [v for _, _, v in group]
 
-    def _send_pulls(self, todo, n: int, pending: collections.deque, deadline: Deadline) -> None:
+    def _send_pulls(self, todo: Iterator[tuple[ev.Request, object]], n: int,
+                    pending: collections.deque[tuple[int, bool]], deadline: Deadline) -> None:
         """Encode up to ``n`` more requests from ``todo``, register their buffers, send them in one go."""
-        conn, bufs = self._framed.conn, []
+        conn = self._framed.conn
+        bufs: list[bytes | memoryview] = []
         with self._framed.lock:
             for request, dest in itertools.islice(todo, n):
                 bufs += conn.send(request)
@@ -345,9 +367,10 @@ class TcpTransport(Transport):
         return TcpServer(address, service, self.config)
 
 
-def _local_groups(items: list, max_keys: int):
+def _local_groups(items: list[_Item], max_keys: int) -> Iterator[list[_Item]]:
     """Consecutive items of about _LOCAL_GROUP bytes (at most ``max_keys``) each."""
-    group, size = [], 0
+    group: list[_Item] = []
+    size = 0
     for item in items:
         group.append(item)
         size += len(item[2])
@@ -360,7 +383,7 @@ def _local_groups(items: list, max_keys: int):
 
 def _writable(dest: object) -> memoryview:
     try:
-        view = memoryview(dest).cast("B")
+        view = memoryview(cast("Buffer", dest)).cast("B")
     except TypeError as exc:
         raise UsageError("destinations must be contiguous buffers", argument="items") from exc
     if view.readonly:

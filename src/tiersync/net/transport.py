@@ -15,6 +15,8 @@ from contextlib import contextmanager
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import store_ops as so
+from tiersync.net.service import Service
+
 
 class Channel(ABC):
     """One authenticated connection to ``peer``. Thread-safe: requests are serialised."""
@@ -75,7 +77,7 @@ class Transport(ABC):
         """Open and authenticate a channel. Raises AuthError, NetTimeoutError, PeerClosedError."""
 
     @abstractmethod
-    def serve(self, address: str, service: object) -> Server:
+    def serve(self, address: str, service: Service) -> Server:
         """Listen on ``address`` ("host:port", port 0 picks one) and serve ``service``."""
 
 

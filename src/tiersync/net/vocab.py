@@ -18,10 +18,14 @@ first frame.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any
 
 from tiersync.errors import UsageError
+from tiersync.net.codec import MetaReader
+from tiersync.net.errors import ProtocolError, ProtocolFault
+from tiersync.net.frames import ProtocolConfig
 
 __all__ = ["Vocabulary"]
 
@@ -34,15 +38,15 @@ class Vocabulary:
     requests: Mapping[type, tuple[type, ...]] = field(default_factory=dict)
     oneway: tuple[type, ...] = ()
     responses: tuple[type, ...] = ()
-    include: tuple["Vocabulary", ...] = ()
-    types: dict = field(init=False, repr=False, compare=False)
-    answers: dict = field(init=False, repr=False, compare=False)
-    response_ops: frozenset = field(init=False, repr=False, compare=False)
-    oneway_ops: frozenset = field(init=False, repr=False, compare=False)
+    include: tuple[Vocabulary, ...] = ()
+    types: dict[int, type[Any]] = field(init=False, repr=False, compare=False)
+    answers: dict[int, frozenset[int]] = field(init=False, repr=False, compare=False)
+    response_ops: frozenset[int] = field(init=False, repr=False, compare=False)
+    oneway_ops: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         types: dict[int, type] = {}
-        answers: dict[int, frozenset] = {}
+        answers: dict[int, frozenset[int]] = {}
         responses: set[int] = set()
         oneway: set[int] = set()
         for voc in self.include:
@@ -68,7 +72,20 @@ class Vocabulary:
 
     def member(self, op: int) -> enum.IntEnum:
         """The enum member of a known raw op code (KeyError when unknown)."""
-        return self.types[op].OP
+        member: enum.IntEnum = self.types[op].OP  # _op checked it is one
+        return member
+
+    def parse(self, op: int, request_id: int, meta: bytes, config: ProtocolConfig) -> object:
+        """The event of a frame ``op`` with metadata ``meta`` (every byte read, fields checked).
+        ProtocolError(MALFORMED) when the metadata does not parse."""
+        reader = MetaReader(meta)
+        parse: Callable[[int, MetaReader, ProtocolConfig], object] = self.types[op].parse
+        try:
+            event = parse(request_id, reader, config)
+        except ValueError as exc:  # UsageError from field checks, bad enum values
+            raise ProtocolError(f"invalid {self.name_of(op)} fields: {exc}", fault=ProtocolFault.MALFORMED) from exc
+        reader.finish()
+        return event
 
     def name_of(self, op: int) -> str:
         cls = self.types.get(int(op))

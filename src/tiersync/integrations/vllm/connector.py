@@ -1,12 +1,13 @@
 """``TierSyncConnector``: vLLM's KV connector (``KVConnectorBase_V1``) backed by tiersync.
 
-vLLM builds one instance per process role (scheduler, worker); this class only routes
-each hook to the object of that role and of the ``kv_role``:
+vLLM builds one instance per process role (scheduler, worker); each picks, once, the
+implementation of its side and ``kv_role`` (:mod:`tiersync.integrations.vllm.roles`) and hands
+every hook to it:
 
-- ``kv_both``: :class:`OffloadScheduler` (bookkeeping) / :class:`OffloadWorker` (bytes):
-  host and disk offloading with prefix reuse across requests and restarts;
-- ``kv_producer`` / ``kv_consumer``: :class:`PDScheduler` / :class:`PDWorker`: prefill ->
-  decode transfer, the decode side pulling each layer from the prefill side's KV server.
+- ``kv_both``: host and disk offloading with prefix reuse across requests and restarts
+  (:class:`OffloadScheduler` bookkeeping, :class:`OffloadWorker` bytes);
+- ``kv_producer`` / ``kv_consumer``: prefill -> decode transfer, the decode side pulling each
+  layer from the prefill side's KV server (:class:`PDScheduler`, :class:`PDWorker`).
 
 Offloading::
 
@@ -37,6 +38,15 @@ from tiersync.errors import UsageError
 from tiersync.integrations.vllm.config import ConnectorConfig
 from tiersync.integrations.vllm.metadata import PDMeta, StepMeta, WorkerReport
 from tiersync.integrations.vllm.pd import build_pd
+from tiersync.integrations.vllm.pd_scheduler import PDScheduler
+from tiersync.integrations.vllm.roles import (
+    ConnectorRole,
+    ConsumerWorkerRole,
+    OffloadSchedulerRole,
+    OffloadWorkerRole,
+    PDSchedulerRole,
+    ProducerWorkerRole,
+)
 from tiersync.integrations.vllm.scheduler import OffloadScheduler
 from tiersync.integrations.vllm.stats import TierSyncPromMetrics, TierSyncStats
 from tiersync.integrations.vllm.worker import OffloadWorker
@@ -87,133 +97,104 @@ class TierSyncConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, vllm_config.model_config.model)
-        self._sched: Any = None
-        self._worker: Any = None
-        self._num_blocks = kv_cache_config.num_blocks
-        scheduler = role == KVConnectorRole.SCHEDULER
-        if tc.kv_role in ("kv_producer", "kv_consumer"):
-            self._pd = True
-            part = build_pd(vllm_config, kv_cache_config, self.config, producer=tc.kv_role == "kv_producer",
-                            scheduler=scheduler)
-            self._sched, self._worker = (part, None) if scheduler else (None, part)
-            return
-        if tc.kv_role != "kv_both":
-            raise UsageError("must be kv_both, kv_producer or kv_consumer", argument="kv_role", value=tc.kv_role)
-        self._pd = False
-        if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute":
-            log.warning("kv_load_failure_policy=%r: a load tiersync refuses (a corrupt or missing block, "
-                        "KV of weights replaced since) fails its request instead of being recomputed; "
-                        "set kv_load_failure_policy='recompute'", tc.kv_load_failure_policy)
-        identity = cache_identity(vllm_config, self.config)
-        slots = num_host_slots(kv_cache_config, self.config.host_bytes)
-        if scheduler:
-            self._sched = OffloadScheduler(identity=identity, num_slots=slots, policy=self.config.eviction,
-                                           storage_dir=self.config.storage_dir,
-                                           async_disk_loads=self.config.async_disk_loads,
-                                           kv_events=_publishes_kv_events(vllm_config))
-        else:
-            self._worker = OffloadWorker(identity=identity, num_slots=slots, rank=vllm_config.parallel_config.rank,
-                                         storage_dir=self.config.storage_dir,
-                                         transfer_workers=self.config.transfer_workers,
-                                         timeout_s=self.config.load_timeout_s)
+        self.impl: ConnectorRole = build_role(vllm_config, kv_cache_config, self.config, tc.kv_role,
+                                              scheduler=role == KVConnectorRole.SCHEDULER,
+                                              failure_policy=getattr(tc, "kv_load_failure_policy", "recompute"))
 
     # -- worker side ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        if self._pd:
-            self._worker.register(kv_caches)
-        else:
-            self._worker.register(kv_caches, self._num_blocks)
+        self.impl.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        if isinstance(meta, StepMeta) and meta.loads:
-            self._worker.start_loads(meta.loads, meta.generation)
-        elif isinstance(meta, PDMeta):
-            self._worker.start_reads(meta.reads)
-            self._worker.start_sends(meta.sends)
+        self.impl.start_load_kv(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if not self._pd:
-            self._worker.wait_layer(layer_name)
+        self.impl.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        if isinstance(meta, PDMeta) and meta.sends:  # this layer's KV is written: serve it now
-            self._worker.start_sends(meta.sends)
-            self._worker.layer_done(layer_name)
-        # offloading saves whole steps in wait_for_save: a CPU "device" copy is one memcpy per block
+        self.impl.save_kv_layer(self._get_connector_metadata(), layer_name)
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        if isinstance(meta, StepMeta):
-            self._worker.run_saves(meta.saves)
-        elif isinstance(meta, PDMeta) and meta.sends:
-            self._worker.start_sends(meta.sends)
-            self._worker.all_layers_done()
+        self.impl.wait_for_save(self._get_connector_metadata())
 
     def weights_updated(self) -> None:
         """The model's weights changed (a weight-transfer update finished on this worker): the
         offloaded KV of the old weights is never loaded again; keys follow the new weights."""
-        if self._worker is not None and not self._pd:
-            self._worker.weights_updated()
+        self.impl.weights_updated()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        if not self._pd:
-            return KVConnectorTransferResults(finished_recving=self._worker.finished_loads() or None)
-        sent, received, failed = self._worker.results(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received, failed_recving=failed)
+        return self.impl.get_transfer_results(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_load_errors() if self._worker is not None else set()
+        return self.impl.get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> WorkerReport | None:
-        return self._worker.take_report() if self._worker is not None and not self._pd else None
+        return self.impl.build_connector_worker_meta()
 
     def get_kv_connector_stats(self) -> TierSyncStats | None:
         """This half's hits, bytes and seconds since vLLM last asked (offloading; None for
         prefill -> decode)."""
-        part = self._worker if self._worker is not None else self._sched
-        return None if self._pd or part is None else part.take_stats()
+        return self.impl.get_kv_connector_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierSyncStats:
         return TierSyncStats(data)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any], labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> TierSyncPromMetrics:
         return TierSyncPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
+        self.impl.shutdown()
 
     # -- scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        return self._sched.num_new_matched_tokens(request, num_computed_tokens)
+        return self.impl.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._sched.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self.impl.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        return self._sched.build_meta(scheduler_output)
+    def build_connector_meta(self, scheduler_output: Any) -> StepMeta | PDMeta:
+        return self.impl.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        if not self._pd:
-            self._sched.loads_finished(getattr(connector_output, "finished_recving", None))
-            self._sched.on_report(getattr(connector_output, "kv_connector_worker_meta", None))
+        self.impl.update_connector_output(connector_output)
 
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_external=True)``: no block cached so far is hit again."""
-        return None if self._pd or self._sched is None else self._sched.reset()
+        return self.impl.reset_cache()
 
     def take_events(self) -> list[Any]:
         """The host and disk tiers' BlockStored / BlockRemoved since the last step (vLLM
         publishes them with its own; see :mod:`tiersync.integrations.vllm.kv_events`)."""
-        return [] if self._pd or self._sched is None else self._sched.take_events()
+        return self.impl.take_events()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._pd:
-            return self._sched.finished(request)
-        self._sched.finished(request)
-        return False, None
+        return self.impl.request_finished(request, block_ids)
+
+
+def build_role(vllm_config: VllmConfig, kv_cache_config: Any, cfg: ConnectorConfig, kv_role: str, *,
+               scheduler: bool, failure_policy: str) -> ConnectorRole:
+    """The implementation of this process side and ``kv_role`` (UsageError naming ``kv_role``)."""
+    if kv_role in ("kv_producer", "kv_consumer"):
+        producer = kv_role == "kv_producer"
+        part = build_pd(vllm_config, kv_cache_config, cfg, producer=producer, scheduler=scheduler)
+        if isinstance(part, PDScheduler):
+            return PDSchedulerRole(part)
+        return ProducerWorkerRole(part) if producer else ConsumerWorkerRole(part)
+    if kv_role != "kv_both":
+        raise UsageError("must be kv_both, kv_producer or kv_consumer", argument="kv_role", value=kv_role)
+    if failure_policy != "recompute":
+        log.warning("kv_load_failure_policy=%r: a load tiersync refuses (a corrupt or missing block, "
+                    "KV of weights replaced since) fails its request instead of being recomputed; "
+                    "set kv_load_failure_policy='recompute'", failure_policy)
+    identity = cache_identity(vllm_config, cfg)
+    slots = num_host_slots(kv_cache_config, cfg.host_bytes)
+    if scheduler:
+        return OffloadSchedulerRole(OffloadScheduler(
+            identity=identity, num_slots=slots, policy=cfg.eviction, storage_dir=cfg.storage_dir,
+            async_disk_loads=cfg.async_disk_loads, kv_events=_publishes_kv_events(vllm_config)))
+    return OffloadWorkerRole(OffloadWorker(
+        identity=identity, num_slots=slots, rank=vllm_config.parallel_config.rank, storage_dir=cfg.storage_dir,
+        transfer_workers=cfg.transfer_workers, timeout_s=cfg.load_timeout_s), kv_cache_config.num_blocks)

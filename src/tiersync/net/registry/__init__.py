@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from tiersync.net.registry.base import Registry, RegistryConfig
 
 
-def open_registry(spec: str, config: "RegistryConfig | None" = None) -> "Registry":
+def open_registry(spec: str, config: RegistryConfig | None = None) -> Registry:
     """The registry named by ``spec``: "redis://..." (Redis, directly) or "host:port" (gRPC service).
 
     Nothing is contacted yet; both kinds answer lookups with a shorter answer on an

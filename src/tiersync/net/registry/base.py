@@ -117,5 +117,5 @@ class Registry(ABC):
     def placement_targets(self, pool_group: str, count: int, exclude: Sequence[str] = ()) -> list[StoreInfo]:
         """Up to ``count`` live stores with free blocks, ranked by :func:`rank_targets`."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a default hook: a registry without resources has nothing to release
         """Release resources (connections); idempotent."""

@@ -13,7 +13,7 @@ Writes raise :class:`RegistryUnavailableError`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 SERVICE = "tiersync.Registry"
 
 
-def _methods(backend: Registry) -> dict[str, callable]:
+def _methods(backend: Registry) -> dict[str, Callable[[bytes], bytes]]:
     def publish(data: bytes) -> bytes:
         backend.publish(*m.dec_store_keys(data))
         return b""
@@ -58,14 +58,16 @@ def _methods(backend: Registry) -> dict[str, callable]:
     }
 
 
-def _wrap(fn):
+def _wrap(fn: Callable[[bytes], bytes]) -> Callable[[bytes, grpc.ServicerContext], bytes]:
     def handler(data: bytes, context: grpc.ServicerContext) -> bytes:
         try:
             return fn(data)
         except RegistryUnavailableError as exc:  # the backend (e.g. Redis) is down: retryable
             context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
+            raise  # never reached: abort raises (grpc is untyped here, so mypy cannot know that)
         except TierSyncError as exc:  # malformed message or bad argument: the caller's fault
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+            raise
     return handler
 
 
@@ -107,7 +109,8 @@ class RegistryClient(Registry):
         if stub is None:
             stub = self._stubs[name] = self._channel.unary_unary(f"/{SERVICE}/{name}")
         try:
-            return stub(payload, timeout=self.config.rpc_timeout_s)
+            reply: bytes = stub(payload, timeout=self.config.rpc_timeout_s)
+            return reply
         except grpc.RpcError as exc:
             raise RegistryUnavailableError(f"registry call {name} failed: {exc.code().name}",
                                            peer=self.address) from exc

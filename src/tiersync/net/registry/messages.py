@@ -5,6 +5,8 @@ Built on :mod:`tiersync.net.codec`: bounded, and a malformed message raises
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tiersync.net.codec import MetaReader, MetaWriter
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.registry.base import StoreInfo
@@ -21,7 +23,7 @@ def _count(r: MetaReader, bound: int) -> int:
     return n
 
 
-def _texts(w: MetaWriter, items) -> None:
+def _texts(w: MetaWriter, items: Sequence[str]) -> None:
     w.u32(len(items))
     for item in items:
         w.text(item)
@@ -32,7 +34,7 @@ def _read_texts(r: MetaReader) -> tuple[str, ...]:
     return tuple(r.text(MAX_TEXT) for _ in range(n))
 
 
-def enc_keys(keys) -> bytes:
+def enc_keys(keys: Sequence[bytes]) -> bytes:
     return MetaWriter().keys(keys).getvalue()
 
 
@@ -58,7 +60,7 @@ def dec_owners(data: bytes) -> list[tuple[str, ...]]:
     return out
 
 
-def enc_store_keys(store_id: str, keys) -> bytes:
+def enc_store_keys(store_id: str, keys: Sequence[bytes]) -> bytes:
     return MetaWriter().text(store_id).keys(keys).getvalue()
 
 
@@ -77,7 +79,7 @@ def _read_info(r: MetaReader) -> StoreInfo:
     return StoreInfo(r.text(MAX_TEXT), r.text(MAX_TEXT), r.u64(), r.text(MAX_TEXT), r.u64())
 
 
-def enc_infos(infos) -> bytes:
+def enc_infos(infos: Sequence[StoreInfo]) -> bytes:
     w = MetaWriter().u32(len(infos))
     for info in infos:
         _write_info(w, info)
@@ -103,7 +105,7 @@ def dec_heartbeat(data: bytes) -> tuple[str, int]:
     return out
 
 
-def enc_targets(pool_group: str, count: int, exclude) -> bytes:
+def enc_targets(pool_group: str, count: int, exclude: Sequence[str]) -> bytes:
     w = MetaWriter().text(pool_group).u32(count)
     _texts(w, exclude)
     return w.getvalue()

@@ -19,11 +19,13 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 from tiersync.net.registry.base import Registry, RegistryConfig, StoreInfo, check_keys, rank_targets
 from tiersync.net.registry.errors import RegistryUnavailableError
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class RedisRegistry(Registry):
@@ -42,7 +44,7 @@ class RedisRegistry(Registry):
         p = self.config.key_prefix.encode()
         self._stores_key, self._blk = p + b"stores", p + b"blk:"
 
-    def _call(self, fn: Callable, *args):
+    def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
         try:
             return fn(*args)
         except self._errors as exc:
@@ -53,7 +55,7 @@ class RedisRegistry(Registry):
                            "capacity_blocks": info.capacity_blocks, "expires_at": expires_at})
 
     @staticmethod
-    def _info(store_id: str, rec: dict) -> StoreInfo:
+    def _info(store_id: str, rec: dict[str, Any]) -> StoreInfo:
         return StoreInfo(store_id, rec["address"], rec["free_blocks"], rec["pool_group"],
                          rec.get("capacity_blocks", 0))
 
@@ -63,7 +65,7 @@ class RedisRegistry(Registry):
         for sid, blob in raw.items():
             rec = json.loads(blob)
             if rec["expires_at"] > now:
-                sid = sid.decode()
+                sid = cast(bytes, sid).decode()  # bytes: the client does not decode responses
                 out[sid] = self._info(sid, rec)
         return out
 
