@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 EXTRAS ?= dev,demo,net,jax
 
-.PHONY: demo test bench install clean
+.PHONY: demo test lint bench install clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,16 @@ $(VENV)/.test-extras: $(VENV)/.installed
 	$(PIP) install -q $(SGLANG_TEST_DEPS) "ray==2.60.0"
 	touch $@
 
-test: $(VENV)/.installed $(VENV)/.test-extras
+# ruff over everything; mypy strict over the lower layers (pyproject's [tool.mypy] overrides) and
+# the leaves they import.
+MYPY_STRICT := src/tiersync/layout src/tiersync/tiers src/tiersync/transfer src/tiersync/store src/tiersync/net \
+	src/tiersync/completion.py src/tiersync/errors.py src/tiersync/sizes.py src/tiersync/settings.py src/tiersync/iov.py
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests examples fuzz setup.py
+	$(VENV)/bin/ruff format --check src tests examples fuzz setup.py
+	$(VENV)/bin/mypy $(MYPY_STRICT)
+
+test: $(VENV)/.installed $(VENV)/.test-extras lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.installed

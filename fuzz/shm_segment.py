@@ -12,6 +12,7 @@ a newer seq and the next attach recovers it intact. The segment lives in a priva
 directory (under /dev/shm when writable), removed by :func:`cleanup`, at exit, or (after
 a libFuzzer run, which skips atexit) by the next run's :func:`remove_stale`.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -64,7 +65,7 @@ def remove_stale() -> None:
     """Remove the directories of runs that are gone: libFuzzer ends a run with exit(), which
     skips Python's atexit, so each run cleans up after the ones before it."""
     for name in os.listdir(BASE or tempfile.gettempdir()):
-        pid = name[len(PREFIX):].split("-")[0]
+        pid = name[len(PREFIX) :].split("-")[0]
         if name.startswith(PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(os.path.join(BASE or tempfile.gettempdir(), name), ignore_errors=True)
 
@@ -76,7 +77,7 @@ def pristine() -> tuple[bytes, dict[int, tuple[bytes, bytes]]]:
         with ShmSegment.open(config("pristine"), GEO) as seg:
             for seed, (block, nbytes) in enumerate(SAVES):
                 seg.invalidate([block])
-                seg.payload[block * GEO.block_nbytes:][:nbytes] = data = data_of(block, seed, nbytes)
+                seg.payload[block * GEO.block_nbytes :][:nbytes] = data = data_of(block, seed, nbytes)
                 seg.publish(block, b"key-%d-%d" % (block, seed), nbytes)
                 published[block] = (b"key-%d-%d" % (block, seed), data)
         _state["raw"], _state["published"] = Path(config("pristine").path).read_bytes(), published
@@ -98,23 +99,25 @@ def attach():
     with ShmSegment.open(config(), GEO) as seg:
         assert os.path.getsize(config().path) == FILE_NBYTES, "not (re)formatted to its size"
         found = seg.recover()
-        got = {r.block: bytes(seg.payload[r.block * GEO.block_nbytes:][:r.nbytes]) for r in found}
+        got = {r.block: bytes(seg.payload[r.block * GEO.block_nbytes :][: r.nbytes]) for r in found}
         block, key, new = AFTER
         seg.invalidate([block])
-        seg.payload[block * GEO.block_nbytes:][:len(new)] = new
+        seg.payload[block * GEO.block_nbytes :][: len(new)] = new
         return seg.cold_start, found, seg.stats, got, seg.publish(block, key, len(new))
 
 
 def _entry(raw: bytes, block: int) -> bytes:
     at = fmt.HEADER_NBYTES + block * fmt.ENTRY_NBYTES
-    return raw[at:at + fmt.ENTRY_NBYTES]
+    return raw[at : at + fmt.ENTRY_NBYTES]
 
 
 def intact(raw: bytes, block: int) -> bool:
     """Whether ``block``'s entry and published bytes are as the pristine segment has them."""
     base, (_, data) = pristine()[0], pristine()[1][block]
     start = fmt.payload_offset(GEO.num_blocks) + block * GEO.block_nbytes
-    return _entry(raw, block) == _entry(base, block) and raw[start:start + len(data)] == base[start:start + len(data)]
+    return (
+        _entry(raw, block) == _entry(base, block) and raw[start : start + len(data)] == base[start : start + len(data)]
+    )
 
 
 def check(raw: bytes, cold, found, got) -> None:

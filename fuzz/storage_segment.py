@@ -10,6 +10,7 @@ holds exactly its written bytes and any other status is MISSING or CORRUPT; an u
 segment serves all its live blocks; the deleted block stays deleted while its sidecar is
 unchanged; a block read CORRUPT does not come back after a reopen.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,11 @@ def pristine() -> dict:
                 t.delete([DELETED])
             names = sorted(os.listdir(d))
             owners = dict(zip([n for n in names if n.endswith(fmt.SUFFIX)], BATCHES))
-            _pristine.update(files={n: Path(d, n).read_bytes() for n in names}, owners=owners,
-                             sidecar=next(n for n, ks in owners.items() if DELETED in ks) + fmt.TOMB_SUFFIX)
+            _pristine.update(
+                files={n: Path(d, n).read_bytes() for n in names},
+                owners=owners,
+                sidecar=next(n for n, ks in owners.items() if DELETED in ks) + fmt.TOMB_SUFFIX,
+            )
         finally:
             shutil.rmtree(d, ignore_errors=True)
     return _pristine

@@ -11,6 +11,7 @@ the handshake (bit 1, so the fuzzer reaches the request and answer parsers at on
 is poisoned (:class:`ClosedError`); every ``next_event`` returns and a drain stops; no
 buffered payload outgrows the configured max frame size.
 """
+
 from __future__ import annotations
 
 try:
@@ -69,7 +70,7 @@ def one_input(data: bytes) -> None:
     conn, chunk, wire = connection(data[0]), data[1] + 1, data[2:]
     try:
         for at in range(0, len(wire), chunk):
-            conn.receive_data(wire[at:at + chunk])
+            conn.receive_data(wire[at : at + chunk])
             drain(conn)
         conn.receive_data(b"")
         drain(conn)

@@ -1,4 +1,5 @@
 """Run test code in a fresh interpreter (for imports that change process-wide state)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,9 +20,9 @@ def run_without_leaking_jax(code: str) -> None:
     if importlib.util.find_spec("jax") is None:
         pytest.skip("jax is not installed")
     src = os.path.dirname(os.path.dirname(tiersync.__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-           "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False, env=env, capture_output=True,
-                          text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], check=False, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("OK"), proc.stdout

@@ -1,5 +1,6 @@
 """Root of the test tree: pytest puts this directory on ``sys.path``, so the shared helpers
 here (``_isolated``) import from every suite."""
+
 from __future__ import annotations
 
 import os

@@ -1,6 +1,7 @@
 """``tiersync store-node`` takes each flag not typed from ``TIERSYNC_STORE_NODE_<FLAG>``, else from
 the ``[store_node]`` table of the file named by ``TIERSYNC_CONFIG_FILE``, else its default; a bad
 value is one line naming the variable or the file's key (exit 2). Real processes, real files."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,14 @@ def _env(**variables: str) -> dict[str, str]:
 
 
 def _store_node(*flags: str, **variables: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tiersync", "store-node", *flags], check=False, capture_output=True, text=True,
-                          timeout=60, env=_env(**variables))
+    return subprocess.run(
+        [sys.executable, "-m", "tiersync", "store-node", *flags],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(**variables),
+    )
 
 
 def _usage_line(proc: subprocess.CompletedProcess) -> str:
@@ -45,9 +52,13 @@ def _listening_line(proc: subprocess.Popen, timeout: float = 60) -> str:
 def test_flag_over_environment_over_file_over_default(tmp_path):
     path = tmp_path / "tiersync.toml"
     path.write_text('[store_node]\ncapacity = "8MiB"\nport = 0\nblock_size = "2MiB"\nhost = "127.0.0.1"\n')
-    proc = subprocess.Popen([sys.executable, "-m", "tiersync", "store-node", "--capacity", "4MiB"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(TIERSYNC_CONFIG_FILE=str(path), TIERSYNC_STORE_NODE_BLOCK_SIZE="512KiB"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tiersync", "store-node", "--capacity", "4MiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(TIERSYNC_CONFIG_FILE=str(path), TIERSYNC_STORE_NODE_BLOCK_SIZE="512KiB"),
+    )
     try:
         line = _listening_line(proc)
         # capacity: the flag (4MiB, not the file's 8MiB); block size: the variable (not the file's 2MiB);

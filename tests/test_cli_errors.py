@@ -2,6 +2,7 @@
 subprocess, answers a user's mistake or a problem of this host with one line naming the
 flag as typed (exit 2, no traceback), and its servers stop on SIGTERM as on Ctrl-C (exit 0).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,8 +26,9 @@ SERVERS = [
     pytest.param(["store-node", "--capacity", "4MiB"], "--host", id="store-node"),
     pytest.param(["registry"], "--host", id="registry", marks=needs_grpc),
     pytest.param(["metrics"], "--addr", id="metrics"),
-    pytest.param(["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"], "--host",
-                 id="router"),
+    pytest.param(
+        ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"], "--host", id="router"
+    ),
 ]
 
 
@@ -35,8 +37,9 @@ def _tiersync(*args: str, timeout: float = 60, code: str = "pass") -> subprocess
     run = f"import sys; {code}; from tiersync.cli import main; sys.exit(main(sys.argv[1:]))"
     env = {**os.environ, cli.TINY_ENV: "1"}
     env.pop("TIERSYNC_TOKEN", None)
-    return subprocess.run([sys.executable, "-c", run, *args], check=False, capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    return subprocess.run(
+        [sys.executable, "-c", run, *args], check=False, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def _assert_clear(proc: subprocess.CompletedProcess, flag: str, *, not_named: str = "") -> str:
@@ -72,33 +75,62 @@ def test_port_out_of_range_names_port(command, host_flag):
     _assert_clear(_tiersync(*command, "--port", "99999"), "--port", not_named="address:")
 
 
-@pytest.mark.parametrize(("args", "flag", "internal"), [
-    (["registry", "--port", "0", "--store-ttl-s", "-1"], "--store-ttl-s", "heartbeat_interval_s"),
-    (["registry", "--port", "0", "--block-ttl-s", "0"], "--block-ttl-s", "block_ttl_s"),
-    (["store-node", "--capacity", "banana", "--port", "0"], "--capacity", ": size:"),
-    (["store-node", "--capacity", "4MiB", "--block-size", "0", "--port", "0"], "--block-size", ": size:"),
-    (["store-node", "--capacity", "4MiB", "--block-size", "3", "--port", "0"], "--block-size", ": block_size:"),
-    (["store-node", "--capacity", "512KiB", "--port", "0"], "--capacity", ": capacity:"),
-    (["store-node", "--capacity", "4MiB", "--port", "0", "--heartbeat-s", "-1"], "--heartbeat-s", "heartbeat_s"),
-    (["store-node", "--capacity", "4MiB", "--port", "0", "--registry", "127.0.0.1:99999"], "--registry",
-     ": registry:"),
-    (["store-node", "--capacity", "4MiB", "--port", "0", "--kv-events-endpoint", "5557"], "--kv-events-endpoint",
-     ": endpoint:"),
-    (["store-node", "--capacity", "4MiB", "--port", "0", "--kv-events-replay", "tcp://127.0.0.1:0"],
-     "--kv-events-replay", ": replay_endpoint:"),
-    (["router", "--prefill", "localhost:8000", "--decode", "http://127.0.0.1:2", "--port", "0"], "--prefill",
-     ": prefill:"),
-    (["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "0",
-      "--timeout-s", "0"], "--timeout-s", ": timeout_s:"),
-])
+@pytest.mark.parametrize(
+    ("args", "flag", "internal"),
+    [
+        (["registry", "--port", "0", "--store-ttl-s", "-1"], "--store-ttl-s", "heartbeat_interval_s"),
+        (["registry", "--port", "0", "--block-ttl-s", "0"], "--block-ttl-s", "block_ttl_s"),
+        (["store-node", "--capacity", "banana", "--port", "0"], "--capacity", ": size:"),
+        (["store-node", "--capacity", "4MiB", "--block-size", "0", "--port", "0"], "--block-size", ": size:"),
+        (["store-node", "--capacity", "4MiB", "--block-size", "3", "--port", "0"], "--block-size", ": block_size:"),
+        (["store-node", "--capacity", "512KiB", "--port", "0"], "--capacity", ": capacity:"),
+        (["store-node", "--capacity", "4MiB", "--port", "0", "--heartbeat-s", "-1"], "--heartbeat-s", "heartbeat_s"),
+        (
+            ["store-node", "--capacity", "4MiB", "--port", "0", "--registry", "127.0.0.1:99999"],
+            "--registry",
+            ": registry:",
+        ),
+        (
+            ["store-node", "--capacity", "4MiB", "--port", "0", "--kv-events-endpoint", "5557"],
+            "--kv-events-endpoint",
+            ": endpoint:",
+        ),
+        (
+            ["store-node", "--capacity", "4MiB", "--port", "0", "--kv-events-replay", "tcp://127.0.0.1:0"],
+            "--kv-events-replay",
+            ": replay_endpoint:",
+        ),
+        (
+            ["router", "--prefill", "localhost:8000", "--decode", "http://127.0.0.1:2", "--port", "0"],
+            "--prefill",
+            ": prefill:",
+        ),
+        (
+            [
+                "router",
+                "--prefill",
+                "http://127.0.0.1:1",
+                "--decode",
+                "http://127.0.0.1:2",
+                "--port",
+                "0",
+                "--timeout-s",
+                "0",
+            ],
+            "--timeout-s",
+            ": timeout_s:",
+        ),
+    ],
+)
 def test_bad_value_names_the_flag_not_the_field(args, flag, internal):
     _assert_clear(_tiersync(*args), flag, not_named=internal)
 
 
 def test_capacity_beyond_memory_names_capacity():
     # ~195 PiB: more than any address space, so mmap fails (ENOMEM) whatever the overcommit policy
-    line = _assert_clear(_tiersync("store-node", "--capacity", "200000TiB", "--block-size", "1GiB", "--port", "0"),
-                         "--capacity")
+    line = _assert_clear(
+        _tiersync("store-node", "--capacity", "200000TiB", "--block-size", "1GiB", "--port", "0"), "--capacity"
+    )
     assert "memory" in line
 
 
@@ -108,8 +140,10 @@ def test_bad_redis_url_names_redis():
     _assert_clear(_tiersync("registry", "--port", "0", "--redis", "notaurl"), "--redis")
 
 
-@pytest.mark.parametrize("args", [["registry", "--port", "0"],
-                                  ["store-node", "--capacity", "4MiB", "--port", "0", "--registry", "127.0.0.1:1"]])
+@pytest.mark.parametrize(
+    "args",
+    [["registry", "--port", "0"], ["store-node", "--capacity", "4MiB", "--port", "0", "--registry", "127.0.0.1:1"]],
+)
 def test_missing_net_extra_says_what_to_install(args):
     proc = _tiersync(*args, code="sys.modules['grpc'] = None")  # import grpc raises ModuleNotFoundError
     line = _assert_clear(proc, "pip install 'tiersync[net]'")
@@ -152,16 +186,24 @@ def _wait_for(stream, needle: str, timeout: float = 60) -> str:
     raise AssertionError(f"no line with {needle!r} within {timeout} s")
 
 
-@pytest.mark.parametrize(("command", "startup", "on_stderr"), [
-    pytest.param(["registry", "--port", "0"], "listening on", False, id="registry", marks=needs_grpc),
-    pytest.param(["metrics", "--port", "0"], "serving http://", True, id="metrics"),
-    pytest.param(["store-node", "--capacity", "4MiB", "--port", "0"], "listening on", False, id="store-node"),
-    pytest.param(["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "0"],
-                 "listening on", False, id="router"),
-])
+@pytest.mark.parametrize(
+    ("command", "startup", "on_stderr"),
+    [
+        pytest.param(["registry", "--port", "0"], "listening on", False, id="registry", marks=needs_grpc),
+        pytest.param(["metrics", "--port", "0"], "serving http://", True, id="metrics"),
+        pytest.param(["store-node", "--capacity", "4MiB", "--port", "0"], "listening on", False, id="store-node"),
+        pytest.param(
+            ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "0"],
+            "listening on",
+            False,
+            id="router",
+        ),
+    ],
+)
 def test_sigterm_stops_a_server_as_ctrl_c_does(command, startup, on_stderr):
-    proc = subprocess.Popen([sys.executable, "-m", "tiersync.cli", *command], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tiersync.cli", *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         _wait_for(proc.stderr if on_stderr else proc.stdout, startup)
         proc.send_signal(signal.SIGTERM)
@@ -177,15 +219,24 @@ def test_sigterm_stops_a_server_as_ctrl_c_does(command, startup, on_stderr):
 
 
 def test_python_dash_m_tiersync_is_the_command():
-    ok = subprocess.run([sys.executable, "-m", "tiersync", "--version"], check=False, capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-m", "tiersync", "--version"], check=False, capture_output=True, text=True, timeout=60
+    )
     assert ok.returncode == 0 and ok.stdout.startswith("tiersync ")
-    bad = subprocess.run([sys.executable, "-m", "tiersync", "bench", "workload", "--cases", "nomatch-at-all",
-                          "--workers", "0"], check=False, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tiersync", "bench", "workload", "--cases", "nomatch-at-all", "--workers", "0"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--workers" in bad.stderr
 
 
 def test_shm_list_tells_a_running_publishers_weight_segment_from_a_stale_one(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=False, capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], check=False, capture_output=True, text=True
+    )
     live, stale = (tmp_path / f"tiersync-weights-{pid}-0-abcd1234-0" for pid in (os.getpid(), int(dead.stdout)))
     for path in (live, stale):
         path.write_bytes(b"\0" * 4096)

@@ -1,4 +1,5 @@
 """tiersync.completion: the one status and the one handle base (first settle wins, for good)."""
+
 from __future__ import annotations
 
 import logging

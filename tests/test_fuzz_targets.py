@@ -6,6 +6,7 @@ more than a small bound. Each target's oracle is shown to be live: with the tier
 purpose (a checksum not checked, an error type not caught) the same kind of input fails.
 Inputs that once found bugs are replayed.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -102,13 +103,16 @@ def test_wire_oracle_lets_other_errors_escape(targets, monkeypatch):
         targets[0]["wire_frames"].one_input(b"\x00\x10" + b"TSYN" * 20)
 
 
-@pytest.mark.parametrize(("name", "ops"), [
-    # a torn tombstone sidecar hid the tombstone of the block read CORRUPT after it
-    ("storage_segment", [("flip", 1, 1, 4096, 0), ("truncate", 2, 1, 32, 0)]),
-    # a valid-flagged entry's seq rotted to 2**64 - 1: the next publish overflowed
-    ("shm_segment", [("u64", 0, 8, shm_format.HEADER_NBYTES, 2**64 - 1)]),
-    ("shm_segment", [("u64", 0, 8, shm_format.HEADER_NBYTES, 2**64 - 2)]),
-])
+@pytest.mark.parametrize(
+    ("name", "ops"),
+    [
+        # a torn tombstone sidecar hid the tombstone of the block read CORRUPT after it
+        ("storage_segment", [("flip", 1, 1, 4096, 0), ("truncate", 2, 1, 32, 0)]),
+        # a valid-flagged entry's seq rotted to 2**64 - 1: the next publish overflowed
+        ("shm_segment", [("u64", 0, 8, shm_format.HEADER_NBYTES, 2**64 - 1)]),
+        ("shm_segment", [("u64", 0, 8, shm_format.HEADER_NBYTES, 2**64 - 2)]),
+    ],
+)
 def test_inputs_that_once_failed(targets, name, ops):
     mods, mutate = targets
     mods[name].one_input(mutate.encode(ops))

@@ -1,4 +1,5 @@
 """tiersync.iov.consume: what is left after a short scatter-gather call."""
+
 from tiersync.iov import consume
 
 

@@ -4,6 +4,7 @@ Every ``tiersync`` import of every module under ``src/tiersync`` (module level a
 functions alike) is read with ``ast``; a package may import only itself and the packages of
 lower layers. And no import circle among modules' top-level imports (what runs at import time).
 """
+
 from __future__ import annotations
 
 import ast
@@ -20,7 +21,8 @@ LAYERS = [
     {"net"},
     {"disagg", "weights"},
     {"integrations", "bench", "demo"},
-    {"cli_servers"},
+    {"cli_servers", "cli_shm"},
+    {"cli_store_node"},
     {"cli"},
     {"__main__"},
 ]

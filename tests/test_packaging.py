@@ -1,6 +1,7 @@
 """``python -m build`` makes an sdist with every C source and header, and from it a wheel with the
 native extensions compiled, the command's entry point and ``py.typed``; the extension imports
 from the unpacked wheel. (.ci/run installs that wheel into the vLLM venv for the engine tests.)"""
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,9 +26,15 @@ def dist(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     # --no-isolation: this venv's setuptools (the dev extra), no download; the wheel is built from the
     # sdist, as pip builds one from PyPI; TIERSYNC_REQUIRE_NATIVE=1: a C compile error fails the build
-    proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), ROOT],
-                          check=False, capture_output=True, text=True, timeout=300, cwd=str(out),
-                          env={**os.environ, "TIERSYNC_REQUIRE_NATIVE": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), ROOT],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(out),
+        env={**os.environ, "TIERSYNC_REQUIRE_NATIVE": "1"},
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     names = sorted(os.listdir(out))
     assert len(names) == 2, names
@@ -41,13 +48,27 @@ def test_wheel_holds_the_compiled_extensions_and_the_entry_point(dist, tmp_path)
         entry_points = whl.read("tiersync-0.1.0.dist-info/entry_points.txt").decode()
         whl.extractall(tmp_path)
     assert {f"{ext}{SUFFIX}" for ext in EXTENSIONS} <= names
-    assert {"tiersync/__main__.py", "tiersync/py.typed", "tiersync/settings.py", "tiersync/demo/tiny_llama.json",
-            "tiersync/integrations/vllm/config.py"} <= names
+    assert {
+        "tiersync/__main__.py",
+        "tiersync/py.typed",
+        "tiersync/settings.py",
+        "tiersync/demo/tiny_llama.json",
+        "tiersync/integrations/vllm/config.py",
+    } <= names
     assert "tiersync = tiersync.cli:main" in entry_points
-    code = ("import sys, tiersync.transfer._kernel as k, tiersync.net._wire, tiersync.net._local; "
-            "from tiersync.cli import main; print(k.__file__); sys.exit(main(['--version']))")
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
-                          env={**os.environ, "PYTHONPATH": str(tmp_path)})  # before this checkout's src/
+    code = (
+        "import sys, tiersync.transfer._kernel as k, tiersync.net._wire, tiersync.net._local; "
+        "from tiersync.cli import main; print(k.__file__); sys.exit(main(['--version']))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )  # before this checkout's src/
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [str(tmp_path / f"tiersync/transfer/_kernel{SUFFIX}"), "tiersync 0.1.0"]
 
@@ -56,5 +77,12 @@ def test_wheel_holds_the_compiled_extensions_and_the_entry_point(dist, tmp_path)
 def test_sdist_holds_every_c_source_and_header(dist):
     with tarfile.open(dist["sdist"]) as sdist:
         names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
-    assert {"setup.py", "pyproject.toml", "README.md", "src/tiersync/transfer/tsum64.h",
-            "src/tiersync/transfer/_kernel.c", "src/tiersync/net/_wire.c", "src/tiersync/net/_local.c"} <= names
+    assert {
+        "setup.py",
+        "pyproject.toml",
+        "README.md",
+        "src/tiersync/transfer/tsum64.h",
+        "src/tiersync/transfer/_kernel.c",
+        "src/tiersync/net/_wire.c",
+        "src/tiersync/net/_local.c",
+    } <= names

@@ -5,6 +5,7 @@ says stays (removed here with ``tiersync shm reclaim``), no file outside the tes
 Blocks that are not programs on their own are named in ``NOT_RUN`` with the reason and the test
 that covers them instead; a new block must be either run here or named there.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,7 @@ WARM_BOOT_SEGMENT = os.path.join(SHM, "tiersync-default-llama8b")
 NOT_RUN = {  # first line of the block -> why, and where it is exercised
     "from vllm import LLM": "needs a model path (model=...); tests/integrations/test_vllm_connector.py",
     "from tiersync.net.registry import open_registry": "continues the store block with a registry and "
-                                                      "store nodes; tests/net/test_sweep.py",
+    "store nodes; tests/net/test_sweep.py",
 }
 
 
@@ -62,8 +63,9 @@ def test_readme_block_runs_as_written_and_leaves_nothing(head, source, tmp_path)
         pytest.skip(f"{WARM_BOOT_SEGMENT} exists already (someone's warm-boot segment): not touched")
     before = _shm_files()
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", source], check=False, capture_output=True, text=True, timeout=500, env=env,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", source], check=False, capture_output=True, text=True, timeout=500, env=env, cwd=tmp_path
+    )
     left = _shm_files() - before
     try:
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -71,6 +73,10 @@ def test_readme_block_runs_as_written_and_leaves_nothing(head, source, tmp_path)
         assert left == expected, f"left in {SHM}: {sorted(left)}"
     finally:
         for name in left:
-            subprocess.run([sys.executable, "-m", "tiersync", "shm", "reclaim", os.path.join(SHM, name)],
-                           check=False, capture_output=True, timeout=60)
+            subprocess.run(
+                [sys.executable, "-m", "tiersync", "shm", "reclaim", os.path.join(SHM, name)],
+                check=False,
+                capture_output=True,
+                timeout=60,
+            )
     assert not _shm_files() - before

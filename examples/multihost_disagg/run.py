@@ -7,6 +7,7 @@
 KV crosses the veth link over TCP: the script prints the link's byte counters next to TTFT
 and TPOT. Needs root and iproute2 (``ip netns``); removes the namespaces when it ends.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,33 +63,75 @@ def main() -> int:
     ok = False
     try:
         on = [["ip", "netns", "exec", ns] for ns in NS]
-        prefill = start(["engine", json.dumps({**base, "kv_role": "kv_producer", "extra": {
-            "pd_host": ADDR[0], "pd_port": 17800}}), "0", ADDR[0]], os.path.join(work, "prefill.log"), py, prefix=on[0])
+        prefill = start(
+            [
+                "engine",
+                json.dumps({**base, "kv_role": "kv_producer", "extra": {"pd_host": ADDR[0], "pd_port": 17800}}),
+                "0",
+                ADDR[0],
+            ],
+            os.path.join(work, "prefill.log"),
+            py,
+            prefix=on[0],
+        )
         servers.append(prefill)
-        decode = start(["engine", json.dumps({**base, "kv_role": "kv_consumer"}), "0", ADDR[1]],
-                       os.path.join(work, "decode.log"), py, prefix=on[1])
+        decode = start(
+            ["engine", json.dumps({**base, "kv_role": "kv_consumer"}), "0", ADDR[1]],
+            os.path.join(work, "decode.log"),
+            py,
+            prefix=on[1],
+        )
         servers.append(decode)
         ok = True
-        client = [*on[1], py, "-c", "import json,sys; from tiersync.bench.engine_server import post; "
-                  "print(json.dumps(post(sys.argv[1], json.loads(sys.argv[2]))))"]
+        client = [
+            *on[1],
+            py,
+            "-c",
+            "import json,sys; from tiersync.bench.engine_server import post; "
+            "print(json.dumps(post(sys.argv[1], json.loads(sys.argv[2]))))",
+        ]
         for i in range(args.requests):
             prompt = make_prompt(args.prompt_tokens, 200 + i, 4096)
             before = rx_bytes()
-            first = json.loads(sh(*client, prefill.url + "/generate", json.dumps(
-                {"prompt_token_ids": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})))
-            out = json.loads(sh(*client, decode.url + "/generate", json.dumps(
-                {"prompt_token_ids": prompt, "max_tokens": args.output_tokens,
-                 "kv_transfer_params": first["kv_transfer_params"]})))
-            mono = json.loads(sh(*client, prefill.url + "/generate", json.dumps(
-                {"prompt_token_ids": prompt, "max_tokens": args.output_tokens})))
+            first = json.loads(
+                sh(
+                    *client,
+                    prefill.url + "/generate",
+                    json.dumps(
+                        {"prompt_token_ids": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+                    ),
+                )
+            )
+            out = json.loads(
+                sh(
+                    *client,
+                    decode.url + "/generate",
+                    json.dumps(
+                        {
+                            "prompt_token_ids": prompt,
+                            "max_tokens": args.output_tokens,
+                            "kv_transfer_params": first["kv_transfer_params"],
+                        }
+                    ),
+                )
+            )
+            mono = json.loads(
+                sh(
+                    *client,
+                    prefill.url + "/generate",
+                    json.dumps({"prompt_token_ids": prompt, "max_tokens": args.output_tokens}),
+                )
+            )
             moved = rx_bytes() - before
             same = out["tokens"] == mono["tokens"]
             ok &= same
             tpot = out["seconds"] / args.output_tokens
-            print(f"request {i}: prefill on A {first['seconds'] * 1e3:6.0f} ms, decode on B {out['seconds'] * 1e3:6.0f} ms "
-                  f"({out['cached_tokens']} prompt tokens pulled over the link, {moved / 1e6:.1f} MB received by B), "
-                  f"TTFT ~{(first['seconds'] + out['seconds'] - (args.output_tokens - 1) * tpot) * 1e3:.0f} ms, "
-                  f"tokens identical to monolithic: {same}")
+            print(
+                f"request {i}: prefill on A {first['seconds'] * 1e3:6.0f} ms, decode on B {out['seconds'] * 1e3:6.0f} ms "
+                f"({out['cached_tokens']} prompt tokens pulled over the link, {moved / 1e6:.1f} MB received by B), "
+                f"TTFT ~{(first['seconds'] + out['seconds'] - (args.output_tokens - 1) * tpot) * 1e3:.0f} ms, "
+                f"tokens identical to monolithic: {same}"
+            )
     finally:
         for s in servers:
             s.kill()

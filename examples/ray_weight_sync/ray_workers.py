@@ -12,6 +12,7 @@ of every tensor (dimension 0 split over ``tp``, replicated over ``dp``); ``tp=1`
 sampler holds the whole model. The trainer holds the whole model (one publisher); samplers
 on its host copy each version out of one /dev/shm segment, others GET it over TCP.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -59,8 +60,9 @@ def node_address() -> str:
 class TrainerWorker:
     """Holds a torch model, trains it a step at a time, publishes its state_dict as versions."""
 
-    def __init__(self, token: str, *, hidden: int = 512, layers: int = 4, seed: int = 0,
-                 publish_timeout_s: float = TIMEOUT_S) -> None:
+    def __init__(
+        self, token: str, *, hidden: int = 512, layers: int = 4, seed: int = 0, publish_timeout_s: float = TIMEOUT_S
+    ) -> None:
         torch.manual_seed(seed)
         self.model = torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden) for _ in range(layers)))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-2)
@@ -109,13 +111,15 @@ class SamplerWorker:
     """A rollout worker holding rank ``rank`` of the dp x tp sampler mesh (a plain receiver;
     an inference engine would read ``lease.tensors`` as its weights)."""
 
-    def __init__(self, rank: int, dp: int, tp: int, token: str, *, trainer: str = TRAINER_NAME,
-                 **receiver_options: Any) -> None:
+    def __init__(
+        self, rank: int, dp: int, tp: int, token: str, *, trainer: str = TRAINER_NAME, **receiver_options: Any
+    ) -> None:
         address = ray.get(ray.get_actor(trainer).address.remote())  # the trainer, found by name
         self.rank = rank
         self.landed = (None, 0, 0)  # (version, bytes landed, bytes of the version)
-        config = ReceiverConfig((address,), rank=rank, token=token, sampler_id=f"sampler-{rank}",
-                                listen=node_address(), **receiver_options)
+        config = ReceiverConfig(
+            (address,), rank=rank, token=token, sampler_id=f"sampler-{rank}", listen=node_address(), **receiver_options
+        )
         self.receiver = WeightReceiver(sampler_layout(dp, tp), config, progress=self._progress)
 
     def _progress(self, version: int, done: int, total: int) -> None:
@@ -129,9 +133,11 @@ class SamplerWorker:
         """Block until ``version`` (or a later one) is live; the version held and its digests."""
         self.receiver.receive(version).result(timeout)
         with self.receiver.acquire(timeout) as lease:  # no sync can change it while leased
-            return {"version": lease.version, "tensors": {n: digest(a) for n, a in lease.tensors.items()},
-                    "transports": [t.value for t in self.receiver.transports()]}
+            return {
+                "version": lease.version,
+                "tensors": {n: digest(a) for n, a in lease.tensors.items()},
+                "transports": [t.value for t in self.receiver.transports()],
+            }
 
     def close(self) -> None:
         self.receiver.close()
-

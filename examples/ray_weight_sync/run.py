@@ -9,6 +9,7 @@ step), ``publish(v)`` (the publisher's result: one outcome per sampler), then ev
 reports the sha256 of each tensor it serves, checked against the trainer's slices.
 Exits 1 when a sampler failed or holds other bytes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,11 +24,15 @@ from ray_workers import TRAINER_NAME, SamplerWorker, TrainerWorker
 def start(args: argparse.Namespace, token: str) -> tuple:
     """The trainer (named: samplers look it up) and the samplers, all registered."""
     # num_cpus=0: these actors mostly wait; a real trainer asks for its GPUs (num_gpus=...)
-    trainer = ray.remote(TrainerWorker).options(name=TRAINER_NAME, num_cpus=0).remote(
-        token, hidden=args.hidden, layers=args.layers)
+    trainer = (
+        ray.remote(TrainerWorker)
+        .options(name=TRAINER_NAME, num_cpus=0)
+        .remote(token, hidden=args.hidden, layers=args.layers)
+    )
     dp = args.samplers // args.tp
-    samplers = [ray.remote(SamplerWorker).options(num_cpus=0).remote(rank, dp, args.tp, token)
-                for rank in range(args.samplers)]
+    samplers = [
+        ray.remote(SamplerWorker).options(num_cpus=0).remote(rank, dp, args.tp, token) for rank in range(args.samplers)
+    ]
     ray.get([s.ready.remote() for s in samplers])  # each has registered with the trainer
     ray.get(trainer.wait_for_samplers.remote(len(samplers)))
     return trainer, samplers
@@ -39,15 +44,22 @@ def step(trainer, samplers: list, version: int, dp: int, tp: int) -> bool:
     result = ray.get(trainer.publish.remote(version))
     held = ray.get([s.wait_version.remote(version) for s in samplers])
     want = ray.get(trainer.expected.remote(dp, tp))
-    print(f"version {version}: loss {loss:.4f}, {result.nbytes / 2**20:.1f} MiB published in "
-          f"{result.seconds * 1e3:.1f} ms, ok={result.ok}")
+    print(
+        f"version {version}: loss {loss:.4f}, {result.nbytes / 2**20:.1f} MiB published in "
+        f"{result.seconds * 1e3:.1f} ms, ok={result.ok}"
+    )
     for o in result.outcomes:
         h = held[o.rank]
         same = h["version"] == version and h["tensors"] == want[o.rank]
-        print(f"  {o.sampler}: {o.status.value} via {o.transport.value}, holds v{h['version']}, "
-              f"bytes {'match' if same else 'DIFFER'}" + (f" ({o.error})" if o.error else ""))
-    return result.ok and len(result.outcomes) == len(samplers) and \
-        all(h["version"] == version and h["tensors"] == want[r] for r, h in enumerate(held))
+        print(
+            f"  {o.sampler}: {o.status.value} via {o.transport.value}, holds v{h['version']}, "
+            f"bytes {'match' if same else 'DIFFER'}" + (f" ({o.error})" if o.error else "")
+        )
+    return (
+        result.ok
+        and len(result.outcomes) == len(samplers)
+        and all(h["version"] == version and h["tensors"] == want[r] for r, h in enumerate(held))
+    )
 
 
 def main() -> int:

@@ -10,6 +10,7 @@ prefill server returned; the decode engine pulls the KV layer by layer instead o
 Prints TTFT (the router's answer to a 1-token request) and TPOT per request, beside the same
 prompt on the prefill server alone (monolithic), and whether the greedy tokens are identical.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,13 @@ from _openai import OpenAIServer, complete, done, free_port
 
 
 def kv(role: str, **extra: object) -> dict:
-    return {"kv_connector": "TierSyncConnector", "kv_role": role, "kv_connector_module_path": "tiersync.integrations.vllm",
-            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": "TierSyncConnector",
+        "kv_role": role,
+        "kv_connector_module_path": "tiersync.integrations.vllm",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
 
 
 def main() -> int:
@@ -44,8 +50,22 @@ def main() -> int:
     try:
         prefill = OpenAIServer(model, kv("kv_producer", pd_port=free_port(), pd_token=token), f"{work}/prefill.log")
         decode = OpenAIServer(model, kv("kv_consumer", pd_token=token), f"{work}/decode.log")
-        router = subprocess.Popen([sys.executable, "-m", "tiersync", "router", "--prefill", prefill.url,
-                                   "--decode", decode.url, "--port", "0"], stdout=subprocess.PIPE, text=True)
+        router = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tiersync",
+                "router",
+                "--prefill",
+                prefill.url,
+                "--decode",
+                decode.url,
+                "--port",
+                "0",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         url = "http://" + router.stdout.readline().split("listening on ")[1].split()[0]
         r, same = random.Random(0), True
         for i in range(args.requests):
@@ -55,9 +75,11 @@ def main() -> int:
             pd_first, _ = complete(url, model, prompt, 1)
             seconds, pd = complete(url, model, prompt, args.output_tokens)
             same &= pd == mono
-            print(f"request {i}: monolithic TTFT {mono_first * 1e3:7.0f} ms | prefill->decode TTFT "
-                  f"{pd_first * 1e3:7.0f} ms ({pd_first / mono_first:.2f}x), TPOT "
-                  f"{(seconds - pd_first) / (args.output_tokens - 1) * 1e3:5.1f} ms, tokens identical: {pd == mono}")
+            print(
+                f"request {i}: monolithic TTFT {mono_first * 1e3:7.0f} ms | prefill->decode TTFT "
+                f"{pd_first * 1e3:7.0f} ms ({pd_first / mono_first:.2f}x), TPOT "
+                f"{(seconds - pd_first) / (args.output_tokens - 1) * 1e3:5.1f} ms, tokens identical: {pd == mono}"
+            )
     except RuntimeError as exc:  # a server did not start
         print(exc, file=sys.stderr)
         same = False

@@ -4,6 +4,7 @@ Importing this package is cheap: it imports numpy-free modules only, configures 
 logging and never imports torch or JAX. Import the layer you need, for example
 ``from tiersync.transfer import TransferEngine``.
 """
+
 from tiersync.errors import (
     CapacityError,
     ClosedError,

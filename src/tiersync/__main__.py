@@ -1,4 +1,5 @@
 """``python -m tiersync ...``: the ``tiersync`` command, for environments without the script on PATH."""
+
 import sys
 
 from tiersync.cli import main

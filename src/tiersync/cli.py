@@ -23,6 +23,7 @@ Exit status: 0 success; 1 a tiersync error; 2 bad usage; 3 a bench refused to
 report because its byte-exact round trip failed. Importing this module is
 cheap: each subcommand imports what it needs when it runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,20 @@ from tiersync.cli_servers import (
     stop_on_sigterm,
     stopped,
 )
+from tiersync.cli_shm import add_shm
 
 EXIT_ERROR, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
-BENCH_SUITES = ("d2h", "h2d", "storage", "h2h", "pd", "registry", "weights", "serve", "workload")  # keep in step with tiersync.bench.SUITES (checked by the tests)
+BENCH_SUITES = (
+    "d2h",
+    "h2d",
+    "storage",
+    "h2h",
+    "pd",
+    "registry",
+    "weights",
+    "serve",
+    "workload",
+)  # keep in step with tiersync.bench.SUITES (checked by the tests)
 TINY_ENV = "TIERSYNC_BENCH_TINY"
 
 
@@ -53,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     _add_bench(sub)
-    _add_shm(sub)
+    add_shm(sub)
     d = sub.add_parser("demo", help="run the end-to-end demo")
     d.add_argument("--quick", action="store_true", help="a small, fast run")
     d.add_argument("--json", action="store_true", help="print one JSON object")
@@ -71,22 +83,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-STORE_NODE_DEFAULTS = {"capacity": None, "port": None, "host": "127.0.0.1", "token_file": None, "token": None,
-                       "block_size": "1MiB", "registry": None, "store_id": None, "advertise": None,
-                       "pool_group": "", "heartbeat_s": 300.0, "kv_events_endpoint": None,
-                       "kv_events_replay": None, "kv_events_topic": ""}  # None: required (capacity, port) or unset
+STORE_NODE_DEFAULTS = {
+    "capacity": None,
+    "port": None,
+    "host": "127.0.0.1",
+    "token_file": None,
+    "token": None,
+    "block_size": "1MiB",
+    "registry": None,
+    "store_id": None,
+    "advertise": None,
+    "pool_group": "",
+    "heartbeat_s": 300.0,
+    "kv_events_endpoint": None,
+    "kv_events_replay": None,
+    "kv_events_topic": "",
+}  # None: required (capacity, port) or unset
 
 
 def _add_store_node(sub: Any) -> None:
-    n = sub.add_parser("store-node", help="serve host DRAM to remote readers and writers",
-                       description="Each flag not typed is read from $TIERSYNC_STORE_NODE_<FLAG> (e.g. "
-                                   "TIERSYNC_STORE_NODE_BLOCK_SIZE), else from the [store_node] table of the "
-                                   "config file named by $TIERSYNC_CONFIG_FILE (block_size = \"2MiB\").")
+    n = sub.add_parser(
+        "store-node",
+        help="serve host DRAM to remote readers and writers",
+        description="Each flag not typed is read from $TIERSYNC_STORE_NODE_<FLAG> (e.g. "
+        "TIERSYNC_STORE_NODE_BLOCK_SIZE), else from the [store_node] table of the "
+        'config file named by $TIERSYNC_CONFIG_FILE (block_size = "2MiB").',
+    )
     n.add_argument("--capacity", type=_size, help="host arena size, e.g. 8GiB (required)")
     n.add_argument("--port", type=_port, help="TCP port (0 picks one; printed) (required)")
     n.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    n.add_argument("--token-file", help="file holding the shared secret peers must prove (>= 16 bytes; "
-                                        "default: $TIERSYNC_TOKEN)")
+    n.add_argument(
+        "--token-file", help="file holding the shared secret peers must prove (>= 16 bytes; default: $TIERSYNC_TOKEN)"
+    )
     n.add_argument("--token", help="the secret itself (readable by every local user through ps: prefer --token-file)")
     n.add_argument("--block-size", type=_size, help="bytes per host block (default 1MiB)")
     n.add_argument("--registry", help="register with this registry: HOST:PORT (gRPC) or redis://...")
@@ -111,10 +139,13 @@ def _add_registry(sub: Any) -> None:
 
 
 def _add_router(sub: Any) -> None:
-    r = sub.add_parser("router", help="prefill -> decode in front of vLLM's OpenAI servers",
-                       description="Clients talk to it as to one OpenAI server; each request is prefilled on a "
-                                   "--prefill server (kv_producer), then decoded on a --decode server "
-                                   "(kv_consumer) that pulls the prompt's KV.")
+    r = sub.add_parser(
+        "router",
+        help="prefill -> decode in front of vLLM's OpenAI servers",
+        description="Clients talk to it as to one OpenAI server; each request is prefilled on a "
+        "--prefill server (kv_producer), then decoded on a --decode server "
+        "(kv_consumer) that pulls the prompt's KV.",
+    )
     r.add_argument("--prefill", action="append", required=True, help="prefill server URL (repeat for several)")
     r.add_argument("--decode", action="append", required=True, help="decode server URL (repeat for several)")
     r.add_argument("--port", type=_port, required=True, help="TCP port (0 picks one; printed)")
@@ -158,8 +189,11 @@ def _size(text: str) -> str:
 
 
 def _add_bench(sub: Any) -> None:
-    b = sub.add_parser("bench", help="run a benchmark suite",
-                       description="Time a suite against its baselines, after a byte-exact round trip.")
+    b = sub.add_parser(
+        "bench",
+        help="run a benchmark suite",
+        description="Time a suite against its baselines, after a byte-exact round trip.",
+    )
     b.add_argument("suite", choices=BENCH_SUITES)
     b.add_argument("--quick", action="store_true", help="smaller shapes, 5 timed iterations (< 60 s)")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -173,18 +207,6 @@ def _add_bench(sub: Any) -> None:
     b.set_defaults(func=cmd_bench)
 
 
-def _add_shm(sub: Any) -> None:
-    s = sub.add_parser("shm", help="inspect or reclaim shared-memory segments")
-    ss = s.add_subparsers(dest="shm_command", metavar="ACTION", required=True)
-    ls = ss.add_parser("list", help="list tiersync segments and their headers")
-    ls.add_argument("--dir", default="/dev/shm", help="directory to scan (default /dev/shm)")
-    ls.add_argument("--json", action="store_true", help="print a JSON list")
-    ls.set_defaults(func=cmd_shm_list)
-    rc = ss.add_parser("reclaim", help="unlink segments no live process has attached")
-    rc.add_argument("paths", nargs="+", metavar="PATH")
-    rc.set_defaults(func=cmd_shm_reclaim)
-
-
 # -- subcommands -------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run one suite; print its JSON object or table. RoundTripError propagates (exit 3)."""
@@ -192,82 +214,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from tiersync.bench.common import BenchConfig, dump_json, render_table
 
     config = BenchConfig(
-        suite=args.suite, quick=args.quick, tiny=args.tiny or os.environ.get(TINY_ENV) == "1",
-        workers=args.workers, iterations=args.iterations, warmups=args.warmups, seed=args.seed,
-        inject_corruption=args.inject_corruption, cases=args.cases, progress=not args.json and sys.stderr.isatty(),
+        suite=args.suite,
+        quick=args.quick,
+        tiny=args.tiny or os.environ.get(TINY_ENV) == "1",
+        workers=args.workers,
+        iterations=args.iterations,
+        warmups=args.warmups,
+        seed=args.seed,
+        inject_corruption=args.inject_corruption,
+        cases=args.cases,
+        progress=not args.json and sys.stderr.isatty(),
     )
     rep = run_suite(config)
     print(dump_json(rep) if args.json else render_table(rep))
     return 0
-
-
-def cmd_shm_list(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
-    from tiersync.tiers.shm import ShmSegment
-
-    infos = [asdict(i) if hasattr(i, "__dataclass_fields__") else dict(vars(i))
-             for i in ShmSegment.list_segments(args.dir)]
-    for i in infos:
-        p = i.get("problem")
-        i["problem"] = None if p is None else getattr(p, "value", str(p))
-        i.update(_weights_owner(i["path"]))
-    if args.json:
-        import json
-
-        print(json.dumps(infos, default=str))
-        return 0
-    if not infos:
-        print(f"no tiersync segments in {args.dir}")
-    for i in infos:
-        state = (_weights_state(i) or f"UNUSABLE ({i['problem']})") if i["problem"] else (
-            f"model={i.get('model_id')} blocks={i.get('num_blocks')} x {i.get('block_nbytes')} B "
-            f"valid={i.get('valid_blocks')}")
-        print(f"{i['path']}  {i['size']} B  {state}")
-    return 0
-
-
-def cmd_shm_reclaim(args: argparse.Namespace) -> int:
-    """Reclaim every path; report each failure and exit 1 if any failed."""
-    from tiersync.errors import TierSyncError, UsageError
-    from tiersync.tiers.shm import ShmSegment
-
-    failed = 0
-    for path in args.paths:
-        try:
-            owner = _weights_owner(path)
-            if owner.get("stale") is False:  # not flock-ed: its owner's pid decides
-                raise UsageError(f"{path} belongs to running process {owner['owner_pid']}", argument="path")
-            ShmSegment.reclaim(path)
-            print(f"reclaimed {path}")
-        except TierSyncError as exc:
-            failed += 1
-            print(f"tiersync shm reclaim: {exc}", file=sys.stderr)
-    return EXIT_ERROR if failed else 0
-
-
-def _weights_owner(path: str) -> dict[str, Any]:
-    """``owner_pid`` and ``stale`` (that process is gone) of a weight-sync segment, else {}."""
-    from tiersync.weights.segment import segment_owner
-
-    pid = segment_owner(path)
-    if pid is None:
-        return {}
-    try:
-        os.kill(pid, 0)
-        alive = True
-    except ProcessLookupError:
-        alive = False
-    except PermissionError:  # another user's process
-        alive = True
-    return {"owner_pid": pid, "stale": not alive}
-
-
-def _weights_state(info: dict[str, Any]) -> str | None:
-    if "owner_pid" not in info:
-        return None
-    how = "exited: stale, reclaim it" if info["stale"] else "running"
-    return f"weight-sync segment of pid {info['owner_pid']} ({how})"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -303,18 +263,31 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 
 def cmd_store_node(args: argparse.Namespace) -> int:
+    from tiersync.cli_store_node import run_store_node
     from tiersync.net.config import coerce_token, token_from
-    from tiersync.net.store_node import main as node_main
 
     types = {"capacity": _size, "port": _port, "block_size": _size, "heartbeat_s": _seconds}
     layer_flags(args, "store_node", STORE_NODE_DEFAULTS, types, required=("capacity", "port"), environ=os.environ)
     flags = args.flags  # where each value came from: the flag, $TIERSYNC_STORE_NODE_<FLAG> or the file
-    token = coerce_token(args.token, flags["token"]) if args.token is not None else token_from(
-        args.token_file, argument=flags["token_file"])
+    token = (
+        coerce_token(args.token, flags["token"])
+        if args.token is not None
+        else token_from(args.token_file, argument=flags["token_file"])
+    )
     with starting(args), kv_event_flags():  # the node stops on SIGTERM itself
-        rc = node_main(args.capacity, args.port, args.host, token, args.block_size, registry=args.registry,
-                       store_id=args.store_id, pool_group=args.pool_group, heartbeat_s=args.heartbeat_s,
-                       advertise=args.advertise, kv_events=kv_events_config(args))
+        rc = run_store_node(
+            args.capacity,
+            args.port,
+            args.host,
+            token,
+            args.block_size,
+            registry=args.registry,
+            store_id=args.store_id,
+            pool_group=args.pool_group,
+            heartbeat_s=args.heartbeat_s,
+            advertise=args.advertise,
+            kv_events=kv_events_config(args),
+        )
     return stopped(args, rc)
 
 
@@ -326,8 +299,9 @@ def cmd_registry(args: argparse.Namespace) -> int:
         raise problem
     stop = stop_on_sigterm()
     with starting(args), redis_url(args):
-        rc = registry_main(args.port, args.host, args.redis, store_ttl_s=args.store_ttl_s,
-                           block_ttl_s=args.block_ttl_s, stop=stop)
+        rc = registry_main(
+            args.port, args.host, args.redis, store_ttl_s=args.store_ttl_s, block_ttl_s=args.block_ttl_s, stop=stop
+        )
     return stopped(args, rc)
 
 
@@ -340,8 +314,11 @@ def cmd_router(args: argparse.Namespace) -> int:
     stop = stop_on_sigterm()
     with starting(args):
         router = Router(config, args.host, args.port)
-    print(f"tiersync router listening on {router.address} (prefill {', '.join(config.prefill)}; "
-          f"decode {', '.join(config.decode)})", flush=True)
+    print(
+        f"tiersync router listening on {router.address} (prefill {', '.join(config.prefill)}; "
+        f"decode {', '.join(config.decode)})",
+        flush=True,
+    )
     thread = threading.Thread(target=router.serve_forever, name="tiersync-router", daemon=True)
     thread.start()
     try:
@@ -401,7 +378,7 @@ def _as_typed(exc: Exception, flags: dict[str, str]) -> str:
     text, argument = str(exc), getattr(exc, "argument", None)
     if argument not in flags or not text.startswith(f"{argument}: "):
         return text
-    return flags[argument] + text[len(argument):]
+    return flags[argument] + text[len(argument) :]
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,6 +6,7 @@ the flag as the user typed it (``args.flags``: dest -> flag, built by :mod:`tier
 SIGTERM stops a server as Ctrl-C does, with one "stopped" line on stderr. :func:`layer_flags` fills
 the flags not typed from the environment and the config file (:mod:`tiersync.settings`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,15 +16,29 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
-__all__ = ["bind_probe", "kv_event_flags", "kv_events_config", "layer_flags", "redis_url", "starting", "stop_on_sigterm",
-           "stopped"]
+__all__ = [
+    "bind_probe",
+    "kv_event_flags",
+    "kv_events_config",
+    "layer_flags",
+    "redis_url",
+    "starting",
+    "stop_on_sigterm",
+    "stopped",
+]
 
 NET_MODULES = ("grpc", "redis", "cryptography", "zmq", "msgspec")  # what the 'net' extra installs
 
 
-def layer_flags(args: argparse.Namespace, section: str, defaults: Mapping[str, Any],
-                types: Mapping[str, Callable[[str], Any]], *, required: Collection[str] = (),
-                environ: Mapping[str, str] | None = None) -> None:
+def layer_flags(
+    args: argparse.Namespace,
+    section: str,
+    defaults: Mapping[str, Any],
+    types: Mapping[str, Callable[[str], Any]],
+    *,
+    required: Collection[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> None:
     """Set each flag of ``defaults`` (dest -> default) not typed (None in ``args``) from
     ``$TIERSYNC_<SECTION>_<DEST>``, else the config file's ``[section]`` table, else its default.
     Such a value passes the flag's argparse type (``types``; str otherwise); a bad one is a
@@ -42,8 +57,11 @@ def layer_flags(args: argparse.Namespace, section: str, defaults: Mapping[str, A
             setattr(args, dest, _flag_value(got.values[dest], types.get(dest), got.origins[dest]))
             args.flags = {**args.flags, dest: got.origins[dest]}  # a new dict: the parser's default is shared
         elif dest in required:
-            raise UsageError(f"required (typed, or ${env_name(section, dest)}, or {dest} in the [{section}] "
-                             f"table of ${CONFIG_FILE_ENV})", argument=args.flags[dest])
+            raise UsageError(
+                f"required (typed, or ${env_name(section, dest)}, or {dest} in the [{section}] "
+                f"table of ${CONFIG_FILE_ENV})",
+                argument=args.flags[dest],
+            )
         else:
             setattr(args, dest, default)
 
@@ -196,5 +214,6 @@ def kv_event_flags() -> Any:
     except UsageError as exc:
         if exc.argument not in _KV_EVENTS_FLAGS:
             raise
-        raise UsageError(exc.message.split(": ", 1)[-1], argument=_KV_EVENTS_FLAGS[exc.argument],
-                         **exc.context) from None
+        raise UsageError(
+            exc.message.split(": ", 1)[-1], argument=_KV_EVENTS_FLAGS[exc.argument], **exc.context
+        ) from None

@@ -11,6 +11,7 @@ the operation settles it with ``_settle(value)`` or ``_fail(error)``; the first 
 says so. Subclasses add what their operation has (per-layer progress, arrived layers) and may
 wait on :attr:`_cond`, which the base notifies when the operation settles.
 """
+
 from __future__ import annotations
 
 import enum

@@ -13,6 +13,7 @@
 
 Every error carries ``context``: a dict of the values that explain it.
 """
+
 from __future__ import annotations
 
 from typing import Any

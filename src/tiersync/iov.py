@@ -1,4 +1,5 @@
 """Scatter-gather bookkeeping shared by the socket and file paths."""
+
 from __future__ import annotations
 
 

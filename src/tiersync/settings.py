@@ -15,6 +15,7 @@ one of its settings, is refused by name (a typo must not be ignored). The file i
 This module merges and records origins; the component converts and validates the values,
 naming the origin recorded here. It imports nothing from tiersync but :mod:`tiersync.errors`.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,6 +40,8 @@ class Layered:
 
     values: dict[str, Any]
     origins: dict[str, str]
+
+
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -47,8 +50,14 @@ def env_name(section: str, key: str) -> str:
     return SECTIONS[section] + key.upper()
 
 
-def layered(section: str, keys: Collection[str], explicit: Mapping[str, Any] | None = None, *,
-            explicit_origin: Callable[[str], str] = str, environ: Mapping[str, str] | None = None) -> Layered:
+def layered(
+    section: str,
+    keys: Collection[str],
+    explicit: Mapping[str, Any] | None = None,
+    *,
+    explicit_origin: Callable[[str], str] = str,
+    environ: Mapping[str, str] | None = None,
+) -> Layered:
     """Merge, for the component of ``section`` with settings ``keys``: ``explicit`` (named by
     ``explicit_origin(key)``) over ``environ`` (default :data:`os.environ`) over the file named
     by ``$TIERSYNC_CONFIG_FILE`` in ``environ``. ``explicit`` is taken as given (the caller
@@ -78,8 +87,12 @@ def read_section(path: str, section: str, keys: Collection[str]) -> dict[str, An
         raise UsageError(f"{path} must hold tables such as [connector]", argument=CONFIG_FILE_ENV, path=path)
     unknown = sorted(set(doc) - set(SECTIONS))
     if unknown:
-        raise UsageError("unknown table(s) or key(s) outside a table: settings go in [connector] or "
-                         "[store_node]", argument=path, unknown=unknown, known=sorted(SECTIONS))
+        raise UsageError(
+            "unknown table(s) or key(s) outside a table: settings go in [connector] or [store_node]",
+            argument=path,
+            unknown=unknown,
+            known=sorted(SECTIONS),
+        )
     table = doc.get(section, {})
     if not isinstance(table, dict):
         raise UsageError("must be a table", argument=f"{path}: {section}")
@@ -99,8 +112,9 @@ def _load(path: str) -> Any:
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}", argument=CONFIG_FILE_ENV, path=path) from None
     if len(raw) > MAX_CONFIG_BYTES:
-        raise UsageError(f"{path} is over {MAX_CONFIG_BYTES} bytes: not a config file", argument=CONFIG_FILE_ENV,
-                         path=path)
+        raise UsageError(
+            f"{path} is over {MAX_CONFIG_BYTES} bytes: not a config file", argument=CONFIG_FILE_ENV, path=path
+        )
     if path.endswith((".yaml", ".yml")):
         return _load_yaml(raw, path)
     import tomllib
@@ -115,8 +129,11 @@ def _load_yaml(raw: bytes, path: str) -> Any:
     try:
         import yaml
     except ImportError:
-        raise UsageError(f"{path} is YAML, which needs PyYAML (pip install pyyaml); or write it as TOML",
-                         argument=CONFIG_FILE_ENV, path=path) from None
+        raise UsageError(
+            f"{path} is YAML, which needs PyYAML (pip install pyyaml); or write it as TOML",
+            argument=CONFIG_FILE_ENV,
+            path=path,
+        ) from None
     try:
         doc = yaml.safe_load(raw)
     except yaml.YAMLError as exc:

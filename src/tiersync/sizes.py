@@ -1,4 +1,5 @@
 """Sizes as people type them: ``parse_size("8GiB")``. A leaf: imports nothing of tiersync but errors."""
+
 from __future__ import annotations
 
 import re
@@ -7,8 +8,18 @@ from tiersync.errors import UsageError
 
 __all__ = ["parse_size"]
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 def parse_size(text: str, argument: str = "size") -> int:

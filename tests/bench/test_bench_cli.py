@@ -3,6 +3,7 @@
 No timing assertions: only the contract (one JSON object, the row schema,
 ratio = gbps / baseline_gbps, the round trip ran) and the refusal on corruption.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,15 +17,35 @@ import pytest
 
 from tiersync import cli
 
-ROW_KEYS = {"name", "gbps", "baseline", "baseline_gbps", "ratio", "gate_floor_gbps", "baseline_gate_floor_gbps",
-            "p50_ms", "p90_ms", "p99_ms", "method", "direction", "nbytes", "roundtrip"}
+ROW_KEYS = {
+    "name",
+    "gbps",
+    "baseline",
+    "baseline_gbps",
+    "ratio",
+    "gate_floor_gbps",
+    "baseline_gate_floor_gbps",
+    "p50_ms",
+    "p90_ms",
+    "p99_ms",
+    "method",
+    "direction",
+    "nbytes",
+    "roundtrip",
+}
 TOP_KEYS = {"suite", "kernel", "machine", "units", "iterations", "warmups", "results", "roundtrip", "telemetry"}
 
 
 def _tiersync(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, cli.TINY_ENV: "1"}
-    return subprocess.run([sys.executable, "-m", "tiersync.cli", *args], check=False, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "tiersync.cli", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module", params=["d2h", "h2d"])

@@ -1,4 +1,5 @@
 """``tiersync bench h2h`` and ``bench registry`` as real subprocesses, tiny shapes (loopback only)."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,14 @@ ROW_KEYS = {"name", "gbps", "baseline", "baseline_gbps", "ratio"}
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TIERSYNC_BENCH_TINY": "1"}
-    return subprocess.run([sys.executable, "-m", "tiersync.cli", "bench", *args, "--json"], check=False, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "tiersync.cli", "bench", *args, "--json"],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_h2h_rows_follow_the_contract():
@@ -23,12 +30,21 @@ def test_h2h_rows_follow_the_contract():
     rep = json.loads(out.stdout)
     assert rep["suite"] == "h2h" and rep["roundtrip"]["ok"]
     names = {r["name"] for r in rep["results"]}
-    assert set(rep["target"]) == names & {"h2h-64k-4s-w8", "h2h-1m-4s-w8", "h2h-16m-4s-w8", "h2h-64k-local",
-                                          "h2h-1m-local", "h2h-16m-local"}
+    assert set(rep["target"]) == names & {
+        "h2h-64k-4s-w8",
+        "h2h-1m-4s-w8",
+        "h2h-16m-4s-w8",
+        "h2h-64k-local",
+        "h2h-1m-local",
+        "h2h-16m-local",
+    }
     for name, goal in rep["target"].items():  # each row judged against its own baseline
         row = next(r for r in rep["results"] if r["name"] == name)
-        assert goal == {"min_ratio": 0.6 if name.endswith("-local") else 0.8, "ratio": row["ratio"],
-                        "met": row["ratio"] >= goal["min_ratio"]}
+        assert goal == {
+            "min_ratio": 0.6 if name.endswith("-local") else 0.8,
+            "ratio": row["ratio"],
+            "met": row["ratio"] >= goal["min_ratio"],
+        }
     assert {"h2h-64k-1s", "h2h-64k-4s", "h2h-1m-1s", "h2h-1m-4s"} <= names
     assert {"h2h-64k-1s-w8", "h2h-1m-4s-w8"} <= names  # pipelined rows, both sides windowed
     assert {r["window"] for r in rep["results"]} == {1, 8}

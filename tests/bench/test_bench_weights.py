@@ -3,6 +3,7 @@
 Only the contract is checked (one JSON object, the row schema, ratio = gbps / baseline_gbps,
 the byte-exact check ran, gloo and the raw socket figure were measured), never the speed.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,16 +16,41 @@ import pytest
 
 from tiersync import cli
 
-ROW_KEYS = {"name", "gbps", "baseline", "baseline_gbps", "ratio", "gate_floor_gbps", "p50_ms", "p99_ms",
-            "shards", "samplers", "transport", "nbytes", "seconds", "baseline_seconds", "aggregate_gbps",
-            "baseline_aggregate_gbps", "raw_socket_gbps", "raw_socket_aggregate_gbps", "buffers", "roundtrip"}
+ROW_KEYS = {
+    "name",
+    "gbps",
+    "baseline",
+    "baseline_gbps",
+    "ratio",
+    "gate_floor_gbps",
+    "p50_ms",
+    "p99_ms",
+    "shards",
+    "samplers",
+    "transport",
+    "nbytes",
+    "seconds",
+    "baseline_seconds",
+    "aggregate_gbps",
+    "baseline_aggregate_gbps",
+    "raw_socket_gbps",
+    "raw_socket_aggregate_gbps",
+    "buffers",
+    "roundtrip",
+}
 
 
 @pytest.fixture(scope="module")
 def report():
     env = {**os.environ, cli.TINY_ENV: "1"}
-    proc = subprocess.run([sys.executable, "-m", "tiersync.cli", "bench", "weights", "--quick", "--json"],
-                          check=False, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiersync.cli", "bench", "weights", "--quick", "--json"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)
 
@@ -38,8 +64,10 @@ def test_report_top_level(report):
 
 def test_rows_follow_the_contract(report):
     rows = report["results"]
-    assert {r["name"] for r in rows} == {f"weights-{s}t-2s-{w}" for s in (1, 2) for w in ("shm", "tcp")} | \
-        {"weights-1t-2s-shm-zerocopy", "weights-1t-2s-tcp-vs-raw"}
+    assert {r["name"] for r in rows} == {f"weights-{s}t-2s-{w}" for s in (1, 2) for w in ("shm", "tcp")} | {
+        "weights-1t-2s-shm-zerocopy",
+        "weights-1t-2s-tcp-vs-raw",
+    }
     for r in rows:
         assert r.keys() >= ROW_KEYS, ROW_KEYS - r.keys()
         baseline = "raw loopback sockets" if r["name"].endswith("-vs-raw") else "torch.distributed.broadcast"

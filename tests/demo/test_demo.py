@@ -1,4 +1,5 @@
 """End-to-end checks of ``tiersync demo`` on its hidden ``--tiny`` setting (no timing assertions)."""
+
 from __future__ import annotations
 
 import json
@@ -87,7 +88,9 @@ def test_restart_hits_on_disk(capsys: pytest.CaptureFixture[str], tmp_path) -> N
     d, x = r["demote"], r["restart"]
     assert d["request2_blocks_saved"] == TINY_PROMPT // BLOCK - TINY_SHARED // BLOCK
     assert d["drained"] and d["host_entries_after"] == 0
-    assert d["storage_entries_after"] == d["blocks"] == r["host_blocks"] == TINY_PROMPT // BLOCK * 2 - TINY_SHARED // BLOCK
+    assert (
+        d["storage_entries_after"] == d["blocks"] == r["host_blocks"] == TINY_PROMPT // BLOCK * 2 - TINY_SHARED // BLOCK
+    )
     assert d["bytes"] >= d["blocks"] * BLOCK_BYTES
     expected = (TINY_PROMPT - 1) // BLOCK  # request 1's shared blocks and request 2's own, last token left to run
     assert x["passed"] and x["hit_on_disk"] and x["expected_blocks"] == expected

@@ -1,4 +1,5 @@
 """Simulated ranks for the disagg tests: global KV <-> per-rank paged layer buffers (numpy)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,7 +34,7 @@ def shard(layout: PagedKVLayout, kv: np.ndarray, block_ids, fill: int = 0) -> li
         layers = []
         for layer in range(layout.num_layers):
             buf = np.full(layout.layer_nbytes, fill, dtype=np.uint8)
-            _rank_view(buf, layout)[:, blocks, slots] = kv[layer, :, :, first:first + count]
+            _rank_view(buf, layout)[:, blocks, slots] = kv[layer, :, :, first : first + count]
             layers.append(buf)
         ranks.append(layers)
     return ranks
@@ -47,7 +48,9 @@ def unshard(layout: PagedKVLayout, ranks, block_ids, num_tokens: int) -> np.ndar
     for r in range(layout.tp_size):
         first, count = layout.heads_of(r)
         for layer in range(layout.num_layers):
-            out[layer, :, :, first:first + count] = _rank_view(np.asarray(ranks[r][layer]).reshape(-1), layout)[:, blocks, slots]
+            out[layer, :, :, first : first + count] = _rank_view(np.asarray(ranks[r][layer]).reshape(-1), layout)[
+                :, blocks, slots
+            ]
     return out
 
 

@@ -1,4 +1,5 @@
 """A prefill child process hosting one KVProducer per rank, driven over a multiprocessing pipe."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -45,8 +46,9 @@ class ProducerProcess:
     def __init__(self, layout, ranks, **config_kwargs) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=producer_main, args=(layout.to_dict(), list(ranks), config_kwargs, child),
-                                daemon=True)
+        self.proc = ctx.Process(
+            target=producer_main, args=(layout.to_dict(), list(ranks), config_kwargs, child), daemon=True
+        )
         self.proc.start()
         if not self.conn.poll(60):
             raise RuntimeError("producer child did not start")

@@ -7,6 +7,7 @@ precomputed lands byte-exact (also when the route coalesced neighbouring blocks,
 are cut and destinations re-cut); a layer changed after ``layer_ready`` is refused by the
 reader, never reported done.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,13 +34,15 @@ from tiersync.disagg.link import _recut
 from tiersync.net import local
 from tiersync.transfer.kernel import TSUM64, tsum64
 
-needs_native = pytest.mark.skipif(TSUM64 is None or not local.can_read(os.getpid()),
-                                  reason="needs the native checksum and process_vm_readv")
+needs_native = pytest.mark.skipif(
+    TSUM64 is None or not local.can_read(os.getpid()), reason="needs the native checksum and process_vm_readv"
+)
 
 
 def _layout(order: KVOrder) -> PagedKVLayout:
-    return PagedKVLayout(num_layers=3, num_kv_heads=4, head_dim=16, block_size=16, num_blocks=40, dtype="float16",
-                         tp_size=1, order=order)
+    return PagedKVLayout(
+        num_layers=3, num_kv_heads=4, head_dim=16, block_size=16, num_blocks=40, dtype="float16", tp_size=1, order=order
+    )
 
 
 @pytest.mark.parametrize("offs,lens", [([0, 100, 5000], [10, 4000, 3]), ([0], [1 << 16]), ([7], [0]), ([], [])])
@@ -86,7 +89,7 @@ def test_regions_carry_tsum64_of_their_bytes_precomputed_or_not(order):
     for known in (req.sums[1], None):
         o, n, s = sums.regions(views[1], known, offs, lens)
         assert int(n.sum()) == int(lens.sum())
-        assert s.tolist() == [tsum64(views[1][a:a + b]) for a, b in zip(o.tolist(), n.tolist())]
+        assert s.tolist() == [tsum64(views[1][a : a + b]) for a, b in zip(o.tolist(), n.tolist())]
 
 
 def _serve(layout, ids, ntok, seed):
@@ -151,8 +154,10 @@ class _BadAddressProducer(KVProducer):
 def test_a_refused_same_host_copy_falls_back_to_tcp_mid_stream_or_fails(route):
     layout = _layout(KVOrder.HEAD_MAJOR)
     ids, ntok = [7, 3, 12, 5], 60
-    with _BadAddressProducer(layout, 0, DisaggConfig(timeout_s=30)) as producer, \
-            KVConsumer(layout, 0, DisaggConfig(route=route, timeout_s=30)) as consumer:
+    with (
+        _BadAddressProducer(layout, 0, DisaggConfig(timeout_s=30)) as producer,
+        KVConsumer(layout, 0, DisaggConfig(route=route, timeout_s=30)) as consumer,
+    ):
         producer.register("r", ids, ntok, _serve(layout, ids, ntok, seed=5))
         for layer in range(layout.num_layers):
             producer.layer_ready("r", layer)

@@ -1,4 +1,5 @@
 """Refused calls name their argument; bad peers and bad frames close the connection, never crash."""
+
 from __future__ import annotations
 
 import socket
@@ -25,8 +26,16 @@ from tiersync.net.server import TcpServer
 from tiersync.net.service import Service
 from tiersync.net.tcp import TcpConfig, TcpTransport
 
-LAYOUT = PagedKVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, num_blocks=8, dtype="float32",
-                       tp_size=1, order=KVOrder.BLOCK_MAJOR)
+LAYOUT = PagedKVLayout(
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=4,
+    block_size=4,
+    num_blocks=8,
+    dtype="float32",
+    tp_size=1,
+    order=KVOrder.BLOCK_MAJOR,
+)
 
 
 def _layers(writable=True):
@@ -76,8 +85,10 @@ def test_start_read_refusals(producer):
     ro[0].setflags(write=False)
     assert _arg(consumer.start_read, "r", source, [0, 1], ro) == "landing[0]"
     other = PagedKVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=8)
-    assert _arg(consumer.start_read, "r", SourceSpec(other, (producer.address,), (0, 1), 8),
-                [0, 1], _layers()) == "dst.head_dim"
+    assert (
+        _arg(consumer.start_read, "r", SourceSpec(other, (producer.address,), (0, 1), 8), [0, 1], _layers())
+        == "dst.head_dim"
+    )
     assert consumer.get("r") is None
     assert _arg(SourceSpec, LAYOUT, ("a:1", "b:2"), (0,), 1) == "source.addresses"
     assert _arg(SourceSpec, LAYOUT, ("nohost",), (0,), 1) == "source.addresses[0]"
@@ -88,10 +99,19 @@ def test_start_read_refusals(producer):
         consumer.start_read("r", source, [0, 1], _layers())
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    ({"timeout_s": 0}, "timeout_s"), ({"token": b"short"}, "token"), ({"chunk_bytes": 0}, "chunk_bytes"),
-    ({"chunk_bytes": 2 << 30}, "chunk_bytes"), ({"route": "shm"}, "route"), ({"tls": "yes"}, "tls"), ({"window": 0}, "window"), ({"connect_timeout_s": True}, "connect_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"token": b"short"}, "token"),
+        ({"chunk_bytes": 0}, "chunk_bytes"),
+        ({"chunk_bytes": 2 << 30}, "chunk_bytes"),
+        ({"route": "shm"}, "route"),
+        ({"tls": "yes"}, "tls"),
+        ({"window": 0}, "window"),
+        ({"connect_timeout_s": True}, "connect_timeout_s"),
+    ],
+)
 def test_config_validated(kwargs, name):
     assert _arg(DisaggConfig, **kwargs) == name
 
@@ -118,14 +138,15 @@ def test_garbage_closes_connection_and_producer_keeps_serving(producer):
     assert h.wait(20) is RequestState.DONE
     nb = LAYOUT.block_nbytes
     for layer in range(2):  # block-major: K,V of block 1..2 -> blocks 3..4, contiguous
-        np.testing.assert_array_equal(landing[layer][3 * 2 * nb:5 * 2 * nb], src[1 * 2 * nb:3 * 2 * nb])
-        assert not landing[layer][: 3 * 2 * nb].any() and not landing[layer][5 * 2 * nb:].any()
+        np.testing.assert_array_equal(landing[layer][3 * 2 * nb : 5 * 2 * nb], src[1 * 2 * nb : 3 * 2 * nb])
+        assert not landing[layer][: 3 * 2 * nb].any() and not landing[layer][5 * 2 * nb :].any()
     assert _poll_until(producer, "g").done_sending == {"g"}  # the reader's DONE ack lands after its own DONE
 
 
 def _poll_until(producer, request_id, timeout=20.0):
     """Poll the producer until ``request_id`` is reported (polling a status, not timing)."""
     import time
+
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         status = producer.poll()
@@ -167,6 +188,7 @@ def _local_reply(event, checksum, extra=0):
 
     from tiersync.net.frames import SUPPORTED, payload_checksum
     from tiersync.net.local import buffer_address
+
     n = event.length + extra
     value = payload_checksum(SUPPORTED[0], _LIAR_MEMORY[:n]) if checksum is None else checksum
     return ev.LocalReply(event.request_id, os.getpid(), SUPPORTED[0], ((buffer_address(_LIAR_MEMORY)[0], n, value),))
@@ -186,15 +208,18 @@ def _garbage_server():
     return f"127.0.0.1:{srv.getsockname()[1]}"
 
 
-@pytest.mark.parametrize("lies", [
-    None,  # garbage instead of a handshake
-    {"KvOpen": lambda e: KvOpened(e.request_id, 7)},  # a route size that does not fit the plan
-    {"KvNext": lambda e: KvLayer(e.request_id, 9)},  # layer out of range
-    {"KvNext": lambda e: KvLayer(e.request_id, 0)},  # the same layer twice
-    {"KvPull": lambda e: ev.Data(e.request_id, b"1234567")},  # a DATA of the wrong size
-    {"KvPullLocal": lambda e: _local_reply(e, 12345)},  # same host: bytes that do not match their checksum
-    {"KvPullLocal": lambda e: _local_reply(e, None, extra=8)},  # same host: regions longer than the pull
-])
+@pytest.mark.parametrize(
+    "lies",
+    [
+        None,  # garbage instead of a handshake
+        {"KvOpen": lambda e: KvOpened(e.request_id, 7)},  # a route size that does not fit the plan
+        {"KvNext": lambda e: KvLayer(e.request_id, 9)},  # layer out of range
+        {"KvNext": lambda e: KvLayer(e.request_id, 0)},  # the same layer twice
+        {"KvPull": lambda e: ev.Data(e.request_id, b"1234567")},  # a DATA of the wrong size
+        {"KvPullLocal": lambda e: _local_reply(e, 12345)},  # same host: bytes that do not match their checksum
+        {"KvPullLocal": lambda e: _local_reply(e, None, extra=8)},  # same host: regions longer than the pull
+    ],
+)
 def test_consumer_fails_on_bad_answers(lies):
     server = None if lies is None else TcpServer("127.0.0.1:0", _Liar(**lies))
     address = _garbage_server() if server is None else server.address
@@ -214,8 +239,9 @@ def test_consumer_fails_on_bad_answers(lies):
 
 
 def test_uncounted_done_fails_the_read():
-    server = TcpServer("127.0.0.1:0", _Liar(KvDone=lambda e: ev.CommitReply(e.request_id, ev.CommitStatus.FAILED,
-                                                                            "late")))
+    server = TcpServer(
+        "127.0.0.1:0", _Liar(KvDone=lambda e: ev.CommitReply(e.request_id, ev.CommitStatus.FAILED, "late"))
+    )
     with KVConsumer(LAYOUT, 0, DisaggConfig(timeout_s=20, route="tcp")) as consumer:
         h = consumer.start_read("c", SourceSpec(LAYOUT, (server.address,), (0, 1), 8), [0, 1], _layers())
         assert h.wait(20) is RequestState.FAILED and "did not count" in str(h.error)
@@ -232,6 +258,7 @@ def test_ack_after_producer_deadline_is_failed_not_done():
     import time
 
     from tiersync.disagg.messages import ReadRequest
+
     with KVProducer(LAYOUT, 0, DisaggConfig(timeout_s=1.0)) as producer:
         src = np.arange(LAYOUT.layer_nbytes, dtype=np.uint8)
         registered = time.monotonic()
@@ -255,6 +282,7 @@ def test_ack_after_producer_deadline_is_failed_not_done():
 def test_out_of_protocol_requests_refused_and_session_kept(producer):
     from tiersync.disagg.messages import ReadRequest
     from tiersync.net.fields import ErrorCode
+
     src = np.arange(LAYOUT.layer_nbytes, dtype=np.uint8)
     producer.register("o", [0], 4, [src, src])
     channel = TcpTransport(TcpConfig(), KV).connect(producer.address)
@@ -262,8 +290,10 @@ def test_out_of_protocol_requests_refused_and_session_kept(producer):
         channel.request(KvNext(channel.new_request_id(), 0))
     assert e.value.code is ErrorCode.BAD_REQUEST
     channel.request(KvOpen(channel.new_request_id(), ReadRequest("o", 0, 0, LAYOUT, (1,), (0,), 4)))
-    for bad in (KvNext(channel.new_request_id(), 1),  # out of order
-                KvPull(channel.new_request_id(), 0, 0, 8)):  # layer not announced
+    for bad in (
+        KvNext(channel.new_request_id(), 1),  # out of order
+        KvPull(channel.new_request_id(), 0, 0, 8),
+    ):  # layer not announced
         with pytest.raises(RequestError) as e:
             channel.request(bad)
         assert e.value.code is ErrorCode.BAD_REQUEST and not channel.closed  # refused, session kept

@@ -1,5 +1,6 @@
 """One prefill -> decode link on the one wire stack: ops parsed defensively, same-host reads
 byte-exact, TLS, the token, connections pooled across requests, route slices exact."""
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,16 @@ from tiersync.net.frames import ProtocolConfig
 from tiersync.net.tls import TlsConfig
 
 TOKEN = "a-shared-token-of-32-characters!"
-LAYOUT = PagedKVLayout(num_layers=3, num_kv_heads=4, head_dim=8, block_size=16, num_blocks=24, dtype="float16",
-                       tp_size=1, order=KVOrder.KV_MAJOR)
+LAYOUT = PagedKVLayout(
+    num_layers=3,
+    num_kv_heads=4,
+    head_dim=8,
+    block_size=16,
+    num_blocks=24,
+    dtype="float16",
+    tp_size=1,
+    order=KVOrder.KV_MAJOR,
+)
 
 
 def _landing(layout):
@@ -44,19 +53,29 @@ def _roundtrip(event):
 
 def test_every_op_round_trips():
     read = ReadRequest("r", 0, 1, LAYOUT, (3, 4), (1, 2), 20)
-    for event in (KvOpen(5, read), KvOpened(5, 123), KvNext(6, 2), KvLayer(6, 1), KvPull(7, 2, 10, 99),
-                  KvPullLocal(8, 1, 0, 4096), KvDone(9)):
+    for event in (
+        KvOpen(5, read),
+        KvOpened(5, 123),
+        KvNext(6, 2),
+        KvLayer(6, 1),
+        KvPull(7, 2, 10, 99),
+        KvPullLocal(8, 1, 0, 4096),
+        KvDone(9),
+    ):
         assert _roundtrip(event) == event
     assert set(KV.ops) >= {int(c.OP) for c in (KvOpen, KvOpened, KvNext, KvLayer, KvPull, KvPullLocal, KvDone)}
 
 
-@pytest.mark.parametrize("cls,meta", [
-    (KvPull, MetaWriter().u32(0).u64(0).u64(0).getvalue()),  # an empty pull
-    (KvPull, MetaWriter().u32(0).u64(0).u64(1 << 40).getvalue()),  # over the frame size
-    (KvPull, b"\x01\x02"),  # truncated
-    (KvOpen, MetaWriter().blob(b"not json").getvalue()),
-    (KvOpen, MetaWriter().json({"request_id": "r"}).getvalue()),  # missing fields
-])
+@pytest.mark.parametrize(
+    "cls,meta",
+    [
+        (KvPull, MetaWriter().u32(0).u64(0).u64(0).getvalue()),  # an empty pull
+        (KvPull, MetaWriter().u32(0).u64(0).u64(1 << 40).getvalue()),  # over the frame size
+        (KvPull, b"\x01\x02"),  # truncated
+        (KvOpen, MetaWriter().blob(b"not json").getvalue()),
+        (KvOpen, MetaWriter().json({"request_id": "r"}).getvalue()),  # missing fields
+    ],
+)
 def test_hostile_metadata_is_malformed(cls, meta):
     with pytest.raises(ProtocolError) as e:
         cls.parse(1, MetaReader(meta), ProtocolConfig())
@@ -64,8 +83,11 @@ def test_hostile_metadata_is_malformed(cls, meta):
 
 
 def test_ops_validate_their_fields():
-    for build, name in ((lambda: KvNext(1, 1 << 32), "n"), (lambda: KvPull(1, -1, 0, 1), "n"),
-                        (lambda: KvOpen(1, "read"), "read")):
+    for build, name in (
+        (lambda: KvNext(1, 1 << 32), "n"),
+        (lambda: KvPull(1, -1, 0, 1), "n"),
+        (lambda: KvOpen(1, "read"), "read"),
+    ):
         with pytest.raises(UsageError) as e:
             build()
         assert e.value.argument == name
@@ -78,7 +100,7 @@ def test_route_slice_is_exactly_the_bytes_asked_for(start, n):
     offs, lens = route_slice(offsets, lengths, start, n)
     got = np.concatenate([np.arange(o, o + k) for o, k in zip(offs, lens)])
     assert (lens > 0).all()
-    np.testing.assert_array_equal(got, whole[start:start + n])
+    np.testing.assert_array_equal(got, whole[start : start + n])
 
 
 @pytest.fixture
@@ -103,8 +125,16 @@ def test_routes_byte_exact_across_processes(procs, route, dst_tp, chunk):
     (400 spans of 32 bytes: the producer gathers them; with 1000-byte pulls each pull is ~30
     views of the host buffer); one TP rank: whole blocks."""
     src = LAYOUT
-    dst = PagedKVLayout(num_layers=3, num_kv_heads=4, head_dim=8, block_size=8, num_blocks=64, dtype="float16",
-                        tp_size=dst_tp, order=KVOrder.BLOCK_MAJOR)
+    dst = PagedKVLayout(
+        num_layers=3,
+        num_kv_heads=4,
+        head_dim=8,
+        block_size=8,
+        num_blocks=64,
+        dtype="float16",
+        tp_size=dst_tp,
+        order=KVOrder.BLOCK_MAJOR,
+    )
     ntok, sids = 200, [9, 2, 7, 0, 5, 11, 1, 12, 3, 10, 4, 8, 6]
     dids = list(range(63, 63 - 2 * dst.blocks_needed(ntok), -2))
     prod = procs(src, token=TOKEN)
@@ -128,8 +158,10 @@ def test_connections_are_pooled_across_requests(procs):
             prod.register(f"p{i}", [i], 10, seed=i)
             prod.ready(f"p{i}", range(3))
             land = _landing(LAYOUT)
-            assert consumer.start_read(f"p{i}", SourceSpec(LAYOUT, prod.addresses, [i], 10), [i], land).wait(20) \
+            assert (
+                consumer.start_read(f"p{i}", SourceSpec(LAYOUT, prod.addresses, [i], 10), [i], land).wait(20)
                 is RequestState.DONE
+            )
             np.testing.assert_array_equal(unshard(LAYOUT, [land], [i], 10), global_kv(LAYOUT, 10, i))
             assert consumer._pool.idle_count(prod.addresses[0]) == 1  # the same connection, kept
 

@@ -1,4 +1,5 @@
 """Prefill -> decode over real sockets between real processes: layer-wise, resharded, failures."""
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,16 @@ TOKEN = b"k" * 32
 
 
 def _layout(tp, bs=16, nb=16, order=KVOrder.KV_MAJOR, heads=4, layers=4):
-    return PagedKVLayout(num_layers=layers, num_kv_heads=heads, head_dim=8, block_size=bs, num_blocks=nb,
-                         dtype="float16", tp_size=tp, order=order)
+    return PagedKVLayout(
+        num_layers=layers,
+        num_kv_heads=heads,
+        head_dim=8,
+        block_size=bs,
+        num_blocks=nb,
+        dtype="float16",
+        tp_size=tp,
+        order=order,
+    )
 
 
 def _landing(layout):
@@ -54,8 +63,13 @@ def test_layerwise_byte_exact_in_ready_order(procs):
     seen = []
     with KVConsumer(dst, 0, DisaggConfig(token=TOKEN)) as consumer:
         landing = _landing(dst)
-        handle = consumer.start_read("r1", SourceSpec(src, prod.addresses, sids, ntok), dids, landing,
-                                     on_layer=lambda rid, layer: seen.append((rid, layer)))
+        handle = consumer.start_read(
+            "r1",
+            SourceSpec(src, prod.addresses, sids, ntok),
+            dids,
+            landing,
+            on_layer=lambda rid, layer: seen.append((rid, layer)),
+        )
         for layer in (0, 1, 3, 2):
             assert prod.ready("r1", [layer]) == [[True]]
             assert handle.wait_layer(layer, timeout=20)
@@ -119,9 +133,16 @@ def test_layer_not_delivered_before_ready(procs):
     assert consumer.poll().failed_receiving == {"r"}
 
 
-@pytest.mark.parametrize("a,b,bs_a,bs_b,heads", [
-    (1, 2, 16, 32, 4), (2, 1, 32, 16, 4), (2, 4, 16, 16, 4), (4, 2, 8, 16, 4), (4, 1, 16, 16, 2),
-])
+@pytest.mark.parametrize(
+    "a,b,bs_a,bs_b,heads",
+    [
+        (1, 2, 16, 32, 4),
+        (2, 1, 32, 16, 4),
+        (2, 4, 16, 16, 4),
+        (4, 2, 8, 16, 4),
+        (4, 1, 16, 16, 2),
+    ],
+)
 def test_resharded_transfer_byte_exact(procs, a, b, bs_a, bs_b, heads):
     src = _layout(a, bs=bs_a, order=KVOrder.BLOCK_MAJOR, heads=heads, layers=3)
     dst = _layout(b, bs=bs_b, nb=20, heads=heads, layers=3)

@@ -1,4 +1,5 @@
 """KV resharding planner: byte-exact, exactly-once, across TP degrees, block sizes and orders."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,8 +17,16 @@ ORDERS = list(KVOrder)
 
 
 def _layout(tp, bs, nb, order, heads=8, hd=4, layers=2, dtype="float16"):
-    return PagedKVLayout(num_layers=layers, num_kv_heads=heads, head_dim=hd, block_size=bs,
-                         num_blocks=nb, dtype=dtype, tp_size=tp, order=order)
+    return PagedKVLayout(
+        num_layers=layers,
+        num_kv_heads=heads,
+        head_dim=hd,
+        block_size=bs,
+        num_blocks=nb,
+        dtype=dtype,
+        tp_size=tp,
+        order=order,
+    )
 
 
 def _table(rng, nb, n):
@@ -39,7 +48,7 @@ def check_roundtrip(src, dst, num_tokens, seed=0):
     for d in range(dst.tp_size):
         count = np.zeros(dst.layer_nbytes, np.int64)
         for _, dst_off, n in [row for s in range(src.tp_size) for row in plan.route_spans(s, d).tolist()]:
-            count[dst_off:dst_off + n] += 1
+            count[dst_off : dst_off + n] += 1
         np.testing.assert_array_equal(count, mask)  # every needed byte once, nothing else
         untouched = mask == 0
         assert not dst_ranks[d][0][untouched].any()
@@ -101,10 +110,26 @@ def test_property_random_layouts(data):
     num_tokens = data.draw(st.integers(1, 40))
     hd = data.draw(st.sampled_from([1, 2, 3, 8]))
     dtype = data.draw(st.sampled_from(["float16", "float32", "int8", "bfloat16"]))
-    src = _layout(a, bs_src, -(-num_tokens // bs_src) + data.draw(st.integers(0, 3)),
-                  data.draw(st.sampled_from(ORDERS)), heads=heads, hd=hd, layers=1, dtype=dtype)
-    dst = _layout(b, bs_dst, -(-num_tokens // bs_dst) + data.draw(st.integers(0, 3)),
-                  data.draw(st.sampled_from(ORDERS)), heads=heads, hd=hd, layers=1, dtype=dtype)
+    src = _layout(
+        a,
+        bs_src,
+        -(-num_tokens // bs_src) + data.draw(st.integers(0, 3)),
+        data.draw(st.sampled_from(ORDERS)),
+        heads=heads,
+        hd=hd,
+        layers=1,
+        dtype=dtype,
+    )
+    dst = _layout(
+        b,
+        bs_dst,
+        -(-num_tokens // bs_dst) + data.draw(st.integers(0, 3)),
+        data.draw(st.sampled_from(ORDERS)),
+        heads=heads,
+        hd=hd,
+        layers=1,
+        dtype=dtype,
+    )
     check_roundtrip(src, dst, num_tokens, seed=data.draw(st.integers(0, 1000)))
 
 
@@ -181,5 +206,9 @@ def test_dtype_names_normalised_and_bad_dtype_named():
 def test_import_tiersync_stays_cheap():
     import subprocess
     import sys
+
     code = "import sys, tiersync; print(any(m.startswith(('tiersync.disagg', 'numpy')) for m in sys.modules))"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )

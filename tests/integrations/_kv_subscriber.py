@@ -6,6 +6,7 @@ closes it asks the replay socket for every batch from sequence FROM (0), prints 
 {"replayed": seq, "events"} lines and "end". Events are printed as vLLM decoded them
 (class name, block hashes as hex or int, parent, token ids, block size, medium).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,11 @@ def _hash(h):
 
 
 def _event(e) -> dict:
-    out = {"type": type(e).__name__, "block_hashes": [_hash(h) for h in getattr(e, "block_hashes", [])],
-           "medium": getattr(e, "medium", None)}
+    out = {
+        "type": type(e).__name__,
+        "block_hashes": [_hash(h) for h in getattr(e, "block_hashes", [])],
+        "medium": getattr(e, "medium", None),
+    }
     if type(e).__name__ == "BlockStored":
         out.update(parent=_hash(e.parent_block_hash), token_ids=list(e.token_ids), block_size=e.block_size)
     return out
@@ -46,8 +50,9 @@ def main() -> None:
         if sub.poll(100):
             _, seq, payload = sub.recv_multipart()
             batch = decode(payload)
-            print(json.dumps({"seq": int.from_bytes(seq, "big"), "events": [_event(e) for e in batch.events]}),
-                  flush=True)
+            print(
+                json.dumps({"seq": int.from_bytes(seq, "big"), "events": [_event(e) for e in batch.events]}), flush=True
+            )
     req = ctx.socket(zmq.DEALER)
     req.connect(replay)
     req.send_multipart([b"", start.to_bytes(8, "big")])
@@ -56,8 +61,10 @@ def main() -> None:
         if seq == END_SEQ:
             break
         batch = decode(payload)
-        print(json.dumps({"replayed": int.from_bytes(seq, "big"), "events": [_event(e) for e in batch.events]}),
-              flush=True)
+        print(
+            json.dumps({"replayed": int.from_bytes(seq, "big"), "events": [_event(e) for e in batch.events]}),
+            flush=True,
+        )
     print("end", flush=True)
 
 

@@ -3,6 +3,7 @@
 Imported by the Ray workers by module name (the test puts this directory and the example's on
 their ``PYTHONPATH``).
 """
+
 from __future__ import annotations
 
 import threading

@@ -6,6 +6,7 @@ venvs) with tiersync as its weight-transfer backend, and driven over vLLM's RL r
 :class:`CheckpointTrainer`: the example's trainer actor publishing a checkpoint's tensors
 (the parameter names vLLM's loader knows) instead of a toy model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,13 +38,24 @@ class VllmSampler:
     def __init__(self, model: str, log: str) -> None:
         self.model, self._stack = model, contextlib.ExitStack()
         # PYTHONPATH="": the engine imports tiersync from its own venv, nothing from Ray's paths
-        self.srv = self._stack.enter_context(openai_server(
-            model, None, log, "--weight-transfer-config", json.dumps({"backend": "tiersync"}),
-            env={"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": ""}))
+        self.srv = self._stack.enter_context(
+            openai_server(
+                model,
+                None,
+                log,
+                "--weight-transfer-config",
+                json.dumps({"backend": "tiersync"}),
+                env={"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": ""},
+            )
+        )
 
     def _post(self, route: str, body: dict | None = None) -> None:
-        request = urllib.request.Request(f"{self.srv.url}/{route}", data=json.dumps(body or {}).encode(),
-                                         headers={"Content-Type": "application/json"}, method="POST")
+        request = urllib.request.Request(
+            f"{self.srv.url}/{route}",
+            data=json.dumps(body or {}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         with urllib.request.urlopen(request, timeout=600) as answer:
             answer.read()
 

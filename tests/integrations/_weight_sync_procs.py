@@ -11,6 +11,7 @@ then answers ``join`` (config), ``gen`` (greedy tokens of the fixed prompts), ``
 (version) and ``exit``. Every answer is one ``TSYNC <json>`` line; a failed command answers
 ``{"error": ...}`` and the process keeps going.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,15 +47,21 @@ def trainer(dir_a: str, dir_b: str) -> None:
     from tiersync.weights import Mesh, PublisherConfig, Sharding, WeightPublisher
 
     weights = {k: load_file(os.path.join(d, "model.safetensors")) for k, d in (("A", dir_a), ("B", dir_b))}
-    pub = WeightPublisher(weights["A"], Sharding.replicated(Mesh((1,), ("trainer",))),
-                          config=PublisherConfig(token=TOKEN))
+    pub = WeightPublisher(
+        weights["A"], Sharding.replicated(Mesh((1,), ("trainer",))), config=PublisherConfig(token=TOKEN)
+    )
     answer({"address": pub.address, "nbytes": pub.nbytes})
 
     def handle(cmd: dict) -> dict:
         pub.wait_for_samplers(1, 120)
         res = pub.publish(cmd["version"], weights[cmd["weights"]]).result(300)
-        return {"ok": res.ok, "version": res.version, "nbytes": res.nbytes, "seconds": res.seconds,
-                "outcomes": [[o.sampler, o.status.value, o.transport.value, o.error] for o in res.outcomes]}
+        return {
+            "ok": res.ok,
+            "version": res.version,
+            "nbytes": res.nbytes,
+            "seconds": res.seconds,
+            "outcomes": [[o.sampler, o.status.value, o.transport.value, o.error] for o in res.outcomes],
+        }
 
     try:
         serve(handle)
@@ -70,9 +77,18 @@ def engine(model: str) -> None:
     from tiersync.integrations.vllm.weight_sync import EXTENSION, join_weight_sync, update_weights
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
-              gpu_memory_utilization=0.3, max_model_len=1024, max_num_batched_tokens=1024,
-              enable_prefix_caching=True, worker_extension_cls=EXTENSION)
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        gpu_memory_utilization=0.3,
+        max_model_len=1024,
+        max_num_batched_tokens=1024,
+        enable_prefix_caching=True,
+        worker_extension_cls=EXTENSION,
+    )
     prompts = [TokensPrompt(prompt_token_ids=make_prompt(n, s, 4096)) for n, s in PROMPTS]
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False, ignore_eos=True)
     answer({"ready": True, "start_s": time.perf_counter() - t0})
@@ -82,8 +98,10 @@ def engine(model: str) -> None:
             return {"workers": join_weight_sync(llm, cmd["config"])}
         if cmd["op"] == "gen":
             outs = llm.generate(prompts, sp, use_tqdm=False)
-            return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                    "cached": [o.num_cached_tokens or 0 for o in outs]}
+            return {
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "cached": [o.num_cached_tokens or 0 for o in outs],
+            }
         if cmd["op"] == "apply":
             t = time.perf_counter()
             res = update_weights(llm, cmd["version"])

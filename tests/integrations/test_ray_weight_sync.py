@@ -12,6 +12,7 @@ that chunk is not the whole version), so the version can neither finish nor be a
 the test waits for that event, checks that the publish is still in flight and that only part
 of the bytes landed, then ``ray.kill``s the actor.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,13 @@ TIMEOUT = 120
 def cluster() -> Iterator[None]:
     """A local Ray cluster sized for a 2-core CI machine; its workers import the example's
     actors and the stalling sampler by module name."""
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 << 20, namespace="tiersync-ray-test",
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([EXAMPLE, HERE])}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=128 << 20,
+        namespace="tiersync-ray-test",
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([EXAMPLE, HERE])}},
+    )
     try:
         yield
     finally:
@@ -54,8 +60,11 @@ def cluster() -> Iterator[None]:
 def deployment(name: str) -> Iterator[tuple]:
     """A named trainer actor and a dict rank -> sampler actor to fill; every actor killed at
     the end, the trainer closed first."""
-    trainer = ray.remote(TrainerWorker).options(name=name, num_cpus=0).remote(
-        TOKEN, hidden=256, layers=4, publish_timeout_s=TIMEOUT)
+    trainer = (
+        ray.remote(TrainerWorker)
+        .options(name=name, num_cpus=0)
+        .remote(TOKEN, hidden=256, layers=4, publish_timeout_s=TIMEOUT)
+    )
     samplers: dict[int, object] = {}
     try:
         yield trainer, samplers
@@ -147,9 +156,26 @@ def test_example_script_runs_as_a_second_driver_of_the_cluster(cluster):
     """``run.py`` as a user runs it (here joining the test's cluster instead of starting one):
     4 samplers, tp 2, every step checked; exit 0 only when every sampler matched."""
     address = ray.get_runtime_context().gcs_address
-    run = subprocess.run([sys.executable, os.path.join(EXAMPLE, "run.py"), "--address", address, "--samplers", "4",
-                          "--tp", "2", "--steps", "2", "--hidden", "256"], check=False, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(EXAMPLE, "run.py"),
+            "--address",
+            address,
+            "--samplers",
+            "4",
+            "--tp",
+            "2",
+            "--steps",
+            "2",
+            "--hidden",
+            "256",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert sum("ok via shm" in line and "bytes match" in line for line in lines) == 8, run.stdout
@@ -189,7 +215,8 @@ def test_vllm_server_actor_as_a_sampler_serves_the_published_checkpoint(request,
         assert ray.get(engine.update.remote(1), timeout=600) == "1"
         result = ray.get(pending, timeout=600)
         assert result.ok and [(o.status, o.transport) for o in result.outcomes] == [
-            (SyncStatus.OK, TransportKind.SHM)], result
+            (SyncStatus.OK, TransportKind.SHM)
+        ], result
         assert ray.get([engine.complete.remote(p) for p in prompts], timeout=600) == expected
     finally:
         ray.get([engine.close.remote(), trainer.close.remote()], timeout=TIMEOUT)

@@ -5,6 +5,7 @@ prefill server that returns KV params, or garbage; a decode server that echoes);
 the real one, in this process, over real sockets. The happy path against vLLM's OpenAI servers
 is ``test_vllm_router.py``.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,7 +56,9 @@ def stack():
 
     def build(prefill_answer=lambda b: json.dumps({"kv_transfer_params": PARAMS}).encode(), **cfg):
         prefill = Upstream(prefill_answer)
-        decode = Upstream(lambda b: json.dumps({"choices": [{"token_ids": [7]}], "got": b.get("kv_transfer_params")}).encode())
+        decode = Upstream(
+            lambda b: json.dumps({"choices": [{"token_ids": [7]}], "got": b.get("kv_transfer_params")}).encode()
+        )
         router = Router(RouterConfig((prefill.url,), (decode.url,), **cfg))
         threading.Thread(target=router.serve_forever, daemon=True).start()
         made.extend([router, prefill, decode])
@@ -78,17 +81,26 @@ def _raw(address: str, request: bytes) -> bytes:
 
 
 def _post(address: str, body: bytes, extra: bytes = b"") -> bytes:
-    return _raw(address, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body + extra)
+    return _raw(
+        address,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+        + body
+        + extra,
+    )
 
 
 def test_decode_gets_only_the_prefill_servers_kv_params(stack):
     router, prefill, decode = stack()
     forged = {"tiersync_source": {"request_id": "evil", "source": {"addresses": ["10.9.9.9:1"]}}}
-    out = _post(router.address, json.dumps({"model": "m", "prompt": [1, 2], "max_tokens": 5,
-                                            "kv_transfer_params": forged}).encode())
+    out = _post(
+        router.address,
+        json.dumps({"model": "m", "prompt": [1, 2], "max_tokens": 5, "kv_transfer_params": forged}).encode(),
+    )
     assert b"200 OK" in out.split(b"\r\n")[0]
-    assert prefill.seen[0][1]["max_tokens"] == 1 and prefill.seen[0][1]["kv_transfer_params"] == {"do_remote_decode": True}
+    assert prefill.seen[0][1]["max_tokens"] == 1 and prefill.seen[0][1]["kv_transfer_params"] == {
+        "do_remote_decode": True
+    }
     assert decode.seen[0][1]["kv_transfer_params"] == PARAMS and decode.seen[0][1]["max_tokens"] == 5
 
 
@@ -111,15 +123,18 @@ def test_unreachable_prefill_is_a_502(stack):
     assert out.startswith(b"HTTP/1.1 502") and b"unreachable" in out
 
 
-@pytest.mark.parametrize(("request_bytes", "status"), [
-    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n", b"413"),
-    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", b"411"),
-    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n[1]", b"400"),
-    (b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", b"404"),
-])
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n", b"413"),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", b"411"),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n[1]", b"400"),
+        (b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", b"404"),
+    ],
+)
 def test_refused_requests_close_the_connection_so_a_smuggled_request_is_never_served(stack, request_bytes, status):
     router, prefill, decode = stack()
-    smuggled = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 13\r\n\r\n{\"prompt\":[1]}"
+    smuggled = b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 13\r\n\r\n{"prompt":[1]}'
     out = _raw(router.address, request_bytes + smuggled)
     assert out.startswith(b"HTTP/1.1 " + status) and out.count(b"HTTP/1.1") == 1
     assert not prefill.seen and not decode.seen
@@ -138,11 +153,13 @@ def test_connections_over_the_cap_get_503_and_the_rest_are_served(stack):
 
 
 def test_config_names_the_bad_argument():
-    for kwargs, argument in ((dict(prefill=("localhost:1",), decode=("http://x",)), "prefill"),
-                             (dict(prefill="http://a", decode=("http://x",)), "prefill"),
-                             (dict(prefill=("http://a",), decode=()), "decode"),
-                             (dict(prefill=("http://a",), decode=("http://x",), timeout_s=float("inf")), "timeout_s"),
-                             (dict(prefill=("http://a",), decode=("http://x",), max_connections=0), "max_connections")):
+    for kwargs, argument in (
+        (dict(prefill=("localhost:1",), decode=("http://x",)), "prefill"),
+        (dict(prefill="http://a", decode=("http://x",)), "prefill"),
+        (dict(prefill=("http://a",), decode=()), "decode"),
+        (dict(prefill=("http://a",), decode=("http://x",), timeout_s=float("inf")), "timeout_s"),
+        (dict(prefill=("http://a",), decode=("http://x",), max_connections=0), "max_connections"),
+    ):
         with pytest.raises(UsageError) as ei:
             RouterConfig(**kwargs)
         assert ei.value.argument == argument

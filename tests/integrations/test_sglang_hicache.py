@@ -10,6 +10,7 @@ pool (``page_size``, ``layout``, ``dtype``, ``get_data_page(index, flat=True)``,
 ``MHATokenToKVPoolHost`` writes them for its "layer_first" layout: a page of a bfloat16
 ``(2, layers, tokens, heads, head_dim)`` buffer, not contiguous in it, so a flat page is a copy.
 """
+
 from __future__ import annotations
 
 import glob
@@ -25,8 +26,10 @@ try:
     from sglang.srt.mem_cache.storage import StorageBackendFactory
     from sglang.srt.mem_cache.utils import get_hash_str
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    pytest.skip(f"sglang is not importable ({exc}); CI installs sglang==0.5.23 and its import-time "
-                "dependencies", allow_module_level=True)
+    pytest.skip(
+        f"sglang is not importable ({exc}); CI installs sglang==0.5.23 and its import-time dependencies",
+        allow_module_level=True,
+    )
 
 from tiers._damage import damage
 from tiersync.errors import UsageError
@@ -35,8 +38,11 @@ from tiersync.integrations.sglang import TierSyncHiCacheStorage
 pytestmark = pytest.mark.torch
 PAGE = 4  # tokens per page
 EXTRA = "hicache_storage_backend_extra_config"
-DYNAMIC = {"backend_name": "tiersync", "module_path": "tiersync.integrations.sglang",
-           "class_name": "TierSyncHiCacheStorage"}
+DYNAMIC = {
+    "backend_name": "tiersync",
+    "module_path": "tiersync.integrations.sglang",
+    "class_name": "TierSyncHiCacheStorage",
+}
 
 
 class HostPool:
@@ -50,24 +56,35 @@ class HostPool:
         self.kv_buffer = torch.randn((2, layers, tokens, heads, head_dim), generator=g).to(self.dtype)
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
-        page = self.kv_buffer[:, :, index:index + self.page_size, :, :]
+        page = self.kv_buffer[:, :, index : index + self.page_size, :, :]
         return page.flatten() if flat else page
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         return torch.zeros(self.shape, dtype=self.dtype).flatten()
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        self.kv_buffer[:, :, index:index + self.page_size, :, :] = data_page.reshape(self.shape)
+        self.kv_buffer[:, :, index : index + self.page_size, :, :] = data_page.reshape(self.shape)
 
     def page_bytes(self, slot: int) -> bytes:
         return self.get_data_page(slot).view(torch.uint8).numpy().tobytes()
 
 
-def storage_config(extra: dict, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
-                   model: str = "tiny-llama") -> hs.HiCacheStorageConfig:
-    return hs.HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                   attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
-                                   is_page_first_layout=False, model_name=model, extra_config=extra)
+def storage_config(
+    extra: dict, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, model: str = "tiny-llama"
+) -> hs.HiCacheStorageConfig:
+    return hs.HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=False,
+        model_name=model,
+        extra_config=extra,
+    )
 
 
 def page_keys(n: int, seed: int = 1) -> list[str]:
@@ -116,8 +133,7 @@ def test_pages_round_trip_byte_exact_through_both_call_paths(make):
     assert [pool.page_bytes((12 + i) * PAGE) for i in range(4)] == [pool.page_bytes(i * PAGE) for i in range(4)]
 
 
-@pytest.mark.parametrize("tier", [{"storage_dir": None}, {"host_bytes": 0}],
-                         ids=["host", "disk"])
+@pytest.mark.parametrize("tier", [{"storage_dir": None}, {"host_bytes": 0}], ids=["host", "disk"])
 def test_batch_exists_counts_the_prefix_up_to_the_first_gap(make, tier):
     pool, keys = HostPool(), page_keys(5)
     backend = make(pool, **tier)
@@ -261,13 +277,16 @@ def test_loaded_through_sglangs_dynamic_backend_factory(tmp_path):
         backend.close()
 
 
-@pytest.mark.parametrize("extra, argument", [
-    ({"host_byte": "1GiB"}, f"{EXTRA}.host_byte"),
-    ({"host_bytes": "lots"}, f"{EXTRA}.host_bytes"),
-    ({"host_bytes": 0}, f"{EXTRA}.storage_dir"),
-    ({"eviction": "mru"}, f"{EXTRA}.eviction"),
-    ({"fsync": "maybe"}, f"{EXTRA}.fsync"),
-])
+@pytest.mark.parametrize(
+    "extra, argument",
+    [
+        ({"host_byte": "1GiB"}, f"{EXTRA}.host_byte"),
+        ({"host_bytes": "lots"}, f"{EXTRA}.host_bytes"),
+        ({"host_bytes": 0}, f"{EXTRA}.storage_dir"),
+        ({"eviction": "mru"}, f"{EXTRA}.eviction"),
+        ({"fsync": "maybe"}, f"{EXTRA}.fsync"),
+    ],
+)
 def test_bad_settings_are_refused_by_name(extra, argument):
     with pytest.raises(UsageError) as err:
         StorageBackendFactory.create_backend("dynamic", storage_config({**DYNAMIC, **extra}), None)
@@ -275,6 +294,8 @@ def test_bad_settings_are_refused_by_name(extra, argument):
 
 
 def test_importing_tiersync_imports_no_sglang():
-    code = ("import sys, tiersync, tiersync.integrations.sglang as s; s.HiCacheConfig(); "
-            "bad = [m for m in ('sglang', 'torch') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys, tiersync, tiersync.integrations.sglang as s; s.HiCacheConfig(); "
+        "bad = [m for m in ('sglang', 'torch') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -5,6 +5,7 @@ Every prompt is 6000 tokens and the prefill chunk 2048 tokens, so each mode runs
 prefill. The model has random weights (std 0.05), so its greedy output depends on every
 KV byte: loading wrong KV changes the tokens.
 """
+
 from __future__ import annotations
 
 import glob
@@ -39,8 +40,12 @@ def disk(tmp_path_factory):
 
 
 def _spec(model, disk, steps):
-    return {"model": model, "steps": steps, "connector": "tiersync",
-            "extra": {"host_bytes": "256MiB", "storage_dir": disk}}
+    return {
+        "model": model,
+        "steps": steps,
+        "connector": "tiersync",
+        "extra": {"host_bytes": "256MiB", "storage_dir": disk},
+    }
 
 
 def _same_output(row, baseline):

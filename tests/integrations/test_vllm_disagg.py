@@ -4,6 +4,7 @@
 The prefill engine doubles as the monolithic reference: a request without
 ``do_remote_decode`` is computed and decoded there like on any engine.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -29,13 +30,17 @@ def cluster(tmp_path_factory):
 
     servers = {}
     try:
-        servers["prefill"] = start(["engine", json.dumps({**base, "kv_role": "kv_producer",
-                                                          "extra": {"pd_port": PD_PORT}}), "0"],
-                                   str(work / "prefill.log"), py)
-        servers["decode"] = start(["engine", json.dumps({**base, "kv_role": "kv_consumer"}), "0"],
-                                  str(work / "decode.log"), py)
-        servers["router"] = start(["router", servers["prefill"].url, servers["decode"].url, "0"],
-                                  str(work / "router.log"), py)
+        servers["prefill"] = start(
+            ["engine", json.dumps({**base, "kv_role": "kv_producer", "extra": {"pd_port": PD_PORT}}), "0"],
+            str(work / "prefill.log"),
+            py,
+        )
+        servers["decode"] = start(
+            ["engine", json.dumps({**base, "kv_role": "kv_consumer"}), "0"], str(work / "decode.log"), py
+        )
+        servers["router"] = start(
+            ["router", servers["prefill"].url, servers["decode"].url, "0"], str(work / "router.log"), py
+        )
         yield servers
     finally:
         for s in servers.values():

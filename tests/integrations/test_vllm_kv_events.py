@@ -11,6 +11,7 @@ eviction, the disk hits' promotion back to host, and replay must return every ba
 A store node publishes its own stream in the same format (topic ``kv@<node>@<model>``); a
 subscriber that restarts catches up through the replay socket from the next sequence it lacks.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -40,8 +41,12 @@ class Subscriber:
     """The subscriber process: live batches as they come, every batch again by replay at the end."""
 
     def __init__(self, pub: str, replay: str, topic: str = "kv", start: int = 0) -> None:
-        self.proc = subprocess.Popen([vllm_python(), SUBSCRIBER, pub, replay, topic, str(start)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [vllm_python(), SUBSCRIBER, pub, replay, topic, str(start)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout.readline().strip() == "ready"
 
     def finish(self) -> tuple[dict[int, list], dict[int, list]]:
@@ -60,7 +65,7 @@ def _locate(prompts: list[list[int]], tokens: list[int]) -> tuple[int, int]:
     """(prompt, first block) whose blocks the event's token ids are."""
     for p, prompt in enumerate(prompts):
         for b in range(FULL):
-            if prompt[b * BLOCK:b * BLOCK + len(tokens)] == tokens:
+            if prompt[b * BLOCK : b * BLOCK + len(tokens)] == tokens:
                 return p, b
     raise AssertionError(f"token ids of no prompt's blocks: {tokens[:8]}...")
 
@@ -69,11 +74,20 @@ def test_host_and_disk_blocks_published_as_vllm_kv_events(tmp_path):
     require_vllm()
     model = write_tiny_llama(str(tmp_path / "model"))
     pub, replay = free_port(), free_port()
-    events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                  "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"}
-    kv = {"kv_connector": "TierSyncConnector", "kv_role": "kv_both",
-          "kv_connector_module_path": "tiersync.integrations.vllm", "kv_load_failure_policy": "recompute",
-          "kv_connector_extra_config": {"host_bytes": f"{SLOTS * 3 // 2}MiB", "storage_dir": str(tmp_path / "kv")}}
+    events_cfg = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{replay}",
+        "topic": "kv",
+    }
+    kv = {
+        "kv_connector": "TierSyncConnector",
+        "kv_role": "kv_both",
+        "kv_connector_module_path": "tiersync.integrations.vllm",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"host_bytes": f"{SLOTS * 3 // 2}MiB", "storage_dir": str(tmp_path / "kv")},
+    }
     prompts = [make_prompt(PROMPT_LEN, seed=s, vocab=1000) for s in (1, 2, 3)]
     with openai_server(model, kv, str(tmp_path / "server.log"), "--kv-events-config", json.dumps(events_cfg)) as srv:
         sub = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
@@ -123,10 +137,27 @@ def test_store_node_stream_and_replay_after_a_subscriber_restart():
     """A ``tiersync store-node`` process with --kv-events-endpoint/--kv-events-replay."""
     require_vllm()
     token, block = "t" * 32, 64 << 10
-    node = subprocess.Popen([sys.executable, "-m", "tiersync.cli", "store-node", "--capacity", str(64 * block),
-                             "--port", "0", "--block-size", str(block), "--kv-events-endpoint", "tcp://127.0.0.1:0",
-                             "--kv-events-replay", "tcp://127.0.0.1:0"], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "TIERSYNC_TOKEN": token})
+    node = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tiersync.cli",
+            "store-node",
+            "--capacity",
+            str(64 * block),
+            "--port",
+            "0",
+            "--block-size",
+            str(block),
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:0",
+            "--kv-events-replay",
+            "tcp://127.0.0.1:0",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TIERSYNC_TOKEN": token},
+    )
     try:
         line = node.stdout.readline()
         m = re.search(r"listening on (\S+) .*KV events on (\S+) \(replay (\S+), topic (\S+)\)", line)
@@ -148,8 +179,9 @@ def test_store_node_stream_and_replay_after_a_subscriber_restart():
     assert replayed[0] == [{"type": "AllBlocksCleared", "block_hashes": [], "medium": None}]
     assert all(replayed[seq] == got for seq, got in live.items())
     assert sorted(caught_up) == list(range(seen + 1, seen + 1 + len(caught_up)))  # nothing skipped
-    stored = [e for seq in sorted(replayed) for e in replayed[seq]] + [e for s in sorted(caught_up)
-                                                                      for e in caught_up[s]]
+    stored = [e for seq in sorted(replayed) for e in replayed[seq]] + [
+        e for s in sorted(caught_up) for e in caught_up[s]
+    ]
     hashes = [h for e in stored if e["type"] == "BlockStored" for h in e["block_hashes"]]
     assert hashes == [k.hex() for k in keys]  # every key once, in commit order (no re-announcement)
     assert {e["medium"] for e in stored if e["type"] == "BlockStored"} == {"CPU"}

@@ -7,6 +7,7 @@ twice over HTTP. The second is a host-tier hit, and ``/metrics`` shows it: tiers
 tokens equal vLLM's own count of external prefix-cache hits, and the bytes saved and
 loaded are whole host blocks.
 """
+
 from __future__ import annotations
 
 import time
@@ -26,9 +27,13 @@ HIT_TOKENS = (PROMPT_LEN - 1) // BLOCK * BLOCK
 def server(tmp_path_factory):
     require_vllm()
     model = write_tiny_llama(str(tmp_path_factory.mktemp("model")))
-    kv = {"kv_connector": "TierSyncConnector", "kv_role": "kv_both",
-          "kv_connector_module_path": "tiersync.integrations.vllm",
-          "kv_connector_extra_config": {"host_bytes": "256MiB"}, "kv_load_failure_policy": "recompute"}
+    kv = {
+        "kv_connector": "TierSyncConnector",
+        "kv_role": "kv_both",
+        "kv_connector_module_path": "tiersync.integrations.vllm",
+        "kv_connector_extra_config": {"host_bytes": "256MiB"},
+        "kv_load_failure_policy": "recompute",
+    }
     with openai_server(model, kv, str(tmp_path_factory.mktemp("log") / "server.log")) as srv:
         yield srv, model
 

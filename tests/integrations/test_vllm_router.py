@@ -6,6 +6,7 @@ with ``--kv-transfer-config``; the router is the ``tiersync router`` command. A 
 server's own answer for the prompt alone (monolithic), and the decode server counts the prompt's
 full blocks as external prefix-cache hits (it pulled them instead of computing them).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,15 +28,22 @@ PULLED = (PROMPT_LEN - 1) // BLOCK * BLOCK  # the decode engine computes the las
 
 
 def _kv(role: str, **extra: object) -> dict:
-    return {"kv_connector": "TierSyncConnector", "kv_role": role, "kv_connector_module_path": "tiersync.integrations.vllm",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"pd_token": "router-test-token-0123456", **extra}}
+    return {
+        "kv_connector": "TierSyncConnector",
+        "kv_role": role,
+        "kv_connector_module_path": "tiersync.integrations.vllm",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"pd_token": "router-test-token-0123456", **extra},
+    }
 
 
 def _stream(url: str, body: dict) -> list[int]:
     """The token ids of a streamed completion (server-sent events), in order."""
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     tokens = []
     with urllib.request.urlopen(request, timeout=600) as answer:
         for line in answer:
@@ -50,10 +58,26 @@ def test_router_serves_prefill_then_decode_with_monolithic_tokens(tmp_path):
     require_vllm()
     model = write_tiny_llama(str(tmp_path / "model"))
     prompt = make_prompt(PROMPT_LEN, seed=7, vocab=1000)
-    with openai_server(model, _kv("kv_producer", pd_port=free_port()), str(tmp_path / "prefill.log")) as prefill, \
-            openai_server(model, _kv("kv_consumer"), str(tmp_path / "decode.log")) as decode:
-        router = subprocess.Popen([sys.executable, "-m", "tiersync.cli", "router", "--prefill", prefill.url,
-                                   "--decode", decode.url, "--port", "0"], stdout=subprocess.PIPE, text=True)
+    with (
+        openai_server(model, _kv("kv_producer", pd_port=free_port()), str(tmp_path / "prefill.log")) as prefill,
+        openai_server(model, _kv("kv_consumer"), str(tmp_path / "decode.log")) as decode,
+    ):
+        router = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tiersync.cli",
+                "router",
+                "--prefill",
+                prefill.url,
+                "--decode",
+                decode.url,
+                "--port",
+                "0",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             line = router.stdout.readline()
             assert "listening on" in line, line

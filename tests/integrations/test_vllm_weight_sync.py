@@ -7,6 +7,7 @@ engine started from checkpoint B as the reference. The engine generates greedy t
 few token-id prompts before the update (weights A), after version 1 (B) and after version 2
 (A again). float32 engines, so the comparisons are exact.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,9 @@ class Proc:
 
     def __init__(self, argv: list[str], timeout: float) -> None:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env)
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
         self.answers: queue.Queue = queue.Queue()
         self.tail: deque[str] = deque(maxlen=300)
         threading.Thread(target=self._read, daemon=True).start()

@@ -8,6 +8,7 @@ RL routes, and the ``kv_both`` connector caching every prompt in host memory; a 
 using vLLM's ``WeightTransferTrainerFactory`` and ``HTTPVLLMWeightSyncClient`` with checkpoint B;
 a reference server started from B. float32 engines: comparisons are exact.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,13 @@ TRAINER = str(Path(__file__).with_name("_weight_transfer_trainer.py"))
 TOKEN = "weight-transfer-test-token-00001"
 HITS = "tiersync_connector_hit_tokens_total"
 PROMPTS = [make_prompt(700, seed=s, vocab=1000) for s in (1, 2)]  # 5 full blocks of 128 each
-KV = {"kv_connector": "TierSyncConnector", "kv_role": "kv_both", "kv_connector_module_path": "tiersync.integrations.vllm",
-      "kv_connector_extra_config": {"host_bytes": "256MiB"}, "kv_load_failure_policy": "recompute"}
+KV = {
+    "kv_connector": "TierSyncConnector",
+    "kv_role": "kv_both",
+    "kv_connector_module_path": "tiersync.integrations.vllm",
+    "kv_connector_extra_config": {"host_bytes": "256MiB"},
+    "kv_load_failure_policy": "recompute",
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +53,26 @@ def test_http_driven_update_serves_the_new_checkpoint_and_never_the_old_kv(tmp_p
     only, so nothing resets anything: the workers' weights generation alone must keep the host
     tier's KV of the old weights from being loaded."""
     model_a, model_b, expected = checkpoints
-    with openai_server(model_a, KV, str(tmp_path / "server.log"), "--weight-transfer-config",
-                       json.dumps({"backend": "tiersync"}), env={"VLLM_SERVER_DEV_MODE": "1"}) as srv:
+    with openai_server(
+        model_a,
+        KV,
+        str(tmp_path / "server.log"),
+        "--weight-transfer-config",
+        json.dumps({"backend": "tiersync"}),
+        env={"VLLM_SERVER_DEV_MODE": "1"},
+    ) as srv:
         before = [complete(srv, model_a, p) for p in PROMPTS]
         assert before != expected  # A and B differ
         assert complete(srv, model_a, PROMPTS[0]) == before[0]
         assert settled_total(srv, HITS, 1, tier="host") > 0  # the host tier serves A's KV
         routes = [client] if client != "http" else []
-        trainer = subprocess.run([vllm_python(), TRAINER, srv.url, model_b, TOKEN, *routes], check=False, capture_output=True,
-                                 text=True, timeout=600)
+        trainer = subprocess.run(
+            [vllm_python(), TRAINER, srv.url, model_b, TOKEN, *routes],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert trainer.returncode == 0, trainer.stderr[-3000:]
         sent = json.loads(trainer.stdout.strip().splitlines()[-1])
         assert sent["version"] == 1 and sent["ok"] and sent["outcomes"] == [["ok", "shm"]], sent

@@ -1,4 +1,5 @@
 """Tensors viewed as pools in place (tiersync.layout.adapters)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -69,29 +70,37 @@ def test_read_only_numpy_pool_is_not_writable():
     assert not as_pool(a).writable
 
 
-@pytest.mark.parametrize("a", [
-    np.array([[object()], [object()]], dtype=object),
-    np.array([["ab"], ["cd"]]),
-    np.array([[b"ab"], [b"cd"]]),
-    np.zeros((2, 3), dtype=[("a", "<i4"), ("b", "<f4")]),
-    np.zeros((2, 3), dtype="V8"),
-    np.zeros((2, 3), dtype="datetime64[ns]"),
-], ids=["object", "str", "bytes", "structured", "void", "datetime"])
+@pytest.mark.parametrize(
+    "a",
+    [
+        np.array([[object()], [object()]], dtype=object),
+        np.array([["ab"], ["cd"]]),
+        np.array([[b"ab"], [b"cd"]]),
+        np.zeros((2, 3), dtype=[("a", "<i4"), ("b", "<f4")]),
+        np.zeros((2, 3), dtype="V8"),
+        np.zeros((2, 3), dtype="datetime64[ns]"),
+    ],
+    ids=["object", "str", "bytes", "structured", "void", "datetime"],
+)
 def test_non_numeric_dtypes_are_refused(a):
     with pytest.raises(UsageError) as ei:
         as_pool(a, argument="kcache")
     assert ei.value.argument == "kcache" and "dtype" in str(ei.value)
 
 
-@pytest.mark.parametrize("a, words", [
-    (np.zeros((), dtype=np.float32), "dimension"),
-    (np.zeros((0, 4), dtype=np.float32), "non-empty"),
-    (np.zeros((4, 0), dtype=np.float32), "non-empty"),
-    (np.zeros((4, 8), dtype=np.float32)[::-1], "negative"),
-    (np.zeros((4, 8), dtype=np.float32)[:, ::-1], "negative"),
-    (np.broadcast_to(np.zeros(8, dtype=np.float32), (4, 8)), "overlap"),
-    (np.broadcast_to(np.zeros((1, 8), dtype=np.float32), (4, 2, 8)), "overlap"),
-], ids=["0-d", "no-blocks", "empty-trailing", "neg-major", "neg-minor", "zero-major", "zero-minor"])
+@pytest.mark.parametrize(
+    "a, words",
+    [
+        (np.zeros((), dtype=np.float32), "dimension"),
+        (np.zeros((0, 4), dtype=np.float32), "non-empty"),
+        (np.zeros((4, 0), dtype=np.float32), "non-empty"),
+        (np.zeros((4, 8), dtype=np.float32)[::-1], "negative"),
+        (np.zeros((4, 8), dtype=np.float32)[:, ::-1], "negative"),
+        (np.broadcast_to(np.zeros(8, dtype=np.float32), (4, 8)), "overlap"),
+        (np.broadcast_to(np.zeros((1, 8), dtype=np.float32), (4, 2, 8)), "overlap"),
+    ],
+    ids=["0-d", "no-blocks", "empty-trailing", "neg-major", "neg-minor", "zero-major", "zero-minor"],
+)
 def test_bad_shapes_and_strides_are_refused(a, words):
     with pytest.raises(UsageError) as ei:
         as_pool(a, argument="vcache")
@@ -125,8 +134,11 @@ def test_torch_pool_geometry(dtype):
 
 
 def test_torch_meta_and_empty_and_0d_are_refused():
-    for t, words in ((torch.zeros((4, 8), device="meta"), "cpu or cuda"), (torch.zeros(()), "dimension"),
-                     (torch.zeros((0, 8)), "non-empty")):
+    for t, words in (
+        (torch.zeros((4, 8), device="meta"), "cpu or cuda"),
+        (torch.zeros(()), "dimension"),
+        (torch.zeros((0, 8)), "non-empty"),
+    ):
         with pytest.raises(UsageError) as ei:
             as_pool(t, argument="layer0")
         assert ei.value.argument == "layer0" and words in str(ei.value)

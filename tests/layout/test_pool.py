@@ -1,4 +1,5 @@
 """Pool geometry: Region, PoolSpec, DevicePool and KVLayout (tiersync.layout.pool)."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,9 @@ def spec(num_blocks=4, stride=128, regions=((0, 32), (64, 32)), **kw) -> PoolSpe
 
 
 def pool(s: PoolSpec, *, layer=0, nbytes=None) -> DevicePool:
-    return DevicePool(spec=s, device=Device.CPU, address=0x1000, nbytes=s.extent if nbytes is None else nbytes,
-                      layer=layer)
+    return DevicePool(
+        spec=s, device=Device.CPU, address=0x1000, nbytes=s.extent if nbytes is None else nbytes, layer=layer
+    )
 
 
 def test_align_up():
@@ -37,15 +39,30 @@ def test_regions_given_as_list_are_stored_as_tuple():
 def test_describe_distinguishes_geometry_tag_and_dtype():
     base = spec()
     assert base.describe() == spec().describe()
-    others = [spec(num_blocks=5), spec(stride=256), spec(regions=((0, 32), (64, 16))), spec(base_offset=8),
-              spec(tag="v"), spec(dtype="bfloat16")]
+    others = [
+        spec(num_blocks=5),
+        spec(stride=256),
+        spec(regions=((0, 32), (64, 16))),
+        spec(base_offset=8),
+        spec(tag="v"),
+        spec(dtype="bfloat16"),
+    ]
     assert len({base.describe(), *(o.describe() for o in others)}) == 1 + len(others)
 
 
-@pytest.mark.parametrize("offset, nbytes, argument", [
-    (-1, 4, "Region.offset"), (0.5, 4, "Region.offset"), (True, 4, "Region.offset"), ("0", 4, "Region.offset"),
-    (0, 0, "Region.nbytes"), (0, -4, "Region.nbytes"), (0, 2.0, "Region.nbytes"), (0, True, "Region.nbytes"),
-])
+@pytest.mark.parametrize(
+    "offset, nbytes, argument",
+    [
+        (-1, 4, "Region.offset"),
+        (0.5, 4, "Region.offset"),
+        (True, 4, "Region.offset"),
+        ("0", 4, "Region.offset"),
+        (0, 0, "Region.nbytes"),
+        (0, -4, "Region.nbytes"),
+        (0, 2.0, "Region.nbytes"),
+        (0, True, "Region.nbytes"),
+    ],
+)
 def test_region_rejects_bad_fields(offset, nbytes, argument):
     with pytest.raises(UsageError) as ei:
         Region(offset, nbytes)
@@ -53,27 +70,30 @@ def test_region_rejects_bad_fields(offset, nbytes, argument):
     assert argument in str(ei.value)
 
 
-@pytest.mark.parametrize("kw, argument", [
-    (dict(num_blocks=0), "PoolSpec.num_blocks"),
-    (dict(num_blocks=-3), "PoolSpec.num_blocks"),
-    (dict(num_blocks=True), "PoolSpec.num_blocks"),
-    (dict(num_blocks=2.0), "PoolSpec.num_blocks"),
-    (dict(block_stride=0), "PoolSpec.block_stride"),
-    (dict(block_stride="64"), "PoolSpec.block_stride"),
-    (dict(base_offset=-1), "PoolSpec.base_offset"),
-    (dict(base_offset=1.5), "PoolSpec.base_offset"),
-    (dict(tag=3), "PoolSpec.tag"),
-    (dict(tag=None), "PoolSpec.tag"),
-    (dict(dtype=5), "PoolSpec.dtype"),
-    (dict(dtype=""), "PoolSpec.dtype"),
-    (dict(regions=()), "PoolSpec.regions"),
-    (dict(regions=None), "PoolSpec.regions"),
-    (dict(regions="abc"), "PoolSpec.regions"),
-    (dict(regions=((0, 8),)), "PoolSpec.regions"),  # tuples, not Region objects
-    (dict(regions=(Region(32, 8), Region(0, 8))), "PoolSpec.regions"),  # unsorted
-    (dict(regions=(Region(0, 16), Region(8, 8))), "PoolSpec.regions"),  # overlapping
-    (dict(regions=(Region(0, 60), Region(60, 8))), "PoolSpec.regions"),  # past the stride
-])
+@pytest.mark.parametrize(
+    "kw, argument",
+    [
+        (dict(num_blocks=0), "PoolSpec.num_blocks"),
+        (dict(num_blocks=-3), "PoolSpec.num_blocks"),
+        (dict(num_blocks=True), "PoolSpec.num_blocks"),
+        (dict(num_blocks=2.0), "PoolSpec.num_blocks"),
+        (dict(block_stride=0), "PoolSpec.block_stride"),
+        (dict(block_stride="64"), "PoolSpec.block_stride"),
+        (dict(base_offset=-1), "PoolSpec.base_offset"),
+        (dict(base_offset=1.5), "PoolSpec.base_offset"),
+        (dict(tag=3), "PoolSpec.tag"),
+        (dict(tag=None), "PoolSpec.tag"),
+        (dict(dtype=5), "PoolSpec.dtype"),
+        (dict(dtype=""), "PoolSpec.dtype"),
+        (dict(regions=()), "PoolSpec.regions"),
+        (dict(regions=None), "PoolSpec.regions"),
+        (dict(regions="abc"), "PoolSpec.regions"),
+        (dict(regions=((0, 8),)), "PoolSpec.regions"),  # tuples, not Region objects
+        (dict(regions=(Region(32, 8), Region(0, 8))), "PoolSpec.regions"),  # unsorted
+        (dict(regions=(Region(0, 16), Region(8, 8))), "PoolSpec.regions"),  # overlapping
+        (dict(regions=(Region(0, 60), Region(60, 8))), "PoolSpec.regions"),  # past the stride
+    ],
+)
 def test_poolspec_rejects_bad_fields(kw, argument):
     args = dict(num_blocks=2, block_stride=64, regions=(Region(0, 8),))
     args.update(kw)
@@ -100,9 +120,9 @@ def test_device_pool_checks_storage_size_and_layer():
 
 
 def test_layout_host_image_offsets_are_aligned_and_block_major():
-    a = pool(spec(regions=((0, 40),)), layer=0)             # 40 live bytes
-    b = pool(spec(regions=((0, 32), (64, 32))), layer=0)    # 64 live bytes
-    c = pool(spec(regions=((0, 1),)), layer=1)              # 1 live byte
+    a = pool(spec(regions=((0, 40),)), layer=0)  # 40 live bytes
+    b = pool(spec(regions=((0, 32), (64, 32))), layer=0)  # 64 live bytes
+    c = pool(spec(regions=((0, 1),)), layer=1)  # 1 live byte
     lay = KVLayout((a, b, c))
     assert lay.host_offsets == (0, 64, 128)
     assert lay.host_block_nbytes == 192

@@ -4,6 +4,7 @@ Serves a 16 MiB node with the test token, ``max_connections=CAP``; lowers its ow
 RLIMIT_NOFILE to NOFILE first when NOFILE > 0. Prints its address, then serves until stdin
 closes.
 """
+
 import resource
 import sys
 

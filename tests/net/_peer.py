@@ -1,4 +1,5 @@
 """Server processes for the networking tests (loopback only): block servers, store nodes, registries, Redis."""
+
 from __future__ import annotations
 
 import queue
@@ -95,10 +96,28 @@ class Proc:
 class StoreNodeProc(Proc):
     """`tiersync store-node` on 127.0.0.1, port 0; ``address`` from its stdout."""
 
-    def __init__(self, capacity: str = "4MiB", *, block: int = 256 << 10, token: str | None = TOKEN,
-                 registry: str | None = None, heartbeat_s: float | None = None, store_id: str | None = None) -> None:
-        cmd = [sys.executable, "-m", "tiersync.cli", "store-node", "--capacity", capacity, "--port", "0",
-               "--block-size", str(block)] + (["--token", token] if token else [])
+    def __init__(
+        self,
+        capacity: str = "4MiB",
+        *,
+        block: int = 256 << 10,
+        token: str | None = TOKEN,
+        registry: str | None = None,
+        heartbeat_s: float | None = None,
+        store_id: str | None = None,
+    ) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "tiersync.cli",
+            "store-node",
+            "--capacity",
+            capacity,
+            "--port",
+            "0",
+            "--block-size",
+            str(block),
+        ] + (["--token", token] if token else [])
         if registry:
             cmd += ["--registry", registry]
         if heartbeat_s is not None:
@@ -114,8 +133,16 @@ class RegistryProc(Proc):
     """`tiersync registry` on 127.0.0.1 (``port`` 0 picks one); ``address`` from its stdout."""
 
     def __init__(self, port: int = 0, *, redis: str | None = None, store_ttl_s: float = 900.0) -> None:
-        cmd = [sys.executable, "-m", "tiersync.cli", "registry", "--port", str(port),
-               "--store-ttl-s", str(store_ttl_s)] + (["--redis", redis] if redis else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "tiersync.cli",
+            "registry",
+            "--port",
+            str(port),
+            "--store-ttl-s",
+            str(store_ttl_s),
+        ] + (["--redis", redis] if redis else [])
         super().__init__(cmd, "listening on ")
         self.address = self.address_after("listening on ")
         self.port = int(self.address.rpartition(":")[2])
@@ -129,6 +156,20 @@ class RedisProc(Proc):
         if binary is None:
             raise FileNotFoundError("redis-server")
         self.port = port or free_port()
-        super().__init__([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                          "--appendonly", "no", "--dir", workdir], "Ready to accept connections")
+        super().__init__(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                workdir,
+            ],
+            "Ready to accept connections",
+        )
         self.url = f"redis://127.0.0.1:{self.port}/0"

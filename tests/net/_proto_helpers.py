@@ -1,4 +1,5 @@
 """Builders shared by the protocol tests: a handshaken pair and event strategies."""
+
 from __future__ import annotations
 
 from hypothesis import strategies as st
@@ -24,7 +25,7 @@ def feed(dst: Connection, wire: bytes, chunks=None) -> list:
     out, pos, sizes = [], 0, list(chunks or [])
     while pos < len(wire):
         n = sizes.pop(0) if sizes else len(wire) - pos
-        dst.receive_data(wire[pos:pos + max(1, n)])
+        dst.receive_data(wire[pos : pos + max(1, n)])
         pos += max(1, n)
         out.extend(drain(dst))
     return out
@@ -54,8 +55,11 @@ def requests(rid=RID):
     keys = st.lists(KEYS, max_size=8).map(tuple)
     return st.one_of(
         st.builds(ev.Ping, rid, U64),
-        keys.flatmap(lambda ks: st.builds(so.Offer, rid, U64, st.just(ks),
-                                          st.lists(U64, min_size=len(ks), max_size=len(ks)).map(tuple))),
+        keys.flatmap(
+            lambda ks: st.builds(
+                so.Offer, rid, U64, st.just(ks), st.lists(U64, min_size=len(ks), max_size=len(ks)).map(tuple)
+            )
+        ),
         st.builds(so.ReadLease, rid, keys, U64),
         st.builds(so.Pull, rid, U64, KEYS, U64, U64),
         st.builds(so.Release, rid, U64),
@@ -70,8 +74,9 @@ def response_for(request):
     answer = {
         ev.Ping: st.builds(ev.Pong, rid, U64),
         so.Offer: st.builds(so.OfferReply, rid, st.sampled_from(so.OfferStatus), keys),
-        so.ReadLease: st.builds(so.LeaseReply, rid, st.sampled_from(so.LeaseStatus), U64, U64,
-                                st.lists(U64, max_size=8).map(tuple), keys),
+        so.ReadLease: st.builds(
+            so.LeaseReply, rid, st.sampled_from(so.LeaseStatus), U64, U64, st.lists(U64, max_size=8).map(tuple), keys
+        ),
         so.Pull: st.builds(ev.Data, rid, st.binary(max_size=3000)),
         so.Release: st.builds(ev.CommitReply, rid, st.sampled_from(ev.CommitStatus), TEXT),
     }[type(request)]

@@ -1,4 +1,5 @@
 """Shared helpers for the networking tests (loopback only)."""
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 Decoding with vLLM's own classes, and a store node's stream across a subscriber restart, are in
 ``tests/integrations/test_vllm_kv_events.py`` (they need the vLLM venv).
 """
+
 from __future__ import annotations
 
 import socket
@@ -27,8 +28,9 @@ KEYS = [bytes([i]) * 16 for i in range(4)]
 
 @pytest.fixture
 def publisher():
-    with KVEventPublisher(KVEventsConfig("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="kv@n@m",
-                                         buffer_steps=3)) as pub:
+    with KVEventPublisher(
+        KVEventsConfig("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="kv@n@m", buffer_steps=3)
+    ) as pub:
         yield pub
 
 

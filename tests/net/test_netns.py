@@ -6,6 +6,7 @@ iproute2 (``ip``); otherwise, or when the kernel refuses to create namespaces (a
 without CAP_SYS_ADMIN), the test is skipped and the reason printed. The namespaces (and with
 them the veth pair) are deleted in a finalizer, also when the test fails.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,9 @@ def _ip(*args: str) -> None:
 
 
 def _tx_rx(ns: str, dev: str) -> tuple[int, int]:
-    out = subprocess.run(["ip", "-n", ns, "-j", "-s", "link", "show", dev], check=True, capture_output=True,
-                         text=True, timeout=30).stdout
+    out = subprocess.run(
+        ["ip", "-n", ns, "-j", "-s", "link", "show", dev], check=True, capture_output=True, text=True, timeout=30
+    ).stdout
     stats = json.loads(out)[0]["stats64"]
     return stats["tx"]["bytes"], stats["rx"]["bytes"]
 
@@ -91,16 +93,54 @@ def two_hosts(request):
 
 def test_store_node_write_and_leased_read_across_a_veth_link(two_hosts):
     node_ns, client_ns, client_if = two_hosts
-    node = Proc(["ip", "netns", "exec", node_ns, sys.executable, "-m", "tiersync.cli", "store-node",
-                 "--capacity", "16MiB", "--port", "0", "--host", NODE_IP, "--block-size", str(BLOCK),
-                 "--token", TOKEN], "listening on ")
+    node = Proc(
+        [
+            "ip",
+            "netns",
+            "exec",
+            node_ns,
+            sys.executable,
+            "-m",
+            "tiersync.cli",
+            "store-node",
+            "--capacity",
+            "16MiB",
+            "--port",
+            "0",
+            "--host",
+            NODE_IP,
+            "--block-size",
+            str(BLOCK),
+            "--token",
+            TOKEN,
+        ],
+        "listening on ",
+    )
     try:
         address = node.address_after("listening on ")
         assert address.startswith(NODE_IP + ":")
         tx0, rx0 = _tx_rx(client_ns, client_if)
         n = 24
-        run = subprocess.run(["ip", "netns", "exec", client_ns, sys.executable, "-c", CLIENT, address, TOKEN,
-                              str(n), str(BLOCK), CLIENT_IP], check=False, capture_output=True, text=True, timeout=120)
+        run = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                client_ns,
+                sys.executable,
+                "-c",
+                CLIENT,
+                address,
+                TOKEN,
+                str(n),
+                str(BLOCK),
+                CLIENT_IP,
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         result = json.loads(run.stdout.strip().splitlines()[-1])
         assert result["offer"] == "ACCEPT" and result["commit"] == "COMMITTED" and result["exact"] is True

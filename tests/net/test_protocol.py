@@ -4,6 +4,7 @@ Round-trip invariant: for every event E allowed in the current state, feeding
 ``send(E)`` to the peer in any chunking yields exactly ``[E]`` (equal fields),
 and both sides then agree on which requests are outstanding.
 """
+
 from __future__ import annotations
 
 import struct
@@ -43,9 +44,11 @@ def test_handshake_round_trips_in_any_chunking(node, nonce, chunks):
     hello = ev.Hello(node, nonce)
     assert deliver(client, server, hello, chunks) == [hello]
     assert server.state is State.MUST_CHALLENGE
-    for src, dst, event in ((server, client, ev.Challenge(nonce, b"")),
-                            (client, server, ev.Auth(b"x" * 32)),
-                            (server, client, ev.Ready(5))):
+    for src, dst, event in (
+        (server, client, ev.Challenge(nonce, b"")),
+        (client, server, ev.Auth(b"x" * 32)),
+        (server, client, ev.Ready(5)),
+    ):
         assert deliver(src, dst, event, chunks) == [event]
     assert client.state is State.READY and server.state is State.READY
 
@@ -83,11 +86,11 @@ def test_data_payload_is_sent_without_copy_and_lands_in_caller_buffer():
     dest = bytearray(1000)
     client.expect_payload_into(9, dest)
     wire = b"".join(bytes(b) for b in bufs)
-    client.receive_data(wire[:HEADER_SIZE + 10])
+    client.receive_data(wire[: HEADER_SIZE + 10])
     assert client.next_event() is NEED_DATA
     sink = client.payload_sink()
     assert sink is not None and len(sink) == 990
-    sink[:] = wire[HEADER_SIZE + 10:]
+    sink[:] = wire[HEADER_SIZE + 10 :]
     client.payload_received(990)
     event = client.next_event()
     assert isinstance(event, ev.Data) and dest == source[:1000]
@@ -102,10 +105,13 @@ def test_data_of_wrong_size_for_the_sink_is_the_peers_fault():
     assert info.value.fault is ProtocolFault.MALFORMED
 
 
-@pytest.mark.parametrize("make", [
-    lambda c, s: c.send(ev.Ping(1)),                      # before the handshake
-    lambda c, s: s.send(ev.Ready(1)),                     # server skips CHALLENGE
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda c, s: c.send(ev.Ping(1)),  # before the handshake
+        lambda c, s: s.send(ev.Ready(1)),  # server skips CHALLENGE
+    ],
+)
 def test_sending_in_the_wrong_state_is_usage_error(make):
     client, server = Connection(Role.CLIENT), Connection(Role.SERVER)
     with pytest.raises(UsageError):
@@ -151,21 +157,36 @@ def test_unsolicited_response_poisons_the_connection():
 
 
 def _raw(op: int, meta: bytes = b"", payload_len: int = 0, version: int = PROTOCOL_VERSION, algo: int = 0) -> bytes:
-    head = struct.pack("<4sHHIQIQQQB7s", MAGIC, version, op, 0, 1, len(meta), payload_len,
-                       checksum(b""), checksum(meta), algo, bytes(7))
+    head = struct.pack(
+        "<4sHHIQIQQQB7s",
+        MAGIC,
+        version,
+        op,
+        0,
+        1,
+        len(meta),
+        payload_len,
+        checksum(b""),
+        checksum(meta),
+        algo,
+        bytes(7),
+    )
     return head + checksum(head).to_bytes(8, "little") + meta
 
 
-@pytest.mark.parametrize("wire, fault", [
-    (b"XXXX" + bytes(60), ProtocolFault.BAD_MAGIC),
-    (_raw(int(Op.HELLO), version=PROTOCOL_VERSION + 1), ProtocolFault.BAD_VERSION),
-    (_raw(int(Op.HELLO), version=1), ProtocolFault.BAD_VERSION),  # pre-negotiation builds are refused
-    (_raw(int(Op.HELLO), algo=200), ProtocolFault.BAD_CHECKSUM),  # an algorithm this build lacks
-    (_raw(999), ProtocolFault.UNKNOWN_OP),
-    (_raw(int(Op.DATA), payload_len=2**60), ProtocolFault.OVERSIZE),
-    (_raw(int(Op.HELLO), b"\xff\xff\xff\xff"), ProtocolFault.MALFORMED),
-    (_raw(int(Op.PING)), ProtocolFault.UNEXPECTED),
-])
+@pytest.mark.parametrize(
+    "wire, fault",
+    [
+        (b"XXXX" + bytes(60), ProtocolFault.BAD_MAGIC),
+        (_raw(int(Op.HELLO), version=PROTOCOL_VERSION + 1), ProtocolFault.BAD_VERSION),
+        (_raw(int(Op.HELLO), version=1), ProtocolFault.BAD_VERSION),  # pre-negotiation builds are refused
+        (_raw(int(Op.HELLO), algo=200), ProtocolFault.BAD_CHECKSUM),  # an algorithm this build lacks
+        (_raw(999), ProtocolFault.UNKNOWN_OP),
+        (_raw(int(Op.DATA), payload_len=2**60), ProtocolFault.OVERSIZE),
+        (_raw(int(Op.HELLO), b"\xff\xff\xff\xff"), ProtocolFault.MALFORMED),
+        (_raw(int(Op.PING)), ProtocolFault.UNEXPECTED),
+    ],
+)
 def test_bad_frames_raise_the_documented_fault(wire, fault):
     server = Connection(Role.SERVER)
     server.receive_data(wire)
@@ -185,7 +206,8 @@ def test_oversize_is_refused_from_the_header_alone():
 def test_fatal_error_closes_both_sides():
     client, server = ready_pair()
     assert deliver(server, client, ev.Error(0, ev.ErrorCode.SHUTTING_DOWN, "bye")) == [
-        ev.Error(0, ev.ErrorCode.SHUTTING_DOWN, "bye")]
+        ev.Error(0, ev.ErrorCode.SHUTTING_DOWN, "bye")
+    ]
     assert server.state is State.CLOSED and client.state is State.CLOSED
     assert isinstance(client.next_event(), ev.ConnectionClosed)
     with pytest.raises(ClosedError):
@@ -215,12 +237,17 @@ def test_local_reply_regions_travel_as_one_array_and_are_checked():
     """LOCAL_REPLY's regions are an (n, 3) uint64 array end to end: tuples of ints are
     accepted, anything else is refused naming ``regions``, and a parsed reply equals the sent one."""
     import numpy as np
+
     client, server = ready_pair(SUPPORTED[0])
     deliver(client, server, so.PullLocal(6, 1, ((b"k" * 16, 0, 10), (b"j" * 16, 4, 20))))
-    sent = ev.LocalReply(6, 1234, SUPPORTED[0], ((1 << 40, 10, 2 ** 64 - 1), (8, 20, 0)))
+    sent = ev.LocalReply(6, 1234, SUPPORTED[0], ((1 << 40, 10, 2**64 - 1), (8, 20, 0)))
     [got] = feed(client, b"".join(bytes(b) for b in server.send(sent)), [7, 1, 100])
-    assert got == sent and got.regions.dtype == np.uint64 and got.regions.tolist() == [[1 << 40, 10, 2 ** 64 - 1], [8, 20, 0]]
-    assert got != ev.LocalReply(6, 1234, SUPPORTED[0], ((1 << 40, 10, 2 ** 64 - 2), (8, 20, 0)))
+    assert (
+        got == sent
+        and got.regions.dtype == np.uint64
+        and got.regions.tolist() == [[1 << 40, 10, 2**64 - 1], [8, 20, 0]]
+    )
+    assert got != ev.LocalReply(6, 1234, SUPPORTED[0], ((1 << 40, 10, 2**64 - 2), (8, 20, 0)))
     with pytest.raises(ValueError, match="read-only"):
         got.regions[0, 0] = 1  # read-only: what was verified stays what is copied
     for bad in (((1, 2),), ((1, 2, -1),), np.zeros((2, 3), np.int64), np.zeros(3, np.uint64), "abc"):
@@ -298,17 +325,17 @@ def _socket_like_feed(conn: Connection, wire: bytes, chunks: list[int]) -> list:
         sink, target = conn.payload_sink(), conn.scatter_target()
         if sink is not None:
             n = min(n, len(sink), len(wire) - pos)
-            sink[:n] = wire[pos:pos + n]
+            sink[:n] = wire[pos : pos + n]
             conn.payload_received(n)
         elif target is not None:
             n = min(n, HEADER_SIZE + len(target), len(wire) - pos)
-            got = wire[pos:pos + n]
-            head[:min(n, HEADER_SIZE)] = got[:HEADER_SIZE]
-            target[:max(0, n - HEADER_SIZE)] = got[HEADER_SIZE:]
+            got = wire[pos : pos + n]
+            head[: min(n, HEADER_SIZE)] = got[:HEADER_SIZE]
+            target[: max(0, n - HEADER_SIZE)] = got[HEADER_SIZE:]
             conn.scatter_received(head, n)
         else:
             n = min(n, len(wire) - pos)
-            conn.receive_data(wire[pos:pos + n])
+            conn.receive_data(wire[pos : pos + n])
         pos += n
         out.extend(drain(conn))
     return out
@@ -365,8 +392,9 @@ def test_a_pull_with_trailing_metadata_is_the_peers_fault():
 
 
 @FAST
-@given(st.integers(0, 2**64 - 1), st.binary(min_size=16, max_size=16), st.integers(0, 2**64 - 1),
-       st.integers(0, 2**64 - 1))
+@given(
+    st.integers(0, 2**64 - 1), st.binary(min_size=16, max_size=16), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)
+)
 def test_a_parsed_pull_equals_the_one_sent(lease, key, offset, length):
     client, server = ready_pair()
     pull = so.Pull(client.outstanding + 1, lease, key, offset, length)

@@ -13,6 +13,7 @@ chunking, a :class:`Connection`
    frames before the damage come out intact, corrupted data is never returned;
 5. never buffers a payload larger than the configured max frame size.
 """
+
 from __future__ import annotations
 
 import struct
@@ -38,7 +39,7 @@ def _run(conn: Connection, wire: bytes, chunks: list[int]) -> tuple[list, Protoc
     try:
         while pos < len(wire):
             n = max(1, sizes.pop(0) if sizes else 64)
-            conn.receive_data(wire[pos:pos + n])
+            conn.receive_data(wire[pos : pos + n])
             pos += n
             out.extend(drain(conn))
         conn.receive_data(b"")
@@ -85,7 +86,7 @@ def test_any_single_bit_flip_is_detected(data):
     damaged[bit // 8] ^= 1 << (bit % 8)
     events, error = _run(client, bytes(damaged), data.draw(CHUNKS))
     assert error is not None
-    assert events == expected[:len(events)]  # only frames before the flip come out
+    assert events == expected[: len(events)]  # only frames before the flip come out
 
 
 @FUZZ
@@ -94,7 +95,7 @@ def test_truncation_then_eof_is_detected(data):
     client, wire, expected = _stream(data)
     cut = data.draw(st.integers(0, len(wire)))
     events, error = _run(client, wire[:cut], data.draw(CHUNKS))
-    assert events == expected[:len(events)]
+    assert events == expected[: len(events)]
     if error is None:
         assert cut in _boundaries(expected, wire)
     else:
@@ -119,14 +120,15 @@ def test_valid_stream_with_random_garbage_spliced_in(data):
     junk = data.draw(st.binary(min_size=1, max_size=80))
     events, error = _run(client, wire[:at] + junk + wire[at:], data.draw(CHUNKS))
     assert error is not None
-    assert events == expected[:len(events)]
+    assert events == expected[: len(events)]
 
 
 @FUZZ
 @given(st.integers(SMALL.max_frame_size + 1, 2**64 - 1))
 def test_declared_payload_beyond_the_bound_is_refused_before_buffering(size):
-    head = struct.pack("<4sHHIQIQQQB7s", MAGIC, PROTOCOL_VERSION, int(Op.HELLO), 0, 0, 0, size, 0, checksum(b""),
-                       0, bytes(7))
+    head = struct.pack(
+        "<4sHHIQIQQQB7s", MAGIC, PROTOCOL_VERSION, int(Op.HELLO), 0, 0, 0, size, 0, checksum(b""), 0, bytes(7)
+    )
     conn = Connection(Role.SERVER, SMALL)
     conn.receive_data(head + checksum(head).to_bytes(8, "little"))
     with pytest.raises(ProtocolError) as info:

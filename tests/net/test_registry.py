@@ -4,6 +4,7 @@ TTLs are driven by an injected clock (no sleeps). The Redis backend talks to a
 real ``redis-server`` started on a free loopback port in a temp dir; those
 cases are skipped, with the reason printed, only when the binary is absent.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -134,7 +135,7 @@ def test_block_entries_expire_unless_republished(registry):
         clock.now += 500
         assert reg.heartbeat("a", 10)
     reg.publish("a", fresh)
-    clock.now += 200   # old published 3700 s ago > block_ttl 3600
+    clock.now += 200  # old published 3700 s ago > block_ttl 3600
     assert reg.heartbeat("a", 10)
     assert reg.lookup(old + fresh) == [()] * 3 + [("a",)] * 3
 

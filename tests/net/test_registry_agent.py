@@ -4,6 +4,7 @@ In-process cases drive an injected clock (no sleeps); the process cases run a
 real `tiersync store-node --registry` against an in-process gRPC registry with a
 short store TTL and wait on conditions.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -69,8 +70,9 @@ class Flaky(Registry):
 
 def _agent(registry: Registry, held: list[bytes], clock: Clock, free: list[int]) -> StoreAgent:
     cfg = AgentConfig("s1", "127.0.0.1:7001", "g", heartbeat_interval_s=300, republish_interval_s=50)
-    return StoreAgent(registry, cfg, free_blocks=lambda: free[0], held_keys=lambda: list(held),
-                      capacity_blocks=64, clock=clock)
+    return StoreAgent(
+        registry, cfg, free_blocks=lambda: free[0], held_keys=lambda: list(held), capacity_blocks=64, clock=clock
+    )
 
 
 def test_register_advertise_heartbeat_and_expire_without_heartbeats():
@@ -80,8 +82,12 @@ def test_register_advertise_heartbeat_and_expire_without_heartbeats():
     agent.start()  # registers and publishes at once; the thread's first beat is 300 s away
     try:
         info = reg.get_store("s1")
-        assert (info.address, info.free_blocks, info.capacity_blocks, info.pool_group) == \
-            ("127.0.0.1:7001", 60, 64, "g")
+        assert (info.address, info.free_blocks, info.capacity_blocks, info.pool_group) == (
+            "127.0.0.1:7001",
+            60,
+            64,
+            "g",
+        )
         assert reg.lookup(KEYS[:4]) == [("s1",)] * 3 + [()]
         held.extend(KEYS[3:5])
         agent.announce(KEYS[3:5])  # newly stored: published at once

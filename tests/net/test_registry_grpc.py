@@ -1,4 +1,5 @@
 """gRPC-specific registry behaviour: outages degrade lookups, bad input is refused; benchmark."""
+
 from __future__ import annotations
 
 import subprocess
@@ -59,9 +60,11 @@ def test_bench_registry_embedded_and_grpc():
 
 
 def test_importing_tiersync_net_stays_cheap():
-    code = ("import sys, tiersync, tiersync.net, tiersync.net.registry, tiersync.net.protocol, tiersync.net.tcp;"
-            "bad = [m for m in ('grpc', 'redis', 'cryptography') if m in sys.modules];"
-            "assert not bad, bad")
+    code = (
+        "import sys, tiersync, tiersync.net, tiersync.net.registry, tiersync.net.protocol, tiersync.net.tcp;"
+        "bad = [m for m in ('grpc', 'redis', 'cryptography') if m in sys.modules];"
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -4,6 +4,7 @@ During the outage lookups come back shorter (never an exception) and a serving
 host's read-back fills nothing; after the restart the store node re-registers
 through its heartbeat and lookups (and the read-back) are full again.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -42,8 +43,9 @@ class Cluster:
         if what in ("redis", "both"):
             self.redis = RedisProc(workdir, port=self.redis.port)  # empty: no persistence
         if what in ("registry", "both"):
-            self.registry = RegistryProc(self.registry.port, redis=self.redis.url if self.redis else None,
-                                         store_ttl_s=2.0)
+            self.registry = RegistryProc(
+                self.registry.port, redis=self.redis.url if self.redis else None, store_ttl_s=2.0
+            )
 
     def close(self) -> None:
         self.client.close()
@@ -52,11 +54,14 @@ class Cluster:
                 proc.kill()
 
 
-@pytest.mark.parametrize("backend, kill", [
-    ("memory", "registry"),
-    pytest.param("redis", "redis", marks=needs_redis),
-    pytest.param("redis", "both", marks=needs_redis),
-])
+@pytest.mark.parametrize(
+    "backend, kill",
+    [
+        ("memory", "registry"),
+        pytest.param("redis", "redis", marks=needs_redis),
+        pytest.param("redis", "both", marks=needs_redis),
+    ],
+)
 def test_registry_restart_shortens_lookups_then_nodes_reregister(backend, kill, tmp_path):
     cluster = Cluster(backend, str(tmp_path))
     dev = np.random.default_rng(3).integers(0, 256, (200, BLOCK), dtype=np.uint8)

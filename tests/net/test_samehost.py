@@ -7,6 +7,7 @@ naming the region; a read the kernel refuses raises LocalReadError (never a part
 through a channel on route LOCAL, pull_many lands every block byte-exact across several
 PULL_LOCAL groups, and a source that lies about a checksum is refused.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,9 @@ from tiersync.net.source import MemoryBlockSource
 from tiersync.net.tcp import Route, TcpConfig, TcpTransport
 from tiersync.transfer.kernel import TSUM64, tsum64
 
-pytestmark = pytest.mark.skipif(TSUM64 is None or not local.can_read(os.getpid()),
-                                reason="needs the native checksum and process_vm_readv")
+pytestmark = pytest.mark.skipif(
+    TSUM64 is None or not local.can_read(os.getpid()), reason="needs the native checksum and process_vm_readv"
+)
 
 NBYTES = 24 << 20
 SIZES = [0, 1, 63, 64, 65, 4095, (256 << 10) - 1, 256 << 10, (256 << 10) + 1, 3 << 20, (5 << 20) + 17]
@@ -46,8 +48,9 @@ def _expected() -> np.ndarray:
 @pytest.fixture(scope="module")
 def source():
     """(pid, address) of a buffer of NBYTES seeded bytes in another process."""
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(NBYTES)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(NBYTES)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         yield child.pid, int(child.stdout.readline())
     finally:
@@ -72,7 +75,7 @@ def test_read_summed_lands_every_byte_and_sums_each_range(source, threads):
     sums = local.read_summed(pid, ranges, dests, threads)
     for (addr, n), dest, got in zip(ranges, dests, sums):
         off = addr - address
-        assert bytes(dest) == want[off:off + n].tobytes()
+        assert bytes(dest) == want[off : off + n].tobytes()
         assert got == tsum64(dest)
 
 
@@ -80,7 +83,9 @@ def test_sum_ranges_equals_tsum64_and_refuses_ranges_outside():
     buf = _expected()
     offsets, lengths = [0, 1, 5, 100, 7, 1 << 20], [0, 1, 63, 64, (3 << 20) + 5, (20 << 20) + 1]
     for threads in (1, 3):
-        assert local.sum_ranges(buf, offsets, lengths, threads) == [tsum64(buf[o:o + n]) for o, n in zip(offsets, lengths)]
+        assert local.sum_ranges(buf, offsets, lengths, threads) == [
+            tsum64(buf[o : o + n]) for o, n in zip(offsets, lengths)
+        ]
     with pytest.raises(ValueError):
         local.sum_ranges(buf, [NBYTES], [1])
 

@@ -4,6 +4,7 @@ descriptor exhaustion, the connection cap, and sessions that end while holding l
 Each node runs in its own process (``_node_child.py``); the test measures that process's
 RSS and descriptors through /proc.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,12 @@ RSS_GROWTH_BOUND = 200 << 20  # what 10,000 half-open connections may add to the
 
 
 def _start(cap: int, nofile: int = 0) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_node_child.py"), str(cap), str(nofile)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "_node_child.py"), str(cap), str(nofile)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     return proc, proc.stdout.readline().strip()
 
 

@@ -1,4 +1,5 @@
 """Store node: remote writes and reads against real `tiersync store-node` processes (loopback)."""
+
 from __future__ import annotations
 
 import os
@@ -107,8 +108,7 @@ def test_peer_without_the_token_is_refused(node):
     with pytest.raises(AuthError):
         StoreNodeClient(node.address, token=None, timeout=5.0).read(_keys(1), [bytearray(BLOCK)])
     with pytest.raises(AuthError):
-        StoreNodeClient(node.address, token=b"wrong-token-wrong-token!", timeout=5.0).offer_and_push(
-            _keys(1), _bufs(1))
+        StoreNodeClient(node.address, token=b"wrong-token-wrong-token!", timeout=5.0).offer_and_push(_keys(1), _bufs(1))
 
 
 def test_missing_key_read_is_a_remote_error(node):

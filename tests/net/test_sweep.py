@@ -4,6 +4,7 @@ The nodes register with an in-process gRPC registry (default 300 s heartbeat, so
 the free counts they registered with stay as placement saw them). The serving
 host's device pool is a numpy array of 1 KiB blocks; key i is saved from row i.
 """
+
 from __future__ import annotations
 
 import signal
@@ -116,8 +117,9 @@ def test_sweep_starts_under_low_stops_at_high_in_batches_of_at_most_128_and_read
 
 def test_a_full_target_refuses_and_the_next_target_gets_the_blocks(registry, nodes):
     full, spare = nodes(64), nodes(32)  # placement tries `full` first: it registered 64 free blocks
-    _client(full.address).offer_and_push([b"x" + i.to_bytes(15, "little") for i in range(50)],
-                                         [bytes([i]) * BLOCK for i in range(50)])  # 14 free left
+    _client(full.address).offer_and_push(
+        [b"x" + i.to_bytes(15, "little") for i in range(50)], [bytes([i]) * BLOCK for i in range(50)]
+    )  # 14 free left
     host = Host(400)  # sweep: 0 free -> 20
     tier = RemoteTier(host.store, registry[1], CFG)
     try:

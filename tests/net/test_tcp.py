@@ -1,4 +1,5 @@
 """TCP transport between real processes on 127.0.0.1 (spawned servers, no sleeps)."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -53,8 +54,7 @@ def test_lease_pull_release_across_processes_is_byte_exact(peer):
     lease = channel.request(so.ReadLease(channel.new_request_id(), (BIG, SMALL)))
     assert lease.status is so.LeaseStatus.GRANTED and lease.sizes == (len(BLOCKS[BIG]), 11)
     dest = bytearray(lease.sizes[0])
-    data = channel.request(so.Pull(channel.new_request_id(), lease.lease_id, BIG, 0, len(dest)),
-                           into=memoryview(dest))
+    data = channel.request(so.Pull(channel.new_request_id(), lease.lease_id, BIG, 0, len(dest)), into=memoryview(dest))
     assert data.payload.obj is dest and dest == BLOCKS[BIG]
     small = channel.request(so.Pull(channel.new_request_id(), lease.lease_id, SMALL, 6, 5))
     assert bytes(small.payload) == b"world"
@@ -161,8 +161,13 @@ def pki(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("pki")
     ca, rogue = make_ca(d), make_ca(d, "rogue-ca")
-    return {"ca": ca[2], "server": make_leaf(d, ca, "server"), "client": make_leaf(d, ca, "client"),
-            "rogue": make_leaf(d, rogue, "rogue"), "rogue_ca": rogue[2]}
+    return {
+        "ca": ca[2],
+        "server": make_leaf(d, ca, "server"),
+        "client": make_leaf(d, ca, "client"),
+        "rogue": make_leaf(d, rogue, "rogue"),
+        "rogue_ca": rogue[2],
+    }
 
 
 def test_mutual_tls_with_token_across_processes(pki):
@@ -239,8 +244,9 @@ else:
 
 
 def _fallback(*args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", _FALLBACK_PEER, *args], stdout=subprocess.PIPE,
-                            stdin=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-c", _FALLBACK_PEER, *args], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, **kw
+    )
 
 
 def test_a_native_server_and_a_fallback_client_agree_on_xxh3():

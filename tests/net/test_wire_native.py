@@ -5,6 +5,7 @@ accepted, and anything else (a stale checksum, another size, an ERROR, a frame c
 TCP segments) ends as the parser decides: a verified DATA, a refused frame, or an error answer.
 A server whose handler misbehaves on purpose stands in for a hostile peer.
 """
+
 from __future__ import annotations
 
 import os
@@ -105,8 +106,11 @@ def test_an_error_answer_in_a_window_is_a_request_error(served):
     try:
         ch = TcpTransport(TcpConfig(route=Route.TCP)).connect(server.address)
         lid = ch.request(so.ReadLease(ch.new_request_id(), (GOOD[3], REFUSE, GOOD[4]), ttl_s=60)).lease_id
-        items = [(GOOD[3], 0, memoryview(bytearray(1 << 20))), (REFUSE, 0, memoryview(bytearray(SIZE))),
-                 (GOOD[4], 0, memoryview(bytearray(1 << 20)))]
+        items = [
+            (GOOD[3], 0, memoryview(bytearray(1 << 20))),
+            (REFUSE, 0, memoryview(bytearray(SIZE))),
+            (GOOD[4], 0, memoryview(bytearray(1 << 20))),
+        ]
         with pytest.raises(RequestError, match="refused on purpose"):
             ch.pull_many(lid, items, window=4)
         assert bytes(items[0][2]) == big[GOOD[3]] and ch.closed
@@ -137,13 +141,13 @@ def test_a_frame_trickled_a_few_bytes_at_a_time_still_verifies():
     for p, d in zip(pulls, dests):
         client.expect_payload_into(p.request_id, d)
     a, b = socket.socketpair()
-    writer = threading.Thread(target=lambda: [b.sendall(wire[i:i + 7]) for i in range(0, len(wire), 7)])
+    writer = threading.Thread(target=lambda: [b.sendall(wire[i : i + 7]) for i in range(0, len(wire), 7)])
     writer.start()
     try:
         framed = FramedSocket(a, client, "trickle", TcpConfig())
         got = []
         while len(got) < 2:
-            got += framed.read_data([1, 2][len(got):], Deadline(30, "trickle"))
+            got += framed.read_data([1, 2][len(got) :], Deadline(30, "trickle"))
         assert [e.request_id for e in got] == [1, 2] and all(isinstance(e, ev.Data) for e in got)
         assert all(bytes(d) == block for d in dests)
         assert all(e.payload_sum[0] is PayloadChecksum.TSUM64 for e in got)
@@ -180,8 +184,11 @@ def test_native_constants_match_the_frame_format():
     """A protocol bump that forgets the C side would silently turn the fast path off."""
     from tiersync.net.frames import PROTOCOL_VERSION, Op
 
-    assert (PROTOCOL_VERSION, int(Op.DATA),
-                                                                 int(PayloadChecksum.TSUM64)) == (_wire.VERSION, _wire.OP_DATA, _wire.ALGO_TSUM64)
+    assert (PROTOCOL_VERSION, int(Op.DATA), int(PayloadChecksum.TSUM64)) == (
+        _wire.VERSION,
+        _wire.OP_DATA,
+        _wire.ALGO_TSUM64,
+    )
 
 
 @pytest.mark.parametrize("vectored", [False, True])
@@ -207,8 +214,7 @@ def test_recv_many_verifies_what_the_parser_would(vectored):
     writer = threading.Thread(target=b.sendall, args=(wire,))
     writer.start()
     try:
-        done, sums, _, err = _wire.recv_many(a.fileno(), bytearray(64), dests, [1, 2], 64 << 20,
-                                             EMPTY_META_CHECKSUM)
+        done, sums, _, err = _wire.recv_many(a.fileno(), bytearray(64), dests, [1, 2], 64 << 20, EMPTY_META_CHECKSUM)
     finally:
         writer.join()
         a.close()

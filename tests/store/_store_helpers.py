@@ -1,4 +1,5 @@
 """Helpers of the store tests: a small CPU layout, identities and keys."""
+
 from __future__ import annotations
 
 import numpy as np

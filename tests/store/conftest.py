@@ -1,4 +1,5 @@
 """Fixtures of the store tests (helpers live in _store_helpers)."""
+
 from __future__ import annotations
 
 import pytest

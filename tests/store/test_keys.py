@@ -1,4 +1,5 @@
 """Prefix keys: chaining, identity namespacing, stability across processes."""
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,10 @@ def test_identity_fields_give_disjoint_keys():
         CacheIdentity("llama-3-70b", "step-100", "bf16", 16, b"\x01" * 16),
     ):
         assert base.isdisjoint(block_keys(toks, other)), other
-    assert len(ID.digest()) == 16 and ID.digest() == CacheIdentity(*["llama-3-8b", "step-100", "bf16"], 16,
-                                                                    b"\x01" * 16).digest()
+    assert (
+        len(ID.digest()) == 16
+        and ID.digest() == CacheIdentity(*["llama-3-8b", "step-100", "bf16"], 16, b"\x01" * 16).digest()
+    )
 
 
 def test_extra_keys_and_wide_token_ids():
@@ -55,13 +58,16 @@ def test_extra_keys_and_wide_token_ids():
     assert block_keys(np.arange(16, dtype=np.int64), ID) == block_keys(np.arange(16, dtype=np.int32), ID) == plain
 
 
-@pytest.mark.parametrize("bad, arg", [
-    (dict(token_ids=[[1, 2]]), "token_ids"),
-    (dict(token_ids=["a"]), "token_ids"),
-    (dict(token_ids=[1], extra_keys="lora"), "extra_keys"),
-    (dict(token_ids=[1], extra_keys=(1.5,)), "extra_keys[0]"),
-    (dict(token_ids=[1], parent=b"short"), "parent"),
-])
+@pytest.mark.parametrize(
+    "bad, arg",
+    [
+        (dict(token_ids=[[1, 2]]), "token_ids"),
+        (dict(token_ids=["a"]), "token_ids"),
+        (dict(token_ids=[1], extra_keys="lora"), "extra_keys"),
+        (dict(token_ids=[1], extra_keys=(1.5,)), "extra_keys[0]"),
+        (dict(token_ids=[1], parent=b"short"), "parent"),
+    ],
+)
 def test_bad_arguments_are_named(bad, arg):
     with pytest.raises(UsageError) as ei:
         block_keys(identity=ID, **bad)
@@ -82,14 +88,21 @@ def test_identity_validation():
 
 
 def test_stable_across_processes_and_hash_seeds():
-    code = ("from tiersync.store.keys import CacheIdentity, block_keys;"
-            "i=CacheIdentity('m','v1','bf16',4,b'\\x07'*16);"
-            "print(','.join(k.hex() for k in block_keys(list(range(37)), i, extra_keys=('lora', 3))))")
+    code = (
+        "from tiersync.store.keys import CacheIdentity, block_keys;"
+        "i=CacheIdentity('m','v1','bf16',4,b'\\x07'*16);"
+        "print(','.join(k.hex() for k in block_keys(list(range(37)), i, extra_keys=('lora', 3))))"
+    )
     outs = []
     for seed in ("0", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        outs.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                   check=True, timeout=60).stdout.strip())
-    local = ",".join(k.hex() for k in block_keys(list(range(37)), CacheIdentity("m", "v1", "bf16", 4, b"\x07" * 16),
-                                                extra_keys=("lora", 3)))
+        outs.append(
+            subprocess.run(
+                [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=60
+            ).stdout.strip()
+        )
+    local = ",".join(
+        k.hex()
+        for k in block_keys(list(range(37)), CacheIdentity("m", "v1", "bf16", 4, b"\x07" * 16), extra_keys=("lora", 3))
+    )
     assert outs[0] == outs[1] == local and len(local.split(",")) == 9

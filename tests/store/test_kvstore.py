@@ -1,4 +1,5 @@
 """KVCacheStore: save/lookup/load/release contracts, tiers, warm boot, threads, metrics."""
+
 from __future__ import annotations
 
 import os
@@ -104,6 +105,7 @@ def test_concurrent_clients_keep_pins_exact(dev_layout):
     _, layout = dev_layout
     errors = []
     with KVCacheStore(layout, StoreConfig(host_blocks=8)) as store:
+
         def client(seed):
             rng = np.random.default_rng(seed)
             try:
@@ -120,6 +122,7 @@ def test_concurrent_clients_keep_pins_exact(dev_layout):
                         store.release(hit.keys)
             except Exception as exc:  # noqa: BLE001
                 errors.append(exc)
+
         threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
         for t in threads:
             t.start()
@@ -163,7 +166,7 @@ def test_demotion_by_watermarks_and_promotion_on_hit(tmpdir_path):
     keys = keys_for(16)
     with KVCacheStore(layout, cfg, storage=make_storage(tmpdir_path, layout)) as s:
         for i in range(0, 16, 4):
-            s.save(range(i, i + 4), keys[i:i + 4]).result(10)
+            s.save(range(i, i + 4), keys[i : i + 4]).result(10)
             assert s.wait_demotions(10)
         st = s.stats()
         assert st.storage_entries >= 8 and st.host_free_blocks >= 3
@@ -183,7 +186,7 @@ def test_storage_capacity_evicts_coldest(tmpdir_path):
     keys = keys_for(16)
     with KVCacheStore(layout, cfg, storage=make_storage(tmpdir_path, layout, capacity_blocks=6)) as s:
         for i in range(0, 16, 2):
-            s.save(range(2), keys[i:i + 2]).result(10)
+            s.save(range(2), keys[i : i + 2]).result(10)
             assert s.wait_demotions(10)
         assert s.stats().storage_entries <= 6
         assert s.lookup(keys[-2:]).num_hits == 2

@@ -1,4 +1,5 @@
 """OffloadManager: host slots, pins, holds and the disk index of a remote byte mover."""
+
 from __future__ import annotations
 
 import pytest
@@ -111,8 +112,13 @@ def test_bad_input_is_refused_without_change():
         m.release([k(1)])
 
 
-ops = st.lists(st.tuples(st.sampled_from(["store", "load", "release", "disk_ok", "disk_bad", "invalidate"]),
-                         st.lists(st.integers(0, 11), min_size=1, max_size=4)), max_size=60)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "load", "release", "disk_ok", "disk_bad", "invalidate"]),
+        st.lists(st.integers(0, 11), min_size=1, max_size=4),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -155,8 +161,12 @@ def test_change_log_names_every_store_promotion_eviction_and_invalidation():
     m.prepare_store([k(1), k(2)])
     m.storage_done([k(1), k(2)])
     m.storage_done([k(1)])  # reported twice: no second change
-    assert m.take_changes() == [TierChange(k(1), H, True), TierChange(k(2), H, True),
-                                TierChange(k(1), S, True), TierChange(k(2), S, True)]
+    assert m.take_changes() == [
+        TierChange(k(1), H, True),
+        TierChange(k(2), H, True),
+        TierChange(k(1), S, True),
+        TierChange(k(2), S, True),
+    ]
     assert m.take_changes() == []
     m.prepare_store([k(3)])  # evicts the coldest host copy (k(1)); its disk copy stays
     m.storage_done([k(3)])

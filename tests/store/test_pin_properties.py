@@ -1,4 +1,5 @@
 """Property tests: the store's pin / LRU algebra against a small reference model."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -39,7 +40,7 @@ class Model:
         need = len(new) - (CAP - len(self.order))
         if need > len(evictable):
             raise CapacityError("model full")
-        for k in evictable[:max(need, 0)]:
+        for k in evictable[: max(need, 0)]:
             self.order.remove(k)
             del self.pins[k]
         for k in new:

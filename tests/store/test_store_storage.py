@@ -1,4 +1,5 @@
 """The store over a storage tier: eviction never loses unsaved blocks; scans never block lookups."""
+
 from __future__ import annotations
 
 import shutil

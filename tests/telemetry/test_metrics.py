@@ -1,6 +1,7 @@
 """Library metrics on prometheus_client's default registry, with Prometheus-style names: the
 transfer engine's seconds histogram and bytes counter, the host arenas' allocated bytes, and
 every KV cache store's counters under its own ``store`` label, gone when the store closes."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,8 +20,10 @@ def _sample(name: str, **labels: str) -> float:
 def test_transfers_are_recorded_in_seconds_on_the_default_registry():
     Metrics.default()
     pool = np.arange(8 * 4096, dtype=np.uint8).reshape(8, 4096)
-    before = (_sample("tiersync_transfer_seconds_count", direction="d2h"),
-              _sample("tiersync_transferred_bytes_total", direction="d2h"))
+    before = (
+        _sample("tiersync_transfer_seconds_count", direction="d2h"),
+        _sample("tiersync_transferred_bytes_total", direction="d2h"),
+    )
     with KVCacheStore(kv_layout([pool]), StoreConfig(host_blocks=8)) as store:
         store.save([0, 1, 2], [bytes([i]) * 16 for i in range(3)]).result(30)
         assert _sample("tiersync_transfer_seconds_count", direction="d2h") > before[0]
@@ -38,7 +41,9 @@ def test_every_store_has_its_own_series_and_loses_them_when_closed():
         assert a.metrics.store != b.metrics.store
         a.lookup([b"x" * 16, b"y" * 16])  # two misses in a, none in b
         assert _sample("tiersync_store_misses_total", store=a.metrics.store) == 2
-        assert a.metrics.value("tiersync_store_misses_total") == 2 and b.metrics.value("tiersync_store_misses_total") == 0
+        assert (
+            a.metrics.value("tiersync_store_misses_total") == 2 and b.metrics.value("tiersync_store_misses_total") == 0
+        )
     finally:
         b.close()
         a.close()

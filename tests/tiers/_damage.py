@@ -1,5 +1,6 @@
 """The byte damage both tier fuzz suites apply to a file image (the atheris targets in fuzz/
 have their own, with offsets that wrap: they take raw fuzzer bytes)."""
+
 from __future__ import annotations
 
 import struct
@@ -16,7 +17,7 @@ def damage(buf: bytearray, kind: str, at: int | float, n: int, value: int) -> tu
         if at < len(buf):
             buf[at] ^= value % 255 + 1
     elif kind in ("zero", "fill"):
-        buf[at:at + n] = bytes([0 if kind == "zero" else value % 256]) * len(buf[at:at + n])
+        buf[at : at + n] = bytes([0 if kind == "zero" else value % 256]) * len(buf[at : at + n])
     elif kind == "truncate":
         del buf[at:]
     elif kind == "extend":

@@ -6,6 +6,7 @@ up in the shared directory (refresh on miss) and print ``OK``/``BAD``/``MISS`` p
 ``delete DIR``: write 8 blocks as one segment, delete every other one, print
 ``DELETED <hex>...`` then wait (to be SIGKILLed) without closing the tier.
 """
+
 from __future__ import annotations
 
 import itertools

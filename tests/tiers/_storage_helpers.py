@@ -1,4 +1,5 @@
 """Helpers of the storage-tier tests: deterministic block bytes, a tier on a directory, tmpfs mounts."""
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,13 @@ def segments(path: str) -> list[str]:
 def tmpfs(size: str):
     """Mount a private tmpfs of ``size``; yields its path, or None when mounting is not allowed."""
     path = tempfile.mkdtemp(prefix="tiersync-tmpfs-")
-    ok = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=False, capture_output=True).returncode == 0
+    ok = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=False, capture_output=True
+        ).returncode
+        == 0
+    )
     try:
         yield path if ok else None
     finally:

@@ -1,4 +1,5 @@
 """Host block allocator (tiersync.tiers.allocator), unit tests and a model-based property test."""
+
 from __future__ import annotations
 
 import threading
@@ -27,8 +28,8 @@ def test_allocate_free_first_in_ascending_order_then_evicts_lru():
     assert all(a.state(b) is L and a.lock_count(b) == 1 for b in range(4))
     a.unlock([2, 0, 3])
     assert counts(a) == (2, 1, 3)
-    a.touch([0])                      # 0 is now the most recently used
-    got = a.allocate(4)               # 2 free (4, 5), then evict the two LRU cached: 2, 3
+    a.touch([0])  # 0 is now the most recently used
+    got = a.allocate(4)  # 2 free (4, 5), then evict the two LRU cached: 2, 3
     assert got == [4, 5, 2, 3] and evicted == [[2, 3]]
     assert counts(a) == (0, 5, 1) and a.state(0) is C
 
@@ -50,7 +51,7 @@ def test_locked_blocks_are_never_evicted():
     a = BlockAllocator(4)
     a.allocate(4)
     a.unlock([0, 1])
-    a.lock([0])                       # cached -> locked again
+    a.lock([0])  # cached -> locked again
     assert a.state(0) is L and a.lock_count(0) == 1
     assert a.allocate(1) == [1]
     with pytest.raises(CapacityError):
@@ -65,7 +66,7 @@ def test_lock_counts_nest():
     a.unlock([0])
     assert a.state(0) is L and a.lock_count(0) == 2
     with pytest.raises(UsageError):
-        a.free([0])                   # someone else still holds it
+        a.free([0])  # someone else still holds it
     a.unlock([0, 0])
     assert a.state(0) is C and a.lock_count(0) == 0
     a.free([0])
@@ -80,23 +81,37 @@ def test_adopt_cached():
         a.adopt_cached([1])
 
 
-@pytest.mark.parametrize("call, argument", [
-    (lambda a: a.allocate(0), "n"), (lambda a: a.allocate(-2), "n"), (lambda a: a.allocate(1.0), "n"),
-    (lambda a: a.allocate(True), "n"),
-    (lambda a: a.lock([4]), "blocks"), (lambda a: a.lock([-1]), "blocks"), (lambda a: a.lock([1.5]), "blocks"),
-    (lambda a: a.lock(["1"]), "blocks"), (lambda a: a.lock([3]), "blocks"),          # 3 is free
-    (lambda a: a.unlock([0, 0]), "blocks"), (lambda a: a.unlock([2]), "blocks"),     # 2 cached
-    (lambda a: a.unlock([3]), "blocks"), (lambda a: a.unlock([0.0]), "blocks"),
-    (lambda a: a.free([3]), "blocks"), (lambda a: a.free([0, 0]), "blocks"), (lambda a: a.free([9]), "blocks"),
-    (lambda a: a.free([1]), "blocks"),                                                # locked twice
-    (lambda a: a.state(4), "block"), (lambda a: a.lock_count(-1), "block"),
-    (lambda a: a.all_locked([-1]), "blocks"), (lambda a: a.all_locked([4]), "blocks"),
-])
+@pytest.mark.parametrize(
+    "call, argument",
+    [
+        (lambda a: a.allocate(0), "n"),
+        (lambda a: a.allocate(-2), "n"),
+        (lambda a: a.allocate(1.0), "n"),
+        (lambda a: a.allocate(True), "n"),
+        (lambda a: a.lock([4]), "blocks"),
+        (lambda a: a.lock([-1]), "blocks"),
+        (lambda a: a.lock([1.5]), "blocks"),
+        (lambda a: a.lock(["1"]), "blocks"),
+        (lambda a: a.lock([3]), "blocks"),  # 3 is free
+        (lambda a: a.unlock([0, 0]), "blocks"),
+        (lambda a: a.unlock([2]), "blocks"),  # 2 cached
+        (lambda a: a.unlock([3]), "blocks"),
+        (lambda a: a.unlock([0.0]), "blocks"),
+        (lambda a: a.free([3]), "blocks"),
+        (lambda a: a.free([0, 0]), "blocks"),
+        (lambda a: a.free([9]), "blocks"),
+        (lambda a: a.free([1]), "blocks"),  # locked twice
+        (lambda a: a.state(4), "block"),
+        (lambda a: a.lock_count(-1), "block"),
+        (lambda a: a.all_locked([-1]), "blocks"),
+        (lambda a: a.all_locked([4]), "blocks"),
+    ],
+)
 def test_bad_calls_are_refused_naming_the_argument_and_change_nothing(call, argument):
     a = BlockAllocator(4)
-    a.allocate(3)                     # 0, 1, 2 locked; 3 free
-    a.lock([1])                       # 1 locked twice
-    a.unlock([2])                     # 2 cached
+    a.allocate(3)  # 0, 1, 2 locked; 3 free
+    a.lock([1])  # 1 locked twice
+    a.unlock([2])  # 2 cached
     before = (counts(a), [a.lock_count(b) for b in range(4)], [a.state(b) for b in range(4)])
     with pytest.raises(UsageError) as ei:
         call(a)
@@ -127,7 +142,7 @@ def test_threads_allocating_and_freeing_keep_counts_consistent():
                 except CapacityError:
                     continue
                 a.unlock(got[: len(got) // 2])
-                a.free(got[len(got) // 2:])
+                a.free(got[len(got) // 2 :])
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -149,7 +164,7 @@ class Model:
         self.state = dict.fromkeys(range(n), F)
         self.locks = dict.fromkeys(range(n), 0)
         self.free_stack = list(range(n - 1, -1, -1))
-        self.lru: list[int] = []      # cached blocks, least recently used first
+        self.lru: list[int] = []  # cached blocks, least recently used first
 
     def cached(self) -> set[int]:
         return {b for b, s in self.state.items() if s is C}
@@ -157,17 +172,17 @@ class Model:
     def allocate(self, k: int, got: list[int] | None, evicted: list[list[int]]) -> None:
         need = k - len(self.free_stack)
         if need > len(self.lru):
-            assert got is None and evicted == []   # all-or-nothing
+            assert got is None and evicted == []  # all-or-nothing
             return
         assert got is not None and len(got) == k and len(set(got)) == k
         take = min(k, len(self.free_stack))
         from_free = [self.free_stack.pop() for _ in range(take)]
         victims = got[take:]
         assert got[:take] == from_free
-        assert evicted == ([victims] if need > 0 else [])   # on_evict names exactly the victims
-        assert set(victims) <= self.cached()                  # never a locked or free block
+        assert evicted == ([victims] if need > 0 else [])  # on_evict names exactly the victims
+        assert set(victims) <= self.cached()  # never a locked or free block
         if self.exact:
-            assert victims == self.lru[:max(need, 0)]         # the least recently used ones
+            assert victims == self.lru[: max(need, 0)]  # the least recently used ones
         for b in victims:
             self.lru.remove(b)
         for b in got:
@@ -195,7 +210,8 @@ class Model:
 
     def free(self, ids: list[int]) -> bool:
         if len(set(ids)) != len(ids) or any(
-                self.state[b] is F or (self.state[b] is L and self.locks[b] > 1) for b in ids):
+            self.state[b] is F or (self.state[b] is L and self.locks[b] > 1) for b in ids
+        ):
             return False
         for b in ids:
             if self.state[b] is C:
@@ -216,7 +232,7 @@ def check(a: BlockAllocator, m: Model) -> None:
     assert [a.lock_count(b) for b in range(m.n)] == [m.locks[b] for b in range(m.n)]
     by = Counter(m.state.values())
     assert counts(a) == (by[F], by[L], by[C]) and sum(counts(a)) == m.n
-    assert sorted(a._free) == sorted(b for b in range(m.n) if m.state[b] is F)   # in exactly one place
+    assert sorted(a._free) == sorted(b for b in range(m.n) if m.state[b] is F)  # in exactly one place
     assert all((b in a._policy) == (m.state[b] is C) for b in range(m.n))
     assert all((m.locks[b] > 0) == (m.state[b] is L) for b in range(m.n))
 
@@ -241,8 +257,11 @@ def test_allocator_matches_reference_model(policy, n, data):
             check(a, m)
             continue
         pick = data.draw(st.sampled_from(["any", "locked", "cached"]), label="pick")
-        pool = {"any": list(range(n)), "locked": [b for b in range(n) if m.state[b] is L],
-                "cached": sorted(m.cached())}[pick] or list(range(n))
+        pool = {
+            "any": list(range(n)),
+            "locked": [b for b in range(n) if m.state[b] is L],
+            "cached": sorted(m.cached()),
+        }[pick] or list(range(n))
         ids = data.draw(st.lists(st.sampled_from(pool), max_size=4), label="ids")
         if op == "touch":
             a.touch(ids)

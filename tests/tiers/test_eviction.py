@@ -1,4 +1,5 @@
 """Eviction policies (tiersync.tiers.eviction): LRU and S3-FIFO."""
+
 from __future__ import annotations
 
 import pytest
@@ -69,16 +70,15 @@ def test_s3fifo_is_scan_resistant_where_lru_is_not():
         for k in hot:
             p.touch(k)  # the working set is used again
         for k in scan:
-            p.add(k)    # a one-pass scan arrives after it
+            p.add(k)  # a one-pass scan arrives after it
         results[cls] = set(p.choose(len(scan)))
-    assert results[S3FIFOPolicy] == set(scan)       # the scan goes, the hot set stays
+    assert results[S3FIFOPolicy] == set(scan)  # the scan goes, the hot set stays
     assert results[LRUPolicy] & set(hot) == set(hot)  # LRU throws the hot set out first
 
 
 @pytest.mark.parametrize("cls", POLICIES)
 @settings(max_examples=100, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "touch", "remove", "choose"]), st.integers(0, 9)),
-                    max_size=60))
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "touch", "remove", "choose"]), st.integers(0, 9)), max_size=60))
 def test_policy_tracks_exactly_its_keys_and_choose_names_n_members(cls, ops):
     p, model = cls(), set()
     for op, k in ops:

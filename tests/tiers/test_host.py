@@ -1,4 +1,5 @@
 """The anonymous-memory host arena (tiersync.tiers.host); shm backing is tested in test_shm.py."""
+
 from __future__ import annotations
 
 import mmap
@@ -20,17 +21,20 @@ def arena():
     a.close()
 
 
-@pytest.mark.parametrize("kw, argument", [
-    (dict(num_blocks=0), "HostArenaConfig.num_blocks"),
-    (dict(num_blocks=-1), "HostArenaConfig.num_blocks"),
-    (dict(num_blocks=2.0), "HostArenaConfig.num_blocks"),
-    (dict(num_blocks=True), "HostArenaConfig.num_blocks"),
-    (dict(block_nbytes=0), "HostArenaConfig.block_nbytes"),
-    (dict(block_nbytes="4096"), "HostArenaConfig.block_nbytes"),
-    (dict(policy="mru"), "HostArenaConfig.policy"),
-    (dict(layout_digest=b"short"), "HostArenaConfig.layout_digest"),
-    (dict(layout_digest="0" * 16), "HostArenaConfig.layout_digest"),
-])
+@pytest.mark.parametrize(
+    "kw, argument",
+    [
+        (dict(num_blocks=0), "HostArenaConfig.num_blocks"),
+        (dict(num_blocks=-1), "HostArenaConfig.num_blocks"),
+        (dict(num_blocks=2.0), "HostArenaConfig.num_blocks"),
+        (dict(num_blocks=True), "HostArenaConfig.num_blocks"),
+        (dict(block_nbytes=0), "HostArenaConfig.block_nbytes"),
+        (dict(block_nbytes="4096"), "HostArenaConfig.block_nbytes"),
+        (dict(policy="mru"), "HostArenaConfig.policy"),
+        (dict(layout_digest=b"short"), "HostArenaConfig.layout_digest"),
+        (dict(layout_digest="0" * 16), "HostArenaConfig.layout_digest"),
+    ],
+)
 def test_config_rejects_bad_values(kw, argument):
     args = dict(num_blocks=4, block_nbytes=64)
     args.update(kw)
@@ -43,7 +47,7 @@ def test_for_layout_refuses_a_non_layout_and_an_arena_beyond_memory_clearly():
     with pytest.raises(UsageError) as ei:
         HostArena.for_layout([1, 2], 16)
     assert ei.value.argument == "layout"
-    config = HostArenaConfig(num_blocks=10 ** 9, block_nbytes=1 << 20)  # 1 PB: no machine maps it
+    config = HostArenaConfig(num_blocks=10**9, block_nbytes=1 << 20)  # 1 PB: no machine maps it
     with pytest.raises(CapacityError, match="num_blocks"):
         HostArena(config)
 
@@ -91,8 +95,8 @@ def test_reallocating_an_evicted_block_withdraws_its_key():
         b = a.allocate(2)
         a.publish(b, [b"x", b"y"])
         a.allocator.unlock([b[1]])
-        a.allocator.unlock([b[0]])      # b[1] is now the least recently used
-        assert a.key_of(b[0]) == b"x"   # cached blocks keep their key
+        a.allocator.unlock([b[0]])  # b[1] is now the least recently used
+        assert a.key_of(b[0]) == b"x"  # cached blocks keep their key
         got = a.allocate(1)
         assert got == [b[1]] and evicted == [b[1]]
         assert a.key_of(b[1]) is None and a.key_of(b[0]) == b"x"
@@ -104,15 +108,15 @@ def test_reallocating_an_evicted_block_withdraws_its_key():
 def test_publish_refusals_change_nothing(arena):
     blocks = arena.allocate(2)
     arena.publish([blocks[0]], [b"old"])
-    arena.allocator.unlock([blocks[1]])   # cached: not locked
+    arena.allocator.unlock([blocks[1]])  # cached: not locked
     cases = [
         (([blocks[0]], [b"a", b"b"]), "keys"),
         (([blocks[0]], [b""]), "keys"),
         (([blocks[0]], [b"x" * 33]), "keys"),
         (([blocks[0]], ["str"]), "keys"),
-        (([blocks[1]], [b"k"]), "blocks"),    # cached
-        (([5], [b"k"]), "blocks"),            # free
-        (([-1], [b"k"]), "blocks"),           # not a block id
+        (([blocks[1]], [b"k"]), "blocks"),  # cached
+        (([5], [b"k"]), "blocks"),  # free
+        (([-1], [b"k"]), "blocks"),  # not a block id
         (([8], [b"k"]), "blocks"),
     ]
     for args, argument in cases:

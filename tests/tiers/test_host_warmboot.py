@@ -4,6 +4,7 @@ Invariant: after any number of kills at random moments, every block the arena re
 holds exactly the bytes that were saved under its key, and the most recently acknowledged
 saves (fewer than the arena holds, so LRU cannot have evicted them) are all recovered.
 """
+
 from __future__ import annotations
 
 import os
@@ -66,10 +67,10 @@ def check_recovered(arena: HostArena, layout, pools, acked: list[tuple[int, int]
         d, rnd = struct.unpack("<qq", r.key)
         for layer, (p, off) in enumerate(zip(pools, layout.host_offsets)):
             want = content(d, rnd, p[d].shape).reshape(-1)
-            got = arena.memory[r.block, off:off + want.size]
+            got = arena.memory[r.block, off : off + want.size]
             assert np.array_equal(got, want), f"block {r.block} key {(d, rnd)} layer {layer}: wrong bytes"
         found[(d, rnd)] = r.block
-    recent = acked[-(HOST_BLOCKS - 2):]
+    recent = acked[-(HOST_BLOCKS - 2) :]
     missing = [k for k in recent if k not in found]
     assert not missing, f"acknowledged saves lost: {missing}"
 
@@ -81,8 +82,7 @@ def test_sigkill_during_saves_recovers_every_acknowledged_block(tmp_path):
     acked: list[tuple[int, int]] = []
     testdir = os.path.dirname(__file__)
     for life in range(16):
-        code = CHILD.format(testdir=testdir, host=HOST_BLOCKS, dir=str(tmp_path), start=life * 10_000,
-                            ndev=NUM_DEVICE)
+        code = CHILD.format(testdir=testdir, host=HOST_BLOCKS, dir=str(tmp_path), start=life * 10_000, ndev=NUM_DEVICE)
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "READY"
         for _ in range(rng.randint(0, 12)):
@@ -97,14 +97,14 @@ def test_sigkill_during_saves_recovers_every_acknowledged_block(tmp_path):
             if len(parts) == 3 and parts[0] == "ACK":
                 acked.append((int(parts[1]), int(parts[2])))
         child.stdout.close()
-        arena = HostArena.for_layout(layout, HOST_BLOCKS, shm=ShmConfig(key="wb", model_id="m1",
-                                                                        directory=str(tmp_path)))
+        arena = HostArena.for_layout(
+            layout, HOST_BLOCKS, shm=ShmConfig(key="wb", model_id="m1", directory=str(tmp_path))
+        )
         try:
             check_recovered(arena, layout, pools, acked)
         finally:
             arena.close()
-    other = HostArena.for_layout(layout, HOST_BLOCKS, shm=ShmConfig(key="wb", model_id="m2",
-                                                                    directory=str(tmp_path)))
+    other = HostArena.for_layout(layout, HOST_BLOCKS, shm=ShmConfig(key="wb", model_id="m2", directory=str(tmp_path)))
     try:
         assert other.recovered == [] and other.allocator.num_free == HOST_BLOCKS
     finally:

@@ -1,4 +1,5 @@
 """Background pre-faulting of the anonymous host arena (tiersync.tiers.prefault)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Unit tests for the shared-memory warm-boot segment (tiersync.tiers.shm)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -106,8 +107,14 @@ def test_invalidate_hides_block_and_checks_indices(shm_dir):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(block=8, key=b"k"), dict(block=-1, key=b"k"), dict(block=0, key=b"x" * 33),
-     dict(block=0, key="str"), dict(block=0, key=b"k", nbytes=8193), dict(block=0, key=b"k", nbytes=-1)],
+    [
+        dict(block=8, key=b"k"),
+        dict(block=-1, key=b"k"),
+        dict(block=0, key=b"x" * 33),
+        dict(block=0, key="str"),
+        dict(block=0, key=b"k", nbytes=8193),
+        dict(block=0, key=b"k", nbytes=-1),
+    ],
 )
 def test_publish_rejects_bad_arguments(shm_dir, kwargs):
     with ShmSegment.open(cfg(shm_dir), GEO) as seg, pytest.raises(UsageError):
@@ -160,8 +167,13 @@ def test_geometry_mismatch_starts_empty(shm_dir, geometry):
 
 @pytest.mark.parametrize(
     ("size", "reason"),
-    [(0, ColdStart.NEW), (100, ColdStart.CORRUPT_HEADER), (fmt.HEADER_NBYTES + 64, ColdStart.SIZE_MISMATCH),
-     (-1, ColdStart.SIZE_MISMATCH), (+1, ColdStart.SIZE_MISMATCH)],
+    [
+        (0, ColdStart.NEW),
+        (100, ColdStart.CORRUPT_HEADER),
+        (fmt.HEADER_NBYTES + 64, ColdStart.SIZE_MISMATCH),
+        (-1, ColdStart.SIZE_MISMATCH),
+        (+1, ColdStart.SIZE_MISMATCH),
+    ],
     ids=["empty", "into-header", "into-manifest", "payload-short", "too-long"],
 )
 def test_truncated_or_extended_file_is_cold(shm_dir, size, reason):
@@ -175,8 +187,13 @@ def test_truncated_or_extended_file_is_cold(shm_dir, size, reason):
 
 @pytest.mark.parametrize(
     ("offset", "reason"),
-    [(0, ColdStart.CORRUPT_HEADER), (16, ColdStart.CORRUPT_HEADER), (30, ColdStart.CORRUPT_HEADER),
-     (120, ColdStart.CORRUPT_HEADER), (400, ColdStart.CORRUPT_HEADER)],
+    [
+        (0, ColdStart.CORRUPT_HEADER),
+        (16, ColdStart.CORRUPT_HEADER),
+        (30, ColdStart.CORRUPT_HEADER),
+        (120, ColdStart.CORRUPT_HEADER),
+        (400, ColdStart.CORRUPT_HEADER),
+    ],
     ids=["magic", "checksum", "num_blocks", "model_id", "server_name"],
 )
 def test_corrupt_header_byte_is_cold(shm_dir, offset, reason):
@@ -240,9 +257,14 @@ def _poke_entry(directory: str, block: int, field_offset: int, value: bytes) -> 
 
 @pytest.mark.parametrize(
     ("field_offset", "value", "counter"),
-    [(0, struct.pack("<Q", 999), "torn"), (30, b"!", "torn"), (16, struct.pack("<Q", 1), "torn"),
-     (8, struct.pack("<Q", 10**6), "malformed"), (24, struct.pack("<I", 33), "malformed"),
-     (60, struct.pack("<I", 1), "malformed")],
+    [
+        (0, struct.pack("<Q", 999), "torn"),
+        (30, b"!", "torn"),
+        (16, struct.pack("<Q", 1), "torn"),
+        (8, struct.pack("<Q", 10**6), "malformed"),
+        (24, struct.pack("<I", 33), "malformed"),
+        (60, struct.pack("<I", 1), "malformed"),
+    ],
     ids=["seq", "key", "checksum", "nbytes", "key_len", "valid-garbage"],
 )
 def test_corrupt_entry_fields_are_dropped(shm_dir, field_offset, value, counter):
@@ -283,8 +305,12 @@ def test_path_and_limits():
 def test_from_env():
     assert ShmConfig.from_env({}) is None
     assert ShmConfig.from_env({"TIERSYNC_SHM_KEY": ""}) is None
-    env = {"TIERSYNC_SHM_KEY": "k1", "TIERSYNC_MODEL_ID": "m@1", "TIERSYNC_SERVER_NAME": "s",
-           "TIERSYNC_SHM_DIR": "/tmp/x"}
+    env = {
+        "TIERSYNC_SHM_KEY": "k1",
+        "TIERSYNC_MODEL_ID": "m@1",
+        "TIERSYNC_SERVER_NAME": "s",
+        "TIERSYNC_SHM_DIR": "/tmp/x",
+    }
     assert ShmConfig.from_env(env) == ShmConfig(key="k1", model_id="m@1", server_name="s", directory="/tmp/x")
     assert ShmConfig.from_env({"TIERSYNC_SHM_KEY": "k", "TIERSYNC_MODEL_ID": "m"}).path == "/dev/shm/tiersync-default-k"
     with pytest.raises(UsageError, match="TIERSYNC_MODEL_ID"):
@@ -316,7 +342,9 @@ def _mount_tmpfs(directory: str, options: str) -> None:
     """Mount a tmpfs on ``directory`` (root only) or skip the test saying why."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", directory], check=False, capture_output=True, text=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", directory], check=False, capture_output=True, text=True
+    )
     if res.returncode != 0:
         pytest.skip(f"cannot mount tmpfs here: {res.stderr.strip()}")
 
@@ -367,7 +395,12 @@ def test_list_segments_and_reclaim(shm_dir):
     open(os.path.join(shm_dir, "unrelated"), "wb").close()
     broken, good = ShmSegment.list_segments(shm_dir)  # sorted by path
     assert (good.server_name, good.key, good.model_id, good.valid_blocks, good.problem) == (
-        "default", "k0", "llama-3-8b@v1", 3, None)
+        "default",
+        "k0",
+        "llama-3-8b@v1",
+        3,
+        None,
+    )
     assert good.size == os.path.getsize(good.path) and good.num_blocks == 8
     assert broken.problem is ColdStart.CORRUPT_HEADER and broken.key is None
     with ShmSegment.open(cfg(shm_dir), GEO), pytest.raises(UsageError, match="attached"):

@@ -7,6 +7,7 @@ mid-save), re-attaches and checks each block against the only outcomes that are 
 Every third child is "careless": it rewrites blocks without ``invalidate`` first, so a kill
 mid-write leaves a valid flag over changed bytes, which the checksum must reject.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,7 +36,9 @@ def plan(rnd, num_blocks, block_nbytes):
     return block, nbytes, b"b%d-r%d" % (block, rnd), data
 '''
 
-CHILD_SRC = PLAN_SRC + '''
+CHILD_SRC = (
+    PLAN_SRC
+    + """
 import sys
 from tiersync.tiers.shm import Geometry, ShmConfig, ShmSegment
 
@@ -55,7 +58,8 @@ while True:
     sys.stdout.write("ACK %d %d %d\\n" % (block, rnd, seq))
     sys.stdout.flush()
     rnd += 1
-'''
+"""
+)
 
 _ns: dict = {}
 exec(PLAN_SRC, _ns)
@@ -82,8 +86,17 @@ def config(directory: str, model_id: str = MODEL) -> ShmConfig:
 def spawn(directory: str, base: int, careless: bool) -> subprocess.Popen:
     src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")])}
-    args = [sys.executable, "-c", CHILD_SRC, directory, MODEL, str(NUM_BLOCKS), str(BLOCK_NBYTES), str(base),
-            "1" if careless else "0"]
+    args = [
+        sys.executable,
+        "-c",
+        CHILD_SRC,
+        directory,
+        MODEL,
+        str(NUM_BLOCKS),
+        str(BLOCK_NBYTES),
+        str(base),
+        "1" if careless else "0",
+    ]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -122,7 +135,8 @@ def matches(seg: ShmSegment, rec, rnd: int) -> bool:
     block, nbytes, key, data = plan(rnd, NUM_BLOCKS, BLOCK_NBYTES)
     start = rec.block * BLOCK_NBYTES
     return (block, key, nbytes) == (rec.block, rec.key, rec.nbytes) and bytes(
-        seg.payload[start : start + nbytes]) == data
+        seg.payload[start : start + nbytes]
+    ) == data
 
 
 def check_recovery(directory, state, acked_seq, in_flight, outcomes) -> None:

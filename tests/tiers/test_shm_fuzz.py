@@ -20,6 +20,7 @@ reattaches. Invariants:
 
 Every segment lives in a private directory under /dev/shm, removed at the end.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,7 +66,7 @@ class Pristine:
             for seed, (block, nbytes) in enumerate(SAVES):
                 data = block_data(block, seed, nbytes)
                 seg.invalidate([block])
-                seg.payload[block * GEO.block_nbytes:block * GEO.block_nbytes + nbytes] = data
+                seg.payload[block * GEO.block_nbytes : block * GEO.block_nbytes + nbytes] = data
                 key = f"key-{block}-{seed}".encode()
                 seg.publish(block, key, nbytes)
                 self.published[block] = (key, data)
@@ -79,8 +80,10 @@ class Pristine:
         at = fmt.HEADER_NBYTES + block * fmt.ENTRY_NBYTES
         start = fmt.payload_offset(GEO.num_blocks) + block * GEO.block_nbytes
         n = len(self.published[block][1])
-        return raw[at:at + fmt.ENTRY_NBYTES] == self.raw[at:at + fmt.ENTRY_NBYTES] and \
-            raw[start:start + n] == self.raw[start:start + n]
+        return (
+            raw[at : at + fmt.ENTRY_NBYTES] == self.raw[at : at + fmt.ENTRY_NBYTES]
+            and raw[start : start + n] == self.raw[start : start + n]
+        )
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +99,18 @@ def pristine():
 KINDS = ("flip", "zero", "fill", "truncate", "extend", "u64", "reseal")
 MUTATION = st.tuples(
     st.sampled_from(KINDS),
-    st.one_of(st.integers(0, HEADER_CHECKED),                      # where: in the header,
-              st.builds(lambda b, f: fmt.HEADER_NBYTES + b * fmt.ENTRY_NBYTES + f,  # an entry's field,
-                        st.integers(0, GEO.num_blocks - 1), st.sampled_from(ENTRY_FIELDS)),
-              st.integers(fmt.HEADER_NBYTES, MANIFEST_END),         # anywhere in the manifest,
-              st.floats(0, 1, exclude_max=True)),                   # or a fraction of the file
-    st.integers(1, 100),                                            # how many bytes
-    st.integers(0, 2**64 - 1),                                      # a value: mask, byte, field
+    st.one_of(
+        st.integers(0, HEADER_CHECKED),  # where: in the header,
+        st.builds(
+            lambda b, f: fmt.HEADER_NBYTES + b * fmt.ENTRY_NBYTES + f,  # an entry's field,
+            st.integers(0, GEO.num_blocks - 1),
+            st.sampled_from(ENTRY_FIELDS),
+        ),
+        st.integers(fmt.HEADER_NBYTES, MANIFEST_END),  # anywhere in the manifest,
+        st.floats(0, 1, exclude_max=True),
+    ),  # or a fraction of the file
+    st.integers(1, 100),  # how many bytes
+    st.integers(0, 2**64 - 1),  # a value: mask, byte, field
 )
 
 
@@ -126,10 +134,10 @@ def attach(directory: str):
     with ShmSegment.open(cfg(directory), GEO) as seg:
         assert os.path.getsize(cfg(directory).path) == FILE_NBYTES  # cold: reformatted to its size
         found = seg.recover()
-        data = {r.block: bytes(seg.payload[r.block * GEO.block_nbytes:][:r.nbytes]) for r in found}
+        data = {r.block: bytes(seg.payload[r.block * GEO.block_nbytes :][: r.nbytes]) for r in found}
         block, key, new = AFTER
         seg.invalidate([block])
-        seg.payload[block * GEO.block_nbytes:block * GEO.block_nbytes + len(new)] = new
+        seg.payload[block * GEO.block_nbytes : block * GEO.block_nbytes + len(new)] = new
         seq = seg.publish(block, key, len(new))
         return seg.cold_start, found, seg.stats, data, seq
 
@@ -174,8 +182,9 @@ def test_damaged_segment_never_recovers_a_wrong_block(pristine, mutations):
         if cold is not None:
             assert found == [] and stats.torn == stats.malformed == 0
         else:
-            flagged = sum(raw[at + 60:at + 64] != bytes(4)
-                          for at in range(fmt.HEADER_NBYTES, MANIFEST_END, fmt.ENTRY_NBYTES))
+            flagged = sum(
+                raw[at + 60 : at + 64] != bytes(4) for at in range(fmt.HEADER_NBYTES, MANIFEST_END, fmt.ENTRY_NBYTES)
+            )
             assert stats.recovered + stats.torn + stats.malformed == flagged
         check_recovered(pristine, raw if cold is None else b"", found, data)
         check_after(pristine.directory, found, seq)

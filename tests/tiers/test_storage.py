@@ -1,4 +1,5 @@
 """Storage tier: round trips, restart scan, identity isolation, corruption, full disk, permissions."""
+
 from __future__ import annotations
 
 import errno

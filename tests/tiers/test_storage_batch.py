@@ -1,5 +1,6 @@
 """Batched storage I/O: queued writes share a segment, queued reads share a pass, every
 block served is verified — for any mix of sizes, alignments, segments and duplicates."""
+
 from __future__ import annotations
 
 import errno
@@ -47,7 +48,7 @@ def test_any_mix_round_trips_byte_exact(sdir, direct):
     with open_tier(sdir, direct_io=direct, segment_bytes=128 << 10) as t:
         futs = []
         for i in range(0, 60, 6):  # ten batches, several segments (128 KiB at most each)
-            batch = ks[i:i + 6]
+            batch = ks[i : i + 6]
             views = [src_views([k], sizes[k])[0] for k in batch]
             futs.append((t.write(batch, views), views))
         for f, _ in futs:
@@ -60,7 +61,7 @@ def test_any_mix_round_trips_byte_exact(sdir, direct):
             for k in pick:
                 n = sizes[k]
                 buf = mmap.mmap(-1, max(n, 1)) if rng.random() < 0.5 else bytearray(n + 1)
-                outs.append(memoryview(buf)[:n] if isinstance(buf, mmap.mmap) else memoryview(buf)[1:n + 1])
+                outs.append(memoryview(buf)[:n] if isinstance(buf, mmap.mmap) else memoryview(buf)[1 : n + 1])
             reads.append((pick, outs, t.read(pick, outs)))
         for pick, outs, f in reads:
             assert f.result(10) == [ReadStatus.OK] * len(pick)
@@ -73,7 +74,7 @@ def test_writes_queued_together_share_one_segment(sdir, monkeypatch):
         ks = [key(i) for i in range(7)]
         first = t.write(ks[:1], src_views(ks[:1], 4096))
         assert gate.entered.wait(10)
-        rest = [t.write(ks[i:i + 2], src_views(ks[i:i + 2], 4096)) for i in (1, 3, 5)]
+        rest = [t.write(ks[i : i + 2], src_views(ks[i : i + 2], 4096)) for i in (1, 3, 5)]
         gate.open.set()
         for f in [first, *rest]:
             assert f.result(10) is None
@@ -137,7 +138,7 @@ def test_reads_queued_together_share_one_pass(sdir, monkeypatch):
         outs = [bytearray(4096) for _ in ks]
         futs = []
         for j in range(2):  # a lone read starts a pass at once
-            futs.append(t.read(ks[j:j + 1], [memoryview(outs[j])]))
+            futs.append(t.read(ks[j : j + 1], [memoryview(outs[j])]))
             assert entered[j].wait(10)
         futs += [t.read([k], [memoryview(o)]) for k, o in zip(ks[2:], outs[2:])]
         release.set()

@@ -1,4 +1,5 @@
 """The storage bench: reports the contract's rows, refuses on a corrupt round trip."""
+
 from __future__ import annotations
 
 import tempfile
@@ -15,8 +16,11 @@ def test_tiny_bench_reports_rows_against_raw_io():
     names = [r["name"] for r in rep["results"]]
     assert names == ["storage_write_64k", "storage_read_64k"]
     for r in rep["results"]:
-        assert r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["ratio"] == pytest.approx(
-            r["gbps"] / r["baseline_gbps"], rel=1e-2)
+        assert (
+            r["gbps"] > 0
+            and r["baseline_gbps"] > 0
+            and r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"], rel=1e-2)
+        )
     assert rep["suite"] == "storage" and "cold" in rep["cache"]
 
 
@@ -34,8 +38,14 @@ def test_quick_json_cli_rows_and_cold_reads():
     from tiersync import cli
 
     env = {**os.environ, cli.TINY_ENV: "1"}
-    proc = subprocess.run([sys.executable, "-m", "tiersync.cli", "bench", "storage", "--quick", "--json"],
-                          check=False, capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiersync.cli", "bench", "storage", "--quick", "--json"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     write, read = rep["results"]

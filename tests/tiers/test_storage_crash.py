@@ -1,4 +1,5 @@
 """SIGKILL during storage writes, repeatedly: acknowledged blocks survive, nothing wrong is served."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,9 @@ KILLS = 20
 
 
 def spawn(*args):
-    return subprocess.Popen([sys.executable, CHILD, *args], stdout=subprocess.PIPE, stdin=subprocess.PIPE,
-                            text=True, bufsize=1)
+    return subprocess.Popen(
+        [sys.executable, CHILD, *args], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, bufsize=1
+    )
 
 
 def parse_ack(line: str) -> dict[bytes, int]:

@@ -1,5 +1,6 @@
 """Durable deletion: what the tier dropped stays dropped after a restart or a SIGKILL,
 and a damaged tombstone can only bring back a block with its own, verified bytes."""
+
 from __future__ import annotations
 
 import functools
@@ -71,8 +72,9 @@ def test_scan_finds_a_duplicate_and_deletes_all_copies(sdir):
 
 
 def test_deletion_survives_sigkill(sdir):
-    child = subprocess.Popen([sys.executable, CHILD, "delete", sdir], stdout=subprocess.PIPE,
-                             stdin=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, CHILD, "delete", sdir], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True
+    )
     try:
         line = child.stdout.readline()
         assert line.startswith("DELETED"), line

@@ -15,6 +15,7 @@ valid checksum but a forged offset or length) and reopens it. Invariants:
    deleted block stays deleted while its sidecar is unchanged;
 5. a block read ``CORRUPT`` is deleted for good: a reopen does not bring it back.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,7 +44,7 @@ KEYS = [k for batch in BATCHES for k in batch]
 LIVE = [k for k in KEYS if k != DELETED]
 NBYTES = {k: SIZES[i % len(SIZES)] for i, k in enumerate(KEYS)}
 PEAK_LIMIT = 2 << 20  # a clean open and read peaks at ~110 KiB; a trusted damaged count asks for GBs
-_COUNT_AT = 12        # u32 record count in the segment header
+_COUNT_AT = 12  # u32 record count in the segment header
 _OFFSET_AT, _LENGTH_AT, _CHECK_AT = 56, 64, 80  # u64 fields inside a descriptor
 
 
@@ -78,12 +79,14 @@ def pristine():
 
 KINDS = ("flip", "zero", "fill", "truncate", "extend", "count", "reseal_offset", "reseal_length")
 MUTATION = st.tuples(
-    st.integers(0, 3),                       # which file, by sorted name (2: the sidecar)
+    st.integers(0, 3),  # which file, by sorted name (2: the sidecar)
     st.sampled_from(KINDS),
-    st.one_of(st.integers(0, fmt.HEAD_NBYTES + 6 * fmt.DESC_NBYTES),   # where: in the header area,
-              st.floats(0, 1, exclude_max=True)),                        # or a fraction of the file
-    st.integers(1, 200),                     # how many bytes
-    st.integers(0, 2**64 - 1),               # a value: flip mask, fill byte, count, forged field
+    st.one_of(
+        st.integers(0, fmt.HEAD_NBYTES + 6 * fmt.DESC_NBYTES),  # where: in the header area,
+        st.floats(0, 1, exclude_max=True),
+    ),  # or a fraction of the file
+    st.integers(1, 200),  # how many bytes
+    st.integers(0, 2**64 - 1),  # a value: flip mask, fill byte, count, forged field
 )
 
 
@@ -112,7 +115,7 @@ def reseal(buf: bytearray, at: int, field: int, value: int) -> None:
     else:
         value = max(value, 1 << 32)  # past any file here; smaller lengths would change the view size
     struct.pack_into("<Q", buf, start + field, value)
-    body = bytearray(buf[start:start + _CHECK_AT + 8])
+    body = bytearray(buf[start : start + _CHECK_AT + 8])
     struct.pack_into("<Q", body, _CHECK_AT, 0)
     struct.pack_into("<Q", buf, start + _CHECK_AT, xxhash.xxh3_64_intdigest(bytes(body)))
 

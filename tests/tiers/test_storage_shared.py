@@ -1,4 +1,5 @@
 """Two processes sharing one storage directory use each other's blocks (through the store)."""
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,9 @@ def shared_dir():
 
 
 def spawn(*args):
-    return subprocess.Popen([sys.executable, CHILD, *args], stdout=subprocess.PIPE, stdin=subprocess.PIPE,
-                            text=True, bufsize=1)
+    return subprocess.Popen(
+        [sys.executable, CHILD, *args], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, bufsize=1
+    )
 
 
 def test_two_processes_share_blocks(shared_dir):

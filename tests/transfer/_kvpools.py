@@ -3,6 +3,7 @@
 Every storage byte the view does not cover (padding) holds SENTINEL, so a test
 can prove padding is never read into the host image nor written on h2d.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,10 +17,10 @@ HOST_SENTINEL = 0x5A
 
 @dataclass
 class SeededPool:
-    tensor: Any          # what is handed to kv_layout (view into the storage)
-    u8: np.ndarray       # flat uint8 alias of the whole storage
-    live: np.ndarray     # bool mask over u8: bytes that belong to the pool
-    blocks: np.ndarray   # (num_blocks, block_live_bytes) fancy index of live bytes, C order
+    tensor: Any  # what is handed to kv_layout (view into the storage)
+    u8: np.ndarray  # flat uint8 alias of the whole storage
+    live: np.ndarray  # bool mask over u8: bytes that belong to the pool
+    blocks: np.ndarray  # (num_blocks, block_live_bytes) fancy index of live bytes, C order
 
     def block(self, b: int) -> bytes:
         """Logical (C-order) bytes of block ``b``: what its host image must hold."""
@@ -32,8 +33,17 @@ class SeededPool:
         self.u8[self.live] = rng.integers(0, 256, int(self.live.sum()), dtype=np.uint8)
 
 
-def make_pool(lib: str, dtype: Any, rng: np.random.Generator, *, num_blocks: int = 16, heads: int = 2,
-              dim: int = 24, pad: int = 8, lead: int = 1) -> SeededPool:
+def make_pool(
+    lib: str,
+    dtype: Any,
+    rng: np.random.Generator,
+    *,
+    num_blocks: int = 16,
+    heads: int = 2,
+    dim: int = 24,
+    pad: int = 8,
+    lead: int = 1,
+) -> SeededPool:
     """Storage ``(lead + num_blocks, heads, dim + pad)``; the pool is ``[lead:, :, :dim]``."""
     shape = (lead + num_blocks, heads, dim + pad)
     if lib == "numpy":
@@ -60,12 +70,12 @@ def make_pool(lib: str, dtype: Any, rng: np.random.Generator, *, num_blocks: int
 def host_segment(arena: Any, layout: Any, pool_index: int, host_block: int) -> bytes:
     off = layout.host_offsets[pool_index]
     n = layout.pools[pool_index].spec.block_nbytes
-    return arena.memory[host_block, off:off + n].tobytes()
+    return arena.memory[host_block, off : off + n].tobytes()
 
 
 def host_live_mask(arena: Any, layout: Any) -> np.ndarray:
     """Per host block: which bytes are some pool's live segment."""
     m = np.zeros(arena.block_nbytes, dtype=bool)
     for off, p in zip(layout.host_offsets, layout.pools):
-        m[off:off + p.spec.block_nbytes] = True
+        m[off : off + p.spec.block_nbytes] = True
     return m

@@ -1,6 +1,7 @@
 """Copy backends (tiersync.transfer.backends): the built-in ones against a numpy reference, the
 checks and accounting of the base, failures as TransferFailed, and the registry as the seam a
 device backend plugs into (a backend registered for CUDA pools is the one the engine uses)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -37,7 +38,7 @@ def _reference_case():
     want = np.zeros(1 << 16, dtype=np.uint8)
     for sb, db in blocks.tolist():
         for sr, dr, n in regions.tolist():
-            want[db + dr:db + dr + n] = src[sb + sr:sb + sr + n]
+            want[db + dr : db + dr + n] = src[sb + sr : sb + sr + n]
     pattern = Pattern(*(np.ascontiguousarray(regions[:, i]) for i in range(3)))
     return src, want, BlockCopy(np.ascontiguousarray(blocks[:, 0]), np.ascontiguousarray(blocks[:, 1]), pattern)
 
@@ -60,10 +61,12 @@ def test_malformed_spans_are_refused_before_anything_moves():
     src, want, spans = _reference_case()
     dst = np.zeros_like(want)
     copier = MemmoveCopier()
-    bad = [BlockCopy(spans.src.astype(np.int32), spans.dst, spans.pattern),
-           BlockCopy(spans.src, spans.dst[:2], spans.pattern),
-           BlockCopy(spans.src, spans.dst, Pattern(spans.pattern.src, spans.pattern.dst[:1], spans.pattern.length)),
-           BlockCopy(spans.src[::2], spans.dst[::2], spans.pattern)]
+    bad = [
+        BlockCopy(spans.src.astype(np.int32), spans.dst, spans.pattern),
+        BlockCopy(spans.src, spans.dst[:2], spans.pattern),
+        BlockCopy(spans.src, spans.dst, Pattern(spans.pattern.src, spans.pattern.dst[:1], spans.pattern.length)),
+        BlockCopy(spans.src[::2], spans.dst[::2], spans.pattern),
+    ]
     for case in bad:
         with pytest.raises(UsageError) as ei:
             copier.copy(src.ctypes.data, dst.ctypes.data, case)
@@ -84,8 +87,10 @@ def test_a_failing_backend_fails_the_transfer_with_its_name(monkeypatch):
     layout = kv_layout([pool.tensor])
     register(_Broken)
     try:
-        with HostArena.for_layout(layout, 8) as arena, \
-                TransferEngine(layout, arena, TransferConfig(backend="broken")) as eng:
+        with (
+            HostArena.for_layout(layout, 8) as arena,
+            TransferEngine(layout, arena, TransferConfig(backend="broken")) as eng,
+        ):
             fut = eng.d2h([(0, arena.allocate(1)[0], 1)])
             with pytest.raises(TransferFailed, match="broken copy backend failed: the device went away"):
                 fut.result(timeout=30)
@@ -116,8 +121,9 @@ def test_a_registered_device_backend_is_the_one_the_engine_uses_for_its_pools():
     pool = make_pool("numpy", np.float32, rng, dim=512)
     host_layout = kv_layout([pool.tensor])
     p = host_layout.pools[0]
-    cuda = KVLayout((DevicePool(spec=p.spec, device=Device.CUDA, address=p.address, nbytes=p.nbytes,
-                                owner=pool.tensor),))
+    cuda = KVLayout(
+        (DevicePool(spec=p.spec, device=Device.CUDA, address=p.address, nbytes=p.nbytes, owner=pool.tensor),)
+    )
     with HostArena.for_layout(cuda, 8) as arena:
         with pytest.raises(UsageError) as ei:  # nothing registered for CUDA: refused as before
             TransferEngine(cuda, arena)

@@ -1,4 +1,5 @@
 """Byte-exact d2h/h2d through the TransferEngine (tiersync.transfer.engine)."""
+
 from __future__ import annotations
 
 import threading
@@ -55,7 +56,7 @@ def roundtrip(pools, layout, arena, eng, rng, dev_ids, host_ids, *, runs=None):
         for j, p in enumerate(pools):
             assert host_segment(arena, layout, j, h) == p.block(d), (j, d, h)
         assert (arena.memory[h][~mask] == HOST_SENTINEL).all()  # host padding never written
-    assert [p.snapshot() for p in pools] == before               # d2h does not write the device
+    assert [p.snapshot() for p in pools] == before  # d2h does not write the device
     for p in pools:
         p.scramble(rng)
     scrambled = [p.snapshot() for p in pools]
@@ -66,7 +67,7 @@ def roundtrip(pools, layout, arena, eng, rng, dev_ids, host_ids, *, runs=None):
         want = np.frombuffer(s, dtype=np.uint8).copy()
         idx = p.blocks[moved].reshape(-1)
         want[idx] = np.frombuffer(b, dtype=np.uint8)[idx]
-        assert p.snapshot() == want.tobytes()   # moved blocks restored, others and padding untouched
+        assert p.snapshot() == want.tobytes()  # moved blocks restored, others and padding untouched
         assert (p.u8[~p.live] == SENTINEL).all()
 
 
@@ -220,8 +221,15 @@ def test_auto_allocate_full_arena_changes_nothing(rig):
     assert (ei.value.requested, ei.value.used, ei.value.free) == (2, 3, 1)
     a = arena.allocator
     assert (a.num_free, a.num_locked, a.num_cached) == (1, 3, 0)
-    for bad, arg in (([], "device_blocks"), ([1, 1], "device_blocks"), ([16], "device_blocks[0]"),
-                     ([-1], "device_blocks[0]"), ([0.5], "device_blocks"), (3, "device_blocks"), ("01", "device_blocks")):
+    for bad, arg in (
+        ([], "device_blocks"),
+        ([1, 1], "device_blocks"),
+        ([16], "device_blocks[0]"),
+        ([-1], "device_blocks[0]"),
+        ([0.5], "device_blocks"),
+        (3, "device_blocks"),
+        ("01", "device_blocks"),
+    ):
         with pytest.raises(UsageError) as ei:
             eng.d2h_auto_allocate(bad)
         assert ei.value.argument == arg
@@ -236,8 +244,11 @@ def test_closed_engine_refuses_work_and_finishes_what_was_posted(rig):
     futs = [eng.d2h([(d, host[d], 1)]) for d in range(16)]
     eng.close()
     assert all(f.status is TransferStatus.DONE for f in futs)
-    for call in (lambda: eng.d2h([(0, host[0], 1)]), lambda: eng.h2d([(host[0], 0, 1)]),
-                 lambda: eng.d2h_auto_allocate([0])):
+    for call in (
+        lambda: eng.d2h([(0, host[0], 1)]),
+        lambda: eng.h2d([(host[0], 0, 1)]),
+        lambda: eng.d2h_auto_allocate([0]),
+    ):
         with pytest.raises(ClosedError):
             call()
     assert arena.allocator.num_locked == 16  # the refused auto-allocate took nothing
@@ -260,8 +271,11 @@ def test_close_without_wait_never_leaves_a_future_hanging(rig):
 def test_concurrent_posts_are_byte_exact(rig):
     rng = np.random.default_rng(11)
     pools = [make_pool("numpy", np.float16, rng, num_blocks=64) for _ in range(4)]
-    layout, arena, eng = rig([(pools[0].tensor, pools[1].tensor), (pools[2].tensor, pools[3].tensor)],
-                             num_host=64, config=TransferConfig(workers=4, chunk_bytes=2048))
+    layout, arena, eng = rig(
+        [(pools[0].tensor, pools[1].tensor), (pools[2].tensor, pools[3].tensor)],
+        num_host=64,
+        config=TransferConfig(workers=4, chunk_bytes=2048),
+    )
     arena.allocate(64)
     blocks = [p.snapshot() for p in pools]
     errors: list[BaseException] = []
@@ -401,4 +415,3 @@ def test_closed_arena_is_refused_before_any_copy(rig):
         with pytest.raises(ClosedError):
             call()
     assert p.snapshot() == before
-

@@ -1,4 +1,5 @@
 """Refused engine calls: a clear error naming the argument, and nothing changed."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,9 +23,9 @@ def setup():
     arena = HostArena.for_layout(layout, NUM_HOST)
     arena.memory[:] = HOST_SENTINEL
     eng = TransferEngine(layout, arena, TransferConfig(workers=2, chunk_bytes=1024))
-    locked = arena.allocate(4)        # blocks 0..3 locked
-    arena.allocate(1)                 # block 4 locked ...
-    arena.allocator.unlock([4])       # ... then cached
+    locked = arena.allocate(4)  # blocks 0..3 locked
+    arena.allocate(1)  # block 4 locked ...
+    arena.allocator.unlock([4])  # ... then cached
     yield pools, arena, eng, locked
     eng.close()
     arena.close()
@@ -32,32 +33,35 @@ def setup():
 
 def state(pools, arena):
     a = arena.allocator
-    return ((a.num_free, a.num_locked, a.num_cached, tuple(a.lock_count(b) for b in range(NUM_HOST))),
-            arena.memory.tobytes(), tuple(p.snapshot() for p in pools))
+    return (
+        (a.num_free, a.num_locked, a.num_cached, tuple(a.lock_count(b) for b in range(NUM_HOST))),
+        arena.memory.tobytes(),
+        tuple(p.snapshot() for p in pools),
+    )
 
 
 BAD_RUNS = [
     ("d2h", [(-1, 0, 1)], "runs[0]", "out of range"),
     ("d2h", [(NUM_DEV, 0, 1)], "runs[0]", "out of range"),
-    ("d2h", [(0, 0, 1), (NUM_DEV - 1, 1, 2)], "runs[1]", "out of range"),   # overruns the device pool
-    ("d2h", [(0, NUM_HOST - 1, 2)], "runs[0]", "out of range"),              # overruns the arena
+    ("d2h", [(0, 0, 1), (NUM_DEV - 1, 1, 2)], "runs[1]", "out of range"),  # overruns the device pool
+    ("d2h", [(0, NUM_HOST - 1, 2)], "runs[0]", "out of range"),  # overruns the arena
     ("d2h", [(0, -1, 1)], "runs[0]", "out of range"),
     ("d2h", [(2**63 - 1, 0, 1)], "runs[0]", "out of range"),
-    ("d2h", [(0, 0, 2), (1, 2, 1)], "runs", "named twice"),                  # device block twice
-    ("d2h", [(0, 1, 1), (5, 1, 1)], "runs", "named twice"),                  # host block twice
+    ("d2h", [(0, 0, 2), (1, 2, 1)], "runs", "named twice"),  # device block twice
+    ("d2h", [(0, 1, 1), (5, 1, 1)], "runs", "named twice"),  # host block twice
     ("d2h", [(0, 0, 0)], "runs[0]", "count"),
     ("d2h", [(0, 0, 1), (1, 1, -1)], "runs[1]", "count"),
     ("d2h", [], "runs", "no runs"),
     ("d2h", [(0, 0)], "runs", "(src_block, dst_block, count)"),
     ("d2h", [(0, 0, 1.0)], "runs", "ints"),
     ("d2h", "abc", "runs", "(src_block, dst_block, count)"),
-    ("d2h", [(0, 4, 1)], "runs", "locked"),                                  # host block cached
-    ("d2h", [(0, 6, 1)], "runs", "locked"),                                  # host block free
-    ("d2h", [(0, 2, 3)], "runs", "locked"),                                  # run reaches free blocks
+    ("d2h", [(0, 4, 1)], "runs", "locked"),  # host block cached
+    ("d2h", [(0, 6, 1)], "runs", "locked"),  # host block free
+    ("d2h", [(0, 2, 3)], "runs", "locked"),  # run reaches free blocks
     ("h2d", [(NUM_HOST, 0, 1)], "runs[0]", "out of range"),
     ("h2d", [(0, NUM_DEV, 1)], "runs[0]", "out of range"),
-    ("h2d", [(0, 0, 1), (0, 1, 1)], "runs", "named twice"),                  # host block twice
-    ("h2d", [(0, 3, 1), (1, 3, 1)], "runs", "named twice"),                  # device block twice
+    ("h2d", [(0, 0, 1), (0, 1, 1)], "runs", "named twice"),  # host block twice
+    ("h2d", [(0, 3, 1), (1, 3, 1)], "runs", "named twice"),  # device block twice
     ("h2d", [(5, 0, 1)], "runs", "locked"),
 ]
 
@@ -112,20 +116,23 @@ def test_engine_construction_is_checked(setup):
     assert ei.value.argument == "layout" and ei.value.context["devices"] == ["cuda"]
 
 
-@pytest.mark.parametrize("kw, argument", [
-    (dict(workers=0), "TransferConfig.workers"),
-    (dict(workers=-1), "TransferConfig.workers"),
-    (dict(workers=2.0), "TransferConfig.workers"),
-    (dict(workers=True), "TransferConfig.workers"),
-    (dict(max_inflight_bytes=0), "TransferConfig.max_inflight_bytes"),
-    (dict(max_inflight_bytes="1"), "TransferConfig.max_inflight_bytes"),
-    (dict(chunk_bytes=-4096), "TransferConfig.chunk_bytes"),
-    (dict(bandwidth_gbps=0), "TransferConfig.bandwidth_gbps"),
-    (dict(bandwidth_gbps=-1.5), "TransferConfig.bandwidth_gbps"),
-    (dict(bandwidth_gbps=float("nan")), "TransferConfig.bandwidth_gbps"),
-    (dict(bandwidth_gbps="10"), "TransferConfig.bandwidth_gbps"),
-    (dict(bandwidth_gbps=True), "TransferConfig.bandwidth_gbps"),
-])
+@pytest.mark.parametrize(
+    "kw, argument",
+    [
+        (dict(workers=0), "TransferConfig.workers"),
+        (dict(workers=-1), "TransferConfig.workers"),
+        (dict(workers=2.0), "TransferConfig.workers"),
+        (dict(workers=True), "TransferConfig.workers"),
+        (dict(max_inflight_bytes=0), "TransferConfig.max_inflight_bytes"),
+        (dict(max_inflight_bytes="1"), "TransferConfig.max_inflight_bytes"),
+        (dict(chunk_bytes=-4096), "TransferConfig.chunk_bytes"),
+        (dict(bandwidth_gbps=0), "TransferConfig.bandwidth_gbps"),
+        (dict(bandwidth_gbps=-1.5), "TransferConfig.bandwidth_gbps"),
+        (dict(bandwidth_gbps=float("nan")), "TransferConfig.bandwidth_gbps"),
+        (dict(bandwidth_gbps="10"), "TransferConfig.bandwidth_gbps"),
+        (dict(bandwidth_gbps=True), "TransferConfig.bandwidth_gbps"),
+    ],
+)
 def test_transfer_config_rejects_bad_values(kw, argument):
     with pytest.raises(UsageError) as ei:
         TransferConfig(**kw)

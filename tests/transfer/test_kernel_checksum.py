@@ -4,6 +4,7 @@ Invariants: every stripe implementation (scalar, SSE2, AVX2) gives the reference
 every length (all tail sizes, stripe boundaries), splitting the input across ``update`` calls
 never changes it, any buffer type works, and a single flipped bit changes it.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,10 +20,26 @@ pytestmark = pytest.mark.skipif(kernel.TSUM64 is None, reason="native extension 
 
 M = (1 << 64) - 1
 M3, M4, M5 = 0xF23B35D20B759285, 0xEBB857552B297AB5, 0xED3CA46C429153EF
-INIT = (0x6A46B658A09E8E55, 0xA5BBCA51B2AD7275, 0x3C5A1E0F96D2B487, 0x81F4E2D7C6A9B053,
-        0xC3D0090EFA6C0B31, 0xDCFA67A0542C60FF, 0x5E27C9B1D08F4A63, 0x97B3E5A14C6D2F19)
-KEY = (0x2F8E4C1B9D7A3065, 0xB46A1D93E5C7F20B, 0x71C9A3E85B2D6F47, 0xE0537BD1A948C62D,
-       0x4AD62F7093BE1C85, 0x98F1C4E26A3B5D07, 0x1D7BE3964FA0C259, 0xC62A905D1E8F7B33)
+INIT = (
+    0x6A46B658A09E8E55,
+    0xA5BBCA51B2AD7275,
+    0x3C5A1E0F96D2B487,
+    0x81F4E2D7C6A9B053,
+    0xC3D0090EFA6C0B31,
+    0xDCFA67A0542C60FF,
+    0x5E27C9B1D08F4A63,
+    0x97B3E5A14C6D2F19,
+)
+KEY = (
+    0x2F8E4C1B9D7A3065,
+    0xB46A1D93E5C7F20B,
+    0x71C9A3E85B2D6F47,
+    0xE0537BD1A948C62D,
+    0x4AD62F7093BE1C85,
+    0x98F1C4E26A3B5D07,
+    0x1D7BE3964FA0C259,
+    0xC62A905D1E8F7B33,
+)
 
 
 def _rotl(x: int, r: int) -> int:
@@ -39,7 +56,7 @@ def reference(data: bytes, seed: int = 0) -> int:
     padded = data + bytes(-len(data) % 64)
     for off in range(0, len(padded), 64):
         for i in range(8):
-            w = int.from_bytes(padded[off + 8 * i:off + 8 * i + 8], "little")
+            w = int.from_bytes(padded[off + 8 * i : off + 8 * i + 8], "little")
             lo = ((w & 0xFFFFFFFF) + (KEY[i] & 0xFFFFFFFF)) & 0xFFFFFFFF
             hi = ((w >> 32) + (KEY[i] >> 32)) & 0xFFFFFFFF
             s1[i] = (s1[i] + lo * hi + w) & M
@@ -89,7 +106,7 @@ def test_splitting_never_changes_the_result():
         h, pos, view = kernel.tsum64_hasher(), 0, memoryview(data)
         while pos < len(data):
             n = rng.choice([1, 7, 63, 64, 65, 4096, 100_003, 1 << 20])
-            h.update(view[pos:pos + n])
+            h.update(view[pos : pos + n])
             pos += n
         assert h.intdigest() == want
 

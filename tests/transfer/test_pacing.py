@@ -3,6 +3,7 @@
 Time is faked: the pacer's clock only moves when it sleeps, so the schedule it
 computes is checked exactly and no test depends on wall-clock speed.
 """
+
 from __future__ import annotations
 
 import random
@@ -44,10 +45,15 @@ def clock(monkeypatch) -> FakeClock:
     return c
 
 
-@pytest.mark.parametrize("args, argument", [
-    ((0,), "max_inflight_bytes"), ((-5,), "max_inflight_bytes"),
-    ((10, 0), "bandwidth_bytes_per_s"), ((10, -1.0), "bandwidth_bytes_per_s"),
-])
+@pytest.mark.parametrize(
+    "args, argument",
+    [
+        ((0,), "max_inflight_bytes"),
+        ((-5,), "max_inflight_bytes"),
+        ((10, 0), "bandwidth_bytes_per_s"),
+        ((10, -1.0), "bandwidth_bytes_per_s"),
+    ],
+)
 def test_pacer_rejects_bad_limits(args, argument):
     with pytest.raises(UsageError) as ei:
         Pacer(*args)
@@ -76,8 +82,8 @@ def test_idle_time_builds_no_burst_credit(clock):
     p = Pacer(1 << 30, 100.0)
     p.acquire(100)
     clock.now += 60.0  # a minute idle
-    p.acquire(100)     # starts at once: its slot is in the past
-    p.acquire(100)     # but the next still waits one chunk's worth
+    p.acquire(100)  # starts at once: its slot is in the past
+    p.acquire(100)  # but the next still waits one chunk's worth
     assert clock.sleeps == pytest.approx([1.0])
     assert clock.now == pytest.approx(61.0)
 

@@ -1,4 +1,5 @@
 """Runs -> validated, coalesced byte spans (tiersync.transfer.spans)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -47,43 +48,62 @@ def test_runs_may_end_exactly_at_the_last_block():
     assert validate_runs([(6, 0, 2)], src_blocks=8, dst_blocks=2).tolist() == [[6, 0, 2]]
 
 
-@pytest.mark.parametrize("runs, words", [
-    ([], "no runs"),
-    ([(0, 1)], "(src_block, dst_block, count)"),
-    ([(0, 1, 2, 3)], "(src_block, dst_block, count)"),
-    ([(0, 1, 1), (0, 1)], "(src_block, dst_block, count)"),
-    ([5], "(src_block, dst_block, count)"),
-    (None, "(src_block, dst_block, count)"),
-    ([(1.5, 0, 1)], "ints"),
-    ([(1.0, 0, 1)], "ints"),
-    ([("1", 0, 1)], "ints"),
-    ([(None, 0, 1)], "ints"),
-    ([(True, False, True)], "ints"),
-    ([(2**64, 0, 1)], "ints"),
-], ids=["empty", "short", "long", "ragged", "scalar", "none", "float", "float-int", "str", "none-item",
-        "bool", "huge"])
+@pytest.mark.parametrize(
+    "runs, words",
+    [
+        ([], "no runs"),
+        ([(0, 1)], "(src_block, dst_block, count)"),
+        ([(0, 1, 2, 3)], "(src_block, dst_block, count)"),
+        ([(0, 1, 1), (0, 1)], "(src_block, dst_block, count)"),
+        ([5], "(src_block, dst_block, count)"),
+        (None, "(src_block, dst_block, count)"),
+        ([(1.5, 0, 1)], "ints"),
+        ([(1.0, 0, 1)], "ints"),
+        ([("1", 0, 1)], "ints"),
+        ([(None, 0, 1)], "ints"),
+        ([(True, False, True)], "ints"),
+        ([(2**64, 0, 1)], "ints"),
+    ],
+    ids=[
+        "empty",
+        "short",
+        "long",
+        "ragged",
+        "scalar",
+        "none",
+        "float",
+        "float-int",
+        "str",
+        "none-item",
+        "bool",
+        "huge",
+    ],
+)
 def test_malformed_runs_are_refused(runs, words):
     with pytest.raises(UsageError) as ei:
         validate_runs(runs, src_blocks=8, dst_blocks=8, argument="myruns")
     assert ei.value.argument == "myruns" and words in str(ei.value)
 
 
-@pytest.mark.parametrize("runs, arg, words", [
-    ([(0, 0, 1), (1, 1, 0)], "r[1]", "count must be positive"),
-    ([(0, 0, -2)], "r[0]", "count must be positive"),
-    ([(-1, 0, 1)], "r[0]", "source blocks out of range"),
-    ([(8, 0, 1)], "r[0]", "source blocks out of range"),
-    ([(0, 0, 1), (6, 1, 3)], "r[1]", "source blocks out of range"),  # run overruns the end
-    ([(0, -1, 1)], "r[0]", "destination blocks out of range"),
-    ([(0, 3, 2)], "r[0]", "destination blocks out of range"),
-    ([(2**63 - 1, 0, 1)], "r[0]", "source blocks out of range"),   # start + count overflows int64
-    ([(0, 2**63 - 2, 2)], "r[0]", "destination blocks out of range"),
-    ([(0, 0, 2**63 - 1)], "r[0]", "out of range"),
-    ([(0, 0, 2), (1, 2, 1)], "r", "source block named twice"),
-    ([(0, 0, 1), (0, 1, 1)], "r", "source block named twice"),
-    ([(0, 1, 1), (1, 1, 1)], "r", "destination block named twice"),
-    ([(0, 0, 2), (4, 1, 1)], "r", "destination block named twice"),
-])
+@pytest.mark.parametrize(
+    "runs, arg, words",
+    [
+        ([(0, 0, 1), (1, 1, 0)], "r[1]", "count must be positive"),
+        ([(0, 0, -2)], "r[0]", "count must be positive"),
+        ([(-1, 0, 1)], "r[0]", "source blocks out of range"),
+        ([(8, 0, 1)], "r[0]", "source blocks out of range"),
+        ([(0, 0, 1), (6, 1, 3)], "r[1]", "source blocks out of range"),  # run overruns the end
+        ([(0, -1, 1)], "r[0]", "destination blocks out of range"),
+        ([(0, 3, 2)], "r[0]", "destination blocks out of range"),
+        ([(2**63 - 1, 0, 1)], "r[0]", "source blocks out of range"),  # start + count overflows int64
+        ([(0, 2**63 - 2, 2)], "r[0]", "destination blocks out of range"),
+        ([(0, 0, 2**63 - 1)], "r[0]", "out of range"),
+        ([(0, 0, 2), (1, 2, 1)], "r", "source block named twice"),
+        ([(0, 0, 1), (0, 1, 1)], "r", "source block named twice"),
+        ([(0, 1, 1), (1, 1, 1)], "r", "destination block named twice"),
+        ([(0, 0, 2), (4, 1, 1)], "r", "destination block named twice"),
+    ],
+)
 def test_bad_runs_are_refused_naming_the_run(runs, arg, words):
     with pytest.raises(UsageError) as ei:
         validate_runs(runs, src_blocks=8, dst_blocks=4, argument="r")
@@ -101,7 +121,9 @@ SPEC = PoolSpec(num_blocks=8, block_stride=100, regions=(Region(0, 10), Region(5
 def test_pool_spans_d2h_offsets():
     s = pool_spans(SPEC, host_offset=64, host_stride=256, runs=np.array([[2, 5, 1]]), to_host=True)
     assert sorted(zip(s.src.tolist(), s.dst.tolist(), s.length.tolist())) == [
-        (7 + 200, 64 + 5 * 256, 10), (7 + 250, 64 + 5 * 256 + 10, 20)]
+        (7 + 200, 64 + 5 * 256, 10),
+        (7 + 250, 64 + 5 * 256 + 10, 20),
+    ]
     back = pool_spans(SPEC, host_offset=64, host_stride=256, runs=np.array([[5, 2, 1]]), to_host=False)
     assert byte_map(back) == {v: k for k, v in byte_map(s).items()}
 
@@ -130,8 +152,10 @@ def test_coalesce_merges_out_of_order_input():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 5), st.booleans()), min_size=1, max_size=25),
-       st.randoms(use_true_random=False))
+@given(
+    st.lists(st.tuples(st.integers(1, 6), st.integers(0, 5), st.booleans()), min_size=1, max_size=25),
+    st.randoms(use_true_random=False),
+)
 def test_coalesce_preserves_the_byte_mapping(pieces, rnd):
     # Lay pieces end to end on the source with random gaps; destinations follow or jump.
     rows, s, d = [], 0, 1000
@@ -153,8 +177,7 @@ def test_coalesce_preserves_the_byte_mapping(pieces, rnd):
 @given(st.lists(st.integers(1, 50), min_size=0, max_size=40), st.integers(1, 120))
 def test_split_covers_every_span_once_in_order(lengths, max_bytes):
     n = len(lengths)
-    s = Spans(np.arange(n, dtype=np.int64) * 100, np.arange(n, dtype=np.int64) * 200,
-              np.array(lengths, dtype=np.int64))
+    s = Spans(np.arange(n, dtype=np.int64) * 100, np.arange(n, dtype=np.int64) * 200, np.array(lengths, dtype=np.int64))
     pieces = s.split(max_bytes)
     if n == 0:
         assert pieces == []
@@ -179,8 +202,11 @@ def test_split_cuts_at_byte_budget():
 def pattern_byte_map(bc: BlockCopy, src_base: int = 0, dst_base: int = 0) -> dict[int, int]:
     """Every source byte -> its destination byte, as copy_blocks moves them."""
     p = bc.pattern
-    rows = [(sb + s, db + d, n) for sb, db in zip(bc.src.tolist(), bc.dst.tolist())
-            for s, d, n in zip(p.src.tolist(), p.dst.tolist(), p.length.tolist())]
+    rows = [
+        (sb + s, db + d, n)
+        for sb, db in zip(bc.src.tolist(), bc.dst.tolist())
+        for s, d, n in zip(p.src.tolist(), p.dst.tolist(), p.length.tolist())
+    ]
     return byte_map(spans(rows or np.zeros((0, 3))))
 
 
@@ -192,8 +218,12 @@ def test_pattern_merges_regions_adjacent_on_both_sides():
     assert (back.src.tolist(), back.dst.tolist()) == ([0, 16], [0, 32])
 
 
-@given(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 9)), min_size=1, max_size=6),
-       st.permutations(range(8)), st.integers(1, 4), st.booleans())
+@given(
+    st.lists(st.tuples(st.integers(0, 6), st.integers(1, 9)), min_size=1, max_size=6),
+    st.permutations(range(8)),
+    st.integers(1, 4),
+    st.booleans(),
+)
 @settings(max_examples=60, deadline=None)
 def test_block_copy_moves_exactly_the_bytes_pool_spans_names(gaps, perm, nruns, to_host):
     regions, at = [], 0

@@ -9,6 +9,7 @@ the byte at ``offset`` of every weight array of ``nbytes`` bytes this sampler al
 the receiver's ``allocator`` argument: engine-owned memory the engine could scribble on) ->
 ``DAMAGED``.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,13 @@ from tiersync.weights.tensors import allocate
 
 
 def main() -> None:
-    address, rank, count, transport, buffers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], \
-        int(sys.argv[5])
+    address, rank, count, transport, buffers = (
+        sys.argv[1],
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+        int(sys.argv[5]),
+    )
     arrays: list[np.ndarray] = []
     stall, go = [-1], threading.Event()
 
@@ -55,8 +61,15 @@ def main() -> None:
                         a.reshape(-1).view(np.uint8)[int(words[2])] ^= 0xFF
                 print("DAMAGED", flush=True)
 
-    cfg = ReceiverConfig((address,), rank=rank, sampler_id=f"delta-{rank}", transport=TransportKind(transport),
-                         buffers=buffers, streams=1, copy_threads=1)
+    cfg = ReceiverConfig(
+        (address,),
+        rank=rank,
+        sampler_id=f"delta-{rank}",
+        transport=TransportKind(transport),
+        buffers=buffers,
+        streams=1,
+        copy_threads=1,
+    )
     rec = WeightReceiver(Sharding.replicated(Mesh((count,), ("dp",))), cfg, progress=progress, allocator=alloc)
     threading.Thread(target=commands, daemon=True).start()
     print("READY", flush=True)
@@ -69,8 +82,15 @@ def main() -> None:
             want += 1
             continue
         with rec.acquire(60) as lease:
-            print("VERSION", lease.version, res.moved, res.copied, res.nbytes, json.dumps(digests(lease.tensors)),
-                  flush=True)
+            print(
+                "VERSION",
+                lease.version,
+                res.moved,
+                res.copied,
+                res.nbytes,
+                json.dumps(digests(lease.tensors)),
+                flush=True,
+            )
             want = lease.version + 1
 
 

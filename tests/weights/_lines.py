@@ -1,4 +1,5 @@
 """A child process of the weights tests whose stdout lines arrive on a queue (``expect``)."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,13 @@ class LineChild:
         src = os.path.dirname(os.path.dirname(tiersync.__file__))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, src])}
         self.timeout = timeout
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, script), *args],
-                                     stdin=subprocess.PIPE if stdin else None, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, script), *args],
+            stdin=subprocess.PIPE if stdin else None,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 

@@ -4,6 +4,7 @@ Prints ``READY`` once registered; with STALL_VERSION >= 0 it prints ``MIDSYNC`` 
 chunk of that version landed and then blocks inside the sync (so the test can SIGKILL it
 mid-sync). After each version it holds, prints ``VERSION <v> <json digests>``.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,11 @@ def main() -> None:
             print("MIDSYNC", done, total, flush=True)
             threading.Event().wait()  # stuck mid-sync until killed
 
-    rec = WeightReceiver(Sharding.replicated(Mesh((count,), ("dp",))),
-                         ReceiverConfig((address,), rank=rank, sampler_id=f"child-{rank}", streams=2),
-                         progress=progress)
+    rec = WeightReceiver(
+        Sharding.replicated(Mesh((count,), ("dp",))),
+        ReceiverConfig((address,), rank=rank, sampler_id=f"child-{rank}", streams=2),
+        progress=progress,
+    )
     print("READY", flush=True)
     want = 0
     while True:

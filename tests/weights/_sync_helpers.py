@@ -3,6 +3,7 @@
 Only numpy dtypes here (no bfloat16): importing ml_dtypes in the pytest process would
 register bfloat16 with numpy for every later test; bf16 runs in subprocesses.
 """
+
 from __future__ import annotations
 
 import numpy as np

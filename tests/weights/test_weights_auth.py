@@ -1,5 +1,6 @@
 """Every weight-sync link is authenticated: the shared token on control, data and relay
 connections, TLS end to end (relays included), and tokens refused at the config boundary."""
+
 from __future__ import annotations
 
 import logging
@@ -71,12 +72,21 @@ def test_publish_over_tls_with_relays_is_bitwise(pki):
     g = model(12)
     layout = Sharding.replicated(Mesh((3,), ("dp",)))
     cert, key = pki["trainer"]
-    pub = WeightPublisher(g, fsdp(1), config=PublisherConfig(
-        token=TOKEN, tls=TlsConfig(pki["ca"], cert, key, require_peer_cert=True), fanout=1, segment_bytes=512))
+    pub = WeightPublisher(
+        g,
+        fsdp(1),
+        config=PublisherConfig(
+            token=TOKEN, tls=TlsConfig(pki["ca"], cert, key, require_peer_cert=True), fanout=1, segment_bytes=512
+        ),
+    )
     scert, skey = pki["sampler"]
     tls = TlsConfig(pki["ca"], scert, skey, require_peer_cert=True)
-    recs = [WeightReceiver(layout, ReceiverConfig((pub.address,), rank=r, token=TOKEN, tls=tls,
-                                                  transport=TransportKind.TCP)) for r in range(3)]
+    recs = [
+        WeightReceiver(
+            layout, ReceiverConfig((pub.address,), rank=r, token=TOKEN, tls=tls, transport=TransportKind.TCP)
+        )
+        for r in range(3)
+    ]
     try:
         pub.wait_for_samplers(3, TIMEOUT)
         for version in (1, 2):
@@ -94,11 +104,11 @@ def test_publish_over_tls_with_relays_is_bitwise(pki):
 def test_a_tls_receiver_without_a_certificate_serves_no_relays(pki):
     g = model(13)
     cert, key = pki["trainer"]
-    pub = WeightPublisher(g, fsdp(1), config=PublisherConfig(tls=TlsConfig(pki["ca"], cert, key), fanout=1,
-                                                             segment_bytes=512))
+    pub = WeightPublisher(
+        g, fsdp(1), config=PublisherConfig(tls=TlsConfig(pki["ca"], cert, key), fanout=1, segment_bytes=512)
+    )
     layout = Sharding.replicated(Mesh((2,), ("dp",)))
-    recs = [WeightReceiver(layout, ReceiverConfig((pub.address,), rank=r, tls=TlsConfig(pki["ca"])))
-            for r in range(2)]
+    recs = [WeightReceiver(layout, ReceiverConfig((pub.address,), rank=r, tls=TlsConfig(pki["ca"]))) for r in range(2)]
     try:
         pub.wait_for_samplers(2, TIMEOUT)
         _sync(pub, recs, 1, g, layout)  # the chunks it would relay come from the trainer instead
@@ -109,8 +119,9 @@ def test_a_tls_receiver_without_a_certificate_serves_no_relays(pki):
 
 
 @pytest.mark.parametrize("cls, args", [(PublisherConfig, {}), (ReceiverConfig, {"publishers": ("h:1",)})])
-@pytest.mark.parametrize("bad, argument", [("short", "token"), (b"x" * 15, "token"), (42, "token"),
-                                           ({"cafile": "ca"}, "tls")])
+@pytest.mark.parametrize(
+    "bad, argument", [("short", "token"), (b"x" * 15, "token"), (42, "token"), ({"cafile": "ca"}, "tls")]
+)
 def test_tokens_and_tls_are_checked_at_the_config_boundary(cls, args, bad, argument):
     field = "tls" if argument == "tls" else "token"
     with pytest.raises(UsageError) as exc:

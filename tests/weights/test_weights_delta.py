@@ -1,6 +1,7 @@
 """Delta weight updates: a publisher in this process, samplers in child processes
 (``_delta_child.py``), real sockets and a real /dev/shm segment. Each version moves only the
 chunks whose bytes differ from what each sampler actually holds, and lands byte-exact."""
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,10 @@ class _Child(LineChild):
 
 def _model() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)
-    return {"w": rng.standard_normal((ROWS, ROW // 4)).astype(np.float32),  # 300 chunks of one row
-            "b": rng.standard_normal((2, ROW // 4)).astype(np.float32)}  # 2 more, never changed
+    return {
+        "w": rng.standard_normal((ROWS, ROW // 4)).astype(np.float32),  # 300 chunks of one row
+        "b": rng.standard_normal((2, ROW // 4)).astype(np.float32),
+    }  # 2 more, never changed
 
 
 def _change(g: dict[str, np.ndarray], rows: list[int]) -> None:
@@ -172,9 +175,19 @@ def test_delta_off_moves_every_byte_and_is_validated():
 
 
 def _jobs(n: int) -> list[Job]:
-    return [Job("w", 0, (i * ROW,), 0, StridedSpan(i * ROW, ROW, (), ()),
-                (Source(TransportKind.TCP, StridedSpan(i * ROW, ROW, (), ()), address="127.0.0.1:1"),), 0,
-                StridedSpan(i * ROW, ROW, (), ())) for i in range(n)]
+    return [
+        Job(
+            "w",
+            0,
+            (i * ROW,),
+            0,
+            StridedSpan(i * ROW, ROW, (), ()),
+            (Source(TransportKind.TCP, StridedSpan(i * ROW, ROW, (), ()), address="127.0.0.1:1"),),
+            0,
+            StridedSpan(i * ROW, ROW, (), ()),
+        )
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("fixable", [True, False])
@@ -192,7 +205,7 @@ def test_land_delta_refetches_bad_local_chunks_and_never_keeps_wrong_bytes(fixab
     def fetch(js):
         fetched.extend(j.key for j in js)
         for j in js:
-            bufs["w"][j.dst_span.offset: j.dst_span.offset + ROW] = truth[j.dst_span.offset: j.dst_span.offset + ROW]
+            bufs["w"][j.dst_span.offset : j.dst_span.offset + ROW] = truth[j.dst_span.offset : j.dst_span.offset + ROW]
             if not fixable:
                 bufs["w"][j.dst_span.offset] ^= 1
 

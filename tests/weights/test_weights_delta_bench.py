@@ -1,5 +1,6 @@
 """``tiersync bench weights --quick --json --cases delta`` with tiny shapes, as a real subprocess:
 the delta rows follow the bench contract (never the speed is checked)."""
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,27 @@ from tiersync import cli
 
 def _bench(*extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, cli.TINY_ENV: "1"}
-    return subprocess.run([sys.executable, "-m", "tiersync.cli", "bench", "weights", "--quick", "--json",
-                           "--cases", "delta", "--iterations", "2", *extra], check=False, capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tiersync.cli",
+            "bench",
+            "weights",
+            "--quick",
+            "--json",
+            "--cases",
+            "delta",
+            "--iterations",
+            "2",
+            *extra,
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def test_delta_rows_refuse_to_report_when_the_byte_exact_check_fails():

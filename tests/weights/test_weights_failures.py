@@ -1,4 +1,5 @@
 """Sampler processes killed mid-sync (SIGKILL), restarted, and readers racing version switches."""
+
 from __future__ import annotations
 
 import json

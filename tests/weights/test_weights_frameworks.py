@@ -3,6 +3,7 @@
 Each case runs in a fresh interpreter: JAX and the bf16 path import ml_dtypes, which registers
 bfloat16 with numpy for the rest of a process and would change what other suites see.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -43,17 +44,23 @@ def _run(code: str, needs: str) -> None:
     if importlib.util.find_spec(needs) is None:
         pytest.skip(f"{needs} is not installed")
     src = os.path.dirname(os.path.dirname(tiersync.__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-           "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(COMMON) + textwrap.dedent(code)], check=False, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(COMMON) + textwrap.dedent(code)],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("OK"), proc.stdout
 
 
 @pytest.mark.torch
 def test_torch_bf16_state_dict_tp2_to_samplers():
-    _run("""
+    _run(
+        """
         import torch
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)).to(torch.bfloat16)
@@ -70,12 +77,15 @@ def test_torch_bf16_state_dict_tp2_to_samplers():
                     assert g.dtype == torch.bfloat16 and g.shape == want.shape, k
                     assert torch.equal(g.view(torch.int16), want.contiguous().view(torch.int16)), k
         print("OK")
-    """, "torch")
+    """,
+        "torch",
+    )
 
 
 @pytest.mark.jax
 def test_jax_bf16_arrays_two_trainer_shards():
-    _run("""
+    _run(
+        """
         import jax, jax.numpy as jnp
         full = {"w": jax.random.normal(jax.random.PRNGKey(0), (10, 6), dtype=jnp.bfloat16),
                 "b": jnp.arange(10, dtype=jnp.float32)}
@@ -104,4 +114,6 @@ def test_jax_bf16_arrays_two_trainer_shards():
         for p in pubs:
             p.close()
         print("OK")
-    """, "jax")
+    """,
+        "jax",
+    )

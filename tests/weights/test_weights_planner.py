@@ -1,4 +1,5 @@
 """Unit tests for the resharding planner, its cache, trees and the local executor."""
+
 from __future__ import annotations
 
 import subprocess
@@ -90,8 +91,11 @@ def _reference_modulo_loads(plan):
     loads = {}
     for t in plan.transfers:
         spec, src = plan.tensors[t.tensor], plan.source[t.tensor]
-        holders = sorted(r for r, sl in shard_slices(spec.shape, src).items()
-                         if all(s.start <= a and b <= s.stop for s, a, b in zip(sl, t.global_box.start, t.global_box.stop)))
+        holders = sorted(
+            r
+            for r, sl in shard_slices(spec.shape, src).items()
+            if all(s.start <= a and b <= s.stop for s, a, b in zip(sl, t.global_box.start, t.global_box.stop))
+        )
         p = holders[t.dst_rank % len(holders)]
         loads[p] = loads.get(p, 0) + t.nbytes
     return loads
@@ -133,8 +137,11 @@ def _min_depth(n, k):
 @pytest.mark.parametrize("n, k", [(1, 64), (64, 64), (65, 64), (300, 4), (1000, 8), (200, 2), (4100, 64)])
 def test_tree_broadcast_reaches_everyone_once(n, k):
     plan = plan_transfer(
-        Sharding.replicated(_mesh(2)), Sharding.replicated(_mesh(n)), {"w": ((3, 5), "int32")},
-        PlanOptions(fanout=k), cache=None,
+        Sharding.replicated(_mesh(2)),
+        Sharding.replicated(_mesh(n)),
+        {"w": ((3, 5), "int32")},
+        PlanOptions(fanout=k),
+        cache=None,
     )
     got = [t.dst_rank for t in plan.transfers]
     assert sorted(got) == list(range(n))
@@ -166,8 +173,11 @@ def test_relay_work_rotates_across_chunks():
 
 def test_segments_pipeline_large_chunks():
     plan = plan_transfer(
-        Sharding.replicated(_mesh(1)), Sharding.replicated(_mesh(10)), {"w": ((64, 16), "float32")},
-        PlanOptions(fanout=3, segment_bytes=1024), cache=None,
+        Sharding.replicated(_mesh(1)),
+        Sharding.replicated(_mesh(10)),
+        {"w": ((64, 16), "float32")},
+        PlanOptions(fanout=3, segment_bytes=1024),
+        cache=None,
     )
     assert {t.nbytes for t in plan.transfers} == {1024}
     assert plan.chunk_counts()[(0, "w")] == 4
@@ -179,8 +189,11 @@ def test_segments_cut_inner_dimensions_when_one_slice_is_larger():
     """(experts, rows, cols): one expert (4 KiB) exceeds segment_bytes, so it is cut by rows:
     no GET is larger than segment_bytes (the wire bounds one frame)."""
     plan = plan_transfer(
-        Sharding.replicated(_mesh(1)), Sharding.replicated(_mesh(2)), {"w": ((3, 64, 16), "float32")},
-        PlanOptions(fanout=1, segment_bytes=1000), cache=None,
+        Sharding.replicated(_mesh(1)),
+        Sharding.replicated(_mesh(2)),
+        {"w": ((3, 64, 16), "float32")},
+        PlanOptions(fanout=1, segment_bytes=1000),
+        cache=None,
     )
     assert max(t.nbytes for t in plan.transfers) == 960 and plan.chunk_counts()[(0, "w")] == 3 * 5  # 15 rows each
     _roundtrip(plan)
@@ -261,8 +274,11 @@ def test_execute_local_rejects_bad_shards():
 
 
 def test_plan_is_deterministic():
-    args = (Sharding(Mesh((2, 3), ("a", "b")), ("b", "a")), Sharding(Mesh((5,), ("x",)), (None, "x")),
-            {"w": ((7, 11), "float64"), "v": ((13, 5), "int16")})
+    args = (
+        Sharding(Mesh((2, 3), ("a", "b")), ("b", "a")),
+        Sharding(Mesh((5,), ("x",)), (None, "x")),
+        {"w": ((7, 11), "float64"), "v": ((13, 5), "int16")},
+    )
     p1, p2 = plan_transfer(*args, cache=None), plan_transfer(*args, cache=None)
     assert p1.transfers == p2.transfers and p1 is not p2
 

@@ -5,6 +5,7 @@ counter driven by the byte spans alone), spans stay inside their buffers, relays
 forward what they already hold, and executing the plan reproduces the global tensor's
 slices bit for bit.
 """
+
 from __future__ import annotations
 
 import math

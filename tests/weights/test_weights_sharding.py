@@ -1,4 +1,5 @@
 """Unit tests for meshes, shardings and shard slices."""
+
 from __future__ import annotations
 
 import pytest
@@ -52,9 +53,7 @@ def test_mesh_axis_size_unknown_name():
     assert info.value.argument == "name"
 
 
-@pytest.mark.parametrize(
-    "spec", [("nope",), ("a", "a"), (("a", "b"), "a"), (3,), ((1,),)]
-)
+@pytest.mark.parametrize("spec", [("nope",), ("a", "a"), (("a", "b"), "a"), (3,), ((1,),)])
 def test_sharding_rejects_bad_spec(spec):
     with pytest.raises(UsageError) as info:
         Sharding(Mesh((2, 2), ("a", "b")), spec)

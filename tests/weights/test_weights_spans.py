@@ -1,4 +1,5 @@
 """Byte spans of boxes inside C-contiguous buffers."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,5 +1,6 @@
 """Trainer -> sampler weight sync end to end, publishers and receivers in this process over real
 sockets and a real /dev/shm segment: every received shard is bitwise the source slice."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,10 @@ TIMEOUT = 60
 
 def _publishers(g, n, **cfg):
     shapes = {k: a.shape for k, a in g.items()}
-    return [WeightPublisher(shards_of(g, fsdp(n), r), fsdp(n), rank=r, global_shapes=shapes,
-                            config=PublisherConfig(**cfg)) for r in range(n)]
+    return [
+        WeightPublisher(shards_of(g, fsdp(n), r), fsdp(n), rank=r, global_shapes=shapes, config=PublisherConfig(**cfg))
+        for r in range(n)
+    ]
 
 
 def _receivers(pubs, layout, count, **cfg):
@@ -134,9 +137,12 @@ def test_publish_refusals_leave_state_unchanged():
     recs = _receivers(pubs, fsdp(1), 1)
     try:
         _publish(pubs, 3)
-        for call, argument in [(lambda: pubs[0].publish(3), "version"), (lambda: pubs[0].publish(-1), "version"),
-                               (lambda: pubs[0].publish(4, {"embed": np.zeros((2, 2), np.float32)}), "tensors"),
-                               (lambda: pubs[0].publish(4, {"nope": g["embed"]}), "tensors")]:
+        for call, argument in [
+            (lambda: pubs[0].publish(3), "version"),
+            (lambda: pubs[0].publish(-1), "version"),
+            (lambda: pubs[0].publish(4, {"embed": np.zeros((2, 2), np.float32)}), "tensors"),
+            (lambda: pubs[0].publish(4, {"nope": g["embed"]}), "tensors"),
+        ]:
             with pytest.raises(UsageError) as exc:
                 call()
             assert exc.value.argument == argument
@@ -184,22 +190,34 @@ def test_segment_is_unlinked_on_close():
     assert not os.path.exists(path)
 
 
-@pytest.mark.parametrize("kwargs, argument", [
-    ({"publishers": ()}, "publishers"), ({"publishers": ("nohost",)}, "publishers"),
-    ({"publishers": ("h:1",), "buffers": 3}, "buffers"), ({"publishers": ("h:1",), "transport": "tcp"}, "transport"),
-    ({"publishers": ("h:1",), "streams": 0}, "streams"), ({"publishers": ("h:1",), "sync_timeout_s": 0}, "sync_timeout_s"),
-    ({"publishers": ("h:1",), "rank": -1}, "rank"),
-])
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        ({"publishers": ()}, "publishers"),
+        ({"publishers": ("nohost",)}, "publishers"),
+        ({"publishers": ("h:1",), "buffers": 3}, "buffers"),
+        ({"publishers": ("h:1",), "transport": "tcp"}, "transport"),
+        ({"publishers": ("h:1",), "streams": 0}, "streams"),
+        ({"publishers": ("h:1",), "sync_timeout_s": 0}, "sync_timeout_s"),
+        ({"publishers": ("h:1",), "rank": -1}, "rank"),
+    ],
+)
 def test_receiver_config_is_validated(kwargs, argument):
     with pytest.raises(UsageError) as exc:
         ReceiverConfig(**kwargs)
     assert exc.value.argument == argument
 
 
-@pytest.mark.parametrize("kwargs, argument", [
-    ({"listen": "x"}, "listen"), ({"fanout": 0}, "fanout"), ({"segment_bytes": -1}, "segment_bytes"),
-    ({"publish_timeout_s": 0}, "publish_timeout_s"), ({"shm": 1}, "shm"),
-])
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        ({"listen": "x"}, "listen"),
+        ({"fanout": 0}, "fanout"),
+        ({"segment_bytes": -1}, "segment_bytes"),
+        ({"publish_timeout_s": 0}, "publish_timeout_s"),
+        ({"shm": 1}, "shm"),
+    ],
+)
 def test_publisher_config_is_validated(kwargs, argument):
     with pytest.raises(UsageError) as exc:
         PublisherConfig(**kwargs)

@@ -1,5 +1,6 @@
 """The weight-sync ops on the one wire stack: round trips, fields validated on parse, spans
 bounded, the vocabulary, and the version segment's header checks."""
+
 from __future__ import annotations
 
 import struct
@@ -26,8 +27,20 @@ from tiersync.weights.spans import StridedSpan
 
 def _manifest() -> Manifest:
     sh = Sharding(Mesh((2,), ("fsdp",)), ("fsdp",))
-    return Manifest(3, 1, 2, ("w",), (TensorSpec((4, 6), "float32"),), (sh,), (HEADER_BYTES,), 4096,
-                    "/dev/shm/x", "host", PlanOptions(2, 1024), {0: "127.0.0.1:5"})
+    return Manifest(
+        3,
+        1,
+        2,
+        ("w",),
+        (TensorSpec((4, 6), "float32"),),
+        (sh,),
+        (HEADER_BYTES,),
+        4096,
+        "/dev/shm/x",
+        "host",
+        PlanOptions(2, 1024),
+        {0: "127.0.0.1:5"},
+    )
 
 
 def _roundtrip(event):
@@ -40,18 +53,27 @@ def _roundtrip(event):
 
 def test_every_op_round_trips_and_the_vocabulary_is_distinct():
     span = StridedSpan(8, 12, (3, 2), (48, 24))
-    for event in (Register(1, "s-0", 2, "host/boot", TransportKind.AUTO, "127.0.0.1:9", True),
-                  Welcome(1, TransportKind.SHM, 0),
-                  Announce(_manifest()), Ready(3, 1), Ack(3, False, 0.25, "boom"), Release(3),
-                  Get(7, 3, "layer.0", (0, 6), span)):
+    for event in (
+        Register(1, "s-0", 2, "host/boot", TransportKind.AUTO, "127.0.0.1:9", True),
+        Welcome(1, TransportKind.SHM, 0),
+        Announce(_manifest()),
+        Ready(3, 1),
+        Ack(3, False, 0.25, "boom"),
+        Release(3),
+        Get(7, 3, "layer.0", (0, 6), span),
+    ):
         assert _roundtrip(event) == event
     assert {int(o) for o in WEIGHTS.ops} >= set(range(48, 55)) and not {int(o) for o in Op} & set(range(48, 64))
 
 
 def _ready(vocabulary) -> tuple[Connection, Connection]:
     client, server = Connection(Role.CLIENT, vocabulary=vocabulary), Connection(Role.SERVER, vocabulary=vocabulary)
-    for src, dst, event in ((client, server, ev.Hello("c", b"c" * 16)), (server, client, ev.Challenge(b"s" * 16, b"")),
-                            (client, server, ev.Auth(b"")), (server, client, ev.Ready(1))):
+    for src, dst, event in (
+        (client, server, ev.Hello("c", b"c" * 16)),
+        (server, client, ev.Challenge(b"s" * 16, b"")),
+        (client, server, ev.Auth(b"")),
+        (server, client, ev.Ready(1)),
+    ):
         dst.receive_data(b"".join(bytes(b) for b in src.send(event)))
         assert isinstance(dst.next_event(), type(event))
     return client, server
@@ -61,20 +83,23 @@ def _get_meta(counts=(2,), strides=(10,), row=3, key=(0,)) -> bytes:
     return MetaWriter().u64(1).text("w").u64s(key).u64(0).u64(row).u64s(counts).u64s(strides).getvalue()
 
 
-@pytest.mark.parametrize("cls,meta", [
-    (Get, _get_meta(row=0)),  # an empty row
-    (Get, _get_meta(counts=(2, 3))),  # counts and strides disagree
-    (Get, _get_meta(counts=(0,))),  # no rows
-    (Get, _get_meta(counts=(1 << 20,), row=1 << 20)),  # over the largest span
-    (Get, _get_meta(key=tuple(range(40)))),  # too many dimensions
-    (Get, b"\x01\x02"),  # truncated
-    (Register, MetaWriter().text("s").u64(0).text("h").text("carrier-pigeon").text("").u8(0).getvalue()),
-    (Register, MetaWriter().text("s").u64(0).text("h").text("tcp").text("").u8(7).getvalue()),  # not a flag
-    (Welcome, MetaWriter().text("auto").u64(0).getvalue()),  # a grant is SHM or TCP
-    (Announce, MetaWriter().json({"version": 1}).getvalue()),  # a manifest missing fields
-    (Announce, MetaWriter().blob(b"[1, 2]").getvalue()),
-    (Ack, MetaWriter().u64(1).u8(1).f64(float("nan")).text("").getvalue()),
-])
+@pytest.mark.parametrize(
+    "cls,meta",
+    [
+        (Get, _get_meta(row=0)),  # an empty row
+        (Get, _get_meta(counts=(2, 3))),  # counts and strides disagree
+        (Get, _get_meta(counts=(0,))),  # no rows
+        (Get, _get_meta(counts=(1 << 20,), row=1 << 20)),  # over the largest span
+        (Get, _get_meta(key=tuple(range(40)))),  # too many dimensions
+        (Get, b"\x01\x02"),  # truncated
+        (Register, MetaWriter().text("s").u64(0).text("h").text("carrier-pigeon").text("").u8(0).getvalue()),
+        (Register, MetaWriter().text("s").u64(0).text("h").text("tcp").text("").u8(7).getvalue()),  # not a flag
+        (Welcome, MetaWriter().text("auto").u64(0).getvalue()),  # a grant is SHM or TCP
+        (Announce, MetaWriter().json({"version": 1}).getvalue()),  # a manifest missing fields
+        (Announce, MetaWriter().blob(b"[1, 2]").getvalue()),
+        (Ack, MetaWriter().u64(1).u8(1).f64(float("nan")).text("").getvalue()),
+    ],
+)
 def test_hostile_metadata_is_malformed_on_the_wire(cls, meta):
     client, server = _ready(WEIGHTS)
     dst, rid = server, 0 if cls in (Announce, Ack) else 1
@@ -99,11 +124,13 @@ def test_a_weights_connection_refuses_another_services_ops():
 
 
 def test_ops_validate_their_fields():
-    for build, name in ((lambda: Get(1, 1, "w", (0,), StridedSpan(0, MAX_SPAN_BYTES + 1)), "span"),
-                        (lambda: Get(1, 1, "w", (-1,), StridedSpan(0, 4)), "key"),
-                        (lambda: Welcome(1, TransportKind.AUTO, 0), "transport"),
-                        (lambda: Announce({"version": 1}), "manifest"),
-                        (lambda: Ready(-1, 0), "version")):
+    for build, name in (
+        (lambda: Get(1, 1, "w", (0,), StridedSpan(0, MAX_SPAN_BYTES + 1)), "span"),
+        (lambda: Get(1, 1, "w", (-1,), StridedSpan(0, 4)), "key"),
+        (lambda: Welcome(1, TransportKind.AUTO, 0), "transport"),
+        (lambda: Announce({"version": 1}), "manifest"),
+        (lambda: Ready(-1, 0), "version"),
+    ):
         with pytest.raises(UsageError) as e:
             build()
         assert e.value.argument == name

@@ -1,5 +1,6 @@
 """Zero-copy samplers: leases read the trainer's segment in place, and a segment that a
 sampler still reads is never rewritten (the trainer writes the next version elsewhere)."""
+
 from __future__ import annotations
 
 import os
@@ -19,11 +20,21 @@ TIMEOUT = 60
 
 def _setup(g, shards=1, samplers=2, **cfg):
     shapes = {k: a.shape for k, a in g.items()}
-    pubs = [WeightPublisher(shards_of(g, fsdp(shards), r), fsdp(shards), rank=r, global_shapes=shapes,
-                            config=PublisherConfig(segment_bytes=256)) for r in range(shards)]
+    pubs = [
+        WeightPublisher(
+            shards_of(g, fsdp(shards), r),
+            fsdp(shards),
+            rank=r,
+            global_shapes=shapes,
+            config=PublisherConfig(segment_bytes=256),
+        )
+        for r in range(shards)
+    ]
     dest = Sharding.replicated(Mesh((samplers,), ("dp",)))
-    recs = [WeightReceiver(dest, ReceiverConfig(tuple(p.address for p in pubs), rank=r, zero_copy=True, **cfg))
-            for r in range(samplers)]
+    recs = [
+        WeightReceiver(dest, ReceiverConfig(tuple(p.address for p in pubs), rank=r, zero_copy=True, **cfg))
+        for r in range(samplers)
+    ]
     for p in pubs:
         p.wait_for_samplers(samplers, TIMEOUT)
     return pubs, recs, dest

@@ -6,6 +6,7 @@ suite runs, so importing this package costs nothing). Every suite module has
 :mod:`tiersync.bench.common`: one JSON object, a byte-exact check before any
 number, ``ratio = ours / baseline`` per row.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -11,6 +11,7 @@ and ``warmups``. Throughputs are decimal GB/s (1e9 bytes per second).
 A suite that cannot prove its data arrived byte-exact raises
 :class:`RoundTripError` instead of reporting; the check is never waived.
 """
+
 from __future__ import annotations
 
 import json
@@ -191,8 +192,10 @@ def render_table(rep: dict[str, Any]) -> str:
     rows = [[_fmt(r.get(c, "")) for c in TABLE_COLUMNS] for r in rep["results"]]
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(TABLE_COLUMNS)]
     baseline = rep["results"][0]["baseline"] if rep["results"] else "-"
-    head = (f"tiersync bench {rep['suite']} ({rep['mode']}, kernel={rep['kernel']}, {rep['units']}, "
-            f"median of {rep['iterations']} after {rep['warmups']} warm-ups, ratio = ours / {baseline})")
+    head = (
+        f"tiersync bench {rep['suite']} ({rep['mode']}, kernel={rep['kernel']}, {rep['units']}, "
+        f"median of {rep['iterations']} after {rep['warmups']} warm-ups, ratio = ours / {baseline})"
+    )
     lines = [head, "  ".join(c.ljust(w) for c, w in zip(TABLE_COLUMNS, widths))]
     lines += ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))) for r in rows]
     return "\n".join(lines)

@@ -14,6 +14,7 @@ time, ``ratio`` = recompute's batch seconds / the mode's (> 1: more throughput t
 cache); mean TTFT of the hits and of the misses beside it. Correct before fast: every
 request's greedy tokens must equal recompute's, or the suite refuses to report.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -68,8 +69,13 @@ def engine_run(llm: Any, spec: dict, emit: Callable[[dict], None], generate_batc
 
 
 def _row(prompt: list[int], out: dict) -> dict:
-    return {"prompt_len": len(prompt), "seconds": out["seconds"], "ttft_s": out["first_seconds"],
-            "tokens": out["tokens"], "cached_tokens": out["cached_tokens"]}
+    return {
+        "prompt_len": len(prompt),
+        "seconds": out["seconds"],
+        "ttft_s": out["first_seconds"],
+        "tokens": out["tokens"],
+        "cached_tokens": out["cached_tokens"],
+    }
 
 
 # -- the parent's side ---------------------------------------------------------------------------
@@ -77,8 +83,15 @@ def serve(model: str, c: Concurrent, mode: dict, kv_per_token: int, vocab: int, 
     """One engine of ``mode`` (workload's mode fields) through the warm-up and the batch."""
     doc_blocks = -(-(c.doc_len + c.question_len) // BLOCK)
     pool = int(c.requests * doc_blocks * BLOCK * kv_per_token * 1.25)  # the whole batch fits: no preemption
-    spec = {"model": model, "chunk": 4096, "vocab": vocab, "kv_cache_memory_bytes": pool,
-            "max_model_len": min(8192, doc_blocks * BLOCK * 2), "concurrent": asdict(c), **mode}
+    spec = {
+        "model": model,
+        "chunk": 4096,
+        "vocab": vocab,
+        "kv_cache_memory_bytes": pool,
+        "max_model_len": min(8192, doc_blocks * BLOCK * 2),
+        "concurrent": asdict(c),
+        **mode,
+    }
     if spec.get("connector"):  # host tier: the fillers' blocks; the documents stay on disk only
         host = c.fillers * doc_blocks * BLOCK * kv_per_token
         spec["extra"] = {"model_id": "bench-concurrent", "host_bytes": host, "storage_dir": storage_dir}
@@ -96,13 +109,24 @@ def rows(served: dict[str, list[dict]], kv_per_token: int) -> list[dict]:
         batch = _batch(reqs)
         kv = sum(r["prompt_len"] for r in batch["reqs"]) * kv_per_token
         name = f"concurrent-{len(batch['reqs'])}-{mode}"
-        out.append({"name": name, "baseline": f"concurrent-{len(batch['reqs'])}-recompute",
-                    "gbps": round(kv / batch["seconds"] / 1e9, 4), "baseline_gbps": round(kv / base["seconds"] / 1e9, 4),
-                    "ratio": round(base["seconds"] / batch["seconds"], 4), "batch_s": round(batch["seconds"], 4),
-                    "baseline_batch_s": round(base["seconds"], 4), "hit_ttft_s": batch["hit"],
-                    "miss_ttft_s": batch["miss"], "baseline_hit_ttft_s": base["hit"],
-                    "baseline_miss_ttft_s": base["miss"], "requests": len(batch["reqs"]),
-                    "cached_tokens": sum(r["cached_tokens"] for r in batch["reqs"]), "tokens_match": True})
+        out.append(
+            {
+                "name": name,
+                "baseline": f"concurrent-{len(batch['reqs'])}-recompute",
+                "gbps": round(kv / batch["seconds"] / 1e9, 4),
+                "baseline_gbps": round(kv / base["seconds"] / 1e9, 4),
+                "ratio": round(base["seconds"] / batch["seconds"], 4),
+                "batch_s": round(batch["seconds"], 4),
+                "baseline_batch_s": round(base["seconds"], 4),
+                "hit_ttft_s": batch["hit"],
+                "miss_ttft_s": batch["miss"],
+                "baseline_hit_ttft_s": base["hit"],
+                "baseline_miss_ttft_s": base["miss"],
+                "requests": len(batch["reqs"]),
+                "cached_tokens": sum(r["cached_tokens"] for r in batch["reqs"]),
+                "tokens_match": True,
+            }
+        )
     return out
 
 
@@ -114,4 +138,3 @@ def _batch(reqs: list[dict]) -> dict:
         return round(sum(got) / len(got), 4)
 
     return {"reqs": batch, "seconds": batch[0]["seconds"], "hit": mean(True), "miss": mean(False)}
-

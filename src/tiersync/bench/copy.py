@@ -13,6 +13,7 @@ touched data (one byte per moved block changes before each copy):
 Rows: the engine (``ratio`` = engine / memcpy, plus ``vs_naive``) and the naive
 loop (``ratio`` = naive / memcpy), with the reference's gate floor per row.
 """
+
 from __future__ import annotations
 
 import time
@@ -46,8 +47,9 @@ def cases(mode: str) -> list[Case]:
         Case("ref-512k-bf16-kv-strided", _kv(128), "bf16", *size((16, 16), (4, 4)), "reference", split_kv=True),
         Case("acc-64k-bf16", _kv(16), "bf16", *size((64, 256), (64, 32)), "acceptance"),
         Case("acc-16k-bf16", _kv(4), "bf16", *size((64, 256), (64, 128)), "acceptance"),
-        Case("acc-64k-bf16-scattered-both", _kv(16), "bf16", *size((64, 256), (64, 32)), "acceptance",
-             scatter_host=True),
+        Case(
+            "acc-64k-bf16-scattered-both", _kv(16), "bf16", *size((64, 256), (64, 32)), "acceptance", scatter_host=True
+        ),
         Case("large-4m-bf16", _kv(1024), "bf16", *size((8, 16), (4, 4)), "large"),
     ]
     for dt in ("fp16", "bf16", "fp32", "int8"):
@@ -56,8 +58,11 @@ def cases(mode: str) -> list[Case]:
     layers = 2 if t else 8
     for tokens in (1, 4, 16, 64, 256, 1024):
         nb = tokens * 4096
-        out.append(Case(f"blocksize-{nb >> 10}k-bf16", _kv(tokens), "bf16", layers,
-                        max(total // (layers * nb), 2), "block-size"))
+        out.append(
+            Case(
+                f"blocksize-{nb >> 10}k-bf16", _kv(tokens), "bf16", layers, max(total // (layers * nb), 2), "block-size"
+            )
+        )
     return out
 
 
@@ -116,9 +121,11 @@ def _time_case(fx: Fixture, direction: str, config: BenchConfig, bar: Any) -> di
     """Interleave the contenders for warm-ups + iterations; return timed seconds per contender."""
     mem_op, mem_touch = _memcpy_op(fx.case.nbytes)
     touch = _touch_op(fx, direction)
-    contenders = [("engine", _engine_op(fx, direction), touch),
-                  ("naive-loop", _naive_op(fx, direction), touch),
-                  ("memcpy", mem_op, mem_touch)]
+    contenders = [
+        ("engine", _engine_op(fx, direction), touch),
+        ("naive-loop", _naive_op(fx, direction), touch),
+        ("memcpy", mem_op, mem_touch),
+    ]
     samples: dict[str, list[float]] = {name: [] for name, _, _ in contenders}
     for it in range(config.n_warmups + config.n_iterations):
         k = it % len(contenders)
@@ -135,14 +142,22 @@ def _time_case(fx: Fixture, direction: str, config: BenchConfig, bar: Any) -> di
 def _rows(case: Case, fx: Fixture, direction: str, samples: dict[str, list[float]]) -> list[dict[str, Any]]:
     ours, naive, base = (throughput(case.nbytes, samples[k]) for k in ("engine", "naive-loop", "memcpy"))
     info = {
-        "direction": direction, "group": case.group, "dtype": case.dtype, "backend": fx.backend,
-        "layers": case.layers, "pools": len(fx.layout.pools), "blocks_moved": case.moved,
-        "pool_blocks": case.pool_blocks, "block_nbytes": case.block_nbytes, "nbytes": case.nbytes,
-        "scatter": "both" if case.scatter_host else "device", "strided": case.split_kv, "roundtrip": "ok",
+        "direction": direction,
+        "group": case.group,
+        "dtype": case.dtype,
+        "backend": fx.backend,
+        "layers": case.layers,
+        "pools": len(fx.layout.pools),
+        "blocks_moved": case.moved,
+        "pool_blocks": case.pool_blocks,
+        "block_nbytes": case.block_nbytes,
+        "nbytes": case.nbytes,
+        "scatter": "both" if case.scatter_host else "device",
+        "strided": case.split_kv,
+        "roundtrip": "ok",
     }
     return [
-        row(case.name, ours, "memcpy", base, method="engine",
-            vs_naive=round(ours["gbps"] / naive["gbps"], 4), **info),
+        row(case.name, ours, "memcpy", base, method="engine", vs_naive=round(ours["gbps"] / naive["gbps"], 4), **info),
         row(f"{case.name}/naive-loop", naive, "memcpy", base, method="naive-loop", **info),
     ]
 
@@ -167,15 +182,19 @@ def run(config: BenchConfig) -> dict[str, Any]:
     with progress(steps, config.progress, f"bench {direction}") as bar:
         for i, case in enumerate(all_cases):
             bar.set_postfix_str(case.name)
-            fx = build(case, workers=config.workers, seed=config.seed + i, metrics=metrics,
-                       use_torch=not config.tiny)
+            fx = build(case, workers=config.workers, seed=config.seed + i, metrics=metrics, use_torch=not config.tiny)
             try:
                 checked += round_trip(fx, corrupt=config.inject_corruption)["checked_bytes"]
                 results.extend(_rows(case, fx, direction, _time_case(fx, direction, config, bar)))
             finally:
                 fx.close()
-    return report(config, results, roundtrip={"ok": True, "cases": len(all_cases), "checked_bytes": checked},
-                  telemetry=_telemetry(metrics), elapsed_s=round(time.perf_counter() - t0, 3))
+    return report(
+        config,
+        results,
+        roundtrip={"ok": True, "cases": len(all_cases), "checked_bytes": checked},
+        telemetry=_telemetry(metrics),
+        elapsed_s=round(time.perf_counter() - t0, 3),
+    )
 
 
 def _telemetry(metrics: Any) -> dict[str, Any]:

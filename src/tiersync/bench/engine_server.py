@@ -10,6 +10,7 @@ decode engine with the prefill engine's ``kv_transfer_params``; its answer adds
 ``prefill`` (the prefill row) and ``decode_seconds`` (the decode engine's own time), and
 ``seconds`` covers both hops.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,9 @@ def serve_engine(spec: dict, port: int, host: str = "127.0.0.1") -> None:
     generate(llm, make_prompt(300, 12345, spec.get("vocab", 4096)), 2)  # warm-up
 
     def handle(body: dict) -> dict:
-        return generate(llm, list(body["prompt_token_ids"]), int(body.get("max_tokens", 16)),
-                        body.get("kv_transfer_params"))
+        return generate(
+            llm, list(body["prompt_token_ids"]), int(body.get("max_tokens", 16)), body.get("kv_transfer_params")
+        )
 
     _serve(handle, port, host)
 
@@ -69,11 +71,22 @@ def serve_engine(spec: dict, port: int, host: str = "127.0.0.1") -> None:
 def serve_router(prefill: str, decode: str, port: int) -> None:
     def handle(body: dict) -> dict:
         t0 = time.perf_counter()
-        first = post(prefill + "/generate", {"prompt_token_ids": body["prompt_token_ids"], "max_tokens": 1,
-                                             "kv_transfer_params": {"do_remote_decode": True}})
-        out = post(decode + "/generate", {"prompt_token_ids": body["prompt_token_ids"],
-                                          "max_tokens": body.get("max_tokens", 16),
-                                          "kv_transfer_params": first.get("kv_transfer_params")})
+        first = post(
+            prefill + "/generate",
+            {
+                "prompt_token_ids": body["prompt_token_ids"],
+                "max_tokens": 1,
+                "kv_transfer_params": {"do_remote_decode": True},
+            },
+        )
+        out = post(
+            decode + "/generate",
+            {
+                "prompt_token_ids": body["prompt_token_ids"],
+                "max_tokens": body.get("max_tokens", 16),
+                "kv_transfer_params": first.get("kv_transfer_params"),
+            },
+        )
         out["prefill"], out["decode_seconds"], out["seconds"] = first, out["seconds"], time.perf_counter() - t0
         return out
 
@@ -137,8 +150,15 @@ def start(args: list[str], log: str, python: str, timeout: float = 600, prefix: 
 
     env = engine_env(json.loads(args[1])) if args[0] == "engine" else dict(os.environ)
     cmd = [*(prefix or []), python, "-m", "tiersync.bench.engine_server", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                            text=True, errors="replace")
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+        text=True,
+        errors="replace",
+    )
     ready = threading.Event()
     port: list[str] = []
 

@@ -19,6 +19,7 @@ compares); the raw reference checks nothing on the wire.
 Rows: median GB/s (``ratio`` = ours / raw), and p50/p90/p99 of one block pull
 in ms (``baseline_p50_ms`` ... for raw).
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -38,11 +39,9 @@ from tiersync.bench.common import (
     row,
     throughput,
 )
+from tiersync.bench.h2h_baselines import Memcpy, RawClient, raw_accept
 
-_REQ = struct.Struct("<QQQ")  # raw reference request: block index, offset, length
-_BUF = 16 << 20
-SIZES = {"full": (64 << 10, 1 << 20, 16 << 20), "quick": (64 << 10, 1 << 20, 16 << 20),
-         "tiny": (64 << 10, 1 << 20)}
+SIZES = {"full": (64 << 10, 1 << 20, 16 << 20), "quick": (64 << 10, 1 << 20, 16 << 20), "tiny": (64 << 10, 1 << 20)}
 STREAMS = {"full": (1, 4, 16), "quick": (1, 4), "tiny": (1, 4)}
 BATCH = {"full": 256 << 20, "quick": 64 << 20, "tiny": 4 << 20}  # bytes per iteration
 
@@ -89,50 +88,13 @@ def _serve(mode: str, seed: int, address_q: Any, stop: Any) -> None:
             blocks[_key(s, i)] = raw[s << 20 | i] = view
     server = TcpTransport().serve("127.0.0.1:0", MemoryBlockSource(blocks))
     listener = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_accept, args=(listener, raw), daemon=True).start()
+    threading.Thread(target=raw_accept, args=(listener, raw), daemon=True).start()
     address_q.put((server.address, listener.getsockname()[1]))
     stop.wait(600)
     server.close()
     listener.close()
     for arena in arenas:
         arena.close()
-
-
-def _raw_accept(listener: socket.socket, blocks: dict[int, memoryview]) -> None:
-    while True:
-        try:
-            sock, _ = listener.accept()
-        except OSError:
-            return
-        threading.Thread(target=_raw_serve, args=(sock, blocks), daemon=True).start()
-
-
-def _raw_serve(sock: socket.socket, blocks: dict[int, memoryview]) -> None:
-    _tune(sock)
-    req = bytearray(_REQ.size)
-    with sock:
-        while _recv_exact(sock, memoryview(req)):
-            idx, off, length = _REQ.unpack(req)
-            sock.sendall(blocks[idx][off:off + length])
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUF)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUF)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view``; False on EOF before the first byte, ConnectionError on EOF inside."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            if got == 0:
-                return False
-            raise ConnectionError("raw peer closed mid-message")
-        got += n
-    return True
 
 
 # -- the two contenders (client side) -------------------------------------------
@@ -174,34 +136,6 @@ class _Ours:
             c.close()
 
 
-class _Raw:
-    def __init__(self, port: int, size: int, streams: int, window: int = 1) -> None:
-        self.size, self.window = size, window
-        self.socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
-        for s in self.socks:
-            _tune(s)
-
-    def pull(self, w: int, i: int, dest: memoryview) -> None:
-        sock = self.socks[w]
-        sock.sendall(_REQ.pack(self.size << 20 | i, 0, self.size))
-        if not _recv_exact(sock, dest):
-            raise ConnectionError("raw peer closed")
-
-    def pull_window(self, w: int, idxs: list[int], dests: list[memoryview]) -> None:
-        """Keep ``window`` requests in flight, answers read in order (the same pipelining as ours)."""
-        sock, sent = self.socks[w], 0
-        for j, dest in enumerate(dests):
-            while sent < len(idxs) and sent < j + self.window:
-                sock.sendall(_REQ.pack(self.size << 20 | idxs[sent], 0, self.size))
-                sent += 1
-            if not _recv_exact(sock, dest):
-                raise ConnectionError("raw peer closed")
-
-    def close(self) -> None:
-        for s in self.socks:
-            s.close()
-
-
 def _batch(pool: ThreadPoolExecutor, contender: Any, dests: list[memoryview], streams: int) -> list[float]:
     """Pull every block once over ``streams`` workers; return per-block latencies (s)."""
 
@@ -222,8 +156,15 @@ def _batch(pool: ThreadPoolExecutor, contender: Any, dests: list[memoryview], st
     return [x for f in futures for x in f.result()]
 
 
-def _check(name: str, pool: ThreadPoolExecutor, contender: Any, dests: list[memoryview],
-           expected: list[bytes], streams: int, corrupt: bool) -> None:
+def _check(
+    name: str,
+    pool: ThreadPoolExecutor,
+    contender: Any,
+    dests: list[memoryview],
+    expected: list[bytes],
+    streams: int,
+    corrupt: bool,
+) -> None:
     for d in dests:
         d[:] = b"\0" * len(d)
     _batch(pool, contender, dests, streams)
@@ -248,39 +189,12 @@ class _Local(_Ours):
             raise RoundTripError("the handshake did not show the server on this host")
 
 
-class _Memcpy:
-    """The same-host baseline: one-thread ``np.copyto`` of the same number of bytes, one buffer."""
-
-    window = 8
-
-    def __init__(self, expected: list[bytes]) -> None:
-        import numpy as np
-
-        self._np = np
-        self.src = self.buffer(sum(map(len, expected)))
-        self.src[:] = np.frombuffer(b"".join(expected), np.uint8)
-        self.dst = self.buffer(len(self.src))
-
-    @staticmethod
-    def buffer(nbytes: int) -> Any:
-        """A page-aligned uint8 array (numpy's allocator: huge pages where the kernel allows)."""
-        import numpy as np
-
-        return np.zeros(nbytes, np.uint8)
-
-    def pull_window(self, w: int, idxs: list[int], dests: list[memoryview]) -> None:
-        self._np.copyto(self.dst, self.src)
-
-    def close(self) -> None:
-        pass
-
-
 def _local_case(config: BenchConfig, address: str, size: int, bar: Any) -> dict[str, Any]:
     n = _count(config.mode, size)
     expected = _blocks(config.seed, size, n)
-    pool = _Memcpy.buffer(size * n)  # the blocks land in one pool, as in an engine's KV cache
-    dests = [memoryview(pool[i * size:(i + 1) * size]) for i in range(n)]
-    ours, memcpy = _Local(address, size, n), _Memcpy(expected)
+    pool = Memcpy.buffer(size * n)  # the blocks land in one pool, as in an engine's KV cache
+    dests = [memoryview(pool[i * size : (i + 1) * size]) for i in range(n)]
+    ours, memcpy = _Local(address, size, n), Memcpy(expected)
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             _check("tiersync same-host", pool, ours, dests, expected, 1, config.inject_corruption)
@@ -291,19 +205,32 @@ def _local_case(config: BenchConfig, address: str, size: int, bar: Any) -> dict[
     finally:
         ours.close()
     nbytes = size * n
-    return row(_local_name(size), throughput(nbytes, samples["tiersync"][0]), "memcpy", throughput(nbytes, samples["memcpy"][0]),
-               block_nbytes=size, streams=1, window=ours.window, blocks=n, nbytes=nbytes, transport="same host: process_vm_readv",
-               server="separate process (spawn)", roundtrip="ok", payload_checksum=ours.checksum,
-               baseline_detail="one-thread np.copyto of the same bytes, one contiguous buffer")
+    return row(
+        _local_name(size),
+        throughput(nbytes, samples["tiersync"][0]),
+        "memcpy",
+        throughput(nbytes, samples["memcpy"][0]),
+        block_nbytes=size,
+        streams=1,
+        window=ours.window,
+        blocks=n,
+        nbytes=nbytes,
+        transport="same host: process_vm_readv",
+        server="separate process (spawn)",
+        roundtrip="ok",
+        payload_checksum=ours.checksum,
+        baseline_detail="one-thread np.copyto of the same bytes, one contiguous buffer",
+    )
 
 
 # -- one case ---------------------------------------------------------------------
-def _case(config: BenchConfig, addrs: tuple[str, int], size: int, streams: int, window: int,
-          bar: Any) -> dict[str, Any]:
+def _case(
+    config: BenchConfig, addrs: tuple[str, int], size: int, streams: int, window: int, bar: Any
+) -> dict[str, Any]:
     n = _count(config.mode, size)
     expected = _blocks(config.seed, size, n)
     dests = [memoryview(bytearray(size)) for _ in range(n)]
-    ours, raw = _Ours(addrs[0], size, n, streams, window), _Raw(addrs[1], size, streams, window)
+    ours, raw = _Ours(addrs[0], size, n, streams, window), RawClient(addrs[1], size, streams, window)
     try:
         with ThreadPoolExecutor(max_workers=streams) as pool:
             _check("tiersync", pool, ours, dests, expected, streams, config.inject_corruption)
@@ -315,8 +242,14 @@ def _case(config: BenchConfig, addrs: tuple[str, int], size: int, streams: int, 
     return _row(size, streams, window, n, samples, ours.checksum)
 
 
-def _time(config: BenchConfig, pool: ThreadPoolExecutor, contenders: dict[str, Any], dests: list[memoryview],
-          streams: int, bar: Any) -> dict[str, tuple[list[float], list[float]]]:
+def _time(
+    config: BenchConfig,
+    pool: ThreadPoolExecutor,
+    contenders: dict[str, Any],
+    dests: list[memoryview],
+    streams: int,
+    bar: Any,
+) -> dict[str, tuple[list[float], list[float]]]:
     """Interleave the contenders; per contender (batch seconds, per-block latencies)."""
     names = list(contenders)
     out: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in names}
@@ -337,17 +270,30 @@ def _latency(values: list[float], stats: dict[str, float]) -> dict[str, float]:
     return {**stats, **{f"p{q}_ms": percentile(values, q) * 1e3 for q in (50, 90, 99)}}
 
 
-def _row(size: int, streams: int, window: int, n: int, samples: dict[str, tuple[list[float], list[float]]],
-         checksum: str) -> dict[str, Any]:
+def _row(
+    size: int, streams: int, window: int, n: int, samples: dict[str, tuple[list[float], list[float]]], checksum: str
+) -> dict[str, Any]:
     nbytes = size * n
     ours = _latency(samples["tiersync"][1], throughput(nbytes, samples["tiersync"][0]))
     base = _latency(samples["raw-socket"][1], throughput(nbytes, samples["raw-socket"][0]))
-    return row(_name(size, streams, window), ours, "raw-socket", base, block_nbytes=size, streams=streams,
-               window=window, blocks=n, nbytes=nbytes,
-               latency="per block pull (ms)" if window == 1 else "mean per block of a pipelined batch (ms)",
-               baseline_p50_ms=round(base["p50_ms"], 4), baseline_p99_ms=round(base["p99_ms"], 4),
-               transport="tcp 127.0.0.1", server="separate process (spawn)", roundtrip="ok",
-               payload_checksum=checksum)
+    return row(
+        _name(size, streams, window),
+        ours,
+        "raw-socket",
+        base,
+        block_nbytes=size,
+        streams=streams,
+        window=window,
+        blocks=n,
+        nbytes=nbytes,
+        latency="per block pull (ms)" if window == 1 else "mean per block of a pipelined batch (ms)",
+        baseline_p50_ms=round(base["p50_ms"], 4),
+        baseline_p99_ms=round(base["p99_ms"], 4),
+        transport="tcp 127.0.0.1",
+        server="separate process (spawn)",
+        roundtrip="ok",
+        payload_checksum=checksum,
+    )
 
 
 def _start_server(config: BenchConfig) -> tuple[Any, Any, tuple[str, int]]:
@@ -366,8 +312,13 @@ def _start_server(config: BenchConfig) -> tuple[Any, Any, tuple[str, int]]:
 def run(config: BenchConfig) -> dict[str, Any]:
     """Every (block size, streams) case against the raw reference; RoundTripError rather than report."""
     t0 = time.perf_counter()
-    cases = [(s, k, w) for s in SIZES[config.mode] for k in STREAMS[config.mode] for w in WINDOWS
-             if config.cases is None or config.cases in _name(s, k, w)]
+    cases = [
+        (s, k, w)
+        for s in SIZES[config.mode]
+        for k in STREAMS[config.mode]
+        for w in WINDOWS
+        if config.cases is None or config.cases in _name(s, k, w)
+    ]
     local = [s for s in SIZES[config.mode] if config.cases is None or config.cases in _local_name(s)]
     proc, stop, addrs = _start_server(config)
     results: list[dict[str, Any]] = []
@@ -383,8 +334,14 @@ def run(config: BenchConfig) -> dict[str, Any]:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
-    return report(config, results, roundtrip={"ok": True, "cases": len(cases) + len(local)}, reference=_reference(),
-                  target=_target(results), elapsed_s=round(time.perf_counter() - t0, 3))
+    return report(
+        config,
+        results,
+        roundtrip={"ok": True, "cases": len(cases) + len(local)},
+        reference=_reference(),
+        target=_target(results),
+        elapsed_s=round(time.perf_counter() - t0, 3),
+    )
 
 
 def _local_name(size: int) -> str:
@@ -392,8 +349,10 @@ def _local_name(size: int) -> str:
 
 
 def _reference() -> str:
-    return ("raw-socket: a server process doing sendall of the same bytes, client recv_into, same streams; "
-            "-local rows: one-thread memcpy of the same bytes")
+    return (
+        "raw-socket: a server process doing sendall of the same bytes, client recv_into, same streams; "
+        "-local rows: one-thread memcpy of the same bytes"
+    )
 
 
 def _target(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -401,5 +360,8 @@ def _target(results: list[dict[str, Any]]) -> dict[str, Any]:
     block size; the same-host rows >= 0.6 x one-thread memcpy."""
     goals = {_name(s, 4, WINDOWS[-1]): 0.8 for s in (64 << 10, 1 << 20, 16 << 20)}
     goals.update({_local_name(s): 0.6 for s in (64 << 10, 1 << 20, 16 << 20)})
-    return {r["name"]: {"min_ratio": goals[r["name"]], "ratio": r["ratio"], "met": r["ratio"] >= goals[r["name"]]}
-            for r in results if r["name"] in goals}
+    return {
+        r["name"]: {"min_ratio": goals[r["name"]], "ratio": r["ratio"], "met": r["ratio"] >= goals[r["name"]]}
+        for r in results
+        if r["name"] in goals
+    }

@@ -8,6 +8,7 @@ twice as large). A :class:`Fixture` binds a case to real memory: the pools,
 numpy unsigned-int *aliases* of them (bit-exact comparisons, no NaN trouble),
 an arena, an engine, and typed views of each pool's segment of the host image.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -110,8 +111,9 @@ def build(case: Case, *, workers: int, seed: int, metrics: Any = None, use_torch
     host = rng.choice(n_host, case.moved, replace=False) if case.scatter_host else np.arange(case.moved)
     engine = TransferEngine(layout, arena, TransferConfig(workers=workers), metrics=metrics)
     views = [_host_view(arena, off, a) for off, a in zip(layout.host_offsets, aliases)]
-    return Fixture(case, list(flat), aliases, [_alias(b) for b in bases], layout, arena, engine,
-                   views, dev, host, backend)
+    return Fixture(
+        case, list(flat), aliases, [_alias(b) for b in bases], layout, arena, engine, views, dev, host, backend
+    )
 
 
 def _allocate(case: Case, use_torch: bool) -> tuple[list[Any], str]:
@@ -148,7 +150,7 @@ def _fill(base: Any, seed: int) -> None:
 def _host_view(arena: Any, offset: int, alias: np.ndarray) -> np.ndarray:
     """Pool segment of every host block, typed and shaped like one block of ``alias``."""
     nb = int(np.prod(alias.shape[1:])) * alias.itemsize
-    seg = arena.memory[:, offset:offset + nb].view(alias.dtype).reshape(arena.num_blocks, *alias.shape[1:])
+    seg = arena.memory[:, offset : offset + nb].view(alias.dtype).reshape(arena.num_blocks, *alias.shape[1:])
     if seg.__array_interface__["data"][0] != arena.address + offset:
         raise AssertionError("host view must alias the arena, not copy it")
     return seg
@@ -176,13 +178,13 @@ def round_trip(fx: Fixture, *, corrupt: bool = False) -> dict[str, Any]:
     for p, (alias, view) in enumerate(zip(fx.aliases, fx.host_views)):
         _compare(fx, p, "h2d", alias[shifted], view[fx.host], fx.host, shifted)
     if _untouched_digest(fx) != untouched:
-        raise RoundTripError("round trip wrote outside the moved device blocks; refusing to report",
-                             case=fx.case.name)
+        raise RoundTripError("round trip wrote outside the moved device blocks; refusing to report", case=fx.case.name)
     return {"checked_bytes": 2 * fx.case.nbytes, "ok": True}
 
 
-def _compare(fx: Fixture, p: int, step: str, got: np.ndarray, want: np.ndarray,
-             src: np.ndarray, dst: np.ndarray) -> None:
+def _compare(
+    fx: Fixture, p: int, step: str, got: np.ndarray, want: np.ndarray, src: np.ndarray, dst: np.ndarray
+) -> None:
     diff = (got != want).reshape(len(src), -1).any(axis=1)
     if diff.any():
         k = int(np.argmax(diff))
@@ -192,7 +194,11 @@ def _compare(fx: Fixture, p: int, step: str, got: np.ndarray, want: np.ndarray,
         raise RoundTripError(
             f"round trip not byte-exact at {step}: {nbad} element(s) differ in the copy of "
             f"{names[0]} block {int(src[k])} to {names[1]} block {int(dst[k])}; refusing to report",
-            case=fx.case.name, pool=p, layer=pool.layer, tag=pool.spec.tag)
+            case=fx.case.name,
+            pool=p,
+            layer=pool.layer,
+            tag=pool.spec.tag,
+        )
 
 
 def _untouched_digest(fx: Fixture) -> bytes:

@@ -19,6 +19,7 @@ Rows, each against a baseline timed in the same run, interleaved:
 Before any timing the first read of each route is compared byte for byte with the
 producer's KV (recomputed here from the seed); a mismatch raises RoundTripError.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -40,8 +41,16 @@ def layout(mode: str) -> Any:
     from tiersync.disagg import KVOrder, PagedKVLayout
 
     blocks = -(-TOKENS[mode] // BLOCK)
-    return PagedKVLayout(num_layers=LAYERS[mode], num_kv_heads=HEADS[mode], head_dim=HEAD_DIM, block_size=BLOCK,
-                         num_blocks=blocks + blocks // 4, dtype="bfloat16", tp_size=1, order=KVOrder.HEAD_MAJOR)
+    return PagedKVLayout(
+        num_layers=LAYERS[mode],
+        num_kv_heads=HEADS[mode],
+        head_dim=HEAD_DIM,
+        block_size=BLOCK,
+        num_blocks=blocks + blocks // 4,
+        dtype="bfloat16",
+        tp_size=1,
+        order=KVOrder.HEAD_MAJOR,
+    )
 
 
 def block_ids(mode: str, seed: int) -> list[int]:
@@ -204,10 +213,21 @@ def _case(config: BenchConfig, conn: Any, addrs: tuple[str, str], route: str, ba
         ours, base = _time(config, link, baseline, dst_ids, bar)
     finally:
         link.consumer.close()
-    return row(f"pd-link-{route}", throughput(nbytes, ours), name, throughput(nbytes, base), nbytes=nbytes,
-               tokens=TOKENS[mode], layers=lay.num_layers, layout=f"vLLM CPU {lay.order.value} {lay.dtype}",
-               route=route, baseline_detail=detail, server="separate process (spawn)", roundtrip="ok",
-               payload_checksum="every DATA frame / every same-host region")
+    return row(
+        f"pd-link-{route}",
+        throughput(nbytes, ours),
+        name,
+        throughput(nbytes, base),
+        nbytes=nbytes,
+        tokens=TOKENS[mode],
+        layers=lay.num_layers,
+        layout=f"vLLM CPU {lay.order.value} {lay.dtype}",
+        route=route,
+        baseline_detail=detail,
+        server="separate process (spawn)",
+        roundtrip="ok",
+        payload_checksum="every DATA frame / every same-host region",
+    )
 
 
 def run(config: BenchConfig) -> dict[str, Any]:
@@ -215,8 +235,9 @@ def run(config: BenchConfig) -> dict[str, Any]:
     routes = [r for r in ("tcp", "local") if config.cases is None or config.cases in f"pd-link-{r}"]
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_prefill, args=(config.mode, config.seed, block_ids(config.mode, config.seed + 7),
-                                              child), daemon=True)
+    proc = ctx.Process(
+        target=_prefill, args=(config.mode, config.seed, block_ids(config.mode, config.seed + 7), child), daemon=True
+    )
     proc.start()
     results = []
     try:
@@ -232,7 +253,13 @@ def run(config: BenchConfig) -> dict[str, Any]:
         if proc.is_alive():
             proc.kill()
     targets = {"pd-link-tcp": 0.8, "pd-link-local": 0.6}
-    return report(config, results, roundtrip={"ok": True, "cases": len(results)},
-                  target={r["name"]: {"min_ratio": targets[r["name"]], "ratio": r["ratio"],
-                                      "met": r["ratio"] >= targets[r["name"]]} for r in results},
-                  elapsed_s=round(time.perf_counter() - t0, 3))
+    return report(
+        config,
+        results,
+        roundtrip={"ok": True, "cases": len(results)},
+        target={
+            r["name"]: {"min_ratio": targets[r["name"]], "ratio": r["ratio"], "met": r["ratio"] >= targets[r["name"]]}
+            for r in results
+        },
+        elapsed_s=round(time.perf_counter() - t0, 3),
+    )

@@ -9,6 +9,7 @@ Baseline, in the same run: a plain ``dict.get`` loop over batches of the same
 shape. Byte-exact check first: the registry must name the owner of every
 published key and no owner for unknown keys, else RoundTripError.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,7 +40,7 @@ def _check(corrupt: bool) -> int:
     if corrupt:
         owners[0] = "store-x"
     bad = [k for i, k in enumerate(keys) if owners[i] != f"store-{i % 4}"]
-    bad += [k for k, o in zip(misses, owners[len(keys):]) if o is not None]
+    bad += [k for k, o in zip(misses, owners[len(keys) :]) if o is not None]
     if bad:
         raise RoundTripError("registry lookups disagree with what was published", mismatched=len(bad))
     return len(keys) + len(misses)
@@ -73,10 +74,19 @@ def _dict_baseline(n_keys: int, batches: int, repeats: int) -> list[float]:
 def _row(name: str, ours: list[dict[str, float]], base: list[float], **extra: Any) -> dict[str, Any]:
     lps = median([o["lookups_per_s"] for o in ours])
     b = median(base)
-    return {"name": name, "gbps": round(lps, 1), "baseline": "dict-lookup-loop", "baseline_gbps": round(b, 1),
-            "ratio": round(lps / b, 4), "unit": UNIT, "batch_size": BATCH,
-            "p50_ms": round(median([o["p50_ms"] for o in ours]), 4),
-            "p99_ms": round(median([o["p99_ms"] for o in ours]), 4), "roundtrip": "ok", **extra}
+    return {
+        "name": name,
+        "gbps": round(lps, 1),
+        "baseline": "dict-lookup-loop",
+        "baseline_gbps": round(b, 1),
+        "ratio": round(lps / b, 4),
+        "unit": UNIT,
+        "batch_size": BATCH,
+        "p50_ms": round(median([o["p50_ms"] for o in ours]), 4),
+        "p99_ms": round(median([o["p99_ms"] for o in ours]), 4),
+        "roundtrip": "ok",
+        **extra,
+    }
 
 
 def run(config: BenchConfig) -> dict[str, Any]:
@@ -95,7 +105,21 @@ def run(config: BenchConfig) -> dict[str, Any]:
         for _ in range(reps):  # interleave ours and the baseline
             ours.append(bench_registry(n_keys=n_keys, batches=batches, batch_size=BATCH, via_grpc=grpc))
             base += _dict_baseline(n_keys, batches, 1)
-        results.append(_row(name, ours, base, keys=n_keys, batches=batches, repeats=reps,
-                            transport="grpc 127.0.0.1" if grpc else "in-process"))
-    return report(config, results, units=UNIT, roundtrip={"ok": True, "checked_keys": checked},
-                  elapsed_s=round(time.perf_counter() - t0, 3))
+        results.append(
+            _row(
+                name,
+                ours,
+                base,
+                keys=n_keys,
+                batches=batches,
+                repeats=reps,
+                transport="grpc 127.0.0.1" if grpc else "in-process",
+            )
+        )
+    return report(
+        config,
+        results,
+        units=UNIT,
+        roundtrip={"ok": True, "checked_keys": checked},
+        elapsed_s=round(time.perf_counter() - t0, 3),
+    )

@@ -19,6 +19,7 @@ Correct before fast: every row's greedy tokens must equal the recompute row's, o
 suite refuses to report (:class:`RoundTripError`). A connector that crashes the engine
 gets a row with ``error`` instead of numbers.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,14 @@ __all__ = ["run"]
 
 PD_PORT = 17650
 SMALL = TinyLlama()  # 512 hidden, 6 layers, 4 KV heads x 64: 12 KiB of float32 KV per token
-BIG_KV = TinyLlama(hidden_size=1024, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=8,
-                   head_dim=128, intermediate_size=2048)  # 128 KiB of float32 KV per token
+BIG_KV = TinyLlama(
+    hidden_size=1024,
+    num_hidden_layers=16,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=2048,
+)  # 128 KiB of float32 KV per token
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +71,13 @@ def run(config: BenchConfig) -> dict:
     work = tempfile.mkdtemp(prefix="tiersync-bench-serve-")
     try:
         results = []
-        small = _Case(write_tiny_llama(os.path.join(work, "small"), SMALL), SMALL,
-                      2000 if config.quick else 6000, 8192, 2 if config.quick else 3)
+        small = _Case(
+            write_tiny_llama(os.path.join(work, "small"), SMALL),
+            SMALL,
+            2000 if config.quick else 6000,
+            8192,
+            2 if config.quick else 3,
+        )
         results += _model_rows(config, small, "", work, chunked=not config.quick)
         if not config.quick or config.cases == "pd":
             results += _pd_rows(small, work)
@@ -73,18 +85,30 @@ def run(config: BenchConfig) -> dict:
             big = _Case(write_tiny_llama(os.path.join(work, "big"), BIG_KV), BIG_KV, 4000, 8192, 2)
             results += _model_rows(config, big, "big_", work, chunked=False, peers=False)
         bind = omp_bind()
-        return report(config, results, prompt_tokens=small.prompt_len, omp_bind=bind,
-                      omp_threads=len(parse_cores(bind)),
-                      note="ratio = recompute TTFT / row TTFT; ttft_ratio = row / recompute; every engine "
-                           "computes on the cores omp_bind names (VLLM_CPU_OMP_THREADS_BIND)")
+        return report(
+            config,
+            results,
+            prompt_tokens=small.prompt_len,
+            omp_bind=bind,
+            omp_threads=len(parse_cores(bind)),
+            note="ratio = recompute TTFT / row TTFT; ttft_ratio = row / recompute; every engine "
+            "computes on the cores omp_bind names (VLLM_CPU_OMP_THREADS_BIND)",
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _model_rows(config: BenchConfig, case: _Case, prefix: str, work: str, *, chunked: bool,
-                peers: bool = True) -> list[dict]:
-    base = {"model": case.model, "prompt_len": case.prompt_len, "chunk": case.chunk, "max_tokens": 16,
-            "vocab": case.shape.vocab_size, "kv_space_gib": 2}
+def _model_rows(
+    config: BenchConfig, case: _Case, prefix: str, work: str, *, chunked: bool, peers: bool = True
+) -> list[dict]:
+    base = {
+        "model": case.model,
+        "prompt_len": case.prompt_len,
+        "chunk": case.chunk,
+        "max_tokens": 16,
+        "vocab": case.shape.vocab_size,
+        "kv_space_gib": 2,
+    }
     timed = ["ttft"] * case.timed
     recompute = spawn({**base, "steps": timed + ["gen"]})
     ref = _Row(prefix + "recompute", recompute, None)
@@ -92,24 +116,42 @@ def _model_rows(config: BenchConfig, case: _Case, prefix: str, work: str, *, chu
     disk = os.path.join(work, prefix + "kv")
     host = {"host_bytes": "2GiB", "storage_dir": disk}
     if peers and not config.quick:
-        rows.append(_Row(prefix + "vllm_prefix_hit", spawn({**base, "prefix_cache": True,
-                                                            "steps": ["fill"] + timed + ["gen"]}), ref))
+        rows.append(
+            _Row(
+                prefix + "vllm_prefix_hit",
+                spawn({**base, "prefix_cache": True, "steps": ["fill"] + timed + ["gen"]}),
+                ref,
+            )
+        )
         rows.append(_example_row(prefix + "example_disk_hit", base, timed, work, ref))
-    rows.append(_Row(prefix + "tiersync_host_hit", spawn({**base, "connector": "tiersync", "extra": host,
-                                                          "steps": ["fill"] + timed + ["gen"]}), ref))
-    rows.append(_Row(prefix + "tiersync_disk_hit", spawn({**base, "connector": "tiersync", "extra": host,
-                                                          "steps": ["ttft", "gen"]}), ref))
+    rows.append(
+        _Row(
+            prefix + "tiersync_host_hit",
+            spawn({**base, "connector": "tiersync", "extra": host, "steps": ["fill"] + timed + ["gen"]}),
+            ref,
+        )
+    )
+    rows.append(
+        _Row(
+            prefix + "tiersync_disk_hit",
+            spawn({**base, "connector": "tiersync", "extra": host, "steps": ["ttft", "gen"]}),
+            ref,
+        )
+    )
     if chunked:
-        ch = {**base, "chunk": 4096}
-        rows.append(_example_row(prefix + "example_disk_hit_chunk4096", ch, timed, work, ref))
-        rows.append(_Row(prefix + "tiersync_host_hit_chunk4096",
-                         spawn({**ch, "connector": "tiersync", "extra": {"host_bytes": "2GiB"},
-                                "steps": ["fill"] + timed + ["gen"]}), ref))
+        rows += _chunked_rows(prefix, {**base, "chunk": 4096}, timed, work, ref)
     out = [r.as_dict(case) for r in rows]
     bad = [r["name"] for r in out if r.get("tokens_match") is False]
     if bad:
         raise RoundTripError("greedy tokens differ from recompute", rows=bad)
     return out
+
+
+def _chunked_rows(prefix: str, ch: dict[str, Any], timed: list[str], work: str, ref: _Row) -> list[_Row]:
+    """The example server and tiersync's host hit with vLLM's chunked prefill (4096 tokens)."""
+    example = _example_row(prefix + "example_disk_hit_chunk4096", ch, timed, work, ref)
+    host = spawn({**ch, "connector": "tiersync", "extra": {"host_bytes": "2GiB"}, "steps": ["fill", *timed, "gen"]})
+    return [example, _Row(prefix + "tiersync_host_hit_chunk4096", host, ref)]
 
 
 def _pd_rows(case: _Case, work: str) -> list[dict]:
@@ -125,14 +167,23 @@ def _pd_rows(case: _Case, work: str) -> list[dict]:
         return servers[-1]
 
     try:
-        prefill = launch("prefill", ["engine", json.dumps({**base, "kv_role": "kv_producer",
-                                                           "extra": {"pd_port": PD_PORT}}), "0"])
+        prefill = launch(
+            "prefill", ["engine", json.dumps({**base, "kv_role": "kv_producer", "extra": {"pd_port": PD_PORT}}), "0"]
+        )
         decode = launch("decode", ["engine", json.dumps({**base, "kv_role": "kv_consumer"}), "0"])
         router = launch("router", ["router", prefill.url, decode.url, "0"])
         return _pd_measure(case, prefill, router)
     except RuntimeError as exc:
-        return [{"name": "tiersync_prefill_decode", "baseline": "monolithic", "error": str(exc)[-600:],
-                 "gbps": None, "baseline_gbps": None, "ratio": None}]
+        return [
+            {
+                "name": "tiersync_prefill_decode",
+                "baseline": "monolithic",
+                "error": str(exc)[-600:],
+                "gbps": None,
+                "baseline_gbps": None,
+                "ratio": None,
+            }
+        ]
     finally:
         for server in servers:
             server.kill()
@@ -158,8 +209,9 @@ def _pd_measure(case: _Case, prefill: Any, router: Any) -> list[dict]:
 def _example_row(name: str, base: dict, timed: list[str], work: str, ref: _Row) -> _Row:
     path = tempfile.mkdtemp(prefix="example-", dir=work)
     try:
-        return _Row(name, spawn({**base, "connector": "example", "storage_dir": path,
-                                 "steps": ["fill"] + timed + ["gen"]}), ref)
+        return _Row(
+            name, spawn({**base, "connector": "example", "storage_dir": path, "steps": ["fill"] + timed + ["gen"]}), ref
+        )
     except EngineFailed as exc:
         return _Row(name, [], ref, error=_first_error(exc.log_tail))
 
@@ -182,17 +234,31 @@ class _Row:
     def as_dict(self, case: _Case) -> dict:
         baseline = "none" if self.ref is None else self.ref.name
         if self.error is not None:
-            return {"name": self.name, "baseline": baseline, "error": self.error, "gbps": None,
-                    "baseline_gbps": None, "ratio": None}
+            return {
+                "name": self.name,
+                "baseline": baseline,
+                "error": self.error,
+                "gbps": None,
+                "baseline_gbps": None,
+                "ratio": None,
+            }
         kv = case.prompt_len * case.shape.kv_bytes_per_token()
         ttft, ref = self.ttft(), (self.ref or self).ttft()
         gen = self.gen()
         # TPOT from the engine that decodes (through the router: the decode engine's own time)
         first = median([s.get("decode_seconds", s["seconds"]) for s in self.steps if s["step"] == "ttft"])
         tpot = (gen.get("decode_seconds", gen["seconds"]) - first) / max(1, len(gen["tokens"]) - 1)
-        return {"name": self.name, "ttft_s": round(ttft, 4), "baseline": baseline,
-                "baseline_ttft_s": round(ref, 4), "ttft_ratio": round(ttft / ref, 4),
-                "gbps": round(kv / ttft / 1e9, 4), "baseline_gbps": round(kv / ref / 1e9, 4),
-                "ratio": round(ref / ttft, 4), "tpot_s": round(tpot, 5),
-                "cached_tokens": gen["cached_tokens"], "kv_bytes": kv,
-                "tokens_match": None if self.ref is None else gen["tokens"] == self.ref.gen()["tokens"]}
+        return {
+            "name": self.name,
+            "ttft_s": round(ttft, 4),
+            "baseline": baseline,
+            "baseline_ttft_s": round(ref, 4),
+            "ttft_ratio": round(ttft / ref, 4),
+            "gbps": round(kv / ttft / 1e9, 4),
+            "baseline_gbps": round(kv / ref / 1e9, 4),
+            "ratio": round(ref / ttft, 4),
+            "tpot_s": round(tpot, 5),
+            "cached_tokens": gen["cached_tokens"],
+            "kv_bytes": kv,
+            "tokens_match": None if self.ref is None else gen["tokens"] == self.ref.gen()["tokens"],
+        }

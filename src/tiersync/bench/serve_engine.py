@@ -13,6 +13,7 @@ compute than a full prefill, so the suffix is computed in other chunk shapes, an
 rounding difference can flip a later greedy token. In float32 it cannot, in practice, so the
 tests and the bench compare greedy tokens exactly.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,24 +38,39 @@ def _transfer_config(spec: dict) -> Any:
     if kind == "none":
         return None
     if kind == "example":
-        return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
-                                kv_connector_extra_config={"shared_storage_path": spec["storage_dir"]})
-    return KVTransferConfig(kv_connector="TierSyncConnector", kv_role=spec.get("kv_role", "kv_both"),
-                            kv_connector_module_path="tiersync.integrations.vllm",
-                            kv_connector_extra_config=spec.get("extra", {}),
-                            kv_load_failure_policy="recompute")  # a failed load is recomputed
+        return KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": spec["storage_dir"]},
+        )
+    return KVTransferConfig(
+        kv_connector="TierSyncConnector",
+        kv_role=spec.get("kv_role", "kv_both"),
+        kv_connector_module_path="tiersync.integrations.vllm",
+        kv_connector_extra_config=spec.get("extra", {}),
+        kv_load_failure_policy="recompute",
+    )  # a failed load is recomputed
 
 
 def build_engine(spec: dict) -> Any:
     from vllm import LLM
 
     pool = {"kv_cache_memory_bytes": spec["kv_cache_memory_bytes"]} if spec.get("kv_cache_memory_bytes") else {}
-    return LLM(model=spec["model"], skip_tokenizer_init=True, kv_transfer_config=_transfer_config(spec),
-               gpu_memory_utilization=0.3, max_model_len=spec.get("max_model_len", 8192),
-               max_num_batched_tokens=spec.get("chunk", 4096), enable_chunked_prefill=True,
-               enable_prefix_caching=bool(spec.get("prefix_cache", False)), enforce_eager=True, seed=0,
-               dtype=spec.get("dtype", "float32"),
-               disable_log_stats=not (spec.get("workload") or spec.get("concurrent")), **pool)
+    return LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        kv_transfer_config=_transfer_config(spec),
+        gpu_memory_utilization=0.3,
+        max_model_len=spec.get("max_model_len", 8192),
+        max_num_batched_tokens=spec.get("chunk", 4096),
+        enable_chunked_prefill=True,
+        enable_prefix_caching=bool(spec.get("prefix_cache", False)),
+        enforce_eager=True,
+        seed=0,
+        dtype=spec.get("dtype", "float32"),
+        disable_log_stats=not (spec.get("workload") or spec.get("concurrent")),
+        **pool,
+    )
 
 
 def generate(llm: Any, prompt: list[int], max_tokens: int, kv_transfer_params: dict | None = None) -> dict:
@@ -64,16 +80,18 @@ def generate(llm: Any, prompt: list[int], max_tokens: int, kv_transfer_params: d
     return generate_batch(llm, [prompt], max_tokens, kv_transfer_params)[0]
 
 
-def generate_batch(llm: Any, prompts: list[list[int]], max_tokens: int,
-                   kv_transfer_params: dict | None = None) -> list[dict]:
+def generate_batch(
+    llm: Any, prompts: list[list[int]], max_tokens: int, kv_transfer_params: dict | None = None
+) -> list[dict]:
     """:func:`generate` for every prompt, submitted together (the engine batches them);
     ``seconds`` is the whole batch's, ``first_seconds`` each request's own TTFT."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=1,
-                        extra_args=extra)
+    sp = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=1, extra_args=extra
+    )
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -82,9 +100,16 @@ def generate_batch(llm: Any, prompts: list[list[int]], max_tokens: int,
         gen, metrics = out.outputs[0], getattr(out, "metrics", None)
         logprobs = [lp[t].logprob for t, lp in zip(gen.token_ids, gen.logprobs or [])]
         first = getattr(metrics, "first_token_latency", 0.0) or seconds  # the engine's TTFT (needs log stats)
-        rows.append({"seconds": seconds, "first_seconds": first, "tokens": list(gen.token_ids),
-                     "logprobs": logprobs, "cached_tokens": out.num_cached_tokens or 0,
-                     "kv_transfer_params": getattr(out, "kv_transfer_params", None)})
+        rows.append(
+            {
+                "seconds": seconds,
+                "first_seconds": first,
+                "tokens": list(gen.token_ids),
+                "logprobs": logprobs,
+                "cached_tokens": out.num_cached_tokens or 0,
+                "kv_transfer_params": getattr(out, "kv_transfer_params", None),
+            }
+        )
     return rows
 
 
@@ -172,8 +197,11 @@ def engine_env(spec: dict) -> dict[str, str]:
     """The environment of one engine process: its KV pool size and the shared core binding.
     A spec with ``kv_cache_memory_bytes`` sizes the pool itself: vLLM's CPU platform would let
     ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) override it, so that variable is left out."""
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": spec.get("omp_bind") or omp_bind(),
-           "VLLM_CPU_KVCACHE_SPACE": str(spec.get("kv_space_gib", 1))}
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": spec.get("omp_bind") or omp_bind(),
+        "VLLM_CPU_KVCACHE_SPACE": str(spec.get("kv_space_gib", 1)),
+    }
     if spec.get("kv_cache_memory_bytes"):
         del env["VLLM_CPU_KVCACHE_SPACE"]
     return env
@@ -200,8 +228,14 @@ def spawn(spec: dict, timeout: float = 900, python: str | None = None) -> list[d
     fd, path = tempfile.mkstemp(prefix="tiersync-engine-", suffix=".jsonl")
     os.close(fd)
     try:
-        proc = subprocess.run([exe, "-m", "tiersync.bench.serve_engine", json.dumps({**spec, "results_path": path})],
-                              check=False, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(
+            [exe, "-m", "tiersync.bench.serve_engine", json.dumps({**spec, "results_path": path})],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
         with open(path) as f:
             rows = [json.loads(line[7:]) for line in f if line.startswith("RESULT ")]
     finally:

@@ -18,6 +18,7 @@ report medians, plus the median and 10th/90th percentiles of the per-iteration
 ratio (``paired_ratio*``). A byte-exact round trip of both paths runs first and the
 bench refuses to report on a mismatch.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -64,7 +65,7 @@ def run(quick: bool | BenchConfig, directory: str | None = None) -> dict:
         times: dict[str, list[float]] = {k: [] for k in ("ours_w", "raw_w", "direct_w", "ours_r", "raw_r", "direct_r")}
         resident = 0
         for i in range(warm + iters):
-            s[:: BLOCK] = i & 0xFF  # change the data before each iteration
+            s[::BLOCK] = i & 0xFF  # change the data before each iteration
             sample, res = _iteration(tier, base, src, dst, blocks, batches, i)
             resident = max(resident, res)
             if i >= warm:
@@ -72,32 +73,57 @@ def run(quick: bool | BenchConfig, directory: str | None = None) -> dict:
                     times[k].append(v)
         nbytes, extra = blocks * BLOCK, _extra(tier, blocks, batches, resident)
         results = [
-            row("storage_write_64k", throughput(nbytes, times["ours_w"]), "os.write + fsync, one file",
-                throughput(nbytes, times["raw_w"]), **_paired(times["raw_w"], times["ours_w"]),
-                raw_direct_gbps=round(throughput(nbytes, times["direct_w"])["gbps"], 4), **extra),
-            row("storage_read_64k", throughput(nbytes, times["ours_r"]), "sequential read, one file",
-                throughput(nbytes, times["raw_r"]), **_paired(times["raw_r"], times["ours_r"]),
-                raw_direct_gbps=round(throughput(nbytes, times["direct_r"])["gbps"], 4), **extra),
+            row(
+                "storage_write_64k",
+                throughput(nbytes, times["ours_w"]),
+                "os.write + fsync, one file",
+                throughput(nbytes, times["raw_w"]),
+                **_paired(times["raw_w"], times["ours_w"]),
+                raw_direct_gbps=round(throughput(nbytes, times["direct_w"])["gbps"], 4),
+                **extra,
+            ),
+            row(
+                "storage_read_64k",
+                throughput(nbytes, times["ours_r"]),
+                "sequential read, one file",
+                throughput(nbytes, times["raw_r"]),
+                **_paired(times["raw_r"], times["ours_r"]),
+                raw_direct_gbps=round(throughput(nbytes, times["direct_r"])["gbps"], 4),
+                **extra,
+            ),
         ]
-        return report(config, results, directory=directory or tempfile.gettempdir(), checked_bytes=2 * nbytes,
-                      cache="cold: posix_fadvise(DONTNEED) on every file of both sides before reading, "
-                            "checked with mincore")
+        return report(
+            config,
+            results,
+            directory=directory or tempfile.gettempdir(),
+            checked_bytes=2 * nbytes,
+            cache="cold: posix_fadvise(DONTNEED) on every file of both sides before reading, checked with mincore",
+        )
     finally:
         tier.close()
         shutil.rmtree(base, ignore_errors=True)
 
 
 def _extra(tier: StorageTier, blocks: int, batches: int, resident: int) -> dict:
-    return {"block_bytes": BLOCK, "blocks": blocks, "batches": batches, "segment_bytes": tier.config.segment_bytes,
-            "direct_reads": tier.stats().direct_io, "direct_writes": tier.config.direct_writes,
-            "resident_bytes_before_reads": resident}
+    return {
+        "block_bytes": BLOCK,
+        "blocks": blocks,
+        "batches": batches,
+        "segment_bytes": tier.config.segment_bytes,
+        "direct_reads": tier.stats().direct_io,
+        "direct_writes": tier.config.direct_writes,
+        "resident_bytes_before_reads": resident,
+    }
 
 
 def _paired(raw: list[float], ours: list[float]) -> dict:
     """Per-iteration ratios ours/raw (throughput = inverse time): median and 10th/90th percentiles."""
     r = [a / b for a, b in zip(raw, ours)]
-    return {"paired_ratio": round(median(r), 4), "paired_ratio_p10": round(percentile(r, 10), 4),
-            "paired_ratio_p90": round(percentile(r, 90), 4)}
+    return {
+        "paired_ratio": round(median(r), 4),
+        "paired_ratio_p10": round(percentile(r, 10), 4),
+        "paired_ratio_p90": round(percentile(r, 90), 4),
+    }
 
 
 def _host_buffer(nbytes: int) -> mmap.mmap:
@@ -114,13 +140,13 @@ def _keys(i: int, blocks: int) -> list[bytes]:
 
 def _views(buf: mmap.mmap, blocks: int) -> list[memoryview]:
     mv = memoryview(buf)
-    return [mv[j * BLOCK:(j + 1) * BLOCK] for j in range(blocks)]
+    return [mv[j * BLOCK : (j + 1) * BLOCK] for j in range(blocks)]
 
 
 def _ours_write(tier, src, keys, batches) -> float:
     views, per = _views(src, len(keys)), len(keys) // batches
     t0 = time.perf_counter()
-    futs = [tier.write(keys[b * per:(b + 1) * per], views[b * per:(b + 1) * per]) for b in range(batches)]
+    futs = [tier.write(keys[b * per : (b + 1) * per], views[b * per : (b + 1) * per]) for b in range(batches)]
     for f in futs:
         f.result()
     return time.perf_counter() - t0
@@ -130,7 +156,7 @@ def _ours_read(tier, dst, keys, batches) -> tuple[float, list[ReadStatus]]:
     _cold([os.path.join(tier.directory, n) for n in os.listdir(tier.directory)])
     views, per = _views(dst, len(keys)), len(keys) // batches
     t0 = time.perf_counter()
-    futs = [tier.read(keys[b * per:(b + 1) * per], views[b * per:(b + 1) * per]) for b in range(batches)]
+    futs = [tier.read(keys[b * per : (b + 1) * per], views[b * per : (b + 1) * per]) for b in range(batches)]
     st = [s for f in futs for s in f.result()]
     return time.perf_counter() - t0, st
 
@@ -172,16 +198,21 @@ def _iteration(tier, base, src, dst, blocks, batches, i) -> tuple[dict[str, floa
     resident in the page cache right before a timed read (0 = every read was cold)."""
     keys, raw = _keys(i, blocks), os.path.join(base, f"raw-{i}.bin")
     out: dict[str, float] = {}
-    steps = [("ours_w", lambda: _ours_write(tier, src, keys, batches)), ("raw_w", lambda: _raw_write(raw, src)),
-             ("direct_w", lambda: _raw_write(raw + ".direct", src, direct=True))]
+    steps = [
+        ("ours_w", lambda: _ours_write(tier, src, keys, batches)),
+        ("raw_w", lambda: _raw_write(raw, src)),
+        ("direct_w", lambda: _raw_write(raw + ".direct", src, direct=True)),
+    ]
     k = i % len(steps)
     for name, fn in steps[k:] + steps[:k]:
         out[name] = fn()
     os.unlink(raw + ".direct")
     segs = [os.path.join(tier.directory, n) for n in os.listdir(tier.directory)]
-    reads = {"ours_r": (segs, lambda: _ours_read(tier, dst, keys, batches)[0]),
-             "raw_r": ([raw], lambda: _raw_read(raw, dst)),
-             "direct_r": ([raw], lambda: _raw_read(raw, dst, direct=True))}
+    reads = {
+        "ours_r": (segs, lambda: _ours_read(tier, dst, keys, batches)[0]),
+        "raw_r": ([raw], lambda: _raw_read(raw, dst)),
+        "direct_r": ([raw], lambda: _raw_read(raw, dst, direct=True)),
+    }
     k, resident = i % len(_ORDER), 0
     for name in _ORDER[k:] + _ORDER[:k]:
         files, fn = reads[name]

@@ -5,6 +5,7 @@ KV cache and a test comparing outputs could not catch wrong KV. These weights ar
 normally with std 0.05: enough that greedy outputs do not collapse into a loop, so
 every token's KV changes the output.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,16 @@ def write_tiny_llama(directory: str, shape: TinyLlama = TinyLlama(), seed: int =
     from transformers import LlamaConfig, LlamaForCausalLM
 
     os.makedirs(directory, exist_ok=True)
-    cfg = LlamaConfig(**asdict(shape), rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", initializer_range=INIT_STD)
+    cfg = LlamaConfig(
+        **asdict(shape),
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+        initializer_range=INIT_STD,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)

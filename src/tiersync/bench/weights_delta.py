@@ -16,6 +16,7 @@ after the last timed one, every sampler's xxh3 of every tensor equals the source
 :class:`~tiersync.weights.publisher.PublishResult`) must be exactly the changed chunks
 (delta) or the whole model (full), per sampler.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,10 @@ def _chunks(model: Any, source: Any, dest: Any) -> list[tuple[str, tuple[slice, 
 
     specs = {n: (t.shape, "bfloat16") for n, t in model.tensors.items()}
     plan = plan_transfer(source, dest, specs, PlanOptions(64, CHUNK))
-    return [(t.tensor, tuple(slice(a, b) for a, b in zip(t.global_box.start, t.global_box.stop)), t.nbytes)
-            for t in plan.for_destination(0)]
+    return [
+        (t.tensor, tuple(slice(a, b) for a, b in zip(t.global_box.start, t.global_box.stop)), t.nbytes)
+        for t in plan.for_destination(0)
+    ]
 
 
 def _change(model: Any, chunks: list, pct: int, rng: np.random.Generator) -> int:
@@ -79,8 +82,11 @@ def _check(model: Any, version: int, workers: list, expect: Callable, corrupt: b
     answers = [expect(c, "digest", p) for p, c in workers]  # every answer read: the pipes stay in step
     for _, got_version, got in answers:
         if got_version != version or got != want:
-            raise RoundTripError("a sampler's weights differ from the source after a delta sync; refusing to report",
-                                 version=got_version, tensors=[k for k in want if got.get(k) != want[k]][:3])
+            raise RoundTripError(
+                "a sampler's weights differ from the source after a delta sync; refusing to report",
+                version=got_version,
+                tensors=[k for k in want if got.get(k) != want[k]][:3],
+            )
 
 
 def _contender(model, pub, pool, chunks, pct, delta, versions, iters, buffers, config, expect, moved) -> list[float]:
@@ -118,12 +124,24 @@ def _publish(pub: Any, version: int, per_sampler: int) -> None:
     if not res.ok:
         raise RoundTripError("a sampler failed", failed=str(res.failed))
     if any(o.moved != per_sampler for o in res.outcomes):
-        raise RoundTripError("a sampler moved other bytes than the changed chunks", version=version,
-                             want=per_sampler, moved=[o.moved for o in res.outcomes])
+        raise RoundTripError(
+            "a sampler moved other bytes than the changed chunks",
+            version=version,
+            want=per_sampler,
+            moved=[o.moved for o in res.outcomes],
+        )
 
 
-def run_rows(config: BenchConfig, model: Any, pool: list, versions: Callable, iters: int, buffers: int,
-             expect: Callable, pcts: list[int]) -> list[dict[str, Any]]:
+def run_rows(
+    config: BenchConfig,
+    model: Any,
+    pool: list,
+    versions: Callable,
+    iters: int,
+    buffers: int,
+    expect: Callable,
+    pcts: list[int],
+) -> list[dict[str, Any]]:
     """The selected delta rows (``pool``: at least 4 sampler processes)."""
     from tiersync.weights.config import PublisherConfig
     from tiersync.weights.publisher import WeightPublisher
@@ -139,9 +157,10 @@ def run_rows(config: BenchConfig, model: Any, pool: list, versions: Callable, it
             times: dict[bool, list[float]] = {True: [], False: []}
             moved: dict[bool, list[int]] = {True: [], False: []}
             for rnd in range(ROUNDS):
-                for delta in ((True, False) if rnd % 2 == 0 else (False, True)):
-                    times[delta] += _contender(model, pub, pool, chunks, pct, delta, versions, iters, buffers,
-                                               config, expect, moved[delta])
+                for delta in (True, False) if rnd % 2 == 0 else (False, True):
+                    times[delta] += _contender(
+                        model, pub, pool, chunks, pct, delta, versions, iters, buffers, config, expect, moved[delta]
+                    )
             out.append(_row(pct, model.nbytes, len(chunks), times, moved, buffers))
     finally:
         pub.close()
@@ -153,9 +172,24 @@ def _row(pct: int, nbytes: int, chunks: int, times: dict, moved: dict, buffers: 
     ``moved_bytes``: median bytes one sampler fetched per version (checked exact)."""
     delta_t, full_t = times[True], times[False]
     ours, base = throughput(nbytes, delta_t), throughput(nbytes, full_t)
-    return row(NAME.format(pct), ours, BASELINE, base, shards=1, samplers=SAMPLERS, nbytes=nbytes,
-               transport="tcp forced", buffers=buffers, chunk_bytes=CHUNK, chunks=chunks,
-               changed_chunks=max(1, math.ceil(chunks * pct / 100)), moved_bytes=int(median(moved[True])),
-               baseline_moved_bytes=int(median(moved[False])), moved_fraction=round(median(moved[True]) / nbytes, 5),
-               seconds=round(median(delta_t), 4), baseline_seconds=round(median(full_t), 4),
-               samples=len(delta_t), roundtrip="ok")
+    return row(
+        NAME.format(pct),
+        ours,
+        BASELINE,
+        base,
+        shards=1,
+        samplers=SAMPLERS,
+        nbytes=nbytes,
+        transport="tcp forced",
+        buffers=buffers,
+        chunk_bytes=CHUNK,
+        chunks=chunks,
+        changed_chunks=max(1, math.ceil(chunks * pct / 100)),
+        moved_bytes=int(median(moved[True])),
+        baseline_moved_bytes=int(median(moved[False])),
+        moved_fraction=round(median(moved[True]) / nbytes, 5),
+        seconds=round(median(delta_t), 4),
+        baseline_seconds=round(median(full_t), 4),
+        samples=len(delta_t),
+        roundtrip="ok",
+    )

@@ -12,6 +12,7 @@
 Every receiver answers a digest request with the xxh3_64 of each tensor it holds, which the
 driver compares with the source before any number is reported.
 """
+
 from __future__ import annotations
 
 import gc
@@ -32,11 +33,19 @@ def model_shapes(mode: str, layers: int | None = None) -> dict[str, tuple[int, .
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
     for i in range(n if layers is None else layers):
         p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (h, h),
-                    p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
-                    p + "self_attn.o_proj.weight": (h, h), p + "post_attention_layernorm.weight": (h,),
-                    p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                    p + "mlp.down_proj.weight": (h, f)})
+        out.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (h, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, h),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "mlp.gate_proj.weight": (f, h),
+                p + "mlp.up_proj.weight": (f, h),
+                p + "mlp.down_proj.weight": (h, f),
+            }
+        )
     out["model.norm.weight"] = (h,)
     return out
 
@@ -133,21 +142,47 @@ class _Arena:
         return arr
 
 
-def _join(arena: _Arena, addresses: list[str], rank: int, count: int, transport: str, buffers: int,
-          zero_copy: bool = False, delta: bool = False, streams: int = 4) -> Any:
+def _join(
+    arena: _Arena,
+    addresses: list[str],
+    rank: int,
+    count: int,
+    transport: str,
+    buffers: int,
+    zero_copy: bool = False,
+    delta: bool = False,
+    streams: int = 4,
+) -> Any:
     from tiersync.weights.config import ReceiverConfig, TransportKind
     from tiersync.weights.receiver import WeightReceiver
     from tiersync.weights.sharding import Mesh, Sharding
 
     dest = Sharding.replicated(Mesh((count,), ("dp",)))
-    cfg = ReceiverConfig(tuple(addresses), rank=rank, transport=TransportKind(transport), buffers=buffers,
-                         streams=streams, sampler_id=f"bench-{rank}", zero_copy=zero_copy, delta=delta)
+    cfg = ReceiverConfig(
+        tuple(addresses),
+        rank=rank,
+        transport=TransportKind(transport),
+        buffers=buffers,
+        streams=streams,
+        sampler_id=f"bench-{rank}",
+        zero_copy=zero_copy,
+        delta=delta,
+    )
     return WeightReceiver(dest, cfg, allocator=arena)
 
 
 # -- torch.distributed gloo ---------------------------------------------------------
-def gloo_main(rank: int, world: int, trainers: int, store: str, mode: str, layers: int, seed: int,
-              cases: list[tuple[int, int, list[int]]], conn: Any) -> None:
+def gloo_main(
+    rank: int,
+    world: int,
+    trainers: int,
+    store: str,
+    mode: str,
+    layers: int,
+    seed: int,
+    cases: list[tuple[int, int, list[int]]],
+    conn: Any,
+) -> None:
     """Rank ``rank`` of ``world``: ranks < ``trainers`` are trainer shards, the rest receivers.
 
     ``cases[k] = (shards, samplers, versions)``: on ``("go", k)`` the first ``shards`` trainers
@@ -159,13 +194,15 @@ def gloo_main(rank: int, world: int, trainers: int, store: str, mode: str, layer
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=900))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900)
+    )
     groups = []
     for shards, n, _ in cases:  # every rank creates every group, in the same order
         receivers = list(range(trainers, trainers + n))
-        groups.append(([dist.new_group([s, *receivers]) for s in range(shards)],
-                       dist.new_group([*range(shards), *receivers])))
+        groups.append(
+            ([dist.new_group([s, *receivers]) for s in range(shards)], dist.new_group([*range(shards), *receivers]))
+        )
     shapes = model_shapes(mode, layers)
     full = _gloo_tensors(rank, trainers, shapes, seed)
     conn.send(("ready",))
@@ -196,8 +233,9 @@ def _gloo_tensors(rank: int, trainers: int, shapes: dict, seed: int) -> dict[str
     return out
 
 
-def _gloo_case(rank: int, trainers: int, shards: int, shapes: dict, full: dict, versions: list[int],
-               groups: tuple, conn: Any) -> None:
+def _gloo_case(
+    rank: int, trainers: int, shards: int, shapes: dict, full: dict, versions: list[int], groups: tuple, conn: Any
+) -> None:
     import torch
     import torch.distributed as dist
 

@@ -1,6 +1,7 @@
 """The ceilings of ``tiersync bench weights``, measured in the same run: the loopback raw-socket
 figure (the driver ``sendmsg``s the model's bytes to each receiver process, one thread each, and
 they ``recv_into`` them; checked byte-exact) and one-thread ``np.copyto`` of the model's bytes."""
+
 from __future__ import annotations
 
 import socket

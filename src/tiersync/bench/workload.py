@@ -23,6 +23,7 @@ mean TTFT and ``ratio`` = recompute's mean TTFT / the row's (> 1: faster than re
 Correct before fast: every request's greedy tokens must equal recompute's, or the suite
 refuses to report (:class:`~tiersync.bench.common.RoundTripError`).
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,14 @@ from tiersync.errors import UsageError
 
 __all__ = ["Shape", "engine_run", "run"]
 
-MODEL = TinyLlama(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
-                  head_dim=128, intermediate_size=1024)  # 48 KiB of float32 KV per token
+MODEL = TinyLlama(
+    hidden_size=512,
+    num_hidden_layers=12,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=1024,
+)  # 48 KiB of float32 KV per token
 MODES = {  # mode -> engine spec fields
     "recompute": {},
     "vllm_prefix": {"prefix_cache": True},
@@ -80,14 +87,30 @@ def engine_run(llm: Any, spec: dict, emit: Callable[[dict], None], generate: Cal
         for d, doc in enumerate(docs):
             prompt = doc + make_prompt(shape.question_len, 10_000 * rnd + d, vocab)
             out = generate(llm, prompt, ANSWER_TOKENS)
-            emit({"shape": "docs", "round": rnd, "prompt_len": len(prompt), "seconds": out["first_seconds"],
-                  "tokens": out["tokens"], "cached_tokens": out["cached_tokens"]})
+            emit(
+                {
+                    "shape": "docs",
+                    "round": rnd,
+                    "prompt_len": len(prompt),
+                    "seconds": out["first_seconds"],
+                    "tokens": out["tokens"],
+                    "cached_tokens": out["cached_tokens"],
+                }
+            )
     chats = [make_prompt(shape.turn_len, 2000 + c, vocab) for c in range(shape.chats)]
     for turn in range(1, shape.turns + 1):
         for c in range(shape.chats):
             out = generate(llm, chats[c], ANSWER_TOKENS)
-            emit({"shape": "chat", "round": turn, "prompt_len": len(chats[c]), "seconds": out["first_seconds"],
-                  "tokens": out["tokens"], "cached_tokens": out["cached_tokens"]})
+            emit(
+                {
+                    "shape": "chat",
+                    "round": turn,
+                    "prompt_len": len(chats[c]),
+                    "seconds": out["first_seconds"],
+                    "tokens": out["tokens"],
+                    "cached_tokens": out["cached_tokens"],
+                }
+            )
             chats[c] = chats[c] + out["tokens"] + make_prompt(shape.turn_len, 30_000 * turn + c, vocab)
 
 
@@ -106,16 +129,33 @@ def run(config: BenchConfig) -> dict:
         served = {m: _serve(model, shape, m, work) for m in modes}
         results = _rows(served, MODEL.kv_bytes_per_token())
         conc = concurrency.SHAPES[config.mode]
-        results += concurrency.rows({m: concurrency.serve(model, conc, MODES[m], MODEL.kv_bytes_per_token(),
-                                                          MODEL.vocab_size, os.path.join(work, m + "-conc-kv"))
-                                     for m in modes}, MODEL.kv_bytes_per_token())
+        results += concurrency.rows(
+            {
+                m: concurrency.serve(
+                    model,
+                    conc,
+                    MODES[m],
+                    MODEL.kv_bytes_per_token(),
+                    MODEL.vocab_size,
+                    os.path.join(work, m + "-conc-kv"),
+                )
+                for m in modes
+            },
+            MODEL.kv_bytes_per_token(),
+        )
         bind = omp_bind()
-        return report(config, results, shape=asdict(shape), concurrent=asdict(conc), omp_bind=bind,
-                      omp_threads=len(parse_cores(bind)),
-                      kv_bytes_per_token=MODEL.kv_bytes_per_token(),
-                      working_set_bytes=shape.docs * shape.doc_len * MODEL.kv_bytes_per_token(),
-                      note="ratio = recompute mean TTFT / row mean TTFT; every engine computes on the cores "
-                           "omp_bind names (VLLM_CPU_OMP_THREADS_BIND)")
+        return report(
+            config,
+            results,
+            shape=asdict(shape),
+            concurrent=asdict(conc),
+            omp_bind=bind,
+            omp_threads=len(parse_cores(bind)),
+            kv_bytes_per_token=MODEL.kv_bytes_per_token(),
+            working_set_bytes=shape.docs * shape.doc_len * MODEL.kv_bytes_per_token(),
+            note="ratio = recompute mean TTFT / row mean TTFT; every engine computes on the cores "
+            "omp_bind names (VLLM_CPU_OMP_THREADS_BIND)",
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -123,8 +163,15 @@ def run(config: BenchConfig) -> dict:
 def _serve(model: str, shape: Shape, mode: str, work: str) -> list[dict]:
     extra = {"model_id": "bench-workload", "host_bytes": "2GiB", "storage_dir": os.path.join(work, mode + "-kv")}
     pool_tokens = shape.pool_bytes // MODEL.kv_bytes_per_token()
-    spec = {"model": model, "chunk": 4096, "vocab": MODEL.vocab_size, "kv_cache_memory_bytes": shape.pool_bytes,
-            "max_model_len": min(8192, pool_tokens // 2 // 128 * 128), "workload": asdict(shape), **MODES[mode]}
+    spec = {
+        "model": model,
+        "chunk": 4096,
+        "vocab": MODEL.vocab_size,
+        "kv_cache_memory_bytes": shape.pool_bytes,
+        "max_model_len": min(8192, pool_tokens // 2 // 128 * 128),
+        "workload": asdict(shape),
+        **MODES[mode],
+    }
     if spec.get("connector"):
         spec["extra"] = extra
     requests = 2 * shape.docs + shape.chats * shape.turns
@@ -142,11 +189,21 @@ def _rows(served: dict[str, list[dict]], kv_per_token: int) -> list[dict]:
             ttft = _mean(tokens)
             kv = sum(r["prompt_len"] for r in tokens) / len(tokens) * kv_per_token
             name = f"{'workload-r' if key[0] == 'docs' else 'chat-t'}{key[1]}-{mode}"
-            out.append({"name": name, "ttft_s": round(ttft, 4), "baseline": f"{name.rsplit('-', 1)[0]}-recompute",
-                        "baseline_ttft_s": round(base, 4), "ttft_ratio": round(ttft / base, 4),
-                        "gbps": round(kv / ttft / 1e9, 4), "baseline_gbps": round(kv / base / 1e9, 4),
-                        "ratio": round(base / ttft, 4), "requests": len(tokens),
-                        "cached_tokens": sum(r["cached_tokens"] for r in tokens), "tokens_match": True})
+            out.append(
+                {
+                    "name": name,
+                    "ttft_s": round(ttft, 4),
+                    "baseline": f"{name.rsplit('-', 1)[0]}-recompute",
+                    "baseline_ttft_s": round(base, 4),
+                    "ttft_ratio": round(ttft / base, 4),
+                    "gbps": round(kv / ttft / 1e9, 4),
+                    "baseline_gbps": round(kv / base / 1e9, 4),
+                    "ratio": round(base / ttft, 4),
+                    "requests": len(tokens),
+                    "cached_tokens": sum(r["cached_tokens"] for r in tokens),
+                    "tokens_match": True,
+                }
+            )
     return out
 
 

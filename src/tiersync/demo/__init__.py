@@ -13,6 +13,7 @@ Run ``python -m tiersync.demo [--quick] [--json]``. Exit status: 0 when the
 check passes, 1 when it fails, 2 when torch/transformers are missing.
 torch and transformers are imported only when :func:`main` runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,14 @@ def _settings(args: argparse.Namespace) -> Any:
     prompt, shared, repeats = PRESETS["tiny" if args.tiny else "quick" if args.quick else "default"]
     prompt = args.prompt_tokens or prompt
     shared = args.shared_tokens if args.shared_tokens is not None else min(shared, prompt - 1)
-    return Settings(prompt_tokens=prompt, shared_tokens=shared, seed=args.seed,
-                    repeats=args.repeats or repeats, inject_fault=args.inject_fault, storage_dir=args.storage_dir)
+    return Settings(
+        prompt_tokens=prompt,
+        shared_tokens=shared,
+        seed=args.seed,
+        repeats=args.repeats or repeats,
+        inject_fault=args.inject_fault,
+        storage_dir=args.storage_dir,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +108,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'the full host tier demoted' if d['blocks'] else 'demoted'} {d['blocks']} blocks "
         f"({d['bytes'] / 2**20:.1f} MiB, fsynced); save + demotion {d['seconds'] * 1e3:.1f} ms = "
         f"{_num(d['gbps'], '.2f')} GB/s; host entries left {d['host_entries_after']}, on disk "
-        f"{d['storage_entries_after']}")
+        f"{d['storage_entries_after']}"
+    )
     if "skipped" in x:
         lines.append(f"  restart           skipped: {x['skipped']}")
     else:

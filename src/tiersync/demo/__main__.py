@@ -1,4 +1,5 @@
 """``python -m tiersync.demo``: see :func:`tiersync.demo.main`."""
+
 import sys
 
 from tiersync.demo import main

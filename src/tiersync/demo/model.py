@@ -6,6 +6,7 @@ cache argument across transformers releases (``past_key_values`` up to 5.x,
 ``cache`` in later 5.x) and converts between a ``DynamicCache`` and plain
 per-layer ``(k, v)`` tensors of shape ``(batch, kv_heads, seq, head_dim)``.
 """
+
 from __future__ import annotations
 
 import inspect

@@ -8,6 +8,7 @@ into chosen blocks and gathers blocks back into contiguous KV.
 Prefix keys, the host tier and the disk tier are the real
 :class:`~tiersync.store.KVCacheStore`'s (see :mod:`tiersync.demo.run`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -26,8 +27,10 @@ class PagedKV:
     def __init__(self, geometry: KVGeometry, num_blocks: int, block_size: int = 16) -> None:
         self.geometry, self.num_blocks, self.block_size = geometry, num_blocks, block_size
         shape = (num_blocks, block_size, geometry.kv_heads, geometry.head_dim)
-        self.pools = [(torch.zeros(shape, dtype=geometry.dtype), torch.zeros(shape, dtype=geometry.dtype))
-                      for _ in range(geometry.num_layers)]
+        self.pools = [
+            (torch.zeros(shape, dtype=geometry.dtype), torch.zeros(shape, dtype=geometry.dtype))
+            for _ in range(geometry.num_layers)
+        ]
         self.layout: KVLayout = kv_layout(self.pools, tags=["k", "v"])
 
     @property
@@ -54,7 +57,7 @@ class PagedKV:
                 if full:
                     pool[ids] = tokens[: full * self.block_size].reshape(full, self.block_size, *tokens.shape[1:])
                 if rest:
-                    pool[blocks[full], :rest] = tokens[full * self.block_size:]
+                    pool[blocks[full], :rest] = tokens[full * self.block_size :]
 
     def gather(self, blocks: Sequence[int]) -> KVLayers:
         """Contiguous per-layer ``(k, v)``, (1, kv_heads, len(blocks) * block_size, head_dim)."""

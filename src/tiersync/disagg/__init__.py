@@ -14,6 +14,7 @@
 
 Imports numpy and xxhash, never torch or JAX; ``import tiersync`` does not import this package.
 """
+
 from tiersync.disagg.config import DisaggConfig, FinishedRequests, RequestState
 from tiersync.disagg.consumer import KVConsumer, ReadHandle, SourceSpec
 from tiersync.disagg.geometry import KVOrder, PagedKVLayout

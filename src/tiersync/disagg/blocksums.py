@@ -10,6 +10,7 @@ boundaries so its regions are whole blocks wherever the route allows; a region t
 whole block, or a layer whose sums are not done yet, is summed when asked. A block changed
 after ``layer_ready`` fails the reader's check: it is refused, never delivered.
 """
+
 from __future__ import annotations
 
 import queue
@@ -65,13 +66,14 @@ class BlockSums:
             ids = np.asarray(req.block_ids, np.int64)
             offs = ids * self.unit if not self._kv_major else np.concatenate([ids, ids]) * self.unit
             if self._kv_major:
-                offs[len(ids):] += self._v_base
+                offs[len(ids) :] += self._v_base
             sums = local.sum_ranges(req.views[layer], offs, np.full(len(offs), self.unit, np.int64), self._threads)
             order = np.argsort(offs)
             req.sums[layer] = LayerSums(offs[order], np.asarray(sums, np.uint64)[order])
 
-    def regions(self, view: np.ndarray, known: LayerSums | None, offs: np.ndarray,
-                lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def regions(
+        self, view: np.ndarray, known: LayerSums | None, offs: np.ndarray, lens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The spans ``(offs, lens)`` of ``view`` cut at block boundaries, with each piece's tsum64
         (from ``known`` where it is a whole summed block, else computed now), all as arrays."""
         offs, lens = _cut(np.asarray(offs, np.int64), np.asarray(lens, np.int64), self.unit)

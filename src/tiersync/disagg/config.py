@@ -1,4 +1,5 @@
 """Settings, states and the polled status of the prefill -> decode transfer."""
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,16 @@ class DisaggConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise UsageError("must be > 0 seconds", argument=name, value=value)
         object.__setattr__(self, "token", coerce_token(self.token, "token"))
-        for name in ("chunk_bytes", "sndbuf", "rcvbuf", "backlog", "window", "workers", "max_connections",
-                     "local_threads"):
+        for name in (
+            "chunk_bytes",
+            "sndbuf",
+            "rcvbuf",
+            "backlog",
+            "window",
+            "workers",
+            "max_connections",
+            "local_threads",
+        ):
             check_positive_int(getattr(self, name), name)
         if self.tls is not None and not isinstance(self.tls, TlsConfig):
             raise UsageError("must be a TlsConfig or None", argument="tls")
@@ -68,19 +77,32 @@ class DisaggConfig:
         if not isinstance(self.protocol, ProtocolConfig):
             raise UsageError("must be a ProtocolConfig", argument="protocol")
         if self.chunk_bytes > self.protocol.max_frame_size - self.protocol.max_meta_size:
-            raise UsageError("must leave room for metadata within protocol.max_frame_size", argument="chunk_bytes",
-                             max_frame_size=self.protocol.max_frame_size)
+            raise UsageError(
+                "must leave room for metadata within protocol.max_frame_size",
+                argument="chunk_bytes",
+                max_frame_size=self.protocol.max_frame_size,
+            )
 
     def tcp_config(self, *, server: bool) -> TcpConfig:
         """The :class:`~tiersync.net.config.TcpConfig` of a producer (``server``) or consumer.
 
         A producer's pull may wait for its layer up to the request's deadline before its answer
         is written, so its per-operation deadline covers ``timeout_s``."""
-        return TcpConfig(sndbuf=self.sndbuf, rcvbuf=self.rcvbuf, connect_timeout_s=self.connect_timeout_s,
-                         op_timeout_s=self.timeout_s + self.connect_timeout_s + 5.0, token=self.token,
-                         tls=self.tls, node_id="tiersync-kv-producer" if server else "tiersync-kv-consumer",
-                         backlog=self.backlog, max_connections=self.max_connections, workers=self.workers,
-                         route=self.route, local_threads=self.local_threads, protocol=self.protocol)
+        return TcpConfig(
+            sndbuf=self.sndbuf,
+            rcvbuf=self.rcvbuf,
+            connect_timeout_s=self.connect_timeout_s,
+            op_timeout_s=self.timeout_s + self.connect_timeout_s + 5.0,
+            token=self.token,
+            tls=self.tls,
+            node_id="tiersync-kv-producer" if server else "tiersync-kv-consumer",
+            backlog=self.backlog,
+            max_connections=self.max_connections,
+            workers=self.workers,
+            route=self.route,
+            local_threads=self.local_threads,
+            protocol=self.protocol,
+        )
 
 
 RequestState = Status

@@ -18,6 +18,7 @@ Head ownership: with ``num_kv_heads >= tp_size`` rank ``r`` holds heads
 Offsets are bytes from the start of one layer's tensor storage (C-contiguous); every layer has
 the same geometry, so offsets are the same for every layer.
 """
+
 from __future__ import annotations
 
 import enum
@@ -44,7 +45,7 @@ def dtype_info(dtype: object) -> tuple[str, int]:
     if name in _EXTRA_DTYPES:
         return name, _EXTRA_DTYPES[name]
     dt = None
-    for candidate in ((name,) if isinstance(dtype, str) else (dtype, name)):
+    for candidate in (name,) if isinstance(dtype, str) else (dtype, name):
         try:
             dt = np.dtype(candidate)
             break
@@ -97,8 +98,12 @@ class PagedKVLayout:
         if h >= tp and h % tp:
             raise UsageError("must be divisible by tp_size", argument="num_kv_heads", num_kv_heads=h, tp_size=tp)
         if h < tp and tp % h:
-            raise UsageError("tp_size must be a multiple of num_kv_heads when heads are replicated",
-                             argument="num_kv_heads", num_kv_heads=h, tp_size=tp)
+            raise UsageError(
+                "tp_size must be a multiple of num_kv_heads when heads are replicated",
+                argument="num_kv_heads",
+                num_kv_heads=h,
+                tp_size=tp,
+            )
 
     # -- sizes -------------------------------------------------------------------------------
     @property
@@ -164,8 +169,12 @@ class PagedKVLayout:
 
     def offset(self, kv: int, block: int, slot: int, local_head: int = 0) -> int:
         """Byte offset of (kv, block, slot-in-block, local head, dim 0) inside a layer tensor."""
-        return (self.kv_base(kv) + block * self.block_stride() + slot * self.token_stride()
-                + local_head * self.head_stride())
+        return (
+            self.kv_base(kv)
+            + block * self.block_stride()
+            + slot * self.token_stride()
+            + local_head * self.head_stride()
+        )
 
     def heads_of(self, rank: int) -> tuple[int, int]:
         """``(first_global_head, count)`` held by ``rank``. Raises UsageError for a bad rank."""
@@ -180,13 +189,22 @@ class PagedKVLayout:
         specs: ``num_blocks`` blocks sharing the layer's storage (one region each; one region
         per (head, slot) in :attr:`KVOrder.HEAD_MAJOR`)."""
         if self.order is KVOrder.HEAD_MAJOR:
-            regions = tuple(Region(h * self.head_stride() + s * self.token_stride(), self.head_nbytes)
-                            for h in range(self.local_heads) for s in range(self.block_size))
+            regions = tuple(
+                Region(h * self.head_stride() + s * self.token_stride(), self.head_nbytes)
+                for h in range(self.local_heads)
+                for s in range(self.block_size)
+            )
         else:
             regions = (Region(0, self.block_nbytes),)
         return tuple(
-            PoolSpec(num_blocks=self.num_blocks, block_stride=self.block_stride(),
-                     regions=regions, base_offset=self.kv_base(kv), tag="kv"[kv], dtype=self.dtype)
+            PoolSpec(
+                num_blocks=self.num_blocks,
+                block_stride=self.block_stride(),
+                regions=regions,
+                base_offset=self.kv_base(kv),
+                tag="kv"[kv],
+                dtype=self.dtype,
+            )
             for kv in (0, 1)
         )
 
@@ -197,9 +215,16 @@ class PagedKVLayout:
     # -- wire form ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """JSON-able form (for kv_transfer_params and the wire); inverse of :meth:`from_dict`."""
-        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "block_size": self.block_size, "num_blocks": self.num_blocks, "dtype": self.dtype,
-                "tp_size": self.tp_size, "order": self.order.value}
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "dtype": self.dtype,
+            "tp_size": self.tp_size,
+            "order": self.order.value,
+        }
 
     @classmethod
     def from_dict(cls, data: object, argument: str = "layout") -> PagedKVLayout:

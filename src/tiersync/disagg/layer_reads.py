@@ -4,6 +4,7 @@
 or large, else gathered into a per-session staging buffer) and KV_PULL_LOCAL (same host: where
 the bytes are in this process, each region checksummed, for ``process_vm_readv``).
 """
+
 from __future__ import annotations
 
 import os
@@ -101,7 +102,9 @@ class LayerReads:
         except Refused as exc:
             return [ev.Error(event.request_id, exc.code, str(exc)[:512])]
         if lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= _ZERO_COPY_AVG:
-            return [ev.Data(event.request_id, [memoryview(view[o:o + n]) for o, n in zip(offs.tolist(), lens.tolist())])]
+            return [
+                ev.Data(event.request_id, [memoryview(view[o : o + n]) for o, n in zip(offs.tolist(), lens.tolist())])
+            ]
         staging = gather(view, offs, lens, out=self._staging_of(session, event.length, 0))
         return written_before_next(ev.Data(event.request_id, memoryview(staging)))
 
@@ -130,8 +133,9 @@ class LayerReads:
         elif algo is PayloadChecksum.TSUM64:
             offs, lens, sums = self.sums.regions(view, known, offs, lens)
         else:
-            sums = np.array([payload_checksum(algo, view[o:o + n]) for o, n in zip(offs.tolist(), lens.tolist())],
-                            np.uint64)
+            sums = np.array(
+                [payload_checksum(algo, view[o : o + n]) for o, n in zip(offs.tolist(), lens.tolist())], np.uint64
+            )
         base = local.buffer_address(view)[0]
         regions = np.stack([offs.astype(np.uint64) + np.uint64(base), lens.astype(np.uint64), sums], axis=1)
         return ev.LocalReply(event.request_id, os.getpid(), algo, regions)

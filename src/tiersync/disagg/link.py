@@ -9,6 +9,7 @@ copying them out of the producer's memory into the blocks (``process_vm_readv``,
 verified; route AUTO falls back to TCP when that is refused) — report each layer to
 ``landed``, and finish with KV_DONE, which must be COMMITTED.
 """
+
 from __future__ import annotations
 
 import time
@@ -45,11 +46,19 @@ class _Route:
     def dests(self, buf: np.ndarray, offset: int, size: int) -> list[memoryview]:
         """Views of ``buf`` (the destination layer) that receive route bytes ``[offset, offset+size)``."""
         offs, lens = route_slice(self.dst, self.lengths, offset, size)
-        return [memoryview(buf[o:o + n]) for o, n in zip(offs.tolist(), lens.tolist())]
+        return [memoryview(buf[o : o + n]) for o, n in zip(offs.tolist(), lens.tolist())]
 
 
-def pull_route(channel: TcpChannel, read: ReadRequest, spans: np.ndarray, num_layers: int, deadline: float,
-               config: DisaggConfig, buffer: Buffer, landed: Landed) -> None:
+def pull_route(
+    channel: TcpChannel,
+    read: ReadRequest,
+    spans: np.ndarray,
+    num_layers: int,
+    deadline: float,
+    config: DisaggConfig,
+    buffer: Buffer,
+    landed: Landed,
+) -> None:
     """Read ``read`` (``spans``: the route's ``[src, dst, nbytes]`` rows) until KV_DONE is
     COMMITTED. Each layer's bytes land in place, at the destination offsets of ``buffer(layer)``
     (no staging copy); ``landed(layer)`` runs once they all arrived and were verified. Raises
@@ -59,8 +68,9 @@ def pull_route(channel: TcpChannel, read: ReadRequest, spans: np.ndarray, num_la
     total = int(route.lengths.sum()) if not read.notify_only else 0
     opened = channel.request(KvOpen(channel.new_request_id(), read), timeout=_left(deadline, channel))
     if not isinstance(opened, KvOpened) or opened.route_bytes != total:
-        raise ProtocolError("KV_OPENED does not match the plan", fault=ProtocolFault.MALFORMED, peer=channel.peer,
-                            expected=total)
+        raise ProtocolError(
+            "KV_OPENED does not match the plan", fault=ProtocolFault.MALFORMED, peer=channel.peer, expected=total
+        )
     if total:
         _layers(channel, num_layers, route, total, deadline, config, buffer, landed)
     reply = channel.request(KvDone(channel.new_request_id()), timeout=_left(deadline, channel))
@@ -68,15 +78,30 @@ def pull_route(channel: TcpChannel, read: ReadRequest, spans: np.ndarray, num_la
         raise RemoteError(f"producer did not count this read: {getattr(reply, 'message', '')}", peer=channel.peer)
 
 
-def _layers(channel: TcpChannel, num_layers: int, route: _Route, total: int, deadline: float, config: DisaggConfig,
-            buffer: Buffer, landed: Landed) -> None:
+def _layers(
+    channel: TcpChannel,
+    num_layers: int,
+    route: _Route,
+    total: int,
+    deadline: float,
+    config: DisaggConfig,
+    buffer: Buffer,
+    landed: Landed,
+) -> None:
     told: list[int] = []  # layer ids in the order KV_NEXT named them
-    done = _copy_local(channel, num_layers, route, total, deadline, config, buffer, landed, told) \
-        if channel.local_route() else 0
+    done = (
+        _copy_local(channel, num_layers, route, total, deadline, config, buffer, landed, told)
+        if channel.local_route()
+        else 0
+    )
     for n in range(done, num_layers):  # over TCP: every layer, or those left when a same-host read was refused
         if n == len(told):
-            _told(channel, channel.request(KvNext(channel.new_request_id(), n), timeout=_left(deadline, channel)),
-                  told, num_layers)
+            _told(
+                channel,
+                channel.request(KvNext(channel.new_request_id(), n), timeout=_left(deadline, channel)),
+                told,
+                num_layers,
+            )
         _pull_tcp(channel, n, route, buffer(told[n]), total, deadline, config)
         landed(told[n])
 
@@ -92,29 +117,47 @@ def _pieces(total: int, chunk: int) -> list[tuple[int, int]]:
     return [(off, min(chunk, total - off)) for off in range(0, total, chunk)]
 
 
-def _pull_tcp(channel: TcpChannel, n: int, route: _Route, buf: np.ndarray, total: int, deadline: float,
-              config: DisaggConfig) -> None:
+def _pull_tcp(
+    channel: TcpChannel, n: int, route: _Route, buf: np.ndarray, total: int, deadline: float, config: DisaggConfig
+) -> None:
     """Each pull's DATA is received straight into its destination spans (the native receiver
     scatters it, GIL released, then verifies the checksum)."""
-    pulls = [(KvPull(channel.new_request_id(), n, off, size), route.dests(buf, off, size))
-             for off, size in _pieces(total, config.chunk_bytes)]
+    pulls = [
+        (KvPull(channel.new_request_id(), n, off, size), route.dests(buf, off, size))
+        for off, size in _pieces(total, config.chunk_bytes)
+    ]
     channel.pipeline(pulls, window=config.window, timeout=_left(deadline, channel))
 
 
-def _copy_local(channel: TcpChannel, num_layers: int, route: _Route, total: int, deadline: float,
-                config: DisaggConfig, buffer: Buffer, landed: Landed, told: list[int]) -> int:
+def _copy_local(
+    channel: TcpChannel,
+    num_layers: int,
+    route: _Route,
+    total: int,
+    deadline: float,
+    config: DisaggConfig,
+    buffer: Buffer,
+    landed: Landed,
+    told: list[int],
+) -> int:
     """Copy every layer out of the producer's memory as one stream of requests: each layer's
     KV_NEXT goes out behind the previous layer's pulls (the producer answers in order), at
     most two pulls in flight (a piece it gathered stays in one of two buffers it alternates).
     Returns the layers landed: all of them, or where the copy was refused and route AUTO
     falls back to TCP (route LOCAL raises); layers already named are in ``told``."""
-    plan = [item for n in range(num_layers) for item in [(n, None), *((n, p) for p in _pieces(total, config.chunk_bytes))]]
+    plan = [
+        item for n in range(num_layers) for item in [(n, None), *((n, p) for p in _pieces(total, config.chunk_bytes))]
+    ]
     sent: list = []  # (request, n, piece or None), oldest first
     pulls_out, at, landed_n = 0, 0, 0
     while landed_n < num_layers:
         while at < len(plan) and (plan[at][1] is None or pulls_out < _LOCAL_WINDOW):
             n, piece = plan[at]
-            req = KvNext(channel.new_request_id(), n) if piece is None else KvPullLocal(channel.new_request_id(), n, *piece)
+            req = (
+                KvNext(channel.new_request_id(), n)
+                if piece is None
+                else KvPullLocal(channel.new_request_id(), n, *piece)
+            )
             channel.send(req, timeout=_left(deadline, channel))
             sent.append((req, n, piece))
             pulls_out += piece is not None
@@ -155,7 +198,7 @@ def _verified_copy(channel: TcpChannel, reply: object, route: _Route, buf: np.nd
     staging = np.empty(pull.length, np.uint8)
     pieces, pos = [], 0
     for length in lengths:
-        pieces.append(memoryview(staging[pos:pos + length]))
+        pieces.append(memoryview(staging[pos : pos + length]))
         pos += length
     channel.local_copy(reply, pieces)
     offs, lens = route_slice(route.dst, route.lengths, pull.offset, pull.length)
@@ -175,7 +218,7 @@ def _recut(dests: list[memoryview], lengths: list[int]) -> list[memoryview] | No
                 return None
         if pos + n > len(cur):
             return None
-        out.append(cur[pos:pos + n])
+        out.append(cur[pos : pos + n])
         pos += n
     return out if pos == len(cur) and not any(len(v) for v in views) else None
 

@@ -1,6 +1,7 @@
 """What a decode rank asks of a prefill rank (:class:`ReadRequest`), built and validated (never trusted).
 
 It travels as the JSON metadata of a ``KV_OPEN`` (:mod:`tiersync.disagg.ops`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ MAX_REQUEST_ID = 256
 def check_request_id(value: Any, argument: str = "request_id") -> str:
     """Request ids are non-empty str of at most 256 characters. Raises UsageError."""
     if not isinstance(value, str) or not value or len(value) > MAX_REQUEST_ID:
-        raise UsageError(f"must be a non-empty str of at most {MAX_REQUEST_ID} characters",
-                         argument=argument, value=value)
+        raise UsageError(
+            f"must be a non-empty str of at most {MAX_REQUEST_ID} characters", argument=argument, value=value
+        )
     return value
 
 
@@ -41,10 +43,16 @@ class ReadRequest:
     notify_only: bool = False
 
     def to_meta(self) -> dict:
-        return {"request_id": self.request_id, "src_rank": self.src_rank, "dst_rank": self.dst_rank,
-                "dst_layout": self.dst_layout.to_dict(), "dst_block_ids": list(self.dst_block_ids),
-                "src_block_ids": list(self.src_block_ids), "num_tokens": self.num_tokens,
-                "notify_only": self.notify_only}
+        return {
+            "request_id": self.request_id,
+            "src_rank": self.src_rank,
+            "dst_rank": self.dst_rank,
+            "dst_layout": self.dst_layout.to_dict(),
+            "dst_block_ids": list(self.dst_block_ids),
+            "src_block_ids": list(self.src_block_ids),
+            "num_tokens": self.num_tokens,
+            "notify_only": self.notify_only,
+        }
 
 
 def _bad(message: str, **context: Any) -> ProtocolError:
@@ -75,6 +83,13 @@ def parse_read(meta: dict) -> ReadRequest:
     notify = meta.get("notify_only")
     if not isinstance(notify, bool):
         raise _bad("notify_only must be a bool", field="notify_only")
-    return ReadRequest(request_id, _int(meta, "src_rank"), _int(meta, "dst_rank"), layout,
-                       _ids(meta, "dst_block_ids"), _ids(meta, "src_block_ids"), _int(meta, "num_tokens", 1),
-                       notify)
+    return ReadRequest(
+        request_id,
+        _int(meta, "src_rank"),
+        _int(meta, "dst_rank"),
+        layout,
+        _ids(meta, "dst_block_ids"),
+        _ids(meta, "src_block_ids"),
+        _int(meta, "num_tokens", 1),
+        notify,
+    )

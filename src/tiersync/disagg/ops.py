@@ -16,6 +16,7 @@ One request at a time per connection; a connection serves many requests one afte
 other (the consumer pools them). ``read`` is the JSON of a
 :class:`~tiersync.disagg.messages.ReadRequest`, bounded and validated on receipt.
 """
+
 from __future__ import annotations
 
 import enum
@@ -192,6 +193,15 @@ class KvDone:
         return cls(rid)
 
 
-KV = Vocabulary("kv", {KvOpen: (KvOpened,), KvNext: (KvLayer,), KvPull: (ev.Data,), KvPullLocal: (ev.LocalReply,),
-                       KvDone: (ev.CommitReply,)}, include=(ev.CORE,))
+KV = Vocabulary(
+    "kv",
+    {
+        KvOpen: (KvOpened,),
+        KvNext: (KvLayer,),
+        KvPull: (ev.Data,),
+        KvPullLocal: (ev.LocalReply,),
+        KvDone: (ev.CommitReply,),
+    },
+    include=(ev.CORE,),
+)
 """What prefill -> decode connections speak."""

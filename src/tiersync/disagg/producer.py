@@ -20,6 +20,7 @@ reads from this rank acknowledged; it is FAILED when ``config.timeout_s`` after
 fails or disconnects, or on :meth:`abort`. Unknown requests are refused (ERROR
 ``unknown_request``): register before the decode side can learn of the request.
 """
+
 from __future__ import annotations
 
 import threading
@@ -54,8 +55,16 @@ class KVProducer(Service):
 
     vocabulary = KV
 
-    def __init__(self, layout: PagedKVLayout, rank: int, config: DisaggConfig | None = None, *,
-                 host: str = "127.0.0.1", port: int = 0, planner: ReshardPlanner | None = None) -> None:
+    def __init__(
+        self,
+        layout: PagedKVLayout,
+        rank: int,
+        config: DisaggConfig | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        planner: ReshardPlanner | None = None,
+    ) -> None:
         self.config = check_side(layout, rank, config)
         self.layout, self.rank = layout, rank
         self._planner = planner or default_planner()
@@ -92,8 +101,9 @@ class KVProducer(Service):
         with self._cond:
             if request_id in self._requests or request_id in self._final:
                 raise UsageError("already registered", argument="request_id", value=request_id)
-            self._requests[request_id] = Outgoing(request_id, table, num_tokens, views,
-                                                   time.monotonic() + self.config.timeout_s)
+            self._requests[request_id] = Outgoing(
+                request_id, table, num_tokens, views, time.monotonic() + self.config.timeout_s
+            )
 
     def layer_ready(self, request_id: str, layer: int) -> bool:
         """Layer ``layer`` of the request is on the host: push it to every reader. Idempotent.
@@ -211,7 +221,6 @@ class KVProducer(Service):
                 self._progress.set()
             return True
 
-
     # -- serving (a Service on the one TcpServer: handle runs on its worker pool) --------------
     def handle(self, session: Session, event: object):
         """Answer one request of a reader's session (see :mod:`tiersync.disagg.ops`). A gathered
@@ -302,8 +311,9 @@ class KVProducer(Service):
         elif req.dst_layout != read.dst_layout:
             raise Refused(Code.BAD_REQUEST, "mismatch: another reader of this request uses a different layout")
         if read.dst_rank not in req.expected or read.dst_rank in req.joined:
-            raise Refused(Code.BAD_REQUEST, f"mismatch: destination rank {read.dst_rank} is not expected "
-                                             "or already reading")
+            raise Refused(
+                Code.BAD_REQUEST, f"mismatch: destination rank {read.dst_rank} is not expected or already reading"
+            )
         req.joined.add(read.dst_rank)
         req.sessions.add(session)
 

@@ -14,6 +14,7 @@ both sides, sorted by (dst_rank, src_rank, src_offset). Routes (which source ran
 heads of which destination rank) depend only on the two layouts and are cached per
 ``(src, dst)`` in a :class:`ReshardPlanner`; the per-request spans are computed with numpy.
 """
+
 from __future__ import annotations
 
 import threading
@@ -94,8 +95,13 @@ def build_routes(src: PagedKVLayout, dst: PagedKVLayout) -> tuple[Route, ...]:
             s = holders[h][k % len(holders[h])]
             src_local = h - src.heads_of(s)[0]
             last = routes[-1] if routes else None
-            if (last is not None and last.dst_rank == d and last.src_rank == s
-                    and last.src_head + last.nheads == src_local and last.dst_head + last.nheads == j):
+            if (
+                last is not None
+                and last.dst_rank == d
+                and last.src_rank == s
+                and last.src_head + last.nheads == src_local
+                and last.dst_head + last.nheads == j
+            ):
                 routes[-1] = last._replace(nheads=last.nheads + 1)
             else:
                 routes.append(Route(s, d, src_local, j, 1))
@@ -113,8 +119,14 @@ def block_table(ids: object, layout: PagedKVLayout, num_tokens: int, argument: s
         raise UsageError("must be a 1-D sequence of integer block ids", argument=argument)
     need = layout.blocks_needed(num_tokens)
     if arr.size < need:
-        raise UsageError("too short for the token count", argument=argument,
-                         blocks=int(arr.size), needed=need, num_tokens=num_tokens, block_size=layout.block_size)
+        raise UsageError(
+            "too short for the token count",
+            argument=argument,
+            blocks=int(arr.size),
+            needed=need,
+            num_tokens=num_tokens,
+            block_size=layout.block_size,
+        )
     arr = arr[:need].astype(np.int64)
     if arr.min() < 0 or arr.max() >= layout.num_blocks:
         raise UsageError("block id out of range", argument=argument, num_blocks=layout.num_blocks)
@@ -123,8 +135,12 @@ def block_table(ids: object, layout: PagedKVLayout, num_tokens: int, argument: s
 
 def _token_offsets(layout: PagedKVLayout, table: np.ndarray, num_tokens: int, kv: int, head: int) -> np.ndarray:
     t = np.arange(num_tokens, dtype=np.int64)
-    return (layout.kv_base(kv) + table[t // layout.block_size] * layout.block_stride()
-            + (t % layout.block_size) * layout.token_stride() + head * layout.head_stride())
+    return (
+        layout.kv_base(kv)
+        + table[t // layout.block_size] * layout.block_stride()
+        + (t % layout.block_size) * layout.token_stride()
+        + head * layout.head_stride()
+    )
 
 
 def coalesce(src_off: np.ndarray, dst_off: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
@@ -143,8 +159,9 @@ def coalesce(src_off: np.ndarray, dst_off: np.ndarray, nbytes: np.ndarray) -> np
     return np.stack([s[starts], d[starts], run_bytes], axis=1)
 
 
-def _route_spans(route: Route, src: PagedKVLayout, dst: PagedKVLayout, src_table: np.ndarray,
-                 dst_table: np.ndarray, num_tokens: int) -> np.ndarray:
+def _route_spans(
+    route: Route, src: PagedKVLayout, dst: PagedKVLayout, src_table: np.ndarray, dst_table: np.ndarray, num_tokens: int
+) -> np.ndarray:
     parts_s, parts_d = [], []
     # one span per token covers the route's heads when they are contiguous on both sides;
     # otherwise (a head-major side) one span per token and head
@@ -213,8 +230,9 @@ class ReshardPlan:
                 yield Transfer(row[SRC_RANK], each, row[SRC_OFF], row[DST_RANK], row[DST_OFF], row[NBYTES])
 
 
-def _build_plan(src: PagedKVLayout, dst: PagedKVLayout, routes: tuple[Route, ...], src_ids: object,
-                dst_ids: object, num_tokens: int) -> ReshardPlan:
+def _build_plan(
+    src: PagedKVLayout, dst: PagedKVLayout, routes: tuple[Route, ...], src_ids: object, dst_ids: object, num_tokens: int
+) -> ReshardPlan:
     src_table = block_table(src_ids, src, num_tokens, "src_block_ids")
     dst_table = block_table(dst_ids, dst, num_tokens, "dst_block_ids")
     if np.unique(dst_table).size != dst_table.size:
@@ -244,8 +262,14 @@ class ReshardPlanner:
         check_compatible(src, dst)
         return self._cached(self._routes, (src, dst), self._limits[0], lambda: build_routes(src, dst))
 
-    def plan(self, src: PagedKVLayout, dst: PagedKVLayout, src_block_ids: Sequence[int],
-             dst_block_ids: Sequence[int], num_tokens: int) -> ReshardPlan:
+    def plan(
+        self,
+        src: PagedKVLayout,
+        dst: PagedKVLayout,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        num_tokens: int,
+    ) -> ReshardPlan:
         """Plan one request. Only the first ``ceil(num_tokens / block_size)`` ids of each block
         table are used. Raises :class:`UsageError` naming ``src``/``dst``/``dst.<field>``,
         ``num_tokens``, ``src_block_ids`` or ``dst_block_ids`` (too short, out of range,
@@ -290,7 +314,8 @@ def default_planner() -> ReshardPlanner:
     return _DEFAULT
 
 
-def plan_reshard(src: PagedKVLayout, dst: PagedKVLayout, src_block_ids: Sequence[int],
-                 dst_block_ids: Sequence[int], num_tokens: int) -> ReshardPlan:
+def plan_reshard(
+    src: PagedKVLayout, dst: PagedKVLayout, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], num_tokens: int
+) -> ReshardPlan:
     """:meth:`ReshardPlanner.plan` on the default planner."""
     return _DEFAULT.plan(src, dst, src_block_ids, dst_block_ids, num_tokens)

@@ -5,6 +5,7 @@ Spans are ``(offset, nbytes)`` rows (the ``[src_offset, dst_offset, nbytes]`` ar
 when heads are split) are moved with one fancy-indexing copy over rows of ``g`` bytes, ``g``
 the gcd of every offset and length; a few large spans are moved slice by slice.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -29,8 +30,11 @@ def byte_view(buffer: Any, nbytes: int, *, writable: bool, argument: str) -> np.
     try:
         mv = memoryview(buffer)
     except TypeError:
-        raise UsageError("must support the buffer protocol (numpy array, bytearray, mmap)",
-                         argument=argument, got=type(buffer).__name__) from None
+        raise UsageError(
+            "must support the buffer protocol (numpy array, bytearray, mmap)",
+            argument=argument,
+            got=type(buffer).__name__,
+        ) from None
     if not mv.c_contiguous:
         raise UsageError("must be C-contiguous", argument=argument)
     if writable and mv.readonly:
@@ -63,7 +67,7 @@ def gather(buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, out: np.nd
     if _use_slices(lengths):
         pos = 0
         for o, n in zip(offsets.tolist(), lengths.tolist()):
-            out[pos:pos + n] = buf[o:o + n]
+            out[pos : pos + n] = buf[o : o + n]
             pos += n
         return out
     g = int(np.gcd.reduce(np.concatenate([offsets, lengths])))
@@ -76,7 +80,7 @@ def scatter(buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, payload: 
     if _use_slices(lengths):
         pos = 0
         for o, n in zip(offsets.tolist(), lengths.tolist()):
-            buf[o:o + n] = payload[pos:pos + n]
+            buf[o : o + n] = payload[pos : pos + n]
             pos += n
         return
     g = int(np.gcd.reduce(np.concatenate([offsets, lengths])))

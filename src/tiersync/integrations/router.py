@@ -17,6 +17,7 @@ what the prefill server returned reaches decode: a client must not point decode 
 of its choosing); a connection whose request was refused is closed; every client socket has
 the upstream timeout; at most ``max_connections`` clients are served at once (more get 503).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,11 @@ class RouterConfig:
     def __post_init__(self) -> None:
         for name in ("prefill", "decode"):
             urls = getattr(self, name)
-            if isinstance(urls, str) or not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
-                                                          for u in urls):
+            if (
+                isinstance(urls, str)
+                or not urls
+                or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls)
+            ):
                 raise UsageError("must be one or more http://host:port URLs", argument=name, value=urls)
             object.__setattr__(self, name, tuple(u.rstrip("/") for u in urls))
         t = self.timeout_s

@@ -5,6 +5,7 @@ dimensions may be strided (a view into a padded buffer): the adapter splits a
 block into the regions of live bytes, so padding is never read or written.
 Nothing is copied and no framework is imported unless an object of it is given.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,9 +31,7 @@ def as_pool(tensor: Any, *, tag: str = "", layer: int = 0, argument: str = "tens
         return _from_torch(tensor, tag, layer, argument)
     if module in ("jax", "jaxlib"):
         return _from_jax(tensor, tag, layer, argument)
-    raise UsageError(
-        "expected a numpy array, torch tensor or JAX array", argument=argument, got=type(tensor).__name__
-    )
+    raise UsageError("expected a numpy array, torch tensor or JAX array", argument=argument, got=type(tensor).__name__)
 
 
 def kv_layout(layers: Sequence[Any], *, tags: Sequence[str] | None = None) -> KVLayout:
@@ -44,8 +43,9 @@ def kv_layout(layers: Sequence[Any], *, tags: Sequence[str] | None = None) -> KV
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or len(layers) == 0:
         raise UsageError("must be a non-empty sequence of per-layer tensors", argument="layers")
     if tags is not None and (isinstance(tags, (str, bytes)) or not all(isinstance(t, str) for t in tags)):
-        raise UsageError("must be a list of str, one per tensor of a layer (e.g. ['k', 'v'])", argument="tags",
-                         value=tags)
+        raise UsageError(
+            "must be a list of str, one per tensor of a layer (e.g. ['k', 'v'])", argument="tags", value=tags
+        )
     pools = []
     for index, entry in enumerate(layers):
         group = entry if isinstance(entry, (tuple, list)) else (entry,)
@@ -58,8 +58,20 @@ def kv_layout(layers: Sequence[Any], *, tags: Sequence[str] | None = None) -> KV
 
 
 def pool_from_strides(
-    *, address: int, nbytes: int, offset: int, shape: Sequence[int], strides: Sequence[int],
-    itemsize: int, dtype: str, device: Device, tag: str, layer: int, writable: bool, owner: Any, argument: str,
+    *,
+    address: int,
+    nbytes: int,
+    offset: int,
+    shape: Sequence[int],
+    strides: Sequence[int],
+    itemsize: int,
+    dtype: str,
+    device: Device,
+    tag: str,
+    layer: int,
+    writable: bool,
+    owner: Any,
+    argument: str,
 ) -> DevicePool:
     """Pool of a strided view: ``offset`` bytes into a storage at ``address``; strides in bytes."""
     if len(shape) < 1:
@@ -72,8 +84,12 @@ def pool_from_strides(
     stride0 = strides[0] if shape[0] > 1 else max(r.end for r in regions)
     if regions[-1].end > stride0:
         raise UsageError("blocks overlap: major stride smaller than a block", argument=argument, strides=tuple(strides))
-    spec = PoolSpec(num_blocks=shape[0], block_stride=stride0, regions=regions, base_offset=offset, tag=tag, dtype=dtype)
-    return DevicePool(spec=spec, device=device, address=address, nbytes=nbytes, layer=layer, writable=writable, owner=owner)
+    spec = PoolSpec(
+        num_blocks=shape[0], block_stride=stride0, regions=regions, base_offset=offset, tag=tag, dtype=dtype
+    )
+    return DevicePool(
+        spec=spec, device=device, address=address, nbytes=nbytes, layer=layer, writable=writable, owner=owner
+    )
 
 
 def _regions(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, argument: str) -> tuple[Region, ...]:
@@ -89,7 +105,8 @@ def _regions(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, ar
         if len(offsets) > MAX_REGIONS:
             raise UsageError(
                 "block is split into too many strided regions; make the trailing dims contiguous",
-                argument=argument, max_regions=MAX_REGIONS,
+                argument=argument,
+                max_regions=MAX_REGIONS,
             )
     offsets.sort()
     merged: list[list[int]] = []
@@ -124,9 +141,19 @@ def _from_numpy(a: Any, tag: str, layer: int, argument: str) -> DevicePool:
     if base_addr > addr:
         base_addr = addr
     return pool_from_strides(
-        address=base_addr, nbytes=base_nbytes, offset=addr - base_addr, shape=a.shape, strides=a.strides,
-        itemsize=a.itemsize, dtype=str(a.dtype), device=Device.CPU, tag=tag, layer=layer,
-        writable=bool(a.flags.writeable), owner=a, argument=argument,
+        address=base_addr,
+        nbytes=base_nbytes,
+        offset=addr - base_addr,
+        shape=a.shape,
+        strides=a.strides,
+        itemsize=a.itemsize,
+        dtype=str(a.dtype),
+        device=Device.CPU,
+        tag=tag,
+        layer=layer,
+        writable=bool(a.flags.writeable),
+        owner=a,
+        argument=argument,
     )
 
 
@@ -139,10 +166,19 @@ def _from_torch(t: Any, tag: str, layer: int, argument: str) -> DevicePool:
     storage = t.untyped_storage()
     item = t.element_size()
     return pool_from_strides(
-        address=storage.data_ptr(), nbytes=storage.nbytes(), offset=t.storage_offset() * item,
-        shape=tuple(t.shape), strides=tuple(s * item for s in t.stride()), itemsize=item,
-        dtype=str(t.dtype).removeprefix("torch."), device=Device.CPU if kind == "cpu" else Device.CUDA,
-        tag=tag, layer=layer, writable=not t.requires_grad, owner=t, argument=argument,
+        address=storage.data_ptr(),
+        nbytes=storage.nbytes(),
+        offset=t.storage_offset() * item,
+        shape=tuple(t.shape),
+        strides=tuple(s * item for s in t.stride()),
+        itemsize=item,
+        dtype=str(t.dtype).removeprefix("torch."),
+        device=Device.CPU if kind == "cpu" else Device.CUDA,
+        tag=tag,
+        layer=layer,
+        writable=not t.requires_grad,
+        owner=t,
+        argument=argument,
     )
 
 
@@ -151,7 +187,8 @@ def _from_jax(x: Any, tag: str, layer: int, argument: str) -> DevicePool:
     if len(devices) != 1 or devices[0].platform != "cpu":
         raise UsageError(
             "JAX arrays must live on exactly one CPU device (accelerator JAX pools are not supported yet)",
-            argument=argument, devices=[str(d) for d in devices],
+            argument=argument,
+            devices=[str(d) for d in devices],
         )
     import numpy as np
 
@@ -162,7 +199,17 @@ def _from_jax(x: Any, tag: str, layer: int, argument: str) -> DevicePool:
         strides.append(acc)
         acc *= n
     return pool_from_strides(
-        address=x.unsafe_buffer_pointer(), nbytes=x.nbytes, offset=0, shape=x.shape,
-        strides=tuple(reversed(strides)), itemsize=item, dtype=str(x.dtype), device=Device.CPU,
-        tag=tag, layer=layer, writable=True, owner=x, argument=argument,
+        address=x.unsafe_buffer_pointer(),
+        nbytes=x.nbytes,
+        offset=0,
+        shape=x.shape,
+        strides=tuple(reversed(strides)),
+        itemsize=item,
+        dtype=str(x.dtype),
+        device=Device.CPU,
+        tag=tag,
+        layer=layer,
+        writable=True,
+        owner=x,
+        argument=argument,
     )

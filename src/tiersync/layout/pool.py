@@ -11,6 +11,7 @@ every pool in order, that pool's live bytes of block ``b`` (each pool's segment
 starts on a 64-byte boundary), so one host block is one contiguous span that a
 file write or a socket send can take whole.
 """
+
 from __future__ import annotations
 
 import enum
@@ -78,7 +79,9 @@ class PoolSpec:
         if not isinstance(self.dtype, str) or not self.dtype:
             raise UsageError("must be a non-empty str", argument="PoolSpec.dtype", value=self.dtype)
         if isinstance(self.regions, (str, bytes)) or not hasattr(self.regions, "__iter__"):
-            raise UsageError("must be a sequence of Region", argument="PoolSpec.regions", got=type(self.regions).__name__)
+            raise UsageError(
+                "must be a sequence of Region", argument="PoolSpec.regions", got=type(self.regions).__name__
+            )
         regions = tuple(self.regions)
         if not regions:
             raise UsageError("needs at least one region", argument="PoolSpec.regions")
@@ -93,7 +96,9 @@ class PoolSpec:
         if prev_end > self.block_stride:
             raise UsageError(
                 "regions run past the block stride",
-                argument="PoolSpec.regions", region_end=prev_end, block_stride=self.block_stride,
+                argument="PoolSpec.regions",
+                region_end=prev_end,
+                block_stride=self.block_stride,
             )
 
     @property
@@ -133,7 +138,9 @@ class DevicePool:
         if self.spec.extent > self.nbytes:
             raise UsageError(
                 "pool spec reaches past the end of its storage",
-                argument="spec", extent=self.spec.extent, storage_nbytes=self.nbytes,
+                argument="spec",
+                extent=self.spec.extent,
+                storage_nbytes=self.nbytes,
             )
         if not isinstance(self.layer, int) or self.layer < 0:
             raise UsageError("must be a non-negative int", argument="layer", value=self.layer)
@@ -163,7 +170,9 @@ class KVLayout:
             if p.spec.num_blocks != n:
                 raise UsageError(
                     "all pools must have the same num_blocks",
-                    argument=f"pools[{i}]", num_blocks=p.spec.num_blocks, expected=n,
+                    argument=f"pools[{i}]",
+                    num_blocks=p.spec.num_blocks,
+                    expected=n,
                 )
         offsets, off = [], 0
         for p in pools:
@@ -196,4 +205,3 @@ class KVLayout:
         for p in self.pools:
             h.update(struct.pack("<q", p.layer) + p.spec.describe() + b";")
         return h.digest()
-

@@ -1,7 +1,14 @@
 """Types of the native receive path (``_wire.c``)."""
 
-def recv_many(fd: int, header: memoryview, dests: list[memoryview | list[memoryview]], request_ids: list[int],
-              max_payload: int, empty_meta_sum: int, /) -> tuple[int, tuple[int, ...], int, int]:
+def recv_many(
+    fd: int,
+    header: memoryview,
+    dests: list[memoryview | list[memoryview]],
+    request_ids: list[int],
+    max_payload: int,
+    empty_meta_sum: int,
+    /,
+) -> tuple[int, tuple[int, ...], int, int]:
     """(done, sums, n, err): see ``_wire.c``."""
 
 def _xxh3_56(data: bytes | bytearray | memoryview, /) -> int: ...

@@ -6,6 +6,7 @@ it and answers ``client_proof = HMAC-SHA256(token, "tiersync-client" | sn | cn)`
 Without a token a side sends an empty proof; a side *with* a token refuses an
 empty or wrong proof, so a peer lacking the token is always refused.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -6,6 +6,7 @@ checked against a bound *before* anything is sliced or allocated, and a reader
 must be consumed exactly (:meth:`MetaReader.finish`). Any violation raises
 :class:`~tiersync.net.errors.ProtocolError` with fault MALFORMED.
 """
+
 from __future__ import annotations
 
 import json
@@ -97,7 +98,7 @@ class MetaReader:
         end = self._pos + n
         if n < 0 or end > len(self._data):
             raise _malformed("metadata truncated", need=n, have=len(self._data) - self._pos)
-        view = self._data[self._pos:end]
+        view = self._data[self._pos : end]
         self._pos = end
         return view
 
@@ -155,7 +156,7 @@ class MetaReader:
         if n > max_count:
             raise _malformed("too many keys", count=n, max=max_count)
         raw = bytes(self._take(n * KEY_SIZE))
-        return tuple(raw[i:i + KEY_SIZE] for i in range(0, len(raw), KEY_SIZE))
+        return tuple(raw[i : i + KEY_SIZE] for i in range(0, len(raw), KEY_SIZE))
 
     def u64s(self, max_count: int) -> tuple[int, ...]:
         n = self.u32()

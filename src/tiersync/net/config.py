@@ -6,6 +6,7 @@ Every service — store nodes, prefill -> decode, weight sync — connects and s
 worker pool and same-host route. Nothing here reads the environment; the CLI and the
 integrations do (:func:`token_from`).
 """
+
 from __future__ import annotations
 
 import enum
@@ -55,8 +56,9 @@ def coerce_token(value: Any, argument: str = "token") -> bytes | None:
     return bytes(value)
 
 
-def token_from(token_file: str | None, environ: Mapping[str, str] | None = None, *,
-               argument: str = "--token-file") -> bytes | None:
+def token_from(
+    token_file: str | None, environ: Mapping[str, str] | None = None, *, argument: str = "--token-file"
+) -> bytes | None:
     """The token of a process: the contents of ``token_file`` (trailing newline stripped),
     else ``$TIERSYNC_TOKEN``, else None. Command lines never carry the secret itself (argv is
     readable by every local user). Raises UsageError naming ``argument`` or the variable."""
@@ -65,8 +67,9 @@ def token_from(token_file: str | None, environ: Mapping[str, str] | None = None,
             with open(token_file, "rb") as f:
                 raw = f.read(1 << 16).rstrip(b"\r\n")
         except OSError as exc:
-            raise UsageError(f"cannot read the token file: {exc.strerror}", argument=argument,
-                             path=token_file) from None
+            raise UsageError(
+                f"cannot read the token file: {exc.strerror}", argument=argument, path=token_file
+            ) from None
         return coerce_token(raw, argument)
     env = os.environ if environ is None else environ
     value = env.get("TIERSYNC_TOKEN")
@@ -105,8 +108,7 @@ class TcpConfig:
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
 
     def __post_init__(self) -> None:
-        for name in ("sndbuf", "rcvbuf", "recv_chunk", "backlog", "max_connections", "workers",
-                     "local_threads"):
+        for name in ("sndbuf", "rcvbuf", "recv_chunk", "backlog", "max_connections", "workers", "local_threads"):
             check_positive_int(getattr(self, name), name)
         for name in ("connect_timeout_s", "op_timeout_s"):
             value = getattr(self, name)

@@ -10,6 +10,7 @@
 
 Local misuse (wrong state, bad argument) raises :class:`tiersync.errors.UsageError`.
 """
+
 from __future__ import annotations
 
 import enum

@@ -8,6 +8,7 @@ its :class:`~tiersync.net.frames.Op`, how to encode its metadata and how to pars
 :class:`~tiersync.net.errors.ProtocolError` (MALFORMED) instead.
 Enum fields travel as u8; their values are wire format — never renumber.
 """
+
 from __future__ import annotations
 
 import enum
@@ -73,8 +74,11 @@ class Hello:
         check_text("host", self.host)
         check_u64("pid", self.pid)
         check_bytes("nonce", self.nonce, (NONCE_SIZE,))
-        if (not isinstance(self.checksums, tuple) or not 0 < len(self.checksums) <= MAX_CHECKSUMS
-                or any(not isinstance(c, int) or not 0 <= c < 256 for c in self.checksums)):
+        if (
+            not isinstance(self.checksums, tuple)
+            or not 0 < len(self.checksums) <= MAX_CHECKSUMS
+            or any(not isinstance(c, int) or not 0 <= c < 256 for c in self.checksums)
+        ):
             raise UsageError(f"must be a tuple of 1..{MAX_CHECKSUMS} ids in [0, 256)", argument="checksums")
 
     def meta(self) -> bytes:
@@ -83,8 +87,9 @@ class Hello:
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Hello:
-        return cls(r.text(cfg.max_string), r.blob(NONCE_SIZE), tuple(r.blob(MAX_CHECKSUMS)), r.text(cfg.max_string),
-                   r.u64())
+        return cls(
+            r.text(cfg.max_string), r.blob(NONCE_SIZE), tuple(r.blob(MAX_CHECKSUMS)), r.text(cfg.max_string), r.u64()
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,8 +272,11 @@ class LocalReply:
         object.__setattr__(self, "regions", _region_array(self.regions))
 
     def __eq__(self, other: object) -> bool:
-        return (type(other) is LocalReply and (self.request_id, self.pid, self.algo) ==
-                (other.request_id, other.pid, other.algo) and np.array_equal(self.regions, other.regions))
+        return (
+            type(other) is LocalReply
+            and (self.request_id, self.pid, self.algo) == (other.request_id, other.pid, other.algo)
+            and np.array_equal(self.regions, other.regions)
+        )
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -288,8 +296,11 @@ def _region_array(regions: object) -> np.ndarray:
     ``regions`` for anything else."""
     if isinstance(regions, np.ndarray):
         if regions.dtype != np.uint64 or regions.ndim != 2 or regions.shape[1] != 3:
-            raise UsageError("must be an (n, 3) uint64 array or a tuple of (address, length, checksum)",
-                             argument="regions", got=f"{regions.dtype}{list(regions.shape)}")
+            raise UsageError(
+                "must be an (n, 3) uint64 array or a tuple of (address, length, checksum)",
+                argument="regions",
+                got=f"{regions.dtype}{list(regions.shape)}",
+            )
         out = np.array(regions, dtype="<u8", order="C")
     else:
         check_rows("regions", regions, (int, int, int))
@@ -339,5 +350,3 @@ NEED_DATA = _NeedData()
 CORE = Vocabulary("core", {Ping: (Pong,)}, responses=(Hello, Challenge, Auth, Ready, Error, Data))
 """What every connection speaks (the handshake classes are listed so their ops parse; the
 protocol's state table decides when each is allowed)."""
-
-

@@ -3,6 +3,7 @@
 Enum values travel as u8 and are wire format: never renumber. Each check raises
 :class:`~tiersync.errors.UsageError` naming the field.
 """
+
 from __future__ import annotations
 
 import enum
@@ -10,8 +11,18 @@ import enum
 from tiersync.errors import UsageError
 from tiersync.net.codec import KEY_SIZE
 
-__all__ = ["CommitStatus", "ErrorCode", "LeaseStatus", "OfferStatus", "check_bytes", "check_enum", "check_keys",
-           "check_text", "check_u64", "check_u64s"]
+__all__ = [
+    "CommitStatus",
+    "ErrorCode",
+    "LeaseStatus",
+    "OfferStatus",
+    "check_bytes",
+    "check_enum",
+    "check_keys",
+    "check_text",
+    "check_u64",
+    "check_u64s",
+]
 
 _U64_MAX = (1 << 64) - 1
 

@@ -4,6 +4,7 @@
 (:mod:`tiersync.net.tcp` builds channels and servers on it); :class:`Deadline` bounds every
 blocking call, and socket errors become the RemoteError family, naming the peer.
 """
+
 from __future__ import annotations
 
 import select
@@ -171,12 +172,13 @@ class FramedSocket:
         if _wire is None or self._tls:
             return [self.read(deadline)]
         try:
-            while len(out) < len(request_ids) and (dests := conn.data_fast_targets(request_ids[len(out):])):
+            while len(out) < len(request_ids) and (dests := conn.data_fast_targets(request_ids[len(out) :])):
                 self._arm(socket.SO_RCVTIMEO, deadline)
-                rids = list(request_ids[len(out):len(out) + len(dests)])
+                rids = list(request_ids[len(out) : len(out) + len(dests)])
                 try:
-                    done, sums, n, err = _wire.recv_many(self.sock.fileno(), self._hview, dests, rids,
-                                                         conn.config.max_frame_size, EMPTY_META_CHECKSUM)
+                    done, sums, n, err = _wire.recv_many(
+                        self.sock.fileno(), self._hview, dests, rids, conn.config.max_frame_size, EMPTY_META_CHECKSUM
+                    )
                 except (BlockingIOError, InterruptedError):
                     continue
                 out += [conn.data_fast_received(rid, value) for rid, value in zip(rids, sums)]
@@ -242,8 +244,9 @@ class io_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> Literal[False]:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
         if isinstance(exc, OSError) and not isinstance(exc, NetTimeoutError):
             _raise_io(exc, self.peer)
         return False

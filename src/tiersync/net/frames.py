@@ -27,6 +27,7 @@ then sum their payloads with it. ``XXH3_64`` (the ``xxhash`` package, holds the
 GIL) is in every build; ``TSUM64`` (tiersync's native checksum, GIL released) is
 offered only when the extension is built. Header and metadata always use xxh3.
 """
+
 from __future__ import annotations
 
 import enum
@@ -63,11 +64,12 @@ class PayloadChecksum(enum.IntEnum):
     """Payload checksum algorithms. Values are wire format: never renumber."""
 
     XXH3_64 = 0  # the xxhash package: every build
-    TSUM64 = 1   # tiersync.transfer.kernel.tsum64: builds with the native extension
+    TSUM64 = 1  # tiersync.transfer.kernel.tsum64: builds with the native extension
 
 
 SUPPORTED: tuple[PayloadChecksum, ...] = (
-    (PayloadChecksum.TSUM64, PayloadChecksum.XXH3_64) if kernel.TSUM64 is not None else (PayloadChecksum.XXH3_64,))
+    (PayloadChecksum.TSUM64, PayloadChecksum.XXH3_64) if kernel.TSUM64 is not None else (PayloadChecksum.XXH3_64,)
+)
 """What this build verifies, most preferred first."""
 
 
@@ -112,8 +114,12 @@ def negotiate(offered: tuple[int, ...]) -> PayloadChecksum:
     for algo in SUPPORTED:
         if int(algo) in offered:
             return algo
-    raise ProtocolError("no payload checksum in common with the peer", fault=ProtocolFault.MALFORMED,
-                        offered=list(offered), supported=[a.name for a in SUPPORTED])
+    raise ProtocolError(
+        "no payload checksum in common with the peer",
+        fault=ProtocolFault.MALFORMED,
+        offered=list(offered),
+        supported=[a.name for a in SUPPORTED],
+    )
 
 
 class Op(enum.IntEnum):
@@ -180,11 +186,28 @@ class FrameHeader(NamedTuple):
 _HEAD56 = struct.Struct("<4sHHIQIQQQB7s")
 
 
-def encode_header(op: int, request_id: int, meta: bytes, payload_len: int, payload_checksum: int,
-                  payload_algo: PayloadChecksum = PayloadChecksum.XXH3_64) -> bytes:
+def encode_header(
+    op: int,
+    request_id: int,
+    meta: bytes,
+    payload_len: int,
+    payload_checksum: int,
+    payload_algo: PayloadChecksum = PayloadChecksum.XXH3_64,
+) -> bytes:
     """Pack a header for ``meta`` (bytes) and a payload of ``payload_len`` bytes summed by ``payload_algo``."""
-    head = _HEAD56.pack(MAGIC, PROTOCOL_VERSION, op, 0, request_id, len(meta), payload_len,
-                        payload_checksum, _xxh3(meta) if meta else _EMPTY_XXH3, payload_algo, _RESERVED)
+    head = _HEAD56.pack(
+        MAGIC,
+        PROTOCOL_VERSION,
+        op,
+        0,
+        request_id,
+        len(meta),
+        payload_len,
+        payload_checksum,
+        _xxh3(meta) if meta else _EMPTY_XXH3,
+        payload_algo,
+        _RESERVED,
+    )
     return head + _xxh3(head).to_bytes(8, "little")
 
 
@@ -195,13 +218,15 @@ def decode_header(raw: bytes | memoryview, config: ProtocolConfig, ops: Mapping[
     Raises :class:`ProtocolError` (fault BAD_MAGIC, BAD_VERSION, BAD_CHECKSUM,
     UNKNOWN_OP, MALFORMED or OVERSIZE) — the sender's fault.
     """
-    (magic, version, op, flags, request_id, meta_len, payload_len,
-     payload_ck, meta_ck, algo, reserved, header_ck) = _HEADER.unpack(raw)
+    (magic, version, op, flags, request_id, meta_len, payload_len, payload_ck, meta_ck, algo, reserved, header_ck) = (
+        _HEADER.unpack(raw)
+    )
     if magic != MAGIC:
         raise ProtocolError("bad frame magic", fault=ProtocolFault.BAD_MAGIC, magic=bytes(magic))
     if version != PROTOCOL_VERSION:
-        raise ProtocolError("unsupported protocol version", fault=ProtocolFault.BAD_VERSION,
-                            version=version, supported=PROTOCOL_VERSION)
+        raise ProtocolError(
+            "unsupported protocol version", fault=ProtocolFault.BAD_VERSION, version=version, supported=PROTOCOL_VERSION
+        )
     if checksum(raw[:56]) != header_ck:
         raise ProtocolError("header checksum mismatch", fault=ProtocolFault.BAD_CHECKSUM)
     member = ops.get(op)
@@ -210,10 +235,18 @@ def decode_header(raw: bytes | memoryview, config: ProtocolConfig, ops: Mapping[
     if flags != 0 or reserved != _RESERVED:
         raise ProtocolError("reserved header bits set", fault=ProtocolFault.MALFORMED, flags=flags)
     if algo not in _ALGOS:
-        raise ProtocolError(f"payload checksum algorithm {algo} is not supported by this build",
-                            fault=ProtocolFault.BAD_CHECKSUM, algo=algo,
-                            supported=[a.name for a in SUPPORTED])
+        raise ProtocolError(
+            f"payload checksum algorithm {algo} is not supported by this build",
+            fault=ProtocolFault.BAD_CHECKSUM,
+            algo=algo,
+            supported=[a.name for a in SUPPORTED],
+        )
     if meta_len > config.max_meta_size or meta_len + payload_len > config.max_frame_size:
-        raise ProtocolError("frame exceeds the configured bound", fault=ProtocolFault.OVERSIZE,
-                            meta_len=meta_len, payload_len=payload_len, max_frame_size=config.max_frame_size)
+        raise ProtocolError(
+            "frame exceeds the configured bound",
+            fault=ProtocolFault.OVERSIZE,
+            meta_len=meta_len,
+            payload_len=payload_len,
+            max_frame_size=config.max_frame_size,
+        )
     return FrameHeader(member, request_id, meta_len, payload_len, payload_ck, meta_ck, _ALGO_OF[algo])

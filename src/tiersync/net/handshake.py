@@ -6,6 +6,7 @@ client side runs blocking over a :class:`~tiersync.net.framed.FramedSocket`; the
 is sans-IO (:class:`ServerHandshake`: events in, frames out) so a selector drives thousands
 of half-open connections without a thread each.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,8 +53,7 @@ def _expect(framed: FramedSocket, kind: type[_E], deadline: Deadline) -> _E:
     if isinstance(event, ev.Error):
         if event.code is ev.ErrorCode.AUTH_FAILED:
             raise AuthError(f"peer refused authentication: {event.message}", peer=framed.peer)
-        raise PeerClosedError(f"server refused the connection: {event.message}", peer=framed.peer,
-                              code=event.code.name)
+        raise PeerClosedError(f"server refused the connection: {event.message}", peer=framed.peer, code=event.code.name)
     if not isinstance(event, kind):
         raise PeerClosedError(f"handshake ended by {type(event).__name__}", peer=framed.peer)
     return event

@@ -13,6 +13,7 @@ Replay requests are network input: a request that is not ``[id, b"", 8 bytes]`` 
 (logged once per kind), a start sequence beyond the last batch gets only the end marker, and
 the buffer is bounded (``buffer_steps`` batches).
 """
+
 from __future__ import annotations
 
 import collections
@@ -101,16 +102,32 @@ def _schema() -> dict[str, Any]:
         events: list[BlockStored | BlockRemoved | AllBlocksCleared]
         data_parallel_rank: int | None = None
 
-    _SCHEMA.update(BlockStored=BlockStored, BlockRemoved=BlockRemoved, AllBlocksCleared=AllBlocksCleared,
-                   KVEventBatch=KVEventBatch, encode=msgspec.msgpack.Encoder().encode)
+    _SCHEMA.update(
+        BlockStored=BlockStored,
+        BlockRemoved=BlockRemoved,
+        AllBlocksCleared=AllBlocksCleared,
+        KVEventBatch=KVEventBatch,
+        encode=msgspec.msgpack.Encoder().encode,
+    )
     return _SCHEMA
 
 
-def block_stored(hashes: list[bytes], medium: str, token_ids: list[int] | None = None, block_size: int = 0,
-                 parent: bytes | None = None) -> Any:
-    return _schema()["BlockStored"](block_hashes=list(hashes), parent_block_hash=parent,
-                                    token_ids=list(token_ids or ()), block_size=block_size, lora_id=None,
-                                    medium=medium, lora_name=None)
+def block_stored(
+    hashes: list[bytes],
+    medium: str,
+    token_ids: list[int] | None = None,
+    block_size: int = 0,
+    parent: bytes | None = None,
+) -> Any:
+    return _schema()["BlockStored"](
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=list(token_ids or ()),
+        block_size=block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
 
 
 def block_removed(hashes: list[bytes], medium: str) -> Any:

@@ -12,6 +12,7 @@ this build verifies, else UsageError), the server's CHALLENGE picks one of them 
 UsageError; a client receiving a pick it did not offer raises ProtocolError), and from then on
 :attr:`Ledger.payload_algo` sums what this side sends.
 """
+
 from __future__ import annotations
 
 import enum
@@ -38,7 +39,7 @@ class Ledger:
         self._answers, self._responses = vocabulary.answers, vocabulary.response_ops
         self._oneway, self.types = vocabulary.oneway_ops, vocabulary.types
         self.state = State.IDLE
-        self.mine: dict[int, frozenset[int]] = {}    # requests I sent -> responses I may receive
+        self.mine: dict[int, frozenset[int]] = {}  # requests I sent -> responses I may receive
         self._theirs: dict[int, frozenset[int]] = {}  # requests I received -> responses I may send
         self.offered: tuple[int, ...] = ()  # payload checksum ids offered in HELLO
         self.payload_algo = PayloadChecksum.XXH3_64
@@ -77,13 +78,21 @@ class Ledger:
 
     def _check_checksums(self, op: enum.IntEnum, event: object) -> None:
         if op is Op.HELLO and any(c not in _LOCAL for c in cast(Hello, event).checksums):
-            raise UsageError("HELLO may offer only payload checksums this build verifies", argument="event",
-                             offered=cast(Hello, event).checksums, supported=sorted(_LOCAL))
+            raise UsageError(
+                "HELLO may offer only payload checksums this build verifies",
+                argument="event",
+                offered=cast(Hello, event).checksums,
+                supported=sorted(_LOCAL),
+            )
         if op is Op.CHALLENGE:
             picked = cast(Challenge, event).checksum
             if picked not in self.offered or picked not in SUPPORTED:
-                raise UsageError("CHALLENGE must pick a payload checksum the client offered and this build has",
-                                 argument="event", offered=self.offered, picked=picked.name)
+                raise UsageError(
+                    "CHALLENGE must pick a payload checksum the client offered and this build has",
+                    argument="event",
+                    offered=self.offered,
+                    picked=picked.name,
+                )
 
     def sent(self, op: enum.IntEnum, rid: int, event: object) -> None:
         """Apply an op :meth:`check_send` allowed."""
@@ -111,10 +120,15 @@ class Ledger:
         elif op in self._answers:
             if rid != 0 and rid not in self._theirs:
                 return
-        elif op in self._oneway or (op is Op.ERROR and (rid == 0 or rid in self.mine)) or (op in self._responses and op in self.mine.get(rid, ())):
+        elif (
+            op in self._oneway
+            or (op is Op.ERROR and (rid == 0 or rid in self.mine))
+            or (op in self._responses and op in self.mine.get(rid, ()))
+        ):
             return
-        raise ProtocolError(f"unexpected {op.name} in state {self.state.value}",
-                            fault=ProtocolFault.UNEXPECTED, request_id=rid)
+        raise ProtocolError(
+            f"unexpected {op.name} in state {self.state.value}", fault=ProtocolFault.UNEXPECTED, request_id=rid
+        )
 
     def received(self, op: enum.IntEnum, rid: int, event: object) -> bool:
         """Apply an op :meth:`check_recv` allowed; True when it answered one of my requests."""
@@ -136,8 +150,12 @@ class Ledger:
         elif op is Op.CHALLENGE:
             picked = cast(Challenge, event).checksum
             if picked not in self.offered:
-                raise ProtocolError("server picked a payload checksum the client did not offer",
-                                    fault=ProtocolFault.MALFORMED, picked=picked.name, offered=self.offered)
+                raise ProtocolError(
+                    "server picked a payload checksum the client did not offer",
+                    fault=ProtocolFault.MALFORMED,
+                    picked=picked.name,
+                    offered=self.offered,
+                )
             self.payload_algo = picked
 
 

@@ -7,6 +7,7 @@ read another of the same uid unless Yama's ``ptrace_scope`` is 1, where the sour
 in (:func:`allow_readers`). Refused reads raise :class:`LocalReadError`, so callers fall back
 to TCP. ctypes releases the GIL for the call.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -24,8 +25,15 @@ from tiersync.errors import RemoteError, UsageError
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["LocalReadError", "allow_readers", "buffer_address", "can_read", "host_identity", "read_remote",
-           "read_summed"]
+__all__ = [
+    "LocalReadError",
+    "allow_readers",
+    "buffer_address",
+    "can_read",
+    "host_identity",
+    "read_remote",
+    "read_summed",
+]
 
 IOV_MAX = 1024
 _PR_SET_PTRACER = 0x59616D61
@@ -120,8 +128,12 @@ def read_remote(pid: int, remote: Sequence[tuple[int, int]] | np.ndarray, local:
     src = _iovecs(remote)
     dst = _iovecs([_writable_address(b) for b in local])
     if int(src["len"].sum()) != int(dst["len"].sum()):
-        raise UsageError("local buffers must hold exactly the remote bytes", argument="local",
-                         remote=int(src["len"].sum()), local=int(dst["len"].sum()))
+        raise UsageError(
+            "local buffers must hold exactly the remote bytes",
+            argument="local",
+            remote=int(src["len"].sum()),
+            local=int(dst["len"].sum()),
+        )
     _copy(pid, src, dst)
 
 
@@ -141,15 +153,17 @@ def _copy(pid: int, src: np.ndarray, dst: np.ndarray) -> None:
         got = _readv(pid, dst.ctypes.data, nd, src.ctypes.data, ns, 0)
         if got < 0:
             code = ctypes.get_errno()
-            raise LocalReadError(f"process_vm_readv failed: {os.strerror(code)}", pid=pid,
-                                 errno=errno.errorcode.get(code, code))
+            raise LocalReadError(
+                f"process_vm_readv failed: {os.strerror(code)}", pid=pid, errno=errno.errorcode.get(code, code)
+            )
         if got == 0 and want:
             raise LocalReadError("process_vm_readv copied nothing", pid=pid, errno="EFAULT")
         src, dst = _advance(src, got), _advance(dst, got)
 
 
-def read_summed(pid: int, remote: Sequence[tuple[int, int]] | np.ndarray, local: Sequence[memoryview],
-                threads: int) -> Sequence[int] | None:
+def read_summed(
+    pid: int, remote: Sequence[tuple[int, int]] | np.ndarray, local: Sequence[memoryview], threads: int
+) -> Sequence[int] | None:
     """:func:`read_remote` range by range (``local[i]`` exactly as long as ``remote[i]``; ``remote``
     (address, length) pairs or an (n, 2) uint64 array) on up to ``threads`` threads, returning
     the tsum64 of each landed range, summed while in cache (native ``_local``). None when the
@@ -164,8 +178,11 @@ def read_summed(pid: int, remote: Sequence[tuple[int, int]] | np.ndarray, local:
     except ValueError as exc:
         raise UsageError(str(exc), argument="local") from None
     except OSError as exc:
-        raise LocalReadError(f"process_vm_readv failed: {os.strerror(exc.errno or 0)}", pid=pid,
-                             errno=errno.errorcode.get(exc.errno or 0, exc.errno)) from None
+        raise LocalReadError(
+            f"process_vm_readv failed: {os.strerror(exc.errno or 0)}",
+            pid=pid,
+            errno=errno.errorcode.get(exc.errno or 0, exc.errno),
+        ) from None
 
 
 def sum_ranges(buf: np.ndarray, offsets: Sequence[int], lengths: Sequence[int], threads: int = 1) -> list[int]:
@@ -175,6 +192,6 @@ def sum_ranges(buf: np.ndarray, offsets: Sequence[int], lengths: Sequence[int], 
     if _native is None:
         from tiersync.transfer import kernel
 
-        return [kernel.tsum64(buf[o:o + n].data) for o, n in zip(offsets, lengths)]
+        return [kernel.tsum64(buf[o : o + n].data) for o, n in zip(offsets, lengths)]
     pairs = np.stack([np.asarray(offsets, np.uint64), np.asarray(lengths, np.uint64)], axis=1)
     return list(_native.sum_ranges(buf, pairs.tobytes(), threads))

@@ -1,5 +1,6 @@
 """Payload buffers of one frame: byte views, checksums over several parts, and :class:`Pieces`
 (a DATA payload landing in several caller buffers in order, as a vectored pull does)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
@@ -44,7 +45,7 @@ class Pieces:
 
     def tail(self) -> memoryview:
         """The unfilled rest of the current buffer."""
-        return self.views[self.index][self.offset:]
+        return self.views[self.index][self.offset :]
 
     def advance(self, n: int) -> None:
         """``n`` bytes (at most :meth:`tail`'s length) landed in the current buffer."""
@@ -64,7 +65,7 @@ class Pieces:
 
     def rest(self) -> list[memoryview]:
         """Every unfilled buffer, the current one's tail first."""
-        return [self.tail(), *self.views[self.index + 1:]] if self.total else []
+        return [self.tail(), *self.views[self.index + 1 :]] if self.total else []
 
     def landed(self, n: int, hasher: Hasher) -> None:
         """``n`` bytes were received in place across :meth:`rest`: hash them, move on."""

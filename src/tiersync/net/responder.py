@@ -5,6 +5,7 @@ handler for a session's request on a worker, answers the requests a pipelining p
 behind it in the same turn (one send), reads on without waiting while bytes are already there,
 then hands the session back (``rearm``) or ends it (``end``).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -35,17 +36,24 @@ class ServerSession(Session):
     """One connection of a :class:`~tiersync.net.server.TcpServer` (see :class:`Session`);
     ``end`` is the server's way to end it (once)."""
 
-    def __init__(self, end: Callable[[ServerSession], None], config: TcpConfig, vocabulary: Vocabulary,
-                 sock: socket.socket, peer: str, session_id: int) -> None:
+    def __init__(
+        self,
+        end: Callable[[ServerSession], None],
+        config: TcpConfig,
+        vocabulary: Vocabulary,
+        sock: socket.socket,
+        peer: str,
+        session_id: int,
+    ) -> None:
         self._end, self._config, self.sock, self.peer, self.session_id = end, config, sock, peer, session_id
         self.conn = Connection(Role.SERVER, config.protocol, vocabulary)
         token = cast("bytes | None", config.token)  # TcpConfig coerced it to bytes
         self.hs = ServerHandshake(self.conn, token, session_id)
         self.info = PeerInfo("", "", 0, False)
-        self.lock = threading.Lock()    # the Connection's state
-        self.wlock = threading.Lock()   # writes to the socket
+        self.lock = threading.Lock()  # the Connection's state
+        self.wlock = threading.Lock()  # writes to the socket
         self.tls_pending = isinstance(sock, ssl.SSLSocket)
-        self.registered = False         # in the selector (loop thread only)
+        self.registered = False  # in the selector (loop thread only)
         self.opened = False
         self._closed = False
 
@@ -83,8 +91,14 @@ class ServerSession(Session):
 class Responder:
     """Answers sessions' requests with ``service`` on pool workers (see the module doc)."""
 
-    def __init__(self, service: Service, config: TcpConfig, *, end: Callable[[ServerSession], None],
-                 rearm: Callable[[ServerSession], None]) -> None:
+    def __init__(
+        self,
+        service: Service,
+        config: TcpConfig,
+        *,
+        end: Callable[[ServerSession], None],
+        rearm: Callable[[ServerSession], None],
+    ) -> None:
         self.service, self.config, self._end, self._rearm = service, config, end, rearm
 
     def work(self, s: ServerSession, event: object) -> None:
@@ -140,8 +154,9 @@ class Responder:
             return None
         return None if event is NEED_DATA else event
 
-    def _answer(self, s: ServerSession, event: object, bufs: list[bytes | memoryview],
-                deadline: Deadline) -> list[bytes | memoryview]:
+    def _answer(
+        self, s: ServerSession, event: object, bufs: list[bytes | memoryview], deadline: Deadline
+    ) -> list[bytes | memoryview]:
         answers = self._answers(s, event)
         streamed = inspect.isgenerator(answers)
         if streamed and bufs:  # its body has not run yet and may wait: earlier answers go out first
@@ -164,8 +179,11 @@ class Responder:
             return [ev.Error(getattr(event, "request_id", 0), code, exc.message[:512])] if _answerable(event) else []
         except Exception as exc:
             log.exception("handler failed")
-            return ([ev.Error(getattr(event, "request_id", 0), ev.ErrorCode.INTERNAL, type(exc).__name__)]
-                    if _answerable(event) else [])
+            return (
+                [ev.Error(getattr(event, "request_id", 0), ev.ErrorCode.INTERNAL, type(exc).__name__)]
+                if _answerable(event)
+                else []
+            )
 
 
 _local = threading.local()

@@ -7,6 +7,7 @@ GIL released, :mod:`tiersync.net.local`) on a few threads, summing each piece wh
 still in cache, so a range that changed or was mis-described is refused exactly as a DATA
 frame with a bad checksum would be: nothing unverified is ever reported as landed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -29,13 +30,21 @@ def local_copy(reply: object, dests: Sequence[memoryview], peer: str, threads: i
     if not isinstance(reply, ev.LocalReply):
         raise ProtocolError("expected LOCAL_REPLY", fault=ProtocolFault.UNEXPECTED, peer=peer)
     regions = reply.regions
-    if len(regions) != len(dests) or not np.array_equal(regions[:, 1], np.fromiter(map(len, dests), np.uint64, len(dests))):
+    if len(regions) != len(dests) or not np.array_equal(
+        regions[:, 1], np.fromiter(map(len, dests), np.uint64, len(dests))
+    ):
         raise ProtocolError("LOCAL_REPLY regions do not match the request", fault=ProtocolFault.MALFORMED, peer=peer)
-    sums = local.read_summed(reply.pid, regions[:, :2], dests, threads) if reply.algo is PayloadChecksum.TSUM64 else None
+    sums = (
+        local.read_summed(reply.pid, regions[:, :2], dests, threads) if reply.algo is PayloadChecksum.TSUM64 else None
+    )
     if sums is None:  # no native reader, or another algorithm: copy, then a second pass
         local.read_remote(reply.pid, regions[:, :2], dests)
         sums = [payload_checksum(reply.algo, d) for d in dests]
     wrong = np.flatnonzero(np.fromiter(sums, np.uint64, len(dests)) != regions[:, 2])
     if wrong.size:
-        raise ProtocolError("same-host copy checksum mismatch (the source changed or lied)",
-                            fault=ProtocolFault.BAD_CHECKSUM, peer=peer, region=int(wrong[0]))
+        raise ProtocolError(
+            "same-host copy checksum mismatch (the source changed or lied)",
+            fault=ProtocolFault.BAD_CHECKSUM,
+            peer=peer,
+            region=int(wrong[0]),
+        )

@@ -12,6 +12,7 @@ breaks the protocol is closed; ``accept`` failing for lack of descriptors (EMFIL
 ENOBUFS, ENOMEM) pauses accepting for a moment, logs once, and resumes; it never ends the
 server. :meth:`Service.closed` runs exactly once per opened session, however it ended.
 """
+
 from __future__ import annotations
 
 import errno
@@ -126,8 +127,12 @@ class TcpServer(Server):
     def _pause_accepting(self, exc: OSError) -> None:
         """Out of descriptors: stop accepting for a moment (the backlog keeps the peers)."""
         if not self._fd_logged:
-            log.warning("tiersync server %s cannot accept (%s); retrying every %.1f s while it lasts",
-                        self.address, errno.errorcode.get(exc.errno or 0, exc.errno), _ACCEPT_PAUSE_S)
+            log.warning(
+                "tiersync server %s cannot accept (%s); retrying every %.1f s while it lasts",
+                self.address,
+                errno.errorcode.get(exc.errno or 0, exc.errno),
+                _ACCEPT_PAUSE_S,
+            )
             self._fd_logged = True
         self._sel.unregister(self._listener)
         self._paused_until = time.monotonic() + _ACCEPT_PAUSE_S
@@ -230,8 +235,7 @@ class TcpServer(Server):
     def _auth_failed(self, s: ServerSession, why: str) -> None:
         self.refused += 1
         level = logging.WARNING if self.refused <= 10 or self.refused % 1000 == 0 else logging.DEBUG
-        log.log(level, "tiersync server %s refused %s: %s (%d refused so far)", self.address, s.peer, why,
-                self.refused)
+        log.log(level, "tiersync server %s refused %s: %s (%d refused so far)", self.address, s.peer, why, self.refused)
         self._end(s)
 
     def _expire(self) -> None:
@@ -317,8 +321,9 @@ def _refuse_over_cap(sock: socket.socket, cap: int) -> None:
     try:
         sock.setblocking(False)
         conn = Connection(Role.SERVER)
-        frame = b"".join(bytes(b) for b in conn.send(ev.Error(0, ev.ErrorCode.CAPACITY,
-                                                               f"too many connections (the cap is {cap})")))
+        frame = b"".join(
+            bytes(b) for b in conn.send(ev.Error(0, ev.ErrorCode.CAPACITY, f"too many connections (the cap is {cap})"))
+        )
         sock.send(frame)
     except OSError:
         pass

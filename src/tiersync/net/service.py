@@ -14,6 +14,7 @@ connection cap and the worker pool; a service owns only its operations:
 - :meth:`Session.send` pushes a one-way message from any thread (the weights publisher's
   ANNOUNCE); it is thread-safe against the worker answering on the same session.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

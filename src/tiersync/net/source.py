@@ -10,6 +10,7 @@ Leases belong to the session that took them: when the session ends, however it e
 every lease it still holds is released, so a reader killed mid-read pins nothing.
 :class:`MemoryBlockSource` serves an in-memory dict (the writer side of an offer).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -61,8 +62,9 @@ class BlockService(Service):
         """Pin every key of ``req`` (GRANTED with sizes) or none (MISSING)."""
         raise NotImplementedError
 
-    def view(self, lease_id: int, key: bytes, offset: int, length: int
-             ) -> tuple[memoryview, tuple[PayloadChecksum, int] | None]:
+    def view(
+        self, lease_id: int, key: bytes, offset: int, length: int
+    ) -> tuple[memoryview, tuple[PayloadChecksum, int] | None]:
         """``(bytes, known (algo, checksum) of exactly those bytes or None)``; BlockError to refuse."""
         raise NotImplementedError
 
@@ -174,8 +176,9 @@ class MemoryBlockSource(BlockService):
                 return None
             return lease[1]
 
-    def view(self, lease_id: int, key: bytes, offset: int, length: int
-             ) -> tuple[memoryview, tuple[PayloadChecksum, int] | None]:
+    def view(
+        self, lease_id: int, key: bytes, offset: int, length: int
+    ) -> tuple[memoryview, tuple[PayloadChecksum, int] | None]:
         keys = self._held_keys(lease_id)
         if keys is None:
             raise BlockError(ev.ErrorCode.LEASE_EXPIRED, "lease not held")
@@ -186,7 +189,7 @@ class MemoryBlockSource(BlockService):
             raise BlockError(ev.ErrorCode.BAD_REQUEST, "range beyond the block")
         if offset == 0 and length == len(block):
             return block, self._sum(key, block)
-        return block[offset:offset + length], None
+        return block[offset : offset + length], None
 
     def _sum(self, key: bytes, block: memoryview) -> tuple[PayloadChecksum, int]:
         """The block's payload checksum (this build's preferred algorithm), computed once: blocks

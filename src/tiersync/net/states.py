@@ -4,6 +4,7 @@
 request allows comes from the connection's vocabulary (:mod:`tiersync.net.vocab`; ERROR is
 always allowed and final); ``then`` says which are still allowed after a given one.
 """
+
 from __future__ import annotations
 
 import enum
@@ -47,7 +48,6 @@ HANDSHAKE: dict[tuple[Role, State, Direction, int], State] = {  # op: a raw code
     (Role.SERVER, State.AWAIT_AUTH, _R, Op.AUTH): State.MUST_READY,
     (Role.SERVER, State.MUST_READY, _S, Op.READY): State.READY,
 }
-
 
 
 def then(event: object) -> frozenset[int] | None:

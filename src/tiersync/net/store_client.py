@@ -5,6 +5,7 @@ past it, or when the node dies, a :class:`~tiersync.errors.RemoteError`
 (NetTimeoutError, PeerClosedError, RequestError) is raised and nothing is left
 pinned on this side. A refused offer raises :class:`~tiersync.errors.CapacityError`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -42,8 +43,15 @@ class StoreNodeClient:
     PULL_MANY, PULL_LOCAL) the node sends us, before it is answered.
     """
 
-    def __init__(self, address: str, *, token: bytes | str | None = None, timeout: float = 30.0,
-                 bind_host: str = "127.0.0.1", on_pull: _OnPull | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: bytes | str | None = None,
+        timeout: float = 30.0,
+        bind_host: str = "127.0.0.1",
+        on_pull: _OnPull | None = None,
+    ) -> None:
         if not timeout > 0:
             raise UsageError("must be > 0 seconds", argument="timeout", value=timeout)
         self.address, self.token, self.timeout = address, coerce_token(token), timeout
@@ -73,14 +81,18 @@ class StoreNodeClient:
         finally:
             server.close()
 
-    def _offer(self, channel: TcpChannel, lease: so.LeaseReply, keys: tuple[bytes, ...], source: str,
-               deadline: Deadline) -> PushResult:
+    def _offer(
+        self, channel: TcpChannel, lease: so.LeaseReply, keys: tuple[bytes, ...], source: str, deadline: Deadline
+    ) -> PushResult:
         rid = channel.new_request_id()
         offer = so.Offer(rid, lease.lease_id, keys, lease.sizes, source)
         reply = cast(so.OfferReply, channel.request(offer, timeout=deadline.remaining()))  # an OFFER's one answer
         if reply.status is so.OfferStatus.REFUSED:
-            raise CapacityError("store node refused the offer (no free space, or keys in flight)",
-                                requested=len(keys), peer=self.address)
+            raise CapacityError(
+                "store node refused the offer (no free space, or keys in flight)",
+                requested=len(keys),
+                peer=self.address,
+            )
         if reply.status is so.OfferStatus.ALL_EXIST:
             return PushResult(reply.status, None, reply.existing)
         commit = cast(ev.CommitReply, channel.next_answer(rid, timeout=deadline.remaining()))
@@ -118,8 +130,13 @@ class StoreNodeClient:
             channel.close()
 
     @staticmethod
-    def _pull_all(channel: TcpChannel, lease: so.LeaseReply, keys: tuple[bytes, ...],
-                  into: Sequence[memoryview | bytearray], deadline: Deadline) -> None:
+    def _pull_all(
+        channel: TcpChannel,
+        lease: so.LeaseReply,
+        keys: tuple[bytes, ...],
+        into: Sequence[memoryview | bytearray],
+        deadline: Deadline,
+    ) -> None:
         items: list[tuple[bytes, int, memoryview]] = []
         for key, size, buf in zip(keys, lease.sizes, into):
             view = memoryview(buf).cast("B")

@@ -22,9 +22,9 @@ with ``main(kv_events=...)`` it publishes them as vLLM KV events for routers
 are called with new keys before COMMITTED is answered.
 :class:`StoreNodeClient` is the other side.
 """
+
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import socket
@@ -40,7 +40,6 @@ from tiersync.net.server import TcpServer
 from tiersync.net.service import Session
 from tiersync.net.source import BlockError, BlockService, clamp_ttl
 from tiersync.net.tcp import Deadline, TcpConfig, TcpTransport, parse_address
-from tiersync.sizes import parse_size
 from tiersync.tiers.host import HostArena, HostArenaConfig
 
 if TYPE_CHECKING:
@@ -52,12 +51,21 @@ log = logging.getLogger(__name__)
 PULL_CHUNK = 16 << 20
 MIN_BLOCK_NBYTES = 1 << 10  # a smaller block costs more in bookkeeping than it holds (KV blocks are >= 16 KiB)
 PULL_WINDOW = 8
+
+
 class StoreNode(BlockService):
     """The node's block service over a HostArena of ``capacity`` bytes. Thread-safe."""
 
-    def __init__(self, capacity: int, block_nbytes: int = 1 << 20, *, config: TcpConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic, pull_timeout_s: float = 60.0,
-                 on_stored: Callable[[list[bytes]], None] | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        block_nbytes: int = 1 << 20,
+        *,
+        config: TcpConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        pull_timeout_s: float = 60.0,
+        on_stored: Callable[[list[bytes]], None] | None = None,
+    ) -> None:
         super().__init__()
         if isinstance(block_nbytes, bool) or not isinstance(block_nbytes, int) or block_nbytes < MIN_BLOCK_NBYTES:
             raise UsageError(f"must be at least {MIN_BLOCK_NBYTES} bytes", argument="block_size", value=block_nbytes)
@@ -107,7 +115,7 @@ class StoreNode(BlockService):
             block, size = self._index[key]
         if offset + length > size:
             raise BlockError(ev.ErrorCode.BAD_REQUEST, "range beyond the block")
-        return self.arena.block(block)[offset:offset + length], None
+        return self.arena.block(block)[offset : offset + length], None
 
     def release(self, lease_id: int) -> bool:
         with self._lock:
@@ -157,8 +165,12 @@ class StoreNode(BlockService):
             if not new:
                 return so.OfferReply(req.request_id, so.OfferStatus.ALL_EXIST, existing), [], []
             too_big = any(s > self.arena.block_nbytes for _, s in new)
-            if writer is None or too_big or any(k in self._landing for k, _ in new) \
-                    or len(new) > self.arena.allocator.num_free:
+            if (
+                writer is None
+                or too_big
+                or any(k in self._landing for k, _ in new)
+                or len(new) > self.arena.allocator.num_free
+            ):
                 return refused, [], []
             blocks = self.arena.allocate(len(new))  # free blocks only: checked above, under the lock
             self._landing.update(k for k, _ in new)
@@ -169,8 +181,11 @@ class StoreNode(BlockService):
         deadline = Deadline(self._pull_timeout, writer)
         channel = TcpTransport(self.config).connect(writer, timeout=deadline.remaining())
         try:
-            items = [(key, off, self.arena.block(b)[off:off + min(PULL_CHUNK, size - off)])
-                     for (key, size), b in zip(new, blocks) for off in range(0, size, PULL_CHUNK)]
+            items = [
+                (key, off, self.arena.block(b)[off : off + min(PULL_CHUNK, size - off)])
+                for (key, size), b in zip(new, blocks)
+                for off in range(0, size, PULL_CHUNK)
+            ]
             channel.pull_many(lease_id, items, window=PULL_WINDOW, timeout=deadline.remaining())
             release = so.Release(channel.new_request_id(), lease_id)
             done = cast(ev.CommitReply, channel.request(release, timeout=deadline.remaining()))
@@ -247,8 +262,9 @@ def _guarded(answers: Iterator[object], request_id: int) -> Iterator[object]:
             yield ev.Error(request_id, ev.ErrorCode.INTERNAL, type(exc).__name__)
 
 
-def serve(capacity: int, address: str = "127.0.0.1:0", *, token: bytes | str | None = None,
-          block_nbytes: int = 1 << 20) -> StoreNodeServer:
+def serve(
+    capacity: int, address: str = "127.0.0.1:0", *, token: bytes | str | None = None, block_nbytes: int = 1 << 20
+) -> StoreNodeServer:
     """Start a store node on ``address``; ``.address`` has the bound port, ``.node`` the handler."""
     return StoreNodeServer(address, StoreNode(capacity, block_nbytes, config=TcpConfig(token=token)))
 
@@ -258,8 +274,13 @@ def attach_registry(server: StoreNodeServer, registry: Registry, config: AgentCo
     from tiersync.net.registry.agent import StoreAgent
 
     node = server.node
-    agent = StoreAgent(registry, config, free_blocks=lambda: node.free_blocks, held_keys=node.held_keys,
-                       capacity_blocks=node.arena.num_blocks)
+    agent = StoreAgent(
+        registry,
+        config,
+        free_blocks=lambda: node.free_blocks,
+        held_keys=node.held_keys,
+        capacity_blocks=node.arena.num_blocks,
+    )
     node.add_listener(agent.announce)
     agent.start()
     return agent
@@ -285,64 +306,6 @@ def default_advertise(address: str) -> str:
     return f"{socket.gethostname()}:{port}" if host in ("0.0.0.0", "::", "") else address
 
 
-def main(capacity: str, port: int, host: str = "127.0.0.1", token: bytes | str | None = None,
-         block_size: str = "1MiB", stop: threading.Event | None = None, *, registry: str | None = None,
-         store_id: str | None = None, pool_group: str = "", heartbeat_s: float = 300.0,
-         advertise: str | None = None, kv_events: KVEventsConfig | None = None) -> int:
-    """The ``tiersync store-node`` process: print the address, serve until interrupted (or SIGTERM).
-
-    ``registry``: "host:port" of ``tiersync registry`` (or "redis://..."): register as
-    ``store_id`` (default "HOST:PORT" of ``advertise``) and heartbeat every ``heartbeat_s``.
-    ``kv_events``: publish a vLLM KV event stream (:func:`attach_events`); an empty topic
-    becomes ``kv@<store id>@*``.
-    """
-    server = serve(parse_size(capacity), f"{host}:{port}", token=token,
-                   block_nbytes=parse_size(block_size))
-    stop = stop or _stop_on_sigterm()
-    agent = reg = events = None
-    try:
-        if kv_events is not None:
-            if not kv_events.topic:  # the id the registry knows the node by
-                node_id = store_id or advertise or default_advertise(server.address)
-                kv_events = dataclasses.replace(kv_events, topic=f"kv@{node_id}@*")
-            events = attach_events(server, kv_events)
-        if registry:
-            from tiersync.net.registry import open_registry
-            from tiersync.net.registry.agent import AgentConfig
-
-            where = advertise or default_advertise(server.address)
-            reg = open_registry(registry)
-            agent = attach_registry(server, reg, AgentConfig(store_id or where, where, pool_group, heartbeat_s))
-        print(f"tiersync store-node listening on {server.address} "
-              f"({server.node.arena.num_blocks} blocks x {server.node.arena.block_nbytes} B)"
-              + (f" registered as {agent.config.store_id} in {registry}" if agent else "")
-              + (f"; KV events on {events.endpoint} (replay {events.replay_endpoint}, topic {events.config.topic})"
-                 if events else ""), flush=True)
-        while not stop.wait(1.0):
-            pass
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if events is not None:
-            events.close()
-        if agent is not None:
-            agent.close()
-        if reg is not None:
-            reg.close()
-        server.close()
-        server.node.close()
-    return 0
-
-
-def _stop_on_sigterm() -> threading.Event:
-    stop = threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        import signal
-
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    return stop
-
-
 from tiersync.net.store_client import PushResult, StoreNodeClient  # noqa: E402  (re-export)
 
 __all__ = [
@@ -350,9 +313,9 @@ __all__ = [
     "StoreNode",
     "StoreNodeClient",
     "StoreNodeServer",
+    "attach_events",
     "attach_registry",
-    "main",
-    "parse_size",
+    "default_advertise",
     "serve",
     "writer_address",
 ]

@@ -7,6 +7,7 @@ with bad fields raises :class:`UsageError`; parsing bad metadata from a peer rai
 :class:`~tiersync.net.errors.ProtocolError` (MALFORMED). Enum fields travel as u8; their values
 are wire format — never renumber.
 """
+
 from __future__ import annotations
 
 import struct
@@ -279,7 +280,18 @@ class Release:
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Release:
         return cls(rid, r.u64())
 
-STORE = Vocabulary("store", {Offer: (OfferReply,), ReadLease: (LeaseReply,), Pull: (Data,), PullMany: (Data,),
-                             PullLocal: (LocalReply,), Release: (CommitReply,)}, responses=(CommitReply,),
-                   include=(CORE,))
+
+STORE = Vocabulary(
+    "store",
+    {
+        Offer: (OfferReply,),
+        ReadLease: (LeaseReply,),
+        Pull: (Data,),
+        PullMany: (Data,),
+        PullLocal: (LocalReply,),
+        Release: (CommitReply,),
+    },
+    responses=(CommitReply,),
+    include=(CORE,),
+)
 """Block servers: store nodes, sources of offers, :class:`~tiersync.net.source.MemoryBlockSource`."""

@@ -19,6 +19,7 @@ node only makes the filled prefix shorter; ``fill`` never raises for them.
 
 Needs 16-byte keys (the wire and registry format; ``block_keys`` makes them).
 """
+
 from __future__ import annotations
 
 import logging
@@ -67,8 +68,12 @@ class SweepConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "token", coerce_token(self.token, "SweepConfig.token"))
         if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
-            raise UsageError("needs 0 <= low_watermark <= high_watermark <= 1", argument="SweepConfig.low_watermark",
-                             low=self.low_watermark, high=self.high_watermark)
+            raise UsageError(
+                "needs 0 <= low_watermark <= high_watermark <= 1",
+                argument="SweepConfig.low_watermark",
+                low=self.low_watermark,
+                high=self.high_watermark,
+            )
         check_positive_int(self.batch, "SweepConfig.batch")
         if self.batch > MAX_BATCH:
             raise UsageError(f"must be <= {MAX_BATCH}", argument="SweepConfig.batch", value=self.batch)
@@ -101,8 +106,14 @@ class RemoteTier:
     are serialised. :meth:`start` runs sweeps from a background thread.
     """
 
-    def __init__(self, store: KVCacheStore, registry: Registry, config: SweepConfig | None = None, *,
-                 client: Callable[[str], StoreNodeClient] | None = None) -> None:
+    def __init__(
+        self,
+        store: KVCacheStore,
+        registry: Registry,
+        config: SweepConfig | None = None,
+        *,
+        client: Callable[[str], StoreNodeClient] | None = None,
+    ) -> None:
         self.store, self.registry = store, registry
         self.config = config or SweepConfig()
         self._client = client or self._default_client
@@ -258,8 +269,9 @@ class RemoteTier:
                     continue
                 client = self._client(info.address)
 
-                def land(new: list[bytes], views: list[memoryview], client: StoreNodeClient = client,
-                         info: StoreInfo = info) -> None:  # called before the loop moves on
+                def land(
+                    new: list[bytes], views: list[memoryview], client: StoreNodeClient = client, info: StoreInfo = info
+                ) -> None:  # called before the loop moves on
                     sizes = client.read(new, views)
                     if any(s != nbytes for s in sizes):
                         raise RemoteError("remote block has another size", peer=info.address, need=nbytes)

@@ -1,4 +1,5 @@
 """Optional TLS for transports, via the standard :mod:`ssl` module."""
+
 from __future__ import annotations
 
 import ssl

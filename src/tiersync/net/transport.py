@@ -5,6 +5,7 @@ A :class:`Transport` opens authenticated :class:`Channel` s to peers and serves 
 (the one client connection pool of every link), and :func:`pull_striped` splits one block
 transfer across several streams.
 """
+
 from __future__ import annotations
 
 import threading
@@ -33,8 +34,14 @@ class Channel(ABC):
         broken connection (the channel is then closed), ClosedError when closed.
         """
 
-    def pull_many(self, lease_id: int, items: Sequence[tuple[bytes, int, memoryview]], *,
-                  window: int = 8, timeout: float | None = None) -> None:
+    def pull_many(
+        self,
+        lease_id: int,
+        items: Sequence[tuple[bytes, int, memoryview]],
+        *,
+        window: int = 8,
+        timeout: float | None = None,
+    ) -> None:
         """Pull ``(key, offset, dest)`` items under ``lease_id``, each payload straight into its
         ``dest`` (exact size). Transports that can keep ``window`` requests in flight do
         (:meth:`TcpChannel.pull_many`); this default pulls one by one, each under ``timeout``.
@@ -148,8 +155,17 @@ def split_ranges(length: int, streams: int, min_chunk: int = 1 << 20) -> list[tu
     return [(off, min(step, length - off)) for off in range(0, length, step)] if length else [(0, 0)]
 
 
-def pull_striped(pool: ChannelPool, address: str, lease_id: int, key: bytes, dest: memoryview,
-                 *, streams: int = 4, min_chunk: int = 1 << 20, timeout: float | None = None) -> None:
+def pull_striped(
+    pool: ChannelPool,
+    address: str,
+    lease_id: int,
+    key: bytes,
+    dest: memoryview,
+    *,
+    streams: int = 4,
+    min_chunk: int = 1 << 20,
+    timeout: float | None = None,
+) -> None:
     """Pull block ``key`` (``len(dest)`` bytes) under ``lease_id`` into ``dest`` over several streams.
 
     Each part travels on its own pooled channel, landing straight in its slice
@@ -163,8 +179,9 @@ def pull_striped(pool: ChannelPool, address: str, lease_id: int, key: bytes, des
         offset, size = part
         with pool.acquire(address) as channel:
             rid = channel.new_request_id()
-            channel.request(so.Pull(rid, lease_id, key, offset, size), timeout=timeout,
-                            into=view[offset:offset + size])
+            channel.request(
+                so.Pull(rid, lease_id, key, offset, size), timeout=timeout, into=view[offset : offset + size]
+            )
 
     if len(ranges) == 1:
         one(ranges[0])

@@ -15,6 +15,7 @@ A :class:`~tiersync.net.protocol.Connection` built for a vocabulary refuses ever
 vocabulary does not name (UNKNOWN_OP), so a peer of another service is cut off at its
 first frame.
 """
+
 from __future__ import annotations
 
 import enum
@@ -102,6 +103,12 @@ def _op(cls: type) -> int:
 def _merge(into: dict[int, type], more: Mapping[int, type], name: str) -> None:
     for op, cls in more.items():
         if into.get(op, cls) is not cls:
-            raise UsageError("two event classes share an op code", argument="vocabulary", vocabulary=name,
-                             op=op, first=into[op].__name__, second=cls.__name__)
+            raise UsageError(
+                "two event classes share an op code",
+                argument="vocabulary",
+                vocabulary=name,
+                op=op,
+                first=into[op].__name__,
+                second=cls.__name__,
+            )
         into[op] = cls

@@ -1,4 +1,5 @@
 """Configuration and result types of the KV cache store."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +12,6 @@ from tiersync.tiers.eviction import check_policy
 if TYPE_CHECKING:
     from tiersync.tiers.shm import ShmConfig
     from tiersync.transfer.engine import TransferConfig
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +40,12 @@ class StoreConfig:
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 < w < float("inf"):
             raise UsageError("must be a positive number of seconds", argument="StoreConfig.demote_wait_s", value=w)
         if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
-            raise UsageError("needs 0 <= low_watermark <= high_watermark <= 1", argument="StoreConfig.low_watermark",
-                             low=self.low_watermark, high=self.high_watermark)
+            raise UsageError(
+                "needs 0 <= low_watermark <= high_watermark <= 1",
+                argument="StoreConfig.low_watermark",
+                low=self.low_watermark,
+                high=self.high_watermark,
+            )
 
 
 @dataclass(frozen=True, slots=True)

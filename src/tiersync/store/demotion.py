@@ -19,6 +19,7 @@ room left are they dropped anyway (the reference's "no target: evict locally"),
 counted as ``tiersync_store_evictions_total{tier="host_unsaved"}`` and logged.
 Without a storage tier, eviction simply drops the coldest idle host entries.
 """
+
 from __future__ import annotations
 
 import logging
@@ -130,9 +131,12 @@ class Demoter:
             wf.result(timeout=self._h.config.demote_wait_s)
         except TimeoutError:
             if not wf.done():
-                log.warning("storage write of %d evicted host entries still running after %.0f s; not "
-                            "waiting for it (they stay on host until it ends)", len(batch),
-                            self._h.config.demote_wait_s)
+                log.warning(
+                    "storage write of %d evicted host entries still running after %.0f s; not "
+                    "waiting for it (they stay on host until it ends)",
+                    len(batch),
+                    self._h.config.demote_wait_s,
+                )
             wf.add_done_callback(lambda f: self._written_down(batch, f.exception()))
             return False
         except BaseException as e:  # noqa: BLE001 - the allocation then evicts and counts
@@ -167,6 +171,7 @@ class Demoter:
 
         def need() -> int:
             return sum(1 for k in set(keys) if (e := self._h.index.get(k)) is None or not (e.visible or e.pending))
+
         self._ensure_host_room(need)
 
     def room_for_load(self, keys: list[bytes]) -> None:
@@ -177,6 +182,7 @@ class Demoter:
             if any(e is None or e.pins == 0 or not e.visible for e in entries):
                 return 0
             return sum(1 for e in entries if e is not None and not e.residency & HOST)
+
         self._ensure_host_room(need)
 
     def _make_room(self, batch: list[Entry]) -> list[Entry]:
@@ -200,4 +206,3 @@ class Demoter:
             self._settle_write(batch, exc, "demotion to storage failed, retrying in 1 s: %s")
         if exc is None:
             self.maybe_demote()
-

@@ -1,4 +1,5 @@
 """Futures of store operations (save, load): typed :class:`~tiersync.completion.Completion` handles."""
+
 from __future__ import annotations
 
 from typing import TypeVar

@@ -9,6 +9,7 @@ metrics, and the few operations more than one of them needs (host room, dropping
 never published, the entry gauges). Every field is read and changed under :attr:`lock`, which
 is never held while waiting for I/O.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,15 @@ HOST, STORAGE = Residency.HOST, Residency.STORAGE
 class Holdings:
     """The shared state of one store (see the module doc)."""
 
-    def __init__(self, config: StoreConfig, index: PinIndex, arena: HostArena, storage: StorageTier | None,
-                 engine: TransferEngine, metrics: StoreMetrics) -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        index: PinIndex,
+        arena: HostArena,
+        storage: StorageTier | None,
+        engine: TransferEngine,
+        metrics: StoreMetrics,
+    ) -> None:
         self.config, self.index, self.arena, self.storage = config, index, arena, storage
         self.engine, self.metrics = engine, metrics
         self.lock = threading.RLock()
@@ -54,9 +62,12 @@ class Holdings:
         need = n - self.arena.allocator.num_free
         victims = self.index.victims(HOST, need)
         if victims is None:
-            raise CapacityError("host tier full: not enough free blocks or unpinned entries", requested=n,
-                                free=self.arena.allocator.num_free + self.index.evictable(HOST),
-                                used=self.arena.num_blocks - self.arena.allocator.num_free)
+            raise CapacityError(
+                "host tier full: not enough free blocks or unpinned entries",
+                requested=n,
+                free=self.arena.allocator.num_free + self.index.evictable(HOST),
+                used=self.arena.num_blocks - self.arena.allocator.num_free,
+            )
         if victims:
             self._count_unsaved(victims)
             self.arena.free([self.index.clear_host(e) for e in victims])

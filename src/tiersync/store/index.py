@@ -13,6 +13,7 @@ calls it under its lock. Rules:
   A pinned entry that lost its copies (e.g. corrupt on disk) stays as a tombstone
   (invisible) until its pins are released, so the pin algebra stays exact.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -88,8 +89,13 @@ class PinIndex:
         for k, n in need.items():
             e = self._entries.get(k)
             if e is None or e.pins < n:
-                raise UsageError("key is not pinned (release only what lookup returned)", argument=argument,
-                                 key=k.hex(), pins=0 if e is None else e.pins, releasing=n)
+                raise UsageError(
+                    "key is not pinned (release only what lookup returned)",
+                    argument=argument,
+                    key=k.hex(),
+                    pins=0 if e is None else e.pins,
+                    releasing=n,
+                )
         out = []
         for k, n in need.items():
             e = self._entries[k]

@@ -16,6 +16,7 @@ Freshness: the :class:`CacheIdentity` namespace digest is folded into every key,
 so a new ``weights_version`` (an RL update), another model, KV dtype, block size,
 layout or parallel rank gives disjoint keys — stale KV is never served.
 """
+
 from __future__ import annotations
 
 import struct
@@ -31,11 +32,39 @@ KEY_NBYTES = 16
 # Element types a KV cache can hold, by the names numpy, torch ("torch." dropped), JAX and
 # vLLM's --kv-cache-dtype use; ``kv_dtype`` is one of them or several joined by "/" (the vLLM
 # connector writes "<cache dtype>/<model dtype>", e.g. "auto/torch.bfloat16").
-KV_DTYPES = frozenset({
-    "auto", "float16", "half", "fp16", "bfloat16", "bf16", "float32", "float", "fp32", "float64", "double",
-    "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-    "float8_e5m2fnuz", "float8_e8m0fnu", "int8", "uint8", "int4", "uint4", "nvfp4", "mxfp4", "int16", "int32",
-})
+KV_DTYPES = frozenset(
+    {
+        "auto",
+        "float16",
+        "half",
+        "fp16",
+        "bfloat16",
+        "bf16",
+        "float32",
+        "float",
+        "fp32",
+        "float64",
+        "double",
+        "fp8",
+        "fp8_e4m3",
+        "fp8_e5m2",
+        "fp8_inc",
+        "fp8_ds_mla",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "int8",
+        "uint8",
+        "int4",
+        "uint4",
+        "nvfp4",
+        "mxfp4",
+        "int16",
+        "int32",
+    }
+)
 _INT32 = (np.iinfo(np.int32).min, np.iinfo(np.int32).max)
 
 
@@ -81,8 +110,11 @@ def check_kv_dtype(kv_dtype: str) -> None:
     """UsageError unless every "/"-separated part of ``kv_dtype`` names a KV element type."""
     unknown = [p for p in kv_dtype.split("/") if p.removeprefix("torch.").removeprefix("jnp.") not in KV_DTYPES]
     if unknown:
-        raise UsageError(f"names no KV dtype ({unknown[0]!r}); use one of {sorted(KV_DTYPES)}, or several "
-                         "joined by '/'", argument="CacheIdentity.kv_dtype", value=kv_dtype)
+        raise UsageError(
+            f"names no KV dtype ({unknown[0]!r}); use one of {sorted(KV_DTYPES)}, or several joined by '/'",
+            argument="CacheIdentity.kv_dtype",
+            value=kv_dtype,
+        )
 
 
 def block_keys(
@@ -113,7 +145,7 @@ def block_keys(
         h = xxhash.xxh3_128()
         h.update(len(prev).to_bytes(1, "little") + prev)
         h.update(salt + width)
-        h.update(raw[i * step:(i + 1) * step])
+        h.update(raw[i * step : (i + 1) * step])
         prev = h.digest()
         keys.append(prev)
     return keys

@@ -27,6 +27,7 @@ Structure: the store holds its shared state in one :class:`~tiersync.store.holdi
 :class:`~tiersync.store.remote.RemoteHooks` a store-node sweeper uses. Lookups, pins and saves
 are here.
 """
+
 from __future__ import annotations
 
 import gc
@@ -63,21 +64,37 @@ class KVCacheStore:
     (``arena.recovered``) and the blocks found in ``storage`` rebuild the index.
     """
 
-    def __init__(self, layout: KVLayout, config: StoreConfig, *, arena: HostArena | None = None,
-                 storage: StorageTier | None = None, metrics: StoreMetrics | None = None) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        config: StoreConfig,
+        *,
+        arena: HostArena | None = None,
+        storage: StorageTier | None = None,
+        metrics: StoreMetrics | None = None,
+    ) -> None:
         if not isinstance(config, StoreConfig):
             raise UsageError("must be a StoreConfig", argument="config", got=type(config).__name__)
         if storage is not None and not isinstance(storage, StorageTier):
             raise UsageError("must be a StorageTier or None", argument="storage", got=type(storage).__name__)
         self.config, self.layout, self.storage = config, layout, storage
-        self.arena = arena if arena is not None else HostArena.for_layout(
-            layout, config.host_blocks, shm=config.shm, policy=config.policy)
+        self.arena = (
+            arena
+            if arena is not None
+            else HostArena.for_layout(layout, config.host_blocks, shm=config.shm, policy=config.policy)
+        )
         self._own_arena = arena is None
         self.metrics = metrics if metrics is not None else StoreMetrics()  # the default registry
         self._own_metrics = metrics is None
         policy = POLICIES[config.policy]
-        self._h = Holdings(config, PinIndex(policy(), policy()), self.arena, storage,
-                           TransferEngine(layout, self.arena, config.transfer), self.metrics)
+        self._h = Holdings(
+            config,
+            PinIndex(policy(), policy()),
+            self.arena,
+            storage,
+            TransferEngine(layout, self.arena, config.transfer),
+            self.metrics,
+        )
         self._index, self._lock = self._h.index, self._h.lock
         self._demoter = Demoter(self._h)
         self._loader = Loader(self._h, self._demoter)
@@ -161,9 +178,15 @@ class KVCacheStore:
     def stats(self) -> StoreStats:
         with self._lock:
             ix = self._index
-            return StoreStats(len(ix), ix.counts[HOST], ix.counts[STORAGE], self.arena.allocator.num_free,
-                              ix.evictable(HOST), ix.evictable(STORAGE),
-                              sum(1 for e in ix.entries() if e.pins))
+            return StoreStats(
+                len(ix),
+                ix.counts[HOST],
+                ix.counts[STORAGE],
+                self.arena.allocator.num_free,
+                ix.evictable(HOST),
+                ix.evictable(STORAGE),
+                sum(1 for e in ix.entries() if e.pins),
+            )
 
     def mark(self, keys: Sequence[bytes], flag: Residency, present: bool = True) -> None:
         """Record DEVICE / REMOTE copies of known keys (bookkeeping only; not loadable from here)."""
@@ -192,8 +215,9 @@ class KVCacheStore:
         """See :meth:`tiersync.store.remote.RemoteHooks.give_back`."""
         return self._remote.give_back(keys, remote=remote, drop=drop)
 
-    def insert_host(self, keys: Sequence[bytes],
-                    fill: Callable[[list[bytes], list[memoryview]], None]) -> tuple[bytes, ...]:
+    def insert_host(
+        self, keys: Sequence[bytes], fill: Callable[[list[bytes], list[memoryview]], None]
+    ) -> tuple[bytes, ...]:
         """See :meth:`tiersync.store.remote.RemoteHooks.insert_host`."""
         return self._remote.insert_host(keys, fill)
 
@@ -242,8 +266,14 @@ class KVCacheStore:
         tf.add_done_callback(lambda t: self._saved(t, entries, blocks, tuple(skipped), fut))
         return fut
 
-    def _saved(self, tf: TransferFuture, entries: list[Entry], blocks: list[int], skipped: tuple[bytes, ...],
-               fut: StoreFuture[SaveResult]) -> None:
+    def _saved(
+        self,
+        tf: TransferFuture,
+        entries: list[Entry],
+        blocks: list[int],
+        skipped: tuple[bytes, ...],
+        fut: StoreFuture[SaveResult],
+    ) -> None:
         exc = tf.exception()
         with self._lock:
             if exc is None and not self._h.closed:

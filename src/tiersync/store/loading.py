@@ -6,6 +6,7 @@ blocks (promotion), published, then copied. A key named twice has its host block
 in a second transfer, so no transfer names one source block twice. Success consumes one
 pin per key; any failure keeps every pin and reaches the caller through the future.
 """
+
 from __future__ import annotations
 
 import threading
@@ -45,8 +46,9 @@ class Loader:
         """
         keys, dev = check_keys(keys), [int(d) for d in device_blocks]
         if len(dev) != len(keys):
-            raise UsageError("needs one device block per key", argument="device_blocks",
-                             keys=len(keys), blocks=len(dev))
+            raise UsageError(
+                "needs one device block per key", argument="device_blocks", keys=len(keys), blocks=len(dev)
+            )
         fut: StoreFuture[None] = StoreFuture()
         if not keys:  # a lookup with no hit loads nothing: done at once (there is no copy to wait for)
             with self._h.lock:
@@ -76,20 +78,37 @@ class Loader:
             e = self._h.index.get(k)
             named[k] = named.get(k, 0) + 1
             if e is None or e.pins < named[k] or not e.visible:
-                raise UsageError("key is not pinned (once per time it is named) or not loadable: lookup first",
-                                 argument="keys", key=k.hex())
+                raise UsageError(
+                    "key is not pinned (once per time it is named) or not loadable: lookup first",
+                    argument="keys",
+                    key=k.hex(),
+                )
             entries.append(e)
         return entries
 
-    def _promoted(self, rf: Future[list[ReadStatus]], cold: list[Entry], blocks: list[int], entries: list[Entry],
-                  dev: list[int], fut: StoreFuture[None]) -> None:
+    def _promoted(
+        self,
+        rf: Future[list[ReadStatus]],
+        cold: list[Entry],
+        blocks: list[int],
+        entries: list[Entry],
+        dev: list[int],
+        fut: StoreFuture[None],
+    ) -> None:
         try:
             self._promote_finish(rf, cold, blocks, entries, dev, fut)
         except BaseException as exc:  # noqa: BLE001 - never strand a future
             fut._fail(exc)
 
-    def _promote_finish(self, rf: Future[list[ReadStatus]], cold: list[Entry], blocks: list[int],
-                        entries: list[Entry], dev: list[int], fut: StoreFuture[None]) -> None:
+    def _promote_finish(
+        self,
+        rf: Future[list[ReadStatus]],
+        cold: list[Entry],
+        blocks: list[int],
+        entries: list[Entry],
+        dev: list[int],
+        fut: StoreFuture[None],
+    ) -> None:
         exc = rf.exception()
         statuses = [ReadStatus.UNREADABLE] * len(cold) if exc is not None else rf.result()
         with self._h.lock:

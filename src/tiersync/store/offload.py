@@ -20,6 +20,7 @@ With ``track_changes`` the manager also keeps a log of :class:`TierChange` (a ke
 lost its host or disk copy: stored, promoted, evicted, invalidated), drained by
 :meth:`take_changes`; the vLLM connector turns it into KV events for routers.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -101,8 +102,10 @@ class OffloadManager:
         self.evictions = 0
 
     def __repr__(self) -> str:
-        return (f"OffloadManager(slots={self.config.num_slots}, free={len(self._free)}, "
-                f"host={self._index.counts[Residency.HOST]}, storage={self._index.counts[Residency.STORAGE]})")
+        return (
+            f"OffloadManager(slots={self.config.num_slots}, free={len(self._free)}, "
+            f"host={self._index.counts[Residency.HOST]}, storage={self._index.counts[Residency.STORAGE]})"
+        )
 
     @property
     def num_free_slots(self) -> int:

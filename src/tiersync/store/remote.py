@@ -14,6 +14,7 @@ The store itself never talks to the network. A sweeper of layer 5
 An entry whose only copy is REMOTE is invisible to ``lookup`` (a hole), until a caller
 refills it with :meth:`insert_host`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -71,8 +72,9 @@ class RemoteHooks:
             self._h.metrics.evictions.labels("host").inc(len(freed))
         return len(freed)
 
-    def insert_host(self, keys: Sequence[bytes],
-                    fill: Callable[[list[bytes], list[memoryview]], None]) -> tuple[bytes, ...]:
+    def insert_host(
+        self, keys: Sequence[bytes], fill: Callable[[list[bytes], list[memoryview]], None]
+    ) -> tuple[bytes, ...]:
         """Land ``keys`` absent here (or REMOTE only) in new host entries; returns the keys inserted.
 
         ``fill(new_keys, views)`` must write each new key's host block (called without the lock).

@@ -1,4 +1,5 @@
 """Where an entry's bytes are, and the status of store operations."""
+
 from __future__ import annotations
 
 import enum

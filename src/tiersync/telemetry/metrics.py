@@ -17,6 +17,7 @@ and every ``HostArena`` counts in the allocated-bytes gauge while it is open; th
 store's metrics (:mod:`tiersync.telemetry.store_metrics`) are on the same registry. Importing
 this module registers nothing: the default set is created on first use.
 """
+
 from __future__ import annotations
 
 import threading
@@ -52,10 +53,12 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.transferred_bytes = Counter(
-            "tiersync_transferred_bytes", "Bytes copied between device and host", ["direction"], registry=r)
+            "tiersync_transferred_bytes", "Bytes copied between device and host", ["direction"], registry=r
+        )
         self.failures = Counter("tiersync_transfer_failures", "Failed transfers", ["direction"], registry=r)
-        self.duration = Histogram("tiersync_transfer_seconds", "Wall time of one transfer", ["direction"],
-                                  buckets=BUCKETS_S, registry=r)
+        self.duration = Histogram(
+            "tiersync_transfer_seconds", "Wall time of one transfer", ["direction"], buckets=BUCKETS_S, registry=r
+        )
         self.allocated = Gauge("tiersync_buffer_allocated_bytes", "Host arena bytes holding data", registry=r)
         self.allocated.set_function(_allocated)
 

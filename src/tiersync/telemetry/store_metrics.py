@@ -19,6 +19,7 @@ under its own ``store`` label (``store-1``, ``store-2``, ... unless named); :met
 removes a closed store's series. ``StoreMetrics(registry=...)`` keeps them in that registry
 instead.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -49,7 +50,8 @@ def _families(registry: Any) -> dict[str, Any]:
         if fams is None:
             fams = _shared[registry] = {
                 attr: (Counter if kind == "counter" else Gauge)(name, doc, ("store", *labels), registry=registry)
-                for attr, (kind, name, doc, labels) in _FAMILIES.items()}
+                for attr, (kind, name, doc, labels) in _FAMILIES.items()
+            }
         return fams
 
 

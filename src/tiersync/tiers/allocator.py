@@ -12,6 +12,7 @@ chooses), and hands back LOCKED blocks. It is all-or-nothing: on
 ``on_evict`` (called with the allocator's lock held: keep it short, do not call
 back into the allocator) so an index above can forget them.
 """
+
 from __future__ import annotations
 
 import enum
@@ -35,7 +36,10 @@ class BlockAllocator:
     """Thread-safe allocator over ``num_blocks`` host block ids ``0..num_blocks-1``."""
 
     def __init__(
-        self, num_blocks: int, *, policy: EvictionPolicy[int] | None = None,
+        self,
+        num_blocks: int,
+        *,
+        policy: EvictionPolicy[int] | None = None,
         on_evict: Callable[[list[int]], None] | None = None,
     ) -> None:
         check_positive_int(num_blocks, "num_blocks")
@@ -82,7 +86,9 @@ class BlockAllocator:
                 if chosen is None:
                     raise CapacityError(
                         "host arena full: not enough free or evictable blocks",
-                        requested=n, used=self.num_locked, free=self.num_free + self.num_cached,
+                        requested=n,
+                        used=self.num_locked,
+                        free=self.num_free + self.num_cached,
                     )
                 victims = [int(b) for b in chosen]
                 for b in victims:
@@ -129,8 +135,12 @@ class BlockAllocator:
             bad = (st == BlockState.FREE) | ((st == BlockState.LOCKED) & (lk > 1))
             if bad.any():
                 b = int(ids[np.argmax(bad)])
-                raise UsageError("block is free or locked by someone else", argument="blocks", block=b,
-                                 lock_count=int(self._locks[b]))
+                raise UsageError(
+                    "block is free or locked by someone else",
+                    argument="blocks",
+                    block=b,
+                    lock_count=int(self._locks[b]),
+                )
             for b in ids.tolist():
                 self._policy.remove(b)
                 self._free.append(b)

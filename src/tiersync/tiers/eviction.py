@@ -5,6 +5,7 @@ A policy tracks the ids of *evictable* blocks only. Its contract is small:
 evictable), and ``choose(n)`` which names exactly ``n`` victims or returns
 ``None`` and changes nothing — a policy never frees part of what it was asked.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

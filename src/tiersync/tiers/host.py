@@ -12,6 +12,7 @@ entries are invalidated before they are handed out), write the bytes (d2h),
 then ``publish(blocks, keys)``. A block whose publish returned is recovered
 byte-exact by the next process; a block whose save was cut short is not served.
 """
+
 from __future__ import annotations
 
 import logging
@@ -78,7 +79,8 @@ class HostArena:
         self.recovered: list[RecoveredBlock] = []
         buf = self._open_memory(config)
         self.memory = np.frombuffer(buf, dtype=np.uint8, count=config.nbytes).reshape(
-            config.num_blocks, config.block_nbytes)
+            config.num_blocks, config.block_nbytes
+        )
         self.address = self.memory.__array_interface__["data"][0]
         self.allocator = BlockAllocator(config.num_blocks, policy=POLICIES[config.policy](), on_evict=self._evicted)
         if self.recovered:
@@ -94,14 +96,31 @@ class HostArena:
         return (self.config.num_blocks - self.allocator.num_free) * self.config.block_nbytes
 
     @classmethod
-    def for_layout(cls, layout: KVLayout, num_blocks: int, *, shm: ShmConfig | None = None,
-                   policy: str = "lru", on_evict: Callable[[list[int]], None] | None = None,
-                   prefault: bool = True) -> HostArena:
+    def for_layout(
+        cls,
+        layout: KVLayout,
+        num_blocks: int,
+        *,
+        shm: ShmConfig | None = None,
+        policy: str = "lru",
+        on_evict: Callable[[list[int]], None] | None = None,
+        prefault: bool = True,
+    ) -> HostArena:
         """An arena whose blocks mirror ``layout`` (``layout.host_block_nbytes`` each)."""
-        if not callable(getattr(layout, "digest", None)) or not isinstance(getattr(layout, "host_block_nbytes", None), int):
-            raise UsageError("must be a KVLayout (tiersync.layout.kv_layout)", argument="layout", got=type(layout).__name__)
-        cfg = HostArenaConfig(num_blocks=num_blocks, block_nbytes=layout.host_block_nbytes, shm=shm,
-                              policy=policy, layout_digest=layout.digest(), prefault=prefault)
+        if not callable(getattr(layout, "digest", None)) or not isinstance(
+            getattr(layout, "host_block_nbytes", None), int
+        ):
+            raise UsageError(
+                "must be a KVLayout (tiersync.layout.kv_layout)", argument="layout", got=type(layout).__name__
+            )
+        cfg = HostArenaConfig(
+            num_blocks=num_blocks,
+            block_nbytes=layout.host_block_nbytes,
+            shm=shm,
+            policy=policy,
+            layout_digest=layout.digest(),
+            prefault=prefault,
+        )
         return cls(cfg, on_evict=on_evict)
 
     def _open_memory(self, config: HostArenaConfig) -> mmap.mmap | memoryview:
@@ -109,8 +128,13 @@ class HostArena:
             try:
                 self._mmap = mmap.mmap(-1, config.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             except (OSError, OverflowError) as exc:  # ENOMEM: more than this machine will map
-                raise CapacityError("the host arena does not fit in memory", argument="num_blocks",
-                                    requested=config.nbytes, blocks=config.num_blocks, error=str(exc)) from None
+                raise CapacityError(
+                    "the host arena does not fit in memory",
+                    argument="num_blocks",
+                    requested=config.nbytes,
+                    blocks=config.num_blocks,
+                    error=str(exc),
+                ) from None
             if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer TLB misses on scattered block copies
                 self._mmap.madvise(mmap.MADV_HUGEPAGE)
             if config.prefault:
@@ -128,8 +152,10 @@ class HostArena:
     def __repr__(self) -> str:
         a = self.allocator
         where = self.config.shm.path if self.config.shm else "anonymous"
-        return (f"<HostArena {where} blocks={a.num_blocks} x {self.config.block_nbytes} B "
-                f"locked={a.num_locked} cached={a.num_cached} free={a.num_free}>")
+        return (
+            f"<HostArena {where} blocks={a.num_blocks} x {self.config.block_nbytes} B "
+            f"locked={a.num_locked} cached={a.num_cached} free={a.num_free}>"
+        )
 
     # -- properties ----------------------------------------------------------
     @property
@@ -214,8 +240,11 @@ class HostArena:
             try:
                 self._segment.close()
             except UsageError:  # views of the memory are still alive somewhere
-                log.warning("host arena closed while views of %s are alive: the segment stays "
-                            "attached (and locked) until they are released", self._segment.config.path)
+                log.warning(
+                    "host arena closed while views of %s are alive: the segment stays "
+                    "attached (and locked) until they are released",
+                    self._segment.config.path,
+                )
         if self.prefault is not None:
             self.prefault.stop()
         if self._mmap is not None:

@@ -9,6 +9,7 @@ the mapping (``MADV_POPULATE_WRITE``, Linux 5.14+: pages allocated, contents unt
 can run while copies write into the same memory) piece by piece on a daemon thread, and stops
 when told. Where the kernel lacks it, nothing happens (pages fault on first use, as before).
 """
+
 from __future__ import annotations
 
 import logging

@@ -28,6 +28,7 @@ Listing and reclaiming segments (wrapped by the ``tiersync shm list|reclaim`` CL
 Segments are never deleted automatically: ``close()`` keeps the file (that is the point),
 so reclaim the ones of retired servers to give the memory back.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -157,14 +158,14 @@ class ShmSegment:
         "payload",
     )
 
-    def __init__(self, config: ShmConfig, geometry: Geometry, cold_start: ColdStart | None, fd: int,
-                 header: fmt.Header) -> None:
+    def __init__(
+        self, config: ShmConfig, geometry: Geometry, cold_start: ColdStart | None, fd: int, header: fmt.Header
+    ) -> None:
         """Internal: use :meth:`open`. Maps ``fd``, which must be locked and fully formatted."""
         self.config, self.geometry, self.cold_start = config, geometry, cold_start
         self._fd, self._header, self._closed = fd, header, False
         try:
-            self._mm = mmap.mmap(fd, header.file_nbytes, flags=mmap.MAP_SHARED,
-                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mm = mmap.mmap(fd, header.file_nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             raise fmt.os_failure(exc, config.path, "map", requested=header.file_nbytes) from exc
         off, n = header.payload_offset, header.payload_nbytes
@@ -188,9 +189,14 @@ class ShmSegment:
         if not isinstance(config, ShmConfig) or not isinstance(geometry, Geometry):
             raise UsageError("expected ShmConfig and Geometry", argument="config")
         path = config.path
-        wanted = fmt.make_header(num_blocks=geometry.num_blocks, block_nbytes=geometry.block_nbytes,
-                                 layout_digest=geometry.layout_digest, model_id=config.model_id,
-                                 server_name=config.server_name, key=config.key)
+        wanted = fmt.make_header(
+            num_blocks=geometry.num_blocks,
+            block_nbytes=geometry.block_nbytes,
+            layout_digest=geometry.layout_digest,
+            model_id=config.model_id,
+            server_name=config.server_name,
+            key=config.key,
+        )
         fd = fmt.open_locked(path)
         try:
             problem = fmt.attach_problem(fd, wanted)
@@ -209,8 +215,12 @@ class ShmSegment:
         elif problem[0] is ColdStart.NEW:
             log.info("shm cold start (new) %s: %s", self.config.path, problem[1])
         else:
-            log.warning("shm cold start (%s) %s: %s; segment reformatted, cache empty",
-                        problem[0].value, self.config.path, problem[1])
+            log.warning(
+                "shm cold start (%s) %s: %s; segment reformatted, cache empty",
+                problem[0].value,
+                self.config.path,
+                problem[1],
+            )
 
     @property
     def stats(self) -> ShmStats:
@@ -327,8 +337,9 @@ class ShmSegment:
         except BufferError:
             off, n = self._header.payload_offset, self._header.payload_nbytes
             self.payload = memoryview(self._mm)[off : off + n]
-            raise UsageError("views of payload are still alive; release them before close",
-                             argument="payload") from None
+            raise UsageError(
+                "views of payload are still alive; release them before close", argument="payload"
+            ) from None
         os.close(self._fd)
         self._closed = True
 
@@ -374,4 +385,3 @@ class ShmSegment:
             os.unlink(path)
         finally:
             os.close(fd)
-

@@ -19,6 +19,7 @@ key 32 B @28, valid u32 @60. ``checksum`` is xxh3_64 over the entry's bytes [0, 
 bytes, so a torn payload *or* torn entry fields fail it. ``valid`` holds VALID_MAGIC only
 after every other field and the payload are written; any other non-zero value is garbage.
 """
+
 from __future__ import annotations
 
 import enum
@@ -162,9 +163,26 @@ def pack_header(h: Header) -> bytes:
     """Serialize ``h`` (HEADER_NBYTES bytes, checksum filled in)."""
     mid, srv, key = (s.encode("utf-8") for s in (h.model_id, h.server_name, h.key))
     fields = (
-        MAGIC, FORMAT_VERSION, HEADER_NBYTES, 0, h.num_blocks, h.block_nbytes, h.layout_digest,
-        h.manifest_offset, ENTRY_NBYTES, 0, h.payload_offset, h.payload_nbytes, h.model_digest,
-        len(mid), len(srv), len(key), 0, mid, srv, key,
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_NBYTES,
+        0,
+        h.num_blocks,
+        h.block_nbytes,
+        h.layout_digest,
+        h.manifest_offset,
+        ENTRY_NBYTES,
+        0,
+        h.payload_offset,
+        h.payload_nbytes,
+        h.model_digest,
+        len(mid),
+        len(srv),
+        len(key),
+        0,
+        mid,
+        srv,
+        key,
     )
     raw = bytearray(_HEADER.pack(*fields))
     struct.pack_into("<Q", raw, _CHECKSUM_AT, xxhash.xxh3_64_intdigest(bytes(raw)))
@@ -187,15 +205,23 @@ def unpack_header(raw: bytes) -> Header | tuple[ColdStart, str]:
         return ColdStart.CORRUPT_HEADER, "header checksum mismatch"
     try:
         h = Header(
-            num_blocks=f[4], block_nbytes=f[5], layout_digest=f[6], manifest_offset=f[7],
-            payload_offset=f[10], payload_nbytes=f[11], model_digest=f[12],
-            model_id=f[17][: f[13]].decode("utf-8"), server_name=f[18][: f[14]].decode("utf-8"),
+            num_blocks=f[4],
+            block_nbytes=f[5],
+            layout_digest=f[6],
+            manifest_offset=f[7],
+            payload_offset=f[10],
+            payload_nbytes=f[11],
+            model_digest=f[12],
+            model_id=f[17][: f[13]].decode("utf-8"),
+            server_name=f[18][: f[14]].decode("utf-8"),
             key=f[19][: f[15]].decode("utf-8"),
         )
     except UnicodeDecodeError as exc:
         return ColdStart.CORRUPT_HEADER, f"undecodable name: {exc}"
-    if f[8] != ENTRY_NBYTES or h.manifest_offset != HEADER_NBYTES or (
-        h.payload_offset != payload_offset(h.num_blocks) or h.payload_nbytes != h.num_blocks * h.block_nbytes
+    if (
+        f[8] != ENTRY_NBYTES
+        or h.manifest_offset != HEADER_NBYTES
+        or (h.payload_offset != payload_offset(h.num_blocks) or h.payload_nbytes != h.num_blocks * h.block_nbytes)
     ):
         return ColdStart.CORRUPT_HEADER, "inconsistent region offsets"
     return h
@@ -206,7 +232,10 @@ def compare(found: Header, wanted: Header, file_nbytes: int) -> tuple[ColdStart,
     if found.model_id != wanted.model_id or found.model_digest != wanted.model_digest:
         return ColdStart.MODEL_MISMATCH, f"model_id {found.model_id!r} != {wanted.model_id!r}"
     geo: Callable[[Header], tuple[int, int, str]] = lambda h: (  # noqa: E731
-        h.num_blocks, h.block_nbytes, h.layout_digest.hex())
+        h.num_blocks,
+        h.block_nbytes,
+        h.layout_digest.hex(),
+    )
     if geo(found) != geo(wanted):
         return ColdStart.GEOMETRY_MISMATCH, f"geometry {geo(found)} != {geo(wanted)}"
     if file_nbytes != found.file_nbytes:
@@ -251,9 +280,17 @@ def inspect(path: str) -> SegmentInfo:
                 return SegmentInfo(path=path, size=size, problem=ColdStart.SIZE_MISMATCH)
     except OSError:
         return SegmentInfo(path=path, size=0, problem=ColdStart.CORRUPT_HEADER)
-    return SegmentInfo(path=path, size=size, problem=None, server_name=h.server_name, key=h.key,
-                       model_id=h.model_id, num_blocks=h.num_blocks, block_nbytes=h.block_nbytes,
-                       valid_blocks=sum(e.valid == VALID_MAGIC for e in read_entries(manifest)))
+    return SegmentInfo(
+        path=path,
+        size=size,
+        problem=None,
+        server_name=h.server_name,
+        key=h.key,
+        model_id=h.model_id,
+        num_blocks=h.num_blocks,
+        block_nbytes=h.block_nbytes,
+        valid_blocks=sum(e.valid == VALID_MAGIC for e in read_entries(manifest)),
+    )
 
 
 def os_failure(exc: OSError, path: str, action: str, requested: int | None = None) -> Exception:
@@ -266,10 +303,16 @@ def os_failure(exc: OSError, path: str, action: str, requested: int | None = Non
             used, free = (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_bavail * st.f_frsize
         except OSError:
             used = free = None
-        return CapacityError(f"no room to {action} shm segment {path}: {exc.strerror}", requested=requested,
-                             used=used, free=free, path=path)
-    return UsageError(f"cannot {action} shm segment {path}: {exc.strerror}", argument="config.directory",
-                      path=path, errno=exc.errno)
+        return CapacityError(
+            f"no room to {action} shm segment {path}: {exc.strerror}",
+            requested=requested,
+            used=used,
+            free=free,
+            path=path,
+        )
+    return UsageError(
+        f"cannot {action} shm segment {path}: {exc.strerror}", argument="config.directory", path=path, errno=exc.errno
+    )
 
 
 def lock_or_refuse(fd: int, path: str) -> None:
@@ -278,8 +321,9 @@ def lock_or_refuse(fd: int, path: str) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise UsageError(f"shm segment {path} is attached by another live process", argument="config.key",
-                         path=path) from None
+        raise UsageError(
+            f"shm segment {path} is attached by another live process", argument="config.key", path=path
+        ) from None
 
 
 def open_locked(path: str) -> int:

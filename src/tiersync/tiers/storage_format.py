@@ -31,6 +31,7 @@ found (a scan looks for each record's magic, not at fixed offsets). A segment
 whose every record is tombstoned is unlinked, then its sidecar; a sidecar
 without its segment is an orphan, removed on the next open.
 """
+
 from __future__ import annotations
 
 import struct
@@ -44,15 +45,15 @@ VERSION = 1
 ALIGN = 4096
 MAX_KEY_NBYTES = 32
 SUFFIX = ".seg"
-TOMB_SUFFIX = ".del"   # appended to a segment's name: its tombstone sidecar
+TOMB_SUFFIX = ".del"  # appended to a segment's name: its tombstone sidecar
 TMP_PREFIX = ".tmp-"
 TOMB_MAGIC = b"TDEL"
 
-_HEAD = struct.Struct("<8sII16sQQQ")          # 56 B, padded to 64
+_HEAD = struct.Struct("<8sII16sQQQ")  # 56 B, padded to 64
 HEAD_NBYTES = 64
-_DESC = struct.Struct("<4sHH16s32sQQQQ")      # 88 B, padded to 96
+_DESC = struct.Struct("<4sHH16s32sQQQQ")  # 88 B, padded to 96
 DESC_NBYTES = 96
-_TOMB = struct.Struct("<4sHH32s16s")          # 56 B + xxh3_64 = 64
+_TOMB = struct.Struct("<4sHH32s16s")  # 56 B + xxh3_64 = 64
 TOMB_NBYTES = 64
 
 
@@ -107,8 +108,16 @@ def encode_header(identity: bytes, seq: int, created_ns: int, records: list[Reco
 
 
 def _encode_desc(identity: bytes, r: Record) -> bytes:
-    fields = (REC_MAGIC, VERSION, len(r.key), identity, r.key.ljust(MAX_KEY_NBYTES, b"\0"),
-              r.offset, r.length, r.checksum)
+    fields = (
+        REC_MAGIC,
+        VERSION,
+        len(r.key),
+        identity,
+        r.key.ljust(MAX_KEY_NBYTES, b"\0"),
+        r.offset,
+        r.length,
+        r.checksum,
+    )
     check = xxhash.xxh3_64_intdigest(_DESC.pack(*fields, 0))
     return _DESC.pack(*fields, check).ljust(DESC_NBYTES, b"\0")
 
@@ -151,7 +160,7 @@ def parse_segment(buf: bytes, identity: bytes, file_size: int) -> ParsedSegment:
     # the records it no longer counts; the whole-area checksum is informational.
     records, corrupt, truncated = [], int(damaged), 0
     for i in range(n):
-        rec = _decode_desc(buf[HEAD_NBYTES + i * DESC_NBYTES:HEAD_NBYTES + (i + 1) * DESC_NBYTES], identity)
+        rec = _decode_desc(buf[HEAD_NBYTES + i * DESC_NBYTES : HEAD_NBYTES + (i + 1) * DESC_NBYTES], identity)
         if rec is None and damaged:
             break
         if rec is None:
@@ -192,10 +201,11 @@ def parse_tombstones(buf: bytes) -> set[bytes]:
     keys = set()
     off = buf.find(TOMB_MAGIC)
     while 0 <= off <= len(buf) - TOMB_NBYTES:
-        rec = buf[off:off + TOMB_NBYTES]
+        rec = buf[off : off + TOMB_NBYTES]
         _magic, klen, _pad, key, _res = _TOMB.unpack_from(rec)
-        ok = 0 < klen <= MAX_KEY_NBYTES and \
-            xxhash.xxh3_64_intdigest(rec[:_TOMB.size]) == int.from_bytes(rec[_TOMB.size:], "little")
+        ok = 0 < klen <= MAX_KEY_NBYTES and xxhash.xxh3_64_intdigest(rec[: _TOMB.size]) == int.from_bytes(
+            rec[_TOMB.size :], "little"
+        )
         if ok:
             keys.add(key[:klen])
         off = buf.find(TOMB_MAGIC, off + (TOMB_NBYTES if ok else 1))

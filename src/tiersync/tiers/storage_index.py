@@ -12,6 +12,7 @@ write (survives a SIGKILL at once); :meth:`sync_tombstones` fsyncs them (the tie
 it before each segment write and on close, so a power loss can at worst bring back
 blocks with their own verified bytes). ``lock`` guards the maps; no I/O under it.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,9 @@ class SegmentIndex:
         self.locs: dict[bytes, Loc] = {}
         self.live: dict[str, set[bytes]] = {}
         self.seen: set[str] = set()
-        self.counts = dict(corrupt=0, truncated=0, foreign=0, unreadable=0, read_corrupt=0,
-                           bytes_written=0, bytes_read=0, deleted=0)
+        self.counts = dict(
+            corrupt=0, truncated=0, foreign=0, unreadable=0, read_corrupt=0, bytes_written=0, bytes_read=0, deleted=0
+        )
         self._dirty: set[str] = set()
 
     def claim(self, name: str) -> bool:
@@ -91,8 +93,9 @@ class SegmentIndex:
         """This process wrote segment ``name``: index it; older copies of its keys become dead."""
         with self.lock:
             self.seen.add(name)
-            dead = self.drop([(r.key, None) for r in records if r.key in self.locs
-                              and self.locs[r.key].segment != name])
+            dead = self.drop(
+                [(r.key, None) for r in records if r.key in self.locs and self.locs[r.key].segment != name]
+            )
             for r in records:
                 self.locs[r.key] = Loc(name, r, seq)
             self.live[name] = {r.key for r in records}

@@ -8,6 +8,7 @@ buffered (the disk takes at most 254 segments per request, i.e. ~1 MiB of small 
 buffered reads were best single-threaded with the kernel's own readahead (SEQUENTIAL or
 WILLNEED over the file being read made them slower; WILLNEED of the *next* file helped).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -90,9 +91,17 @@ def pwritev_all(fd: int, bufs: Sequence[Buffer], offset: int) -> int:
 WRITE_CHUNK_NBYTES = 4 << 20
 
 
-def write_file(path: str, header_nbytes: int, make_header: Callable[[list[int]], bytes],
-               views: list[memoryview], checksum: Callable[[memoryview], int], *, direct: bool, fsync: bool,
-               pool: Executor | None = None) -> tuple[bool, list[int]]:
+def write_file(
+    path: str,
+    header_nbytes: int,
+    make_header: Callable[[list[int]], bytes],
+    views: list[memoryview],
+    checksum: Callable[[memoryview], int],
+    *,
+    direct: bool,
+    fsync: bool,
+    pool: Executor | None = None,
+) -> tuple[bool, list[int]]:
     """Create ``path``: ``header_nbytes`` of header, then each view padded to ALIGN; fsync when asked.
 
     The payloads go first, in chunks of about WRITE_CHUNK_NBYTES: ``checksum`` of each
@@ -113,8 +122,7 @@ def write_file(path: str, header_nbytes: int, make_header: Callable[[list[int]],
             size += len(v)
             if size >= WRITE_CHUNK_NBYTES or n == len(views) - 1:
                 bufs = _padded(chunk, direct)
-                pending.append(pool.submit(pwritev_all, fd, bufs, off) if pool
-                               else _done(pwritev_all(fd, bufs, off)))
+                pending.append(pool.submit(pwritev_all, fd, bufs, off) if pool else _done(pwritev_all(fd, bufs, off)))
                 off += sum(len(b) for b in bufs)
                 chunk, size = [], 0
         for f in pending:
@@ -136,8 +144,7 @@ def write_file(path: str, header_nbytes: int, make_header: Callable[[list[int]],
             f.exception()
         os.close(fd)
     os.unlink(path)
-    return False, write_file(path, header_nbytes, make_header, views, checksum, direct=False, fsync=fsync,
-                             pool=pool)[1]
+    return False, write_file(path, header_nbytes, make_header, views, checksum, direct=False, fsync=fsync, pool=pool)[1]
 
 
 def _padded(views: list[memoryview], direct: bool) -> list[memoryview]:
@@ -212,8 +219,12 @@ def runs(extents: list[tuple[int, memoryview]], *, gaps: bool, max_nbytes: int) 
         off, v = extents[j]
         gap = off - end
         more = 1 + (gap > 0)
-        if out and (gap == 0 or (gaps and 0 < gap < ALIGN)) and off + len(v) - start <= max_nbytes \
-                and iovs + more <= _IOV_MAX:
+        if (
+            out
+            and (gap == 0 or (gaps and 0 < gap < ALIGN))
+            and off + len(v) - start <= max_nbytes
+            and iovs + more <= _IOV_MAX
+        ):
             out[-1].append(j)
             iovs += more
         else:
@@ -244,7 +255,7 @@ def append_file(path: str, data: bytes, *, fsync: bool) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         if fsync:
             os.fsync(fd)
     finally:

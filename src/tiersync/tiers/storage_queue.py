@@ -9,6 +9,7 @@ is served at once (no waiting for company). ``serve(batch)`` returns one result 
 request, or an exception instance for a request that failed; if it raises, every
 request of the batch gets that exception.
 """
+
 from __future__ import annotations
 
 import threading
@@ -24,8 +25,14 @@ T = TypeVar("T")  # its result
 class Combiner(Generic[R, T]):
     """FIFO of requests served in batches by at most ``max_active`` loops on ``pool``."""
 
-    def __init__(self, pool: Executor, serve: Callable[[list[R]], Sequence[T | BaseException]], *,
-                 max_active: int, take: Callable[[list[R]], int] | None = None) -> None:
+    def __init__(
+        self,
+        pool: Executor,
+        serve: Callable[[list[R]], Sequence[T | BaseException]],
+        *,
+        max_active: int,
+        take: Callable[[list[R]], int] | None = None,
+    ) -> None:
         self._pool, self._serve, self._max = pool, serve, max_active
         # how many requests from the head
         self._take: Callable[[list[R]], int] = take if take is not None else len

@@ -14,6 +14,7 @@ soon as its run is in (buffered: on the ``io`` executor, overlapping the next
 file vanished is ``MISSING`` and forgotten; an I/O error is ``UNREADABLE`` (kept: it
 may be transient).
 """
+
 from __future__ import annotations
 
 import enum
@@ -36,8 +37,8 @@ BUFFERED_RUN_NBYTES = 32 << 20
 
 class ReadStatus(enum.Enum):
     OK = "ok"
-    MISSING = "missing"        # unknown key, or its file vanished
-    CORRUPT = "corrupt"        # checksum or length mismatch: never served
+    MISSING = "missing"  # unknown key, or its file vanished
+    CORRUPT = "corrupt"  # checksum or length mismatch: never served
     UNREADABLE = "unreadable"  # permission denied or another I/O error
 
 
@@ -65,8 +66,14 @@ class ReadPass:
     ``directory``; :meth:`run` gives their statuses. ``direct`` is the tier's O_DIRECT switch
     (turned off here when the file system refuses it); ``io`` runs the checksum checks."""
 
-    def __init__(self, index: SegmentIndex, directory: str, direct: sio.DirectIO,
-                 requests: list[tuple[list[bytes], list[memoryview]]], io: Executor) -> None:
+    def __init__(
+        self,
+        index: SegmentIndex,
+        directory: str,
+        direct: sio.DirectIO,
+        requests: list[tuple[list[bytes], list[memoryview]]],
+        io: Executor,
+    ) -> None:
         self.index, self.directory, self.direct = index, directory, direct
         self.requests, self._io = requests, io
         self.out = [[ReadStatus.MISSING] * len(keys) for keys, _ in requests]
@@ -104,7 +111,7 @@ class ReadPass:
                     if loc is None:
                         continue
                     if len(v) != loc.record.length:  # rewritten at another size since read() checked: not
-                        continue                       # this reader's block (MISSING), kept for its writer
+                        continue  # this reader's block (MISSING), kept for its writer
                     self._segment_of[(q, i)] = loc.segment
                     plan.setdefault(loc.segment, []).append((q, i, loc.record))
         return plan
@@ -114,8 +121,12 @@ class ReadPass:
         for name in sorted(plan):
             items = plan[name]
             try:
-                seg = _Segment(os.path.join(self.directory, name), items,
-                               [self.requests[q][1][i] for q, i, _ in items], self.direct.on)
+                seg = _Segment(
+                    os.path.join(self.directory, name),
+                    items,
+                    [self.requests[q][1][i] for q, i, _ in items],
+                    self.direct.on,
+                )
             except FileNotFoundError:
                 continue  # MISSING
             except OSError:

@@ -3,13 +3,17 @@
 Names load on first use (PEP 562), so importing one submodule (e.g. ``kernel`` for the
 payload checksum of the net layer) does not pull in numpy and the engine.
 """
+
 from __future__ import annotations
 
 import importlib
 
 _EXPORTS = {
-    "TransferConfig": "engine", "TransferEngine": "engine",
-    "Direction": "future", "TransferFuture": "future", "TransferStatus": "future",
+    "TransferConfig": "engine",
+    "TransferEngine": "engine",
+    "Direction": "future",
+    "TransferFuture": "future",
+    "TransferStatus": "future",
     "KERNEL": "kernel",
 }
 __all__ = ["KERNEL", "Direction", "TransferConfig", "TransferEngine", "TransferFuture", "TransferStatus"]

@@ -15,6 +15,7 @@ kernel: one loop over blocks and regions, GIL released, non-temporal stores for 
 registers itself with :func:`register`: that is the seam for pinned-memory CUDA copies on
 streams, or a JAX/PJRT backend.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,8 +30,16 @@ from tiersync.layout.pool import Device
 from tiersync.transfer import kernel
 from tiersync.transfer.spans import BlockCopy
 
-__all__ = ["BackendStats", "CopyBackend", "MemmoveCopier", "NativeCopier", "TransferFailed", "backend_for",
-           "register", "unregister"]
+__all__ = [
+    "BackendStats",
+    "CopyBackend",
+    "MemmoveCopier",
+    "NativeCopier",
+    "TransferFailed",
+    "backend_for",
+    "register",
+    "unregister",
+]
 
 
 class TransferFailed(TierSyncError):
@@ -87,8 +96,9 @@ class CopyBackend:
         except TierSyncError:
             raise
         except Exception as exc:
-            raise TransferFailed(f"the {self.name} copy backend failed to synchronize: {exc}",
-                                 backend=self.name) from exc
+            raise TransferFailed(
+                f"the {self.name} copy backend failed to synchronize: {exc}", backend=self.name
+            ) from exc
 
     @property
     def stats(self) -> BackendStats:
@@ -114,8 +124,9 @@ class NativeCopier(CopyBackend):
 
     def _copy(self, src_addr: int, dst_addr: int, spans: BlockCopy) -> None:
         pat = spans.pattern
-        kernel.copy_blocks(src_addr, dst_addr, spans.src, spans.dst, pat.src, pat.dst, pat.length,
-                           streaming=self.streaming)
+        kernel.copy_blocks(
+            src_addr, dst_addr, spans.src, spans.dst, pat.src, pat.dst, pat.length, streaming=self.streaming
+        )
 
 
 class MemmoveCopier(CopyBackend):
@@ -138,8 +149,7 @@ _REGISTRY: list[type[CopyBackend]] = [NativeCopier, MemmoveCopier]
 def register(backend: type[CopyBackend]) -> None:
     """Add ``backend`` (a CopyBackend subclass with ``name`` and ``devices``), preferred over the
     ones registered before it for its devices. Registering the same class twice is a no-op."""
-    if not (isinstance(backend, type) and issubclass(backend, CopyBackend)) or not backend.name \
-            or not backend.devices:
+    if not (isinstance(backend, type) and issubclass(backend, CopyBackend)) or not backend.name or not backend.devices:
         raise UsageError("must be a CopyBackend subclass with a name and devices", argument="backend")
     if backend not in _REGISTRY:
         _REGISTRY.insert(0, backend)
@@ -159,22 +169,28 @@ def backend_for(device: Device, *, name: str | None = None, streaming: bool = Tr
     if name is not None:
         chosen = [b for b in fits if b.name == name and b.available()]
         if not chosen:
-            raise UsageError("no available copy backend of this name for the pool's device",
-                             argument="TransferConfig.backend", value=name, device=device.value,
-                             known=sorted(b.name for b in _REGISTRY if b.available()))
+            raise UsageError(
+                "no available copy backend of this name for the pool's device",
+                argument="TransferConfig.backend",
+                value=name,
+                device=device.value,
+                known=sorted(b.name for b in _REGISTRY if b.available()),
+            )
         return chosen[0](streaming=streaming)
     for backend in fits:
         if backend.available():
             return backend(streaming=streaming)
-    raise UsageError("pools on this device need a device backend that is not available", argument="layout",
-                     devices=[device.value])
+    raise UsageError(
+        "pools on this device need a device backend that is not available", argument="layout", devices=[device.value]
+    )
 
 
 def _check(spans: BlockCopy) -> None:
     pat = spans.pattern
     arrays = (spans.src, spans.dst, pat.src, pat.dst, pat.length)
-    if any(not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1 or not a.flags.c_contiguous
-           for a in arrays):
+    if any(
+        not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1 or not a.flags.c_contiguous for a in arrays
+    ):
         raise UsageError("block and region arrays must be 1-d C-contiguous int64", argument="spans")
     if len(spans.src) != len(spans.dst) or not len(pat.src) == len(pat.dst) == len(pat.length):
         raise UsageError("block arrays, and region arrays, must be equal in length", argument="spans")

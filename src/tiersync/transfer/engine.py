@@ -18,6 +18,7 @@ dispatcher thread admits chunks under the :class:`Pacer`
 (bytes in flight, optional bandwidth cap) and a pool of ``workers`` threads
 copies them with the GIL released.
 """
+
 from __future__ import annotations
 
 import queue
@@ -83,22 +84,31 @@ class _Chunk:
 class TransferEngine:
     """Moves blocks between ``layout``'s pools and ``arena``. Thread-safe."""
 
-    def __init__(self, layout: KVLayout, arena: HostArena, config: TransferConfig | None = None,
-                 *, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        arena: HostArena,
+        config: TransferConfig | None = None,
+        *,
+        metrics: Metrics | None = None,
+    ) -> None:
         if not isinstance(layout, KVLayout):
             raise UsageError("must be a KVLayout", argument="layout", got=type(layout).__name__)
         if not isinstance(arena, HostArena):
             raise UsageError("must be a HostArena", argument="arena", got=type(arena).__name__)
         if arena.block_nbytes < layout.host_block_nbytes:
-            raise UsageError("host blocks are smaller than the layout's host image", argument="arena",
-                             block_nbytes=arena.block_nbytes, needed=layout.host_block_nbytes)
+            raise UsageError(
+                "host blocks are smaller than the layout's host image",
+                argument="arena",
+                block_nbytes=arena.block_nbytes,
+                needed=layout.host_block_nbytes,
+            )
         self.config = config if config is not None else TransferConfig()
         self.backends = _backends(layout, self.config)
         """The copy backend of each device the layout's pools live on."""
         self.layout, self.arena = layout, arena
         groups: dict[tuple[int, tuple[Region, ...]], int] = {}  # equal stride and regions: one span plan
-        self._geometry = [groups.setdefault((p.spec.block_stride, p.spec.regions), len(groups))
-                          for p in layout.pools]
+        self._geometry = [groups.setdefault((p.spec.block_stride, p.spec.regions), len(groups)) for p in layout.pools]
         self._patterns: dict[tuple[int, bool], tuple[int, Pattern]] = {}  # (geometry, to_host) -> stride, pattern
         for g, p in zip(self._geometry, layout.pools):
             for to_host in (True, False):
@@ -116,8 +126,10 @@ class TransferEngine:
         self._dispatcher.start()
 
     def __repr__(self) -> str:
-        return (f"<TransferEngine pools={len(self.layout.pools)} blocks={self.layout.num_blocks} "
-                f"host={self.arena.num_blocks} inflight={self._pacer.inflight} B>")
+        return (
+            f"<TransferEngine pools={len(self.layout.pools)} blocks={self.layout.num_blocks} "
+            f"host={self.arena.num_blocks} inflight={self._pacer.inflight} B>"
+        )
 
     # -- posting ------------------------------------------------------------
     def d2h(self, runs: Iterable[Sequence[int]]) -> TransferFuture:
@@ -140,11 +152,16 @@ class TransferEngine:
         until :meth:`unlock`. Raises CapacityError (nothing allocated) when full.
         """
         if isinstance(device_blocks, (str, bytes)) or not hasattr(device_blocks, "__iter__"):
-            raise UsageError("must be a sequence of device block ids", argument="device_blocks",
-                             got=type(device_blocks).__name__)
+            raise UsageError(
+                "must be a sequence of device block ids", argument="device_blocks", got=type(device_blocks).__name__
+            )
         ids = list(device_blocks)
-        validate_runs([(d, i, 1) for i, d in enumerate(ids)], src_blocks=self.layout.num_blocks,
-                      dst_blocks=max(len(ids), 1), argument="device_blocks")
+        validate_runs(
+            [(d, i, 1) for i, d in enumerate(ids)],
+            src_blocks=self.layout.num_blocks,
+            dst_blocks=max(len(ids), 1),
+            argument="device_blocks",
+        )
         self._check_open()
         host = self.arena.allocate(len(ids))
         try:
@@ -310,5 +327,7 @@ class TransferEngine:
 
 def _backends(layout: KVLayout, config: TransferConfig) -> dict[Device, CopyBackend]:
     """One backend per device of ``layout``'s pools (UsageError when a device has none)."""
-    return {d: backend_for(d, name=config.backend, streaming=config.streaming_stores)
-            for d in sorted(layout.devices, key=lambda d: d.value)}
+    return {
+        d: backend_for(d, name=config.backend, streaming=config.streaming_stores)
+        for d in sorted(layout.devices, key=lambda d: d.value)
+    }

@@ -5,6 +5,7 @@ copied, or fails with the first chunk's exception. ``wait_layer(l)`` returns as
 soon as layer ``l`` is fully copied, so a consumer can start computing on layer
 ``l`` while ``l+1`` is still moving.
 """
+
 from __future__ import annotations
 
 import enum

@@ -12,6 +12,7 @@ checksum (the wire protocol negotiates, see :mod:`tiersync.net.frames`).
 
 Callers validate bounds: these functions trust their offsets.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 try:  # pragma: no cover - depends on the build
     from tiersync.transfer import _kernel
+
     _native: Any = _kernel
 except ImportError:  # pragma: no cover
     _native = None
@@ -49,8 +51,15 @@ def tsum64_hasher(seed: int = 0) -> object:
 
 
 def copy_blocks(
-    src_addr: int, dst_addr: int, src_blocks: np.ndarray, dst_blocks: np.ndarray, src_regions: np.ndarray,
-    dst_regions: np.ndarray, lengths: np.ndarray, *, streaming: bool = True,
+    src_addr: int,
+    dst_addr: int,
+    src_blocks: np.ndarray,
+    dst_blocks: np.ndarray,
+    src_regions: np.ndarray,
+    dst_regions: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    streaming: bool = True,
 ) -> None:
     """For every block pair ``i`` and region ``r``: copy ``lengths[r]`` bytes from
     ``src_addr + src_blocks[i] + src_regions[r]`` to ``dst_addr + dst_blocks[i] + dst_regions[r]``
@@ -59,6 +68,8 @@ def copy_blocks(
     All five arrays are C-contiguous int64; block arrays equal in length, region arrays too.
     """
     if _native is None:
-        raise RuntimeError("copy_blocks needs the native extension (tiersync.transfer._kernel); "
-                           "tiersync.transfer.backends.MemmoveCopier is the fallback")
+        raise RuntimeError(
+            "copy_blocks needs the native extension (tiersync.transfer._kernel); "
+            "tiersync.transfer.backends.MemmoveCopier is the fallback"
+        )
     _native.copy_blocks(src_addr, dst_addr, src_blocks, dst_blocks, src_regions, dst_regions, lengths, streaming)

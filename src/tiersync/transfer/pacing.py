@@ -5,6 +5,7 @@ transfer from taking all of either. :meth:`Pacer.acquire` blocks until the
 chunk fits under ``max_inflight_bytes`` and, with a bandwidth cap, until the
 token bucket allows it; :meth:`Pacer.release` returns the bytes.
 """
+
 from __future__ import annotations
 
 import threading

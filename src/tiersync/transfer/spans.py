@@ -9,6 +9,7 @@ are adjacent on both sides. What the engine hands its kernel is smaller:
 and :func:`block_copy` (one offset per block and side), so a pool whose blocks hold
 a thousand small regions costs no Python or numpy work per region.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -46,7 +47,9 @@ class Spans:
         return [Spans(self.src[a:b], self.dst[a:b], self.length[a:b]) for a, b in itertools.pairwise(edges) if b > a]
 
 
-def validate_runs(runs: Iterable[Sequence[int]], *, src_blocks: int, dst_blocks: int, argument: str = "runs") -> np.ndarray:
+def validate_runs(
+    runs: Iterable[Sequence[int]], *, src_blocks: int, dst_blocks: int, argument: str = "runs"
+) -> np.ndarray:
     """Return runs as an (n, 3) int64 array, or raise :class:`UsageError`.
 
     Refuses: a malformed run, a count <= 0, an index out of range on either side,
@@ -60,8 +63,9 @@ def validate_runs(runs: Iterable[Sequence[int]], *, src_blocks: int, dst_blocks:
         raise UsageError("no runs given", argument=argument)
     if raw.dtype.kind not in "iu" or (raw.dtype.kind == "u" and raw.max() > np.iinfo(np.int64).max):
         # floats would be truncated and strings parsed by a plain int64 cast
-        raise UsageError("each run must be (src_block, dst_block, count) of ints", argument=argument,
-                         dtype=str(raw.dtype))
+        raise UsageError(
+            "each run must be (src_block, dst_block, count) of ints", argument=argument, dtype=str(raw.dtype)
+        )
     arr = raw.astype(np.int64)
     if arr.ndim != 2 or arr.shape[1] != 3:
         raise UsageError("each run must be (src_block, dst_block, count)", argument=argument)
@@ -74,8 +78,11 @@ def validate_runs(runs: Iterable[Sequence[int]], *, src_blocks: int, dst_blocks:
         if bad.any():
             i = int(np.argmax(bad))
             raise UsageError(
-                f"{name} blocks out of range", argument=f"{argument}[{i}]",
-                first=int(start[i]), count=int(cnt[i]), num_blocks=limit,
+                f"{name} blocks out of range",
+                argument=f"{argument}[{i}]",
+                first=int(start[i]),
+                count=int(cnt[i]),
+                num_blocks=limit,
             )
         ids = expand(start, cnt)
         if len(np.unique(ids)) != len(ids):
@@ -157,7 +164,7 @@ class BlockCopy:
     def split(self, max_bytes: int) -> list[BlockCopy]:
         """Consecutive pieces of at most ``max_bytes`` each (a block is never split)."""
         per = max(1, max_bytes // max(self.pattern.block_nbytes, 1))
-        return [BlockCopy(self.src[i:i + per], self.dst[i:i + per], self.pattern) for i in range(0, len(self), per)]
+        return [BlockCopy(self.src[i : i + per], self.dst[i : i + per], self.pattern) for i in range(0, len(self), per)]
 
 
 def pool_pattern(spec: PoolSpec, *, to_host: bool) -> Pattern:

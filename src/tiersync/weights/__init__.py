@@ -17,6 +17,7 @@
 
 Pure Python and numpy: importing never imports torch or JAX.
 """
+
 from tiersync.weights.buffers import WeightsLease
 from tiersync.weights.config import PublisherConfig, ReceiverConfig, SyncStatus, TransportKind
 from tiersync.weights.executor import allocate_destination, execute_local, span_view

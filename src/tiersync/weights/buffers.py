@@ -13,6 +13,7 @@ segment) that stand in for some of the set's own arrays. Once such a version is 
 active nor leased, ``on_release(version)`` is called (outside the lock): from then on this
 sampler reads nothing of it, and the trainer may rewrite its segment.
 """
+
 from __future__ import annotations
 
 import threading
@@ -67,8 +68,12 @@ class VersionedBuffers:
     sync writes every byte before the set becomes readable. Default: :func:`allocate`.
     """
 
-    def __init__(self, count: int, allocator: Callable[[tuple[int, ...], str], np.ndarray] = allocate,
-                 on_release: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        count: int,
+        allocator: Callable[[tuple[int, ...], str], np.ndarray] = allocate,
+        on_release: Callable[[int], None] | None = None,
+    ) -> None:
         if count not in (1, 2):
             raise UsageError("must be 1 or 2", argument="buffers", value=count)
         if not callable(allocator):
@@ -132,8 +137,13 @@ class VersionedBuffers:
                 while self._readers[index] and not self._closed:
                     left = end - time.monotonic()
                     if left <= 0:
-                        raise CapacityError("readers still hold the buffer a sync must write", requested=1,
-                                            used=self._readers[index], free=0, version=self._version[index])
+                        raise CapacityError(
+                            "readers still hold the buffer a sync must write",
+                            requested=1,
+                            used=self._readers[index],
+                            free=0,
+                            version=self._version[index],
+                        )
                     self._cond.wait(left)
             finally:
                 self._pending = None

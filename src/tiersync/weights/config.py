@@ -6,6 +6,7 @@ shard side) and :class:`ReceiverConfig` (the sampler side). Both raise
 environment here (the CLI does that). Both carry the link's ``token`` and ``tls`` into the
 :class:`~tiersync.net.config.TcpConfig` of every connection they open or serve.
 """
+
 from __future__ import annotations
 
 import enum
@@ -75,8 +76,15 @@ def _tcp_config(cfg: object, connect_timeout_s: float, node_id: str) -> TcpConfi
     """A weight-sync endpoint's TcpConfig. A server's answer to a GET may wait up to
     ``io_timeout_s`` for its bytes before it is written, so one operation gets twice that."""
     protocol = ProtocolConfig(max_frame_size=MAX_SPAN_BYTES + cfg.max_meta_bytes, max_meta_size=cfg.max_meta_bytes)
-    return TcpConfig(connect_timeout_s=connect_timeout_s, op_timeout_s=2 * cfg.io_timeout_s, token=cfg.token,
-                     tls=cfg.tls, node_id=node_id, route=Route.TCP, protocol=protocol)
+    return TcpConfig(
+        connect_timeout_s=connect_timeout_s,
+        op_timeout_s=2 * cfg.io_timeout_s,
+        token=cfg.token,
+        tls=cfg.tls,
+        node_id=node_id,
+        route=Route.TCP,
+        protocol=protocol,
+    )
 
 
 def _check_address(value: object, argument: str) -> None:

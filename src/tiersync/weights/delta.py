@@ -19,6 +19,7 @@ holds nothing known (its next sync fetches every chunk it cannot copy).
 With one buffer set the new version overwrites the live one: unchanged chunks stay in place
 (kept, verified) and a failed sync forgets the set's checksums, so the next one is full.
 """
+
 from __future__ import annotations
 
 import threading
@@ -46,7 +47,7 @@ def chunk_sum(algo: PayloadChecksum, arr: np.ndarray, span: StridedSpan) -> int:
     """Checksum of ``span``'s bytes of ``arr`` in C order (what the trainer computed for them)."""
     if span.is_contiguous:
         flat = arr.reshape(-1).view(np.uint8)
-        return payload_checksum(algo, memoryview(flat[span.offset: span.offset + span.nbytes]))
+        return payload_checksum(algo, memoryview(flat[span.offset : span.offset + span.nbytes]))
     return payload_checksum(algo, memoryview(np.ascontiguousarray(span_view(arr, span)).reshape(-1)))
 
 
@@ -90,8 +91,9 @@ class DeltaState:
         with self._lock:
             self._held[index], self._algo[index] = dict(sums), algo
 
-    def sums(self, version: int, jobs: list[Job], addresses: Mapping[int, str]
-             ) -> tuple[PayloadChecksum, dict[ChunkKey, int]] | None:
+    def sums(
+        self, version: int, jobs: list[Job], addresses: Mapping[int, str]
+    ) -> tuple[PayloadChecksum, dict[ChunkKey, int]] | None:
         """The trainer's checksum of every job's chunk (W_SUMS per trainer shard and tensor, in
         parallel); None when they are of an algorithm this build cannot compute."""
         groups: dict[tuple[int, str], list[Job]] = {}
@@ -101,7 +103,7 @@ class DeltaState:
         for (origin, tensor), group in groups.items():  # each W_SUMS well inside max_meta_bytes
             size = _SPAN_META + 16 * max(len(j.origin_span.counts) for j in group)
             step = max(1, min(_BATCH, (self._max_meta // 2 - len(tensor)) // size))
-            batches += [(origin, tensor, group[i: i + step]) for i in range(0, len(group), step)]
+            batches += [(origin, tensor, group[i : i + step]) for i in range(0, len(group), step)]
 
         def ask(batch: tuple[int, str, list[Job]]):
             origin, tensor, group = batch
@@ -116,8 +118,9 @@ class DeltaState:
         return PayloadChecksum(algos.pop()), out
 
 
-def triage(jobs: list[Job], want: Mapping[ChunkKey, int], here: Mapping[ChunkKey, int],
-           active: Mapping[ChunkKey, int]) -> tuple[list[Job], list[Job], list[Job]]:
+def triage(
+    jobs: list[Job], want: Mapping[ChunkKey, int], here: Mapping[ChunkKey, int], active: Mapping[ChunkKey, int]
+) -> tuple[list[Job], list[Job], list[Job]]:
     """``(kept, copied, fetched)``: in place already, in the active set, or neither."""
     kept, copied, fetched = [], [], []
     for j in jobs:
@@ -137,8 +140,9 @@ def copy_local(jobs: list[Job], src: Mapping[str, np.ndarray], dst: Mapping[str,
         np.copyto(span_view(dst[j.tensor], j.dst_span), span_view(src[j.tensor], j.dst_span))
 
 
-def bad_chunks(algo: PayloadChecksum, jobs: list[Job], bufs: Mapping[str, np.ndarray],
-               want: Mapping[ChunkKey, int]) -> list[Job]:
+def bad_chunks(
+    algo: PayloadChecksum, jobs: list[Job], bufs: Mapping[str, np.ndarray], want: Mapping[ChunkKey, int]
+) -> list[Job]:
     """The jobs whose landed bytes do not have the trainer's checksum."""
     return [j for j in jobs if chunk_sum(algo, bufs[j.tensor], j.dst_span) != want[_key(j)]]
 
@@ -148,9 +152,16 @@ def direct(job: Job) -> Job:
     return replace(job, sources=job.sources[-1:], stage=0)
 
 
-def land_delta(algo: PayloadChecksum, want: Mapping[ChunkKey, int], jobs: list[Job], bufs: Mapping[str, np.ndarray],
-               here: Mapping[ChunkKey, int], active: tuple[Mapping[ChunkKey, int], Mapping[str, np.ndarray]] | None,
-               fetch: Callable[[list[Job]], None], landed: Callable[[list[Job]], None]) -> Landing:
+def land_delta(
+    algo: PayloadChecksum,
+    want: Mapping[ChunkKey, int],
+    jobs: list[Job],
+    bufs: Mapping[str, np.ndarray],
+    here: Mapping[ChunkKey, int],
+    active: tuple[Mapping[ChunkKey, int], Mapping[str, np.ndarray]] | None,
+    fetch: Callable[[list[Job]], None],
+    landed: Callable[[list[Job]], None],
+) -> Landing:
     """Land ``jobs`` in ``bufs``: keep, copy or ``fetch`` each chunk, verify, refetch the bad ones
     directly; ``landed(jobs)`` once chunks are verified local copies (relays may serve them)."""
     kept, copied, fetched = triage(jobs, want, here, active[0] if active else {})
@@ -167,7 +178,10 @@ def land_delta(algo: PayloadChecksum, want: Mapping[ChunkKey, int], jobs: list[J
         fetch([direct(j) for j in again])
         still = bad_chunks(algo, again, bufs, want)
         if still:
-            raise IntegrityError("chunks differ from the trainer's checksum after a direct refetch",
-                                 tensor=still[0].tensor, chunks=len(still))
+            raise IntegrityError(
+                "chunks differ from the trainer's checksum after a direct refetch",
+                tensor=still[0].tensor,
+                chunks=len(still),
+            )
     moved = sum(j.nbytes for j in fetched + bad + again)
     return Landing(moved, sum(j.nbytes for j in copied), sum(j.nbytes for j in kept), len(bad) + len(again))

@@ -4,6 +4,7 @@ It moves bytes exactly as a networked executor would: by the byte spans of each 
 stage by stage (relays read from the destination buffers filled by earlier stages). Tests
 use it as the oracle; nothing here is tuned for speed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
@@ -54,7 +55,9 @@ def allocate_destination(plan: TransferPlan, *, fill: int = 0) -> dict[int, dict
 
 
 def execute_local(
-    plan: TransferPlan, src_shards: Shards, dst_shards: MutableMapping[int, MutableMapping[str, np.ndarray]] | None = None
+    plan: TransferPlan,
+    src_shards: Shards,
+    dst_shards: MutableMapping[int, MutableMapping[str, np.ndarray]] | None = None,
 ) -> MutableMapping[int, MutableMapping[str, np.ndarray]]:
     """Apply ``plan``: copy every transfer's bytes into ``dst_shards`` and return it.
 

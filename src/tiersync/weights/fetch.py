@@ -11,6 +11,7 @@ consumed in the order it is produced and no relay waits on a later stage.
 (:class:`~tiersync.net.tcp.TcpChannel`); a GET's DATA lands straight in the sampler's buffer
 (the rows of a strided destination span too, when they are few), checksum verified.
 """
+
 from __future__ import annotations
 
 import queue
@@ -65,8 +66,14 @@ class Job:
         return self.dst_span.nbytes
 
 
-def build_jobs(plan: TransferPlan, rank: int, order: Mapping[str, int], transports: Mapping[int, TransportKind],
-               publishers: Mapping[int, str], peers: Mapping[int, str]) -> list[Job]:
+def build_jobs(
+    plan: TransferPlan,
+    rank: int,
+    order: Mapping[str, int],
+    transports: Mapping[int, TransportKind],
+    publishers: Mapping[int, str],
+    peers: Mapping[int, str],
+) -> list[Job]:
     """The jobs of destination ``rank``. ``transports``/``publishers``: per trainer shard, how it is
     reached and its address; ``peers``: relay addresses of the other samplers."""
     roots = {}
@@ -84,14 +91,25 @@ def build_jobs(plan: TransferPlan, rank: int, order: Mapping[str, int], transpor
             sources = (direct,)
             if t.kind is TransferKind.RELAY and t.src_rank in peers:
                 sources = (Source(TransportKind.TCP, t.src_span, address=peers[t.src_rank]), direct)
-        jobs.append(Job(t.tensor, order[t.tensor], t.global_box.start, t.stage if len(sources) > 1 else 0,
-                        t.dst_span, sources, src, root.src_span))
+        jobs.append(
+            Job(
+                t.tensor,
+                order[t.tensor],
+                t.global_box.start,
+                t.stage if len(sources) > 1 else 0,
+                t.dst_span,
+                sources,
+                src,
+                root.src_span,
+            )
+        )
     jobs.sort(key=lambda j: (j.stage, j.index, j.key))
     return jobs
 
 
-def shm_copy(reader: SegmentReader, offset: int, nbytes: int, src_span: StridedSpan, dst: np.ndarray,
-             dst_span: StridedSpan) -> None:
+def shm_copy(
+    reader: SegmentReader, offset: int, nbytes: int, src_span: StridedSpan, dst: np.ndarray, dst_span: StridedSpan
+) -> None:
     """Copy ``src_span`` of the shard at ``offset`` (``nbytes``) in the segment to ``dst_span`` of
     ``dst``: one strided numpy copy (GIL released), no per-element Python."""
     src = span_view(reader.region(offset, nbytes), src_span)
@@ -167,8 +185,9 @@ class TcpPool:
         end = time.monotonic() + self._io_s
         channel = self._take(address, end)
         try:
-            reply = channel.request(Sums(channel.new_request_id(), version, tensor, spans),
-                                    timeout=max(0.001, end - time.monotonic()))
+            reply = channel.request(
+                Sums(channel.new_request_id(), version, tensor, spans), timeout=max(0.001, end - time.monotonic())
+            )
         except RequestError as exc:
             raise RemoteError(f"W_SUMS refused: {exc.message}", peer=address) from None
         finally:
@@ -190,9 +209,9 @@ def _landing(dst: np.ndarray, span: StridedSpan) -> tuple[object, np.ndarray | N
     staging buffer to copy into the returned strided view (many small rows)."""
     flat = dst.reshape(-1).view(np.uint8)
     if span.is_contiguous:
-        return memoryview(flat[span.offset: span.offset + span.nbytes]), None
+        return memoryview(flat[span.offset : span.offset + span.nbytes]), None
     if span.row_count <= _ROWS_IN_PLACE:
-        return [memoryview(flat[o: o + n]) for o, n in span.rows()], None
+        return [memoryview(flat[o : o + n]) for o, n in span.rows()], None
     return memoryview(np.empty(span.nbytes, np.uint8)), span_view(dst, span)
 
 

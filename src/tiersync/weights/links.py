@@ -1,4 +1,5 @@
 """A sampler's control link to one trainer shard: the channel and what it announced."""
+
 from __future__ import annotations
 
 import logging
@@ -35,17 +36,22 @@ class ShardLink:
         try:
             channel = self.channel = transport.connect(self.address)
         except AuthError as exc:
-            raise AuthError(f"trainer shard {self.rank} refused the link ({exc.message}); ReceiverConfig.token "
-                            "and tls must match its PublisherConfig", peer=self.address) from None
-        hello = Register(channel.new_request_id(), hello.label, hello.rank, hello.host, hello.transport,
-                         hello.relay, hello.zero_copy)
+            raise AuthError(
+                f"trainer shard {self.rank} refused the link ({exc.message}); ReceiverConfig.token "
+                "and tls must match its PublisherConfig",
+                peer=self.address,
+            ) from None
+        hello = Register(
+            channel.new_request_id(), hello.label, hello.rank, hello.host, hello.transport, hello.relay, hello.zero_copy
+        )
         try:
             welcome = channel.request(hello, timeout=timeout)
         except RequestError as exc:
             raise UsageError(f"trainer shard {self.rank} refused: {exc.message}", argument="transport") from None
         if not isinstance(welcome, Welcome) or welcome.source_rank != self.rank:
-            raise ProtocolError("expected W_WELCOME from this source rank", fault=ProtocolFault.UNEXPECTED,
-                                peer=self.address)
+            raise ProtocolError(
+                "expected W_WELCOME from this source rank", fault=ProtocolFault.UNEXPECTED, peer=self.address
+            )
         self.transport, self.alive = welcome.transport, True
 
     def send(self, event: object, timeout: float) -> None:

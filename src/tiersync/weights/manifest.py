@@ -6,6 +6,7 @@ every party must plan with, and the relay addresses of the registered samplers.
 :func:`sharding_to_json`/:func:`sharding_from_json` carry a :class:`Sharding` over the
 wire. :func:`host_id` identifies this machine and boot (same host = shared memory works).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -38,7 +39,12 @@ def host_id() -> str:
 
 def sharding_to_json(s: Sharding) -> dict[str, Any]:
     m = s.mesh
-    return {"shape": list(m.shape), "axes": list(m.axis_names), "ranks": list(m.ranks), "spec": [list(d) for d in s.spec]}
+    return {
+        "shape": list(m.shape),
+        "axes": list(m.axis_names),
+        "ranks": list(m.ranks),
+        "spec": [list(d) for d in s.spec],
+    }
 
 
 def sharding_from_json(obj: Any) -> Sharding:
@@ -75,11 +81,17 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "version": self.version, "source_rank": self.source_rank, "source_ranks": self.source_ranks,
+            "version": self.version,
+            "source_rank": self.source_rank,
+            "source_ranks": self.source_ranks,
             "tensors": [[n, list(s.shape), s.dtype] for n, s in zip(self.names, self.specs)],
-            "source": [sharding_to_json(s) for s in self.source], "offsets": list(self.offsets),
-            "payload_bytes": self.payload_bytes, "segment": self.segment, "host": self.host,
-            "fanout": self.options.fanout, "segment_bytes": self.options.segment_bytes,
+            "source": [sharding_to_json(s) for s in self.source],
+            "offsets": list(self.offsets),
+            "payload_bytes": self.payload_bytes,
+            "segment": self.segment,
+            "host": self.host,
+            "fanout": self.options.fanout,
+            "segment_bytes": self.options.segment_bytes,
             "peers": {str(k): v for k, v in self.peers.items()},
         }
 
@@ -89,12 +101,16 @@ class Manifest:
         try:
             tensors = obj["tensors"]
             return cls(
-                version=int(obj["version"]), source_rank=int(obj["source_rank"]),
-                source_ranks=int(obj["source_ranks"]), names=tuple(str(t[0]) for t in tensors),
+                version=int(obj["version"]),
+                source_rank=int(obj["source_rank"]),
+                source_ranks=int(obj["source_ranks"]),
+                names=tuple(str(t[0]) for t in tensors),
                 specs=tuple(TensorSpec(tuple(t[1]), t[2]) for t in tensors),
                 source=tuple(sharding_from_json(s) for s in obj["source"]),
-                offsets=tuple(int(o) for o in obj["offsets"]), payload_bytes=int(obj["payload_bytes"]),
-                segment=obj["segment"], host=str(obj["host"]),
+                offsets=tuple(int(o) for o in obj["offsets"]),
+                payload_bytes=int(obj["payload_bytes"]),
+                segment=obj["segment"],
+                host=str(obj["host"]),
                 options=PlanOptions(int(obj["fanout"]), obj["segment_bytes"]),
                 peers={int(k): str(v) for k, v in obj["peers"].items()},
             )
@@ -110,7 +126,12 @@ class Manifest:
     def same_model(self, other: Manifest) -> bool:
         """True when ``other`` describes the same tensors, shardings and options."""
         return (self.names, self.specs, self.source, self.options, self.source_ranks) == (
-            other.names, other.specs, other.source, other.options, other.source_ranks)
+            other.names,
+            other.specs,
+            other.source,
+            other.options,
+            other.source_ranks,
+        )
 
 
 def destination_layout(destination: Sharding | Mapping[str, Sharding], m: Manifest) -> Mapping[str, Sharding]:

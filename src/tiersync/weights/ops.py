@@ -20,6 +20,7 @@ Every frame is checksummed and bounded by the stack (token, TLS and deadlines:
 ``PublisherConfig.tcp_config`` / ``ReceiverConfig.tcp_config``); each field is validated on
 parse (ProtocolError MALFORMED otherwise).
 """
+
 from __future__ import annotations
 
 import enum
@@ -185,8 +186,12 @@ class Ack:
         check_u64("version", self.version)
         check_u64("moved", self.moved)
         check_text("error", self.error)
-        if not isinstance(self.ok, bool) or isinstance(self.seconds, bool) or \
-                not isinstance(self.seconds, (int, float)) or not self.seconds >= 0:
+        if (
+            not isinstance(self.ok, bool)
+            or isinstance(self.seconds, bool)
+            or not isinstance(self.seconds, (int, float))
+            or not self.seconds >= 0
+        ):
             raise UsageError("ok must be a bool and seconds a number >= 0", argument="seconds")
 
     def meta(self) -> bytes:
@@ -321,6 +326,10 @@ class SumsReply:
         return cls(rid, r.u64(), r.u64s(_MAX_SPANS))
 
 
-WEIGHTS = Vocabulary("weights", {Register: (Welcome,), Get: (ev.Data,), Sums: (SumsReply,)}, oneway=(Announce, Ready, Ack, Release),
-                     include=(ev.CORE,))
+WEIGHTS = Vocabulary(
+    "weights",
+    {Register: (Welcome,), Get: (ev.Data,), Sums: (SumsReply,)},
+    oneway=(Announce, Ready, Ack, Release),
+    include=(ev.CORE,),
+)
 """What weight-sync connections speak (control and data alike)."""

@@ -4,6 +4,7 @@ Everything here is a frozen value. A :class:`TransferPlan` is produced by
 :func:`tiersync.weights.planner.plan_transfer` and consumed by executors
 (:func:`tiersync.weights.executor.execute_local` in-process, a networked one later).
 """
+
 from __future__ import annotations
 
 import enum

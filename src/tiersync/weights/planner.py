@@ -19,6 +19,7 @@ layout (the sampler's) and a set of named tensors into a :class:`TransferPlan`:
 
 Plans are cached: equal inputs return the same plan object (see :class:`PlanCache`).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -275,7 +276,5 @@ def _assign(works: list[_Work], fanout: int) -> list[Transfer]:
                 sender, stage = receivers[parent], stage_of[parent] + 1
                 kind, box, span = TransferKind.RELAY, dst_box, dst_span
             stage_of.append(stage)
-            out.append(
-                Transfer(work.tensor, kind, sender, rank, work.region, box, dst_box, span, dst_span, stage)
-            )
+            out.append(Transfer(work.tensor, kind, sender, rank, work.region, box, dst_box, span, dst_span, stage))
     return out

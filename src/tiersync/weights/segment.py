@@ -13,6 +13,7 @@ The writer sets ``version``/``state=writing`` before touching any tensor byte of
 version, so a reader that copied version v and still sees ``version == v`` afterwards read
 no byte of a later version (:meth:`SegmentReader.still_version`).
 """
+
 from __future__ import annotations
 
 import mmap
@@ -53,7 +54,7 @@ def segment_owner(path: str) -> int | None:
     name = os.path.basename(path)
     if not name.startswith(SEGMENT_PREFIX):
         return None
-    pid = name[len(SEGMENT_PREFIX):].split("-", 1)[0]
+    pid = name[len(SEGMENT_PREFIX) :].split("-", 1)[0]
     return int(pid) if pid.isdigit() else None
 
 
@@ -94,7 +95,7 @@ class SegmentWriter:
         """A writable uint8 view of ``nbytes`` at file offset ``offset``."""
         if offset < HEADER_BYTES or offset + nbytes > len(self._array):
             raise UsageError("region outside the payload", argument="offset", offset=offset, nbytes=nbytes)
-        return self._array[offset: offset + nbytes]
+        return self._array[offset : offset + nbytes]
 
     def close(self) -> None:
         """Unmap and unlink; idempotent."""
@@ -138,8 +139,12 @@ class SegmentReader:
         try:
             size = os.fstat(fd).st_size
             if size != HEADER_BYTES + payload_bytes:
-                raise IntegrityError("segment size differs from the manifest", path=path, size=size,
-                                     expected=HEADER_BYTES + payload_bytes)
+                raise IntegrityError(
+                    "segment size differs from the manifest",
+                    path=path,
+                    size=size,
+                    expected=HEADER_BYTES + payload_bytes,
+                )
             self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
@@ -162,7 +167,7 @@ class SegmentReader:
         """A read-only uint8 view of ``nbytes`` at file offset ``offset``."""
         if offset < HEADER_BYTES or offset + nbytes > len(self._array):
             raise IntegrityError("region outside the segment", path=self.path, offset=offset, nbytes=nbytes)
-        return self._array[offset: offset + nbytes]
+        return self._array[offset : offset + nbytes]
 
     def close(self) -> None:
         if self._map is None:

@@ -8,6 +8,7 @@ range). ``W_SUMS`` (a delta sync asking a trainer shard which chunks changed) is
 with the same per-span checksums DATA carries, computed once per span and version.
 Anything else goes to ``control`` (a trainer shard's registrations and acks).
 """
+
 from __future__ import annotations
 
 import threading
@@ -39,12 +40,13 @@ def span_payload(shard: np.ndarray, span: StridedSpan) -> list[memoryview]:
     """Byte views of ``span`` in ``shard`` (flat uint8), in C order; a gathered copy when the
     span has many small rows. ProtocolError (OVERSIZE) when it reaches past the shard."""
     if span.extent > shard.size:
-        raise ProtocolError("span reaches past the shard", fault=ProtocolFault.OVERSIZE,
-                            extent=span.extent, nbytes=shard.size)
+        raise ProtocolError(
+            "span reaches past the shard", fault=ProtocolFault.OVERSIZE, extent=span.extent, nbytes=shard.size
+        )
     if span.is_contiguous:
-        return [memoryview(shard[span.offset: span.offset + span.row_bytes])]
+        return [memoryview(shard[span.offset : span.offset + span.row_bytes])]
     if span.row_count <= _ROWS_SENT_AS_IOVEC and span.row_bytes >= 64 << 10:
-        return [memoryview(shard[o: o + n]) for o, n in span.rows()]
+        return [memoryview(shard[o : o + n]) for o, n in span.rows()]
     return [memoryview(np.ascontiguousarray(span_view(shard, span)).reshape(-1))]
 
 
@@ -59,8 +61,9 @@ class _Sums:
         self._sums: dict[tuple, int] = {}
         self._version = -1
 
-    def of(self, get: Get | Sums, payload: list[memoryview], span: StridedSpan | None = None
-           ) -> tuple[PayloadChecksum, int]:
+    def of(
+        self, get: Get | Sums, payload: list[memoryview], span: StridedSpan | None = None
+    ) -> tuple[PayloadChecksum, int]:
         key, algo = (get.version, get.tensor, get.span if span is None else span), SUPPORTED[0]
         with self._lock:
             known = self._sums.get(key)
@@ -85,9 +88,13 @@ class SpanService(Service):
 
     vocabulary = WEIGHTS
 
-    def __init__(self, provider: Provider, timeout_s: float,
-                 control: Callable[[Session, object], Iterable[object]] | None = None,
-                 ended: Callable[[Session], None] | None = None) -> None:
+    def __init__(
+        self,
+        provider: Provider,
+        timeout_s: float,
+        control: Callable[[Session, object], Iterable[object]] | None = None,
+        ended: Callable[[Session], None] | None = None,
+    ) -> None:
         self._provider, self._timeout = provider, timeout_s
         self._control, self._ended = control, ended
         self._sums = _Sums()

@@ -13,6 +13,7 @@ shards of ``g // n`` elements; the last shard also takes the remainder ``g % n``
 ``g < n`` every shard but the last is empty. Several axes on one dimension split it
 major-to-minor (the first axis named is the most significant digit of the shard index).
 """
+
 from __future__ import annotations
 
 import math

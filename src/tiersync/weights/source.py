@@ -1,4 +1,5 @@
 """The publisher's argument check: named local tensors and their source shardings."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -12,7 +13,9 @@ from tiersync.weights.tensors import tensor_spec
 __all__ = ["validate_source"]
 
 
-def validate_source(tensors: Any, layout: Any, rank: Any, global_shapes: Any) -> tuple[list[str], list[TensorSpec], list[Sharding]]:
+def validate_source(
+    tensors: Any, layout: Any, rank: Any, global_shapes: Any
+) -> tuple[list[str], list[TensorSpec], list[Sharding]]:
     """``(names, global specs, source shardings)`` in write order; UsageError naming the argument."""
     if not isinstance(tensors, Mapping) or not tensors:
         raise UsageError("expected a non-empty mapping name -> tensor", argument="tensors")
@@ -27,16 +30,27 @@ def validate_source(tensors: Any, layout: Any, rank: Any, global_shapes: Any) ->
         if not isinstance(sh, Sharding):
             raise UsageError(f"no Sharding for tensor {name!r}", argument="layout")
         if tuple(sh.mesh.ranks) != tuple(range(sh.mesh.size)) or rank >= sh.mesh.size:
-            raise UsageError("source meshes must number ranks 0..n-1 and hold this rank", argument="layout",
-                             rank=rank, ranks=sh.mesh.ranks)
+            raise UsageError(
+                "source meshes must number ranks 0..n-1 and hold this rank",
+                argument="layout",
+                rank=rank,
+                ranks=sh.mesh.ranks,
+            )
         if source and sh.mesh.size != source[0].mesh.size:
             raise UsageError("every source mesh must have the same size", argument="layout")
         counts = sh.shard_counts(len(shape))
-        gshape = tuple(global_shapes[name]) if global_shapes and name in global_shapes else \
-            tuple(s * c for s, c in zip(shape, counts))
+        gshape = (
+            tuple(global_shapes[name])
+            if global_shapes and name in global_shapes
+            else tuple(s * c for s, c in zip(shape, counts))
+        )
         if local_shape(gshape, sh, rank) != shape:
-            raise UsageError(f"local shape of {name!r} does not match its sharding; pass global_shapes",
-                             argument="global_shapes", local=shape, global_shape=gshape)
+            raise UsageError(
+                f"local shape of {name!r} does not match its sharding; pass global_shapes",
+                argument="global_shapes",
+                local=shape,
+                global_shape=gshape,
+            )
         names.append(name)
         specs.append(TensorSpec(gshape, dtype))
         source.append(sh)

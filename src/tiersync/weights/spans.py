@@ -6,6 +6,7 @@ tensors: a start offset, the length of one contiguous row, and the outer dimensi
 far as the layout allows, so a box that is one contiguous run has no outer dimensions
 and a box of evenly spaced rows has exactly one (``row_stride``/``row_count``).
 """
+
 from __future__ import annotations
 
 import math

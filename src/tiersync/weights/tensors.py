@@ -8,6 +8,7 @@ name (``bfloat16`` and ``float8_*`` through ``ml_dtypes`` when installed, raw by
 trailing itemsize dimension otherwise). :func:`as_torch` views a host array as a torch
 tensor without a copy. torch and JAX are imported only when such an object is given.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -30,8 +31,9 @@ def tensor_spec(tensor: Any, argument: str = "tensor") -> tuple[tuple[int, ...],
     """``(shape, dtype name)`` of a numpy array, torch tensor or JAX array."""
     fw = _framework(tensor)
     if fw not in ("numpy", "torch", "jax", "jaxlib"):
-        raise UsageError("expected a numpy array, torch tensor or JAX array", argument=argument,
-                         got=type(tensor).__name__)
+        raise UsageError(
+            "expected a numpy array, torch tensor or JAX array", argument=argument, got=type(tensor).__name__
+        )
     name, _ = dtype_info(tensor.dtype)
     return tuple(int(s) for s in tensor.shape), name
 
@@ -46,8 +48,9 @@ def host_bytes(tensor: Any, argument: str = "tensor") -> np.ndarray:
     elif fw in ("jax", "jaxlib"):
         arr = np.ascontiguousarray(np.asarray(tensor))
     else:
-        raise UsageError("expected a numpy array, torch tensor or JAX array", argument=argument,
-                         got=type(tensor).__name__)
+        raise UsageError(
+            "expected a numpy array, torch tensor or JAX array", argument=argument, got=type(tensor).__name__
+        )
     return arr.reshape(-1).view(np.uint8)
 
 

@@ -6,6 +6,7 @@ cover the sampler's whole local tensor: its local shard is then one contiguous r
 shard's bytes in the segment (e.g. a replicated sampler of a one-shard trainer). Everything
 else is copied as before.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -23,8 +24,12 @@ from tiersync.weights.tensors import numpy_dtype
 __all__ = ["zero_copy_views"]
 
 
-def zero_copy_views(jobs: list[Job], manifests: list[Manifest], readers: Mapping[int, SegmentReader],
-                    local: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, np.ndarray]:
+def zero_copy_views(
+    jobs: list[Job],
+    manifests: list[Manifest],
+    readers: Mapping[int, SegmentReader],
+    local: Mapping[str, tuple[tuple[int, ...], str]],
+) -> dict[str, np.ndarray]:
     """name -> read-only array (``local[name]``: shape, dtype) over the segment, for every
     qualifying tensor. ``readers``: trainer shard rank -> the mapping of this version's segment."""
     by_tensor: dict[str, list[Job]] = {}

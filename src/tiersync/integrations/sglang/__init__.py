@@ -11,6 +11,7 @@
 Importing this package imports nothing from SGLang; ``TierSyncHiCacheStorage`` is imported (with
 SGLang and torch) on first access, and ``import tiersync`` never does.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -19,6 +19,7 @@ starts at ``host_indices[i * page_size]``). Not implemented: the v2 multi-pool c
 (``batch_*_v2``: hybrid models' Mamba / SWA / indexer sidecar pools) — SGLang's base class
 raises NotImplementedError for them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,8 +48,9 @@ class TierSyncHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         if not isinstance(storage_config, HiCacheStorageConfig):
-            raise UsageError("must be SGLang's HiCacheStorageConfig", argument="storage_config",
-                             got=type(storage_config).__name__)
+            raise UsageError(
+                "must be SGLang's HiCacheStorageConfig", argument="storage_config", got=type(storage_config).__name__
+            )
         self.storage_config = storage_config
         self.config = HiCacheConfig.from_extra(storage_config.extra_config)
         self.identity = namespace(storage_config, self.config.weights_version)
@@ -60,8 +62,10 @@ class TierSyncHiCacheStorage(HiCacheStorage):
         """SGLang's host KV pool (L2): its page format joins the key salt, so pages written in
         another layout or dtype are never read into this one."""
         super().register_mem_pool_host(mem_pool_host)
-        fmt = (f"{getattr(mem_pool_host, 'layout', '')}|{getattr(mem_pool_host, 'dtype', '')}"
-               f"|{getattr(mem_pool_host, 'page_size', '')}")
+        fmt = (
+            f"{getattr(mem_pool_host, 'layout', '')}|{getattr(mem_pool_host, 'dtype', '')}"
+            f"|{getattr(mem_pool_host, 'page_size', '')}"
+        )
         self._salt = self.identity + xxhash.xxh3_128_digest(fmt.encode())
 
     def _keys(self, keys: list[str]) -> list[bytes]:
@@ -76,19 +80,26 @@ class TierSyncHiCacheStorage(HiCacheStorage):
         return self.tiers.prefix(self._keys(keys))
 
     # -- page tensors (SGLang's default path for a dynamic backend) ----------
-    def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None,
-                  target_sizes: Any | None = None) -> bool:
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
         if values is None or len(values) != len(keys):
             log.error("tiersync: batch_set needs one page tensor per key")
             return False
         return all(self.tiers.put(self._keys(keys), [_page_bytes(v) for v in values]))
 
-    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
-            target_sizes: Any | None = None) -> bool:
+    def set(
+        self, key: str, value: Any | None = None, target_location: Any | None = None, target_sizes: Any | None = None
+    ) -> bool:
         return self.batch_set([key], None if value is None else [value])
 
-    def batch_get(self, keys: list[str], target_locations: Any | None = None,
-                  target_sizes: Any | None = None) -> list[torch.Tensor | None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
+    ) -> list[torch.Tensor | None]:
         """Fill ``target_locations[i]`` (flat page tensors; default: fresh dummy pages of the
         registered pool) with page ``keys[i]``; the tensor, or None where the page is not served."""
         targets = list(target_locations) if target_locations is not None else [self._dummy_page() for _ in keys]
@@ -98,24 +109,25 @@ class TierSyncHiCacheStorage(HiCacheStorage):
         ok = self.tiers.get(self._keys(keys), [_page_bytes(t, writable=True) for t in targets])
         return [t if good else None for t, good in zip(targets, ok)]
 
-    def get(self, key: str, target_location: Any | None = None,
-            target_sizes: Any | None = None) -> torch.Tensor | None:
+    def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:
         return self.batch_get([key], None if target_location is None else [target_location])[0]
 
     def _dummy_page(self) -> torch.Tensor | None:
         return None if self.mem_pool_host is None else self.mem_pool_host.get_dummy_flat_data_page()
 
     # -- host-pool indices ("interface_v1": 1) -------------------------------
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         slots = self._slots(keys, host_indices)
         if slots is None:
             return [False] * len(keys)
         pages = [_page_bytes(self.mem_pool_host.get_data_page(s, flat=True)) for s in slots]
         return self.tiers.put(self._keys(keys), pages)
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         slots = self._slots(keys, host_indices)
         if slots is None:
             return [False] * len(keys)
@@ -135,8 +147,12 @@ class TierSyncHiCacheStorage(HiCacheStorage):
             return None
         page_size = int(getattr(pool, "page_size", 1) or 1)
         if host_indices is None or host_indices.numel() != len(keys) * page_size:
-            log.error("tiersync: %d key(s) need %d host indices, got %s", len(keys), len(keys) * page_size,
-                      None if host_indices is None else host_indices.numel())
+            log.error(
+                "tiersync: %d key(s) need %d host indices, got %s",
+                len(keys),
+                len(keys) * page_size,
+                None if host_indices is None else host_indices.numel(),
+            )
             return None
         return [int(host_indices[i * page_size]) for i in range(len(keys))]
 

@@ -19,6 +19,7 @@ SGLang's own keys of the same object are accepted and left to SGLang: ``backend_
 ``batch_set`` with page tensors; both work). Any other key is refused by name: a typo must not
 silently drop the disk tier.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -55,18 +56,20 @@ class HiCacheConfig:
     def __post_init__(self) -> None:
         hb = self.host_bytes
         if not isinstance(hb, int) or isinstance(hb, bool) or hb < 0:
-            raise UsageError("must be a size such as 4GiB, a number of bytes, or 0", argument=f"{EXTRA}.host_bytes",
-                             value=hb)
+            raise UsageError(
+                "must be a size such as 4GiB, a number of bytes, or 0", argument=f"{EXTRA}.host_bytes", value=hb
+            )
         if self.storage_dir is not None and (not isinstance(self.storage_dir, str) or not self.storage_dir):
-            raise UsageError("must be a directory path or None", argument=f"{EXTRA}.storage_dir",
-                             value=self.storage_dir)
+            raise UsageError(
+                "must be a directory path or None", argument=f"{EXTRA}.storage_dir", value=self.storage_dir
+            )
         if hb == 0 and self.storage_dir is None:
-            raise UsageError("no tier to store pages in: give a storage_dir or host_bytes > 0",
-                             argument=f"{EXTRA}.storage_dir")
+            raise UsageError(
+                "no tier to store pages in: give a storage_dir or host_bytes > 0", argument=f"{EXTRA}.storage_dir"
+            )
         check_policy(self.eviction, f"{EXTRA}.eviction")
         if not isinstance(self.weights_version, str) or not self.weights_version:
-            raise UsageError("must be a non-empty str", argument=f"{EXTRA}.weights_version",
-                             value=self.weights_version)
+            raise UsageError("must be a non-empty str", argument=f"{EXTRA}.weights_version", value=self.weights_version)
         if not isinstance(self.fsync, bool):
             raise UsageError("must be true or false", argument=f"{EXTRA}.fsync", value=self.fsync)
 
@@ -78,8 +81,9 @@ class HiCacheConfig:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - KEYS - SGLANG_KEYS)
         if unknown:
-            raise UsageError(f"unknown key {unknown[0]!r}", argument=f"{EXTRA}.{unknown[0]}", unknown=unknown,
-                             known=sorted(KEYS))
+            raise UsageError(
+                f"unknown key {unknown[0]!r}", argument=f"{EXTRA}.{unknown[0]}", unknown=unknown, known=sorted(KEYS)
+            )
         values = {k: v for k, v in extra.items() if k in KEYS}
         if isinstance(values.get("host_bytes"), str):
             values["host_bytes"] = _size(values["host_bytes"])
@@ -94,8 +98,9 @@ def _size(text: str) -> int:
     try:
         return parse_size(text)
     except UsageError:
-        raise UsageError("must be a size such as 4GiB, a number of bytes, or 0", argument=f"{EXTRA}.host_bytes",
-                         value=text) from None
+        raise UsageError(
+            "must be a size such as 4GiB, a number of bytes, or 0", argument=f"{EXTRA}.host_bytes", value=text
+        ) from None
 
 
 def namespace(storage_config: Any, weights_version: str) -> bytes:
@@ -106,10 +111,17 @@ def namespace(storage_config: Any, weights_version: str) -> bytes:
     identity (segments of another identity are never read) and salts every key."""
     sc = storage_config
     replicated = bool(sc.is_mla_model)
-    shard = (f"pp{sc.pp_rank}/{sc.pp_size}|cp{sc.attn_cp_rank}/{sc.attn_cp_size}"
-             f"|dcp{getattr(sc, 'dcp_rank', 0)}/{getattr(sc, 'dcp_size', 1)}"
-             f"|tp{'*' if replicated else sc.tp_size}|page_first={bool(sc.is_page_first_layout)}")
-    identity = CacheIdentity(model=sc.model_name or "-", weights_version=weights_version, kv_dtype="auto",
-                             block_size=1, layout_digest=xxhash.xxh3_128_digest(shard.encode()),
-                             rank=0 if replicated else int(sc.tp_rank))
+    shard = (
+        f"pp{sc.pp_rank}/{sc.pp_size}|cp{sc.attn_cp_rank}/{sc.attn_cp_size}"
+        f"|dcp{getattr(sc, 'dcp_rank', 0)}/{getattr(sc, 'dcp_size', 1)}"
+        f"|tp{'*' if replicated else sc.tp_size}|page_first={bool(sc.is_page_first_layout)}"
+    )
+    identity = CacheIdentity(
+        model=sc.model_name or "-",
+        weights_version=weights_version,
+        kv_dtype="auto",
+        block_size=1,
+        layout_digest=xxhash.xxh3_128_digest(shard.encode()),
+        rank=0 if replicated else int(sc.tp_rank),
+    )
     return identity.digest()

@@ -16,6 +16,7 @@ and is then also cached on host. Reads try host, then disk, and land what disk s
 Thread-safe: one lock guards the host tier (copies in and out of it run under it, so a block is
 never evicted or freed mid-copy); the disk tier is thread-safe itself.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,8 +46,9 @@ class PageTiers:
         self.config = config
         self.storage: StorageTier | None = None
         if config.storage_dir is not None:
-            self.storage = StorageTier(StorageConfig(directory=config.storage_dir, identity=identity,
-                                                     fsync=config.fsync))
+            self.storage = StorageTier(
+                StorageConfig(directory=config.storage_dir, identity=identity, fsync=config.fsync)
+            )
         self.arena: HostArena | None = None
         self._host_off = config.host_bytes == 0
         self._blocks: dict[bytes, int] = {}  # key -> host block
@@ -106,9 +108,10 @@ class PageTiers:
             if self._closed or not keys or not self._ensure_arena(len(pages[0])):
                 return [k in self._blocks for k in keys]
             arena = self.arena
-            todo = list({k: p for k, p in zip(keys, pages)
-                         if k not in self._blocks and len(p) == arena.block_nbytes}.items())
-            todo = todo[-arena.num_blocks:]  # a batch larger than the tier keeps its last pages
+            todo = list(
+                {k: p for k, p in zip(keys, pages) if k not in self._blocks and len(p) == arena.block_nbytes}.items()
+            )
+            todo = todo[-arena.num_blocks :]  # a batch larger than the tier keeps its last pages
             try:
                 blocks = arena.allocate(len(todo)) if todo else []
             except CapacityError:
@@ -126,12 +129,17 @@ class PageTiers:
         if self.arena is None and not self._host_off:
             num_blocks = self.config.host_bytes // page_nbytes if page_nbytes else 0
             if num_blocks == 0:
-                log.warning("tiersync: host_bytes=%d holds no page of %d bytes: no host tier",
-                            self.config.host_bytes, page_nbytes)
+                log.warning(
+                    "tiersync: host_bytes=%d holds no page of %d bytes: no host tier",
+                    self.config.host_bytes,
+                    page_nbytes,
+                )
                 self._host_off = True
                 return False
-            self.arena = HostArena(HostArenaConfig(num_blocks=num_blocks, block_nbytes=page_nbytes,
-                                                   policy=self.config.eviction), on_evict=self._evicted)
+            self.arena = HostArena(
+                HostArenaConfig(num_blocks=num_blocks, block_nbytes=page_nbytes, policy=self.config.eviction),
+                on_evict=self._evicted,
+            )
         return self.arena is not None
 
     def _evicted(self, blocks: list[int]) -> None:

@@ -8,6 +8,7 @@
 Importing this package imports nothing from vLLM; ``TierSyncConnector`` is imported (with
 vLLM) on first access, and ``import tiersync`` never does.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -44,6 +44,7 @@ key                  meaning (default)
                      when permitted, else TCP), "local" (insist), "tcp" ("auto")
 ===================  =========================================================================
 """
+
 from __future__ import annotations
 
 import os
@@ -59,12 +60,34 @@ from tiersync.tiers.eviction import check_policy
 
 __all__ = ["ConnectorConfig"]
 
-_KEYS = {"host_bytes", "storage_dir", "eviction", "model_id", "weights_version", "transfer_workers",
-         "load_timeout_s", "async_disk_loads", "pd_host", "pd_port", "pd_token", "pd_token_file", "pd_route"}
-_KINDS = {"host_bytes": "size", "transfer_workers": "int", "pd_port": "int", "load_timeout_s": "float",
-          "async_disk_loads": "bool"}  # how a string value of these keys is read; the others are strings
-_EXPECTED = {"size": "must be a size such as 4GiB, or a number of bytes", "int": "must be an integer",
-             "float": "must be a number", "bool": "must be true or false (or 1 or 0)"}
+_KEYS = {
+    "host_bytes",
+    "storage_dir",
+    "eviction",
+    "model_id",
+    "weights_version",
+    "transfer_workers",
+    "load_timeout_s",
+    "async_disk_loads",
+    "pd_host",
+    "pd_port",
+    "pd_token",
+    "pd_token_file",
+    "pd_route",
+}
+_KINDS = {
+    "host_bytes": "size",
+    "transfer_workers": "int",
+    "pd_port": "int",
+    "load_timeout_s": "float",
+    "async_disk_loads": "bool",
+}  # how a string value of these keys is read; the others are strings
+_EXPECTED = {
+    "size": "must be a size such as 4GiB, or a number of bytes",
+    "int": "must be an integer",
+    "float": "must be a number",
+    "bool": "must be true or false (or 1 or 0)",
+}
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
 _EXTRA = "kv_connector_extra_config"
 
@@ -99,18 +122,23 @@ class ConnectorConfig:
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise UsageError("must be a positive number", argument="kv_connector_extra_config.load_timeout_s")
         if not isinstance(self.async_disk_loads, bool):
-            raise UsageError("must be true or false", argument="kv_connector_extra_config.async_disk_loads",
-                             value=self.async_disk_loads)
+            raise UsageError(
+                "must be true or false",
+                argument="kv_connector_extra_config.async_disk_loads",
+                value=self.async_disk_loads,
+            )
         if not isinstance(self.pd_port, int) or isinstance(self.pd_port, bool) or not 0 <= self.pd_port < 65536:
             raise UsageError("must be a port number", argument="kv_connector_extra_config.pd_port")
         if self.pd_route not in ("auto", "local", "tcp"):
-            raise UsageError("must be 'auto', 'local' or 'tcp'", argument="kv_connector_extra_config.pd_route",
-                             value=self.pd_route)
+            raise UsageError(
+                "must be 'auto', 'local' or 'tcp'", argument="kv_connector_extra_config.pd_route", value=self.pd_route
+            )
         coerce_token(self.pd_token, "kv_connector_extra_config.pd_token")
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None, model: str,
-                   environ: Mapping[str, str] | None = None) -> ConnectorConfig:
+    def from_extra(
+        cls, extra: Mapping[str, Any] | None, model: str, environ: Mapping[str, str] | None = None
+    ) -> ConnectorConfig:
         """Parse ``kv_connector_extra_config`` over ``$TIERSYNC_<KEY>`` over the config file's
         ``[connector]`` table (``environ``: default :data:`os.environ`). Unknown keys are refused
         (a typo must not silently disable the disk tier); a bad value's UsageError names where
@@ -154,4 +182,4 @@ def _named(exc: UsageError, origins: Mapping[str, str]) -> UsageError:
     origin = origins.get(key)
     if exc.argument is None or origin is None:
         return exc
-    return UsageError(exc.message[len(exc.argument) + 2:], argument=origin, **exc.context)
+    return UsageError(exc.message[len(exc.argument) + 2 :], argument=origin, **exc.context)

@@ -23,6 +23,7 @@ Settings: :mod:`tiersync.integrations.vllm.config`. Hits per tier, bytes moved a
 save seconds reach vLLM's stats log and the OpenAI server's ``/metrics``
 (:mod:`tiersync.integrations.vllm.stats`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,8 +66,13 @@ def cache_identity(vllm_config: VllmConfig, cfg: ConnectorConfig) -> CacheIdenti
     par = vllm_config.parallel_config
     dtype = f"{vllm_config.cache_config.cache_dtype}/{vllm_config.model_config.dtype}"
     layout = f"tp{par.tensor_parallel_size}-pp{par.pipeline_parallel_size}".encode()
-    return CacheIdentity(model=cfg.model_id, weights_version=cfg.weights_version, kv_dtype=dtype,
-                         block_size=vllm_config.cache_config.block_size, layout_digest=layout)
+    return CacheIdentity(
+        model=cfg.model_id,
+        weights_version=cfg.weights_version,
+        kv_dtype=dtype,
+        block_size=vllm_config.cache_config.block_size,
+        layout_digest=layout,
+    )
 
 
 def _publishes_kv_events(vllm_config: VllmConfig) -> bool:
@@ -80,13 +86,17 @@ def num_host_slots(kv_cache_config: Any, host_bytes: int) -> int:
     """How many blocks (all layers of one block id) fit in ``host_bytes`` per worker."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise UsageError("one KV cache group (full attention) is supported", argument="kv_cache_config",
-                         groups=len(groups))
+        raise UsageError(
+            "one KV cache group (full attention) is supported", argument="kv_cache_config", groups=len(groups)
+        )
     per_block = groups[0].kv_cache_spec.page_size_bytes * len(groups[0].layer_names)
     n = host_bytes // per_block
     if n < 1:
-        raise UsageError("host_bytes is smaller than one block of all layers",
-                         argument="kv_connector_extra_config.host_bytes", block_nbytes=per_block)
+        raise UsageError(
+            "host_bytes is smaller than one block of all layers",
+            argument="kv_connector_extra_config.host_bytes",
+            block_nbytes=per_block,
+        )
     return n
 
 
@@ -97,9 +107,14 @@ class TierSyncConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, vllm_config.model_config.model)
-        self.impl: ConnectorRole = build_role(vllm_config, kv_cache_config, self.config, tc.kv_role,
-                                              scheduler=role == KVConnectorRole.SCHEDULER,
-                                              failure_policy=getattr(tc, "kv_load_failure_policy", "recompute"))
+        self.impl: ConnectorRole = build_role(
+            vllm_config,
+            kv_cache_config,
+            self.config,
+            tc.kv_role,
+            scheduler=role == KVConnectorRole.SCHEDULER,
+            failure_policy=getattr(tc, "kv_load_failure_policy", "recompute"),
+        )
 
     # -- worker side ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -141,8 +156,13 @@ class TierSyncConnector(KVConnectorBase_V1):
         return TierSyncStats(data)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any], labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> TierSyncPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TierSyncPromMetrics:
         return TierSyncPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
@@ -174,8 +194,15 @@ class TierSyncConnector(KVConnectorBase_V1):
         return self.impl.request_finished(request, block_ids)
 
 
-def build_role(vllm_config: VllmConfig, kv_cache_config: Any, cfg: ConnectorConfig, kv_role: str, *,
-               scheduler: bool, failure_policy: str) -> ConnectorRole:
+def build_role(
+    vllm_config: VllmConfig,
+    kv_cache_config: Any,
+    cfg: ConnectorConfig,
+    kv_role: str,
+    *,
+    scheduler: bool,
+    failure_policy: str,
+) -> ConnectorRole:
     """The implementation of this process side and ``kv_role`` (UsageError naming ``kv_role``)."""
     if kv_role in ("kv_producer", "kv_consumer"):
         producer = kv_role == "kv_producer"
@@ -186,15 +213,33 @@ def build_role(vllm_config: VllmConfig, kv_cache_config: Any, cfg: ConnectorConf
     if kv_role != "kv_both":
         raise UsageError("must be kv_both, kv_producer or kv_consumer", argument="kv_role", value=kv_role)
     if failure_policy != "recompute":
-        log.warning("kv_load_failure_policy=%r: a load tiersync refuses (a corrupt or missing block, "
-                    "KV of weights replaced since) fails its request instead of being recomputed; "
-                    "set kv_load_failure_policy='recompute'", failure_policy)
+        log.warning(
+            "kv_load_failure_policy=%r: a load tiersync refuses (a corrupt or missing block, "
+            "KV of weights replaced since) fails its request instead of being recomputed; "
+            "set kv_load_failure_policy='recompute'",
+            failure_policy,
+        )
     identity = cache_identity(vllm_config, cfg)
     slots = num_host_slots(kv_cache_config, cfg.host_bytes)
     if scheduler:
-        return OffloadSchedulerRole(OffloadScheduler(
-            identity=identity, num_slots=slots, policy=cfg.eviction, storage_dir=cfg.storage_dir,
-            async_disk_loads=cfg.async_disk_loads, kv_events=_publishes_kv_events(vllm_config)))
-    return OffloadWorkerRole(OffloadWorker(
-        identity=identity, num_slots=slots, rank=vllm_config.parallel_config.rank, storage_dir=cfg.storage_dir,
-        transfer_workers=cfg.transfer_workers, timeout_s=cfg.load_timeout_s), kv_cache_config.num_blocks)
+        return OffloadSchedulerRole(
+            OffloadScheduler(
+                identity=identity,
+                num_slots=slots,
+                policy=cfg.eviction,
+                storage_dir=cfg.storage_dir,
+                async_disk_loads=cfg.async_disk_loads,
+                kv_events=_publishes_kv_events(vllm_config),
+            )
+        )
+    return OffloadWorkerRole(
+        OffloadWorker(
+            identity=identity,
+            num_slots=slots,
+            rank=vllm_config.parallel_config.rank,
+            storage_dir=cfg.storage_dir,
+            transfer_workers=cfg.transfer_workers,
+            timeout_s=cfg.load_timeout_s,
+        ),
+        kv_cache_config.num_blocks,
+    )

@@ -6,6 +6,7 @@ split), waits for a version, and hands its arrays to vLLM as torch tensors with 
 :func:`tell_kv_connector` tells the engine's tiersync KV connector that the weights changed.
 Importing this module imports neither torch nor vLLM.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -44,8 +45,9 @@ class EngineReceiver:
         try:
             return self.receiver.receive(version).result(timeout)
         except FutureTimeout:
-            raise RemoteError("the version did not land in time", peer="trainer", version=version,
-                              apply_timeout_s=timeout) from None
+            raise RemoteError(
+                "the version did not land in time", peer="trainer", version=version, apply_timeout_s=timeout
+            ) from None
 
     def named(self, arrays: Mapping[str, Any]) -> list[tuple[str, Any]]:
         """(HF name, torch tensor viewing the array) for each array of a lease."""

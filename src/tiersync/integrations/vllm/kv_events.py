@@ -16,6 +16,7 @@ when it goes (evicted, found corrupt or missing). Blocks found on disk when the 
 starts carry no token ids yet: they are announced the first time a request hits them.
 Consecutive blocks of one request and tier travel in one event, as vLLM's own do.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -66,8 +67,13 @@ class KVEventLog:
             if key in self._blocks or i >= len(hashes):
                 continue  # known, or vLLM has not hashed this block (it cannot be announced)
             parent = self._convert(hashes[i - 1]) if i > 0 else None
-            self._blocks[key] = _Block(self._convert(hashes[i]), parent, tuple(tokens[i * bs:(i + 1) * bs]),
-                                       getattr(lora, "adapter_id", None), getattr(lora, "name", None))
+            self._blocks[key] = _Block(
+                self._convert(hashes[i]),
+                parent,
+                tuple(tokens[i * bs : (i + 1) * bs]),
+                getattr(lora, "adapter_id", None),
+                getattr(lora, "name", None),
+            )
             for tier in self._silent.pop(key, ()):
                 self._late.append(TierChange(key, tier, True))
 
@@ -86,9 +92,13 @@ class KVEventLog:
         """The events for ``changes`` (and for silent copies described since the last call)."""
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-        out: list[Any] = [BlockRemoved(block_hashes=[h for t, h in self._retired if t is tier],
-                                       medium=self._medium[tier], group_idx=0)
-                          for tier in self._medium if any(t is tier for t, _ in self._retired)]
+        out: list[Any] = [
+            BlockRemoved(
+                block_hashes=[h for t, h in self._retired if t is tier], medium=self._medium[tier], group_idx=0
+            )
+            for tier in self._medium
+            if any(t is tier for t, _ in self._retired)
+        ]
         self._retired = []
         run: list[tuple[TierChange, _Block | None]] = []
         for change in [*self._late, *changes]:
@@ -137,10 +147,16 @@ class KVEventLog:
         medium = self._medium[change.tier]
         if not change.stored:
             return removed(block_hashes=[b.block_hash for _, b in run], medium=medium, group_idx=0)
-        return stored(block_hashes=[b.block_hash for _, b in run], parent_block_hash=first.parent_hash,
-                      token_ids=[t for _, b in run for t in b.token_ids], block_size=self.block_size,
-                      lora_id=first.lora_id, medium=medium, lora_name=first.lora_name, group_idx=0)
-
+        return stored(
+            block_hashes=[b.block_hash for _, b in run],
+            parent_block_hash=first.parent_hash,
+            token_ids=[t for _, b in run for t in b.token_ids],
+            block_size=self.block_size,
+            lora_id=first.lora_id,
+            medium=medium,
+            lora_name=first.lora_name,
+            group_idx=0,
+        )
 
 
 def _joins(last: tuple[TierChange, _Block | None], change: TierChange, block: _Block | None) -> bool:

@@ -2,6 +2,7 @@
 
 Both cross a process boundary (pickled by vLLM), so they hold only plain values.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,9 +66,13 @@ class WorkerReport(KVConnectorWorkerMetadata):
         if not isinstance(other, WorkerReport):
             return self
         failed = self.stored_failed | other.stored_failed
-        return WorkerReport(self.bad_slots | other.bad_slots, self.bad_disk | other.bad_disk,
-                            (self.stored_ok | other.stored_ok) - failed, failed,
-                            max(self.generation, other.generation))
+        return WorkerReport(
+            self.bad_slots | other.bad_slots,
+            self.bad_disk | other.bad_disk,
+            (self.stored_ok | other.stored_ok) - failed,
+            failed,
+            max(self.generation, other.generation),
+        )
 
     def empty(self) -> bool:
         return not (self.bad_slots or self.bad_disk or self.stored_ok or self.stored_failed or self.generation)

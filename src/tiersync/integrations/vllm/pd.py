@@ -1,4 +1,5 @@
 """Build the prefill -> decode half of the connector from vLLM's configs."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,21 +19,30 @@ def paged_layout(vllm_config: Any, kv_cache_config: Any) -> PagedKVLayout:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        raise UsageError("prefill->decode supports vLLM's CPU backend in this build", argument="device",
-                         platform=str(current_platform.device_name))
+        raise UsageError(
+            "prefill->decode supports vLLM's CPU backend in this build",
+            argument="device",
+            platform=str(current_platform.device_name),
+        )
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise UsageError("one KV cache group (full attention) is supported", argument="kv_cache_config")
     spec = groups[0].kv_cache_spec
-    return PagedKVLayout(num_layers=len(groups[0].layer_names),
-                         num_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
-                         head_dim=spec.head_size, block_size=spec.block_size,
-                         num_blocks=kv_cache_config.num_blocks, dtype=str(spec.dtype),
-                         tp_size=vllm_config.parallel_config.tensor_parallel_size, order=KVOrder.HEAD_MAJOR)
+    return PagedKVLayout(
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+        head_dim=spec.head_size,
+        block_size=spec.block_size,
+        num_blocks=kv_cache_config.num_blocks,
+        dtype=str(spec.dtype),
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        order=KVOrder.HEAD_MAJOR,
+    )
 
 
-def build_pd(vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, *, producer: bool,
-             scheduler: bool) -> PDScheduler | PDWorker:
+def build_pd(
+    vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, *, producer: bool, scheduler: bool
+) -> PDScheduler | PDWorker:
     """The scheduler or worker half of ``kv_producer`` / ``kv_consumer``. The producer's
     rank ``r`` serves on ``pd_port + r`` (``pd_port`` must be set: the scheduler advertises it)."""
     layout = paged_layout(vllm_config, kv_cache_config)
@@ -43,5 +53,11 @@ def build_pd(vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, *, pr
         return PDScheduler(producer=producer, layout=layout, addresses=addresses)
     dcfg = DisaggConfig(timeout_s=cfg.load_timeout_s, token=cfg.pd_token, route=cfg.pd_route)
     rank = vllm_config.parallel_config.rank
-    return PDWorker(producer=producer, layout=layout, rank=rank, config=dcfg, host=cfg.pd_host,
-                    port=cfg.pd_port + rank if producer else 0)
+    return PDWorker(
+        producer=producer,
+        layout=layout,
+        rank=rank,
+        config=dcfg,
+        host=cfg.pd_host,
+        port=cfg.pd_port + rank if producer else 0,
+    )

@@ -7,6 +7,7 @@ when it finishes, the prefill engine returns ``kv_transfer_params={"tiersync_sou
 the decode engine with those params, and the decode engine pulls the KV instead of
 computing it. A failed pull is reported as load errors, so the decode engine recomputes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -73,8 +74,8 @@ class PDScheduler:
             return
         n = num_external_tokens // self.block_size
         src = r.pending_source
-        part = SourceSpec(src.layout, src.addresses, src.block_ids[r.start:r.start + n], n * self.block_size)
-        r.read = ReadJob(request.request_id, r.remote_id, part.to_dict(), tuple(block_ids[r.start:r.start + n]))
+        part = SourceSpec(src.layout, src.addresses, src.block_ids[r.start : r.start + n], n * self.block_size)
+        r.read = ReadJob(request.request_id, r.remote_id, part.to_dict(), tuple(block_ids[r.start : r.start + n]))
         r.pending_source = None
 
     def build_meta(self, out: Any) -> PDMeta:
@@ -87,13 +88,23 @@ class PDScheduler:
                     r.read, r.sent = None, True  # issued once; a failure is recomputed, not retried
             return meta
         for req in out.scheduled_new_reqs:
-            self._step(meta, req.req_id, list(req.block_ids[0]), False,
-                       req.num_computed_tokens + out.num_scheduled_tokens[req.req_id])
+            self._step(
+                meta,
+                req.req_id,
+                list(req.block_ids[0]),
+                False,
+                req.num_computed_tokens + out.num_scheduled_tokens[req.req_id],
+            )
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             new = cached.new_block_ids[i]
-            self._step(meta, rid, list(new[0]) if new is not None else [], rid in cached.resumed_req_ids,
-                       cached.num_computed_tokens[i] + out.num_scheduled_tokens[rid])
+            self._step(
+                meta,
+                rid,
+                list(new[0]) if new is not None else [],
+                rid in cached.resumed_req_ids,
+                cached.num_computed_tokens[i] + out.num_scheduled_tokens[rid],
+            )
         return meta
 
     def _step(self, meta: PDMeta, rid: str, new_blocks: list[int], replace: bool, computed: int) -> None:
@@ -106,7 +117,7 @@ class PDScheduler:
             return
         n = self._offered(prompt)
         if n:  # the step that ends the prompt: serve its full blocks as their layers are computed
-            meta.sends.append(SendJob(rid, tuple(r.block_ids[:n // self.block_size]), n))
+            meta.sends.append(SendJob(rid, tuple(r.block_ids[: n // self.block_size]), n))
             r.sent = True
 
     def _offered(self, prompt_tokens: int) -> int:
@@ -119,5 +130,5 @@ class PDScheduler:
         if not self.producer or r is None or not r.sent:
             return False, None
         n = self._offered(len(request.prompt_token_ids or ()))
-        source = SourceSpec(self.layout, self.addresses, tuple(r.block_ids[:n // self.block_size]), n)
+        source = SourceSpec(self.layout, self.addresses, tuple(r.block_ids[: n // self.block_size]), n)
         return True, {SOURCE_KEY: {"request_id": request.request_id, "source": source.to_dict()}}

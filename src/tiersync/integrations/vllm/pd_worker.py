@@ -5,6 +5,7 @@ On the CPU the engine's KV tensors are host memory, so the producer serves them 
 lands arriving layers directly in the destination blocks. Status is polled every step and
 reported through ``get_finished``; a failed read's blocks are load errors (recomputed).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -28,11 +29,18 @@ def layer_bytes(tensor: Any, nbytes: int, name: str) -> np.ndarray:
     """A uint8 numpy view of a CPU tensor's whole storage (in place). UsageError when the
     tensor is not a contiguous CPU tensor of ``nbytes`` bytes."""
     if getattr(tensor, "device", None) is not None and str(tensor.device) != "cpu":
-        raise UsageError("prefill->decode runs on CPU KV caches in this build", argument=f"kv_caches[{name!r}]",
-                         device=str(tensor.device))
+        raise UsageError(
+            "prefill->decode runs on CPU KV caches in this build",
+            argument=f"kv_caches[{name!r}]",
+            device=str(tensor.device),
+        )
     if not tensor.is_contiguous() or tensor.numel() * tensor.element_size() != nbytes:
-        raise UsageError("must be a contiguous tensor of the layout's layer size", argument=f"kv_caches[{name!r}]",
-                         nbytes=tensor.numel() * tensor.element_size(), expected=nbytes)
+        raise UsageError(
+            "must be a contiguous tensor of the layout's layer size",
+            argument=f"kv_caches[{name!r}]",
+            nbytes=tensor.numel() * tensor.element_size(),
+            expected=nbytes,
+        )
     import torch
 
     return tensor.view(-1).view(dtype=torch.uint8).numpy()
@@ -41,8 +49,9 @@ def layer_bytes(tensor: Any, nbytes: int, name: str) -> np.ndarray:
 class PDWorker:
     """The producer's or the consumer's worker half, for one rank."""
 
-    def __init__(self, *, producer: bool, layout: PagedKVLayout, rank: int, config: DisaggConfig,
-                 host: str, port: int) -> None:
+    def __init__(
+        self, *, producer: bool, layout: PagedKVLayout, rank: int, config: DisaggConfig, host: str, port: int
+    ) -> None:
         self.producer, self.layout, self.rank = producer, layout, rank
         self._config, self._host, self._port = config, host, port
         self._layers: list[np.ndarray] = []
@@ -62,8 +71,9 @@ class PDWorker:
     def register(self, kv_caches: Mapping[str, Any]) -> None:
         names = list(kv_caches)
         if len(names) != self.layout.num_layers:
-            raise UsageError("one KV tensor per layer", argument="kv_caches", layers=len(names),
-                             expected=self.layout.num_layers)
+            raise UsageError(
+                "one KV tensor per layer", argument="kv_caches", layers=len(names), expected=self.layout.num_layers
+            )
         self._layers = [layer_bytes(kv_caches[n], self.layout.layer_nbytes, n) for n in names]
         self._index = {n: i for i, n in enumerate(names)}
         if self.producer:

@@ -4,6 +4,7 @@ vLLM calls :func:`register` in every process it starts (API server, engine core,
 ``--weight-transfer-config '{"backend": "tiersync"}'`` finds the backend without user code.
 Registration is lazy (module paths, imported when the backend is selected) and idempotent.
 """
+
 from __future__ import annotations
 
 __all__ = ["BACKEND", "register"]
@@ -19,10 +20,10 @@ def register() -> None:
         WeightTransferTrainerFactory,
     )
 
-    for factory, module, cls in ((WeightTransferEngineFactory, f"{_MODULE}.weight_transfer",
-                                  "TierSyncWeightTransferEngine"),
-                                 (WeightTransferTrainerFactory, f"{_MODULE}.weight_trainer",
-                                  "TierSyncTrainerWeightTransferEngine")):
+    for factory, module, cls in (
+        (WeightTransferEngineFactory, f"{_MODULE}.weight_transfer", "TierSyncWeightTransferEngine"),
+        (WeightTransferTrainerFactory, f"{_MODULE}.weight_trainer", "TierSyncTrainerWeightTransferEngine"),
+    ):
         try:
             factory.register_engine(BACKEND, module, cls)
         except ValueError:  # registered already (vLLM refuses a second registration)

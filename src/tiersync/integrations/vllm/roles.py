@@ -15,6 +15,7 @@ it does. :func:`build_role` picks once which of these answers every hook:
 (vLLM calls scheduler hooks only on the scheduler's connector, worker hooks only on workers').
 Each implementation holds exactly the typed object of its side and reads its own metadata type.
 """
+
 from __future__ import annotations
 
 from typing import Any, TypeVar
@@ -29,16 +30,25 @@ from tiersync.integrations.vllm.scheduler import OffloadScheduler
 from tiersync.integrations.vllm.stats import TierSyncStats
 from tiersync.integrations.vllm.worker import OffloadWorker
 
-__all__ = ["ConnectorRole", "ConsumerWorkerRole", "OffloadSchedulerRole", "OffloadWorkerRole", "PDSchedulerRole",
-           "ProducerWorkerRole"]
+__all__ = [
+    "ConnectorRole",
+    "ConsumerWorkerRole",
+    "OffloadSchedulerRole",
+    "OffloadWorkerRole",
+    "PDSchedulerRole",
+    "ProducerWorkerRole",
+]
 
 M = TypeVar("M", StepMeta, PDMeta)
 
 
 def _expect(meta: object, kind: type[M]) -> M:
     if not isinstance(meta, kind):
-        raise UsageError(f"connector metadata of another kv_role: expected {kind.__name__}", argument="metadata",
-                         got=type(meta).__name__)
+        raise UsageError(
+            f"connector metadata of another kv_role: expected {kind.__name__}",
+            argument="metadata",
+            got=type(meta).__name__,
+        )
     return meta
 
 

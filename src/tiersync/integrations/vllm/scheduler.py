@@ -6,6 +6,7 @@ Keys are chained xxh3-128 block keys of the request's prompt tokens under the en
 mixed with the request's LoRA name, cache salt and multimodal hashes. Only full prompt
 blocks are offloaded; at least one prompt token is always left to compute.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,16 @@ class _Tracked:
 class OffloadScheduler:
     """Request bookkeeping for ``kv_both`` offloading (host and disk)."""
 
-    def __init__(self, *, identity: CacheIdentity, num_slots: int, policy: str,
-                 storage_dir: str | None, async_disk_loads: bool = True, kv_events: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        identity: CacheIdentity,
+        num_slots: int,
+        policy: str,
+        storage_dir: str | None,
+        async_disk_loads: bool = True,
+        kv_events: bool = False,
+    ) -> None:
         self.identity, self.async_disk_loads = identity, async_disk_loads
         self._base_identity, self.generation, self._resets = identity, 0, 0
         self._nonce = secrets.token_hex(8)  # re-keyed namespaces of this process are its own
@@ -67,8 +76,14 @@ class OffloadScheduler:
         return t
 
     def _keys(self, request: Any) -> list[bytes]:
-        extras = [x for x in (getattr(request, "cache_salt", None),
-                              getattr(getattr(request, "lora_request", None), "lora_name", None)) if x]
+        extras = [
+            x
+            for x in (
+                getattr(request, "cache_salt", None),
+                getattr(getattr(request, "lora_request", None), "lora_name", None),
+            )
+            if x
+        ]
         extras += [str(f.identifier) for f in (getattr(request, "mm_features", None) or ())]
         return block_keys(list(request.prompt_token_ids or ()), self.identity, extras)
 
@@ -114,7 +129,7 @@ class OffloadScheduler:
         if n == 0:
             t.load = None
             return
-        t.load_ready = tuple(block_ids[t.load_start:t.load_start + n])
+        t.load_ready = tuple(block_ids[t.load_start : t.load_start + n])
 
     def build_meta(self, out: Any) -> StepMeta:
         meta = StepMeta(generation=self.generation)
@@ -167,7 +182,7 @@ class OffloadScheduler:
         full = min(computed // self.block_size, len(t.keys), len(t.block_ids))
         if full <= t.offloaded:
             return
-        keys = t.keys[t.offloaded:full]
+        keys = t.keys[t.offloaded : full]
         position = {k: t.offloaded + i for i, k in enumerate(keys)}
         spec = self.manager.prepare_store(keys)
         t.offloaded = full  # blocks that found no slot are not retried

@@ -19,6 +19,7 @@ metric                                             labels     what
 
 ``tier`` is ``host`` or ``disk``; every metric also carries vLLM's own labels (model, engine).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -30,8 +31,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 __all__ = ["COUNTERS", "HISTOGRAMS", "StatsCounter", "TierSyncPromMetrics", "TierSyncStats"]
 
-COUNTERS = ("hit_tokens_host", "hit_tokens_disk", "load_bytes_host", "load_bytes_disk", "save_bytes_host",
-            "save_bytes_disk", "load_errors")
+COUNTERS = (
+    "hit_tokens_host",
+    "hit_tokens_disk",
+    "load_bytes_host",
+    "load_bytes_disk",
+    "save_bytes_host",
+    "save_bytes_disk",
+    "load_errors",
+)
 HISTOGRAMS = ("load_seconds", "save_seconds")
 MAX_OBSERVATIONS = 4096  # per histogram and interval: vLLM asks every step, so this is never reached
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -102,23 +110,44 @@ class TierSyncStats(KVConnectorStats):
 class TierSyncPromMetrics(KVConnectorPromMetrics):
     """Registers the metrics of the module docstring and records each interval's stats."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        hits = self._counter_cls(name="tiersync_connector_hit_tokens_total", labelnames=labelnames + ["tier"],
-                                 documentation="Prompt tokens tiersync loaded instead of vLLM computing them")
-        moved = self._counter_cls(name="tiersync_connector_bytes_total", labelnames=labelnames + ["op", "tier"],
-                                  documentation="KV bytes tiersync moved (op load: into the engine, save: out)")
-        errors = self._counter_cls(name="tiersync_connector_load_errors_total", labelnames=labelnames,
-                                   documentation="Device blocks recomputed because their load failed")
-        seconds = {k: self._histogram_cls(name=f"tiersync_connector_{k}", labelnames=labelnames, buckets=_BUCKETS,
-                                          documentation=f"Seconds of one step's {k.split('_')[0]}s")
-                   for k in HISTOGRAMS}
+        hits = self._counter_cls(
+            name="tiersync_connector_hit_tokens_total",
+            labelnames=labelnames + ["tier"],
+            documentation="Prompt tokens tiersync loaded instead of vLLM computing them",
+        )
+        moved = self._counter_cls(
+            name="tiersync_connector_bytes_total",
+            labelnames=labelnames + ["op", "tier"],
+            documentation="KV bytes tiersync moved (op load: into the engine, save: out)",
+        )
+        errors = self._counter_cls(
+            name="tiersync_connector_load_errors_total",
+            labelnames=labelnames,
+            documentation="Device blocks recomputed because their load failed",
+        )
+        seconds = {
+            k: self._histogram_cls(
+                name=f"tiersync_connector_{k}",
+                labelnames=labelnames,
+                buckets=_BUCKETS,
+                documentation=f"Seconds of one step's {k.split('_')[0]}s",
+            )
+            for k in HISTOGRAMS
+        }
         self._bound: dict[int, dict[str, Any]] = {}
         for engine, values in per_engine_labelvalues.items():
             bound = {f"hit_tokens_{t}": hits.labels(*values, t) for t in ("host", "disk")}
-            bound.update({f"{op}_bytes_{t}": moved.labels(*values, op, t) for op in ("load", "save")
-                          for t in ("host", "disk")})
+            bound.update(
+                {f"{op}_bytes_{t}": moved.labels(*values, op, t) for op in ("load", "save") for t in ("host", "disk")}
+            )
             bound["load_errors"] = errors.labels(*values)
             bound.update({k: h.labels(*values) for k, h in seconds.items()})
             self._bound[engine] = bound

@@ -33,6 +33,7 @@ the engine; the engine's message is in ``context``). A failed load (names the mo
 not know, shape mismatch) can leave the model partly updated: the worker then reports no
 version until a later update succeeds. Importing this module imports neither torch nor vLLM.
 """
+
 from __future__ import annotations
 
 import time
@@ -52,8 +53,7 @@ from tiersync.integrations.vllm.engine_receiver import EngineReceiver, tell_kv_c
 from tiersync.net.config import token_from
 from tiersync.weights.config import ReceiverConfig, TransportKind
 
-__all__ = ["EXTENSION", "WeightSyncConfig", "WeightSyncExtension", "join_weight_sync",
-           "update_weights"]
+__all__ = ["EXTENSION", "WeightSyncConfig", "WeightSyncExtension", "join_weight_sync", "update_weights"]
 
 #: The value of ``LLM(worker_extension_cls=...)``.
 EXTENSION = "tiersync.integrations.vllm.weight_sync.WeightSyncExtension"
@@ -102,16 +102,25 @@ class WeightSyncConfig:
         try:
             cfg = self.receiver_config(0)
         except UsageError as exc:
-            raise UsageError(exc.message.split(": ", 1)[-1], argument=f"{_PREFIX}.{exc.argument}",
-                             **exc.context) from None
+            raise UsageError(
+                exc.message.split(": ", 1)[-1], argument=f"{_PREFIX}.{exc.argument}", **exc.context
+            ) from None
         object.__setattr__(self, "publishers", cfg.publishers)
 
     def receiver_config(self, rank: int) -> ReceiverConfig:
         """The :class:`ReceiverConfig` of worker ``rank``."""
-        return ReceiverConfig(self.publishers, rank=rank, transport=TransportKind(self.transport),
-                              buffers=self.buffers, streams=self.streams, sync_timeout_s=self.sync_timeout_s,
-                              connect_timeout_s=self.connect_timeout_s, io_timeout_s=self.io_timeout_s,
-                              sampler_id=self.sampler_id or f"vllm-{rank}", token=self.token)
+        return ReceiverConfig(
+            self.publishers,
+            rank=rank,
+            transport=TransportKind(self.transport),
+            buffers=self.buffers,
+            streams=self.streams,
+            sync_timeout_s=self.sync_timeout_s,
+            connect_timeout_s=self.connect_timeout_s,
+            io_timeout_s=self.io_timeout_s,
+            sampler_id=self.sampler_id or f"vllm-{rank}",
+            token=self.token,
+        )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | WeightSyncConfig) -> WeightSyncConfig:
@@ -182,8 +191,14 @@ class WeightSyncExtension:
                 tell_kv_connector()
             self._tiersync_applied = applied = lease.version
             nbytes = sum(a.nbytes for a in lease.tensors.values())
-        return {"version": applied, "nbytes": nbytes, "tensors": len(lease.tensors), "wait_s": t1 - t0,
-                "load_s": time.perf_counter() - t1, "sync_s": result.seconds}
+        return {
+            "version": applied,
+            "nbytes": nbytes,
+            "tensors": len(lease.tensors),
+            "wait_s": t1 - t0,
+            "load_s": time.perf_counter() - t1,
+            "sync_s": result.seconds,
+        }
 
     def tiersync_weights_version(self) -> int | None:
         """The version last applied to the model (None before the first, or after a failed load)."""
@@ -210,14 +225,19 @@ def _reported(fn: Any, *args: Any) -> Any:
         kind, message, context = type(exc).__name__, exc.message, exc.context
         argument = getattr(exc, "argument", None)
         if argument is not None and message.startswith(f"{argument}: "):
-            message = message[len(argument) + 2:]
+            message = message[len(argument) + 2 :]
     except Exception as exc:  # noqa: BLE001 - e.g. load_weights on names the model does not know
         kind, message, context, argument = "RemoteError", f"{type(exc).__name__}: {exc}", {}, None
     if kind not in _ERRORS:
         kind = "RemoteError"
-    return {"tiersync_error": kind, "message": message, "argument": argument,
-            "context": {k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
-                        for k, v in context.items()}}
+    return {
+        "tiersync_error": kind,
+        "message": message,
+        "argument": argument,
+        "context": {
+            k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for k, v in context.items()
+        },
+    }
 
 
 def _raise(report: Mapping[str, Any], method: str) -> None:
@@ -255,9 +275,11 @@ def update_weights(llm: Any, version: int, *, reset_running_requests: bool = Fal
     if len(applied) != 1:
         raise RemoteError("workers applied different versions", version=version, applied=sorted(applied))
     if not llm.reset_prefix_cache(reset_running_requests=reset_running_requests, reset_connector=True):
-        raise RemoteError("weights updated but the prefix cache was not reset (requests are running); "
-                          "call llm.reset_prefix_cache() once they finish, or pass reset_running_requests=True",
-                          version=results[0]["version"])
+        raise RemoteError(
+            "weights updated but the prefix cache was not reset (requests are running); "
+            "call llm.reset_prefix_cache() once they finish, or pass reset_running_requests=True",
+            version=results[0]["version"],
+        )
     return {**results[0], "workers": results}
 
 
@@ -267,8 +289,9 @@ def _rpc(llm: Any, method: str, args: tuple, version: int | None) -> list[Any]:
     try:
         results = list(llm.collective_rpc(method, args=args))
     except Exception as exc:
-        raise RemoteError(f"{method} failed in the engine", peer="vllm", version=version,
-                          engine_error=f"{type(exc).__name__}: {exc}") from exc
+        raise RemoteError(
+            f"{method} failed in the engine", peer="vllm", version=version, engine_error=f"{type(exc).__name__}: {exc}"
+        ) from exc
     for r in results:
         if isinstance(r, Mapping) and "tiersync_error" in r:
             _raise(r, method)

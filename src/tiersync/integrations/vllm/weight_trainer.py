@@ -22,6 +22,7 @@ samplers pull it: shared memory on this host, TCP elsewhere, fanned out as a tre
 and resets the engine's prefix cache, so no KV of the old weights is reused. Importing this
 module registers the backend ``"tiersync"`` with vLLM's factories (both sides).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,8 +67,9 @@ class TierSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[TierSyncTr
         self.last: Any = None  # the last PublishResult
 
     @classmethod
-    def trainer_init(cls, init_info: TierSyncTrainerInitInfo, *, client: Any, source: Any = None
-                     ) -> TierSyncTrainerWeightTransferEngine:
+    def trainer_init(
+        cls, init_info: TierSyncTrainerInitInfo, *, client: Any, source: Any = None
+    ) -> TierSyncTrainerWeightTransferEngine:
         if source is None:
             raise UsageError("the tiersync backend publishes a WeightSource; pass source=", argument="source")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
@@ -79,16 +81,26 @@ class TierSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[TierSyncTr
         from tiersync.weights import Mesh, PublisherConfig, Sharding, WeightPublisher
 
         info = self.info
-        token = info.token if info.token is not None else token_from(info.token_file,
-                                                                    argument="TierSyncTrainerInitInfo.token_file")
+        token = (
+            info.token
+            if info.token is not None
+            else token_from(info.token_file, argument="TierSyncTrainerInitInfo.token_file")
+        )
         tensors = {name: t.detach().cpu() for name, t in self.source}
-        self.publisher = WeightPublisher(tensors, Sharding.replicated(Mesh((1,), ("trainer",))),
-                                         config=PublisherConfig(listen=info.listen, token=token,
-                                                                publish_timeout_s=info.timeout_s))
+        self.publisher = WeightPublisher(
+            tensors,
+            Sharding.replicated(Mesh((1,), ("trainer",))),
+            config=PublisherConfig(listen=info.listen, token=token, publish_timeout_s=info.timeout_s),
+        )
         try:
-            self.client.init_weight_transfer_engine({"publishers": [self.publisher.address], "token": token,
-                                                     "transport": info.transport,
-                                                     "apply_timeout_s": info.timeout_s})
+            self.client.init_weight_transfer_engine(
+                {
+                    "publishers": [self.publisher.address],
+                    "token": token,
+                    "transport": info.transport,
+                    "apply_timeout_s": info.timeout_s,
+                }
+            )
             self.publisher.wait_for_samplers(info.samplers, info.timeout_s)
         except BaseException:
             self.shutdown()
@@ -114,8 +126,12 @@ class TierSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[TierSyncTr
             raise
         self._finish(version)
         if not self.last.ok:
-            raise RemoteError("a sampler did not receive the version", peer="samplers", version=version,
-                              failed=[o.sampler for o in self.last.failed])
+            raise RemoteError(
+                "a sampler did not receive the version",
+                peer="samplers",
+                version=version,
+                failed=[o.sampler for o in self.last.failed],
+            )
 
     def _finish(self, version: int) -> None:
         self.client.finish_weight_update(str(version))
@@ -139,8 +155,9 @@ def _reset_prefix_cache(client: Any) -> None:
     if base is not None:
         import urllib.request
 
-        request = urllib.request.Request(f"{base}/reset_prefix_cache?reset_running_requests=true&reset_external=true",
-                                         method="POST")
+        request = urllib.request.Request(
+            f"{base}/reset_prefix_cache?reset_running_requests=true&reset_external=true", method="POST"
+        )
         with urllib.request.urlopen(request, timeout=getattr(client, "timeout", 300)) as answer:
             answer.read()
 

@@ -24,6 +24,7 @@ new keys then (blocks saved in that one step are abandoned: correct, not reused)
 prefix cache is the scheduler's: the trainer side resets it, and the connector's namespace,
 after ``finish_weight_update`` (``reset_prefix_cache``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ Every slot remembers the key last written into it; a load whose slot holds anoth
 save that failed, a disk read that failed) is reported to vLLM as a load error, so vLLM
 recomputes those tokens: wrong bytes are never loaded.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,15 +40,24 @@ def block_major(tensor: Any, num_blocks: int, name: str) -> Any:
     for d, n in enumerate(shape):
         if n == num_blocks:
             return tensor.movedim(d, 0)
-    raise UsageError("no dimension is the block index", argument=f"kv_caches[{name!r}]",
-                     shape=shape, num_blocks=num_blocks)
+    raise UsageError(
+        "no dimension is the block index", argument=f"kv_caches[{name!r}]", shape=shape, num_blocks=num_blocks
+    )
 
 
 class OffloadWorker:
     """Executes :class:`LoadJob` / :class:`SaveJob` for one worker (one parallel rank)."""
 
-    def __init__(self, *, identity: CacheIdentity, num_slots: int, rank: int,
-                 storage_dir: str | None, transfer_workers: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        identity: CacheIdentity,
+        num_slots: int,
+        rank: int,
+        storage_dir: str | None,
+        transfer_workers: int,
+        timeout_s: float,
+    ) -> None:
         self._identity, self._num_slots, self._rank = identity, num_slots, rank
         self._storage_dir, self._timeout = storage_dir, timeout_s
         self._transfer = TransferConfig(workers=transfer_workers)
@@ -189,8 +199,7 @@ class OffloadWorker:
             self._read_disk([spec.keys[i] for i in disk], [spec.slots[i] for i in disk])
         good = [self._slot_key[s] == k for k, s in zip(spec.keys, spec.slots)]
         with self._lock:
-            self._report.bad_slots.update(k for k, ok, d in zip(spec.keys, good, spec.from_storage)
-                                          if not ok and not d)
+            self._report.bad_slots.update(k for k, ok, d in zip(spec.keys, good, spec.from_storage) if not ok and not d)
         return good
 
     def _read_disk(self, keys: list[bytes], slots: list[int]) -> None:

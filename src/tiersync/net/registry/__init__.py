@@ -7,6 +7,7 @@ control plane (:func:`~tiersync.net.registry.grpc_service.serve_registry`,
 :class:`~tiersync.net.registry.grpc_service.RegistryClient`). Importing this
 package imports neither grpc nor redis.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -31,8 +32,9 @@ def open_registry(spec: str, config: RegistryConfig | None = None) -> Registry:
     try:
         parse_address(spec)
     except UsageError:
-        raise UsageError("must be 'host:port' (gRPC registry) or 'redis://...'", argument="registry",
-                         value=spec) from None
+        raise UsageError(
+            "must be 'host:port' (gRPC registry) or 'redis://...'", argument="registry", value=spec
+        ) from None
     from tiersync.net.registry.grpc_service import RegistryClient
 
     return RegistryClient(spec, config)

@@ -13,6 +13,7 @@ retried at the next heartbeat). Rules:
 - :meth:`announce` publishes newly stored keys at once while the registry answers;
   during an outage it only marks them for the next full re-publish.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,14 +54,21 @@ class StoreAgent:
     is reported as is. ``registrations`` counts successful (re-)registrations.
     """
 
-    def __init__(self, registry: Registry, config: AgentConfig, *, free_blocks: Callable[[], int],
-                 held_keys: Callable[[], Sequence[bytes]], capacity_blocks: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        config: AgentConfig,
+        *,
+        free_blocks: Callable[[], int],
+        held_keys: Callable[[], Sequence[bytes]],
+        capacity_blocks: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.registry, self.config = registry, config
         self._free, self._held, self._capacity, self._clock = free_blocks, held_keys, capacity_blocks, clock
         self._lock = threading.Lock()
-        self._healthy = False       # the last registry call succeeded
-        self._dirty = True          # a full register + publish is due
+        self._healthy = False  # the last registry call succeeded
+        self._dirty = True  # a full register + publish is due
         self._last_full = 0.0
         self.registrations = 0
         self._stop = threading.Event()
@@ -69,8 +77,7 @@ class StoreAgent:
     def start(self) -> None:
         """Register now (best effort), then heartbeat from a daemon thread until :meth:`close`."""
         self.beat()
-        self._thread = threading.Thread(target=self._run, name=f"registry-agent-{self.config.store_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"registry-agent-{self.config.store_id}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -80,8 +87,9 @@ class StoreAgent:
     def beat(self) -> bool:
         """One heartbeat (re-registering when due); True when the registry answered."""
         with self._lock:
-            full = self._dirty or not self._healthy or \
-                self._clock() - self._last_full >= self.config.republish_interval_s
+            full = (
+                self._dirty or not self._healthy or self._clock() - self._last_full >= self.config.republish_interval_s
+            )
         try:
             if not full and self.registry.heartbeat(self.config.store_id, self._free()):
                 return self._set_health(True)
@@ -93,8 +101,7 @@ class StoreAgent:
 
     def _register_all(self) -> None:
         cfg = self.config
-        self.registry.register_store(StoreInfo(cfg.store_id, cfg.address, self._free(), cfg.pool_group,
-                                               self._capacity))
+        self.registry.register_store(StoreInfo(cfg.store_id, cfg.address, self._free(), cfg.pool_group, self._capacity))
         self.registry.publish(cfg.store_id, list(self._held()))
         with self._lock:
             self._dirty, self._healthy, self._last_full = False, True, self._clock()

@@ -1,4 +1,5 @@
 """The registry interface, its config and the store record."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -69,8 +70,9 @@ def check_keys(keys: Sequence[bytes]) -> None:
             raise UsageError("keys must be 16-byte bytes", argument="keys")
 
 
-def rank_targets(stores: Iterable[StoreInfo], pool_group: str, count: int,
-                 exclude: Iterable[str] = ()) -> list[StoreInfo]:
+def rank_targets(
+    stores: Iterable[StoreInfo], pool_group: str, count: int, exclude: Iterable[str] = ()
+) -> list[StoreInfo]:
     """Same pool group first, then most free blocks first; ties by store id. Full stores are skipped."""
     skip = set(exclude)
     live = [s for s in stores if s.store_id not in skip and s.free_blocks > 0]

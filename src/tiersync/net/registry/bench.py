@@ -1,4 +1,5 @@
 """Registry lookup benchmark: batches of 256 keys against the embedded backend (or gRPC)."""
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,9 @@ def _time_batches(registry: Registry, keys: list[bytes], batches: int, batch_siz
     return latencies
 
 
-def bench_registry(n_keys: int = 50_000, batches: int = 400, batch_size: int = 256, n_stores: int = 8,
-                   via_grpc: bool = False) -> dict[str, float]:
+def bench_registry(
+    n_keys: int = 50_000, batches: int = 400, batch_size: int = 256, n_stores: int = 8, via_grpc: bool = False
+) -> dict[str, float]:
     """Time ``batches`` lookups of ``batch_size`` keys; returns {lookups_per_s, p50_ms, p99_ms}.
 
     ``via_grpc``: serve the embedded backend on 127.0.0.1 and look up through a

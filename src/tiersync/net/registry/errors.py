@@ -1,4 +1,5 @@
 """Registry errors (RemoteError subclasses)."""
+
 from __future__ import annotations
 
 from tiersync.errors import RemoteError

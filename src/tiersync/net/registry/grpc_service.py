@@ -10,6 +10,7 @@ in one small Python module shared by client and server.
 (``client.failures``) and return what they have (unanswered keys get ``()``).
 Writes raise :class:`RegistryUnavailableError`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,7 +52,10 @@ def _methods(backend: Registry) -> dict[str, Callable[[bytes], bytes]]:
 
     return {
         "Lookup": lambda data: m.enc_owners(backend.lookup(m.dec_keys(data))),
-        "Publish": publish, "Unpublish": unpublish, "RegisterStore": register, "RemoveStore": remove,
+        "Publish": publish,
+        "Unpublish": unpublish,
+        "RegisterStore": register,
+        "RemoveStore": remove,
         "Heartbeat": lambda data: b"\x01" if backend.heartbeat(*m.dec_heartbeat(data)) else b"\x00",
         "GetStore": get,
         "Targets": lambda data: m.enc_infos(backend.placement_targets(*m.dec_targets(data))),
@@ -68,6 +72,7 @@ def _wrap(fn: Callable[[bytes], bytes]) -> Callable[[bytes, grpc.ServicerContext
         except TierSyncError as exc:  # malformed message or bad argument: the caller's fault
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
             raise
+
     return handler
 
 
@@ -99,9 +104,14 @@ class RegistryClient(Registry):
         self.address = address
         self.failures = 0
         # Reconnect fast after a registry restart (gRPC's default backoff grows to 120 s).
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 2000)])
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ],
+        )
         self._stubs: dict[str, grpc.UnaryUnaryMultiCallable] = {}
 
     def _rpc(self, name: str, payload: bytes) -> bytes:
@@ -112,8 +122,9 @@ class RegistryClient(Registry):
             reply: bytes = stub(payload, timeout=self.config.rpc_timeout_s)
             return reply
         except grpc.RpcError as exc:
-            raise RegistryUnavailableError(f"registry call {name} failed: {exc.code().name}",
-                                           peer=self.address) from exc
+            raise RegistryUnavailableError(
+                f"registry call {name} failed: {exc.code().name}", peer=self.address
+            ) from exc
 
     def lookup(self, keys: Sequence[bytes]) -> list[tuple[str, ...]]:
         """Owners per key; never raises on an outage — unanswered batches come back as ``()``."""
@@ -122,7 +133,7 @@ class RegistryClient(Registry):
         step = self.config.batch_size
         for start in range(0, len(keys), step):
             try:
-                out.extend(m.dec_owners(self._rpc("Lookup", m.enc_keys(keys[start:start + step]))))
+                out.extend(m.dec_owners(self._rpc("Lookup", m.enc_keys(keys[start : start + step]))))
             except TierSyncError as exc:
                 self.failures += 1
                 log.warning("registry lookup degraded: %s", exc)
@@ -154,12 +165,12 @@ class RegistryClient(Registry):
     def publish(self, store_id: str, keys: Sequence[bytes]) -> None:
         check_keys(keys)
         for start in range(0, len(keys), 4096):
-            self._rpc("Publish", m.enc_store_keys(store_id, keys[start:start + 4096]))
+            self._rpc("Publish", m.enc_store_keys(store_id, keys[start : start + 4096]))
 
     def unpublish(self, store_id: str, keys: Sequence[bytes]) -> None:
         check_keys(keys)
         for start in range(0, len(keys), 4096):
-            self._rpc("Unpublish", m.enc_store_keys(store_id, keys[start:start + 4096]))
+            self._rpc("Unpublish", m.enc_store_keys(store_id, keys[start : start + 4096]))
 
     def close(self) -> None:
         self._channel.close()

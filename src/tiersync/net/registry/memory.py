@@ -1,4 +1,5 @@
 """In-memory registry backend (embedded default, usable in-process)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,8 @@ class MemoryRegistry(Registry):
     def __init__(self, config: RegistryConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or RegistryConfig()
         self._clock = clock
-        self._stores: dict[str, tuple[StoreInfo, float]] = {}   # id -> (info, expires_at)
-        self._owners: dict[bytes, dict[str, float]] = {}        # key -> {store id: expires_at}
+        self._stores: dict[str, tuple[StoreInfo, float]] = {}  # id -> (info, expires_at)
+        self._owners: dict[bytes, dict[str, float]] = {}  # key -> {store id: expires_at}
         self._lock = threading.Lock()
 
     def register_store(self, info: StoreInfo) -> None:

@@ -3,6 +3,7 @@
 Built on :mod:`tiersync.net.codec`: bounded, and a malformed message raises
 :class:`~tiersync.net.errors.ProtocolError` (MALFORMED).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

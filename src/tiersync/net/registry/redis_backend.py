@@ -12,6 +12,7 @@ Redis failures raise :class:`RegistryUnavailableError` (a RemoteError), except i
 ``lookup`` and ``placement_targets``, which never raise on an outage: they log,
 count (``failures``) and answer ``()`` per key / ``[]`` (a shorter answer).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,9 @@ class RedisRegistry(Registry):
         self.config = config or RegistryConfig()
         self._clock = clock
         self._url = url
-        self._redis = redis.Redis.from_url(url, socket_timeout=self.config.rpc_timeout_s,
-                                           socket_connect_timeout=self.config.rpc_timeout_s)
+        self._redis = redis.Redis.from_url(
+            url, socket_timeout=self.config.rpc_timeout_s, socket_connect_timeout=self.config.rpc_timeout_s
+        )
         self._errors = (redis.RedisError, OSError)
         self.failures = 0
         p = self.config.key_prefix.encode()
@@ -51,13 +53,19 @@ class RedisRegistry(Registry):
             raise RegistryUnavailableError(f"redis failed: {exc}", peer=self._url) from exc
 
     def _record(self, info: StoreInfo, expires_at: float) -> str:
-        return json.dumps({"address": info.address, "free_blocks": info.free_blocks, "pool_group": info.pool_group,
-                           "capacity_blocks": info.capacity_blocks, "expires_at": expires_at})
+        return json.dumps(
+            {
+                "address": info.address,
+                "free_blocks": info.free_blocks,
+                "pool_group": info.pool_group,
+                "capacity_blocks": info.capacity_blocks,
+                "expires_at": expires_at,
+            }
+        )
 
     @staticmethod
     def _info(store_id: str, rec: dict[str, Any]) -> StoreInfo:
-        return StoreInfo(store_id, rec["address"], rec["free_blocks"], rec["pool_group"],
-                         rec.get("capacity_blocks", 0))
+        return StoreInfo(store_id, rec["address"], rec["free_blocks"], rec["pool_group"], rec.get("capacity_blocks", 0))
 
     def _live_stores(self) -> dict[str, StoreInfo]:
         raw = self._call(self._redis.hgetall, self._stores_key)
