@@ -60,17 +60,23 @@ def test_builtin_backends_match_a_numpy_reference_and_count_what_they_moved(back
 def test_malformed_spans_are_refused_before_anything_moves():
     src, want, spans = _reference_case()
     dst = np.zeros_like(want)
-    copier = MemmoveCopier()
+    pat = spans.pattern
     bad = [
-        BlockCopy(spans.src.astype(np.int32), spans.dst, spans.pattern),
-        BlockCopy(spans.src, spans.dst[:2], spans.pattern),
-        BlockCopy(spans.src, spans.dst, Pattern(spans.pattern.src, spans.pattern.dst[:1], spans.pattern.length)),
-        BlockCopy(spans.src[::2], spans.dst[::2], spans.pattern),
+        lambda: BlockCopy(spans.src.astype(np.int32), spans.dst, pat),
+        lambda: BlockCopy(spans.src, spans.dst[:2], pat),
+        lambda: BlockCopy(spans.src[::2], spans.dst[::2], pat),
+        lambda: BlockCopy(spans.src, spans.dst, "pattern"),
+        lambda: Pattern(pat.src, pat.dst[:1], pat.length),
+        lambda: Pattern(pat.src, pat.dst, pat.length.reshape(1, -1)),
     ]
-    for case in bad:
+    for make in bad:  # a BlockCopy is valid by construction
         with pytest.raises(UsageError) as ei:
-            copier.copy(src.ctypes.data, dst.ctypes.data, case)
+            make()
         assert ei.value.argument == "spans"
+    copier = MemmoveCopier()
+    with pytest.raises(UsageError) as ei:  # and a backend takes nothing else
+        copier.copy(src.ctypes.data, dst.ctypes.data, (spans.src, spans.dst, pat))
+    assert ei.value.argument == "spans"
     assert not dst.any() and copier.stats.copies == 0
 
 

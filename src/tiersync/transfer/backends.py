@@ -4,7 +4,7 @@ A backend copies a :class:`~tiersync.transfer.spans.BlockCopy` (block offsets on
 one region pattern) between a pool's storage and the host arena, and ``synchronize`` waits for
 what it started. Subclasses implement only :meth:`CopyBackend._copy` (and ``_synchronize`` when
 their copies are asynchronous, as a CUDA stream or a PJRT transfer would be); the base checks the
-arrays, counts calls and bytes, and turns a backend's failure into a :class:`TransferFailed`
+spans (a :class:`BlockCopy` is checked when it is made), counts calls and bytes, and turns a backend's failure into a :class:`TransferFailed`
 naming the backend.
 
 Two backends exist, both for host-addressable (``Device.CPU``) pools: ``native`` (the C
@@ -22,8 +22,6 @@ import ctypes
 import threading
 from dataclasses import dataclass
 from typing import ClassVar
-
-import numpy as np
 
 from tiersync.errors import TierSyncError, UsageError
 from tiersync.layout.pool import Device
@@ -75,7 +73,8 @@ class CopyBackend:
         """Copy every block of ``spans`` from ``src_addr`` to ``dst_addr`` (addresses of block 0's
         byte 0 on each side). Raises UsageError for malformed spans, TransferFailed when the
         backend fails."""
-        _check(spans)
+        if not isinstance(spans, BlockCopy):  # valid by construction (int64, contiguous, equal lengths)
+            raise UsageError("must be a BlockCopy", argument="spans")
         if not len(spans):
             return
         try:
@@ -183,14 +182,3 @@ def backend_for(device: Device, *, name: str | None = None, streaming: bool = Tr
     raise UsageError(
         "pools on this device need a device backend that is not available", argument="layout", devices=[device.value]
     )
-
-
-def _check(spans: BlockCopy) -> None:
-    pat = spans.pattern
-    arrays = (spans.src, spans.dst, pat.src, pat.dst, pat.length)
-    if any(
-        not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1 or not a.flags.c_contiguous for a in arrays
-    ):
-        raise UsageError("block and region arrays must be 1-d C-contiguous int64", argument="spans")
-    if len(spans.src) != len(spans.dst) or not len(pat.src) == len(pat.dst) == len(pat.length):
-        raise UsageError("block arrays, and region arrays, must be equal in length", argument="spans")

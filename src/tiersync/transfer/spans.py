@@ -142,6 +142,7 @@ class Pattern:
     block_nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
+        _check_int64(self.src, self.dst, self.length)
         object.__setattr__(self, "block_nbytes", int(self.length.sum()))
 
 
@@ -156,6 +157,9 @@ class BlockCopy:
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.pattern, Pattern):
+            raise UsageError("must be a Pattern", argument="spans")
+        _check_int64(self.src, self.dst)
         object.__setattr__(self, "nbytes", len(self.src) * self.pattern.block_nbytes)
 
     def __len__(self) -> int:
@@ -165,6 +169,17 @@ class BlockCopy:
         """Consecutive pieces of at most ``max_bytes`` each (a block is never split)."""
         per = max(1, max_bytes // max(self.pattern.block_nbytes, 1))
         return [BlockCopy(self.src[i : i + per], self.dst[i : i + per], self.pattern) for i in range(0, len(self), per)]
+
+
+def _check_int64(*arrays: np.ndarray) -> None:
+    """The arrays a copy backend reads: 1-d C-contiguous int64 of one length (UsageError naming
+    ``spans`` otherwise), so a BlockCopy is valid by construction."""
+    n = len(arrays[0]) if isinstance(arrays[0], np.ndarray) else -1
+    for a in arrays:
+        if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1 or not a.flags.c_contiguous:
+            raise UsageError("block and region arrays must be 1-d C-contiguous int64", argument="spans")
+        if len(a) != n:
+            raise UsageError("block arrays, and region arrays, must be equal in length", argument="spans")
 
 
 def pool_pattern(spec: PoolSpec, *, to_host: bool) -> Pattern:
