@@ -129,7 +129,7 @@ def test_a_refused_range_in_a_grouped_pull_refuses_the_group(served):
 def test_a_frame_trickled_a_few_bytes_at_a_time_still_verifies():
     """Every read returns a fragment (header and payload cut into 7-byte writes)."""
     from _proto_helpers import deliver, ready_pair
-    from tiersync.net.framed import Deadline, FramedSocket
+    from tiersync.net.socket_io import Deadline, FramedSocket
 
     block = os.urandom(5000)
     client, server = ready_pair(PayloadChecksum.TSUM64)
@@ -196,7 +196,7 @@ def test_recv_many_verifies_what_the_parser_would(vectored):
     """Frames the sans-IO side encodes are taken and verified by the native receiver itself
     (``done`` counts them), into one buffer or scattered into several."""
     from _proto_helpers import deliver, ready_pair
-    from tiersync.net.framed import EMPTY_META_CHECKSUM
+    from tiersync.net.socket_io import EMPTY_META_CHECKSUM
 
     blocks = [os.urandom(SIZE), os.urandom(3 * SIZE + 5)]
     client, server = ready_pair(PayloadChecksum.TSUM64)

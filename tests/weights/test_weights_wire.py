@@ -19,10 +19,10 @@ from tiersync.weights import Mesh, PlanOptions, Sharding
 from tiersync.weights.config import MAX_SPAN_BYTES, TransportKind
 from tiersync.weights.manifest import Manifest
 from tiersync.weights.ops import WEIGHTS, Ack, Announce, Get, Ready, Register, Release, Welcome
-from tiersync.weights.plan import TensorSpec
 from tiersync.weights.segment import HEADER_BYTES, SegmentReader, SegmentWriter, tensor_offsets
 from tiersync.weights.serving import span_payload
 from tiersync.weights.spans import StridedSpan
+from tiersync.weights.transfer_plan import TensorSpec
 
 
 def _manifest() -> Manifest:

@@ -47,8 +47,8 @@ def selected(config: BenchConfig) -> list[int]:
 
 def _chunks(model: Any, source: Any, dest: Any) -> list[tuple[str, tuple[slice, ...], int]]:
     """Every chunk the plan moves to sampler 0: (tensor, its slices, its bytes)."""
-    from tiersync.weights.plan import PlanOptions
     from tiersync.weights.planner import plan_transfer
+    from tiersync.weights.transfer_plan import PlanOptions
 
     specs = {n: (t.shape, "bfloat16") for n, t in model.tensors.items()}
     plan = plan_transfer(source, dest, specs, PlanOptions(64, CHUNK))

@@ -2,7 +2,7 @@
 
 Mutual shared-token HMAC (:mod:`tiersync.net.auth`), payload checksum negotiation, and each
 side's host identity and pid (so both know when the other is on the same host). The
-client side runs blocking over a :class:`~tiersync.net.framed.FramedSocket`; the server side
+client side runs blocking over a :class:`~tiersync.net.socket_io.FramedSocket`; the server side
 is sans-IO (:class:`ServerHandshake`: events in, frames out) so a selector drives thousands
 of half-open connections without a thread each.
 """
@@ -22,7 +22,7 @@ from tiersync.net.protocol import Connection
 from tiersync.net.service import PeerInfo
 
 if TYPE_CHECKING:
-    from tiersync.net.framed import Deadline, FramedSocket
+    from tiersync.net.socket_io import Deadline, FramedSocket
 
 __all__ = ["ServerHandshake", "client_handshake"]
 

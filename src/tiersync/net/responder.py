@@ -20,10 +20,10 @@ from tiersync.errors import ClosedError, TierSyncError
 from tiersync.net import events as ev
 from tiersync.net.config import TcpConfig
 from tiersync.net.errors import ProtocolError
-from tiersync.net.framed import Deadline, write_nonblocking
 from tiersync.net.handshake import ServerHandshake
 from tiersync.net.protocol import NEED_DATA, Connection, Role
 from tiersync.net.service import PeerInfo, Service, Session
+from tiersync.net.socket_io import Deadline, write_nonblocking
 from tiersync.net.vocab import Vocabulary
 
 __all__ = ["Responder", "ServerSession"]

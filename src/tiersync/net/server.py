@@ -32,10 +32,10 @@ from tiersync.errors import ClosedError, TierSyncError
 from tiersync.net import events as ev
 from tiersync.net.config import TcpConfig, parse_address
 from tiersync.net.errors import ProtocolError
-from tiersync.net.framed import Deadline, tune, write_nonblocking
 from tiersync.net.protocol import NEED_DATA, Connection, Role
 from tiersync.net.responder import Responder, ServerSession
 from tiersync.net.service import Service
+from tiersync.net.socket_io import Deadline, tune, write_nonblocking
 from tiersync.net.tls import server_context
 from tiersync.net.transport import Server
 

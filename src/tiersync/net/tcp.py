@@ -5,7 +5,7 @@ Sockets get SO_SNDBUF/SO_RCVBUF (16 MiB default) and TCP_NODELAY. Sends use
 resuming after partial sends; payloads are received with ``recv_into`` straight
 into the caller's buffer. Every blocking call runs under a deadline and raises
 :class:`NetTimeoutError` (with ``peer``) when it passes (plain TCP: at most
-``_SLACK`` of the time that was left late, see :class:`~tiersync.net.framed.FramedSocket`).
+``_SLACK`` of the time that was left late, see :class:`~tiersync.net.socket_io.FramedSocket`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from tiersync.net.errors import (
     ProtocolFault,
     RequestError,
 )
-from tiersync.net.framed import Deadline, FramedSocket, io_errors, tune
 from tiersync.net.frames import PayloadChecksum
 from tiersync.net.handshake import client_handshake
 from tiersync.net.local import LocalReadError
@@ -36,6 +35,7 @@ from tiersync.net.protocol import Connection, Role
 from tiersync.net.samehost import local_copy
 from tiersync.net.server import TcpServer
 from tiersync.net.service import PeerInfo, Service
+from tiersync.net.socket_io import Deadline, FramedSocket, io_errors, tune
 from tiersync.net.tls import client_context
 from tiersync.net.transport import Channel, Server, Transport
 from tiersync.net.vocab import Vocabulary

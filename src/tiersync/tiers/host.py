@@ -176,7 +176,7 @@ class HostArena:
 
     def block(self, b: int) -> memoryview:
         """Writable view of host block ``b`` (its full stride)."""
-        self._check_open()
+        self.check_open()
         if not isinstance(b, (int, np.integer)) or not 0 <= b < self.num_blocks:
             raise UsageError("block id out of range", argument="b", block=b, num_blocks=self.num_blocks)
         return memoryview(self.memory[int(b)])
@@ -188,7 +188,7 @@ class HostArena:
     # -- lifecycle of blocks ------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """``n`` LOCKED blocks; their published entries are withdrawn first. See BlockAllocator.allocate."""
-        self._check_open()
+        self.check_open()
         blocks = self.allocator.allocate(n)
         self._withdraw(blocks)
         return blocks
@@ -199,7 +199,7 @@ class HostArena:
         With shm backing each entry is checksummed and marked valid last, so a
         restart recovers it. Blocks must be LOCKED by the caller.
         """
-        self._check_open()
+        self.check_open()
         blocks = [int(b) for b in blocks]
         if len(blocks) != len(keys):
             raise UsageError("needs one key per block", argument="keys", blocks=len(blocks), keys=len(keys))
@@ -225,7 +225,7 @@ class HostArena:
 
     def free(self, blocks: Sequence[int]) -> None:
         """Forget and free blocks (CACHED, or LOCKED once by the caller)."""
-        self._check_open()
+        self.check_open()
         self.allocator.free(blocks)
         self._withdraw(blocks)
 
@@ -253,7 +253,8 @@ class HostArena:
             except BufferError:  # a view is still exported; the map is freed with it
                 pass
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """ClosedError once the arena is closed."""
         if getattr(self, "_closed", False):
             raise ClosedError("host arena is closed")
 

@@ -176,7 +176,7 @@ class TransferEngine:
 
     def _post(self, runs: np.ndarray, direction: Direction) -> TransferFuture:
         self._check_open()
-        self.arena._check_open()
+        self.arena.check_open()
         to_host = direction is Direction.D2H
         host_first = runs[:, 1] if to_host else runs[:, 0]
         host_ids = expand(host_first, runs[:, 2])

@@ -21,14 +21,6 @@ Pure Python and numpy: importing never imports torch or JAX.
 from tiersync.weights.buffers import WeightsLease
 from tiersync.weights.config import PublisherConfig, ReceiverConfig, SyncStatus, TransportKind
 from tiersync.weights.executor import allocate_destination, execute_local, span_view
-from tiersync.weights.plan import (
-    PlanOptions,
-    TensorSpec,
-    Transfer,
-    TransferKind,
-    TransferPlan,
-    dtype_info,
-)
 from tiersync.weights.planner import PlanCache, default_plan_cache, plan_transfer
 from tiersync.weights.publisher import PublishResult, SamplerOutcome, WeightPublisher
 from tiersync.weights.receiver import ReceiveResult, WeightReceiver
@@ -42,6 +34,14 @@ from tiersync.weights.sharding import (
     shard_slices,
 )
 from tiersync.weights.spans import StridedSpan, box_span
+from tiersync.weights.transfer_plan import (
+    PlanOptions,
+    TensorSpec,
+    Transfer,
+    TransferKind,
+    TransferPlan,
+    dtype_info,
+)
 
 __all__ = [
     "Box",

@@ -12,9 +12,9 @@ from collections.abc import Mapping, MutableMapping
 import numpy as np
 
 from tiersync.errors import UsageError
-from tiersync.weights.plan import TransferKind, TransferPlan
 from tiersync.weights.sharding import shard_boxes
 from tiersync.weights.spans import StridedSpan
+from tiersync.weights.transfer_plan import TransferKind, TransferPlan
 
 __all__ = ["allocate_destination", "execute_local", "span_view"]
 

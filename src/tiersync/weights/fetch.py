@@ -29,9 +29,9 @@ from tiersync.net.tcp import TcpChannel, TcpTransport
 from tiersync.weights.config import TransportKind
 from tiersync.weights.executor import span_view
 from tiersync.weights.ops import WEIGHTS, Get, Sums, SumsReply
-from tiersync.weights.plan import TransferKind, TransferPlan
 from tiersync.weights.segment import SegmentReader
 from tiersync.weights.spans import StridedSpan
+from tiersync.weights.transfer_plan import TransferKind, TransferPlan
 
 __all__ = ["Job", "Source", "TcpPool", "build_jobs", "shm_copy"]
 

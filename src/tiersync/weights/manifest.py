@@ -15,8 +15,8 @@ from typing import Any
 
 from tiersync.errors import UsageError
 from tiersync.net.errors import ProtocolError, ProtocolFault
-from tiersync.weights.plan import PlanOptions, TensorSpec
 from tiersync.weights.sharding import Mesh, Sharding
+from tiersync.weights.transfer_plan import PlanOptions, TensorSpec
 
 __all__ = ["Manifest", "destination_layout", "host_id", "sharding_from_json", "sharding_to_json"]
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiersync.errors import UsageError
-from tiersync.weights.plan import PlanOptions, TensorSpec, Transfer, TransferKind, TransferPlan
 from tiersync.weights.sharding import Box, Sharding, dim_intervals, replica_groups
 from tiersync.weights.spans import box_span
+from tiersync.weights.transfer_plan import PlanOptions, TensorSpec, Transfer, TransferKind, TransferPlan
 
 __all__ = ["PlanCache", "default_plan_cache", "plan_transfer"]
 

@@ -32,12 +32,12 @@ from tiersync.net.service import Session
 from tiersync.weights.config import PublisherConfig, SyncStatus, TransportKind
 from tiersync.weights.manifest import Manifest, host_id
 from tiersync.weights.ops import Ack, Announce, Ready, Register, Release, Welcome
-from tiersync.weights.plan import PlanOptions
 from tiersync.weights.segment import SEGMENT_PREFIX, SegmentPool, tensor_offsets
 from tiersync.weights.serving import SpanService
 from tiersync.weights.sharding import Sharding, local_shape
-from tiersync.weights.source import validate_source
 from tiersync.weights.tensors import host_bytes, tensor_spec
+from tiersync.weights.transfer_plan import PlanOptions
+from tiersync.weights.validate import validate_source
 
 __all__ = ["PublishResult", "SamplerOutcome", "WeightPublisher"]
 

@@ -28,8 +28,8 @@ import numpy as np
 
 from tiersync.errors import ClosedError, IntegrityError, RemoteError, TierSyncError, UsageError
 from tiersync.net.errors import ProtocolError, ProtocolFault, log_level
-from tiersync.net.framed import Deadline
 from tiersync.net.server import TcpServer
+from tiersync.net.socket_io import Deadline
 from tiersync.net.tcp import TcpTransport
 from tiersync.weights.buffers import VersionedBuffers, WeightsLease
 from tiersync.weights.config import ReceiverConfig, ReceiveResult, TransportKind

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from tiersync.errors import UsageError
-from tiersync.weights.plan import dtype_info
+from tiersync.weights.transfer_plan import dtype_info
 
 __all__ = ["allocate", "as_torch", "host_bytes", "numpy_dtype", "tensor_spec"]
 

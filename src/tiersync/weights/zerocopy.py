@@ -16,10 +16,10 @@ import numpy as np
 from tiersync.weights.config import TransportKind
 from tiersync.weights.fetch import Job
 from tiersync.weights.manifest import Manifest
-from tiersync.weights.plan import dtype_info
 from tiersync.weights.segment import SegmentReader
 from tiersync.weights.sharding import shard_boxes
 from tiersync.weights.tensors import numpy_dtype
+from tiersync.weights.transfer_plan import dtype_info
 
 __all__ = ["zero_copy_views"]
 

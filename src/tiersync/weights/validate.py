@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from tiersync.errors import UsageError
-from tiersync.weights.plan import TensorSpec
 from tiersync.weights.sharding import Sharding, local_shape
 from tiersync.weights.tensors import tensor_spec
+from tiersync.weights.transfer_plan import TensorSpec
 
 __all__ = ["validate_source"]
 
