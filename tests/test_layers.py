@@ -107,3 +107,16 @@ def test_no_import_circle_at_import_time():
         if v not in index:
             visit(v)
     assert not cycles, cycles
+
+
+def test_no_module_over_400_lines_and_no_function_over_60():
+    """The house limits (one idea per module, per function), checked as ruff formats the code."""
+    long_modules, long_functions = [], []
+    for module, path in _modules().items():
+        text = path.read_text()
+        if len(text.splitlines()) > 400:
+            long_modules.append(f"{module}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long_functions.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long_modules and not long_functions, "\n".join(long_modules + long_functions)
