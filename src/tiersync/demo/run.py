@@ -18,121 +18,46 @@ naming the model and its weights version; every copy goes through a real
    disk (promoted to host, then h2d), byte-exact, and its logits must match
    the full recompute again.
 """
+
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
-from tiersync.demo.model import TinyModel, cache_layers, load_config
-from tiersync.demo.paged import PagedKV
-from tiersync.store import CacheIdentity, KVCacheStore, Residency, StoreConfig, block_keys
-from tiersync.tiers.storage import StorageConfig, StorageTier
+from tiersync.demo.model import cache_layers
+from tiersync.demo.rig import MODEL_NAME, Rig, Settings, build_rig, cache_identity
+from tiersync.demo.summary import ATOL, RTOL, summarize
+from tiersync.store import Residency, block_keys
 
-ATOL, RTOL = 1e-4, 1e-5
-MODEL_NAME = "tiersync-demo/tiny-llama"
+# MODEL_NAME, Settings, Rig, build_rig, cache_identity (tiersync.demo.rig), ATOL, RTOL and
+# summarize (tiersync.demo.summary) were defined here once: still importable from this module
+__all__ = [
+    "ATOL",
+    "MODEL_NAME",
+    "RTOL",
+    "TIMEOUT_S",
+    "Rig",
+    "Settings",
+    "build_rig",
+    "cache_identity",
+    "keys_of",
+    "kv_matches",
+    "load_prefix",
+    "make_prompts",
+    "request_one",
+    "request_two_full",
+    "request_two_reuse",
+    "run_demo",
+    "save_and_demote",
+    "save_blocks",
+    "serve_after_restart",
+    "summarize",
+]
+
 TIMEOUT_S = 120
-
-
-@dataclass(frozen=True)
-class Settings:
-    """One demo run. ``shared_tokens`` of the two prompts are equal; the rest differ."""
-
-    prompt_tokens: int = 4096
-    shared_tokens: int = 3800
-    block_size: int = 16
-    seed: int = 0
-    repeats: int = 1  # TTFT and loads are timed this many times; the fastest run is reported
-    inject_fault: bool = False  # corrupt one host block: the check must then FAIL
-    storage_dir: str | None = None  # None: a temporary directory, removed at the end
-    model_overrides: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.shared_tokens < self.prompt_tokens:
-            raise ValueError("need 0 < shared_tokens < prompt_tokens")
-        if self.repeats < 1:
-            raise ValueError("need repeats >= 1")
-        if self.block_size <= 0 or self.prompt_tokens < self.block_size:
-            raise ValueError("need prompt_tokens >= block_size > 0")
-
-
-@dataclass
-class Rig:
-    """Everything one run holds: model, device pool, the store (host + disk) and its identity."""
-
-    settings: Settings
-    model: TinyModel
-    paged: PagedKV
-    identity: CacheIdentity
-    storage_dir: str
-    own_dir: bool
-    host_blocks: int
-    store: KVCacheStore | None = None
-    cleared_blocks: int = 0
-
-    def open_store(self) -> float:
-        """Open a store with an empty host tier on ``storage_dir``; seconds it took (scan + prefault)."""
-        t0 = time.perf_counter()
-        storage = StorageTier(StorageConfig(self.storage_dir, self.identity.digest(), workers=2))
-        # Watermarks: no demotion while >= 1 host block is free; once none is, demote every idle entry.
-        # One batch for all of them: a demotion stops after its first batch once the free count is
-        # back over the low watermark, whatever high_watermark says (see the store's demotion loop).
-        n = self.host_blocks
-        cfg = StoreConfig(host_blocks=n, low_watermark=0.5 / n, high_watermark=1.0, demote_batch=n)
-        self.store = KVCacheStore(self.paged.layout, cfg, storage=storage)
-        self.store.arena.memory[:] = 0  # fault the pages in now, as a server does at start-up
-        return time.perf_counter() - t0
-
-    def close_store(self) -> None:
-        if self.store is not None:
-            self.store.close()
-            self.store = None
-
-    def close(self) -> None:
-        self.close_store()
-        if self.own_dir:
-            shutil.rmtree(self.storage_dir, ignore_errors=True)
-
-
-def cache_identity(s: Settings, paged: PagedKV) -> CacheIdentity:
-    """Model name + weights version (seed and config overrides) + dtype, block size, layout."""
-    overrides = json.dumps(s.model_overrides, sort_keys=True, default=str).encode()
-    version = f"random-seed{s.seed}-{xxhash.xxh3_64_hexdigest(overrides)}"
-    return CacheIdentity(MODEL_NAME, version, "float32", s.block_size, layout_digest=paged.layout.digest())
-
-
-def build_rig(s: Settings) -> Rig:
-    """Model, a pool with room for both requests side by side, a store with room for both requests' blocks."""
-    model = TinyModel(load_config(s.model_overrides), seed=s.seed)
-    per_request = -(-s.prompt_tokens // s.block_size)
-    paged = PagedKV(model.geometry, 2 * per_request, s.block_size)
-    own = s.storage_dir is None
-    directory = tempfile.mkdtemp(prefix="tiersync-demo-") if own else os.path.abspath(s.storage_dir)
-    full_blocks = s.prompt_tokens // s.block_size
-    new_in_two = full_blocks - s.shared_tokens // s.block_size  # request 2's full blocks not in request 1
-    rig = Rig(s, model, paged, cache_identity(s, paged), directory, own,
-              host_blocks=full_blocks + max(new_in_two, 1))
-    try:
-        rig.open_store()
-        stale = rig.store.storage.keys()
-        if stale:  # a given directory with blocks of this identity from an earlier run: start clean
-            rig.store.close()
-            with StorageTier(StorageConfig(directory, rig.identity.digest(), workers=1)) as st:
-                st.delete(stale)
-            rig.cleared_blocks = len(stale)
-            rig.open_store()
-    except BaseException:
-        rig.close()
-        raise
-    return rig
 
 
 def make_prompts(s: Settings, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +65,7 @@ def make_prompts(s: Settings, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(s.seed + 1)
     first = torch.randint(0, vocab, (s.prompt_tokens,), generator=gen)
     second = first.clone()
-    tail = second[s.shared_tokens:]
+    tail = second[s.shared_tokens :]
     tail.copy_((tail + 1 + torch.randint(0, vocab - 1, tail.shape, generator=gen)) % vocab)  # differs everywhere
     return first, second
 
@@ -156,8 +81,13 @@ def save_blocks(rig: Rig, tokens: torch.Tensor, device_blocks: list[int]) -> dic
     t0 = time.perf_counter()
     res = rig.store.save(device_blocks[: len(keys)], keys).result(TIMEOUT_S)
     seconds = time.perf_counter() - t0
-    return {"blocks": len(res.saved), "skipped": len(res.skipped), "bytes": len(res.saved) * rig.paged.block_nbytes,
-            "seconds": seconds, "keys": keys}
+    return {
+        "blocks": len(res.saved),
+        "skipped": len(res.skipped),
+        "bytes": len(res.saved) * rig.paged.block_nbytes,
+        "seconds": seconds,
+        "keys": keys,
+    }
 
 
 def _corrupt_host_block(rig: Rig, key: bytes) -> None:
@@ -197,8 +127,13 @@ def load_prefix(rig: Rig, tokens: torch.Tensor, first_device_block: int) -> dict
         rig.store.release(hit.keys)  # a failed load keeps the pins
         raise
     seconds = time.perf_counter() - t0
-    return {"blocks": hit.num_hits, "bytes": hit.num_hits * rig.paged.block_nbytes, "seconds": seconds,
-            "device_blocks": device, "hit": tiers}
+    return {
+        "blocks": hit.num_hits,
+        "bytes": hit.num_hits * rig.paged.block_nbytes,
+        "seconds": seconds,
+        "device_blocks": device,
+        "hit": tiers,
+    }
 
 
 def request_two_reuse(rig: Rig, tokens: torch.Tensor, first_device_block: int) -> dict[str, Any]:
@@ -242,9 +177,17 @@ def save_and_demote(rig: Rig, tokens: torch.Tensor, reuse: dict[str, Any], first
     written = storage.stats().bytes_written - written0
     st = store.stats()
     on_disk = sum(1 for r in store.residency(saved["keys"]) if r & Residency.STORAGE)
-    return {"saved_blocks": saved["blocks"], "layers": layers, "drained": drained, "seconds": seconds, "bytes": written,
-            "blocks": written // store.arena.block_nbytes if store.arena.block_nbytes else 0,
-            "host_entries": st.host_entries, "storage_entries": st.storage_entries, "request2_on_disk": on_disk}
+    return {
+        "saved_blocks": saved["blocks"],
+        "layers": layers,
+        "drained": drained,
+        "seconds": seconds,
+        "bytes": written,
+        "blocks": written // store.arena.block_nbytes if store.arena.block_nbytes else 0,
+        "host_entries": st.host_entries,
+        "storage_entries": st.storage_entries,
+        "request2_on_disk": on_disk,
+    }
 
 
 def serve_after_restart(rig: Rig, tokens: torch.Tensor, first_device_block: int) -> dict[str, Any]:
@@ -255,8 +198,7 @@ def serve_after_restart(rig: Rig, tokens: torch.Tensor, first_device_block: int)
     found = storage.num_blocks
     read0 = storage.stats().bytes_read
     out = _reuse_from_scratch(rig, tokens, first_device_block)
-    return {**out, "open_s": open_s, "storage_blocks_found": found,
-            "disk_bytes": storage.stats().bytes_read - read0}
+    return {**out, "open_s": open_s, "storage_blocks_found": found, "disk_bytes": storage.stats().bytes_read - read0}
 
 
 def kv_matches(rig: Rig, loaded: dict[str, Any], reference: list) -> bool:
@@ -265,8 +207,7 @@ def kv_matches(rig: Rig, loaded: dict[str, Any], reference: list) -> bool:
         return True
     n = loaded["blocks"] * rig.paged.block_size
     got = rig.paged.gather(loaded["device_blocks"])
-    return all(torch.equal(g[0], r[0][:, :, :n]) and torch.equal(g[1], r[1][:, :, :n])
-               for g, r in zip(got, reference))
+    return all(torch.equal(g[0], r[0][:, :, :n]) and torch.equal(g[1], r[1][:, :, :n]) for g, r in zip(got, reference))
 
 
 def _fastest(runs) -> dict[str, Any]:
@@ -274,7 +215,7 @@ def _fastest(runs) -> dict[str, Any]:
 
 
 def run_demo(s: Settings) -> dict[str, Any]:
-    """Run the scenario and return the result dict (see :func:`summarize`)."""
+    """Run the scenario and return the result dict (see :func:`tiersync.demo.summary.summarize`)."""
     rig = build_rig(s)
     try:
         first, second = make_prompts(s, rig.model.config.vocab_size)
@@ -292,71 +233,3 @@ def run_demo(s: Settings) -> dict[str, Any]:
         return summarize(rig, one, full, reuse, exact, demote, restart)
     finally:
         rig.close()
-
-
-def _span(blocks: list[int]) -> list[int]:
-    """``[first, last]`` of a block range, ``[]`` when empty."""
-    return [blocks[0], blocks[-1]] if blocks else []
-
-
-def _gbps(nbytes: int, seconds: float) -> float | None:
-    return nbytes / seconds / 1e9 if seconds > 0 else None
-
-
-def _logits_check(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
-    return {"logits_max_abs_diff": float((a - b).abs().max()),
-            "logits_allclose": bool(torch.allclose(a, b, atol=ATOL, rtol=RTOL)),
-            "argmax_match": int(a.argmax()) == int(b.argmax())}
-
-
-def summarize(rig: Rig, one: dict, full: dict, reuse: dict, kv_exact: bool, demote: dict,
-              restart: dict | None) -> dict[str, Any]:
-    """The JSON-able result: sizes, timings, bandwidths and the correctness checks."""
-    s = rig.settings
-    check = _logits_check(full["logits"], reuse["logits"])
-    host_only = reuse["hit"]["storage"] == 0
-    phase2_ok = check["logits_allclose"] and check["argmax_match"] and kv_exact and host_only
-    disk = {"storage_dir": rig.storage_dir, "storage_dir_kept": not rig.own_dir,
-            "cleared_stale_blocks": rig.cleared_blocks,
-            "demote": {"request2_blocks_saved": demote["saved_blocks"], "blocks": demote["blocks"],
-                       "bytes": demote["bytes"], "seconds": demote["seconds"],
-                       "gbps": _gbps(demote["bytes"], demote["seconds"]), "drained": demote["drained"],
-                       "host_entries_after": demote["host_entries"],
-                       "storage_entries_after": demote["storage_entries"]}}
-    if restart is None:
-        disk["restart"] = {"skipped": "request 2 has no full block of its own, so nothing filled the host tier",
-                           "passed": True}
-    else:
-        rc = _logits_check(full["logits"], restart["logits"])
-        expected = (s.prompt_tokens - 1) // s.block_size  # every block of request 2 left before its last token
-        hit_disk = restart["hit"]["storage"] == expected and restart["hit"]["host"] == 0 and restart["blocks"] == expected
-        disk["restart"] = {
-            "open_s": restart["open_s"], "storage_blocks_found": restart["storage_blocks_found"],
-            "blocks_hit": restart["hit"], "expected_blocks": expected, "blocks_reused": restart["blocks"],
-            "reused_tokens": restart["reused_tokens"], "suffix_tokens": s.prompt_tokens - restart["reused_tokens"],
-            "disk_bytes": restart["disk_bytes"], "h2d_bytes": restart["bytes"],
-            "load_s": restart["seconds"], "load_gbps": _gbps(restart["bytes"], restart["seconds"]),
-            "ttft_s": restart["ttft_s"],
-            "speedup": full["ttft_s"] / restart["ttft_s"] if restart["ttft_s"] > 0 else None,
-            **rc, "kv_bytes_exact": restart["kv_exact"], "hit_on_disk": hit_disk,
-            "passed": rc["logits_allclose"] and rc["argmax_match"] and restart["kv_exact"] and hit_disk,
-        }
-    return {
-        "model": {"name": rig.identity.model, "weights_version": rig.identity.weights_version,
-                  "layers": rig.model.geometry.num_layers, "kv_heads": rig.model.geometry.kv_heads,
-                  "head_dim": rig.model.geometry.head_dim, "params": rig.model.num_params,
-                  "dtype": "float32"},
-        "prompt_tokens": s.prompt_tokens, "shared_tokens": s.shared_tokens, "block_size": s.block_size,
-        "repeats": s.repeats, "block_bytes": rig.paged.block_nbytes, "host_blocks": rig.host_blocks,
-        "blocks_offloaded": one["blocks"], "d2h_bytes": one["bytes"], "d2h_s": one["seconds"],
-        "d2h_gbps": _gbps(one["bytes"], one["seconds"]),
-        "blocks_reused": reuse["blocks"], "blocks_hit": reuse["hit"], "reused_tokens": reuse["reused_tokens"],
-        "suffix_tokens": s.prompt_tokens - reuse["reused_tokens"],
-        "device_blocks": {"request1": _span(one["device_blocks"]), "request2": _span(reuse["device_blocks"])},
-        "h2d_bytes": reuse["bytes"], "h2d_s": reuse["seconds"], "h2d_gbps": _gbps(reuse["bytes"], reuse["seconds"]),
-        "prefill1_s": one["prefill_s"], "ttft_no_reuse_s": full["ttft_s"], "ttft_reuse_s": reuse["ttft_s"],
-        "speedup": full["ttft_s"] / reuse["ttft_s"] if reuse["ttft_s"] > 0 else None,
-        **check, "atol": ATOL, "rtol": RTOL, "kv_bytes_exact": kv_exact, "host_phase_passed": phase2_ok,
-        **disk,
-        "passed": phase2_ok and disk["restart"]["passed"],
-    }

@@ -6,8 +6,8 @@
   :class:`ReshardPlan` (coalesced byte spans per (src_rank, dst_rank), layer-relative).
 - :mod:`~tiersync.disagg.spanio`: :func:`gather`, :func:`scatter`, :func:`apply_plan`.
 - :mod:`~tiersync.disagg.producer`: :class:`KVProducer` (prefill rank: register, layer_ready, poll).
-- :mod:`~tiersync.disagg.consumer`: :class:`KVConsumer`, :class:`SourceSpec`, :class:`ReadHandle`
-  (decode rank: start_read, wait_layer, poll).
+- :mod:`~tiersync.disagg.consumer`: :class:`KVConsumer`, :class:`SourceSpec` (decode rank:
+  start_read, poll); :mod:`~tiersync.disagg.read_handle`: :class:`ReadHandle` (wait_layer).
 - :mod:`~tiersync.disagg.ops`, :mod:`~tiersync.disagg.link`: the prefill -> decode operations
   on the one tiersync wire stack (:mod:`tiersync.net`: frames, token + TLS handshake, server,
   connection pool, same-host reads) and the reader's side of one link.

@@ -24,36 +24,33 @@ disconnects or dies, or a frame is bad; a FAILED read may have written part of i
 destination blocks (never reported as arrived), and :meth:`KVConsumer.poll` reports it only
 once no thread can write them any more.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from tiersync.completion import Completion
 from tiersync.disagg.config import DisaggConfig, FinishedRequests, RequestState, check_side
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.disagg.link import pull_route
 from tiersync.disagg.messages import ReadRequest, check_request_id
 from tiersync.disagg.ops import KV
-from tiersync.disagg.reshard import ReshardPlan, ReshardPlanner, block_table, default_planner
+from tiersync.disagg.read_handle import LayerCallback, ReadHandle
+from tiersync.disagg.reshard import ReshardPlanner, block_table, default_planner
 from tiersync.disagg.spanio import byte_view
 from tiersync.errors import ClosedError, RemoteError, TierSyncError, UsageError, check_positive_int
 from tiersync.net.config import parse_address
 from tiersync.net.errors import NetTimeoutError, PeerClosedError, log_level
-from tiersync.net.tcp import TcpChannel, TcpTransport
+from tiersync.net.tcp import TcpTransport
 from tiersync.net.transport import ChannelPool
 
 log = logging.getLogger(__name__)
 
 __all__ = ["KVConsumer", "ReadHandle", "SourceSpec"]
-
-LayerCallback = Callable[[str, int], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +69,9 @@ class SourceSpec:
             raise UsageError("must be a PagedKVLayout", argument="source.layout")
         addresses = tuple(self.addresses) if not isinstance(self.addresses, str) else ()
         if len(addresses) != self.layout.tp_size:
-            raise UsageError("needs one address per prefill rank", argument="source.addresses",
-                             tp_size=self.layout.tp_size)
+            raise UsageError(
+                "needs one address per prefill rank", argument="source.addresses", tp_size=self.layout.tp_size
+            )
         for i, a in enumerate(addresses):
             parse_address(a, f"source.addresses[{i}]")
         check_positive_int(self.num_tokens, "source.num_tokens")
@@ -81,161 +79,37 @@ class SourceSpec:
         object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
 
     def to_dict(self) -> dict:
-        return {"layout": self.layout.to_dict(), "addresses": list(self.addresses),
-                "block_ids": list(self.block_ids), "num_tokens": self.num_tokens}
+        return {
+            "layout": self.layout.to_dict(),
+            "addresses": list(self.addresses),
+            "block_ids": list(self.block_ids),
+            "num_tokens": self.num_tokens,
+        }
 
     @classmethod
     def from_dict(cls, data: Any) -> SourceSpec:
         """Inverse of :meth:`to_dict`. Raises UsageError naming ``source`` or the field."""
         if not isinstance(data, dict) or set(data) != {"layout", "addresses", "block_ids", "num_tokens"}:
             raise UsageError("malformed source description", argument="source")
-        return cls(PagedKVLayout.from_dict(data["layout"], argument="source.layout"), tuple(data["addresses"]),
-                   tuple(data["block_ids"]), data["num_tokens"])
-
-
-class ReadHandle(Completion[None]):
-    """One request being received (a :class:`~tiersync.completion.Completion`): ``state``,
-    ``error`` (why it FAILED), ``arrived_layers``.
-
-    :meth:`wait_layer` blocks until a layer landed in its host buffer (True), the timeout
-    passed (False) or the read failed (raises the RemoteError behind it).
-    """
-
-    def __init__(self, request_id: str, plan: ReshardPlan, sources: tuple[int, ...], views: list[np.ndarray],
-                 deadline: float, on_layer: LayerCallback | None, progress: threading.Event | None = None) -> None:
-        super().__init__()
-        self.request_id, self.plan, self.sources = request_id, plan, sources
-        self._progress = progress  # set once this read becomes final
-        self.deadline = deadline
-        self._views, self._on_layer = views, on_layer
-        self._counts = [0] * plan.num_layers
-        self._commits = 0
-        self._arrived: list[int] = []
-        self._channels: set[TcpChannel] = set()
-        self._pulling = 0  # threads that may still write the landing buffers
-
-    what = "prefill -> decode read"
-
-    @property
-    def state(self) -> RequestState:
-        """PENDING while receiving, then DONE or FAILED."""
-        return self.status
-
-    @property
-    def error(self) -> BaseException | None:
-        """Why the read FAILED (None otherwise)."""
-        return self._error
-
-    @property
-    def arrived_layers(self) -> tuple[int, ...]:
-        """Layers landed so far, in arrival order."""
-        with self._cond:
-            return tuple(self._arrived)
-
-    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
-        """Wait for ``layer``; raises the failure when the read FAILED. ``timeout=None`` waits
-        until the request's deadline."""
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.plan.num_layers:
-            raise UsageError("must be in [0, num_layers)", argument="layer", value=layer)
-        end = self.deadline if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while layer not in self._arrived and self.state is RequestState.PENDING:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            if layer in self._arrived:
-                return True
-            raise self._error  # type: ignore[misc]  # FAILED: set by _fail
-
-    def wait(self, timeout: float | None = None) -> RequestState:
-        """Wait until DONE or FAILED (or the timeout); returns the state."""
-        end = self.deadline if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self.state is RequestState.PENDING and end > time.monotonic():
-                self._cond.wait(end - time.monotonic())
-            return self.state
-
-    # -- used by the consumer's threads --------------------------------------------------------
-    def _start(self) -> None:
-        with self._cond:
-            self._pulling += 1
-
-    def _stop(self) -> None:
-        with self._cond:
-            self._pulling -= 1
-            self._cond.notify_all()
-        if self._progress is not None and self.state is not RequestState.PENDING:
-            self._progress.set()
-
-    def _attach(self, channel: TcpChannel) -> bool:
-        with self._cond:
-            if self.state is not RequestState.PENDING:
-                return False
-            self._channels.add(channel)
-            return True
-
-    def _detach(self, channel: TcpChannel) -> None:
-        with self._cond:
-            self._channels.discard(channel)
-
-    def _buffer(self, layer: int) -> np.ndarray:
-        """Layer ``layer``'s landing buffer, for a pulling thread (refused once the read is final)."""
-        with self._cond:
-            if self.state is not RequestState.PENDING:
-                raise PeerClosedError("read already final", request=self.request_id)
-            return self._views[layer]
-
-    def _landed(self, layer: int) -> None:
-        """One source's part of a layer landed and was verified; the layer has arrived once
-        every source delivered it."""
-        with self._cond:
-            if self.state is not RequestState.PENDING:
-                raise PeerClosedError("read already final", request=self.request_id)
-            self._counts[layer] += 1
-            if self._counts[layer] < len(self.sources):
-                return
-            self._arrived.append(layer)
-            self._cond.notify_all()
-        if self._on_layer is not None:
-            self._on_layer(self.request_id, layer)
-
-    def _quiet(self, timeout: float = 0.0) -> bool:
-        """No pulling thread of this read is still running (none can write its buffers);
-        waits up to ``timeout`` seconds for that."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._pulling == 0, timeout)
-
-    def _counted(self) -> None:
-        """One source counted this reader (KV_DONE COMMITTED: it kept its buffers until every
-        byte was sent). DONE once every layer arrived and every source counted the read."""
-        with self._cond:
-            self._commits += 1
-            if self.state is not RequestState.PENDING or self._commits < len(self.sources):
-                return
-            if len(self._arrived) != self.plan.num_layers or not self._settle(None):
-                return
-        if self._progress is not None:
-            self._progress.set()
-
-    def _fail(self, error: BaseException) -> bool:
-        """FAILED (once): close every connection of the request. True when this call failed it."""
-        with self._cond:  # re-entrant: the state and the channels change together
-            if not super()._fail(error):
-                return False
-            channels, self._channels = list(self._channels), set()
-        for channel in channels:
-            channel.close()
-        if self._progress is not None:
-            self._progress.set()
-        return True
+        return cls(
+            PagedKVLayout.from_dict(data["layout"], argument="source.layout"),
+            tuple(data["addresses"]),
+            tuple(data["block_ids"]),
+            data["num_tokens"],
+        )
 
 
 class KVConsumer:
     """Pulls requests into this decode rank (``rank`` of ``layout``'s TP group). Thread-safe."""
 
-    def __init__(self, layout: PagedKVLayout, rank: int, config: DisaggConfig | None = None, *,
-                 planner: ReshardPlanner | None = None) -> None:
+    def __init__(
+        self,
+        layout: PagedKVLayout,
+        rank: int,
+        config: DisaggConfig | None = None,
+        *,
+        planner: ReshardPlanner | None = None,
+    ) -> None:
         self.config = check_side(layout, rank, config)
         self.layout, self.rank = layout, rank
         self._planner = planner or default_planner()
@@ -246,8 +120,14 @@ class KVConsumer:
         self._closed = False
         self._pool = ChannelPool(TcpTransport(self.config.tcp_config(server=False), KV))
 
-    def start_read(self, request_id: str, source: SourceSpec, dst_block_ids: Sequence[int],
-                   landing: Sequence[Any], on_layer: LayerCallback | None = None) -> ReadHandle:
+    def start_read(
+        self,
+        request_id: str,
+        source: SourceSpec,
+        dst_block_ids: Sequence[int],
+        landing: Sequence[Any],
+        on_layer: LayerCallback | None = None,
+    ) -> ReadHandle:
         """Start pulling ``request_id`` from ``source`` into ``landing[l]`` (layer ``l``'s host
         buffer in this rank's layout, writable, exactly ``layout.layer_nbytes``) at
         ``dst_block_ids``. Returns at once. ``on_layer(request_id, layer)`` runs on an I/O thread
@@ -266,8 +146,9 @@ class KVConsumer:
         plan = self._planner.plan(source.layout, self.layout, source.block_ids, dst_block_ids, source.num_tokens)
         sources = plan.sources_of(self.rank)
         dst_ids = tuple(block_table(dst_block_ids, self.layout, source.num_tokens, "dst_block_ids").tolist())
-        handle = ReadHandle(request_id, plan, sources, views, time.monotonic() + self.config.timeout_s, on_layer,
-                            self._progress)
+        handle = ReadHandle(
+            request_id, plan, sources, views, time.monotonic() + self.config.timeout_s, on_layer, self._progress
+        )
         with self._lock:
             if self._closed:
                 raise ClosedError("consumer is closed", argument="self")
@@ -277,10 +158,19 @@ class KVConsumer:
         notify = plan.idle_sources() if self.rank == 0 else ()
         for src_rank in sources + notify:
             handle._start()
-            read = ReadRequest(request_id, src_rank, self.rank, self.layout, dst_ids,
-                               source.block_ids, source.num_tokens, notify_only=src_rank in notify)
-            threading.Thread(target=self._pull, args=(handle, source.addresses[src_rank], read), daemon=True,
-                             name="tiersync-kv-recv").start()
+            read = ReadRequest(
+                request_id,
+                src_rank,
+                self.rank,
+                self.layout,
+                dst_ids,
+                source.block_ids,
+                source.num_tokens,
+                notify_only=src_rank in notify,
+            )
+            threading.Thread(
+                target=self._pull, args=(handle, source.addresses[src_rank], read), daemon=True, name="tiersync-kv-recv"
+            ).start()
         return handle
 
     def poll(self) -> FinishedRequests:
@@ -337,8 +227,16 @@ class KVConsumer:
                     return
                 spans = handle.plan.route_spans(read.src_rank, self.rank)
                 try:
-                    pull_route(channel, read, spans, handle.plan.num_layers, handle.deadline, self.config,
-                               handle._buffer, handle._landed)
+                    pull_route(
+                        channel,
+                        read,
+                        spans,
+                        handle.plan.num_layers,
+                        handle.deadline,
+                        self.config,
+                        handle._buffer,
+                        handle._landed,
+                    )
                     if not read.notify_only:
                         handle._counted()
                 finally:

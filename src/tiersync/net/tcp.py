@@ -6,7 +6,9 @@ resuming after partial sends; payloads are received with ``recv_into`` straight
 into the caller's buffer. Every blocking call runs under a deadline and raises
 :class:`NetTimeoutError` (with ``peer``) when it passes (plain TCP: at most
 ``_SLACK`` of the time that was left late, see :class:`~tiersync.net.socket_io.FramedSocket`).
+A batch of pulls is cut into requests by :mod:`tiersync.net.pull_plan`.
 """
+
 from __future__ import annotations
 
 import collections
@@ -14,7 +16,7 @@ import itertools
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
@@ -32,6 +34,7 @@ from tiersync.net.frames import PayloadChecksum
 from tiersync.net.handshake import client_handshake
 from tiersync.net.local import LocalReadError
 from tiersync.net.protocol import Connection, Role
+from tiersync.net.pull_plan import local_groups, plan_pulls, writable
 from tiersync.net.samehost import local_copy
 from tiersync.net.server import TcpServer
 from tiersync.net.service import PeerInfo, Service
@@ -40,18 +43,10 @@ from tiersync.net.tls import client_context
 from tiersync.net.transport import Channel, Server, Transport
 from tiersync.net.vocab import Vocabulary
 
-if TYPE_CHECKING:
-    from typing_extensions import Buffer
-
 __all__ = ["Deadline", "Route", "TcpChannel", "TcpConfig", "TcpTransport", "parse_address"]
 
 _BROKEN = (PeerClosedError, ProtocolError, NetTimeoutError, AuthError)
-_GROUP_BYTES = 1 << 20  # pulls smaller than this are grouped into one PULL_MANY ...
-_GROUP_LIMIT = 4 << 20  # ... of about this size
-_GROUP_ITEMS = 64
-_LOCAL_GROUP = 32 << 20  # bytes per PULL_LOCAL: two in flight, one copied while the next is looked up
-_Item = tuple[bytes, int, memoryview]  # (key, offset, destination) of a pull, checked
-_Pull = tuple[so.Pull | so.PullMany, memoryview | list[memoryview]]  # a request and where its DATA lands
+
 
 class TcpChannel(Channel):
     """Client side of one TCP connection. Use :meth:`TcpTransport.connect` to build."""
@@ -125,13 +120,19 @@ class TcpChannel(Channel):
                 self._shut()
                 raise
 
-    def pull_many(self, lease_id: int, items: Sequence[tuple[bytes, int, memoryview]], *,
-                  window: int = 8, timeout: float | None = None) -> None:
+    def pull_many(
+        self,
+        lease_id: int,
+        items: Sequence[tuple[bytes, int, memoryview]],
+        *,
+        window: int = 8,
+        timeout: float | None = None,
+    ) -> None:
         """Pull ``(key, offset, dest)`` items under ``lease_id``, keeping ``window`` requests in
         flight on this one connection so the round trip of one hides behind the next.
 
         Each payload lands straight in its ``dest`` (exact size); items under 1 MiB travel
-        grouped, one PULL_MANY per about 1 MiB whose single DATA answer is scattered into
+        grouped, one PULL_MANY per about 4 MiB (``GROUP_LIMIT``) whose single DATA answer is scattered into
         their buffers. One deadline covers the whole batch. Raises like :meth:`request` (an
         ERROR answer raises RequestError after the channel is closed, since later answers
         are still in flight).
@@ -140,10 +141,16 @@ class TcpChannel(Channel):
             raise UsageError("must be >= 1", argument="window", value=window)
         if self.local_route():
             return self._pull_local(lease_id, items, timeout)
-        self.pipeline(self._pulls(lease_id, items), window=window, timeout=timeout)
+        self.pipeline(plan_pulls(lease_id, items, self.new_request_id), window=window, timeout=timeout)
 
-    def pipeline(self, requests: Iterable[tuple[ev.Request, object]], *, window: int = 8, timeout: float | None = None,
-                 landed: Callable[[int, object], None] | None = None) -> None:
+    def pipeline(
+        self,
+        requests: Iterable[tuple[ev.Request, object]],
+        *,
+        window: int = 8,
+        timeout: float | None = None,
+        landed: Callable[[int, object], None] | None = None,
+    ) -> None:
         """Send ``(request, destination)`` pairs keeping ``window`` requests in flight. A request
         with a destination (a buffer or a list of buffers, exact size) is answered by one DATA
         landing in place; one with ``None`` by any answer its vocabulary allows.
@@ -169,8 +176,13 @@ class TcpChannel(Channel):
                 self._shut()
                 raise
 
-    def _receive_some(self, pending: collections.deque[tuple[int, bool]], most: int, deadline: Deadline,
-                      landed: Callable[[int, object], None] | None) -> None:
+    def _receive_some(
+        self,
+        pending: collections.deque[tuple[int, bool]],
+        most: int,
+        deadline: Deadline,
+        landed: Callable[[int, object], None] | None,
+    ) -> None:
         """The answers to the first pending requests: consecutive DATA ones in one native call."""
         rid, has_dest = pending[0]
         if not has_dest:
@@ -185,26 +197,6 @@ class TcpChannel(Channel):
             if landed is not None:
                 landed(rid, None)
 
-    def _pulls(self, lease_id: int, items: Iterable[tuple[bytes, int, object]]) -> list[_Pull]:
-        """Validate every item before anything is sent (UsageError naming ``items``), then group
-        the small ones: ``(PULL or PULL_MANY, destination buffer or buffers)``."""
-        out: list[_Pull] = []
-        group: list[_Item] = []
-        size = 0
-        for key, offset, dest in items:
-            view = _writable(dest)
-            if len(view) >= _GROUP_BYTES:
-                out.append((so.Pull(next(self._ids), lease_id, key, offset, len(view)), view))
-                continue
-            group.append((key, offset, view))
-            size += len(view)
-            if size >= _GROUP_LIMIT or len(group) == _GROUP_ITEMS:
-                out.append(self._group(lease_id, group))
-                group, size = [], 0
-        if group:
-            out.append(self._group(lease_id, group))
-        return out
-
     def local_route(self) -> bool:
         """Same-host reads for this channel: the route allows them and the server is on this
         host (UsageError when the route is LOCAL and it is not), and no same-host read was
@@ -214,32 +206,32 @@ class TcpChannel(Channel):
             return False
         if not self.info.same_host:
             if route is Route.LOCAL:
-                raise UsageError("route is LOCAL but the server is on another host", argument="route",
-                                 peer=self.peer)
+                raise UsageError("route is LOCAL but the server is on another host", argument="route", peer=self.peer)
             return False
         return True
 
-    def _pull_local(self, lease_id: int, items: Iterable[tuple[bytes, int, object]],
-                    timeout: float | None) -> None:
+    def _pull_local(self, lease_id: int, items: Iterable[tuple[bytes, int, object]], timeout: float | None) -> None:
         """PULL_LOCAL, then copy every range out of the server's memory (``process_vm_readv``)
-        and verify it against the checksum the server sent; groups of about _LOCAL_GROUP bytes,
+        and verify it against the checksum the server sent; groups of about LOCAL_GROUP bytes,
         the next one asked for before this one is copied (the server's lookups and checksums
         overlap the copy). On a refused read (permissions, another pid namespace) route AUTO
         falls back to TCP for good, route LOCAL raises."""
-        checked = [(key, offset, _writable(dest)) for key, offset, dest in items]
+        checked = [(key, offset, writable(dest)) for key, offset, dest in items]
         deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
-        groups = list(_local_groups(checked, self._framed.cfg.protocol.max_keys))
+        groups = list(local_groups(checked, self._framed.cfg.protocol.max_keys))
         asked: list[int] = []
         for i, group in enumerate(groups):
             while len(asked) < min(i + 2, len(groups)):
-                req = so.PullLocal(self.new_request_id(), lease_id, tuple((k, o, len(v)) for k, o, v in groups[len(asked)]))
+                req = so.PullLocal(
+                    self.new_request_id(), lease_id, tuple((k, o, len(v)) for k, o, v in groups[len(asked)])
+                )
                 self.send(req, timeout=deadline.remaining())
                 asked.append(req.request_id)
             reply = self.next_answer(asked[i], timeout=deadline.remaining())
             try:
                 self.local_copy(reply, [v for _, _, v in group])
             except LocalReadError as exc:
-                for rid in asked[i + 1:]:  # answers still in flight
+                for rid in asked[i + 1 :]:  # answers still in flight
                     self.next_answer(rid, timeout=deadline.remaining())
                 self.local_refused(exc)
                 return self.pull_many(lease_id, [x for g in groups[i:] for x in g], timeout=deadline.remaining())
@@ -257,15 +249,13 @@ class TcpChannel(Channel):
             raise exc
         self._local_failed = True
 
-    def _group(self, lease_id: int, group: list[_Item]) -> _Pull:
-        if len(group) == 1:
-            key, offset, view = group[0]
-            return so.Pull(next(self._ids), lease_id, key, offset, len(view)), view
-        items = tuple((k, o, len(v)) for k, o, v in group)
-        return so.PullMany(next(self._ids), lease_id, items), [v for _, _, v in group]
-
-    def _send_pulls(self, todo: Iterator[tuple[ev.Request, object]], n: int,
-                    pending: collections.deque[tuple[int, bool]], deadline: Deadline) -> None:
+    def _send_pulls(
+        self,
+        todo: Iterator[tuple[ev.Request, object]],
+        n: int,
+        pending: collections.deque[tuple[int, bool]],
+        deadline: Deadline,
+    ) -> None:
         """Encode up to ``n`` more requests from ``todo``, register their buffers, send them in one go."""
         conn = self._framed.conn
         bufs: list[bytes | memoryview] = []
@@ -309,8 +299,9 @@ class TcpChannel(Channel):
                 raise PeerClosedError(f"peer ended the connection: {event.message}", peer=self.peer)
             raise RequestError(event.message or "request failed", code=event.code, peer=self.peer)
         if getattr(event, "request_id", None) != request_id:
-            raise ProtocolError("peer sent a request on a client channel", fault=ProtocolFault.UNEXPECTED,
-                                peer=self.peer)
+            raise ProtocolError(
+                "peer sent a request on a client channel", fault=ProtocolFault.UNEXPECTED, peer=self.peer
+            )
         return event
 
     def _check_open(self) -> None:
@@ -365,27 +356,3 @@ class TcpTransport(Transport):
 
     def serve(self, address: str, service: Service) -> Server:
         return TcpServer(address, service, self.config)
-
-
-def _local_groups(items: list[_Item], max_keys: int) -> Iterator[list[_Item]]:
-    """Consecutive items of about _LOCAL_GROUP bytes (at most ``max_keys``) each."""
-    group: list[_Item] = []
-    size = 0
-    for item in items:
-        group.append(item)
-        size += len(item[2])
-        if size >= _LOCAL_GROUP or len(group) == max_keys:
-            yield group
-            group, size = [], 0
-    if group:
-        yield group
-
-
-def _writable(dest: object) -> memoryview:
-    try:
-        view = memoryview(cast("Buffer", dest)).cast("B")
-    except TypeError as exc:
-        raise UsageError("destinations must be contiguous buffers", argument="items") from exc
-    if view.readonly:
-        raise UsageError("destinations must be writable", argument="items")
-    return view

@@ -4,10 +4,10 @@ Format and why (details in :mod:`tiersync.tiers.storage_format`): a write batch 
 an immutable *segment* file — a header area with a per-record descriptor (magic,
 version, cache-identity digest, key, offset, length, xxh3_64 of the payload, self
 checksum) followed by 4 KiB-aligned payloads. It is written under a temporary name
-with one ``pwritev``, fsynced, atomically renamed and the directory fsynced; the
-write's future completes only after that, so an acknowledged block survives a SIGKILL
-or power loss and a reader (this or another process or machine) never sees a
-half-written segment. Write batches queued together (while the workers are busy) are
+with one ``pwritev``, fsynced, atomically renamed and the directory fsynced
+(:mod:`tiersync.tiers.storage_write`); the write's future completes only after that,
+so an acknowledged block survives a SIGKILL or power loss and a reader (this or
+another process or machine) never sees a half-written segment. Write batches queued together (while the workers are busy) are
 packed into one segment of up to ``segment_bytes`` — one file and one fsync for the
 burst, long files for sequential reads.
 
@@ -32,35 +32,31 @@ cannot be written (EACCES/EPERM/EROFS) raises :class:`UsageError` naming
 is unchanged. Reads of vanished or unreadable files are misses (``MISSING``,
 ``UNREADABLE``). Thread-safe; I/O runs on ``workers`` threads and returns futures.
 """
+
 from __future__ import annotations
 
-import errno
-import itertools
+import functools
 import logging
 import os
 import re
 import socket
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-import xxhash
-
-from tiersync.errors import CapacityError, ClosedError, UsageError, check_positive_int
+from tiersync.errors import ClosedError, UsageError, check_positive_int
 from tiersync.tiers import storage_format as fmt
 from tiersync.tiers import storage_io as sio
 from tiersync.tiers.storage_index import SegmentIndex, unlink_quiet
 from tiersync.tiers.storage_queue import Combiner
 from tiersync.tiers.storage_read import ReadPass, ReadStatus
+from tiersync.tiers.storage_write import SegmentWriter, take_writes
 
 __all__ = ["ReadStatus", "StorageConfig", "StorageStats", "StorageTier"]
 
-_FULL = {errno.ENOSPC, errno.EDQUOT}
 log = logging.getLogger(__name__)
-_DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
 _THREAD_PREFIX = "tiersync-storage"
 _READ_PASSES = 2  # a lone read is served at once; what queues meanwhile shares the second pass
 _Request = tuple[list[bytes], list[memoryview]]  # (keys, views) of one write or read
@@ -131,24 +127,45 @@ class StorageTier:
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as exc:
-            raise UsageError("cannot create the storage directory", argument="StorageConfig.directory",
-                             path=self.directory, error=exc.strerror) from exc
+            raise UsageError(
+                "cannot create the storage directory",
+                argument="StorageConfig.directory",
+                path=self.directory,
+                error=exc.strerror,
+            ) from exc
         self._prefix = config.identity.hex() + "-"
         self._host = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:32] or "host"
         self._writer = f"{self._host}.{os.getpid()}.{os.urandom(3).hex()}"
         self.writable = self._probe_writable()
         """Whether this process can write here (probed at construction; reads work either way)."""
-        self._seq = itertools.count()
         self._index = SegmentIndex(self.directory, config.identity)
         self._lock = self._index.lock  # the index; never held during I/O
         self._locs = self._index.locs
         self._scan_lock = threading.Lock()  # one directory scan at a time
         self._direct = sio.DirectIO(config.direct_io)
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix=_THREAD_PREFIX)
-        self._writes = Combiner(self._pool, self._serve_writes, max_active=config.workers, take=self._take_writes)
+        self._writes = Combiner(
+            self._pool,
+            self._serve_writes,
+            max_active=config.workers,
+            take=functools.partial(take_writes, segment_bytes=config.segment_bytes),
+        )
         self._io = ThreadPoolExecutor(config.read_depth, thread_name_prefix=_THREAD_PREFIX + "-read")
+        self._segments = SegmentWriter(
+            self.directory,
+            config.identity,
+            f"{self._prefix}{self._writer}-",
+            self._index,
+            self._direct,
+            self._io,
+            direct_writes=config.direct_writes,
+            fsync=config.fsync,
+        )
         self._reads: Combiner[_Request, list[ReadStatus]] = Combiner(
-            self._pool, lambda reqs: ReadPass(self._index, self.directory, self._direct, reqs, self._io).run(), max_active=_READ_PASSES)
+            self._pool,
+            lambda reqs: ReadPass(self._index, self.directory, self._direct, reqs, self._io).run(),
+            max_active=_READ_PASSES,
+        )
         self._closed = False
         self._remove_orphans()
         self.refresh()
@@ -162,8 +179,11 @@ class StorageTier:
             os.unlink(probe)
             return True
         except OSError as exc:
-            log.warning("storage directory %s is not writable (%s): it serves reads only, every write is "
-                        "refused", self.directory, exc.strerror)
+            log.warning(
+                "storage directory %s is not writable (%s): it serves reads only, every write is refused",
+                self.directory,
+                exc.strerror,
+            )
             return False
 
     def __repr__(self) -> str:
@@ -213,9 +233,19 @@ class StorageTier:
     def stats(self) -> StorageStats:
         with self._lock:
             c = self._index.counts
-            return StorageStats(len(self._locs), len(self._index.live), c["corrupt"], c["truncated"], c["foreign"],
-                                c["unreadable"], c["read_corrupt"], c["bytes_written"], c["bytes_read"],
-                                self._direct.on, c["deleted"])
+            return StorageStats(
+                len(self._locs),
+                len(self._index.live),
+                c["corrupt"],
+                c["truncated"],
+                c["foreign"],
+                c["unreadable"],
+                c["read_corrupt"],
+                c["bytes_written"],
+                c["bytes_read"],
+                self._direct.on,
+                c["deleted"],
+            )
 
     def delete(self, keys: Sequence[bytes]) -> None:
         """Forget ``keys`` for good (this process and any later scan, e.g. after a restart).
@@ -240,8 +270,9 @@ class StorageTier:
         self._check_open()
         keys = [bytes(k) for k in keys]
         if len(keys) != len(views) or not keys:
-            raise UsageError("needs one view per key and at least one key", argument="views",
-                             keys=len(keys), views=len(views))
+            raise UsageError(
+                "needs one view per key and at least one key", argument="views", keys=len(keys), views=len(views)
+            )
         for k in keys:
             if not 0 < len(k) <= fmt.MAX_KEY_NBYTES:
                 raise UsageError(f"keys must be 1..{fmt.MAX_KEY_NBYTES} bytes", argument="keys", key=k)
@@ -253,15 +284,6 @@ class StorageTier:
         except RuntimeError as exc:  # the pool shut down between the check and the submit
             raise ClosedError("storage tier is closed") from exc
 
-    def _take_writes(self, reqs: list[_Request]) -> int:
-        n, total = 0, 0
-        for _, views in reqs:
-            total += sum(len(v) for v in views)
-            if n and total > self.config.segment_bytes:
-                break
-            n += 1
-        return n
-
     def _serve_writes(self, reqs: list[_Request]) -> list[None]:
         batch: dict[bytes, memoryview] = {}  # key -> view; a key written twice in a burst keeps its last bytes
         for keys, views in reqs:
@@ -271,35 +293,7 @@ class StorageTier:
         return [None] * len(reqs)
 
     def _write_segment(self, keys: list[bytes], views: list[memoryview]) -> None:
-        placed = fmt.layout_records(keys, [len(v) for v in views])
-        seq = next(self._seq)
-        name = f"{self._prefix}{self._writer}-{seq:010d}{fmt.SUFFIX}"
-        tmp = os.path.join(self.directory, fmt.TMP_PREFIX + name)
-        nbytes = sum(len(v) for v in views)
-        recs: list[fmt.Record] = []
-
-        def header(sums: list[int]) -> bytes:
-            recs[:] = [fmt.Record(k, off, n, c) for (k, off, n), c in zip(placed, sums)]
-            return fmt.encode_header(self.config.identity, seq, time.time_ns(), recs)
-
-        self._index.claim(name)  # before it is visible: a concurrent scan must not index it twice
-        try:
-            self._write_file(tmp, fmt.header_nbytes(len(keys)), header, views)
-            os.rename(tmp, os.path.join(self.directory, name))
-            if self.config.fsync:
-                sio.fsync_dir(self.directory)
-        except OSError as exc:
-            unlink_quiet(tmp)
-            raise self._translate(exc, nbytes) from exc
-        self._index.bury(self._index.publish(name, recs, seq, nbytes))  # older copies: superseded
-
-    def _write_file(self, path: str, header_nbytes: int, header: Callable[[list[int]], bytes],
-                    views: list[memoryview]) -> None:
-        direct = self._direct.on and self.config.direct_writes and all(sio.aligned(v) for v in views)
-        used, _ = sio.write_file(path, header_nbytes, header, views, xxhash.xxh3_64_intdigest, direct=direct,
-                                 fsync=self.config.fsync, pool=self._io)
-        if direct and not used:
-            self._direct.refused()
+        self._segments.write(keys, views)
 
     # -- reads ---------------------------------------------------------------
     def read(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> Future[list[ReadStatus]]:
@@ -316,21 +310,18 @@ class StorageTier:
             for i, (k, v) in enumerate(zip(keys, views)):
                 loc = self._locs.get(k)
                 if v.readonly or (loc is not None and len(v) != loc.record.length):
-                    raise UsageError("each view must be writable and exactly as long as its stored block",
-                                     argument="views", index=i, key=k.hex(), nbytes=len(v),
-                                     stored=loc.record.length if loc else None, readonly=v.readonly)
+                    raise UsageError(
+                        "each view must be writable and exactly as long as its stored block",
+                        argument="views",
+                        index=i,
+                        key=k.hex(),
+                        nbytes=len(v),
+                        stored=loc.record.length if loc else None,
+                        readonly=v.readonly,
+                    )
         return self._submit(self._reads, (keys, views))
 
     # -- helpers -------------------------------------------------------------
-    def _translate(self, exc: OSError, nbytes: int) -> Exception:
-        if exc.errno in _FULL:
-            return CapacityError("storage directory is full", requested=nbytes, free=_free_bytes(self.directory),
-                                 directory=self.directory)
-        if exc.errno in _DENIED:
-            return UsageError("storage directory is not writable", argument="StorageConfig.directory",
-                              path=self.directory, error=exc.strerror)
-        return exc
-
     def _remove_orphans(self) -> None:
         """Delete temporary files left by dead writers of this host (crashed mid-write) and
         tombstone sidecars whose segment is gone."""
@@ -342,8 +333,11 @@ class StorageTier:
         for n in names:
             m = pat.match(n)
             dead_tmp = m is not None and not _pid_alive(int(m.group(1)))
-            stale_tomb = (n.startswith(self._prefix) and n.endswith(fmt.SUFFIX + fmt.TOMB_SUFFIX)
-                          and n[: -len(fmt.TOMB_SUFFIX)] not in names)
+            stale_tomb = (
+                n.startswith(self._prefix)
+                and n.endswith(fmt.SUFFIX + fmt.TOMB_SUFFIX)
+                and n[: -len(fmt.TOMB_SUFFIX)] not in names
+            )
             if dead_tmp or stale_tomb:
                 unlink_quiet(os.path.join(self.directory, n))
 
@@ -375,11 +369,3 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _free_bytes(path: str) -> int | None:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize

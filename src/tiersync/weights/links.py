@@ -1,18 +1,27 @@
-"""A sampler's control link to one trainer shard: the channel and what it announced."""
+"""A sampler's control links to the trainer shards: the channels and what they announced.
+
+:class:`ShardLink` is the link to one trainer shard; :class:`TrainerLinks` holds one per
+shard, reads their control channels (ANNOUNCE, READY) and waits on what they announced: every
+shard's manifest of a version, tensor ``i`` of it written. It sends the sampler's one-way
+answers (ACK, RELEASE) and maps the shared-memory segments it reads.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 
-from tiersync.errors import TierSyncError, UsageError
+from tiersync.errors import RemoteError, TierSyncError, UsageError
 from tiersync.net.errors import AuthError, ProtocolError, ProtocolFault, RequestError, log_level
+from tiersync.net.socket_io import Deadline
 from tiersync.net.tcp import TcpChannel, TcpTransport
 from tiersync.weights.config import TransportKind
 from tiersync.weights.manifest import Manifest
-from tiersync.weights.ops import Register, Welcome
+from tiersync.weights.ops import Ack, Announce, Ready, Register, Release, Welcome
 from tiersync.weights.segment import SegmentReader
 
-__all__ = ["ShardLink"]
+__all__ = ["ShardLink", "TrainerLinks"]
 
 log = logging.getLogger(__name__)
 
@@ -61,3 +70,126 @@ class ShardLink:
             self.channel.send(event, timeout=timeout)
         except TierSyncError as exc:
             log.log(log_level(exc), "%s to trainer shard %s failed: %s", type(event).__name__, self.rank, exc)
+
+
+class TrainerLinks:
+    """One :class:`ShardLink` per address of ``publishers`` (index = source rank).
+    ``announced(version)`` is called (under this object's lock) for every manifest a shard
+    announces; sends time out after ``io_timeout_s``."""
+
+    def __init__(self, publishers: list[str], io_timeout_s: float, announced: Callable[[int], None]) -> None:
+        self._shards = [ShardLink(r, a) for r, a in enumerate(publishers)]
+        self._io_timeout, self._announced = io_timeout_s, announced
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def transports(self) -> tuple[TransportKind, ...]:
+        """Per trainer shard, the transport it granted (SHM or TCP)."""
+        return tuple(s.transport for s in self._shards)
+
+    def transport_map(self) -> dict[int, TransportKind]:
+        return {s.rank: s.transport for s in self._shards}
+
+    def addresses(self) -> dict[int, str]:
+        return {s.rank: s.address for s in self._shards}
+
+    def connect(self, transport: TcpTransport, hello: Register) -> None:
+        """Register with every trainer shard (see :meth:`ShardLink.register`), then read its control channel."""
+        for shard in self._shards:
+            shard.register(transport, hello, self._io_timeout)
+            name = f"ctl-{shard.rank}"
+            threading.Thread(target=self._read_control, args=(shard,), daemon=True, name=name).start()
+
+    def _read_control(self, shard: ShardLink) -> None:
+        try:
+            while True:
+                event = shard.channel.receive()
+                if isinstance(event, Announce):
+                    self._announce(shard, event.manifest)
+                elif isinstance(event, Ready):
+                    with self._cond:
+                        shard.ready[event.version] = event.count
+                        self._cond.notify_all()
+                else:
+                    raise ProtocolError(
+                        f"unexpected {type(event).__name__}", fault=ProtocolFault.UNEXPECTED, peer=shard.address
+                    )
+        except TierSyncError as exc:
+            log.log(log_level(exc), "trainer shard %s control ended: %s", shard.rank, exc)
+            shard.channel.close()
+        with self._cond:
+            shard.alive = False
+            self._cond.notify_all()
+
+    def _announce(self, shard: ShardLink, m: Manifest) -> None:
+        if m.source_rank != shard.rank:
+            raise ProtocolError("manifest of another source rank", fault=ProtocolFault.MALFORMED, peer=shard.address)
+        with self._cond:
+            shard.manifests[m.version] = m
+            for old in [v for v in shard.manifests if v < m.version - 4]:
+                shard.manifests.pop(old, None)
+                shard.ready.pop(old, None)
+            self._cond.notify_all()
+            self._announced(m.version)
+
+    def manifests(self, version: int, deadline: Deadline) -> list[Manifest]:
+        """Every shard's manifest of ``version`` (by source rank), once all announced it; the
+        segments of the shared-memory ones mapped."""
+        with self._cond:
+            while not all(version in s.manifests for s in self._shards):
+                if any(not s.alive for s in self._shards if version not in s.manifests) or self._closed:
+                    raise RemoteError("a trainer shard went away before announcing", version=version)
+                self._cond.wait(deadline.remaining())
+            manifests = [s.manifests[version] for s in self._shards]
+        if any(not m.same_model(manifests[0]) or m.source_ranks != len(self._shards) for m in manifests):
+            raise UsageError("trainer shards disagree on the model (or their number)", argument="publishers")
+        for s, m in zip(self._shards, manifests):
+            if s.transport is TransportKind.SHM and m.segment not in s.readers:
+                s.readers[m.segment] = SegmentReader(m.segment, m.payload_bytes)
+                for old in list(s.readers)[:-4]:  # a zero-copy lease keeps its mapping alive
+                    s.readers.pop(old).close()
+        return manifests
+
+    def readers(self, manifests: list[Manifest]) -> dict[int, SegmentReader]:
+        """Source rank -> the mapped segment of its manifest, for the shared-memory shards."""
+        return {
+            s.rank: s.readers[m.segment] for s, m in zip(self._shards, manifests) if s.transport is TransportKind.SHM
+        }
+
+    def reader(self, rank: int, segment: str) -> SegmentReader:
+        return self._shards[rank].readers[segment]
+
+    def wait_ready(self, rank: int, version: int, index: int, deadline: Deadline) -> None:
+        """Block until shard ``rank`` wrote tensor ``index`` of ``version``."""
+        shard = self._shards[rank]
+        with self._cond:
+            while shard.ready.get(version, 0) <= index:
+                if not shard.alive or self._closed:
+                    raise RemoteError("trainer shard went away mid-version", peer=shard.address, version=version)
+                self._cond.wait(deadline.remaining())
+
+    def release(self, version: int) -> None:
+        """Tell every shared-memory shard this sampler no longer reads ``version``."""
+        for s in self._shards:
+            if s.alive and s.transport is TransportKind.SHM:
+                s.send(Release(version), self._io_timeout)
+
+    def answer(self, ack: Ack) -> None:
+        """Send ``ack`` to every shard that announced its version."""
+        for s in self._shards:
+            if s.alive and ack.version in s.manifests:
+                s.send(ack, self._io_timeout)
+
+    def stop(self) -> None:
+        """Wake every wait: they fail from now on."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Close the control channels (their readers end) and unmap the segments."""
+        for s in self._shards:
+            if s.channel is not None:
+                s.channel.close()  # wakes the control reader blocked in receive
+            for r in s.readers.values():
+                r.close()

@@ -1,0 +1,93 @@
+"""How a batch of block-store pulls is cut into requests (no I/O).
+
+A :class:`~tiersync.net.tcp.TcpChannel` pulls ``(key, offset, dest)`` items. Over TCP,
+:func:`plan_pulls` gives each large item its own PULL and groups the small ones, one PULL_MANY
+per about :data:`GROUP_LIMIT` bytes whose single DATA answer is scattered into their buffers.
+On the same host, :func:`local_groups` cuts the items into PULL_LOCAL requests of about
+:data:`LOCAL_GROUP` bytes. :func:`writable` checks a destination (UsageError naming ``items``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, cast
+
+from tiersync.errors import UsageError
+from tiersync.net import store_ops as so
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = [
+    "GROUP_BYTES",
+    "GROUP_ITEMS",
+    "GROUP_LIMIT",
+    "LOCAL_GROUP",
+    "Item",
+    "Pull",
+    "local_groups",
+    "plan_pulls",
+    "writable",
+]
+
+GROUP_BYTES = 1 << 20  # pulls smaller than this are grouped into one PULL_MANY ...
+GROUP_LIMIT = 4 << 20  # ... of about this size
+GROUP_ITEMS = 64
+LOCAL_GROUP = 32 << 20  # bytes per PULL_LOCAL: two in flight, one copied while the next is looked up
+Item = tuple[bytes, int, memoryview]  # (key, offset, destination) of a pull, checked
+Pull = tuple[so.Pull | so.PullMany, memoryview | list[memoryview]]  # a request and where its DATA lands
+
+
+def plan_pulls(lease_id: int, items: Iterable[tuple[bytes, int, object]], new_id: Callable[[], int]) -> list[Pull]:
+    """Validate every item before anything is sent (UsageError naming ``items``), then group
+    the small ones: ``(PULL or PULL_MANY, destination buffer or buffers)``, request ids from
+    ``new_id``."""
+    out: list[Pull] = []
+    group: list[Item] = []
+    size = 0
+    for key, offset, dest in items:
+        view = writable(dest)
+        if len(view) >= GROUP_BYTES:
+            out.append((so.Pull(new_id(), lease_id, key, offset, len(view)), view))
+            continue
+        group.append((key, offset, view))
+        size += len(view)
+        if size >= GROUP_LIMIT or len(group) == GROUP_ITEMS:
+            out.append(_group(lease_id, group, new_id))
+            group, size = [], 0
+    if group:
+        out.append(_group(lease_id, group, new_id))
+    return out
+
+
+def _group(lease_id: int, group: list[Item], new_id: Callable[[], int]) -> Pull:
+    if len(group) == 1:
+        key, offset, view = group[0]
+        return so.Pull(new_id(), lease_id, key, offset, len(view)), view
+    items = tuple((k, o, len(v)) for k, o, v in group)
+    return so.PullMany(new_id(), lease_id, items), [v for _, _, v in group]
+
+
+def local_groups(items: list[Item], max_keys: int) -> Iterator[list[Item]]:
+    """Consecutive items of about LOCAL_GROUP bytes (at most ``max_keys``) each."""
+    group: list[Item] = []
+    size = 0
+    for item in items:
+        group.append(item)
+        size += len(item[2])
+        if size >= LOCAL_GROUP or len(group) == max_keys:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+def writable(dest: object) -> memoryview:
+    """``dest`` as a writable byte view; UsageError (naming ``items``) when it is not one."""
+    try:
+        view = memoryview(cast("Buffer", dest)).cast("B")
+    except TypeError as exc:
+        raise UsageError("destinations must be contiguous buffers", argument="items") from exc
+    if view.readonly:
+        raise UsageError("destinations must be writable", argument="items")
+    return view

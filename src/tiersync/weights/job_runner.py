@@ -1,0 +1,121 @@
+"""Running a sampler's jobs of one version: each chunk from the first source that works.
+
+:class:`JobRunner` lands jobs (:mod:`tiersync.weights.fetch`) into the sampler's buffers on a
+thread pool: shared-memory copies once the trainer shard wrote the tensor, TCP GETs from a
+trainer shard or a relaying sampler (falling back to the next source). Each landed chunk is
+offered to relays (:class:`~tiersync.weights.relay_chunks.RelayChunks`) and reported to the
+``progress`` hook; the bytes landed are counted per route (``shm``, ``tcp``, ``relay``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from tiersync.errors import TierSyncError
+from tiersync.net.socket_io import Deadline
+from tiersync.weights.config import TransportKind
+from tiersync.weights.fetch import Job, TcpPool, first_error, shm_copy
+from tiersync.weights.links import TrainerLinks
+from tiersync.weights.manifest import Manifest
+from tiersync.weights.relay_chunks import RelayChunks
+from tiersync.weights.sharding import shard_boxes
+
+__all__ = ["JobRunner", "Progress"]
+
+Progress = Callable[[int, int, int], None]
+
+
+class JobRunner:
+    """Lands jobs from ``links`` (shared memory) or ``pool`` (TCP) with up to ``copy_threads``
+    copiers plus ``streams`` per TCP address; landed chunks go to ``relay`` and ``progress``."""
+
+    def __init__(
+        self,
+        links: TrainerLinks,
+        pool: TcpPool,
+        relay: RelayChunks,
+        progress: Progress | None,
+        copy_threads: int,
+        streams: int,
+    ) -> None:
+        self._links, self._pool, self._relay, self._progress = links, pool, relay, progress
+        self._copy_threads, self._streams = copy_threads, streams
+        self._lock = threading.Lock()
+        self._stats = {"shm": 0, "tcp": 0, "relay": 0}
+
+    def stats(self) -> dict[str, int]:
+        """Bytes landed so far by route: ``shm``, ``tcp`` and ``relay``."""
+        with self._lock:
+            return dict(self._stats)
+
+    def run(
+        self,
+        version: int,
+        jobs: list[Job],
+        manifests: list[Manifest],
+        bufs: Mapping[str, np.ndarray],
+        deadline: Deadline,
+    ) -> None:
+        """Land every one of ``jobs`` into ``bufs``; the first error once all stopped."""
+        total, done, errors = sum(j.nbytes for j in jobs), [0], []
+        lock = threading.Lock()
+        tcp = {s.address for j in jobs for s in j.sources if s.via is TransportKind.TCP}
+        workers = min(32, max(1, self._copy_threads) + self._streams * len(tcp))
+
+        def run(job: Job) -> None:
+            if errors:
+                return
+            try:
+                self._run_job(version, job, manifests, bufs[job.tensor], deadline)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+                return
+            self._relay.landed([job])
+            with lock:
+                done[0] += job.nbytes
+                n = done[0]
+            if self._progress is not None:
+                self._progress(version, n, total)
+
+        with ThreadPoolExecutor(workers, thread_name_prefix="fetch") as pool:
+            list(pool.map(run, jobs))
+        if errors:
+            raise first_error(errors)
+
+    def _run_job(self, version: int, job: Job, manifests: list[Manifest], dst: np.ndarray, deadline: Deadline) -> None:
+        errors = []
+        for n, src in enumerate(job.sources):
+            try:
+                if src.via is TransportKind.SHM:
+                    m = manifests[src.rank]
+                    self._links.wait_ready(src.rank, version, job.index, deadline)
+                    nbytes = int(np.prod(shard_boxes(m.specs[job.index].shape, m.source[job.index])[src.rank].shape))
+                    shm_copy(
+                        self._links.reader(src.rank, m.segment),
+                        m.offsets[job.index],
+                        nbytes * m.specs[job.index].itemsize,
+                        src.span,
+                        dst,
+                        job.dst_span,
+                    )
+                else:
+                    self._pool.get(src.address, version, job, src, dst)
+                kind = "shm" if src.via is TransportKind.SHM else "relay" if n == 0 and len(job.sources) > 1 else "tcp"
+                with self._lock:
+                    self._stats[kind] += job.nbytes
+                return
+            except TierSyncError as exc:
+                errors.append(exc)
+        raise first_error(errors)
+
+    def await_views(self, version: int, jobs: list[Job], deadline: Deadline) -> None:
+        """Zero-copy jobs: wait until their tensors are written, count them as landed."""
+        for job in jobs:
+            self._links.wait_ready(job.sources[0].rank, version, job.index, deadline)
+            self._relay.landed([job])
+            with self._lock:
+                self._stats["shm"] += job.nbytes

@@ -1,0 +1,113 @@
+"""A trainer shard's version buffer: where each version is written and GETs read it.
+
+:class:`PublishBuffer` holds the shard's tensors of the version being published back to back
+(``offsets``/``sizes``, as the manifest says): a ``/dev/shm`` segment of the publisher's
+:class:`~tiersync.weights.segment.SegmentPool` (same-host samplers read it in place) or
+anonymous memory. A version begins once the GETs of the old one finished, in a segment no
+zero-copy sampler still reads; tensor ``i`` is served (:meth:`provide`, the
+:class:`~tiersync.weights.serving.SpanService` provider) once it was written. It works under
+the publisher's condition, the lock the pool is called under.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from tiersync.errors import UsageError
+from tiersync.net.errors import RemoteError
+from tiersync.weights.segment import SegmentPool
+
+__all__ = ["PublishBuffer"]
+
+
+class PublishBuffer:
+    """Tensor ``i`` (``index``: name -> i) at ``offsets[i]`` (file offsets: the first is the
+    payload's start), ``sizes[i]`` bytes; ``payload`` bytes in all, in ``pool`` (None: memory)."""
+
+    def __init__(
+        self,
+        cond: threading.Condition,
+        pool: SegmentPool | None,
+        index: Mapping[str, int],
+        offsets: list[int],
+        sizes: list[int],
+        payload: int,
+    ) -> None:
+        self._cond, self._pool, self._index = cond, pool, index
+        self._offsets, self._sizes, self._payload = offsets, sizes, payload
+        self._current: int | None = None  # version GETs may read
+        self._ready = 0
+        self._inflight = 0
+        if pool is not None:
+            self._store = self._segment_store(-1, set())
+        else:
+            self._store = np.zeros(payload, np.uint8)
+
+    @property
+    def segment_path(self) -> str | None:
+        return None if self._pool is None else self._pool.current.path
+
+    def _segment_store(self, version: int, holders: set) -> np.ndarray:
+        """Switch to the pool's segment for ``version`` (held by ``holders``): its payload view."""
+        self._store = np.zeros(0, np.uint8)  # drop the old view before the pool may unmap it
+        seg = self._pool.take(version, holders)
+        return seg.region(self._offsets[0], self._payload) if self._payload else np.zeros(0, np.uint8)
+
+    def begin(self, version: int, holders: set, timeout: float) -> None:
+        """Refuse GETs of the old version, let the running ones finish (at most ``timeout`` s),
+        mark the new one (in a segment no zero-copy sampler still reads; ``holders`` hold it from now)."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            self._current, self._ready = None, 0
+            self._cond.notify_all()  # GETs waiting for the old version give up now
+            while self._inflight and time.monotonic() < end:
+                self._cond.wait(end - time.monotonic())
+            if self._pool is not None:
+                self._store = self._segment_store(version, holders)
+                self._pool.current.begin(version)
+            self._current = version
+
+    def write(self, i: int, src: np.ndarray) -> None:
+        """Copy tensor ``i``'s bytes ``src`` in; GETs of it are answered from now."""
+        np.copyto(self._store[self._offsets[i] - self._offsets[0] :][: self._sizes[i]], src)
+        with self._cond:
+            self._ready = i + 1
+            self._cond.notify_all()
+
+    def complete(self, version: int) -> None:
+        """Every tensor of ``version`` is written (the segment's header says so)."""
+        if self._pool is not None:
+            self._pool.current.complete(version)
+
+    def provide(self, version: int, name: str, key: tuple, timeout: float):
+        """GETs: tensor ``name`` of ``version`` once written (waiting at most ``timeout`` s)."""
+        i = self._index.get(name)
+        if i is None:
+            raise UsageError(f"unknown tensor {name!r}", argument="tensor")
+        end = time.monotonic() + timeout
+        with self._cond:
+            while self._current == version and self._ready <= i and time.monotonic() < end:
+                self._cond.wait(end - time.monotonic())
+            if self._current != version or self._ready <= i:
+                raise RemoteError(
+                    "version not being served (or not written in time)", version=version, current=self._current
+                )
+            self._inflight += 1
+        lo = self._offsets[i] - self._offsets[0]
+        return self._store[lo : lo + self._sizes[i]], self._release
+
+    def _release(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Unmap and unlink the segments (nothing to do in memory)."""
+        if self._pool is not None:
+            with self._cond:
+                self._store = np.zeros(0, np.uint8)
+                self._pool.close()

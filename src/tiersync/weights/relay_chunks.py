@@ -1,0 +1,56 @@
+"""What a relaying sampler serves other samplers: the landed chunks of the version it writes.
+
+:class:`RelayChunks` knows the version being landed (or last landed), its buffers and which of
+its chunks ``(tensor, global box start)`` are there; :meth:`RelayChunks.provide` is the
+:class:`~tiersync.weights.serving.SpanService` provider of the sampler's relay server. A
+relay's bytes stay until the next version begins.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from tiersync.errors import RemoteError
+from tiersync.weights.fetch import Job
+
+__all__ = ["RelayChunks"]
+
+
+class RelayChunks:
+    """The chunks of one version that landed, in that version's buffers."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._relay: tuple[int, Mapping[str, np.ndarray], set] | None = None  # version, buffers, done chunks
+
+    def begin(self, version: int, buffers: Mapping[str, np.ndarray]) -> None:
+        """``version`` is being landed in ``buffers`` (none of its chunks yet)."""
+        with self._cond:
+            self._relay = (version, buffers, set())
+
+    def drop(self) -> None:
+        """The version being landed failed: nothing to relay."""
+        with self._cond:
+            self._relay = None
+
+    def landed(self, jobs: Iterable[Job]) -> None:
+        """The chunks of ``jobs`` are there."""
+        with self._cond:
+            self._relay[2].update((j.tensor, j.key) for j in jobs)
+            self._cond.notify_all()
+
+    def provide(self, version: int, name: str, key: tuple, timeout: float):
+        """Relay GETs: chunk ``key`` of ``name`` once it landed in this version's buffer."""
+        end, chunk = time.monotonic() + timeout, (name, tuple(key))
+        with self._cond:
+            while self._relay is not None and self._relay[0] == version and chunk not in self._relay[2]:
+                if not self._cond.wait(max(0.0, end - time.monotonic())):
+                    break
+            if self._relay is None or self._relay[0] != version or chunk not in self._relay[2]:
+                raise RemoteError("this sampler does not hold that chunk of that version (yet)", version=version)
+            arr = self._relay[1][name]
+        return arr.reshape(-1).view(np.uint8), lambda: None  # a relay's bytes stay until the next version

@@ -1,0 +1,90 @@
+"""A sampler's versions: the ones to sync, in announce order, and the futures waiting on them.
+
+:class:`VersionQueue` hands the sync loop each announced version once; :meth:`VersionQueue.receive`
+is :meth:`~tiersync.weights.receiver.WeightReceiver.receive`: a future resolved once that
+version or a later one is active, failed when that version's sync failed (or the receiver closed).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+
+from tiersync.errors import ClosedError, UsageError
+from tiersync.weights.config import ReceiveResult
+
+__all__ = ["VersionQueue"]
+
+
+class VersionQueue:
+    """The versions announced, synced and failed, and who waits on which."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # a future's callback may call receive()
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._queued: set[int] = set()
+        self._waiters: dict[int, list[Future]] = {}
+        self._failed: dict[int, BaseException] = {}
+        self._last: ReceiveResult | None = None
+        self._closed = False
+
+    def announced(self, version: int) -> None:
+        """A trainer shard announced ``version``: queue it for the sync loop (once)."""
+        with self._lock:
+            if version not in self._queued:
+                self._queued.add(version)
+                self._queue.put(version)
+
+    def next(self) -> int | None:
+        """The next version to sync (blocking); None once stopped."""
+        version = self._queue.get()
+        return None if version is None or self._closed else version
+
+    def receive(self, version: int) -> Future[ReceiveResult]:
+        """A future resolved once version ``version`` or a later one is active (its result names
+        which); failed with the sync's error when version ``version`` itself failed."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise UsageError("must be an int >= 0", argument="version", value=version)
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise ClosedError("receiver closed", argument="receiver")
+            if self._last is not None and self._last.version >= version:
+                fut.set_result(self._last)
+            elif version in self._failed:
+                fut.set_exception(self._failed[version])
+            else:
+                self._waiters.setdefault(version, []).append(fut)
+        return fut
+
+    def settle(self, version: int, result: ReceiveResult | None, error: BaseException | None) -> None:
+        """Version ``version`` is active (``result``) or failed (``error``): resolve its waiters."""
+        with self._lock:
+            if result is not None:
+                self._last = result
+                ready = [v for v in self._waiters if v <= version]
+                for v in ready:
+                    for f in self._waiters.pop(v):
+                        f.set_result(result)
+            else:
+                self._failed[version] = error
+                for f in self._waiters.pop(version, []):
+                    f.set_exception(error)
+
+    def stop(self) -> bool:
+        """Refuse :meth:`receive` and end the sync loop; False when already stopped."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+        self._queue.put(None)
+        return True
+
+    def close(self) -> None:
+        """Fail every future still waiting (ClosedError)."""
+        with self._lock:
+            for futs in self._waiters.values():
+                for f in futs:
+                    f.set_exception(ClosedError("receiver closed", argument="receiver"))
+            self._waiters.clear()
