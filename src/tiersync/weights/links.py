@@ -130,7 +130,10 @@ class TrainerLinks:
                 shard.manifests.pop(old, None)
                 shard.ready.pop(old, None)
             self._cond.notify_all()
-            self._announced(m.version)
+        # outside the links' lock: the version queue's lock is held while futures' callbacks run,
+        # and a callback may close the receiver (which takes this lock): no lock-order inversion.
+        # One reader thread per shard calls this, so each shard's versions queue in order.
+        self._announced(m.version)
 
     def manifests(self, version: int, deadline: Deadline) -> list[Manifest]:
         """Every shard's manifest of ``version`` (by source rank), once all announced it; the

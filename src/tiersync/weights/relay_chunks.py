@@ -31,11 +31,13 @@ class RelayChunks:
         """``version`` is being landed in ``buffers`` (none of its chunks yet)."""
         with self._cond:
             self._relay = (version, buffers, set())
+            self._cond.notify_all()  # a GET waiting for the version before: it is gone
 
     def drop(self) -> None:
         """The version being landed failed: nothing to relay."""
         with self._cond:
             self._relay = None
+            self._cond.notify_all()  # waiting GETs answer "not held" now, not at their timeout
 
     def landed(self, jobs: Iterable[Job]) -> None:
         """The chunks of ``jobs`` are there."""

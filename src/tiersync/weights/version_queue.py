@@ -63,14 +63,15 @@ class VersionQueue:
         with self._lock:
             if result is not None:
                 self._last = result
-                ready = [v for v in self._waiters if v <= version]
-                for v in ready:
-                    for f in self._waiters.pop(v):
-                        f.set_result(result)
+                done = [f for v in [v for v in self._waiters if v <= version] for f in self._waiters.pop(v)]
             else:
                 self._failed[version] = error
-                for f in self._waiters.pop(version, []):
-                    f.set_exception(error)
+                done = self._waiters.pop(version, [])
+        for f in done:  # outside the lock: a callback may call receive() or close() the receiver
+            if result is not None:
+                f.set_result(result)
+            else:
+                f.set_exception(error)
 
     def stop(self) -> bool:
         """Refuse :meth:`receive` and end the sync loop; False when already stopped."""
@@ -84,7 +85,7 @@ class VersionQueue:
     def close(self) -> None:
         """Fail every future still waiting (ClosedError)."""
         with self._lock:
-            for futs in self._waiters.values():
-                for f in futs:
-                    f.set_exception(ClosedError("receiver closed", argument="receiver"))
+            futs = [f for waiting in self._waiters.values() for f in waiting]
             self._waiters.clear()
+        for f in futs:  # outside the lock, as in settle
+            f.set_exception(ClosedError("receiver closed", argument="receiver"))
