@@ -30,7 +30,7 @@ from tiersync.disagg import (
     SourceSpec,
 )
 from tiersync.disagg.blocksums import BlockSums, _cut
-from tiersync.disagg.link import _recut
+from tiersync.disagg.link import _placed
 from tiersync.net import local
 from tiersync.transfer.kernel import TSUM64, tsum64
 
@@ -55,13 +55,21 @@ def test_cut_splits_only_at_unit_boundaries(offs, lens):
     assert all(o // unit == (o + n - 1) // unit for o, n in zip(got_o, got_l) if n)
 
 
-def test_recut_follows_region_lengths_or_refuses_a_straddle():
-    buf = bytearray(100)
-    dests = [memoryview(buf)[0:40], memoryview(buf)[50:100]]
-    assert [len(p) for p in _recut(dests, [10, 30, 25, 25])] == [10, 30, 25, 25]
-    assert _recut(dests, [40, 50]) is dests
-    assert _recut(dests, [30, 30, 30]) is None  # the second region would straddle both
-    assert _recut(dests, [40, 40]) is None  # short of the destinations
+def test_placed_follows_region_lengths_or_refuses_a_straddle():
+    """Destination spans [0, 40) and [50, 100) of a layer; the producer's regions cut finer."""
+    offs, lens = np.array([0, 50], np.int64), np.array([40, 50], np.int64)
+
+    def placed(lengths):
+        lengths = np.array(lengths, np.int64)
+        got = _placed(np.cumsum(lengths) - lengths, lengths, offs, lens)
+        return None if got is None else got.tolist()
+
+    assert placed([10, 30, 25, 25]) == [0, 10, 50, 75]
+    assert placed([40, 50]) == [0, 50]
+    assert placed([40, 50, 0]) == [0, 50, 100]  # an empty last region lands at the end
+    assert placed([30, 30, 30]) is None  # the second region would straddle both spans
+    assert placed([40, 60]) is None  # past the last span
+    assert _placed(np.zeros(1, np.int64), np.ones(1, np.int64), offs[:0], lens[:0]) is None
 
 
 class _Req:
@@ -90,6 +98,30 @@ def test_regions_carry_tsum64_of_their_bytes_precomputed_or_not(order):
         o, n, s = sums.regions(views[1], known, offs, lens)
         assert int(n.sum()) == int(lens.sum())
         assert s.tolist() == [tsum64(views[1][a : a + b]) for a, b in zip(o.tolist(), n.tolist())]
+
+
+@needs_native
+def test_a_layer_is_summed_once_whether_the_thread_or_a_pull_gets_there_first(monkeypatch):
+    """Pulls asking for a layer's sums while the thread is queued or busy with them never sum
+    it a second time; every answer equals tsum64 of the block."""
+    from tiersync.disagg import blocksums
+
+    layout = _layout(KVOrder.HEAD_MAJOR)
+    ids = [3, 4, 5, 9, 0, 1]
+    views = [np.random.default_rng(i).integers(0, 256, layout.layer_nbytes, dtype=np.uint8) for i in range(3)]
+    calls = []
+    real = blocksums.local.sum_ranges
+    monkeypatch.setattr(blocksums.local, "sum_ranges", lambda v, *a: calls.append(v.ctypes.data) or real(v, *a))
+    sums, req = BlockSums(layout, threads=2), _Req(ids, views)
+    assert sums.known(req, 0) is None and not calls  # not enabled: the pull sums what it sends
+    sums.enable()
+    for layer in range(3):
+        sums.submit(req, layer)
+    got = [sums.known(req, layer) for layer in (2, 1, 0)][::-1]  # racing the thread's queue
+    sums.close()
+    assert sorted(calls) == sorted(v.ctypes.data for v in views)  # each layer once
+    for view, known in zip(views, got):
+        assert known.values.tolist() == [tsum64(view[o : o + sums.unit]) for o in known.offsets.tolist()]
 
 
 def _serve(layout, ids, ntok, seed):

@@ -17,12 +17,13 @@ import sys
 import numpy as np
 import pytest
 
+from tiersync.errors import UsageError
 from tiersync.net import events as ev
 from tiersync.net import local
 from tiersync.net import store_ops as so
 from tiersync.net.errors import ProtocolError, ProtocolFault
-from tiersync.net.frames import PayloadChecksum
-from tiersync.net.samehost import local_copy
+from tiersync.net.frames import PayloadChecksum, payload_checksum
+from tiersync.net.samehost import local_copy, local_copy_at
 from tiersync.net.source import MemoryBlockSource
 from tiersync.net.tcp import Route, TcpConfig, TcpTransport
 from tiersync.transfer.kernel import TSUM64, tsum64
@@ -77,6 +78,37 @@ def test_read_summed_lands_every_byte_and_sums_each_range(source, threads):
         off = addr - address
         assert bytes(dest) == want[off : off + n].tobytes()
         assert got == tsum64(dest)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_read_summed_at_lands_each_range_at_its_offset_in_one_array(source, threads):
+    """The array form lands the same bytes with the same sums as one buffer per range, in any
+    order of offsets, and refuses (UsageError naming ``offsets``, nothing read) a range that
+    would not fit; local_copy_at verifies like local_copy."""
+    pid, address = source
+    want, ranges = _expected(), _ranges(address)
+    sizes = np.array([n for _, n in ranges], np.int64)
+    offsets = (np.cumsum(sizes) - sizes)[::-1].copy() + 3  # reversed: ranges land out of order
+    ranges_rev = np.array(ranges[::-1], np.uint64)
+    dest = np.zeros(int(sizes.sum()) + 3, np.uint8)
+    sums = local.read_summed_at(pid, ranges_rev, dest, offsets, threads)
+    for (addr, n), off, got in zip(ranges_rev.tolist(), offsets.tolist(), sums):
+        assert dest[off : off + n].tobytes() == want[addr - address : addr - address + n].tobytes()
+        assert got == tsum64(dest[off : off + n])
+    with pytest.raises(UsageError) as exc:
+        local.read_summed_at(pid, ranges_rev, dest[:-1], offsets, threads)
+    assert exc.value.argument == "offsets"
+    regions = np.concatenate([ranges_rev, np.array(sums, np.uint64)[:, None]], axis=1)
+    local_copy_at(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions), dest, offsets, "peer", threads)
+    regions[2, 2] ^= np.uint64(1)
+    with pytest.raises(ProtocolError) as err:
+        local_copy_at(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions), dest, offsets, "peer", threads)
+    assert err.value.fault is ProtocolFault.BAD_CHECKSUM and "region=2" in str(err.value)
+    xxh = PayloadChecksum.XXH3_64  # another algorithm: one view per region, copied then summed
+    regions[:, 2] = [payload_checksum(xxh, dest[o : o + n]) for o, n in zip(offsets.tolist(), regions[:, 1].tolist())]
+    dest[offsets[0] :] = 0
+    local_copy_at(ev.LocalReply(1, pid, xxh, regions), dest, offsets, "peer", threads)
+    assert dest[offsets[0] :].tobytes() == want[ranges_rev[0, 0] - address :][: int(sizes[-1])].tobytes()
 
 
 def test_sum_ranges_equals_tsum64_and_refuses_ranges_outside():

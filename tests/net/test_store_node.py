@@ -133,8 +133,46 @@ def test_lease_expiry_unpins_and_fails_the_release():
         assert err.value.code is ev.ErrorCode.LEASE_EXPIRED and node.active_leases == 0
         done = ch.request(so.Release(ch.new_request_id(), lease.lease_id))
         assert done.status is ev.CommitStatus.FAILED
-        assert all(node.arena.allocator.lock_count(b) == 1 for b, _ in node._index.values())
+        assert all(node.arena.allocator.lock_count(b) == 1 for b, *_ in node._index.values())
         ch.close()
+    finally:
+        server.close()
+        node.close()
+
+
+def test_whole_block_reads_use_the_checksum_kept_since_the_write():
+    """A stored block is summed once when it lands: a whole-block read is sent with that sum
+    (no pass over the bytes per read), so bytes that changed in the node's memory afterwards
+    are refused by the reader (BAD_CHECKSUM), never delivered; a partial read is summed as sent."""
+    from tiersync.net.errors import ProtocolError, ProtocolFault
+    from tiersync.net.frames import SUPPORTED, payload_checksum
+
+    node = StoreNode(1 << 20, BLOCK, config=TcpConfig(token=TOKEN.encode()))
+    server = StoreNodeServer("127.0.0.1:0", node)
+    try:
+        keys, bufs = _keys(2), _bufs(2)
+        client(server.address).offer_and_push(keys, bufs)
+        ch = TcpTransport(TcpConfig(token=TOKEN.encode())).connect(server.address)
+        lease = ch.request(so.ReadLease(ch.new_request_id(), tuple(keys), ttl_s=60))
+        view, known = node.view(lease.lease_id, keys[0], 0, len(bufs[0]))
+        assert known == (SUPPORTED[0], payload_checksum(SUPPORTED[0], bufs[0])) and bytes(view) == bufs[0]
+        assert node.view(lease.lease_id, keys[0], 16, 100)[1] is None
+        into = bytearray(len(bufs[0]))
+        ch.request(so.Pull(ch.new_request_id(), lease.lease_id, keys[0], 0, len(into)), into=into)
+        assert bytes(into) == bufs[0]
+        view[1000] ^= 0xFF  # the node's copy changes after it was stored
+        with pytest.raises(ProtocolError) as err:
+            ch.request(so.Pull(ch.new_request_id(), lease.lease_id, keys[0], 0, len(into)), into=bytearray(len(into)))
+        assert err.value.fault is ProtocolFault.BAD_CHECKSUM
+        ch2 = TcpTransport(TcpConfig(token=TOKEN.encode())).connect(
+            server.address
+        )  # the broken one's lease went with it
+        lease2 = ch2.request(so.ReadLease(ch2.new_request_id(), tuple(keys), ttl_s=60))
+        part = bytearray(100)
+        ch2.request(so.Pull(ch2.new_request_id(), lease2.lease_id, keys[0], 950, 100), into=part)
+        assert bytes(part) == bytes(view[950:1050])  # a range is summed as it is sent
+        ch.close()
+        ch2.close()
     finally:
         server.close()
         node.close()

@@ -7,7 +7,8 @@ A producer that has served a same-host reader therefore sums every block region 
 on its own thread as soon as the layer is ready (``layer_ready``: the bytes are final from
 then on, the producer's contract), and answers a pull from those sums. A pull is cut at block
 boundaries so its regions are whole blocks wherever the route allows; a region that is not a
-whole block, or a layer whose sums are not done yet, is summed when asked. A block changed
+whole block is summed when asked; a pull for a layer whose sums are not done yet sums the
+layer's blocks itself (or waits for the thread already summing them): never twice. A block changed
 after ``layer_ready`` fails the reader's check: it is refused, never delivered.
 """
 
@@ -38,6 +39,7 @@ class BlockSums:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._busy: dict[tuple[int, int], threading.Event] = {}  # (request, layer) being summed -> done
 
     @property
     def enabled(self) -> bool:
@@ -60,16 +62,47 @@ class BlockSums:
         if self.enabled:
             self._queue.put((req, layer))
 
+    def known(self, req: Any, layer: int) -> LayerSums | None:
+        """The layer's block sums for a pull: done already, or being summed on the thread (then
+        waited for), or summed now on the caller's thread when enabled (the thread then skips
+        the layer): a layer is never summed twice. None when not enabled (the pull sums what it sends)."""
+        if not self.enabled:
+            return req.sums.get(layer)
+        self._sum_once(req, layer)
+        return req.sums.get(layer)
+
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
-            req, layer = job
-            ids = np.asarray(req.block_ids, np.int64)
-            offs = ids * self.unit if not self._kv_major else np.concatenate([ids, ids]) * self.unit
-            if self._kv_major:
-                offs[len(ids) :] += self._v_base
-            sums = local.sum_ranges(req.views[layer], offs, np.full(len(offs), self.unit, np.int64), self._threads)
-            order = np.argsort(offs)
-            req.sums[layer] = LayerSums(offs[order], np.asarray(sums, np.uint64)[order])
+            self._sum_once(*job)
+
+    def _sum_once(self, req: Any, layer: int) -> None:
+        with self._lock:
+            if layer in req.sums:
+                return
+            busy = self._busy.get((id(req), layer))
+            if busy is None:
+                busy = self._busy[id(req), layer] = threading.Event()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            busy.wait()
+            return
+        try:
+            req.sums[layer] = self._layer_sums(req, layer)
+        finally:
+            with self._lock:
+                del self._busy[id(req), layer]
+            busy.set()
+
+    def _layer_sums(self, req: Any, layer: int) -> LayerSums:
+        ids = np.asarray(req.block_ids, np.int64)
+        offs = ids * self.unit if not self._kv_major else np.concatenate([ids, ids]) * self.unit
+        if self._kv_major:
+            offs[len(ids) :] += self._v_base
+        sums = local.sum_ranges(req.views[layer], offs, np.full(len(offs), self.unit, np.int64), self._threads)
+        order = np.argsort(offs)
+        return LayerSums(offs[order], np.asarray(sums, np.uint64)[order])
 
     def regions(
         self, view: np.ndarray, known: LayerSums | None, offs: np.ndarray, lens: np.ndarray

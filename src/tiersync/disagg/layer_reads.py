@@ -124,14 +124,14 @@ class LayerReads:
         if not session.info.same_host:
             raise Refused(Code.UNSUPPORTED, "KV_PULL_LOCAL from another host")
         view, offs, lens = self.spans(route, event.n, event.offset, event.length)
-        algo, known = SUPPORTED[0], route.req.sums.get(route.told[event.n])
+        algo = SUPPORTED[0]
         if not (lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= _ZERO_COPY_AVG):
             route.local_pulls += 1  # two buffers in turn: the reader keeps at most two pulls in flight
             view = gather(view, offs, lens, out=self._staging_of(session, event.length, route.local_pulls % 2))
             offs, lens = np.zeros(1, np.int64), np.array([view.size], np.int64)
             sums = np.array([payload_checksum(algo, view)], np.uint64)
         elif algo is PayloadChecksum.TSUM64:
-            offs, lens, sums = self.sums.regions(view, known, offs, lens)
+            offs, lens, sums = self.sums.regions(view, self.sums.known(route.req, route.told[event.n]), offs, lens)
         else:
             sums = np.array(
                 [payload_checksum(algo, view[o : o + n]) for o, n in zip(offs.tolist(), lens.tolist())], np.uint64

@@ -66,20 +66,29 @@ def pull_route(
     failed pull may have written part of a layer's destination spans."""
     route = _Route(spans[:, 0], spans[:, 1], spans[:, 2])
     total = int(route.lengths.sum()) if not read.notify_only else 0
-    opened = channel.request(KvOpen(channel.new_request_id(), read), timeout=_left(deadline, channel))
-    if not isinstance(opened, KvOpened) or opened.route_bytes != total:
-        raise ProtocolError(
-            "KV_OPENED does not match the plan", fault=ProtocolFault.MALFORMED, peer=channel.peer, expected=total
-        )
+    opening = KvOpen(channel.new_request_id(), read)
+    if total and channel.local_route():  # KV_OPEN goes out ahead of the first pulls: no round trip of its own
+        done = _copy_local(channel, opening, num_layers, route, total, deadline, config, buffer, landed)
+    else:
+        _opened(channel, channel.request(opening, timeout=_left(deadline, channel)), total)
+        done = (0, [])
     if total:
-        _layers(channel, num_layers, route, total, deadline, config, buffer, landed)
+        _layers_tcp(channel, done, num_layers, route, total, deadline, config, buffer, landed)
     reply = channel.request(KvDone(channel.new_request_id()), timeout=_left(deadline, channel))
     if not isinstance(reply, ev.CommitReply) or reply.status is not ev.CommitStatus.COMMITTED:
         raise RemoteError(f"producer did not count this read: {getattr(reply, 'message', '')}", peer=channel.peer)
 
 
-def _layers(
+def _opened(channel: TcpChannel, answer: object, total: int) -> None:
+    if not isinstance(answer, KvOpened) or answer.route_bytes != total:
+        raise ProtocolError(
+            "KV_OPENED does not match the plan", fault=ProtocolFault.MALFORMED, peer=channel.peer, expected=total
+        )
+
+
+def _layers_tcp(
     channel: TcpChannel,
+    done: tuple[int, list[int]],
     num_layers: int,
     route: _Route,
     total: int,
@@ -88,13 +97,10 @@ def _layers(
     buffer: Buffer,
     landed: Landed,
 ) -> None:
-    told: list[int] = []  # layer ids in the order KV_NEXT named them
-    done = (
-        _copy_local(channel, num_layers, route, total, deadline, config, buffer, landed, told)
-        if channel.local_route()
-        else 0
-    )
-    for n in range(done, num_layers):  # over TCP: every layer, or those left when a same-host read was refused
+    """Over TCP: every layer, or those left (``done``: layers landed, layer ids KV_NEXT named
+    so far) when a same-host read was refused."""
+    landed_n, told = done
+    for n in range(landed_n, num_layers):
         if n == len(told):
             _told(
                 channel,
@@ -131,6 +137,7 @@ def _pull_tcp(
 
 def _copy_local(
     channel: TcpChannel,
+    opening: KvOpen,
     num_layers: int,
     route: _Route,
     total: int,
@@ -138,32 +145,33 @@ def _copy_local(
     config: DisaggConfig,
     buffer: Buffer,
     landed: Landed,
-    told: list[int],
-) -> int:
-    """Copy every layer out of the producer's memory as one stream of requests: each layer's
-    KV_NEXT goes out behind the previous layer's pulls (the producer answers in order), at
-    most two pulls in flight (a piece it gathered stays in one of two buffers it alternates).
-    Returns the layers landed: all of them, or where the copy was refused and route AUTO
-    falls back to TCP (route LOCAL raises); layers already named are in ``told``."""
-    plan = [
-        item for n in range(num_layers) for item in [(n, None), *((n, p) for p in _pieces(total, config.chunk_bytes))]
-    ]
-    sent: list = []  # (request, n, piece or None), oldest first
+) -> tuple[int, list[int]]:
+    """Copy every layer out of the producer's memory as one stream of requests: KV_OPEN, then
+    each layer's KV_NEXT behind the previous layer's pulls (the producer answers in order), at
+    most two pulls in flight (a piece it gathered stays in one of two buffers it alternates),
+    each as large as a frame may be (the bytes do not travel in it). Returns (layers landed,
+    layer ids KV_NEXT named): all of them, or where the copy was refused and route AUTO falls
+    back to TCP (route LOCAL raises)."""
+    piece_bytes = max(config.chunk_bytes, config.protocol.max_frame_size - config.protocol.max_meta_size)
+    plan = [item for n in range(num_layers) for item in [(n, None), *((n, p) for p in _pieces(total, piece_bytes))]]
+    sent: list = [(opening, -1, None)]  # (request, layer or -1 for KV_OPEN, piece or None), oldest first
+    channel.send(opening, timeout=_left(deadline, channel))
+    told: list[int] = []  # layer ids in the order KV_NEXT named them
     pulls_out, at, landed_n = 0, 0, 0
     while landed_n < num_layers:
         while at < len(plan) and (plan[at][1] is None or pulls_out < _LOCAL_WINDOW):
             n, piece = plan[at]
-            req = (
-                KvNext(channel.new_request_id(), n)
-                if piece is None
-                else KvPullLocal(channel.new_request_id(), n, *piece)
-            )
+            rid = channel.new_request_id()
+            req = KvNext(rid, n) if piece is None else KvPullLocal(rid, n, *piece)
             channel.send(req, timeout=_left(deadline, channel))
             sent.append((req, n, piece))
             pulls_out += piece is not None
             at += 1
         req, n, piece = sent.pop(0)
         answer = channel.next_answer(req.request_id, timeout=_left(deadline, channel))
+        if n < 0:
+            _opened(channel, answer, total)
+            continue
         if piece is None:
             _told(channel, answer, told, num_layers)
             continue
@@ -176,51 +184,45 @@ def _copy_local(
                 if p is None:
                     _told(channel, later, told, num_layers)
             channel.local_refused(exc)
-            return n
+            return n, told
         if piece[0] + piece[1] == total:
             landed(told[n])
             landed_n += 1
-    return num_layers
+    return num_layers, told
 
 
 def _verified_copy(channel: TcpChannel, reply: object, route: _Route, buf: np.ndarray, pull: KvPullLocal) -> None:
     """Regions copied straight into the destination spans when each lies inside one (the
-    producer sent views of its layer, cut at its block boundaries); a gathered region lands in a staging piece first
-    and is scattered once verified."""
+    producer sent views of its layer, cut at its block boundaries); gathered regions land in a
+    staging piece first and are scattered once verified. Placed with arrays: no Python object
+    per region."""
     if not isinstance(reply, ev.LocalReply):
         raise ProtocolError("expected LOCAL_REPLY", fault=ProtocolFault.UNEXPECTED, peer=channel.peer)
-    lengths = reply.regions[:, 1].tolist()
-    if sum(lengths) != pull.length:
+    lengths = reply.regions[:, 1].astype(np.int64)
+    if int(lengths.sum()) != pull.length:
         raise ProtocolError("LOCAL_REPLY does not cover the pull", fault=ProtocolFault.MALFORMED, peer=channel.peer)
-    pieces = _recut(route.dests(buf, pull.offset, pull.length), lengths)
-    if pieces is not None:
-        return channel.local_copy(reply, pieces)
-    staging = np.empty(pull.length, np.uint8)
-    pieces, pos = [], 0
-    for length in lengths:
-        pieces.append(memoryview(staging[pos : pos + length]))
-        pos += length
-    channel.local_copy(reply, pieces)
+    starts = np.cumsum(lengths) - lengths  # each region's place in the pull's bytes
     offs, lens = route_slice(route.dst, route.lengths, pull.offset, pull.length)
+    placed = _placed(starts, lengths, offs, lens)
+    if placed is not None:
+        return channel.local_copy_at(reply, buf, placed)
+    staging = np.empty(pull.length, np.uint8)
+    channel.local_copy_at(reply, staging, starts)
     scatter(buf, offs, lens, staging)
+    return None
 
 
-def _recut(dests: list[memoryview], lengths: list[int]) -> list[memoryview] | None:
-    """``dests`` cut into consecutive pieces of ``lengths`` (the producer splits spans at its
-    block boundaries), or None when a region would straddle two destinations."""
-    if [len(d) for d in dests] == lengths:
-        return dests
-    out, views, cur, pos = [], iter(dests), memoryview(b""), 0
-    for n in lengths:
-        while pos == len(cur) and n:
-            cur, pos = next(views, None), 0
-            if cur is None:
-                return None
-        if pos + n > len(cur):
-            return None
-        out.append(cur[pos : pos + n])
-        pos += n
-    return out if pos == len(cur) and not any(len(v) for v in views) else None
+def _placed(starts: np.ndarray, lengths: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> np.ndarray | None:
+    """Where each region (at ``starts`` in the pull's bytes) lands in the layer: inside the
+    destination span (``offs``, ``lens``) holding its first byte, or None when one would
+    straddle two spans."""
+    if not lens.size:
+        return None
+    ends = np.cumsum(lens)
+    span = np.minimum(np.searchsorted(ends, starts, side="right"), lens.size - 1)
+    if np.any(starts + lengths > ends[span]):
+        return None
+    return offs[span] + (starts - (ends[span] - lens[span]))
 
 
 def _left(deadline: float, channel: TcpChannel) -> float:

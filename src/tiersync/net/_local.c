@@ -234,6 +234,60 @@ done:
     return out;
 }
 
+/* read_summed_at(pid, remote, dest, offsets, threads): read_summed into one writable buffer,
+ * range i landing at dest + offsets[i] (uint64 each; every range inside dest, else ValueError):
+ * no Python object per range (a KV layer's blocks, a pool's slots). */
+static PyObject *read_summed_at(PyObject *self, PyObject *args) {
+    int pid, threads;
+    Py_buffer rv, dv, ov;
+    if (!PyArg_ParseTuple(args, "iy*w*y*i", &pid, &rv, &dv, &ov, &threads)) return NULL;
+    Py_ssize_t count = ov.len / 8;
+    const uint64_t *remote = rv.buf, *offs = ov.buf;
+    int bad = rv.len != count * 16 || ov.len % 8 != 0 || threads < 1 || !PyBuffer_IsContiguous(&dv, 'C');
+    Py_buffer *views = bad ? NULL : PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
+    uint64_t total = 0;
+    size_t nsegs = 0, nunits = 0;
+    for (Py_ssize_t r = 0; views && !bad && r < count; r++) {
+        uint64_t off = offs[r], len = remote[2 * r + 1];
+        bad = off > (uint64_t)dv.len || len > (uint64_t)dv.len - off;
+        views[r].buf = (char *)dv.buf + off, views[r].len = (Py_ssize_t)len;
+        total += len;
+        nsegs += (size_t)((len + PIECE - 1) / PIECE);
+    }
+    segment *segs = views && !bad ? PyMem_Calloc(nsegs + 1, sizeof(segment)) : NULL;
+    size_t *units = segs ? PyMem_Calloc(nsegs + 2, sizeof(size_t)) : NULL;
+    PyObject *out = NULL;
+    if (units == NULL) {
+        if (bad)
+            PyErr_SetString(PyExc_ValueError,
+                            "one remote (address, length) pair per dest offset, every range inside dest");
+        else PyErr_NoMemory();
+        goto done;
+    }
+    plan(remote, views, count, segs, units, &nunits);
+    task t = {.pid = pid, .segs = segs, .units = units, .nunits = nunits};
+    size_t want = 1 + (size_t)(total / BYTES_PER_THREAD);
+    if (want > (size_t)threads) want = (size_t)threads;
+    if (want > MAX_THREADS) want = MAX_THREADS;
+    Py_BEGIN_ALLOW_THREADS
+    run(&t, want, worker);
+    Py_END_ALLOW_THREADS
+    if (atomic_load(&t.err)) {
+        errno = atomic_load(&t.err);
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        out = sums_of(segs, remote, count);
+    }
+done:
+    PyMem_Free(units);
+    PyMem_Free(segs);
+    PyMem_Free(views);
+    PyBuffer_Release(&ov);
+    PyBuffer_Release(&dv);
+    PyBuffer_Release(&rv);
+    return out;
+}
+
 /* sum_ranges(buffer, ranges, threads) -> tsum64 of each (offset, length) range of buffer, the
  * ranges cut into segments summed on up to `threads` threads and combined as read_summed's are
  * (a source checksums what it is about to offer without a Python call per range). */
@@ -302,6 +356,8 @@ static PyObject *address(PyObject *self, PyObject *obj) {
 static PyMethodDef methods[] = {
     {"address", address, METH_O, "address(buffer) -> int: where a C-contiguous buffer's bytes start."},
     {"sum_ranges", sum_ranges, METH_VARARGS, "sum_ranges(buffer, ranges, threads) -> tsum64 of each range."},
+    {"read_summed_at", read_summed_at, METH_VARARGS,
+     "read_summed_at(pid, remote, dest, offsets, threads) -> tsum64 of each range landed in dest."},
     {"read_summed", read_summed, METH_VARARGS,
      "read_summed(pid, remote, dests, threads) -> tsum64 of each landed range (see the module comment)."},
     {NULL, NULL, 0, NULL},

@@ -33,6 +33,7 @@ __all__ = [
     "host_identity",
     "read_remote",
     "read_summed",
+    "read_summed_at",
 ]
 
 IOV_MAX = 1024
@@ -178,11 +179,33 @@ def read_summed(
     except ValueError as exc:
         raise UsageError(str(exc), argument="local") from None
     except OSError as exc:
-        raise LocalReadError(
-            f"process_vm_readv failed: {os.strerror(exc.errno or 0)}",
-            pid=pid,
-            errno=errno.errorcode.get(exc.errno or 0, exc.errno),
-        ) from None
+        raise _refused(pid, exc) from None
+
+
+def read_summed_at(
+    pid: int, remote: np.ndarray, dest: np.ndarray, offsets: np.ndarray, threads: int
+) -> Sequence[int] | None:
+    """:func:`read_summed` into one writable uint8 array: range ``i`` of ``remote`` (an (n, 2)
+    array of (address, length)) lands at ``dest[offsets[i]:]``, no Python object per range.
+    UsageError naming ``offsets`` when a range would not fit in ``dest``; None when the
+    native reader is not built (nothing was copied)."""
+    if _native is None:
+        return None
+    pairs = np.ascontiguousarray(remote, dtype=np.uint64).reshape(-1, 2)
+    offs = np.ascontiguousarray(offsets, dtype=np.uint64).reshape(-1)
+    try:
+        return _native.read_summed_at(pid, pairs.tobytes(), dest, offs.tobytes(), threads)
+    except ValueError as exc:
+        raise UsageError(str(exc), argument="offsets") from None
+    except OSError as exc:
+        raise _refused(pid, exc) from None
+
+
+def _refused(pid: int, exc: OSError) -> LocalReadError:
+    code = exc.errno or 0
+    return LocalReadError(
+        f"process_vm_readv failed: {os.strerror(code)}", pid=pid, errno=errno.errorcode.get(code, code)
+    )
 
 
 def sum_ranges(buf: np.ndarray, offsets: Sequence[int], lengths: Sequence[int], threads: int = 1) -> list[int]:

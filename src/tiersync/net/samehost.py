@@ -19,7 +19,7 @@ from tiersync.net import local
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.frames import PayloadChecksum, payload_checksum
 
-__all__ = ["local_copy"]
+__all__ = ["local_copy", "local_copy_at"]
 
 
 def local_copy(reply: object, dests: Sequence[memoryview], peer: str, threads: int = 1) -> None:
@@ -40,7 +40,30 @@ def local_copy(reply: object, dests: Sequence[memoryview], peer: str, threads: i
     if sums is None:  # no native reader, or another algorithm: copy, then a second pass
         local.read_remote(reply.pid, regions[:, :2], dests)
         sums = [payload_checksum(reply.algo, d) for d in dests]
-    wrong = np.flatnonzero(np.fromiter(sums, np.uint64, len(dests)) != regions[:, 2])
+    _verify(sums, regions, peer)
+
+
+def local_copy_at(reply: object, dest: np.ndarray, offsets: np.ndarray, peer: str, threads: int = 1) -> None:
+    """:func:`local_copy` into one writable uint8 array, region ``i`` at ``dest[offsets[i]:]``
+    (the caller placed the regions): no Python object per region. Raises as :func:`local_copy`."""
+    if not isinstance(reply, ev.LocalReply):
+        raise ProtocolError("expected LOCAL_REPLY", fault=ProtocolFault.UNEXPECTED, peer=peer)
+    regions = reply.regions
+    if len(regions) != len(offsets):
+        raise ProtocolError("LOCAL_REPLY regions do not match the request", fault=ProtocolFault.MALFORMED, peer=peer)
+    if (
+        reply.algo is not PayloadChecksum.TSUM64
+        or (sums := local.read_summed_at(reply.pid, regions[:, :2], dest, offsets, threads)) is None
+    ):
+        view = memoryview(dest.data).cast("B")  # no native reader, or another algorithm: one view per region
+        lengths = regions[:, 1].tolist()
+        return local_copy(reply, [view[o : o + n] for o, n in zip(offsets.tolist(), lengths)], peer, threads)
+    _verify(sums, regions, peer)
+    return None
+
+
+def _verify(sums: Sequence[int], regions: np.ndarray, peer: str) -> None:
+    wrong = np.flatnonzero(np.fromiter(sums, np.uint64, len(regions)) != regions[:, 2])
     if wrong.size:
         raise ProtocolError(
             "same-host copy checksum mismatch (the source changed or lied)",

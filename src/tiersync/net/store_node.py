@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, cast
 from tiersync.errors import RemoteError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
+from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 from tiersync.net.server import TcpServer
 from tiersync.net.service import Session
 from tiersync.net.source import BlockError, BlockService, clamp_ttl
@@ -75,7 +76,7 @@ class StoreNode(BlockService):
         self.config = config or TcpConfig()
         self._clock, self._pull_timeout = clock, pull_timeout_s
         self._listeners: list[Callable[[list[bytes]], None]] = [on_stored] if on_stored is not None else []
-        self._index: dict[bytes, tuple[int, int]] = {}  # key -> (block, size)
+        self._index: dict[bytes, tuple[int, int, int]] = {}  # key -> (block, size, checksum of the bytes)
         self._landing: set[bytes] = set()
         self._leases: dict[int, tuple[float, list[int], frozenset[bytes]]] = {}
         self._ids = itertools.count(1)
@@ -105,17 +106,22 @@ class StoreNode(BlockService):
             sizes = tuple(self._index[k][1] for k in req.keys)
         return so.LeaseReply(req.request_id, so.LeaseStatus.GRANTED, lease_id, ttl, sizes)
 
-    def view(self, lease_id: int, key: bytes, offset: int, length: int) -> tuple[memoryview, None]:
+    def view(
+        self, lease_id: int, key: bytes, offset: int, length: int
+    ) -> tuple[memoryview, tuple[PayloadChecksum, int] | None]:
+        """A stored block's bytes; a whole block comes with the checksum kept since it was
+        stored (a read never sums it again: blocks do not change while stored)."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None:
                 raise BlockError(ev.ErrorCode.LEASE_EXPIRED, "lease not held")
             if key not in lease[2]:
                 raise BlockError(ev.ErrorCode.NOT_FOUND, "key not under this lease")
-            block, size = self._index[key]
+            block, size, checksum = self._index[key]
         if offset + length > size:
             raise BlockError(ev.ErrorCode.BAD_REQUEST, "range beyond the block")
-        return self.arena.block(block)[offset : offset + length], None
+        known = (SUPPORTED[0], checksum) if offset == 0 and length == size else None
+        return self.arena.block(block)[offset : offset + length], known
 
     def release(self, lease_id: int) -> bool:
         with self._lock:
@@ -142,6 +148,7 @@ class StoreNode(BlockService):
         assert writer is not None  # _admit accepts nothing without one
         try:
             self._pull_from(writer, req.lease_id, new, blocks)
+            sums = [payload_checksum(SUPPORTED[0], self.arena.block(b)[:size]) for (_, size), b in zip(new, blocks)]
         except Exception as exc:  # noqa: BLE001 - any failure: free the landing blocks, answer FAILED
             log.info("offer %d from %s failed: %s", req.request_id, writer, exc)
             with self._lock:
@@ -151,7 +158,7 @@ class StoreNode(BlockService):
             return
         with self._lock:
             self.arena.publish(blocks, [k for k, _ in new])
-            self._index.update({k: (b, s) for (k, s), b in zip(new, blocks)})
+            self._index.update({k: (b, s, c) for (k, s), b, c in zip(new, blocks, sums)})
             self._landing.difference_update(k for k, _ in new)
         for listener in self._listeners:
             listener([k for k, _ in new])

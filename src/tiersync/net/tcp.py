@@ -16,7 +16,7 @@ import itertools
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
@@ -35,13 +35,16 @@ from tiersync.net.handshake import client_handshake
 from tiersync.net.local import LocalReadError
 from tiersync.net.protocol import Connection, Role
 from tiersync.net.pull_plan import local_groups, plan_pulls, writable
-from tiersync.net.samehost import local_copy
+from tiersync.net.samehost import local_copy, local_copy_at
 from tiersync.net.server import TcpServer
 from tiersync.net.service import PeerInfo, Service
 from tiersync.net.socket_io import Deadline, FramedSocket, io_errors, tune
 from tiersync.net.tls import client_context
 from tiersync.net.transport import Channel, Server, Transport
 from tiersync.net.vocab import Vocabulary
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["Deadline", "Route", "TcpChannel", "TcpConfig", "TcpTransport", "parse_address"]
 
@@ -241,6 +244,10 @@ class TcpChannel(Channel):
         """Land a LOCAL_REPLY's regions in ``dests``, verified (:func:`~tiersync.net.samehost.local_copy`
         on this channel's ``local_threads``)."""
         local_copy(reply, dests, self.peer, self._framed.cfg.local_threads)
+
+    def local_copy_at(self, reply: object, dest: np.ndarray, offsets: np.ndarray) -> None:
+        """:meth:`local_copy` into one uint8 array, region ``i`` at ``dest[offsets[i]:]``."""
+        local_copy_at(reply, dest, offsets, self.peer, self._framed.cfg.local_threads)
 
     def local_refused(self, exc: LocalReadError) -> None:
         """A same-host read was refused (permissions, another pid namespace): route AUTO uses
