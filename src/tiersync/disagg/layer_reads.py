@@ -27,7 +27,7 @@ from tiersync.net.service import Session
 __all__ = ["LayerReads", "Outgoing", "Refused", "Route"]
 
 _ZERO_COPY_SPANS = 256  # pulls of at most this many spans (or of large ones) go out as views
-_ZERO_COPY_AVG = 16 << 10
+ZERO_COPY_AVG = 16 << 10  # ... spans this large on average; smaller ones are gathered into staging
 Code = ev.ErrorCode
 
 
@@ -101,7 +101,7 @@ class LayerReads:
             view, offs, lens = self.spans(route_of(session), event.n, event.offset, event.length)
         except Refused as exc:
             return [ev.Error(event.request_id, exc.code, str(exc)[:512])]
-        if lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= _ZERO_COPY_AVG:
+        if lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= ZERO_COPY_AVG:
             return [
                 ev.Data(event.request_id, [memoryview(view[o : o + n]) for o, n in zip(offs.tolist(), lens.tolist())])
             ]
@@ -125,7 +125,7 @@ class LayerReads:
             raise Refused(Code.UNSUPPORTED, "KV_PULL_LOCAL from another host")
         view, offs, lens = self.spans(route, event.n, event.offset, event.length)
         algo = SUPPORTED[0]
-        if not (lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= _ZERO_COPY_AVG):
+        if not (lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= ZERO_COPY_AVG):
             route.local_pulls += 1  # two buffers in turn: the reader keeps at most two pulls in flight
             view = gather(view, offs, lens, out=self._staging_of(session, event.length, route.local_pulls % 2))
             offs, lens = np.zeros(1, np.int64), np.array([view.size], np.int64)

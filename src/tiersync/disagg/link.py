@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiersync.disagg.config import DisaggConfig
+from tiersync.disagg.layer_reads import ZERO_COPY_AVG
 from tiersync.disagg.messages import ReadRequest
 from tiersync.disagg.ops import KvDone, KvLayer, KvNext, KvOpen, KvOpened, KvPull, KvPullLocal
 from tiersync.disagg.spanio import route_slice, scatter
@@ -149,10 +150,10 @@ def _copy_local(
     """Copy every layer out of the producer's memory as one stream of requests: KV_OPEN, then
     each layer's KV_NEXT behind the previous layer's pulls (the producer answers in order), at
     most two pulls in flight (a piece it gathered stays in one of two buffers it alternates),
-    each as large as a frame may be (the bytes do not travel in it). Returns (layers landed,
+    each as large as :func:`_local_piece` allows (the bytes do not travel in it). Returns (layers landed,
     layer ids KV_NEXT named): all of them, or where the copy was refused and route AUTO falls
     back to TCP (route LOCAL raises)."""
-    piece_bytes = max(config.chunk_bytes, config.protocol.max_frame_size - config.protocol.max_meta_size)
+    piece_bytes = _local_piece(route, total, config)
     plan = [item for n in range(num_layers) for item in [(n, None), *((n, p) for p in _pieces(total, piece_bytes))]]
     sent: list = [(opening, -1, None)]  # (request, layer or -1 for KV_OPEN, piece or None), oldest first
     channel.send(opening, timeout=_left(deadline, channel))
@@ -189,6 +190,15 @@ def _copy_local(
             landed(told[n])
             landed_n += 1
     return num_layers, told
+
+
+def _local_piece(route: _Route, total: int, config: DisaggConfig) -> int:
+    """Bytes per KV_PULL_LOCAL: as many as a frame may describe, except where the producer
+    gathers the route's small spans into its two staging buffers (``chunk_bytes`` keeps those
+    bounded per reader)."""
+    if total // max(route.lengths.size, 1) < ZERO_COPY_AVG:
+        return config.chunk_bytes
+    return max(config.chunk_bytes, config.protocol.max_frame_size - config.protocol.max_meta_size)
 
 
 def _verified_copy(channel: TcpChannel, reply: object, route: _Route, buf: np.ndarray, pull: KvPullLocal) -> None:
