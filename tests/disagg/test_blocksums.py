@@ -200,3 +200,60 @@ def test_a_refused_same_host_copy_falls_back_to_tcp_mid_stream_or_fails(route):
             np.testing.assert_array_equal(unshard(layout, [land], ids, ntok), global_kv(layout, ntok, 5))
         else:
             assert state is RequestState.FAILED and "process_vm_readv" in str(handle.error)
+
+
+@needs_native
+def test_a_long_request_of_small_blocks_is_read_in_pieces_whose_replies_fit_max_keys():
+    """8 KiB block regions, 4200 consecutive blocks (one coalesced span of 34 MB per layer):
+    a pull of a whole layer would be answered by more regions than a LOCAL_REPLY may carry, so
+    the reader asks in pieces the producer can describe; every byte lands."""
+    layout = PagedKVLayout(
+        num_layers=2, num_kv_heads=1, head_dim=128, block_size=16, num_blocks=4200, dtype="float16", tp_size=1
+    )
+    ids, ntok = list(range(4200)), 4200 * 16
+    config = DisaggConfig(route="local", timeout_s=60)
+    with KVProducer(layout, 0, config) as producer, KVConsumer(layout, 0, config) as consumer:
+        producer.register("long", ids, ntok, _serve(layout, ids, ntok, seed=3))
+        for layer in range(layout.num_layers):
+            producer.layer_ready("long", layer)
+        handle, land = _read(consumer, producer, layout, "long", ids, ntok)
+        assert handle.wait(60) is RequestState.DONE, handle.error
+        np.testing.assert_array_equal(unshard(layout, [land], ids, ntok), global_kv(layout, ntok, 3))
+
+
+class _HugeLengthProducer(KVProducer):
+    """Answers layer 0 with a first region of length 2**64 - 1 and a second that makes the
+    lengths add up modulo 2**64 (a lie no arithmetic on the reader's side may accept)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        answer = self._reads.pull_local
+
+        def pull_local(session, route, event):
+            reply = answer(session, route, event)
+            regions = reply.regions.copy()
+            if len(regions) >= 2:
+                regions[1, 1] += regions[0, 1] + np.uint64(1)
+                regions[0, 1] = np.uint64(2**64 - 1)
+            return type(reply)(reply.request_id, reply.pid, reply.algo, regions)
+
+        self._reads.pull_local = pull_local
+
+
+@needs_native
+def test_a_region_longer_than_the_pull_is_a_protocol_error():
+    layout = _layout(KVOrder.HEAD_MAJOR)
+    ids, ntok = [7, 3, 12, 5], 60
+    with (
+        _HugeLengthProducer(layout, 0, DisaggConfig(timeout_s=30)) as producer,
+        KVConsumer(layout, 0, DisaggConfig(route="local", timeout_s=30)) as consumer,
+    ):
+        producer.register("r", ids, ntok, _serve(layout, ids, ntok, seed=5))
+        for layer in range(layout.num_layers):
+            producer.layer_ready("r", layer)
+        handle, _ = _read(consumer, producer, layout, "r", ids, ntok)
+        assert handle.wait(30) is RequestState.FAILED
+        from tiersync.net.errors import ProtocolError, ProtocolFault
+
+        assert isinstance(handle.error, ProtocolError) and handle.error.fault is ProtocolFault.MALFORMED
+        assert "longer than the pull" in str(handle.error)

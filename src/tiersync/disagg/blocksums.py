@@ -24,7 +24,13 @@ import numpy as np
 from tiersync.disagg.geometry import KVOrder, PagedKVLayout
 from tiersync.net import local
 
-__all__ = ["BlockSums", "LayerSums"]
+__all__ = ["BlockSums", "LayerSums", "region_unit"]
+
+
+def region_unit(layout: PagedKVLayout) -> int:
+    """Bytes of one summed block region of ``layout`` (a block's K and V together, or each of
+    them in a KV-major layout): a producer cuts a same-host pull's regions at these."""
+    return layout.block_nbytes * (1 if layout.order is KVOrder.KV_MAJOR else 2)
 
 
 class BlockSums:
@@ -32,7 +38,7 @@ class BlockSums:
     the layer: a block's K and V together, or each of them in a KV-major layer)."""
 
     def __init__(self, layout: PagedKVLayout, threads: int) -> None:
-        self.unit = layout.block_nbytes * (1 if layout.order is KVOrder.KV_MAJOR else 2)
+        self.unit = region_unit(layout)
         self._kv_major = layout.order is KVOrder.KV_MAJOR
         self._v_base = layout.num_blocks * layout.block_nbytes
         self._threads = threads

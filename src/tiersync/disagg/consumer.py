@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tiersync.disagg.blocksums import region_unit
 from tiersync.disagg.config import DisaggConfig, FinishedRequests, RequestState, check_side
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.disagg.link import pull_route
@@ -236,6 +237,7 @@ class KVConsumer:
                         self.config,
                         handle._buffer,
                         handle._landed,
+                        src_unit=region_unit(handle.plan.src),
                     )
                     if not read.notify_only:
                         handle._counted()

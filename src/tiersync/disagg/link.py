@@ -34,6 +34,7 @@ __all__ = ["pull_route"]
 Buffer = Callable[[int], np.ndarray]
 Landed = Callable[[int], None]
 _LOCAL_WINDOW = 2  # the producer alternates two gather buffers: never more in flight
+_LOCAL_PIECE_MAX = 32 << 20  # within the default frame (64 MiB) of a producer configured otherwise
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,8 @@ def pull_route(
     config: DisaggConfig,
     buffer: Buffer,
     landed: Landed,
+    *,
+    src_unit: int,
 ) -> None:
     """Read ``read`` (``spans``: the route's ``[src, dst, nbytes]`` rows) until KV_DONE is
     COMMITTED. Each layer's bytes land in place, at the destination offsets of ``buffer(layer)``
@@ -69,7 +72,8 @@ def pull_route(
     total = int(route.lengths.sum()) if not read.notify_only else 0
     opening = KvOpen(channel.new_request_id(), read)
     if total and channel.local_route():  # KV_OPEN goes out ahead of the first pulls: no round trip of its own
-        done = _copy_local(channel, opening, num_layers, route, total, deadline, config, buffer, landed)
+        piece = _local_piece(route, total, config, src_unit)
+        done = _copy_local(channel, opening, num_layers, route, total, piece, deadline, config, buffer, landed)
     else:
         _opened(channel, channel.request(opening, timeout=_left(deadline, channel)), total)
         done = (0, [])
@@ -142,6 +146,7 @@ def _copy_local(
     num_layers: int,
     route: _Route,
     total: int,
+    piece_bytes: int,
     deadline: float,
     config: DisaggConfig,
     buffer: Buffer,
@@ -150,10 +155,9 @@ def _copy_local(
     """Copy every layer out of the producer's memory as one stream of requests: KV_OPEN, then
     each layer's KV_NEXT behind the previous layer's pulls (the producer answers in order), at
     most two pulls in flight (a piece it gathered stays in one of two buffers it alternates),
-    each as large as :func:`_local_piece` allows (the bytes do not travel in it). Returns (layers landed,
+    each ``piece_bytes`` (:func:`_local_piece`; the bytes do not travel in it). Returns (layers landed,
     layer ids KV_NEXT named): all of them, or where the copy was refused and route AUTO falls
     back to TCP (route LOCAL raises)."""
-    piece_bytes = _local_piece(route, total, config)
     plan = [item for n in range(num_layers) for item in [(n, None), *((n, p) for p in _pieces(total, piece_bytes))]]
     sent: list = [(opening, -1, None)]  # (request, layer or -1 for KV_OPEN, piece or None), oldest first
     channel.send(opening, timeout=_left(deadline, channel))
@@ -192,13 +196,19 @@ def _copy_local(
     return num_layers, told
 
 
-def _local_piece(route: _Route, total: int, config: DisaggConfig) -> int:
-    """Bytes per KV_PULL_LOCAL: as many as a frame may describe, except where the producer
-    gathers the route's small spans into its two staging buffers (``chunk_bytes`` keeps those
-    bounded per reader)."""
+def _local_piece(route: _Route, total: int, config: DisaggConfig, src_unit: int) -> int:
+    """Bytes per KV_PULL_LOCAL. Where the producer gathers the route's small spans into its two
+    staging buffers: ``chunk_bytes`` (staging stays bounded per reader). Else as much as one
+    answer may describe: the producer cuts the spans at its ``src_unit`` block regions, so a
+    piece of P bytes whose spans average >= ZERO_COPY_AVG has at most P / ZERO_COPY_AVG +
+    P / src_unit regions; both terms are kept within half of ``max_keys`` (a LOCAL_REPLY with
+    more regions is refused), and the piece within a frame of the default size."""
+    keys = config.protocol.max_keys // 2
+    cap = min(keys * ZERO_COPY_AVG, keys * max(src_unit, 1), _LOCAL_PIECE_MAX)
     if total // max(route.lengths.size, 1) < ZERO_COPY_AVG:
-        return config.chunk_bytes
-    return max(config.chunk_bytes, config.protocol.max_frame_size - config.protocol.max_meta_size)
+        return min(config.chunk_bytes, cap)
+    frame = config.protocol.max_frame_size - config.protocol.max_meta_size
+    return max(min(max(config.chunk_bytes, frame), cap), 1)
 
 
 def _verified_copy(channel: TcpChannel, reply: object, route: _Route, buf: np.ndarray, pull: KvPullLocal) -> None:
@@ -208,6 +218,8 @@ def _verified_copy(channel: TcpChannel, reply: object, route: _Route, buf: np.nd
     per region."""
     if not isinstance(reply, ev.LocalReply):
         raise ProtocolError("expected LOCAL_REPLY", fault=ProtocolFault.UNEXPECTED, peer=channel.peer)
+    if np.any(reply.regions[:, 1] > pull.length):  # a hostile length, before any arithmetic on it
+        raise ProtocolError("LOCAL_REPLY region longer than the pull", fault=ProtocolFault.MALFORMED, peer=channel.peer)
     lengths = reply.regions[:, 1].astype(np.int64)
     if int(lengths.sum()) != pull.length:
         raise ProtocolError("LOCAL_REPLY does not cover the pull", fault=ProtocolFault.MALFORMED, peer=channel.peer)
