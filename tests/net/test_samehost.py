@@ -95,9 +95,12 @@ def test_read_summed_at_lands_each_range_at_its_offset_in_one_array(source, thre
     for (addr, n), off, got in zip(ranges_rev.tolist(), offsets.tolist(), sums):
         assert dest[off : off + n].tobytes() == want[addr - address : addr - address + n].tobytes()
         assert got == tsum64(dest[off : off + n])
+    dest[:] = 0
     with pytest.raises(UsageError) as exc:
         local.read_summed_at(pid, ranges_rev, dest[:-1], offsets, threads)
-    assert exc.value.argument == "offsets"
+    assert exc.value.argument == "offsets" and not dest.any()  # refused before anything is read
+    with pytest.raises(UsageError):  # a length past every buffer (a wrapped sum would fit)
+        local.read_summed_at(pid, np.array([[address, 2**64 - 1]], np.uint64), dest, np.ones(1, np.uint64), threads)
     regions = np.concatenate([ranges_rev, np.array(sums, np.uint64)[:, None]], axis=1)
     local_copy_at(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions), dest, offsets, "peer", threads)
     regions[2, 2] ^= np.uint64(1)

@@ -8,6 +8,10 @@
  *   checksums the source sent: a range that changed or was mis-described never verifies).
  *   OSError with the kernel's errno when a copy is refused or comes up short (EFAULT).
  *
+ * read_summed_at(pid, remote, dest, offsets, threads) -> the same, every range landing in the one
+ *   writable buffer dest at its uint64 offset (each range checked to lie inside dest before
+ *   anything is read, else ValueError): no Python object per range.
+ *
  * How: every range is cut into segments of PIECE bytes (a multiple of 64, so each segment
  *   starts on a tsum64 stripe); consecutive segments up to PIECE bytes form a unit, one
  *   process_vm_readv. Up to `threads` threads (the caller's included, GIL released) take units
@@ -190,26 +194,17 @@ static PyObject *sums_of(const segment *segs, const uint64_t *remote, Py_ssize_t
     return out;
 }
 
-static PyObject *read_summed(PyObject *self, PyObject *args) {
-    int pid, threads;
-    Py_buffer rv;
-    PyObject *dests;
-    if (!PyArg_ParseTuple(args, "iy*O!i", &pid, &rv, &PyList_Type, &dests, &threads)) return NULL;
-    Py_ssize_t count = PyList_GET_SIZE(dests);
-    if (rv.len != count * 16 || threads < 1) {
-        PyBuffer_Release(&rv);
-        PyErr_SetString(PyExc_ValueError, "remote must hold one (address, length) uint64 pair per dest; threads >= 1");
-        return NULL;
-    }
-    const uint64_t *remote = rv.buf;
-    uint64_t total = 0;
-    size_t nsegs = 0, nunits = 0;
-    Py_buffer *views = get_dests(dests, remote, &total, &nsegs);
-    segment *segs = views ? PyMem_Calloc(nsegs + 1, sizeof(segment)) : NULL;
+/* Copy `count` ranges of process `pid` into `views` (each exactly as long as its range) and sum
+ * each landed range, on up to `threads` threads: the tuple of sums, or NULL with OSError (the
+ * kernel's errno) or MemoryError set. */
+static PyObject *copy_summed(int pid, const uint64_t *remote, Py_buffer *views, Py_ssize_t count, uint64_t total,
+                             size_t nsegs, int threads) {
+    segment *segs = PyMem_Calloc(nsegs + 1, sizeof(segment));
     size_t *units = segs ? PyMem_Calloc(nsegs + 2, sizeof(size_t)) : NULL;
+    size_t nunits = 0;
     PyObject *out = NULL;
     if (units == NULL) {
-        if (views && !PyErr_Occurred()) PyErr_NoMemory();
+        PyErr_NoMemory();
         goto done;
     }
     plan(remote, views, count, segs, units, &nunits);
@@ -229,6 +224,25 @@ static PyObject *read_summed(PyObject *self, PyObject *args) {
 done:
     PyMem_Free(units);
     PyMem_Free(segs);
+    return out;
+}
+
+static PyObject *read_summed(PyObject *self, PyObject *args) {
+    int pid, threads;
+    Py_buffer rv;
+    PyObject *dests;
+    if (!PyArg_ParseTuple(args, "iy*O!i", &pid, &rv, &PyList_Type, &dests, &threads)) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(dests);
+    if (rv.len != count * 16 || threads < 1) {
+        PyBuffer_Release(&rv);
+        PyErr_SetString(PyExc_ValueError, "remote must hold one (address, length) uint64 pair per dest; threads >= 1");
+        return NULL;
+    }
+    const uint64_t *remote = rv.buf;
+    uint64_t total = 0;
+    size_t nsegs = 0;
+    Py_buffer *views = get_dests(dests, remote, &total, &nsegs);
+    PyObject *out = views ? copy_summed(pid, remote, views, count, total, nsegs, threads) : NULL;
     if (views) release(views, count);
     PyBuffer_Release(&rv);
     return out;
@@ -246,7 +260,7 @@ static PyObject *read_summed_at(PyObject *self, PyObject *args) {
     int bad = rv.len != count * 16 || ov.len % 8 != 0 || threads < 1 || !PyBuffer_IsContiguous(&dv, 'C');
     Py_buffer *views = bad ? NULL : PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
     uint64_t total = 0;
-    size_t nsegs = 0, nunits = 0;
+    size_t nsegs = 0;
     for (Py_ssize_t r = 0; views && !bad && r < count; r++) {
         uint64_t off = offs[r], len = remote[2 * r + 1];
         bad = off > (uint64_t)dv.len || len > (uint64_t)dv.len - off;
@@ -254,33 +268,13 @@ static PyObject *read_summed_at(PyObject *self, PyObject *args) {
         total += len;
         nsegs += (size_t)((len + PIECE - 1) / PIECE);
     }
-    segment *segs = views && !bad ? PyMem_Calloc(nsegs + 1, sizeof(segment)) : NULL;
-    size_t *units = segs ? PyMem_Calloc(nsegs + 2, sizeof(size_t)) : NULL;
     PyObject *out = NULL;
-    if (units == NULL) {
-        if (bad)
-            PyErr_SetString(PyExc_ValueError,
-                            "one remote (address, length) pair per dest offset, every range inside dest");
-        else PyErr_NoMemory();
-        goto done;
-    }
-    plan(remote, views, count, segs, units, &nunits);
-    task t = {.pid = pid, .segs = segs, .units = units, .nunits = nunits};
-    size_t want = 1 + (size_t)(total / BYTES_PER_THREAD);
-    if (want > (size_t)threads) want = (size_t)threads;
-    if (want > MAX_THREADS) want = MAX_THREADS;
-    Py_BEGIN_ALLOW_THREADS
-    run(&t, want, worker);
-    Py_END_ALLOW_THREADS
-    if (atomic_load(&t.err)) {
-        errno = atomic_load(&t.err);
-        PyErr_SetFromErrno(PyExc_OSError);
-    } else {
-        out = sums_of(segs, remote, count);
-    }
-done:
-    PyMem_Free(units);
-    PyMem_Free(segs);
+    if (bad)
+        PyErr_SetString(PyExc_ValueError, "one remote (address, length) pair per dest offset, every range inside dest");
+    else if (views == NULL)
+        PyErr_NoMemory();
+    else
+        out = copy_summed(pid, remote, views, count, total, nsegs, threads);
     PyMem_Free(views);
     PyBuffer_Release(&ov);
     PyBuffer_Release(&dv);
