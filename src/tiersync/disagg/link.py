@@ -34,7 +34,7 @@ __all__ = ["pull_route"]
 Buffer = Callable[[int], np.ndarray]
 Landed = Callable[[int], None]
 _LOCAL_WINDOW = 2  # the producer alternates two gather buffers: never more in flight
-_LOCAL_PIECE_MAX = 32 << 20  # within the default frame (64 MiB) of a producer configured otherwise
+_LOCAL_PIECE_MAX = 32 << 20  # half the default max_frame_size: room for a producer that lowered it
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,13 +202,11 @@ def _local_piece(route: _Route, total: int, config: DisaggConfig, src_unit: int)
     answer may describe: the producer cuts the spans at its ``src_unit`` block regions, so a
     piece of P bytes whose spans average >= ZERO_COPY_AVG has at most P / ZERO_COPY_AVG +
     P / src_unit regions; both terms are kept within half of ``max_keys`` (a LOCAL_REPLY with
-    more regions is refused), and the piece within a frame of the default size."""
-    keys = config.protocol.max_keys // 2
-    cap = min(keys * ZERO_COPY_AVG, keys * max(src_unit, 1), _LOCAL_PIECE_MAX)
-    if total // max(route.lengths.size, 1) < ZERO_COPY_AVG:
-        return min(config.chunk_bytes, cap)
-    frame = config.protocol.max_frame_size - config.protocol.max_meta_size
-    return max(min(max(config.chunk_bytes, frame), cap), 1)
+    more regions is refused), and at most _LOCAL_PIECE_MAX."""
+    keys = max(config.protocol.max_keys // 2, 1)
+    gathered = total // max(route.lengths.size, 1) < ZERO_COPY_AVG
+    want = config.chunk_bytes if gathered else max(config.chunk_bytes, _LOCAL_PIECE_MAX)
+    return min(want, keys * ZERO_COPY_AVG, keys * max(src_unit, 1))
 
 
 def _verified_copy(channel: TcpChannel, reply: object, route: _Route, buf: np.ndarray, pull: KvPullLocal) -> None:
