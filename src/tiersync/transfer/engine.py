@@ -213,7 +213,7 @@ class TransferEngine:
             self._pool.submit(self._run, chunk)
         except RuntimeError:
             self._pacer.release(chunk.nbytes)
-            chunk.future._finish(ClosedError("transfer engine closed before the copy ran"))
+            chunk.future._fail(ClosedError("transfer engine closed before the copy ran"))
 
     def _plan(self, runs: np.ndarray, to_host: bool) -> tuple[list[_Part], int]:
         """(pool, layer, src_addr, dst_addr, spans) parts in layer order, and the piece size
@@ -268,30 +268,31 @@ class TransferEngine:
                 try:
                     self._pacer.acquire(chunk.nbytes)
                 except ClosedError as exc:
-                    chunk.future._finish(exc)
+                    chunk.future._fail(exc)
                     continue
                 self._submit(chunk)
             with self._state_lock:
                 self._queued -= 1
 
     def _run(self, chunk: _Chunk) -> None:
-        fut = chunk.future
+        """Copy the chunk's parts; its bytes go back to the pacer before the future settles,
+        so the waiter wakes to an engine that admits its next request at once."""
+        fut, last, error = chunk.future, False, None
         try:
             for pool, layer, src, dst, spans in chunk.parts:
                 if fut.done():
-                    return  # failed elsewhere
+                    break  # failed elsewhere
                 backend = self.backends[self.layout.pools[pool].device]
                 backend.copy(src, dst, spans)
                 backend.synchronize()  # the layer may be reported done only once its bytes landed
-                if fut._chunk_done(layer):
-                    fut._finish(None)
-                    self._record(fut, ok=True)
+                last = fut._chunk_done(layer)
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
-            if not fut.done():
-                fut._finish(exc)
-                self._record(fut, ok=False)
-        finally:
-            self._pacer.release(chunk.nbytes)
+            error = exc
+        self._pacer.release(chunk.nbytes)
+        if error is not None and fut._fail(error):
+            self._record(fut, ok=False)
+        elif error is None and last and fut._settle(None):
+            self._record(fut, ok=True)
 
     def _record(self, fut: TransferFuture, *, ok: bool) -> None:
         if ok:

@@ -9,7 +9,6 @@ soon as layer ``l`` is fully copied, so a consumer can start computing on layer
 from __future__ import annotations
 
 import enum
-import threading
 import time
 from collections.abc import Sequence
 
@@ -38,13 +37,8 @@ class TransferFuture(Completion[None]):
         self.host_blocks = tuple(host_blocks)
         self.started = time.perf_counter()
         self.finished: float | None = None
-        self._lock = threading.Lock()
-        self._remaining = list(layer_chunks)
+        self._remaining = list(layer_chunks)  # guarded by the base's _cond, which layer waiters wait on
         self._left = sum(1 for n in layer_chunks if n > 0)
-        self._layer_events = [threading.Event() for _ in layer_chunks]
-        for ev, n in zip(self._layer_events, layer_chunks):
-            if n == 0:
-                ev.set()
 
     def __repr__(self) -> str:
         return f"<TransferFuture {self.direction.value} {self.nbytes} B {self.status.value}>"
@@ -57,36 +51,33 @@ class TransferFuture(Completion[None]):
     wait = Completion.result
 
     def layer_done(self, layer: int) -> bool:
-        return self._layer_events[self._layer_index(layer)].is_set()
+        """Whether ``layer`` is copied (or the transfer settled, failed included)."""
+        return self._remaining[self._layer_index(layer)] == 0 or self.done()
 
     def _layer_index(self, layer: int) -> int:
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < len(self._layer_events):
-            raise UsageError("no such layer", argument="layer", value=layer, num_layers=len(self._layer_events))
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < len(self._remaining):
+            raise UsageError("no such layer", argument="layer", value=layer, num_layers=len(self._remaining))
         return layer
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         """Block until ``layer`` is copied; raises the transfer's error if it failed first."""
-        if not self._layer_events[self._layer_index(layer)].wait(timeout):
-            raise TimeoutError(f"layer {layer} not done after {timeout} s")
+        self._layer_index(layer)
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._remaining[layer] == 0 or self.done(), timeout):
+                raise TimeoutError(f"layer {layer} not done after {timeout} s")
         if self._remaining[layer] != 0:
             self.result()
 
     # -- engine side -------------------------------------------------------
     def _chunk_done(self, layer: int) -> bool:
-        """Record one finished chunk; returns True when the whole transfer is done."""
-        with self._lock:
+        """Record one finished chunk (waking that layer's waiters when it was the layer's
+        last); returns True when the whole transfer is done."""
+        with self._cond:
             self._remaining[layer] -= 1
             if self._remaining[layer] == 0:
-                self._layer_events[layer].set()
                 self._left -= 1
+                self._cond.notify_all()
             return self._left == 0
-
-    def _finish(self, exc: BaseException | None) -> None:
-        """Settle the transfer (first call wins) and wake every layer waiter (they check
-        ``_remaining``)."""
-        if self._settle(None) if exc is None else self._fail(exc):
-            for ev in self._layer_events:
-                ev.set()
 
     def _on_end(self) -> None:
         self.finished = time.perf_counter()

@@ -56,7 +56,7 @@ def validate_runs(
     and a block named twice on either side (overlapping runs).
     """
     try:
-        raw = np.array([tuple(r) for r in runs])
+        raw = runs if isinstance(runs, np.ndarray) else np.array([tuple(r) for r in runs])
     except (TypeError, ValueError, OverflowError) as exc:
         raise UsageError("each run must be (src_block, dst_block, count) of ints", argument=argument) from exc
     if raw.size == 0:
@@ -84,16 +84,24 @@ def validate_runs(
                 count=int(cnt[i]),
                 num_blocks=limit,
             )
-        ids = expand(start, cnt)
-        if len(np.unique(ids)) != len(ids):
-            u, c = np.unique(ids, return_counts=True)
-            raise UsageError(f"{name} block named twice", argument=argument, block=int(u[np.argmax(c > 1)]))
+        twice = _named_twice(expand(start, cnt))
+        if twice is not None:
+            raise UsageError(f"{name} block named twice", argument=argument, block=twice)
     return arr
+
+
+def _named_twice(ids: np.ndarray) -> int | None:
+    """The smallest id that ``ids`` holds more than once, or None."""
+    ordered = np.sort(ids)
+    same = ordered[1:] == ordered[:-1]
+    return int(ordered[1:][same][0]) if same.any() else None
 
 
 def expand(start: np.ndarray, count: np.ndarray) -> np.ndarray:
     """Block ids of runs: ``[s, s+1, ..., s+c-1]`` for each (s, c), concatenated."""
     total = int(count.sum())
+    if total == len(count):  # every count 1 (counts are positive): the starts themselves
+        return start.astype(np.int64)
     offs = np.repeat(start - np.concatenate(([0], np.cumsum(count)[:-1])), count)
     return offs + np.arange(total, dtype=np.int64)
 
