@@ -151,6 +151,25 @@ def test_routes_byte_exact_across_processes(procs, route, dst_tp, chunk):
         c.close()
 
 
+def test_tcp_layers_named_out_of_order_land_in_their_own_buffers(procs):
+    """One pipeline over all layers: the pulls of a layer go out before KV_NEXT's answer named
+    it, and still land in the buffer of the layer the answer named, each layer in several pulls."""
+    prod = procs(LAYOUT)
+    prod.register("o", [5, 6, 7], 40, seed=3)
+    with KVConsumer(LAYOUT, 0, DisaggConfig(route="tcp", chunk_bytes=1000, window=3)) as consumer:
+        land = _landing(LAYOUT)
+        handle = consumer.start_read("o", SourceSpec(LAYOUT, prod.addresses, [5, 6, 7], 40), [1, 2, 3], land)
+        ready: list[int] = []
+        for layer in (2, 0, 1):
+            prod.ready("o", [layer])
+            ready.append(layer)
+            assert handle.wait_layer(layer, timeout=20)
+            assert not any(handle.wait_layer(other, timeout=0) for other in range(3) if other not in ready)
+        assert handle.wait(20) is RequestState.DONE
+    np.testing.assert_array_equal(unshard(LAYOUT, [land], [1, 2, 3], 40), global_kv(LAYOUT, 40, 3))
+    assert prod.wait_final("o") == ["done"]
+
+
 def test_connections_are_pooled_across_requests(procs):
     prod = procs(LAYOUT)
     with KVConsumer(LAYOUT, 0, DisaggConfig(route="tcp")) as consumer:

@@ -96,6 +96,42 @@ def test_data_payload_is_sent_without_copy_and_lands_in_caller_buffer():
     assert isinstance(event, ev.Data) and dest == source[:1000]
 
 
+def test_a_reserved_payload_place_stops_reads_at_frame_boundaries_and_lands_once_registered():
+    client, server = ready_pair()
+    deliver(client, server, ev.Ping(4, 1))  # its answer says where the next payload goes
+    deliver(client, server, so.Pull(5, 1, b"k" * 16, 0, 300))
+    client.expect_payload_later(5)
+    assert client.scatter_target() is None and client.data_fast_targets([5]) == []
+    pong = b"".join(bytes(b) for b in server.send(ev.Pong(4, 1)))
+    payload = bytes(range(200)) + bytes(100)
+    wire = pong + b"".join(bytes(b) for b in server.send(ev.Data(5, payload)))
+    at, events = 0, []
+    while not events:  # a socket layer reads what read_hint allows (0: as much as it likes)
+        take = client.read_hint()
+        assert take > 0  # a place is reserved: never an open-ended read
+        client.receive_data(wire[at : at + take])
+        at += take
+        events = drain(client)
+    assert events == [ev.Pong(4, 1)] and at == len(pong)  # not one byte of the DATA read on the way
+    dest = bytearray(300)
+    client.expect_payload_into(5, dest)
+    assert client.data_fast_targets([5]) == [memoryview(dest)]
+    (data,) = feed(client, wire[at:])
+    assert isinstance(data, ev.Data) and data.request_id == 5 and dest == payload
+
+
+def test_a_reserved_place_never_registered_lands_in_a_buffer_of_its_own():
+    client, server = ready_pair()
+    deliver(client, server, so.Pull(6, 1, b"k" * 16, 0, 5))
+    client.expect_payload_later(6)
+    assert client.scatter_target() is None and client.data_fast_targets([6]) == []
+    (event,) = deliver(server, client, ev.Data(6, b"abcde"))
+    assert isinstance(event, ev.Data) and bytes(event.payload) == b"abcde"
+    with pytest.raises(UsageError) as info:
+        client.expect_payload_later(6)  # answered: no longer outstanding
+    assert info.value.argument == "request_id"
+
+
 def test_data_of_wrong_size_for_the_sink_is_the_peers_fault():
     client, server = ready_pair()
     deliver(client, server, so.Pull(3, 1, b"k" * 16, 0, 10))

@@ -13,7 +13,7 @@ verified; route AUTO falls back to TCP when that is refused) — report each lay
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +27,7 @@ from tiersync.errors import RemoteError
 from tiersync.net import events as ev
 from tiersync.net.errors import NetTimeoutError, ProtocolError, ProtocolFault
 from tiersync.net.local import LocalReadError
-from tiersync.net.tcp import TcpChannel
+from tiersync.net.tcp import Later, TcpChannel
 
 __all__ = ["pull_route"]
 
@@ -103,18 +103,33 @@ def _layers_tcp(
     landed: Landed,
 ) -> None:
     """Over TCP: every layer, or those left (``done``: layers landed, layer ids KV_NEXT named
-    so far) when a same-host read was refused."""
+    so far) when a same-host read was refused, in one pipeline: a layer's KV_NEXT goes out
+    right behind the pulls of the layer before it and its own pulls right behind that, their
+    destinations resolved (:class:`Later`) once KV_NEXT's answer, read first, named the layer —
+    no round trip and no drained window between layers (the producer answers in order)."""
     landed_n, told = done
-    for n in range(landed_n, num_layers):
-        if n == len(told):
-            _told(
-                channel,
-                channel.request(KvNext(channel.new_request_id(), n), timeout=_left(deadline, channel)),
-                told,
-                num_layers,
-            )
-        _pull_tcp(channel, n, route, buffer(told[n]), total, deadline, config)
-        landed(told[n])
+    known = len(told)
+    pieces = _pieces(total, config.chunk_bytes)
+    then: dict[int, Callable[[object], None]] = {}  # request id -> what its answer does
+
+    def requests() -> Iterator[tuple[object, object]]:
+        for n in range(landed_n, num_layers):
+            if n >= known:
+                ask = KvNext(channel.new_request_id(), n)
+                then[ask.request_id] = lambda answer: _told(channel, answer, told, num_layers)
+                yield ask, None
+            for i, (off, size) in enumerate(pieces):
+                pull = KvPull(channel.new_request_id(), n, off, size)
+                if i == len(pieces) - 1:
+                    then[pull.request_id] = lambda _answer, n=n: landed(told[n])
+                yield pull, Later(lambda n=n, off=off, size=size: route.dests(buffer(told[n]), off, size))
+
+    def on_answer(request_id: int, answer: object) -> None:
+        action = then.pop(request_id, None)
+        if action is not None:
+            action(answer)
+
+    channel.pipeline(requests(), window=config.window, timeout=_left(deadline, channel), landed=on_answer)
 
 
 def _told(channel: TcpChannel, answer: object, told: list[int], num_layers: int) -> None:
@@ -126,18 +141,6 @@ def _told(channel: TcpChannel, answer: object, told: list[int], num_layers: int)
 
 def _pieces(total: int, chunk: int) -> list[tuple[int, int]]:
     return [(off, min(chunk, total - off)) for off in range(0, total, chunk)]
-
-
-def _pull_tcp(
-    channel: TcpChannel, n: int, route: _Route, buf: np.ndarray, total: int, deadline: float, config: DisaggConfig
-) -> None:
-    """Each pull's DATA is received straight into its destination spans (the native receiver
-    scatters it, GIL released, then verifies the checksum)."""
-    pulls = [
-        (KvPull(channel.new_request_id(), n, off, size), route.dests(buf, off, size))
-        for off, size in _pieces(total, config.chunk_bytes)
-    ]
-    channel.pipeline(pulls, window=config.window, timeout=_left(deadline, channel))
 
 
 def _copy_local(

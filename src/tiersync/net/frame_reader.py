@@ -66,7 +66,7 @@ class FrameReader:
         self._meta = b""
         self._payload: bytearray | memoryview | Pieces | None = None
         self._filled = 0
-        self._sinks: dict[int, memoryview | Pieces] = {}
+        self._sinks: dict[int, memoryview | Pieces | None] = {}  # None: reserved, the buffer comes later
         self._prefill: tuple[int, int] | None = None  # (request id, bytes) of a scatter read's payload part
         self._prefilled = 0
         self._hasher: Hasher | None = None
@@ -92,14 +92,26 @@ class FrameReader:
         Use :meth:`payload_sink` / :meth:`payload_received` to receive straight
         into it. A DATA frame of another size raises ProtocolError(MALFORMED).
         """
-        if request_id not in self._ledger.mine or Op.DATA not in self._ledger.mine[request_id]:
-            raise UsageError(
-                "no outstanding request answered by DATA with this id", argument="request_id", request_id=request_id
-            )
+        self._check_data_request(request_id)
         views = [bytes_view(b) for b in buffer] if isinstance(buffer, (list, tuple)) else [bytes_view(buffer)]
         if not views or any(v.readonly for v in views):
             raise UsageError("must be writable (and at least one buffer)", argument="buffer")
         self._sinks[request_id] = views[0] if len(views) == 1 else Pieces([v for v in views if len(v)])
+
+    def expect_payload_later(self, request_id: int) -> None:
+        """Keep the place of my request ``request_id``'s DATA among the registered buffers, its
+        buffer to come with :meth:`expect_payload_into` before that DATA is read (a pipeline that
+        learns where a payload goes from an earlier answer). Until then reads stop at frame
+        boundaries (:meth:`read_hint`), so no byte of that payload is buffered on the way; a DATA
+        that arrives still without a buffer lands in one of its own, as an unregistered one does."""
+        self._check_data_request(request_id)
+        self._sinks[request_id] = None
+
+    def _check_data_request(self, request_id: int) -> None:
+        if request_id not in self._ledger.mine or Op.DATA not in self._ledger.mine[request_id]:
+            raise UsageError(
+                "no outstanding request answered by DATA with this id", argument="request_id", request_id=request_id
+            )
 
     def payload_sink(self) -> memoryview | None:
         """The unfilled tail of the caller buffer being received into, or None.
@@ -179,6 +191,7 @@ class FrameReader:
         rid, n = prefill
         self._prefill = None
         sink = self._sinks[rid]
+        assert sink is not None  # a scatter read targets a registered buffer (_oldest_sink)
         if (
             header.op is Op.DATA
             and header.request_id == rid
@@ -207,7 +220,7 @@ class FrameReader:
             return []
         out: list[memoryview | list[memoryview]] = []
         for rid, (mine, sink) in zip(request_ids, self._sinks.items()):
-            if rid != mine or len(sink) > self._config.max_frame_size:
+            if rid != mine or sink is None or len(sink) > self._config.max_frame_size:
                 break
             out.append(list(sink.views) if isinstance(sink, Pieces) else sink)
         return out

@@ -113,6 +113,11 @@ class Connection:
         list of buffers filled in order (:meth:`FrameReader.expect_payload_into`)."""
         self._reader.expect_payload_into(request_id, buffer)
 
+    def expect_payload_later(self, request_id: int) -> None:
+        """Reserve the place of my request ``request_id``'s DATA buffer, registered later with
+        :meth:`expect_payload_into` (:meth:`FrameReader.expect_payload_later`)."""
+        self._reader.expect_payload_later(request_id)
+
     def payload_sink(self) -> memoryview | None:
         """The unfilled tail of the caller buffer being received into, or None
         (:meth:`FrameReader.payload_sink`)."""

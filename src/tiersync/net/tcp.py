@@ -16,6 +16,7 @@ import itertools
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from tiersync.errors import ClosedError, UsageError
@@ -46,9 +47,18 @@ from tiersync.net.vocab import Vocabulary
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["Deadline", "Route", "TcpChannel", "TcpConfig", "TcpTransport", "parse_address"]
+__all__ = ["Deadline", "Later", "Route", "TcpChannel", "TcpConfig", "TcpTransport", "parse_address"]
 
 _BROKEN = (PeerClosedError, ProtocolError, NetTimeoutError, AuthError)
+
+
+@dataclass(frozen=True, slots=True)
+class Later:
+    """A :meth:`TcpChannel.pipeline` destination known only once an earlier answer of the same
+    pipeline was read: ``resolve()`` gives the buffer (or list of buffers) just before this
+    request's DATA is read, after ``landed`` ran for every answer ahead of it."""
+
+    resolve: Callable[[], object]
 
 
 class TcpChannel(Channel):
@@ -155,8 +165,9 @@ class TcpChannel(Channel):
         landed: Callable[[int, object], None] | None = None,
     ) -> None:
         """Send ``(request, destination)`` pairs keeping ``window`` requests in flight. A request
-        with a destination (a buffer or a list of buffers, exact size) is answered by one DATA
-        landing in place; one with ``None`` by any answer its vocabulary allows.
+        with a destination (a buffer or a list of buffers, exact size, or a :class:`Later` that
+        gives one when its answer is next) is answered by one DATA landing in place; one with
+        ``None`` by any answer its vocabulary allows.
         ``landed(request_id, answer)`` runs after each answer was received and verified, in
         order (``answer`` None for a DATA that landed), before the next answer is read. One
         deadline covers the whole batch; raises like :meth:`pull_many` (an exception from
@@ -168,13 +179,14 @@ class TcpChannel(Channel):
             deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
             todo = iter(requests)
             pending: collections.deque[tuple[int, bool]] = collections.deque()
+            later: dict[int, Later] = {}
             try:
                 half = max(1, window // 2)
-                self._send_pulls(todo, window, pending, deadline)
+                self._send_pulls(todo, window, pending, later, deadline)
                 while pending:  # up to half a window landed per native call, then refilled at once
-                    self._receive_some(pending, half, deadline, landed)
+                    self._receive_some(pending, half, later, deadline, landed)
                     if len(pending) <= window - half:
-                        self._send_pulls(todo, window - len(pending), pending, deadline)
+                        self._send_pulls(todo, window - len(pending), pending, later, deadline)
             except BaseException:
                 self._shut()
                 raise
@@ -183,10 +195,12 @@ class TcpChannel(Channel):
         self,
         pending: collections.deque[tuple[int, bool]],
         most: int,
+        later: dict[int, Later],
         deadline: Deadline,
         landed: Callable[[int, object], None] | None,
     ) -> None:
-        """The answers to the first pending requests: consecutive DATA ones in one native call."""
+        """The answers to the first pending requests: consecutive DATA ones in one native call
+        (the :class:`Later` destinations among them resolved and registered first)."""
         rid, has_dest = pending[0]
         if not has_dest:
             answer = self._answer(rid, deadline)
@@ -195,6 +209,11 @@ class TcpChannel(Channel):
                 landed(rid, answer)
             return
         run = list(itertools.takewhile(lambda p: p[1], itertools.islice(pending, most)))
+        for r, _ in run:
+            if r in later:
+                dest = later.pop(r).resolve()
+                with self._framed.lock:
+                    self._framed.conn.expect_payload_into(r, dest)
         for _ in range(self._expect_data([r for r, _ in run], deadline)):
             rid, _ = pending.popleft()
             if landed is not None:
@@ -261,15 +280,20 @@ class TcpChannel(Channel):
         todo: Iterator[tuple[ev.Request, object]],
         n: int,
         pending: collections.deque[tuple[int, bool]],
+        later: dict[int, Later],
         deadline: Deadline,
     ) -> None:
-        """Encode up to ``n`` more requests from ``todo``, register their buffers, send them in one go."""
+        """Encode up to ``n`` more requests from ``todo``, register their buffers (reserve the
+        places of :class:`Later` ones), send them in one go."""
         conn = self._framed.conn
         bufs: list[bytes | memoryview] = []
         with self._framed.lock:
             for request, dest in itertools.islice(todo, n):
                 bufs += conn.send(request)
-                if dest is not None:
+                if isinstance(dest, Later):
+                    conn.expect_payload_later(request.request_id)
+                    later[request.request_id] = dest
+                elif dest is not None:
                     conn.expect_payload_into(request.request_id, dest)
                 pending.append((request.request_id, dest is not None))
         if bufs:
