@@ -111,6 +111,19 @@ def test_splitting_never_changes_the_result():
         assert h.intdigest() == want
 
 
+def test_a_list_of_parts_sums_their_concatenation():
+    rng = random.Random(9)
+    for _ in range(10):
+        parts = [os.urandom(rng.choice([0, 1, 63, 64, 65, 8191, 8192, 70_000])) for _ in range(rng.randint(0, 12))]
+        whole = b"".join(parts)
+        assert kernel.tsum64(parts) == kernel.tsum64(tuple(memoryview(p) for p in parts)) == reference(whole)
+        assert kernel.tsum64(parts, seed=3) == reference(whole, 3)
+    with pytest.raises(TypeError):
+        kernel.tsum64([b"ab", 5])  # every part a buffer, or nothing is summed
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        kernel.tsum64([b"ab", np.zeros((4, 4), np.uint8)[:, ::2]])
+
+
 def test_any_contiguous_buffer_and_single_bit_flips():
     arr = np.random.default_rng(1).integers(0, 255, size=(64, 1024), dtype=np.uint8)
     base = kernel.tsum64(arr)

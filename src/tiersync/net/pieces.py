@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from tiersync.net.frames import Hasher, PayloadChecksum, payload_checksum, payload_hasher
+from tiersync.transfer import kernel
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -24,8 +25,12 @@ def payload_views(payload: object) -> list[memoryview]:
 
 
 def sum_of(algo: PayloadChecksum, parts: list[memoryview]) -> int:
+    """``algo``'s checksum of the concatenation of ``parts`` (TSUM64: one native call, the GIL
+    released once for all of them, not once per part)."""
     if len(parts) == 1:
         return payload_checksum(algo, parts[0])
+    if algo is PayloadChecksum.TSUM64 and kernel.TSUM64 is not None:
+        return kernel.tsum64(parts)
     hasher = payload_hasher(algo)
     for part in parts:
         hasher.update(part)

@@ -156,6 +156,31 @@ static int ts_feed(ts_state *st, PyObject *obj) {
     return 0;
 }
 
+/* Feed the concatenation of a list or tuple of buffers into st: every buffer taken first (the
+ * GIL held), then one GIL-free pass over all of them when they add up to TS_GIL_FREE bytes. */
+static int ts_feed_parts(ts_state *st, PyObject *parts) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(parts), got = 0;
+    Py_buffer *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
+    if (views == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t total = 0;
+    for (; got < n; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(parts, got), &views[got], PyBUF_C_CONTIGUOUS) < 0) break;
+        total += (size_t)views[got].len;
+    }
+    if (got == n) {
+        int free_gil = total >= TS_GIL_FREE;
+        PyThreadState *ts = free_gil ? PyEval_SaveThread() : NULL;
+        for (Py_ssize_t i = 0; i < n; i++) ts_update(st, (const unsigned char *)views[i].buf, (size_t)views[i].len);
+        if (free_gil) PyEval_RestoreThread(ts);
+    }
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    return got == n ? 0 : -1;
+}
+
 static PyObject *tsum64(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"data", "seed", NULL};
     PyObject *obj;
@@ -163,7 +188,16 @@ static PyObject *tsum64(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|K", kwlist, &obj, &seed)) return NULL;
     ts_state st;
     ts_init(&st, seed);
-    if (ts_feed(&st, obj) < 0) return NULL;
+    int rc;
+    if (PyList_Check(obj) || PyTuple_Check(obj)) { /* the concatenation of the parts */
+        PyObject *parts = PySequence_Fast(obj, "tsum64 parts");
+        if (parts == NULL) return NULL;
+        rc = ts_feed_parts(&st, parts);
+        Py_DECREF(parts);
+    } else {
+        rc = ts_feed(&st, obj);
+    }
+    if (rc < 0) return NULL;
     return PyLong_FromUnsignedLongLong(ts_digest(&st));
 }
 

@@ -32,8 +32,9 @@ TSUM64: str | None = getattr(_native, "TSUM64_IMPL", None)
 """The tsum64 stripe implementation ("avx512", "avx2", "sse2", "scalar"), or None when not built."""
 
 
-def tsum64(data: bytes | bytearray | memoryview, seed: int = 0) -> int:
-    """tsum64 of a contiguous buffer. Raises RuntimeError when the extension is not built."""
+def tsum64(data: bytes | bytearray | memoryview | list[memoryview] | tuple[memoryview, ...], seed: int = 0) -> int:
+    """tsum64 of a contiguous buffer, or of the concatenation of a list or tuple of them (one
+    GIL-free pass over all the parts). Raises RuntimeError when the extension is not built."""
     if TSUM64 is None:
         raise RuntimeError("tsum64 needs the native extension (tiersync.transfer._kernel)")
     return int(_native.tsum64(data, seed))

@@ -19,7 +19,8 @@ import numpy as np
 from tiersync.errors import TierSyncError
 from tiersync.net import events as ev
 from tiersync.net.errors import ProtocolError, ProtocolFault
-from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_hasher
+from tiersync.net.frames import SUPPORTED, PayloadChecksum
+from tiersync.net.pieces import sum_of
 from tiersync.net.service import Service, Session
 from tiersync.weights.executor import span_view
 from tiersync.weights.ops import WEIGHTS, Get, Sums, SumsReply
@@ -69,10 +70,7 @@ class _Sums:
             known = self._sums.get(key)
         if known is not None:
             return algo, known
-        hasher = payload_hasher(algo)
-        for part in payload:
-            hasher.update(part)
-        value = hasher.intdigest()
+        value = sum_of(algo, payload)
         with self._lock:
             if get.version > self._version or len(self._sums) >= _MAX_SUMS:
                 self._sums.clear()
