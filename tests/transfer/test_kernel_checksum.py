@@ -124,6 +124,22 @@ def test_a_list_of_parts_sums_their_concatenation():
         kernel.tsum64([b"ab", np.zeros((4, 4), np.uint8)[:, ::2]])
 
 
+def test_composed_partials_give_the_checksum_of_the_concatenation():
+    rng = random.Random(11)
+    for _ in range(10):
+        sizes = [64 * rng.choice([0, 1, 2, 127, 1024]) for _ in range(rng.randint(0, 6))]
+        parts = [os.urandom(n) for n in sizes] + [os.urandom(rng.choice([0, 1, 63, 64, 9000]))]
+        whole = b"".join(parts)
+        states = [kernel.tsum64_partial(p) for p in parts]
+        assert kernel.tsum64_compose(states) == reference(whole)
+        assert kernel.tsum64_compose(states, seed=9) == reference(whole, 9)
+    assert kernel.tsum64_compose([]) == reference(b"")
+    with pytest.raises(ValueError, match=r"partials\[0\] is not a whole number of stripes"):
+        kernel.tsum64_compose([kernel.tsum64_partial(b"x" * 65), kernel.tsum64_partial(b"y")])
+    with pytest.raises(ValueError, match=r"partials\[1\]"):
+        kernel.tsum64_compose([kernel.tsum64_partial(b"x" * 64), b"not a state"])
+
+
 def test_any_contiguous_buffer_and_single_bit_flips():
     arr = np.random.default_rng(1).integers(0, 255, size=(64, 1024), dtype=np.uint8)
     base = kernel.tsum64(arr)

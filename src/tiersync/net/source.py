@@ -4,7 +4,8 @@ A block server implements four methods — :meth:`~BlockService.lease` (validate
 keys, all-or-nothing; TTL clamped to [30, 600] s), :meth:`~BlockService.view` (a zero-copy
 view of a range under a lease), :meth:`~BlockService.release` and optionally
 :meth:`~BlockService.offer` — and the base answers the wire: PING, READ_LEASE, PULL,
-PULL_MANY (one DATA carrying every range, gathered without a copy), PULL_LOCAL (same-host
+PULL_MANY (one DATA carrying every range, gathered without a copy; of whole blocks, its
+checksum composed from theirs by :class:`~tiersync.net.partials.PartialSums`), PULL_LOCAL (same-host
 peers: where the ranges are, with their checksums, for ``process_vm_readv``) and RELEASE.
 Leases belong to the session that took them: when the session ends, however it ends,
 every lease it still holds is released, so a reader killed mid-read pins nothing.
@@ -26,6 +27,7 @@ from tiersync.net import events as ev
 from tiersync.net import local
 from tiersync.net import store_ops as so
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
+from tiersync.net.partials import ChangedBlock, PartialSums
 from tiersync.net.service import Service, Session
 
 if TYPE_CHECKING:
@@ -56,6 +58,7 @@ class BlockService(Service):
     def __init__(self) -> None:
         self._held: dict[Session, set[int]] = {}
         self._held_lock = threading.Lock()
+        self._partials = PartialSums()  # a PULL_MANY of whole blocks: its checksum composed from theirs
 
     # -- what a block server implements -------------------------------------------------------
     def lease(self, req: so.ReadLease) -> so.LeaseReply:
@@ -90,12 +93,15 @@ class BlockService(Service):
             if isinstance(event, so.Pull):
                 return [ev.Data(event.request_id, *self.view(event.lease_id, event.key, event.offset, event.length))]
             if isinstance(event, so.PullMany):
-                views = [self.view(event.lease_id, *item)[0] for item in event.items]
-                return [ev.Data(event.request_id, views)]
+                found = [self.view(event.lease_id, *item) for item in event.items]
+                known = self._partials.composed([(item[0], *v) for item, v in zip(event.items, found)])
+                return [ev.Data(event.request_id, [view for view, _ in found], known)]
             if isinstance(event, so.PullLocal):
                 return [self._local(session, event)]
         except BlockError as exc:
             return [ev.Error(getattr(event, "request_id", 0), exc.code, str(exc))]
+        except ChangedBlock as exc:  # never served as anything but what its checksum vouches for
+            return [ev.Error(getattr(event, "request_id", 0), ev.ErrorCode.INTERNAL, str(exc))]
         return [ev.Error(getattr(event, "request_id", 0), ev.ErrorCode.UNSUPPORTED, type(event).__name__)]
 
     def _lease(self, session: Session, req: so.ReadLease) -> so.LeaseReply:

@@ -201,6 +201,64 @@ static PyObject *tsum64(PyObject *self, PyObject *args, PyObject *kwargs) {
     return PyLong_FromUnsignedLongLong(ts_digest(&st));
 }
 
+/* A partial state: the stripe sums of one buffer from zero (a final partial stripe zero-padded)
+ * and its length, 17 native u64 (PARTIAL_BYTES). Buffers whose partials are composed in order
+ * give the tsum64 of their concatenation when every one but the last is a whole number of
+ * stripes (the Fletcher pair: S2 += m * S1 + p2, S1 += p1 for a part of m stripes). */
+#define PARTIAL_WORDS 17
+static PyObject *tsum64_partial(PyObject *self, PyObject *obj) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    uint64_t w[PARTIAL_WORDS] = {0};
+    size_t n = (size_t)view.len, whole = n & ~(size_t)63;
+    const unsigned char *p = view.buf;
+    PyThreadState *ts = n >= TS_GIL_FREE ? PyEval_SaveThread() : NULL;
+    ts_stripes(w, w + 8, p, whole);
+    if (whole < n) {
+        unsigned char last[64] = {0};
+        memcpy(last, p + whole, n - whole);
+        ts_stripes(w, w + 8, last, 64);
+    }
+    if (ts) PyEval_RestoreThread(ts);
+    w[16] = (uint64_t)n;
+    PyBuffer_Release(&view);
+    return PyBytes_FromStringAndSize((const char *)w, sizeof w);
+}
+
+static PyObject *tsum64_compose(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTuple(args, "O|K", &obj, &seed)) return NULL;
+    PyObject *parts = PySequence_Fast(obj, "partials must be a sequence of tsum64_partial() values");
+    if (parts == NULL) return NULL;
+    ts_state st;
+    ts_init(&st, seed);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(parts);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(parts, i);
+        uint64_t w[PARTIAL_WORDS];
+        if (!PyBytes_Check(item) || PyBytes_GET_SIZE(item) != (Py_ssize_t)sizeof w) {
+            Py_DECREF(parts);
+            PyErr_Format(PyExc_ValueError, "partials[%zd] is not a tsum64_partial() value", i);
+            return NULL;
+        }
+        memcpy(w, PyBytes_AS_STRING(item), sizeof w);
+        if (i + 1 < n && w[16] % 64) {
+            Py_DECREF(parts);
+            PyErr_Format(PyExc_ValueError, "partials[%zd] is not a whole number of stripes and not the last", i);
+            return NULL;
+        }
+        uint64_t stripes = (w[16] + 63) / 64;
+        for (int k = 0; k < 8; k++) {
+            st.s2[k] += stripes * st.s1[k] + w[8 + k];
+            st.s1[k] += w[k];
+        }
+        st.total += w[16];
+    }
+    Py_DECREF(parts);
+    return PyLong_FromUnsignedLongLong(ts_digest(&st));
+}
+
 /* Tests: tsum64 through a named stripe implementation ("scalar", "sse2", "avx2", "avx512"). */
 static PyObject *tsum64_using(PyObject *self, PyObject *args) {
     const char *name;
@@ -284,6 +342,8 @@ static PyMethodDef methods[] = {
     {"tsum64", (PyCFunction)(void (*)(void))tsum64, METH_VARARGS | METH_KEYWORDS,
      "tsum64(data, seed=0) -> int: tiersync's 64-bit payload checksum, GIL released when large."},
     {"_tsum64_using", tsum64_using, METH_VARARGS, "Tests only: tsum64 through one stripe implementation."},
+    {"tsum64_partial", tsum64_partial, METH_O, "The partial state of a buffer (bytes), for tsum64_compose."},
+    {"tsum64_compose", tsum64_compose, METH_VARARGS, "tsum64 of a concatenation from its parts' partial states."},
     {NULL, NULL, 0, NULL},
 };
 

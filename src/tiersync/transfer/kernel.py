@@ -40,6 +40,23 @@ def tsum64(data: bytes | bytearray | memoryview | list[memoryview] | tuple[memor
     return int(_native.tsum64(data, seed))
 
 
+def tsum64_partial(data: bytes | bytearray | memoryview) -> bytes:
+    """The partial state of ``data`` (its stripe sums from zero and its length) for
+    :func:`tsum64_compose`. Raises RuntimeError when the extension is not built."""
+    if TSUM64 is None:
+        raise RuntimeError("tsum64 needs the native extension (tiersync.transfer._kernel)")
+    return bytes(_native.tsum64_partial(data))
+
+
+def tsum64_compose(partials: list[bytes] | tuple[bytes, ...], seed: int = 0) -> int:
+    """tsum64 of the concatenation of the buffers whose :func:`tsum64_partial` values
+    ``partials`` are, in order, without reading their bytes again. Every buffer but the last
+    must be a whole number of 64-byte stripes (ValueError otherwise, naming the part)."""
+    if TSUM64 is None:
+        raise RuntimeError("tsum64 needs the native extension (tiersync.transfer._kernel)")
+    return int(_native.tsum64_compose(partials, seed))
+
+
 def tsum64_hasher(seed: int = 0) -> object:
     """An incremental tsum64: ``update(buffer)`` any number of times, then ``intdigest()``.
 

@@ -1,0 +1,119 @@
+"""PartialSums: a DATA of many whole blocks summed from the blocks' own checksums.
+
+Mirrors the module doc: the composed checksum is tsum64 of the concatenation; None where it
+cannot be composed (unknown or foreign checksums, a ragged block before the last, one block);
+a block's state computed once and kept by (key, checksum), never more than ``limit`` kept;
+bytes that changed since their checksum was taken raise ChangedBlock, before and after the
+state was kept. Over TCP: a PULL_MANY of whole blocks arrives byte-exact with the composed
+checksum, and a block changed in the server's memory is refused, never delivered.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from tiersync.errors import UsageError
+from tiersync.net.frames import PayloadChecksum
+from tiersync.net.partials import ChangedBlock, PartialSums
+from tiersync.transfer import kernel
+
+pytestmark = pytest.mark.skipif(kernel.TSUM64 is None, reason="native extension not built")
+T = PayloadChecksum.TSUM64
+
+
+def _blocks(sizes: list[int], seed: int = 0) -> list[tuple[bytes, memoryview, tuple[PayloadChecksum, int]]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(sizes):
+        data = memoryview(bytearray(rng.bytes(n)))
+        out.append((bytes([i]) * 16, data, (T, kernel.tsum64(data))))
+    return out
+
+
+@pytest.mark.parametrize("sizes", [[64, 64], [4096] * 9, [65536, 128, 7], [0, 64, 100], [192, 1]])
+def test_composed_is_the_checksum_of_the_concatenation(sizes):
+    blocks = _blocks(sizes)
+    want = kernel.tsum64(b"".join(bytes(v) for _, v, _ in blocks))
+    assert PartialSums().composed(blocks) == (T, want)
+
+
+def test_not_composed_where_it_cannot_be():
+    sums = PartialSums()
+    two = _blocks([64, 64])
+    assert sums.composed(two[:1]) is None  # one block: its own checksum is already known
+    assert sums.composed([two[0], (two[1][0], two[1][1], None)]) is None
+    assert sums.composed([two[0], (two[1][0], two[1][1], (PayloadChecksum.XXH3_64, 5))]) is None
+    assert sums.composed(_blocks([65, 64])) is None  # a block before the last ends mid-stripe
+    assert len(sums) == 0  # nothing computed for any of them
+
+
+def test_a_state_is_computed_once_per_key_and_checksum_and_bounded(monkeypatch):
+    calls = []
+    real = kernel.tsum64_partial
+    monkeypatch.setattr(kernel, "tsum64_partial", lambda v: calls.append(len(v)) or real(v))
+    sums = PartialSums(limit=3)
+    blocks = _blocks([128, 128])
+    for _ in range(3):
+        sums.composed(blocks)
+    assert calls == [128, 128] and len(sums) == 2
+    sums.composed(_blocks([64, 64], seed=1)[:1] + blocks[:1])  # same key as block 0, other bytes: new state
+    assert len(calls) == 3 and len(sums) == 3
+    sums.composed(_blocks([64, 64, 64], seed=2))  # over the limit: everything dropped, then kept anew
+    assert len(sums) <= 3
+    with pytest.raises(UsageError) as info:
+        PartialSums(limit=0)
+    assert info.value.argument == "limit"
+
+
+def test_bytes_changed_since_their_checksum_raise_before_and_after_the_state_was_kept():
+    sums = PartialSums()
+    blocks = _blocks([256, 256, 256])
+    blocks[1][1][10] ^= 0xFF  # changed before any read: its state would not match its checksum
+    with pytest.raises(ChangedBlock) as info:
+        sums.composed(blocks)
+    assert info.value.key == blocks[1][0] and blocks[1][0].hex() in str(info.value)
+    blocks[1][1][10] ^= 0xFF
+    composed = sums.composed(blocks)
+    blocks[2][1][0] ^= 0x01  # changed after its state was kept: the composed value no longer fits
+    assert sums.composed(blocks) == composed != (T, kernel.tsum64(b"".join(bytes(v) for _, v, _ in blocks)))
+
+
+def test_pull_many_of_whole_blocks_is_byte_exact_and_a_changed_block_is_never_delivered():
+    from tiersync.net import store_ops as so
+    from tiersync.net.config import Route, TcpConfig
+    from tiersync.net.errors import ProtocolError, ProtocolFault, RequestError
+    from tiersync.net.source import MemoryBlockSource
+    from tiersync.net.tcp import TcpTransport
+
+    data = {bytes([i]) * 16: bytearray(os.urandom(4096)) for i in range(8)}
+    keys, source = list(data), MemoryBlockSource(data)
+    transport = TcpTransport(TcpConfig(route=Route.TCP))
+    server = transport.serve("127.0.0.1:0", source)
+
+    def pull_all() -> list[bytes]:
+        ch = transport.connect(server.address)
+        lease = ch.request(so.ReadLease(ch.new_request_id(), tuple(keys), ttl_s=60)).lease_id
+        dests = [memoryview(bytearray(4096)) for _ in keys]
+        ch.pull_many(lease, list(zip(keys, [0] * 8, dests)), window=2)  # one PULL_MANY of all 8
+        ch.close()
+        return [bytes(d) for d in dests]
+
+    try:
+        ch = transport.connect(server.address)
+        lease = ch.request(so.ReadLease(ch.new_request_id(), tuple(keys), ttl_s=60)).lease_id
+        ch.request(so.Pull(ch.new_request_id(), lease, keys[5], 0, 4096), into=bytearray(4096))  # its sum taken
+        data[keys[5]][100] ^= 0xFF  # then the server's copy changes
+        with pytest.raises(RequestError, match="changed since its checksum"):  # the server refuses
+            pull_all()
+        data[keys[5]][100] ^= 0xFF
+        assert pull_all() == [bytes(v) for v in data.values()]
+        assert len(source._partials) == 8  # that DATA's checksum was composed from the blocks' own
+        data[keys[2]][7] ^= 0x01  # changed after its state was kept: the reader refuses
+        with pytest.raises(ProtocolError) as err:
+            pull_all()
+        assert err.value.fault is ProtocolFault.BAD_CHECKSUM
+    finally:
+        server.close()
