@@ -100,16 +100,18 @@ def test_a_frame_of_another_size_is_refused(served):
 
 def test_an_error_answer_in_a_window_is_a_request_error(served):
     _channel, _lease, blocks = served
-    big = {k: os.urandom(1 << 20) for k in (GOOD[3], GOOD[4])}  # whole-block PULLs: one answer each
+    from tiersync.net.pull_plan import GROUP_BYTES
+
+    big = {k: os.urandom(GROUP_BYTES) for k in (GOOD[3], GOOD[4])}  # not grouped: one PULL, one answer each
     source = HostileSource({**big, REFUSE: blocks[REFUSE]})
     server = TcpTransport(TcpConfig(route=Route.TCP)).serve("127.0.0.1:0", source)
     try:
         ch = TcpTransport(TcpConfig(route=Route.TCP)).connect(server.address)
         lid = ch.request(so.ReadLease(ch.new_request_id(), (GOOD[3], REFUSE, GOOD[4]), ttl_s=60)).lease_id
         items = [
-            (GOOD[3], 0, memoryview(bytearray(1 << 20))),
+            (GOOD[3], 0, memoryview(bytearray(GROUP_BYTES))),
             (REFUSE, 0, memoryview(bytearray(SIZE))),
-            (GOOD[4], 0, memoryview(bytearray(1 << 20))),
+            (GOOD[4], 0, memoryview(bytearray(GROUP_BYTES))),
         ]
         with pytest.raises(RequestError, match="refused on purpose"):
             ch.pull_many(lid, items, window=4)

@@ -30,7 +30,7 @@ __all__ = [
     "writable",
 ]
 
-GROUP_BYTES = 1 << 20  # pulls smaller than this are grouped into one PULL_MANY ...
+GROUP_BYTES = 4 << 20  # pulls smaller than this are grouped into one PULL_MANY ...
 GROUP_LIMIT = 4 << 20  # ... of about this size
 GROUP_ITEMS = 64
 LOCAL_GROUP = 32 << 20  # bytes per PULL_LOCAL: two in flight, one copied while the next is looked up
