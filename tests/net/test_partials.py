@@ -61,8 +61,13 @@ def test_a_state_is_computed_once_per_key_and_checksum_and_bounded(monkeypatch):
     assert calls == [128, 128] and len(sums) == 2
     sums.composed(_blocks([64, 64], seed=1)[:1] + blocks[:1])  # same key as block 0, other bytes: new state
     assert len(calls) == 3 and len(sums) == 3
-    sums.composed(_blocks([64, 64, 64], seed=2))  # over the limit: everything dropped, then kept anew
-    assert len(sums) <= 3
+    newer = _blocks([64, 64], seed=2)  # over the limit: the oldest states go first
+    sums.composed(newer)
+    assert len(sums) == 3 and len(calls) == 5
+    sums.composed(newer)
+    assert len(calls) == 5  # the newest are kept
+    sums.composed(blocks)
+    assert len(calls) == 7  # the oldest were dropped: computed again
     with pytest.raises(UsageError) as info:
         PartialSums(limit=0)
     assert info.value.argument == "limit"
@@ -105,6 +110,7 @@ def test_pull_many_of_whole_blocks_is_byte_exact_and_a_changed_block_is_never_de
         ch = transport.connect(server.address)
         lease = ch.request(so.ReadLease(ch.new_request_id(), tuple(keys), ttl_s=60)).lease_id
         ch.request(so.Pull(ch.new_request_id(), lease, keys[5], 0, 4096), into=bytearray(4096))  # its sum taken
+        ch.close()
         data[keys[5]][100] ^= 0xFF  # then the server's copy changes
         with pytest.raises(RequestError, match="changed since its checksum"):  # the server refuses
             pull_all()

@@ -151,7 +151,8 @@ class FrameReader:
     def read_hint(self) -> int:
         """How many bytes to read next so as not to read past a header into a payload that
         could land in a caller buffer: the rest of the current header or metadata while a
-        :meth:`expect_payload_into` buffer is registered, else 0 (any amount is fine)."""
+        :meth:`expect_payload_into` buffer is registered or an :meth:`expect_payload_later`
+        place reserved, else 0 (any amount is fine)."""
         if not self._sinks or self._payload is not None:
             return 0
         need = (HEADER_SIZE if self._header is None else self._header.meta_len) - len(self._buf)

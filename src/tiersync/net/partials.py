@@ -16,6 +16,7 @@ served other than as it was vouched for).
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Sequence
 
@@ -38,13 +39,14 @@ class ChangedBlock(Exception):
 
 
 class PartialSums:
-    """tsum64 partial states of whole blocks by (key, checksum); at most ``limit`` of them (all
-    dropped when full: the next reads compute them again). Thread-safe."""
+    """tsum64 partial states of whole blocks by (key, checksum); at most ``limit`` of them (the
+    oldest dropped first: a block read again after that computes its state again).
+    Thread-safe."""
 
-    def __init__(self, limit: int = 1 << 15) -> None:
+    def __init__(self, limit: int = 1 << 16) -> None:
         check_positive_int(limit, "limit")
         self.limit = limit
-        self._states: dict[tuple[bytes, int], bytes] = {}
+        self._states: collections.OrderedDict[tuple[bytes, int], bytes] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -75,7 +77,7 @@ class PartialSums:
         if kernel.tsum64_compose([state]) != checksum:
             raise ChangedBlock(key)
         with self._lock:
-            if len(self._states) >= self.limit:
-                self._states.clear()
             self._states[(key, checksum)] = state
+            while len(self._states) > self.limit:
+                self._states.popitem(last=False)
         return state

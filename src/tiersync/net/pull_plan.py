@@ -50,6 +50,9 @@ def plan_pulls(lease_id: int, items: Iterable[tuple[bytes, int, object]], new_id
         if len(view) >= GROUP_BYTES:
             out.append((so.Pull(new_id(), lease_id, key, offset, len(view)), view))
             continue
+        if group and size + len(view) > GROUP_LIMIT:  # a group never passes GROUP_LIMIT
+            out.append(_group(lease_id, group, new_id))
+            group, size = [], 0
         group.append((key, offset, view))
         size += len(view)
         if size >= GROUP_LIMIT or len(group) == GROUP_ITEMS:

@@ -55,8 +55,10 @@ _BROKEN = (PeerClosedError, ProtocolError, NetTimeoutError, AuthError)
 @dataclass(frozen=True, slots=True)
 class Later:
     """A :meth:`TcpChannel.pipeline` destination known only once an earlier answer of the same
-    pipeline was read: ``resolve()`` gives the buffer (or list of buffers) just before this
-    request's DATA is read, after ``landed`` ran for every answer ahead of it."""
+    pipeline was read: ``resolve()`` gives the buffer (or list of buffers) before this request's
+    DATA is read, after ``landed`` ran for every answer ahead of it that is not a DATA (the DATA
+    answers queued back to back are received together, their destinations resolved first: a
+    destination may depend on an earlier non-DATA answer, not on an earlier DATA)."""
 
     resolve: Callable[[], object]
 

@@ -190,7 +190,7 @@ static PyObject *tsum64(PyObject *self, PyObject *args, PyObject *kwargs) {
     ts_init(&st, seed);
     int rc;
     if (PyList_Check(obj) || PyTuple_Check(obj)) { /* the concatenation of the parts */
-        PyObject *parts = PySequence_Fast(obj, "tsum64 parts");
+        PyObject *parts = PySequence_Tuple(obj); /* a snapshot: a part's buffer hook cannot resize it */
         if (parts == NULL) return NULL;
         rc = ts_feed_parts(&st, parts);
         Py_DECREF(parts);
@@ -229,7 +229,7 @@ static PyObject *tsum64_compose(PyObject *self, PyObject *args) {
     PyObject *obj;
     unsigned long long seed = 0;
     if (!PyArg_ParseTuple(args, "O|K", &obj, &seed)) return NULL;
-    PyObject *parts = PySequence_Fast(obj, "partials must be a sequence of tsum64_partial() values");
+    PyObject *parts = PySequence_Tuple(obj);
     if (parts == NULL) return NULL;
     ts_state st;
     ts_init(&st, seed);

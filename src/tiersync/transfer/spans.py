@@ -56,7 +56,10 @@ def validate_runs(
     and a block named twice on either side (overlapping runs).
     """
     try:
-        raw = runs if isinstance(runs, np.ndarray) else np.array([tuple(r) for r in runs])
+        if isinstance(runs, np.ndarray) and runs.dtype.kind in "iu":  # already an int array: as is
+            raw = runs
+        else:
+            raw = np.array([tuple(r) for r in runs])
     except (TypeError, ValueError, OverflowError) as exc:
         raise UsageError("each run must be (src_block, dst_block, count) of ints", argument=argument) from exc
     if raw.size == 0:
@@ -98,7 +101,8 @@ def _named_twice(ids: np.ndarray) -> int | None:
 
 
 def expand(start: np.ndarray, count: np.ndarray) -> np.ndarray:
-    """Block ids of runs: ``[s, s+1, ..., s+c-1]`` for each (s, c), concatenated."""
+    """Block ids of runs: ``[s, s+1, ..., s+c-1]`` for each (s, c), concatenated; a new int64
+    array. Counts must be positive (:func:`validate_runs` checked them)."""
     total = int(count.sum())
     if total == len(count):  # every count 1 (counts are positive): the starts themselves
         return start.astype(np.int64)

@@ -1,0 +1,64 @@
+"""How pull_many cuts a batch into requests: large items alone, small ones grouped (never past
+GROUP_LIMIT bytes or GROUP_ITEMS items), every item once with its own destination; a bad
+destination refused before any request is made; same-host groups bounded by bytes and keys."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from tiersync.errors import UsageError
+from tiersync.net import store_ops as so
+from tiersync.net.pull_plan import GROUP_BYTES, GROUP_ITEMS, GROUP_LIMIT, LOCAL_GROUP, local_groups, plan_pulls
+
+MiB = 1 << 20
+
+
+def _items(sizes: list[int]) -> list[tuple[bytes, int, memoryview]]:
+    return [(i.to_bytes(16, "little"), 0, memoryview(bytearray(n))) for i, n in enumerate(sizes)]
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [64 << 10] * 200,
+        [3 * MiB, 3 * MiB, 3 * MiB],  # two would pass the limit together: one each
+        [MiB, GROUP_BYTES, 100, GROUP_BYTES - 1, 16 * MiB, 5],
+        [4096] * (GROUP_ITEMS * 2 + 3),
+    ],
+)
+def test_small_items_grouped_within_the_limits_large_ones_alone(sizes):
+    items = _items(sizes)
+    ids = itertools.count(7)
+    plan = plan_pulls(3, items, lambda: next(ids))
+    seen = []
+    for request, dest in plan:
+        if isinstance(request, so.PullMany):
+            assert len(request.items) <= GROUP_ITEMS and sum(n for _, _, n in request.items) <= GROUP_LIMIT
+            assert [len(d) for d in dest] == [n for _, _, n in request.items]
+            seen += [k for k, _, _ in request.items]
+        else:
+            assert request.length == len(dest)
+            seen.append(request.key)
+        assert request.lease_id == 3
+    assert sorted(seen) == sorted(k for k, _, _ in items)  # every item once
+    assert [r.request_id for r, _ in plan] == list(range(7, 7 + len(plan)))
+    big = [r for r, _ in plan if isinstance(r, so.Pull) and r.length >= GROUP_BYTES]
+    assert len(big) == sum(1 for n in sizes if n >= GROUP_BYTES)
+
+
+def test_a_bad_destination_is_refused_before_any_request():
+    ids = itertools.count(1)
+    items = [*_items([100, 200]), (b"x" * 16, 0, memoryview(b"read-only"))]
+    with pytest.raises(UsageError) as info:
+        plan_pulls(1, items, lambda: next(ids))
+    assert info.value.argument == "items" and next(ids) == 1  # no request id was taken
+
+
+def test_local_groups_bounded_by_bytes_and_keys():
+    items = _items([MiB] * 70)
+    groups = list(local_groups(items, max_keys=16))
+    assert [len(g) for g in groups] == [16, 16, 16, 16, 6] and [x for g in groups for x in g] == items
+    big = list(local_groups(_items([LOCAL_GROUP // 2] * 5), max_keys=100))
+    assert [len(g) for g in big] == [2, 2, 1]
