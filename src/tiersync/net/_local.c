@@ -38,7 +38,7 @@ typedef struct {
     uint64_t raddr;
     unsigned char *dst;
     uint64_t len;
-    uint64_t s1[8], s2[8], stripes;
+    uint64_t s1[8], s2[8];
 } segment;
 
 typedef struct {
@@ -79,18 +79,7 @@ static int copy_unit(int pid, segment *s, size_t n) {
 
 /* Partial tsum64 sums of one segment from zero (a final partial stripe zero-padded, as the
  * digest does: only a range's last segment can have one). */
-static void sum_segment(segment *s) {
-    memset(s->s1, 0, sizeof s->s1);
-    memset(s->s2, 0, sizeof s->s2);
-    size_t whole = (size_t)s->len & ~(size_t)63;
-    ts_stripes(s->s1, s->s2, s->dst, whole);
-    if (whole < s->len) {
-        unsigned char last[64] = {0};
-        memcpy(last, s->dst + whole, (size_t)s->len - whole);
-        ts_stripes(s->s1, s->s2, last, 64);
-    }
-    s->stripes = (s->len + 63) / 64;
-}
+static void sum_segment(segment *s) { ts_partial(s->s1, s->s2, s->dst, (size_t)s->len); }
 
 static void *worker(void *arg) {
     task *t = arg;
@@ -141,16 +130,10 @@ static void run(task *t, size_t threads, void *(*fn)(void *)) {
     for (size_t i = 0; i < started; i++) pthread_join(ids[i], NULL);
 }
 
-static uint64_t digest(const segment *s, size_t n, uint64_t total) {
+static uint64_t digest(const segment *s, size_t n) {
     ts_state st;
     ts_init(&st, 0);
-    for (size_t i = 0; i < n; i++) {
-        for (int k = 0; k < 8; k++) {
-            st.s2[k] += s[i].stripes * st.s1[k] + s[i].s2[k];
-            st.s1[k] += s[i].s1[k];
-        }
-    }
-    st.total = total;
+    for (size_t i = 0; i < n; i++) ts_join(&st, s[i].s1, s[i].s2, s[i].len);
     return ts_digest(&st);
 }
 
@@ -186,7 +169,7 @@ static PyObject *sums_of(const segment *segs, const uint64_t *remote, Py_ssize_t
     size_t at = 0;
     for (Py_ssize_t r = 0; out != NULL && r < count; r++) {
         size_t n = (size_t)((remote[2 * r + 1] + PIECE - 1) / PIECE);
-        PyObject *v = PyLong_FromUnsignedLongLong(digest(segs + at, n, remote[2 * r + 1]));
+        PyObject *v = PyLong_FromUnsignedLongLong(digest(segs + at, n));
         if (v == NULL) Py_CLEAR(out);
         else PyTuple_SET_ITEM(out, r, v);
         at += n;

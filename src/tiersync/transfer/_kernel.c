@@ -202,23 +202,17 @@ static PyObject *tsum64(PyObject *self, PyObject *args, PyObject *kwargs) {
 }
 
 /* A partial state: the stripe sums of one buffer from zero (a final partial stripe zero-padded)
- * and its length, 17 native u64 (PARTIAL_BYTES). Buffers whose partials are composed in order
- * give the tsum64 of their concatenation when every one but the last is a whole number of
- * stripes (the Fletcher pair: S2 += m * S1 + p2, S1 += p1 for a part of m stripes). */
+ * and its length, 17 native u64 (ts_partial). Buffers whose partials are composed in order
+ * (ts_join) give the tsum64 of their concatenation when every one but the last is a whole
+ * number of stripes; the same two steps combine a same-host read's pieces in _local.c. */
 #define PARTIAL_WORDS 17
 static PyObject *tsum64_partial(PyObject *self, PyObject *obj) {
     Py_buffer view;
     if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    uint64_t w[PARTIAL_WORDS] = {0};
-    size_t n = (size_t)view.len, whole = n & ~(size_t)63;
-    const unsigned char *p = view.buf;
+    uint64_t w[PARTIAL_WORDS];
+    size_t n = (size_t)view.len;
     PyThreadState *ts = n >= TS_GIL_FREE ? PyEval_SaveThread() : NULL;
-    ts_stripes(w, w + 8, p, whole);
-    if (whole < n) {
-        unsigned char last[64] = {0};
-        memcpy(last, p + whole, n - whole);
-        ts_stripes(w, w + 8, last, 64);
-    }
+    ts_partial(w, w + 8, view.buf, n);
     if (ts) PyEval_RestoreThread(ts);
     w[16] = (uint64_t)n;
     PyBuffer_Release(&view);
@@ -248,12 +242,7 @@ static PyObject *tsum64_compose(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "partials[%zd] is not a whole number of stripes and not the last", i);
             return NULL;
         }
-        uint64_t stripes = (w[16] + 63) / 64;
-        for (int k = 0; k < 8; k++) {
-            st.s2[k] += stripes * st.s1[k] + w[8 + k];
-            st.s1[k] += w[k];
-        }
-        st.total += w[16];
+        ts_join(&st, w, w + 8, w[16]);
     }
     Py_DECREF(parts);
     return PyLong_FromUnsignedLongLong(ts_digest(&st));

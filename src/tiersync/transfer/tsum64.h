@@ -194,4 +194,30 @@ static uint64_t ts_digest(const ts_state *st) {
     return h;
 }
 
+/* Partial sums of p[0..n) from zero (a final partial stripe zero-padded, as the digest pads
+ * the tail): what ts_join adds to a state for a part of the input. */
+__attribute__((unused)) static void ts_partial(uint64_t *s1, uint64_t *s2, const unsigned char *p, size_t n) {
+    memset(s1, 0, 8 * sizeof *s1);
+    memset(s2, 0, 8 * sizeof *s2);
+    size_t whole = n & ~(size_t)63;
+    ts_stripes(s1, s2, p, whole);
+    if (whole < n) {
+        unsigned char last[64] = {0};
+        memcpy(last, p + whole, n - whole);
+        ts_stripes(s1, s2, last, 64);
+    }
+}
+
+/* Append a part of n bytes with partial sums (p1, p2) to st (no tail pending; every part but
+ * the last a whole number of stripes): the Fletcher pair gives S2 += m * S1 + p2, S1 += p1 for
+ * a part of m stripes. */
+__attribute__((unused)) static void ts_join(ts_state *st, const uint64_t *p1, const uint64_t *p2, uint64_t n) {
+    uint64_t stripes = (n + 63) / 64;
+    for (int k = 0; k < 8; k++) {
+        st->s2[k] += stripes * st->s1[k] + p2[k];
+        st->s1[k] += p1[k];
+    }
+    st->total += n;
+}
+
 #endif /* TIERSYNC_TSUM64_H */
