@@ -10,7 +10,15 @@ import pytest
 
 from tiersync.errors import UsageError
 from tiersync.net import store_ops as so
-from tiersync.net.pull_plan import GROUP_BYTES, GROUP_ITEMS, GROUP_LIMIT, LOCAL_GROUP, local_groups, plan_pulls
+from tiersync.net.pull_plan import (
+    GROUP_BYTES,
+    GROUP_ITEMS,
+    GROUP_LIMIT,
+    LOCAL_FIRST,
+    LOCAL_GROUP,
+    local_groups,
+    plan_pulls,
+)
 
 MiB = 1 << 20
 
@@ -56,9 +64,15 @@ def test_a_bad_destination_is_refused_before_any_request():
     assert info.value.argument == "items" and next(ids) == 1  # no request id was taken
 
 
-def test_local_groups_bounded_by_bytes_and_keys():
+def test_local_groups_grow_to_a_bound_by_bytes_and_keys():
+    """Groups double from LOCAL_FIRST bytes up to LOCAL_GROUP, never over ``max_keys`` items,
+    every item once, in order."""
     items = _items([MiB] * 70)
     groups = list(local_groups(items, max_keys=16))
-    assert [len(g) for g in groups] == [16, 16, 16, 16, 6] and [x for g in groups for x in g] == items
+    assert [len(g) for g in groups] == [2, 4, 8, 16, 16, 16, 8] and [x for g in groups for x in g] == items
+    groups = list(local_groups(_items([MiB] * 200), max_keys=4096))
+    sizes = [len(g) * MiB for g in groups]
+    assert sizes[0] == LOCAL_FIRST and sizes[:6] == [LOCAL_FIRST << i for i in range(5)] + [LOCAL_GROUP]
+    assert max(sizes) == LOCAL_GROUP and sum(sizes) == 200 * MiB
     big = list(local_groups(_items([LOCAL_GROUP // 2] * 5), max_keys=100))
-    assert [len(g) for g in big] == [2, 2, 1]
+    assert [len(g) for g in big] == [1, 1, 1, 1, 1]

@@ -187,3 +187,142 @@ def test_pull_many_on_route_local_spans_groups_and_refuses_a_lie():
     finally:
         channel.close()
         server.close()
+
+
+# -- shareable memory: mapped instead of process_vm_readv ------------------------------------------
+_SHARING_CHILD = """
+import json, os, sys, tempfile, numpy as np
+from tiersync.tiers.host import HostArena, HostArenaConfig
+n = int(sys.argv[1])
+arena = HostArena(HostArenaConfig(num_blocks=n >> 20, block_nbytes=1 << 20, shareable=True))
+arena.memory.reshape(-1)[:] = np.random.default_rng(9).integers(0, 256, n, dtype=np.uint8)
+unsealed = os.memfd_create("unsealed")
+os.ftruncate(unsealed, n)
+plain = tempfile.TemporaryFile()
+plain.truncate(n)
+print(json.dumps([arena.shared.fd, arena.address, unsealed, plain.fileno()]), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture(scope="module")
+def sharing():
+    """(pid, shared fd, address, unsealed memfd fd, regular file fd) of another process whose
+    NBYTES seeded bytes (seed 9) lie in a shareable host arena."""
+    import json
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SHARING_CHILD, str(NBYTES)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        fd, address, unsealed, plain = json.loads(child.stdout.readline())
+        yield child.pid, fd, address, unsealed, plain
+    finally:
+        child.stdin.close()
+        child.wait(30)
+
+
+def _shared_expected() -> np.ndarray:
+    return np.random.default_rng(9).integers(0, 256, NBYTES, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_mapped_read_lands_the_bytes_process_vm_readv_would(sharing, threads):
+    """Out of a map of the other process's sealed memfd, read_summed and read_summed_at land
+    the same bytes with the same per-range sums as the kernel's copy; a range outside the
+    mapping is refused before anything is copied."""
+    pid, fd, address, _, _ = sharing
+    maps = local.SharedMaps()
+    mapped = maps.map(pid, (fd, address, NBYTES))
+    assert mapped is not None and maps.map(pid, (fd, address, NBYTES))[0] is mapped[0]  # kept, not reopened
+    want, ranges = _shared_expected(), _ranges(address)
+    dests = [memoryview(bytearray(n)) for _, n in ranges]
+    sums = local.read_summed(pid, ranges, dests, threads, mapped)
+    kernel_dests = [memoryview(bytearray(n)) for _, n in ranges]
+    assert list(sums) == list(local.read_summed(pid, ranges, kernel_dests, threads))
+    for (addr, n), dest, other in zip(ranges, dests, kernel_dests):
+        assert bytes(dest) == want[addr - address : addr - address + n].tobytes() == bytes(other)
+    offsets = np.cumsum([0] + [n for _, n in ranges[:-1]]).astype(np.uint64)
+    dest = np.zeros(sum(n for _, n in ranges), np.uint8)
+    assert list(local.read_summed_at(pid, np.array(ranges, np.uint64), dest, offsets, threads, mapped)) == list(sums)
+    assert dest.tobytes() == b"".join(bytes(d) for d in dests)
+    outside = [(address + NBYTES - 10, 11)]
+    target = memoryview(bytearray(11))
+    with pytest.raises(UsageError):
+        local.read_summed(pid, outside, [target], threads, mapped)
+    assert not any(target)
+    maps.close()
+
+
+def test_shared_maps_refuse_what_a_reader_could_fault_on(sharing):
+    """Only a sealed memfd at least as long as the region named is mapped: an unsealed memfd
+    (it could shrink under the reader: SIGBUS), a regular file, a descriptor that is not
+    open, and a region longer than the file are refused (None: the caller uses
+    process_vm_readv), and a refusal is remembered."""
+    pid, fd, address, unsealed, plain = sharing
+    maps = local.SharedMaps()
+    assert maps.map(pid, (unsealed, address, NBYTES)) is None
+    assert maps.map(pid, (plain, address, NBYTES)) is None
+    assert maps.map(pid, (1 << 20, address, NBYTES)) is None
+    assert maps.map(pid, (fd, address, NBYTES + 1)) is None
+    assert maps.map(pid, (unsealed, address, NBYTES)) is None  # remembered, not reopened
+    assert maps.map(pid, (fd, address, NBYTES)) is not None
+    maps.close()
+
+
+def test_local_copy_through_a_mapping_verifies_and_falls_back(sharing):
+    """local_copy with a reply naming a mapping copies through it, verified: a mapping whose
+    address is off (the bytes read are not the ones summed) is refused BAD_CHECKSUM, a region
+    outside the named mapping is refused MALFORMED, and a mapping that cannot be opened falls
+    back to process_vm_readv with the same result."""
+    pid, fd, address, unsealed, _ = sharing
+    want, ranges = _shared_expected(), _ranges(address)
+    sums = [tsum64(want[a - address : a - address + n]) for a, n in ranges]
+    regions = tuple((a, n, s) for (a, n), s in zip(ranges, sums))
+    maps = local.SharedMaps()
+    for mapping in ((fd, address, NBYTES), (unsealed, address, NBYTES)):
+        dests = [memoryview(bytearray(n)) for _, n in ranges]
+        local_copy(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions, mapping), dests, "peer", 2, maps)
+        assert all(bytes(d) == want[a - address : a - address + n].tobytes() for (a, n), d in zip(ranges, dests))
+    dests = [memoryview(bytearray(n)) for _, n in ranges]
+    with pytest.raises(ProtocolError) as exc:  # the map stands for addresses 64 bytes off: other bytes
+        local_copy(
+            ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions, (fd, address - 64, NBYTES)), dests, "p", 2, maps
+        )
+    assert exc.value.fault is ProtocolFault.BAD_CHECKSUM
+    with pytest.raises(ProtocolError) as exc:
+        local_copy(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions, (fd, address + 8, 64)), dests, "p", 2, maps)
+    assert exc.value.fault is ProtocolFault.MALFORMED
+    maps.close()
+
+
+@pytest.mark.parametrize("local_maps", [True, False])
+def test_a_block_source_over_a_shareable_arena_is_read_through_a_map(local_maps):
+    """A MemoryBlockSource told where its shareable arena is names it in LOCAL_REPLY; a channel
+    maps it (``local_maps``, the default) or keeps to process_vm_readv (False); both land
+    every block byte-exact."""
+    from tiersync.tiers.host import HostArena, HostArenaConfig
+
+    rng = np.random.default_rng(5)
+    arena = HostArena(HostArenaConfig(num_blocks=96, block_nbytes=64 << 10, shareable=True))
+    keys = [i.to_bytes(16, "little") for i in range(96)]
+    blocks = {k: arena.block(b) for k, b in zip(keys, arena.allocate(96))}
+    for view in blocks.values():
+        view[:] = rng.bytes(64 << 10)
+    transport = TcpTransport(TcpConfig(route=Route.LOCAL, local_threads=2, local_maps=local_maps))
+    server = transport.serve("127.0.0.1:0", MemoryBlockSource(blocks, shared=[arena.shared]))
+    channel = transport.connect(server.address)
+    try:
+        lease = channel.request(so.ReadLease(channel.new_request_id(), tuple(keys), ttl_s=60)).lease_id
+        dests = [memoryview(bytearray(64 << 10)) for _ in keys]
+        channel.pull_many(lease, [(k, 0, d) for k, d in zip(keys, dests)])
+        assert all(bytes(d) == bytes(blocks[k]) for k, d in zip(keys, dests))
+        assert channel.mapped_sources == (1 if local_maps else 0)
+    finally:
+        channel.close()
+        server.close()
+        blocks.clear()
+        arena.close()
+    with pytest.raises(UsageError) as exc:
+        MemoryBlockSource({}, shared=[(1, 2, 3)])
+    assert exc.value.argument == "shared"

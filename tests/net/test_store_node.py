@@ -225,3 +225,25 @@ def test_offer_without_a_source_is_refused_and_a_wildcard_writer_is_dialled_back
     finally:
         server.close()
         node.close()
+
+
+def test_a_same_host_reader_copies_out_of_a_map_of_the_node_s_arena(node):
+    """A store node's arena is shareable: a same-host reader's PULL_LOCAL answer names the
+    node's sealed memfd, the reader maps it (one map, kept across reads) and lands every block
+    byte-exact, verified against the checksums kept since the write."""
+    from tiersync.net.config import Route
+
+    keys, bufs = _keys(8, tag=4), _bufs(8)
+    assert client(node.address).offer_and_push(keys, bufs).commit is ev.CommitStatus.COMMITTED
+    channel = TcpTransport(TcpConfig(token=TOKEN.encode(), route=Route.LOCAL)).connect(node.address)
+    try:
+        lease = channel.request(so.ReadLease(channel.new_request_id(), tuple(keys)))
+        for _ in range(2):
+            into = [bytearray(len(b)) for b in bufs]
+            channel.pull_many(lease.lease_id, [(k, 0, memoryview(d)) for k, d in zip(keys, into)])
+            assert [bytes(d) for d in into] == bufs
+            assert channel.mapped_sources == 1
+        channel.request(so.Release(channel.new_request_id(), lease.lease_id))
+    finally:
+        channel.close()
+    assert channel.mapped_sources == 0

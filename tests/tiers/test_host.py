@@ -33,6 +33,8 @@ def arena():
         (dict(policy="mru"), "HostArenaConfig.policy"),
         (dict(layout_digest=b"short"), "HostArenaConfig.layout_digest"),
         (dict(layout_digest="0" * 16), "HostArenaConfig.layout_digest"),
+        (dict(shareable=1), "HostArenaConfig.shareable"),
+        (dict(prefault="yes"), "HostArenaConfig.prefault"),
     ],
 )
 def test_config_rejects_bad_values(kw, argument):
@@ -161,3 +163,38 @@ def test_publish_refuses_negative_ids_even_when_the_last_block_is_locked():
             a.publish([-1], [b"k"])
         assert ei.value.argument == "blocks"
         assert a.key_of(-1) is None and a.key_of(1) is None
+
+
+def test_a_shareable_arena_is_a_sealed_memfd_another_map_sees_and_closing_releases_it(tmp_path):
+    """``shareable``: the memory is a memfd sealed against shrinking and growing (a reader's map
+    can never fault), ``shared`` names it, another map of it sees every write, and close
+    closes the descriptor. A warm-boot arena cannot also be shareable."""
+    import fcntl
+    import os
+
+    from tiersync.tiers.shareable import SEALS
+    from tiersync.tiers.shm import ShmConfig
+
+    a = HostArena(HostArenaConfig(num_blocks=4, block_nbytes=8192, shareable=True))
+    region = a.shared
+    assert region is not None and (region.address, region.nbytes) == (a.address, 4 * 8192)
+    assert fcntl.fcntl(region.fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+    with pytest.raises(OSError):
+        os.ftruncate(region.fd, 4096)  # sealed: it cannot shrink under a reader
+    [b] = a.allocate(1)
+    a.block(b)[:] = np.random.default_rng(1).bytes(8192)
+    fd = os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY)
+    other = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    os.close(fd)
+    assert other[b * 8192 : (b + 1) * 8192] == bytes(a.block(b))
+    assert region.covers(a.address, a.address + 4 * 8192) and not region.covers(a.address, a.address + 4 * 8192 + 1)
+    a.close()
+    with pytest.raises(OSError):
+        os.fstat(region.fd)
+    other.close()
+    with HostArena(HostArenaConfig(num_blocks=1, block_nbytes=64)) as private:
+        assert private.shared is None
+    shm = ShmConfig(key="k", model_id="m", directory=str(tmp_path))
+    with pytest.raises(UsageError) as ei:
+        HostArenaConfig(num_blocks=1, block_nbytes=64, shm=shm, shareable=True)
+    assert ei.value.argument == "HostArenaConfig.shareable"

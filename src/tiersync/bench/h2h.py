@@ -79,14 +79,15 @@ def _serve(mode: str, seed: int, address_q: Any, stop: Any) -> None:
     blocks: dict[bytes, memoryview] = {}
     raw: dict[int, memoryview] = {}
     arenas = []
-    for s in SIZES[mode]:  # in host arenas, as a store node holds them (private, huge pages)
+    for s in SIZES[mode]:  # in host arenas, as a store node holds them (shareable: a sealed memfd)
         data = _blocks(seed, s, _count(mode, s))
-        arenas.append(arena := HostArena(HostArenaConfig(num_blocks=len(data), block_nbytes=s)))
+        arenas.append(arena := HostArena(HostArenaConfig(num_blocks=len(data), block_nbytes=s, shareable=True)))
         for i, (b, slot) in enumerate(zip(data, arena.allocate(len(data)))):
             view = arena.block(slot)
             view[:] = b
             blocks[_key(s, i)] = raw[s << 20 | i] = view
-    server = TcpTransport().serve("127.0.0.1:0", MemoryBlockSource(blocks))
+    shared = [a.shared for a in arenas if a.shared is not None]
+    server = TcpTransport().serve("127.0.0.1:0", MemoryBlockSource(blocks, shared=shared))
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=raw_accept, args=(listener, raw), daemon=True).start()
     address_q.put((server.address, listener.getsockname()[1]))
@@ -176,8 +177,9 @@ def _check(
 
 
 class _Local(_Ours):
-    """One tiersync channel forced onto the same-host route (``process_vm_readv`` out of the
-    server process, every range checksummed), every block in one ``pull_many``."""
+    """One tiersync channel forced onto the same-host route (memcpy out of a map of the server's
+    shareable arena, else ``process_vm_readv``; every range checksummed), every block in one
+    ``pull_many``."""
 
     def __init__(self, address: str, size: int, n: int) -> None:
         from tiersync.net.config import Route
@@ -202,6 +204,7 @@ def _local_case(config: BenchConfig, address: str, size: int, bar: Any) -> dict[
             if not (memcpy.dst == memcpy.src).all():
                 raise RoundTripError("memcpy baseline differs from its source")
             samples = _time(config, pool, {"tiersync": ours, "memcpy": memcpy}, dests, 1, bar)
+            mapped = ours.channels[0].mapped_sources > 0
     finally:
         ours.close()
     nbytes = size * n
@@ -215,7 +218,7 @@ def _local_case(config: BenchConfig, address: str, size: int, bar: Any) -> dict[
         window=ours.window,
         blocks=n,
         nbytes=nbytes,
-        transport="same host: process_vm_readv",
+        transport="same host: " + ("memcpy out of a map of the server's memfd" if mapped else "process_vm_readv"),
         server="separate process (spawn)",
         roundtrip="ok",
         payload_checksum=ours.checksum,

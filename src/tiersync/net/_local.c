@@ -12,6 +12,11 @@
  *   writable buffer dest at its uint64 offset (each range checked to lie inside dest before
  *   anything is read, else ValueError): no Python object per range.
  *
+ * Both take an optional (mapping, base): a buffer of this process that holds process `pid`'s
+ *   memory from address `base` on (a sealed memfd both map). The ranges are then copied out of
+ *   it with memcpy instead of process_vm_readv (no kernel copy per 4 KiB page), each range
+ *   checked to lie inside the mapping before anything is copied (else ValueError).
+ *
  * How: every range is cut into segments of PIECE bytes (a multiple of 64, so each segment
  *   starts on a tsum64 stripe); consecutive segments up to PIECE bytes form a unit, one
  *   process_vm_readv. Up to `threads` threads (the caller's included, GIL released) take units
@@ -43,6 +48,8 @@ typedef struct {
 
 typedef struct {
     int pid;
+    const unsigned char *map; /* not NULL: copy from here, map[0] standing for address base */
+    uint64_t base;
     segment *segs;
     size_t *units; /* unit u covers segs[units[u] .. units[u + 1]) */
     size_t nunits;
@@ -81,19 +88,29 @@ static int copy_unit(int pid, segment *s, size_t n) {
  * digest does: only a range's last segment can have one). */
 static void sum_segment(segment *s) { ts_partial(s->s1, s->s2, s->dst, (size_t)s->len); }
 
+/* One unit's ranges out of the mapping (every range was checked to lie inside it), each
+ * segment copied and summed in one pass (ts_copy_partial: the sum is of the bytes stored). */
+static int copy_mapped(const task *t, segment *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        ts_copy_partial(s[i].s1, s[i].s2, s[i].dst, t->map + (s[i].raddr - t->base), (size_t)s[i].len);
+    ts_copy_fence();
+    return 0;
+}
+
 static void *worker(void *arg) {
     task *t = arg;
     for (;;) {
         size_t u = atomic_fetch_add(&t->next, 1);
         if (u >= t->nunits || atomic_load(&t->err)) break;
         size_t a = t->units[u], b = t->units[u + 1];
-        int err = copy_unit(t->pid, t->segs + a, b - a);
+        int err = t->map ? copy_mapped(t, t->segs + a, b - a) : copy_unit(t->pid, t->segs + a, b - a);
         if (err) {
             int none = 0;
             atomic_compare_exchange_strong(&t->err, &none, err);
             break;
         }
-        for (size_t i = a; i < b; i++) sum_segment(&t->segs[i]);
+        if (t->map == NULL)
+            for (size_t i = a; i < b; i++) sum_segment(&t->segs[i]);
     }
     return NULL;
 }
@@ -180,8 +197,8 @@ static PyObject *sums_of(const segment *segs, const uint64_t *remote, Py_ssize_t
 /* Copy `count` ranges of process `pid` into `views` (each exactly as long as its range) and sum
  * each landed range, on up to `threads` threads: the tuple of sums, or NULL with OSError (the
  * kernel's errno) or MemoryError set. */
-static PyObject *copy_summed(int pid, const uint64_t *remote, Py_buffer *views, Py_ssize_t count, uint64_t total,
-                             size_t nsegs, int threads) {
+static PyObject *copy_summed(int pid, const Py_buffer *map, uint64_t base, const uint64_t *remote, Py_buffer *views,
+                             Py_ssize_t count, uint64_t total, size_t nsegs, int threads) {
     segment *segs = PyMem_Calloc(nsegs + 1, sizeof(segment));
     size_t *units = segs ? PyMem_Calloc(nsegs + 2, sizeof(size_t)) : NULL;
     size_t nunits = 0;
@@ -191,7 +208,7 @@ static PyObject *copy_summed(int pid, const uint64_t *remote, Py_buffer *views, 
         goto done;
     }
     plan(remote, views, count, segs, units, &nunits);
-    task t = {.pid = pid, .segs = segs, .units = units, .nunits = nunits};
+    task t = {.pid = pid, .map = map->buf, .base = base, .segs = segs, .units = units, .nunits = nunits};
     size_t want = 1 + (size_t)(total / BYTES_PER_THREAD);
     if (want > (size_t)threads) want = (size_t)threads;
     if (want > MAX_THREADS) want = MAX_THREADS;
@@ -210,23 +227,38 @@ done:
     return out;
 }
 
+/* Every range inside the mapping `map` standing for addresses from `base` on (an empty map: no
+ * mapping, anything goes); else ValueError. 1 when they all are. */
+static int inside(const Py_buffer *map, uint64_t base, const uint64_t *remote, Py_ssize_t count) {
+    for (Py_ssize_t r = 0; map->buf != NULL && r < count; r++) {
+        uint64_t at = remote[2 * r], len = remote[2 * r + 1];
+        if (at < base || at - base > (uint64_t)map->len || len > (uint64_t)map->len - (at - base)) {
+            PyErr_Format(PyExc_ValueError, "range %zd lies outside the mapping", r);
+            return 0;
+        }
+    }
+    return 1;
+}
+
 static PyObject *read_summed(PyObject *self, PyObject *args) {
     int pid, threads;
-    Py_buffer rv;
+    Py_buffer rv, mv = {0};
+    unsigned long long base = 0;
     PyObject *dests;
-    if (!PyArg_ParseTuple(args, "iy*O!i", &pid, &rv, &PyList_Type, &dests, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "iy*O!i|y*K", &pid, &rv, &PyList_Type, &dests, &threads, &mv, &base)) return NULL;
     Py_ssize_t count = PyList_GET_SIZE(dests);
+    PyObject *out = NULL;
     if (rv.len != count * 16 || threads < 1) {
-        PyBuffer_Release(&rv);
         PyErr_SetString(PyExc_ValueError, "remote must hold one (address, length) uint64 pair per dest; threads >= 1");
-        return NULL;
+    } else if (inside(&mv, base, rv.buf, count)) {
+        const uint64_t *remote = rv.buf;
+        uint64_t total = 0;
+        size_t nsegs = 0;
+        Py_buffer *views = get_dests(dests, remote, &total, &nsegs);
+        out = views ? copy_summed(pid, &mv, base, remote, views, count, total, nsegs, threads) : NULL;
+        if (views) release(views, count);
     }
-    const uint64_t *remote = rv.buf;
-    uint64_t total = 0;
-    size_t nsegs = 0;
-    Py_buffer *views = get_dests(dests, remote, &total, &nsegs);
-    PyObject *out = views ? copy_summed(pid, remote, views, count, total, nsegs, threads) : NULL;
-    if (views) release(views, count);
+    if (mv.obj != NULL) PyBuffer_Release(&mv);
     PyBuffer_Release(&rv);
     return out;
 }
@@ -236,8 +268,9 @@ static PyObject *read_summed(PyObject *self, PyObject *args) {
  * no Python object per range (a KV layer's blocks, a pool's slots). */
 static PyObject *read_summed_at(PyObject *self, PyObject *args) {
     int pid, threads;
-    Py_buffer rv, dv, ov;
-    if (!PyArg_ParseTuple(args, "iy*w*y*i", &pid, &rv, &dv, &ov, &threads)) return NULL;
+    Py_buffer rv, dv, ov, mv = {0};
+    unsigned long long base = 0;
+    if (!PyArg_ParseTuple(args, "iy*w*y*i|y*K", &pid, &rv, &dv, &ov, &threads, &mv, &base)) return NULL;
     Py_ssize_t count = ov.len / 8;
     const uint64_t *remote = rv.buf, *offs = ov.buf;
     int bad = rv.len != count * 16 || ov.len % 8 != 0 || threads < 1 || !PyBuffer_IsContiguous(&dv, 'C');
@@ -256,9 +289,10 @@ static PyObject *read_summed_at(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "one remote (address, length) pair per dest offset, every range inside dest");
     else if (views == NULL)
         PyErr_NoMemory();
-    else
-        out = copy_summed(pid, remote, views, count, total, nsegs, threads);
+    else if (inside(&mv, base, remote, count))
+        out = copy_summed(pid, &mv, base, remote, views, count, total, nsegs, threads);
     PyMem_Free(views);
+    if (mv.obj != NULL) PyBuffer_Release(&mv);
     PyBuffer_Release(&ov);
     PyBuffer_Release(&dv);
     PyBuffer_Release(&rv);
@@ -334,9 +368,9 @@ static PyMethodDef methods[] = {
     {"address", address, METH_O, "address(buffer) -> int: where a C-contiguous buffer's bytes start."},
     {"sum_ranges", sum_ranges, METH_VARARGS, "sum_ranges(buffer, ranges, threads) -> tsum64 of each range."},
     {"read_summed_at", read_summed_at, METH_VARARGS,
-     "read_summed_at(pid, remote, dest, offsets, threads) -> tsum64 of each range landed in dest."},
+     "read_summed_at(pid, remote, dest, offsets, threads[, mapping, base]) -> tsum64 of each range landed in dest."},
     {"read_summed", read_summed, METH_VARARGS,
-     "read_summed(pid, remote, dests, threads) -> tsum64 of each landed range (see the module comment)."},
+     "read_summed(pid, remote, dests, threads[, mapping, base]) -> tsum64 of each landed range (module comment)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -87,8 +87,10 @@ class TcpConfig:
     handshake by then), ``op_timeout_s`` one request. ``max_connections``: a server's cap on
     open connections (more are answered ERROR(CAPACITY) and closed); ``workers``: the
     server's pool running requests. ``route``: see :class:`Route`; ``local_threads``: threads
-    copying one same-host read (default: up to 4 of the cores this process may use). Raises
-    UsageError naming the field.
+    copying one same-host read (default: up to 4 of the cores this process may use);
+    ``local_maps``: same-host reads copy out of a map of the server's memory where it offers
+    shareable memory (a sealed memfd), else with ``process_vm_readv`` (False: always the
+    latter). Raises UsageError naming the field.
     """
 
     sndbuf: int = 16 << 20
@@ -105,6 +107,7 @@ class TcpConfig:
     workers: int = 32
     route: Route = Route.AUTO
     local_threads: int = field(default_factory=lambda: min(4, len(os.sched_getaffinity(0))))
+    local_maps: bool = True
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
 
     def __post_init__(self) -> None:
@@ -117,6 +120,8 @@ class TcpConfig:
         object.__setattr__(self, "token", coerce_token(self.token))
         if self.tls is not None and not isinstance(self.tls, TlsConfig):
             raise UsageError("must be a TlsConfig or None", argument="tls")
+        if not isinstance(self.local_maps, bool):
+            raise UsageError("must be a bool", argument="local_maps", value=self.local_maps)
         if not isinstance(self.route, Route):
             raise UsageError("must be a Route", argument="route", value=self.route)
         if not isinstance(self.protocol, ProtocolConfig):

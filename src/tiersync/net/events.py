@@ -257,38 +257,54 @@ class LocalReply:
     length, checksum)``, the checksum by ``algo`` (the connection's negotiated one). The bytes
     stay put while the lease holds; the reader verifies every checksum after its copy.
     ``regions`` is kept as a read-only ``(n, 3)`` uint64 array (a tuple of 3-tuples of ints is
-    accepted): encoded, parsed and handed to the reader without Python work per region."""
+    accepted): encoded, parsed and handed to the reader without Python work per region.
+    ``mapping``: ``(fd, address, nbytes)`` when every region lies in memory the reader may map
+    instead (``pid``'s file descriptor ``fd``, a sealed memfd, backs ``[address, address +
+    nbytes)``: :mod:`tiersync.tiers.shareable`); a hint the reader checks, never trusts."""
 
     OP: ClassVar[Op] = Op.LOCAL_REPLY
     request_id: int
     pid: int
     algo: PayloadChecksum
     regions: np.ndarray
+    mapping: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         check_u64("request_id", self.request_id)
         check_u64("pid", self.pid)
         check_enum("algo", self.algo, PayloadChecksum)
         object.__setattr__(self, "regions", _region_array(self.regions))
+        if self.mapping is not None:
+            check_rows("mapping", (self.mapping,), (int, int, int))
 
     def __eq__(self, other: object) -> bool:
         return (
             type(other) is LocalReply
-            and (self.request_id, self.pid, self.algo) == (other.request_id, other.pid, other.algo)
+            and (self.request_id, self.pid, self.algo, self.mapping)
+            == (other.request_id, other.pid, other.algo, other.mapping)
             and np.array_equal(self.regions, other.regions)
         )
 
     __hash__ = None  # type: ignore[assignment]
 
     def meta(self) -> bytes:
-        return MetaWriter().u64(self.pid).u8(self.algo).u32(len(self.regions)).raw(self.regions.tobytes()).getvalue()
+        w = MetaWriter().u64(self.pid).u8(self.algo).u32(len(self.regions)).raw(self.regions.tobytes())
+        w.u8(self.mapping is not None)
+        for value in self.mapping or ():
+            w.u64(value)
+        return w.getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> LocalReply:
         pid, algo, n = r.u64(), PayloadChecksum(r.u8()), r.u32()
         if n > cfg.max_keys:
             raise ProtocolError("region count out of range", fault=ProtocolFault.MALFORMED, count=n)
-        return cls(rid, pid, algo, np.frombuffer(r.take(n * _REGION.size), "<u8").reshape(n, 3))
+        regions = np.frombuffer(r.take(n * _REGION.size), "<u8").reshape(n, 3)
+        flag = r.u8()
+        if flag > 1:
+            raise ProtocolError("mapping flag out of range", fault=ProtocolFault.MALFORMED, flag=flag)
+        mapping = (r.u64(), r.u64(), r.u64()) if flag else None
+        return cls(rid, pid, algo, regions, mapping)
 
 
 def _region_array(regions: object) -> np.ndarray:

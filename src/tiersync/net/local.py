@@ -6,15 +6,23 @@ the reader copies it with one kernel copy (what UCX calls CMA). The kernel lets 
 read another of the same uid unless Yama's ``ptrace_scope`` is 1, where the source must opt
 in (:func:`allow_readers`). Refused reads raise :class:`LocalReadError`, so callers fall back
 to TCP. ctypes releases the GIL for the call.
+
+Where the source's memory is a sealed memfd (:mod:`tiersync.tiers.shareable`), the reader may
+instead map it (:class:`SharedMaps`: ``/proc/<pid>/fd/<fd>``, the same permission check) and
+copy with memcpy: the kernel's copy goes page by page and runs at about half of memcpy here.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import functools
+import mmap
 import os
 import secrets
+import stat
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -27,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LocalReadError",
+    "SharedMaps",
     "allow_readers",
     "buffer_address",
     "can_read",
@@ -162,19 +171,29 @@ def _copy(pid: int, src: np.ndarray, dst: np.ndarray) -> None:
         src, dst = _advance(src, got), _advance(dst, got)
 
 
+Mapped = tuple[mmap.mmap, int]  # a map of another process's memory, and the address its first byte has there
+
+
 def read_summed(
-    pid: int, remote: Sequence[tuple[int, int]] | np.ndarray, local: Sequence[memoryview], threads: int
+    pid: int,
+    remote: Sequence[tuple[int, int]] | np.ndarray,
+    local: Sequence[memoryview],
+    threads: int,
+    mapped: Mapped | None = None,
 ) -> Sequence[int] | None:
     """:func:`read_remote` range by range (``local[i]`` exactly as long as ``remote[i]``; ``remote``
     (address, length) pairs or an (n, 2) uint64 array) on up to ``threads`` threads, returning
-    the tsum64 of each landed range, summed while in cache (native ``_local``). None when the
-    native reader is not built (nothing was copied)."""
+    the tsum64 of each landed range, summed while in cache (native ``_local``); out of
+    ``mapped`` (:meth:`SharedMaps.map`) with memcpy when given, every range checked to lie in
+    it first. None when the native reader is not built (nothing was copied)."""
     if _native is None:
         return None
     if len(remote) != len(local):
         raise UsageError("one local buffer per remote range", argument="local")
     pairs = np.ascontiguousarray(remote, dtype=np.uint64).reshape(-1, 2) if len(remote) else np.zeros((0, 2), np.uint64)
     try:
+        if mapped is not None:
+            return _native.read_summed(pid, pairs.tobytes(), list(local), threads, *mapped)
         return _native.read_summed(pid, pairs.tobytes(), list(local), threads)
     except ValueError as exc:
         raise UsageError(str(exc), argument="local") from None
@@ -183,17 +202,19 @@ def read_summed(
 
 
 def read_summed_at(
-    pid: int, remote: np.ndarray, dest: np.ndarray, offsets: np.ndarray, threads: int
+    pid: int, remote: np.ndarray, dest: np.ndarray, offsets: np.ndarray, threads: int, mapped: Mapped | None = None
 ) -> Sequence[int] | None:
     """:func:`read_summed` into one writable uint8 array: range ``i`` of ``remote`` (an (n, 2)
     array of (address, length)) lands at ``dest[offsets[i]:]``, no Python object per range.
-    UsageError naming ``offsets`` when a range would not fit in ``dest``; None when the
-    native reader is not built (nothing was copied)."""
+    UsageError naming ``offsets`` when a range would not fit in ``dest`` (or lie outside
+    ``mapped``); None when the native reader is not built (nothing was copied)."""
     if _native is None:
         return None
     pairs = np.ascontiguousarray(remote, dtype=np.uint64).reshape(-1, 2)
     offs = np.ascontiguousarray(offsets, dtype=np.uint64).reshape(-1)
     try:
+        if mapped is not None:
+            return _native.read_summed_at(pid, pairs.tobytes(), dest, offs.tobytes(), threads, *mapped)
         return _native.read_summed_at(pid, pairs.tobytes(), dest, offs.tobytes(), threads)
     except ValueError as exc:
         raise UsageError(str(exc), argument="offsets") from None
@@ -218,3 +239,80 @@ def sum_ranges(buf: np.ndarray, offsets: Sequence[int], lengths: Sequence[int], 
         return [kernel.tsum64(buf[o : o + n].data) for o, n in zip(offsets, lengths)]
     pairs = np.stack([np.asarray(offsets, np.uint64), np.asarray(lengths, np.uint64)], axis=1)
     return list(_native.sum_ranges(buf, pairs.tobytes(), threads))
+
+
+class SharedMaps:
+    """Read-only maps of other processes' shareable memory (sealed memfds), opened on first use
+    through ``/proc/<pid>/fd/<fd>`` and kept (at most :attr:`LIMIT`, oldest closed first) while
+    that descriptor still names the same file. A descriptor that is not a sealed memfd, or one
+    this process may not open, is refused once and never mapped; a region longer than the
+    file is refused each time: the caller reads with ``process_vm_readv`` instead.
+    Thread-safe; :meth:`close` unmaps everything."""
+
+    LIMIT = 16
+    NEEDED_SEALS = fcntl.F_SEAL_SHRINK  # a file that cannot shrink cannot fault a reader (SIGBUS)
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, int, int, int], mmap.mmap] = {}
+        self._refused: set[tuple[int, int, int, int]] = set()
+        self._lock = threading.Lock()
+
+    def map(self, pid: int, mapping: tuple[int, int, int]) -> Mapped | None:
+        """``(map, address)`` for ``pid``'s ``mapping`` = ``(fd, address, nbytes)`` as a
+        LOCAL_REPLY names it, or None when it cannot (or may not) be mapped."""
+        fd, address, nbytes = mapping
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):
+            return None
+        key = (pid, fd, st.st_dev, st.st_ino)
+        with self._lock:
+            found = self._maps.get(key)
+            if found is None and key not in self._refused:
+                found = _open_sealed(path, key)
+                if found is None:
+                    self._refused.add(key)
+                else:
+                    while len(self._maps) >= self.LIMIT:
+                        _unmap(self._maps.pop(next(iter(self._maps))))
+                    self._maps[key] = found
+        return (found, address) if found is not None and len(found) >= nbytes > 0 else None
+
+    def __len__(self) -> int:
+        """Maps open now."""
+        with self._lock:
+            return len(self._maps)
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = list(self._maps.values()), {}
+        for m in maps:
+            _unmap(m)
+
+
+def _open_sealed(path: str, key: tuple[int, int, int, int]) -> mmap.mmap | None:
+    """``path`` mapped read-only, whole, when it is still ``key``'s file and a memfd sealed
+    against shrinking; else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != key[2:] or not stat.S_ISREG(st.st_mode):
+            return None
+        if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SharedMaps.NEEDED_SEALS:
+            return None
+        return mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except (OSError, ValueError, OverflowError):  # EINVAL: not a memfd; ValueError: an empty file
+        return None
+    finally:
+        os.close(fd)
+
+
+def _unmap(m: mmap.mmap) -> None:
+    try:
+        m.close()
+    except BufferError:  # a copy is reading it right now: freed when that copy lets go
+        pass

@@ -3,8 +3,8 @@
 A :class:`~tiersync.net.tcp.TcpChannel` pulls ``(key, offset, dest)`` items. Over TCP,
 :func:`plan_pulls` gives each large item its own PULL and groups the small ones, one PULL_MANY
 per about :data:`GROUP_LIMIT` bytes whose single DATA answer is scattered into their buffers.
-On the same host, :func:`local_groups` cuts the items into PULL_LOCAL requests of about
-:data:`LOCAL_GROUP` bytes. :func:`writable` checks a destination (UsageError naming ``items``).
+On the same host, :func:`local_groups` cuts the items into PULL_LOCAL requests growing from
+:data:`LOCAL_FIRST` to :data:`LOCAL_GROUP` bytes. :func:`writable` checks a destination (UsageError naming ``items``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ __all__ = [
     "GROUP_BYTES",
     "GROUP_ITEMS",
     "GROUP_LIMIT",
+    "LOCAL_FIRST",
     "LOCAL_GROUP",
     "Item",
     "Pull",
@@ -34,6 +35,7 @@ GROUP_BYTES = 4 << 20  # pulls smaller than this are grouped into one PULL_MANY 
 GROUP_LIMIT = 4 << 20  # ... of about this size
 GROUP_ITEMS = 64
 LOCAL_GROUP = 32 << 20  # bytes per PULL_LOCAL: two in flight, one copied while the next is looked up
+LOCAL_FIRST = 2 << 20  # ... from this size up, doubling: the first copy starts after a short lookup
 Item = tuple[bytes, int, memoryview]  # (key, offset, destination) of a pull, checked
 Pull = tuple[so.Pull | so.PullMany, memoryview | list[memoryview]]  # a request and where its DATA lands
 
@@ -72,21 +74,25 @@ def _group(lease_id: int, group: list[Item], new_id: Callable[[], int]) -> Pull:
 
 
 def local_groups(items: list[Item], max_keys: int) -> Iterator[list[Item]]:
-    """Consecutive items of about LOCAL_GROUP bytes (at most ``max_keys``) each."""
+    """Consecutive items (at most ``max_keys`` per group) in groups of about LOCAL_FIRST bytes,
+    then twice that, up to LOCAL_GROUP: the server looks up a small first group quickly, and
+    each next lookup overlaps the copy of the group before it."""
     group: list[Item] = []
-    size = 0
+    size, target = 0, LOCAL_FIRST
     for item in items:
         group.append(item)
         size += len(item[2])
-        if size >= LOCAL_GROUP or len(group) == max_keys:
+        if size >= target or len(group) == max_keys:
             yield group
-            group, size = [], 0
+            group, size, target = [], 0, min(2 * target, LOCAL_GROUP)
     if group:
         yield group
 
 
 def writable(dest: object) -> memoryview:
     """``dest`` as a writable byte view; UsageError (naming ``items``) when it is not one."""
+    if type(dest) is memoryview and dest.format == "B" and dest.ndim == 1 and dest.contiguous and not dest.readonly:
+        return dest  # already one: no new view (a read of many small blocks checks each)
     try:
         view = memoryview(cast("Buffer", dest)).cast("B")
     except TypeError as exc:

@@ -6,7 +6,8 @@ view of a range under a lease), :meth:`~BlockService.release` and optionally
 :meth:`~BlockService.offer` — and the base answers the wire: PING, READ_LEASE, PULL,
 PULL_MANY (one DATA carrying every range, gathered without a copy; of whole blocks, its
 checksum composed from theirs by :class:`~tiersync.net.partials.PartialSums`), PULL_LOCAL (same-host
-peers: where the ranges are, with their checksums, for ``process_vm_readv``) and RELEASE.
+peers: where the ranges are, with their checksums, for ``process_vm_readv``, and the sealed
+memfd that holds them where the server's memory is one a reader may map: ``shared``) and RELEASE.
 Leases belong to the session that took them: when the session ends, however it ends,
 every lease it still holds is released, so a reader killed mid-read pins nothing.
 :class:`MemoryBlockSource` serves an in-memory dict (the writer side of an offer).
@@ -23,12 +24,14 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from tiersync.errors import UsageError
 from tiersync.net import events as ev
 from tiersync.net import local
 from tiersync.net import store_ops as so
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 from tiersync.net.partials import ChangedBlock, PartialSums
 from tiersync.net.service import Service, Session
+from tiersync.tiers.shareable import SharedRegion
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -59,6 +62,8 @@ class BlockService(Service):
         self._held: dict[Session, set[int]] = {}
         self._held_lock = threading.Lock()
         self._partials = PartialSums()  # a PULL_MANY of whole blocks: its checksum composed from theirs
+        self.shared: tuple[SharedRegion, ...] = ()
+        """This process's memory that same-host readers may map (host arenas made ``shareable``)."""
 
     # -- what a block server implements -------------------------------------------------------
     def lease(self, req: so.ReadLease) -> so.LeaseReply:
@@ -131,7 +136,15 @@ class BlockService(Service):
             columns[0].append(local.buffer_address(view)[0])
             columns[1].append(len(view))
             columns[2].append(known[1] if known is not None and known[0] is algo else payload_checksum(algo, view))
-        return ev.LocalReply(req.request_id, os.getpid(), algo, np.array(columns, np.uint64).T)
+        return ev.LocalReply(req.request_id, os.getpid(), algo, np.array(columns, np.uint64).T, self._mapping(columns))
+
+    def _mapping(self, columns: tuple[list[int], list[int], list[int]]) -> tuple[int, int, int] | None:
+        """The one shared region holding every range, as LOCAL_REPLY names it, or None."""
+        if not self.shared or not columns[0]:
+            return None
+        start, end = min(columns[0]), max(a + n for a, n in zip(columns[0], columns[1]))
+        region = next((r for r in self.shared if r.covers(start, end)), None)
+        return None if region is None else (region.fd, region.address, region.nbytes)
 
     def opened(self, session: Session) -> None:
         if session.info.same_host:
@@ -152,11 +165,21 @@ class BlockService(Service):
 class MemoryBlockSource(BlockService):
     """Serves ``blocks`` (16-byte key -> bytes-like). Thread-safe.
 
-    ``clock``: monotonic seconds (injectable so lease expiry can be tested).
+    ``clock``: monotonic seconds (injectable so lease expiry can be tested); ``shared``: the
+    shareable memory the blocks lie in (``HostArena.shared`` of arenas made ``shareable``).
     """
 
-    def __init__(self, blocks: Mapping[bytes, object], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        blocks: Mapping[bytes, object],
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        shared: Iterable[SharedRegion] = (),
+    ) -> None:
         super().__init__()
+        self.shared = tuple(shared)
+        if not all(isinstance(r, SharedRegion) for r in self.shared):
+            raise UsageError("must be SharedRegions (HostArena.shared)", argument="shared")
         self._blocks = {bytes(k): memoryview(cast("Buffer", v)).cast("B") for k, v in blocks.items()}
         self._clock = clock
         self._sums: dict[bytes, tuple[PayloadChecksum, int]] = {}

@@ -72,7 +72,10 @@ class StoreNode(BlockService):
             raise UsageError(f"must be at least {MIN_BLOCK_NBYTES} bytes", argument="block_size", value=block_nbytes)
         if capacity < block_nbytes:
             raise UsageError("capacity is smaller than one block", argument="capacity", value=capacity)
-        self.arena = HostArena(HostArenaConfig(num_blocks=capacity // block_nbytes, block_nbytes=block_nbytes))
+        self.arena = HostArena(  # shareable: same-host readers map it and copy at memory speed
+            HostArenaConfig(num_blocks=capacity // block_nbytes, block_nbytes=block_nbytes, shareable=True)
+        )
+        self.shared = (self.arena.shared,) if self.arena.shared is not None else ()
         self.config = config or TcpConfig()
         self._clock, self._pull_timeout = clock, pull_timeout_s
         self._listeners: list[Callable[[list[bytes]], None]] = [on_stored] if on_stored is not None else []

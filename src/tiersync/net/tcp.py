@@ -33,7 +33,7 @@ from tiersync.net.errors import (
 )
 from tiersync.net.frames import PayloadChecksum
 from tiersync.net.handshake import client_handshake
-from tiersync.net.local import LocalReadError
+from tiersync.net.local import LocalReadError, SharedMaps
 from tiersync.net.protocol import Connection, Role
 from tiersync.net.pull_plan import local_groups, plan_pulls, writable
 from tiersync.net.samehost import local_copy, local_copy_at
@@ -76,6 +76,7 @@ class TcpChannel(Channel):
         self.info = PeerInfo("", "", 0, False)
         """What the server told about itself in the handshake (``same_host`` and its pid)."""
         self._local_failed = False
+        self._maps = SharedMaps() if framed.cfg.local_maps else None  # same-host reads: sources' shareable memory
 
     def handshake(self, deadline: Deadline) -> None:
         """Run HELLO/CHALLENGE/AUTH/READY. Raises AuthError when either side lacks the token."""
@@ -264,11 +265,16 @@ class TcpChannel(Channel):
     def local_copy(self, reply: object, dests: list[memoryview]) -> None:
         """Land a LOCAL_REPLY's regions in ``dests``, verified (:func:`~tiersync.net.samehost.local_copy`
         on this channel's ``local_threads``)."""
-        local_copy(reply, dests, self.peer, self._framed.cfg.local_threads)
+        local_copy(reply, dests, self.peer, self._framed.cfg.local_threads, self._maps)
 
     def local_copy_at(self, reply: object, dest: np.ndarray, offsets: np.ndarray) -> None:
         """:meth:`local_copy` into one uint8 array, region ``i`` at ``dest[offsets[i]:]``."""
-        local_copy_at(reply, dest, offsets, self.peer, self._framed.cfg.local_threads)
+        local_copy_at(reply, dest, offsets, self.peer, self._framed.cfg.local_threads, self._maps)
+
+    @property
+    def mapped_sources(self) -> int:
+        """Same-host sources whose shareable memory this channel reads through a map now."""
+        return len(self._maps) if self._maps is not None else 0
 
     def local_refused(self, exc: LocalReadError) -> None:
         """A same-host read was refused (permissions, another pid namespace): route AUTO uses
@@ -345,6 +351,8 @@ class TcpChannel(Channel):
         if not self._closed:
             self._closed = True
             self._framed.close()
+            if self._maps is not None:
+                self._maps.close()
 
     def close(self) -> None:
         """Close now; a request running in another thread fails with PeerClosedError."""

@@ -3,7 +3,8 @@
 The arena mirrors the device block layout: host block ``b`` holds the live
 bytes of device block(s) copied into it for every pool of a
 :class:`~tiersync.layout.KVLayout` (block-major, see ``KVLayout.host_offsets``).
-Memory is an anonymous ``mmap`` (page aligned, lazily faulted) or, for warm
+Memory is an anonymous ``mmap`` (page aligned, lazily faulted), a sealed memfd that
+same-host readers may map (``shareable``: :mod:`tiersync.tiers.shareable`) or, for warm
 boot, a segment in ``/dev/shm`` (:mod:`tiersync.tiers.shm`) that outlives the
 process: blocks whose save was published are found again after a restart.
 
@@ -15,8 +16,10 @@ byte-exact by the next process; a block whose save was cut short is not served.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,6 +31,7 @@ from tiersync.telemetry.metrics import track_arena, untrack_arena
 from tiersync.tiers.allocator import BlockAllocator
 from tiersync.tiers.eviction import POLICIES, check_policy
 from tiersync.tiers.prefault import Prefaulter
+from tiersync.tiers.shareable import SharedRegion, open_shareable
 
 if TYPE_CHECKING:
     from tiersync.layout.pool import KVLayout
@@ -40,7 +44,10 @@ log = logging.getLogger("tiersync.host")
 class HostArenaConfig:
     """``num_blocks`` host blocks of ``block_nbytes`` bytes; ``shm`` for warm boot. ``prefault``:
     populate anonymous memory in the background from the start (:mod:`tiersync.tiers.prefault`:
-    first copies at memory speed, and the arena's full size resident soon after it is made)."""
+    first copies at memory speed, and the arena's full size resident soon after it is made).
+    ``shareable``: anonymous memory in a sealed memfd that same-host readers map and copy
+    from at memory speed (:attr:`HostArena.shared`); it forgoes transparent huge pages where
+    the kernel keeps them from shared memory (``shmem_enabled``)."""
 
     num_blocks: int
     block_nbytes: int
@@ -48,6 +55,7 @@ class HostArenaConfig:
     policy: str = "lru"
     layout_digest: bytes = b"\0" * 16
     prefault: bool = True
+    shareable: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_nbytes"):
@@ -55,8 +63,11 @@ class HostArenaConfig:
         check_policy(self.policy, "HostArenaConfig.policy")
         if not isinstance(self.layout_digest, bytes) or len(self.layout_digest) != 16:
             raise UsageError("must be 16 bytes", argument="HostArenaConfig.layout_digest")
-        if not isinstance(self.prefault, bool):
-            raise UsageError("must be a bool", argument="HostArenaConfig.prefault", value=self.prefault)
+        for flag in ("prefault", "shareable"):
+            if not isinstance(getattr(self, flag), bool):
+                raise UsageError("must be a bool", argument=f"HostArenaConfig.{flag}", value=getattr(self, flag))
+        if self.shareable and self.shm is not None:
+            raise UsageError("a warm-boot (shm) arena cannot also be shareable", argument="HostArenaConfig.shareable")
 
     @property
     def nbytes(self) -> int:
@@ -72,7 +83,10 @@ class HostArena:
         self.config = config
         self._on_evict = on_evict
         self._segment: ShmSegment | None = None
+        self._fd: int | None = None
         self._mmap: mmap.mmap | None = None
+        self.shared: SharedRegion | None = None
+        """Where same-host readers may map this arena (``shareable``), else None."""
         self.prefault: Prefaulter | None = None
         """Populates anonymous memory in the background (:mod:`tiersync.tiers.prefault`)."""
         self._keys: dict[int, bytes] = {}
@@ -82,6 +96,8 @@ class HostArena:
             config.num_blocks, config.block_nbytes
         )
         self.address = self.memory.__array_interface__["data"][0]
+        if self._fd is not None:
+            self.shared = SharedRegion(self._fd, self.address, config.nbytes)
         self.allocator = BlockAllocator(config.num_blocks, policy=POLICIES[config.policy](), on_evict=self._evicted)
         if self.recovered:
             self.allocator.adopt_cached([r.block for r in self.recovered])
@@ -124,7 +140,11 @@ class HostArena:
         return cls(cfg, on_evict=on_evict)
 
     def _open_memory(self, config: HostArenaConfig) -> mmap.mmap | memoryview:
-        if config.shm is None:
+        if config.shm is not None:
+            return self._open_segment(config, config.shm)
+        if config.shareable:
+            self._fd, self._mmap = open_shareable(config.nbytes)
+        else:
             try:
                 self._mmap = mmap.mmap(-1, config.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             except (OSError, OverflowError) as exc:  # ENOMEM: more than this machine will map
@@ -135,18 +155,21 @@ class HostArena:
                     blocks=config.num_blocks,
                     error=str(exc),
                 ) from None
-            if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer TLB misses on scattered block copies
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer TLB misses on scattered block copies
+            with contextlib.suppress(OSError):  # a kernel without THP for shared memory says EINVAL
                 self._mmap.madvise(mmap.MADV_HUGEPAGE)
-            if config.prefault:
-                self.prefault = Prefaulter(self._mmap, config.nbytes)  # first copies at memory speed
-            return self._mmap
+        if config.prefault:
+            self.prefault = Prefaulter(self._mmap, config.nbytes)  # first copies at memory speed
+        return self._mmap
+
+    def _open_segment(self, config: HostArenaConfig, shm: ShmConfig) -> memoryview:
         from tiersync.tiers.shm import Geometry, ShmSegment
 
         geometry = Geometry(config.num_blocks, config.block_nbytes, config.layout_digest)
-        self._segment = ShmSegment.open(config.shm, geometry)
+        self._segment = ShmSegment.open(shm, geometry)
         self.recovered = list(self._segment.recover())
         if self._segment.cold_start is None:
-            log.info("warm boot from %s: %d blocks recovered", config.shm.path, len(self.recovered))
+            log.info("warm boot from %s: %d blocks recovered", shm.path, len(self.recovered))
         return self._segment.payload
 
     def __repr__(self) -> str:
@@ -252,6 +275,9 @@ class HostArena:
                 self._mmap.close()
             except BufferError:  # a view is still exported; the map is freed with it
                 pass
+        if self._fd is not None:  # the mapping (and readers' maps) outlive the descriptor
+            os.close(self._fd)
+            self._fd = None
 
     def check_open(self) -> None:
         """ClosedError once the arena is closed."""

@@ -141,14 +141,88 @@ typedef void (*ts_stripes_fn)(uint64_t *, uint64_t *, const unsigned char *, siz
 static ts_stripes_fn ts_stripes = ts_stripes_scalar;
 static const char *ts_impl = "scalar";
 
+/* Copy whole stripes src -> dst (n a multiple of 64) and add them to the sums from the same
+ * registers, in one pass: the bytes summed are exactly the bytes stored, even if src changes
+ * meanwhile. Stores bypass the cache (streamed: no read of dst first) when dst is aligned for
+ * it; the caller fences (ts_copy_fence) before anyone reads dst. */
+#ifdef TS_HAVE_SSE2
+static void ts_copy_stripes_sse2(uint64_t *s1, uint64_t *s2, unsigned char *d, const unsigned char *p, size_t n) {
+    __m128i a[4], b[4], k[4];
+    int stream = ((uintptr_t)d & 15) == 0;
+    for (int j = 0; j < 4; j++) {
+        a[j] = _mm_loadu_si128((const __m128i *)(s1 + 2 * j));
+        b[j] = _mm_loadu_si128((const __m128i *)(s2 + 2 * j));
+        k[j] = _mm_loadu_si128((const __m128i *)(TS_KEY + 2 * j));
+    }
+    for (size_t off = 0; off < n; off += 64) {
+        for (int j = 0; j < 4; j++) {
+            __m128i w = _mm_loadu_si128((const __m128i *)(p + off + 16 * j));
+            if (stream) _mm_stream_si128((__m128i *)(d + off + 16 * j), w);
+            else _mm_storeu_si128((__m128i *)(d + off + 16 * j), w);
+            __m128i t = TS_TERM(_mm_add_epi32, _mm_srli_epi64, _mm_mul_epu32, _mm_add_epi64, w, k[j]);
+            TS_KEEP(t);
+            a[j] = _mm_add_epi64(a[j], t);
+            b[j] = _mm_add_epi64(b[j], a[j]);
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        _mm_storeu_si128((__m128i *)(s1 + 2 * j), a[j]);
+        _mm_storeu_si128((__m128i *)(s2 + 2 * j), b[j]);
+    }
+}
+
+__attribute__((target("avx2")))
+static void ts_copy_stripes_avx2(uint64_t *s1, uint64_t *s2, unsigned char *d, const unsigned char *p, size_t n) {
+    __m256i a[2], b[2], k[2];
+    int stream = ((uintptr_t)d & 31) == 0;
+    for (int j = 0; j < 2; j++) {
+        a[j] = _mm256_loadu_si256((const __m256i *)(s1 + 4 * j));
+        b[j] = _mm256_loadu_si256((const __m256i *)(s2 + 4 * j));
+        k[j] = _mm256_loadu_si256((const __m256i *)(TS_KEY + 4 * j));
+    }
+    for (size_t off = 0; off < n; off += 64) {
+        for (int j = 0; j < 2; j++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(p + off + 32 * j));
+            if (stream) _mm256_stream_si256((__m256i *)(d + off + 32 * j), w);
+            else _mm256_storeu_si256((__m256i *)(d + off + 32 * j), w);
+            __m256i t = TS_TERM(_mm256_add_epi32, _mm256_srli_epi64, _mm256_mul_epu32, _mm256_add_epi64, w, k[j]);
+            TS_KEEP(t);
+            a[j] = _mm256_add_epi64(a[j], t);
+            b[j] = _mm256_add_epi64(b[j], a[j]);
+        }
+    }
+    for (int j = 0; j < 2; j++) {
+        _mm256_storeu_si256((__m256i *)(s1 + 4 * j), a[j]);
+        _mm256_storeu_si256((__m256i *)(s2 + 4 * j), b[j]);
+    }
+}
+#endif
+
+static void ts_copy_stripes_plain(uint64_t *s1, uint64_t *s2, unsigned char *d, const unsigned char *p, size_t n) {
+    memcpy(d, p, n);
+    ts_stripes(s1, s2, d, n);  /* sums what landed */
+}
+
+typedef void (*ts_copy_fn)(uint64_t *, uint64_t *, unsigned char *, const unsigned char *, size_t);
+static ts_copy_fn ts_copy_stripes = ts_copy_stripes_plain;
+
+static inline void ts_copy_fence(void) {
+#ifdef TS_HAVE_SSE2
+    _mm_sfence();
+#endif
+}
+
+
 static void ts_pick(void) {
 #ifdef TS_HAVE_SSE2
     ts_stripes = ts_stripes_sse2;
+    ts_copy_stripes = ts_copy_stripes_sse2;
     ts_impl = "sse2";
 #if defined(__GNUC__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2")) {
         ts_stripes = ts_stripes_avx2;
+        ts_copy_stripes = ts_copy_stripes_avx2;
         ts_impl = "avx2";
     }
     if (__builtin_cpu_supports("avx512f")) {
@@ -204,6 +278,22 @@ __attribute__((unused)) static void ts_partial(uint64_t *s1, uint64_t *s2, const
     if (whole < n) {
         unsigned char last[64] = {0};
         memcpy(last, p + whole, n - whole);
+        ts_stripes(s1, s2, last, 64);
+    }
+}
+
+/* ts_partial of src[0..n) while copying it to dst (one pass, see ts_copy_stripes; the caller
+ * fences before dst is read). */
+__attribute__((unused)) static void ts_copy_partial(uint64_t *s1, uint64_t *s2, unsigned char *dst,
+                                                    const unsigned char *src, size_t n) {
+    memset(s1, 0, 8 * sizeof *s1);
+    memset(s2, 0, 8 * sizeof *s2);
+    size_t whole = n & ~(size_t)63;
+    ts_copy_stripes(s1, s2, dst, src, whole);
+    if (whole < n) {
+        unsigned char last[64] = {0};
+        memcpy(last, src + whole, n - whole);
+        memcpy(dst + whole, last, n - whole);
         ts_stripes(s1, s2, last, 64);
     }
 }
