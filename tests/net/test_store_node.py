@@ -247,3 +247,33 @@ def test_a_same_host_reader_copies_out_of_a_map_of_the_node_s_arena(node):
     finally:
         channel.close()
     assert channel.mapped_sources == 0
+
+
+def test_store_node_views_answer_as_view_does_and_refuse_all_or_nothing():
+    """The node's ``views`` checks its lease once for many ranges: the same answers as ``view``
+    (a whole block with the checksum kept since its write), and one bad item refuses the call."""
+    from tiersync.net.frames import PayloadChecksum, payload_checksum
+    from tiersync.net.source import BlockError
+
+    node = StoreNode(4 * BLOCK, BLOCK, config=TcpConfig(token=TOKEN.encode()))
+    server = StoreNodeServer("127.0.0.1:0", node)
+    try:
+        keys, bufs = _keys(2, tag=7), _bufs(2)
+        assert client(server.address).offer_and_push(keys, bufs).commit is ev.CommitStatus.COMMITTED
+        lease = node.lease(so.ReadLease(1, tuple(keys))).lease_id
+        items = [(keys[0], 0, len(bufs[0])), (keys[1], 3, 100)]
+        got = node.views(lease, items)
+        assert [bytes(v) for v, _ in got] == [bufs[0], bufs[1][3:103]]
+        assert got[0][1] == (PayloadChecksum.TSUM64, payload_checksum(PayloadChecksum.TSUM64, bufs[0]))
+        assert got[1][1] is None and [(bytes(v), k) for v, k in got] == [
+            (bytes(v), k) for v, k in (node.view(lease, *i) for i in items)
+        ]
+        with pytest.raises(BlockError) as info:
+            node.views(lease, [items[0], (keys[1], len(bufs[1]), 1)])
+        assert info.value.code is ev.ErrorCode.BAD_REQUEST
+        with pytest.raises(BlockError) as info:
+            node.views(lease + 99, items)
+        assert info.value.code is ev.ErrorCode.LEASE_EXPIRED
+    finally:
+        server.close()
+        node.close()

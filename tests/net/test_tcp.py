@@ -284,3 +284,27 @@ def test_two_native_peers_use_tsum64(peer):
     channel.pull_many(lease.lease_id, [(BIG, 0, memoryview(dest))] * 3, window=2)
     assert dest == BLOCKS[BIG]
     channel.close()
+
+
+def test_views_answers_as_view_does_and_refuses_all_or_nothing():
+    """``views`` (one lease check for a PULL_MANY's or PULL_LOCAL's items) gives what ``view``
+    gives item by item; a key not under the lease or a range past a block refuses the whole
+    call, and an expired lease refuses it too."""
+    from tiersync.net.source import BlockError
+
+    now = [0.0]
+    blocks = {b"a" * 16: os.urandom(5000), b"b" * 16: os.urandom(300)}
+    source = MemoryBlockSource(blocks, clock=lambda: now[0])
+    lease = source.lease(so.ReadLease(1, tuple(blocks), ttl_s=30)).lease_id
+    items = [(b"a" * 16, 0, 5000), (b"b" * 16, 10, 200), (b"a" * 16, 7, 1)]
+    got = source.views(lease, items)
+    assert [(bytes(v), k) for v, k in got] == [(bytes(v), k) for v, k in (source.view(lease, *i) for i in items)]
+    assert got[0][1] is not None and got[1][1] is None  # a whole block comes with its checksum
+    for bad, code in (((b"c" * 16, 0, 1), ev.ErrorCode.NOT_FOUND), ((b"b" * 16, 250, 51), ev.ErrorCode.BAD_REQUEST)):
+        with pytest.raises(BlockError) as info:
+            source.views(lease, [items[0], bad])
+        assert info.value.code is code
+    now[0] = 31.0
+    with pytest.raises(BlockError) as info:
+        source.views(lease, items)
+    assert info.value.code is ev.ErrorCode.LEASE_EXPIRED

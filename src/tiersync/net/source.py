@@ -3,7 +3,8 @@
 A block server implements four methods — :meth:`~BlockService.lease` (validate and pin
 keys, all-or-nothing; TTL clamped to [30, 600] s), :meth:`~BlockService.view` (a zero-copy
 view of a range under a lease), :meth:`~BlockService.release` and optionally
-:meth:`~BlockService.offer` — and the base answers the wire: PING, READ_LEASE, PULL,
+:meth:`~BlockService.offer` (and :meth:`~BlockService.views`, many ranges of one lease at
+once, where it can do better than a loop) — and the base answers the wire: PING, READ_LEASE, PULL,
 PULL_MANY (one DATA carrying every range, gathered without a copy; of whole blocks, its
 checksum composed from theirs by :class:`~tiersync.net.partials.PartialSums`), PULL_LOCAL (same-host
 peers: where the ranges are, with their checksums, for ``process_vm_readv``, and the sealed
@@ -80,6 +81,13 @@ class BlockService(Service):
         """Unpin a lease; True when it was still held."""
         raise NotImplementedError
 
+    def views(
+        self, lease_id: int, items: Iterable[tuple[bytes, int, int]]
+    ) -> list[tuple[memoryview, tuple[PayloadChecksum, int] | None]]:
+        """:meth:`view` of each ``(key, offset, length)``, all or BlockError (a server may
+        check the lease once for all of them)."""
+        return [self.view(lease_id, *item) for item in items]
+
     def offer(self, req: so.Offer, session: Session) -> Iterator[object]:
         """Answers to an OFFER; a read-only server refuses every offer."""
         yield so.OfferReply(req.request_id, so.OfferStatus.REFUSED)
@@ -98,7 +106,7 @@ class BlockService(Service):
             if isinstance(event, so.Pull):
                 return [ev.Data(event.request_id, *self.view(event.lease_id, event.key, event.offset, event.length))]
             if isinstance(event, so.PullMany):
-                found = [self.view(event.lease_id, *item) for item in event.items]
+                found = self.views(event.lease_id, event.items)
                 known = self._partials.composed([(item[0], *v) for item, v in zip(event.items, found)])
                 return [ev.Data(event.request_id, [view for view, _ in found], known)]
             if isinstance(event, so.PullLocal):
@@ -131,9 +139,8 @@ class BlockService(Service):
             raise BlockError(ev.ErrorCode.UNSUPPORTED, "PULL_LOCAL from another host")
         algo = SUPPORTED[0]
         columns: tuple[list[int], list[int], list[int]] = ([], [], [])
-        for key, offset, length in req.items:
-            view, known = self.view(req.lease_id, key, offset, length)
-            columns[0].append(local.buffer_address(view)[0])
+        for view, known in self.views(req.lease_id, req.items):
+            columns[0].append(local.address_of(view))
             columns[1].append(len(view))
             columns[2].append(known[1] if known is not None and known[0] is algo else payload_checksum(algo, view))
         return ev.LocalReply(req.request_id, os.getpid(), algo, np.array(columns, np.uint64).T, self._mapping(columns))
@@ -208,9 +215,19 @@ class MemoryBlockSource(BlockService):
     def view(
         self, lease_id: int, key: bytes, offset: int, length: int
     ) -> tuple[memoryview, tuple[PayloadChecksum, int] | None]:
-        keys = self._held_keys(lease_id)
+        return self.views(lease_id, [(key, offset, length)])[0]
+
+    def views(
+        self, lease_id: int, items: Iterable[tuple[bytes, int, int]]
+    ) -> list[tuple[memoryview, tuple[PayloadChecksum, int] | None]]:
+        keys = self._held_keys(lease_id)  # once for all the items
         if keys is None:
             raise BlockError(ev.ErrorCode.LEASE_EXPIRED, "lease not held")
+        return [self._range(keys, *item) for item in items]
+
+    def _range(
+        self, keys: frozenset[bytes], key: bytes, offset: int, length: int
+    ) -> tuple[memoryview, tuple[PayloadChecksum, int] | None]:
         if key not in keys:
             raise BlockError(ev.ErrorCode.NOT_FOUND, "key not under this lease")
         block = self._blocks[key]

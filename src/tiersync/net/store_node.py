@@ -114,17 +114,27 @@ class StoreNode(BlockService):
     ) -> tuple[memoryview, tuple[PayloadChecksum, int] | None]:
         """A stored block's bytes; a whole block comes with the checksum kept since it was
         stored (a read never sums it again: blocks do not change while stored)."""
-        with self._lock:
+        return self.views(lease_id, [(key, offset, length)])[0]
+
+    def views(
+        self, lease_id: int, items: Iterable[tuple[bytes, int, int]]
+    ) -> list[tuple[memoryview, tuple[PayloadChecksum, int] | None]]:
+        with self._lock:  # once for all the items
             lease = self._leases.get(lease_id)
             if lease is None:
                 raise BlockError(ev.ErrorCode.LEASE_EXPIRED, "lease not held")
-            if key not in lease[2]:
-                raise BlockError(ev.ErrorCode.NOT_FOUND, "key not under this lease")
-            block, size, checksum = self._index[key]
-        if offset + length > size:
-            raise BlockError(ev.ErrorCode.BAD_REQUEST, "range beyond the block")
-        known = (SUPPORTED[0], checksum) if offset == 0 and length == size else None
-        return self.arena.block(block)[offset : offset + length], known
+            found = []
+            for key, offset, length in items:
+                if key not in lease[2]:
+                    raise BlockError(ev.ErrorCode.NOT_FOUND, "key not under this lease")
+                found.append((self._index[key], offset, length))
+        out = []
+        for (block, size, checksum), offset, length in found:
+            if offset + length > size:
+                raise BlockError(ev.ErrorCode.BAD_REQUEST, "range beyond the block")
+            known = (SUPPORTED[0], checksum) if offset == 0 and length == size else None
+            out.append((self.arena.block(block)[offset : offset + length], known))
+        return out
 
     def release(self, lease_id: int) -> bool:
         with self._lock:
