@@ -24,6 +24,7 @@ from tiersync.net import store_ops as so
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.frames import PayloadChecksum, payload_checksum
 from tiersync.net.samehost import local_copy, local_copy_at
+from tiersync.net.shared_maps import SharedMaps
 from tiersync.net.source import MemoryBlockSource
 from tiersync.net.tcp import Route, TcpConfig, TcpTransport
 from tiersync.transfer.kernel import TSUM64, tsum64
@@ -169,7 +170,9 @@ class LyingSource(MemoryBlockSource):
 
 def test_pull_many_on_route_local_spans_groups_and_refuses_a_lie():
     rng = np.random.default_rng(3)
-    blocks = {i.to_bytes(16, "little"): rng.bytes(64 << 10) for i in range(700)}  # 44 MiB: two PULL_LOCAL groups
+    blocks = {
+        i.to_bytes(16, "little"): rng.bytes(64 << 10) for i in range(700)
+    }  # 44 MiB: PULL_LOCAL groups of 2, 4, 8, 16 MiB, then the rest
     blocks[LyingSource.LIE] = rng.bytes(4096)
     transport = TcpTransport(TcpConfig(route=Route.LOCAL, local_threads=2))
     server = transport.serve("127.0.0.1:0", LyingSource(blocks))
@@ -200,23 +203,34 @@ unsealed = os.memfd_create("unsealed")
 os.ftruncate(unsealed, n)
 plain = tempfile.TemporaryFile()
 plain.truncate(n)
-print(json.dumps([arena.shared.fd, arena.address, unsealed, plain.fileno()]), flush=True)
+fifo_path = tempfile.mktemp()
+os.mkfifo(fifo_path)
+fifo = os.open(fifo_path, os.O_RDWR)  # a FIFO: opening it for reading alone would block
+try:
+    huge = os.memfd_create("huge", os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
+    os.ftruncate(huge, 2 << 20)
+    import fcntl
+    fcntl.fcntl(huge, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+except OSError:
+    huge = -1
+print(json.dumps([arena.shared.fd, arena.address, unsealed, plain.fileno(), fifo, huge]), flush=True)
 sys.stdin.read()
 """
 
 
 @pytest.fixture(scope="module")
 def sharing():
-    """(pid, shared fd, address, unsealed memfd fd, regular file fd) of another process whose
-    NBYTES seeded bytes (seed 9) lie in a shareable host arena."""
+    """(pid, shared fd, address, unsealed memfd fd, regular file fd, FIFO fd, sealed hugetlbfs
+    memfd fd or -1) of another process whose NBYTES seeded bytes (seed 9) lie in a shareable
+    host arena."""
     import json
 
     child = subprocess.Popen(
         [sys.executable, "-c", _SHARING_CHILD, str(NBYTES)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
-        fd, address, unsealed, plain = json.loads(child.stdout.readline())
-        yield child.pid, fd, address, unsealed, plain
+        fd, address, unsealed, plain, fifo, huge = json.loads(child.stdout.readline())
+        yield child.pid, fd, address, unsealed, plain, fifo, huge
     finally:
         child.stdin.close()
         child.wait(30)
@@ -231,10 +245,10 @@ def test_a_mapped_read_lands_the_bytes_process_vm_readv_would(sharing, threads):
     """Out of a map of the other process's sealed memfd, read_summed and read_summed_at land
     the same bytes with the same per-range sums as the kernel's copy; a range outside the
     mapping is refused before anything is copied."""
-    pid, fd, address, _, _ = sharing
-    maps = local.SharedMaps()
+    pid, fd, address, *_ = sharing
+    maps = SharedMaps()
     mapped = maps.map(pid, (fd, address, NBYTES))
-    assert mapped is not None and maps.map(pid, (fd, address, NBYTES))[0] is mapped[0]  # kept, not reopened
+    assert mapped is not None and maps.map(pid, (fd, address, NBYTES))[0].obj is mapped[0].obj  # kept, not reopened
     want, ranges = _shared_expected(), _ranges(address)
     dests = [memoryview(bytearray(n)) for _, n in ranges]
     sums = local.read_summed(pid, ranges, dests, threads, mapped)
@@ -246,6 +260,12 @@ def test_a_mapped_read_lands_the_bytes_process_vm_readv_would(sharing, threads):
     dest = np.zeros(sum(n for _, n in ranges), np.uint8)
     assert list(local.read_summed_at(pid, np.array(ranges, np.uint64), dest, offsets, threads, mapped)) == list(sums)
     assert dest.tobytes() == b"".join(bytes(d) for d in dests)
+    for shift in (0, 1, 32):  # destinations aligned for streamed stores, and not
+        aligned = np.zeros(dest.size + 4096, np.uint8)[shift:]  # page-aligned allocation, then shifted
+        places = (np.cumsum([0] + [(n + 63) // 64 * 64 for _, n in ranges[:-1]])).astype(np.uint64)
+        got = local.read_summed_at(pid, np.array(ranges, np.uint64), aligned, places, threads, mapped)
+        assert list(got) == list(sums)
+        assert all(aligned[p : p + n].tobytes() == bytes(d) for p, (_, n), d in zip(places.tolist(), ranges, dests))
     outside = [(address + NBYTES - 10, 11)]
     target = memoryview(bytearray(11))
     with pytest.raises(UsageError):
@@ -254,20 +274,60 @@ def test_a_mapped_read_lands_the_bytes_process_vm_readv_would(sharing, threads):
     maps.close()
 
 
-def test_shared_maps_refuse_what_a_reader_could_fault_on(sharing):
-    """Only a sealed memfd at least as long as the region named is mapped: an unsealed memfd
-    (it could shrink under the reader: SIGBUS), a regular file, a descriptor that is not
-    open, and a region longer than the file are refused (None: the caller uses
-    process_vm_readv), and a refusal is remembered."""
-    pid, fd, address, unsealed, plain = sharing
-    maps = local.SharedMaps()
-    assert maps.map(pid, (unsealed, address, NBYTES)) is None
-    assert maps.map(pid, (plain, address, NBYTES)) is None
-    assert maps.map(pid, (1 << 20, address, NBYTES)) is None
+def test_shared_maps_refuse_what_a_reader_could_fault_on_or_hang_on(sharing, monkeypatch):
+    """Only a sealed memfd of normal pages at least as long as the region named is mapped: an
+    unsealed memfd (it could shrink under the reader: SIGBUS), a regular file, a FIFO (opening
+    it could block), a hugetlbfs memfd (its pool can run dry under a map), a descriptor that
+    is not open, and a region longer than the file are refused (None: the caller uses
+    process_vm_readv). A refused file is not opened again; a map is opened once."""
+    from tiersync.net import shared_maps
+
+    pid, fd, address, unsealed, plain, fifo, huge = sharing
+    opened = []
+    real = shared_maps._open_sealed
+    monkeypatch.setattr(shared_maps, "_open_sealed", lambda *a: opened.append(a[0]) or real(*a))
+    maps = SharedMaps()
+    for bad in (unsealed, plain, fifo, 1 << 20) + ((huge,) if huge >= 0 else ()):
+        assert maps.map(pid, (bad, address, NBYTES)) is None
+    assert f"/proc/{pid}/fd/{fifo}" not in opened  # not a regular file: never opened
     assert maps.map(pid, (fd, address, NBYTES + 1)) is None
-    assert maps.map(pid, (unsealed, address, NBYTES)) is None  # remembered, not reopened
+    before = len(opened)
+    assert maps.map(pid, (unsealed, address, NBYTES)) is None and len(opened) == before  # remembered
     assert maps.map(pid, (fd, address, NBYTES)) is not None
+    assert maps.map(pid, (fd, address, NBYTES)) is not None and len(opened) == before  # kept
     maps.close()
+
+
+def test_a_map_outlives_close_while_a_copy_holds_it_and_a_reused_descriptor_drops_it():
+    """A view :meth:`SharedMaps.map` handed out stays readable after close (the copy using it
+    finishes; the map goes with the view), nothing is mapped after close, and a descriptor
+    number that now names another memfd drops the old file's map instead of keeping it."""
+    from tiersync.tiers.shareable import open_shareable
+
+    fd, owner = open_shareable(1 << 20)
+    owner[:5] = b"first"
+    maps = SharedMaps()
+    view, address = maps.map(os.getpid(), (fd, 4096, 1 << 20))
+    assert address == 4096 and bytes(view[:5]) == b"first" and len(maps) == 1
+    maps.close()
+    assert bytes(view[:5]) == b"first" and maps.map(os.getpid(), (fd, 4096, 1 << 20)) is None
+    view.release()
+    owner.close()
+    os.close(fd)
+    maps = SharedMaps()
+    fd1, first = open_shareable(1 << 20)
+    assert maps.map(os.getpid(), (fd1, 0, 1 << 20)) is not None
+    first.close()
+    os.close(fd1)
+    fd2, second = open_shareable(1 << 20)  # the lowest free descriptor: the same number
+    second[:6] = b"second"
+    if fd2 == fd1:
+        view, _ = maps.map(os.getpid(), (fd2, 0, 1 << 20))
+        assert bytes(view[:6]) == b"second" and len(maps) == 1
+        view.release()
+    maps.close()
+    second.close()
+    os.close(fd2)
 
 
 def test_local_copy_through_a_mapping_verifies_and_falls_back(sharing):
@@ -275,11 +335,11 @@ def test_local_copy_through_a_mapping_verifies_and_falls_back(sharing):
     address is off (the bytes read are not the ones summed) is refused BAD_CHECKSUM, a region
     outside the named mapping is refused MALFORMED, and a mapping that cannot be opened falls
     back to process_vm_readv with the same result."""
-    pid, fd, address, unsealed, _ = sharing
+    pid, fd, address, unsealed, *_ = sharing
     want, ranges = _shared_expected(), _ranges(address)
     sums = [tsum64(want[a - address : a - address + n]) for a, n in ranges]
     regions = tuple((a, n, s) for (a, n), s in zip(ranges, sums))
-    maps = local.SharedMaps()
+    maps = SharedMaps()
     for mapping in ((fd, address, NBYTES), (unsealed, address, NBYTES)):
         dests = [memoryview(bytearray(n)) for _, n in ranges]
         local_copy(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions, mapping), dests, "peer", 2, maps)

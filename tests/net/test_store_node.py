@@ -268,9 +268,11 @@ def test_store_node_views_answer_as_view_does_and_refuse_all_or_nothing():
         assert got[1][1] is None and [(bytes(v), k) for v, k in got] == [
             (bytes(v), k) for v, k in (node.view(lease, *i) for i in items)
         ]
-        with pytest.raises(BlockError) as info:
-            node.views(lease, [items[0], (keys[1], len(bufs[1]), 1)])
-        assert info.value.code is ev.ErrorCode.BAD_REQUEST
+        past, foreign = (keys[1], len(bufs[1]), 1), (b"\xfe" * 16, 0, 1)
+        for bad, code in (([items[0], past, foreign], "BAD_REQUEST"), ([foreign, past], "NOT_FOUND")):
+            with pytest.raises(BlockError) as info:  # the first bad item decides, as view would
+                node.views(lease, bad)
+            assert info.value.code is ev.ErrorCode[code]
         with pytest.raises(BlockError) as info:
             node.views(lease + 99, items)
         assert info.value.code is ev.ErrorCode.LEASE_EXPIRED

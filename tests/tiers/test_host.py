@@ -186,9 +186,17 @@ def test_a_shareable_arena_is_a_sealed_memfd_another_map_sees_and_closing_releas
     fd = os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY)
     other = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
     os.close(fd)
+    if fcntl.fcntl(region.fd, fcntl.F_GET_SEALS) & 0x10:  # F_SEAL_FUTURE_WRITE (Linux 5.1+)
+        rw = os.open(f"/proc/self/fd/{region.fd}", os.O_RDWR)
+        with pytest.raises(OSError):
+            os.write(rw, b"x")  # nobody but the owner writes into the arena
+        with pytest.raises(OSError):
+            mmap.mmap(rw, 0, flags=mmap.MAP_SHARED)
+        os.close(rw)
     assert other[b * 8192 : (b + 1) * 8192] == bytes(a.block(b))
     assert region.covers(a.address, a.address + 4 * 8192) and not region.covers(a.address, a.address + 4 * 8192 + 1)
     a.close()
+    assert a.shared is None  # names nothing once closed
     with pytest.raises(OSError):
         os.fstat(region.fd)
     other.close()

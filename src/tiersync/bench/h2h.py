@@ -218,7 +218,7 @@ def _local_case(config: BenchConfig, address: str, size: int, bar: Any) -> dict[
         window=ours.window,
         blocks=n,
         nbytes=nbytes,
-        transport="same host: " + ("memcpy out of a map of the server's memfd" if mapped else "process_vm_readv"),
+        transport="same host: " + ("copied out of a map of the server's memfd" if mapped else "process_vm_readv"),
         server="separate process (spawn)",
         roundtrip="ok",
         payload_checksum=ours.checksum,

@@ -14,13 +14,16 @@
  *
  * Both take an optional (mapping, base): a buffer of this process that holds process `pid`'s
  *   memory from address `base` on (a sealed memfd both map). The ranges are then copied out of
- *   it with memcpy instead of process_vm_readv (no kernel copy per 4 KiB page), each range
- *   checked to lie inside the mapping before anything is copied (else ValueError).
+ *   it instead of with process_vm_readv (no kernel copy per 4 KiB page), each range checked to
+ *   lie inside the mapping before anything is copied (else ValueError), and each segment is
+ *   copied and summed in one pass (ts_copy_partial: vector loads, the sum taken from the very
+ *   registers stored, streamed stores where the destination is aligned for them).
  *
  * How: every range is cut into segments of PIECE bytes (a multiple of 64, so each segment
  *   starts on a tsum64 stripe); consecutive segments up to PIECE bytes form a unit, one
- *   process_vm_readv. Up to `threads` threads (the caller's included, GIL released) take units
- *   in turn, copy one and sum each of its segments from zero while the bytes are in cache.
+ *   process_vm_readv (or, from a mapping, one copy per segment). Up to `threads` threads (the
+ *   caller's included, GIL released) take units in turn, copy one and sum each of its segments
+ *   from zero while the bytes are in cache (from a mapping: while copying).
  *   tsum64's sums are a Fletcher pair, so a range's sum is the ordered combination of its
  *   segments' partial sums: from (S1, S2), a segment of m stripes with partial sums (p1, p2)
  *   gives S2 += m * S1 + p2; S1 += p1 (u64 arithmetic), then the usual digest. The result

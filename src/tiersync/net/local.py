@@ -8,21 +8,17 @@ in (:func:`allow_readers`). Refused reads raise :class:`LocalReadError`, so call
 to TCP. ctypes releases the GIL for the call.
 
 Where the source's memory is a sealed memfd (:mod:`tiersync.tiers.shareable`), the reader may
-instead map it (:class:`SharedMaps`: ``/proc/<pid>/fd/<fd>``, the same permission check) and
-copy with memcpy: the kernel's copy goes page by page and runs at about half of memcpy here.
+instead map it (:mod:`tiersync.net.shared_maps`) and copy out of the map (``mapped``): the
+kernel's copy goes page by page and ran at about half of memcpy on the 2-core VM.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import functools
-import mmap
 import os
 import secrets
-import stat
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -35,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LocalReadError",
-    "SharedMaps",
+    "Mapped",
     "address_of",
     "allow_readers",
     "buffer_address",
@@ -180,7 +176,7 @@ def _copy(pid: int, src: np.ndarray, dst: np.ndarray) -> None:
         src, dst = _advance(src, got), _advance(dst, got)
 
 
-Mapped = tuple[mmap.mmap, int]  # a map of another process's memory, and the address its first byte has there
+Mapped = tuple[memoryview, int]  # a map of another process's memory, and the address its first byte has there
 
 
 def read_summed(
@@ -192,9 +188,10 @@ def read_summed(
 ) -> Sequence[int] | None:
     """:func:`read_remote` range by range (``local[i]`` exactly as long as ``remote[i]``; ``remote``
     (address, length) pairs or an (n, 2) uint64 array) on up to ``threads`` threads, returning
-    the tsum64 of each landed range, summed while in cache (native ``_local``); out of
-    ``mapped`` (:meth:`SharedMaps.map`) with memcpy when given, every range checked to lie in
-    it first. None when the native reader is not built (nothing was copied)."""
+    the tsum64 of each landed range, summed while in cache (native ``_local``); copied out of
+    ``mapped`` (:meth:`~tiersync.net.shared_maps.SharedMaps.map`) and summed in the same pass
+    when given, every range checked to lie in it first. None when the native reader is not
+    built (nothing was copied)."""
     if _native is None:
         return None
     if len(remote) != len(local):
@@ -248,80 +245,3 @@ def sum_ranges(buf: np.ndarray, offsets: Sequence[int], lengths: Sequence[int], 
         return [kernel.tsum64(buf[o : o + n].data) for o, n in zip(offsets, lengths)]
     pairs = np.stack([np.asarray(offsets, np.uint64), np.asarray(lengths, np.uint64)], axis=1)
     return list(_native.sum_ranges(buf, pairs.tobytes(), threads))
-
-
-class SharedMaps:
-    """Read-only maps of other processes' shareable memory (sealed memfds), opened on first use
-    through ``/proc/<pid>/fd/<fd>`` and kept (at most :attr:`LIMIT`, oldest closed first) while
-    that descriptor still names the same file. A descriptor that is not a sealed memfd, or one
-    this process may not open, is refused once and never mapped; a region longer than the
-    file is refused each time: the caller reads with ``process_vm_readv`` instead.
-    Thread-safe; :meth:`close` unmaps everything."""
-
-    LIMIT = 16
-    NEEDED_SEALS = fcntl.F_SEAL_SHRINK  # a file that cannot shrink cannot fault a reader (SIGBUS)
-
-    def __init__(self) -> None:
-        self._maps: dict[tuple[int, int, int, int], mmap.mmap] = {}
-        self._refused: set[tuple[int, int, int, int]] = set()
-        self._lock = threading.Lock()
-
-    def map(self, pid: int, mapping: tuple[int, int, int]) -> Mapped | None:
-        """``(map, address)`` for ``pid``'s ``mapping`` = ``(fd, address, nbytes)`` as a
-        LOCAL_REPLY names it, or None when it cannot (or may not) be mapped."""
-        fd, address, nbytes = mapping
-        path = f"/proc/{pid}/fd/{fd}"
-        try:
-            st = os.stat(path)
-        except (OSError, ValueError):
-            return None
-        key = (pid, fd, st.st_dev, st.st_ino)
-        with self._lock:
-            found = self._maps.get(key)
-            if found is None and key not in self._refused:
-                found = _open_sealed(path, key)
-                if found is None:
-                    self._refused.add(key)
-                else:
-                    while len(self._maps) >= self.LIMIT:
-                        _unmap(self._maps.pop(next(iter(self._maps))))
-                    self._maps[key] = found
-        return (found, address) if found is not None and len(found) >= nbytes > 0 else None
-
-    def __len__(self) -> int:
-        """Maps open now."""
-        with self._lock:
-            return len(self._maps)
-
-    def close(self) -> None:
-        with self._lock:
-            maps, self._maps = list(self._maps.values()), {}
-        for m in maps:
-            _unmap(m)
-
-
-def _open_sealed(path: str, key: tuple[int, int, int, int]) -> mmap.mmap | None:
-    """``path`` mapped read-only, whole, when it is still ``key``'s file and a memfd sealed
-    against shrinking; else None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != key[2:] or not stat.S_ISREG(st.st_mode):
-            return None
-        if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SharedMaps.NEEDED_SEALS:
-            return None
-        return mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    except (OSError, ValueError, OverflowError):  # EINVAL: not a memfd; ValueError: an empty file
-        return None
-    finally:
-        os.close(fd)
-
-
-def _unmap(m: mmap.mmap) -> None:
-    try:
-        m.close()
-    except BufferError:  # a copy is reading it right now: freed when that copy lets go
-        pass

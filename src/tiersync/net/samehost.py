@@ -3,10 +3,10 @@
 A same-host source answers PULL_LOCAL with where each range lives in its memory and the
 range's checksum (by the connection's negotiated algorithm); the bytes stay put while the
 reader's lease holds. :func:`local_copy` copies them with ``process_vm_readv`` (kernel copies,
-GIL released, :mod:`tiersync.net.local`), or with memcpy out of a map of the source's memory
-where the reply names a sealed memfd that holds them and this process may map it
-(:class:`~tiersync.net.local.SharedMaps`), on a few threads, summing each piece while it is
-still in cache, so a range that changed or was mis-described is refused exactly as a DATA
+GIL released, :mod:`tiersync.net.local`), or out of a map of the source's memory where the
+reply names a sealed memfd that holds them and this process may map it
+(:class:`~tiersync.net.shared_maps.SharedMaps`; copied and summed in one pass), on a few
+threads, summing each piece while it is still in cache, so a range that changed or was mis-described is refused exactly as a DATA
 frame with a bad checksum would be: nothing unverified is ever reported as landed.
 """
 
@@ -20,12 +20,13 @@ from tiersync.net import events as ev
 from tiersync.net import local
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.frames import PayloadChecksum, payload_checksum
+from tiersync.net.shared_maps import SharedMaps
 
 __all__ = ["local_copy", "local_copy_at"]
 
 
 def local_copy(
-    reply: object, dests: Sequence[memoryview], peer: str, threads: int = 1, maps: local.SharedMaps | None = None
+    reply: object, dests: Sequence[memoryview], peer: str, threads: int = 1, maps: SharedMaps | None = None
 ) -> None:
     """Copy ``reply``'s regions of its process into ``dests`` (one per region, exact sizes) on
     up to ``threads`` threads and verify each region's checksum; out of ``maps`` where the
@@ -56,7 +57,7 @@ def local_copy_at(
     offsets: np.ndarray,
     peer: str,
     threads: int = 1,
-    maps: local.SharedMaps | None = None,
+    maps: SharedMaps | None = None,
 ) -> None:
     """:func:`local_copy` into one writable uint8 array, region ``i`` at ``dest[offsets[i]:]``
     (the caller placed the regions): no Python object per region. Raises as :func:`local_copy`."""
@@ -77,7 +78,7 @@ def local_copy_at(
     return None
 
 
-def _mapped(reply: ev.LocalReply, maps: local.SharedMaps | None, peer: str) -> local.Mapped | None:
+def _mapped(reply: ev.LocalReply, maps: SharedMaps | None, peer: str) -> local.Mapped | None:
     """A map of the memory ``reply`` names, when it names one, every region lies inside it and
     ``maps`` can open it; else None (``process_vm_readv``)."""
     if maps is None or reply.mapping is None or not len(reply.regions):

@@ -59,12 +59,15 @@ class BlockService(Service):
 
     vocabulary = so.STORE
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared: Iterable[SharedRegion] = ()) -> None:
         self._held: dict[Session, set[int]] = {}
         self._held_lock = threading.Lock()
         self._partials = PartialSums()  # a PULL_MANY of whole blocks: its checksum composed from theirs
-        self.shared: tuple[SharedRegion, ...] = ()
-        """This process's memory that same-host readers may map (host arenas made ``shareable``)."""
+        self.shared = tuple(shared)
+        """This process's memory that same-host readers may map (``HostArena.shared`` of host
+        arenas made ``shareable``); UsageError naming ``shared`` for anything else."""
+        if not all(isinstance(r, SharedRegion) for r in self.shared):
+            raise UsageError("must be SharedRegions (HostArena.shared)", argument="shared")
 
     # -- what a block server implements -------------------------------------------------------
     def lease(self, req: so.ReadLease) -> so.LeaseReply:
@@ -183,10 +186,7 @@ class MemoryBlockSource(BlockService):
         *,
         shared: Iterable[SharedRegion] = (),
     ) -> None:
-        super().__init__()
-        self.shared = tuple(shared)
-        if not all(isinstance(r, SharedRegion) for r in self.shared):
-            raise UsageError("must be SharedRegions (HostArena.shared)", argument="shared")
+        super().__init__(shared=shared)
         self._blocks = {bytes(k): memoryview(cast("Buffer", v)).cast("B") for k, v in blocks.items()}
         self._clock = clock
         self._sums: dict[bytes, tuple[PayloadChecksum, int]] = {}

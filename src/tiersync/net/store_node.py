@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, cast
 
-from tiersync.errors import RemoteError, UsageError
+from tiersync.errors import CapacityError, RemoteError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
@@ -54,6 +54,16 @@ MIN_BLOCK_NBYTES = 1 << 10  # a smaller block costs more in bookkeeping than it 
 PULL_WINDOW = 8
 
 
+def _arena(num_blocks: int, block_nbytes: int) -> HostArena:
+    """The node's DRAM: shareable (same-host readers map it and copy at memory speed) where this
+    host makes memfds, else private memory (readers use ``process_vm_readv`` or TCP)."""
+    try:
+        return HostArena(HostArenaConfig(num_blocks=num_blocks, block_nbytes=block_nbytes, shareable=True))
+    except CapacityError as exc:
+        log.warning("store node memory is not shareable (%s): same-host readers copy it through the kernel", exc)
+        return HostArena(HostArenaConfig(num_blocks=num_blocks, block_nbytes=block_nbytes))
+
+
 class StoreNode(BlockService):
     """The node's block service over a HostArena of ``capacity`` bytes. Thread-safe."""
 
@@ -67,15 +77,12 @@ class StoreNode(BlockService):
         pull_timeout_s: float = 60.0,
         on_stored: Callable[[list[bytes]], None] | None = None,
     ) -> None:
-        super().__init__()
         if isinstance(block_nbytes, bool) or not isinstance(block_nbytes, int) or block_nbytes < MIN_BLOCK_NBYTES:
             raise UsageError(f"must be at least {MIN_BLOCK_NBYTES} bytes", argument="block_size", value=block_nbytes)
         if capacity < block_nbytes:
             raise UsageError("capacity is smaller than one block", argument="capacity", value=capacity)
-        self.arena = HostArena(  # shareable: same-host readers map it and copy at memory speed
-            HostArenaConfig(num_blocks=capacity // block_nbytes, block_nbytes=block_nbytes, shareable=True)
-        )
-        self.shared = (self.arena.shared,) if self.arena.shared is not None else ()
+        self.arena = _arena(capacity // block_nbytes, block_nbytes)
+        super().__init__(shared=[self.arena.shared] if self.arena.shared is not None else [])
         self.config = config or TcpConfig()
         self._clock, self._pull_timeout = clock, pull_timeout_s
         self._listeners: list[Callable[[list[bytes]], None]] = [on_stored] if on_stored is not None else []
@@ -119,7 +126,7 @@ class StoreNode(BlockService):
     def views(
         self, lease_id: int, items: Iterable[tuple[bytes, int, int]]
     ) -> list[tuple[memoryview, tuple[PayloadChecksum, int] | None]]:
-        with self._lock:  # once for all the items
+        with self._lock:  # once for all the items; each item checked as view checks it, in order
             lease = self._leases.get(lease_id)
             if lease is None:
                 raise BlockError(ev.ErrorCode.LEASE_EXPIRED, "lease not held")
@@ -127,14 +134,11 @@ class StoreNode(BlockService):
             for key, offset, length in items:
                 if key not in lease[2]:
                     raise BlockError(ev.ErrorCode.NOT_FOUND, "key not under this lease")
-                found.append((self._index[key], offset, length))
-        out = []
-        for (block, size, checksum), offset, length in found:
-            if offset + length > size:
-                raise BlockError(ev.ErrorCode.BAD_REQUEST, "range beyond the block")
-            known = (SUPPORTED[0], checksum) if offset == 0 and length == size else None
-            out.append((self.arena.block(block)[offset : offset + length], known))
-        return out
+                block, size, checksum = self._index[key]
+                if offset + length > size:
+                    raise BlockError(ev.ErrorCode.BAD_REQUEST, "range beyond the block")
+                found.append((block, offset, length, checksum if offset == 0 and length == size else None))
+        return [(self.arena.block(b)[o : o + n], None if c is None else (SUPPORTED[0], c)) for b, o, n, c in found]
 
     def release(self, lease_id: int) -> bool:
         with self._lock:

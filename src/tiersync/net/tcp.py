@@ -33,12 +33,13 @@ from tiersync.net.errors import (
 )
 from tiersync.net.frames import PayloadChecksum
 from tiersync.net.handshake import client_handshake
-from tiersync.net.local import LocalReadError, SharedMaps
+from tiersync.net.local import LocalReadError
 from tiersync.net.protocol import Connection, Role
 from tiersync.net.pull_plan import local_groups, plan_pulls, writable
 from tiersync.net.samehost import local_copy, local_copy_at
 from tiersync.net.server import TcpServer
 from tiersync.net.service import PeerInfo, Service
+from tiersync.net.shared_maps import SharedMaps
 from tiersync.net.socket_io import Deadline, FramedSocket, io_errors, tune
 from tiersync.net.tls import client_context
 from tiersync.net.transport import Channel, Server, Transport
@@ -236,11 +237,12 @@ class TcpChannel(Channel):
         return True
 
     def _pull_local(self, lease_id: int, items: Iterable[tuple[bytes, int, object]], timeout: float | None) -> None:
-        """PULL_LOCAL, then copy every range out of the server's memory (``process_vm_readv``)
-        and verify it against the checksum the server sent; groups of about LOCAL_GROUP bytes,
-        the next one asked for before this one is copied (the server's lookups and checksums
-        overlap the copy). On a refused read (permissions, another pid namespace) route AUTO
-        falls back to TCP for good, route LOCAL raises."""
+        """PULL_LOCAL, then copy every range out of the server's memory (out of a map of it where
+        the server offers one, else ``process_vm_readv``) and verify it against the checksum the
+        server sent; groups growing from LOCAL_FIRST to LOCAL_GROUP bytes, the next one asked for
+        before this one is copied (the server's lookups overlap the copy). On a refused read
+        (permissions, another pid namespace) route AUTO falls back to TCP for good, route LOCAL
+        raises."""
         checked = [(key, offset, writable(dest)) for key, offset, dest in items]
         deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
         groups = list(local_groups(checked, self._framed.cfg.protocol.max_keys))

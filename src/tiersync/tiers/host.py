@@ -92,16 +92,21 @@ class HostArena:
         self._keys: dict[int, bytes] = {}
         self.recovered: list[RecoveredBlock] = []
         buf = self._open_memory(config)
-        self.memory = np.frombuffer(buf, dtype=np.uint8, count=config.nbytes).reshape(
-            config.num_blocks, config.block_nbytes
-        )
-        self.address = self.memory.__array_interface__["data"][0]
-        if self._fd is not None:
-            self.shared = SharedRegion(self._fd, self.address, config.nbytes)
-        self.allocator = BlockAllocator(config.num_blocks, policy=POLICIES[config.policy](), on_evict=self._evicted)
-        if self.recovered:
-            self.allocator.adopt_cached([r.block for r in self.recovered])
-            self._keys = {r.block: r.key for r in self.recovered}
+        try:
+            self.memory = np.frombuffer(buf, dtype=np.uint8, count=config.nbytes).reshape(
+                config.num_blocks, config.block_nbytes
+            )
+            self.address = self.memory.__array_interface__["data"][0]
+            if self._fd is not None:
+                self.shared = SharedRegion(self._fd, self.address, config.nbytes)
+            self.allocator = BlockAllocator(config.num_blocks, policy=POLICIES[config.policy](), on_evict=self._evicted)
+            if self.recovered:
+                self.allocator.adopt_cached([r.block for r in self.recovered])
+                self._keys = {r.block: r.key for r in self.recovered}
+        except BaseException:
+            self.memory = None  # type: ignore[assignment]
+            self._release()
+            raise
         self._closed = False
         track_arena(self)
 
@@ -259,6 +264,11 @@ class HostArena:
         self._closed = True
         untrack_arena(self)
         self.memory = None  # type: ignore[assignment]
+        self._release()
+
+    def _release(self) -> None:
+        """Detach the segment, stop the prefaulter, unmap, close the memfd (readers' maps of
+        it outlive the descriptor; ``shared`` names nothing any more)."""
         if self._segment is not None:
             try:
                 self._segment.close()
@@ -275,7 +285,8 @@ class HostArena:
                 self._mmap.close()
             except BufferError:  # a view is still exported; the map is freed with it
                 pass
-        if self._fd is not None:  # the mapping (and readers' maps) outlive the descriptor
+        self.shared = None
+        if self._fd is not None:
             os.close(self._fd)
             self._fd = None
 
