@@ -144,33 +144,9 @@ static const char *ts_impl = "scalar";
 /* Copy whole stripes src -> dst (n a multiple of 64) and add them to the sums from the same
  * registers, in one pass: the bytes summed are exactly the bytes stored, even if src changes
  * meanwhile. Stores bypass the cache (streamed: no read of dst first) when dst is aligned for
- * it; the caller fences (ts_copy_fence) before anyone reads dst. */
+ * it; the caller fences (ts_copy_fence) before anyone reads dst. AVX2 only: elsewhere the
+ * plain version copies, then sums what landed. */
 #ifdef TS_HAVE_SSE2
-static void ts_copy_stripes_sse2(uint64_t *s1, uint64_t *s2, unsigned char *d, const unsigned char *p, size_t n) {
-    __m128i a[4], b[4], k[4];
-    int stream = ((uintptr_t)d & 15) == 0;
-    for (int j = 0; j < 4; j++) {
-        a[j] = _mm_loadu_si128((const __m128i *)(s1 + 2 * j));
-        b[j] = _mm_loadu_si128((const __m128i *)(s2 + 2 * j));
-        k[j] = _mm_loadu_si128((const __m128i *)(TS_KEY + 2 * j));
-    }
-    for (size_t off = 0; off < n; off += 64) {
-        for (int j = 0; j < 4; j++) {
-            __m128i w = _mm_loadu_si128((const __m128i *)(p + off + 16 * j));
-            if (stream) _mm_stream_si128((__m128i *)(d + off + 16 * j), w);
-            else _mm_storeu_si128((__m128i *)(d + off + 16 * j), w);
-            __m128i t = TS_TERM(_mm_add_epi32, _mm_srli_epi64, _mm_mul_epu32, _mm_add_epi64, w, k[j]);
-            TS_KEEP(t);
-            a[j] = _mm_add_epi64(a[j], t);
-            b[j] = _mm_add_epi64(b[j], a[j]);
-        }
-    }
-    for (int j = 0; j < 4; j++) {
-        _mm_storeu_si128((__m128i *)(s1 + 2 * j), a[j]);
-        _mm_storeu_si128((__m128i *)(s2 + 2 * j), b[j]);
-    }
-}
-
 __attribute__((target("avx2")))
 static void ts_copy_stripes_avx2(uint64_t *s1, uint64_t *s2, unsigned char *d, const unsigned char *p, size_t n) {
     __m256i a[2], b[2], k[2];
@@ -216,7 +192,6 @@ static inline void ts_copy_fence(void) {
 static void ts_pick(void) {
 #ifdef TS_HAVE_SSE2
     ts_stripes = ts_stripes_sse2;
-    ts_copy_stripes = ts_copy_stripes_sse2;
     ts_impl = "sse2";
 #if defined(__GNUC__)
     __builtin_cpu_init();
