@@ -4,7 +4,8 @@ A :class:`~tiersync.net.tcp.TcpChannel` pulls ``(key, offset, dest)`` items. Ove
 :func:`plan_pulls` gives each large item its own PULL and groups the small ones, one PULL_MANY
 per about :data:`GROUP_LIMIT` bytes whose single DATA answer is scattered into their buffers.
 On the same host, :func:`local_groups` cuts the items into PULL_LOCAL requests growing from
-:data:`LOCAL_FIRST` to :data:`LOCAL_GROUP` bytes. :func:`writable` checks a destination (UsageError naming ``items``).
+:data:`LOCAL_FIRST` to :data:`LOCAL_GROUP` bytes. :func:`writable` checks a destination
+(UsageError naming ``items``).
 """
 
 from __future__ import annotations

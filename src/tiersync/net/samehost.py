@@ -6,8 +6,9 @@ reader's lease holds. :func:`local_copy` copies them with ``process_vm_readv`` (
 GIL released, :mod:`tiersync.net.local`), or out of a map of the source's memory where the
 reply names a sealed memfd that holds them and this process may map it
 (:class:`~tiersync.net.shared_maps.SharedMaps`; copied and summed in one pass), on a few
-threads, summing each piece while it is still in cache, so a range that changed or was mis-described is refused exactly as a DATA
-frame with a bad checksum would be: nothing unverified is ever reported as landed.
+threads, summing each piece while it is still in cache, so a range that changed or was
+mis-described is refused exactly as a DATA frame with a bad checksum would be: nothing
+unverified is ever reported as landed.
 """
 
 from __future__ import annotations

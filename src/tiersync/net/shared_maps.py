@@ -2,8 +2,9 @@
 
 A same-host source whose memory is a sealed memfd (:mod:`tiersync.tiers.shareable`) names it in
 LOCAL_REPLY: ``(fd, address, nbytes)``. :class:`SharedMaps` opens ``/proc/<pid>/fd/<fd>`` (the
-kernel lets a process of the same user do so, as it lets it read ``/proc/<pid>/mem``), maps it
-read-only, and hands out views the native reader copies from. The reply is a hint from a peer,
+kernel lets a process of the same user do so: a read-mode ptrace check, which Yama's
+``ptrace_scope`` does not restrict, unlike ``process_vm_readv``'s), maps it read-only, and
+hands out views the native reader copies from. The reply is a hint from a peer,
 so nothing in it is trusted: only a regular file of normal pages (not hugetlbfs) sealed against
 shrinking is mapped, since a file that cannot shrink cannot make a reader's access fault
 (SIGBUS); anything else (a FIFO or device named to hang or disturb the reader, an unsealed

@@ -4,11 +4,12 @@ A block server implements four methods — :meth:`~BlockService.lease` (validate
 keys, all-or-nothing; TTL clamped to [30, 600] s), :meth:`~BlockService.view` (a zero-copy
 view of a range under a lease), :meth:`~BlockService.release` and optionally
 :meth:`~BlockService.offer` (and :meth:`~BlockService.views`, many ranges of one lease at
-once, where it can do better than a loop) — and the base answers the wire: PING, READ_LEASE, PULL,
-PULL_MANY (one DATA carrying every range, gathered without a copy; of whole blocks, its
-checksum composed from theirs by :class:`~tiersync.net.partials.PartialSums`), PULL_LOCAL (same-host
-peers: where the ranges are, with their checksums, for ``process_vm_readv``, and the sealed
-memfd that holds them where the server's memory is one a reader may map: ``shared``) and RELEASE.
+once, where it can do better than a loop) — and the base answers the wire: PING,
+READ_LEASE, PULL, PULL_MANY (one DATA carrying every range, gathered without a copy; of whole
+blocks, its checksum composed from theirs by :class:`~tiersync.net.partials.PartialSums`),
+PULL_LOCAL (same-host peers: where the ranges are, with their checksums, for
+``process_vm_readv``, and the sealed memfd that holds them where the server's memory is one a
+reader may map: ``shared``) and RELEASE.
 Leases belong to the session that took them: when the session ends, however it ends,
 every lease it still holds is released, so a reader killed mid-read pins nothing.
 :class:`MemoryBlockSource` serves an in-memory dict (the writer side of an offer).
