@@ -237,12 +237,10 @@ class TcpChannel(Channel):
         return True
 
     def _pull_local(self, lease_id: int, items: Iterable[tuple[bytes, int, object]], timeout: float | None) -> None:
-        """PULL_LOCAL, then copy every range out of the server's memory (out of a map of it where
-        the server offers one, else ``process_vm_readv``) and verify it against the checksum the
-        server sent; groups growing from LOCAL_FIRST to LOCAL_GROUP bytes, the next one asked for
-        before this one is copied (the server's lookups overlap the copy). On a refused read
-        (permissions, another pid namespace) route AUTO falls back to TCP for good, route LOCAL
-        raises."""
+        """PULL_LOCAL, then copy every range out of the server's memory (a map of it where offered,
+        else ``process_vm_readv``), verified against the server's checksums; groups grow from
+        LOCAL_FIRST to LOCAL_GROUP bytes, the next asked for before this one is copied. On a
+        refused read route AUTO falls back to TCP for good, route LOCAL raises."""
         checked = [(key, offset, writable(dest)) for key, offset, dest in items]
         deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
         groups = list(local_groups(checked, self._framed.cfg.protocol.max_keys))
