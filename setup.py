@@ -26,7 +26,7 @@ wire = Extension(
 same_host = Extension(
     "tiersync.net._local",
     sources=["src/tiersync/net/_local.c"],
-    depends=["src/tiersync/transfer/tsum64.h"],
+    depends=["src/tiersync/transfer/tsum64.h", "src/tiersync/net/tpool.h"],
     extra_compile_args=["-O3", "-std=gnu11", "-pthread"],
     extra_link_args=["-pthread"],
     optional=_OPTIONAL,

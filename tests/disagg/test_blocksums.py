@@ -31,6 +31,7 @@ from tiersync.disagg import (
 )
 from tiersync.disagg.blocksums import BlockSums, _cut
 from tiersync.disagg.link import _placed
+from tiersync.errors import UsageError
 from tiersync.net import local
 from tiersync.transfer.kernel import TSUM64, tsum64
 
@@ -146,12 +147,9 @@ def test_same_host_reads_from_precomputed_sums_are_exact_and_changes_are_refused
             producer.register(rid, ids, ntok, bufs)
             for layer in range(layout.num_layers):
                 producer.layer_ready(rid, layer)
-            if rid != "first":  # a same-host reader was served: this request's sums are computed ahead
-                req = producer._requests[rid]
-                deadline = time.monotonic() + 10
-                while len(req.sums) < layout.num_layers and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                assert len(req.sums) == layout.num_layers
+            producer.settle(rid)
+            # before any same-host reader nothing is summed ahead; after one, settle has every layer's sums
+            assert len(producer._requests[rid].sums) == (0 if rid == "first" else layout.num_layers)
             if rid == "changed":
                 bufs[1][ids[2] * 2 * layout.block_nbytes] ^= 0xFF  # after layer_ready: the contract broken
             handle, land = _read(consumer, producer, layout, rid, ids, ntok)
@@ -161,6 +159,19 @@ def test_same_host_reads_from_precomputed_sums_are_exact_and_changes_are_refused
             else:
                 assert state is RequestState.DONE, handle.error
                 np.testing.assert_array_equal(unshard(layout, [land], ids, ntok), global_kv(layout, ntok, n))
+
+
+def test_settle_refuses_an_unknown_request_and_is_a_no_op_once_it_finished():
+    layout = _layout(KVOrder.HEAD_MAJOR)
+    ids, ntok = [1, 2], 20
+    config = DisaggConfig(route="local", timeout_s=30)
+    with KVProducer(layout, 0, config) as producer:
+        with pytest.raises(UsageError, match="request_id"):
+            producer.settle("never-registered")
+        producer.register("r", ids, ntok, _serve(layout, ids, ntok, seed=1))
+        producer.abort("r")
+        producer.settle("r")  # finished: nothing to sum, no error
+        assert producer._requests.get("r") is None or not producer._requests["r"].sums
 
 
 class _BadAddressProducer(KVProducer):

@@ -4,9 +4,11 @@ A prefill PROCESS (multiprocessing, spawn) holds one :class:`~tiersync.disagg.KV
 with the KV of a 6000-token prompt in vLLM's CPU layout (``HEAD_MAJOR``: per layer
 ``[num_blocks, kv_heads, block_size, 2, head_dim]``, bfloat16-sized, the request's blocks
 scattered through the pool as vLLM allocates them). Each iteration registers a new request
-with every layer ready, and this process's :class:`~tiersync.disagg.KVConsumer` reads it
-whole into its own pool (``start_read`` .. DONE, every payload checksummed, landed in the
-request's blocks).
+with every layer ready and lets the producer finish what a ready layer starts (the checksums
+it answers a same-host reader with, :meth:`~tiersync.disagg.KVProducer.settle`: a prefill
+engine's forward overlaps them, and a decode engine reads after the prefill answered). This
+process's :class:`~tiersync.disagg.KVConsumer` then reads it whole into its own pool
+(``start_read`` .. DONE, every payload checksummed, landed in the request's blocks).
 
 Rows, each against a baseline timed in the same run, interleaved:
 
@@ -98,6 +100,7 @@ def _prefill(mode: str, seed: int, dst_ids: list[int], conn: Any) -> None:
         producer.register(cmd[1], ids, TOKENS[mode], layers)
         for layer in range(lay.num_layers):
             producer.layer_ready(cmd[1], layer)
+        producer.settle(cmd[1])  # the sums a prefill's forward would have overlapped
         conn.send("ok")
 
 

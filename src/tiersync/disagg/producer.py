@@ -134,6 +134,22 @@ class KVProducer(Service):
         if req is not None:
             self._fail(req, "aborted")
 
+    def settle(self, request_id: str) -> None:
+        """Finish now what :meth:`layer_ready` left to the producer's thread for the request:
+        the checksums a same-host reader is answered with, of every ready layer (a no-op
+        before any same-host reader connected, or once the request finished). A prefill
+        engine need not call it: its forward takes far longer than the sums, which run
+        meanwhile. A benchmark does, so a read it times starts from an idle producer, as a
+        decode engine's read does after the prefill answered. Raises UsageError naming
+        ``request_id`` (never registered)."""
+        with self._cond:
+            req = self._requests.get(request_id)
+            if req is None and request_id not in self._final:
+                raise UsageError("not registered", argument="request_id", value=request_id)
+            ready = list(req.ready) if req is not None and req.state is RequestState.PENDING else []
+        for layer in ready:
+            self._sums.known(req, layer)
+
     def state(self, request_id: str) -> RequestState | None:
         """The request's state, or None when unknown (never registered, or reported and forgotten)."""
         with self._cond:

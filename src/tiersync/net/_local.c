@@ -36,10 +36,11 @@
 #include <stdatomic.h>
 #include <sys/uio.h>
 #include "../transfer/tsum64.h"
+#include "tpool.h"
 
 #define PIECE (256 << 10)
 #define UNIT_IOV 256
-#define MAX_THREADS 16
+#define MAX_THREADS TP_MAX
 #define BYTES_PER_THREAD (2u << 20) /* less work than this per extra thread is not worth one */
 
 typedef struct {
@@ -138,17 +139,8 @@ static size_t plan(const uint64_t *remote, Py_buffer *dests, Py_ssize_t count, s
     return ns;
 }
 
-/* Run the task on up to `threads` threads (this one included). */
-static void run(task *t, size_t threads, void *(*fn)(void *)) {
-    pthread_t ids[MAX_THREADS];
-    size_t started = 0;
-    for (size_t i = 1; i < threads; i++) {
-        if (pthread_create(&ids[started], NULL, fn, t) != 0) break;
-        started++;
-    }
-    fn(t);
-    for (size_t i = 0; i < started; i++) pthread_join(ids[i], NULL);
-}
+/* Run the task on up to `threads` threads (this one included; helpers from tpool.h). */
+static void run(task *t, size_t threads, void *(*fn)(void *)) { tp_run(fn, t, threads); }
 
 static uint64_t digest(const segment *s, size_t n) {
     ts_state st;
@@ -381,5 +373,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_local", NULL, -1, m
 
 PyMODINIT_FUNC PyInit__local(void) {
     ts_pick();
+    tp_init();
     return PyModule_Create(&module);
 }
