@@ -3,7 +3,8 @@
 A prefill PROCESS (multiprocessing, spawn) holds one :class:`~tiersync.disagg.KVProducer`
 with the KV of a 6000-token prompt in vLLM's CPU layout (``HEAD_MAJOR``: per layer
 ``[num_blocks, kv_heads, block_size, 2, head_dim]``, bfloat16-sized, the request's blocks
-scattered through the pool as vLLM allocates them). Each iteration registers a new request
+scattered through the pool as vLLM allocates them; both pools allocated as vLLM allocates its
+KV cache and collapsed into huge pages as the connector does: :func:`engine_layers`). Each iteration registers a new request
 with every layer ready and lets the producer finish what a ready layer starts (the checksums
 it answers a same-host reader with, :meth:`~tiersync.disagg.KVProducer.settle`: a prefill
 engine's forward overlaps them, and a decode engine reads after the prefill answered). This
@@ -68,6 +69,26 @@ def source_layers(mode: str, seed: int) -> list[np.ndarray]:
     return [rng.integers(0, 256, lay.layer_nbytes, dtype=np.uint8) for _ in range(lay.num_layers)]
 
 
+def engine_layers(mode: str, fill: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """One buffer per layer allocated as vLLM's CPU backend allocates its KV cache (``torch.zeros``:
+    4 KiB pages; numpy where torch is absent), then collapsed into huge pages as the connector does
+    when it registers them (``huge_pages``, :class:`~tiersync.tiers.huge_pages.Collapser`), long
+    before a request; ``fill[l]`` copied in first."""
+    from tiersync.tiers.huge_pages import Collapser
+
+    n = layout(mode).layer_nbytes
+    try:
+        import torch
+
+        out = [torch.zeros(n, dtype=torch.uint8).numpy() for _ in range(layout(mode).num_layers)]
+    except ImportError:
+        out = [np.zeros(n, np.uint8) for _ in range(layout(mode).num_layers)]
+    for buf, src in zip(out, fill or []):
+        buf[:] = src
+    Collapser(out).done.wait()
+    return out
+
+
 def route_spans(mode: str, seed: int, dst_ids: list[int]) -> np.ndarray:
     from tiersync.disagg.reshard import default_planner
 
@@ -82,7 +103,7 @@ def _prefill(mode: str, seed: int, dst_ids: list[int], conn: Any) -> None:
     from tiersync.disagg import DisaggConfig, KVProducer
     from tiersync.disagg.spanio import gather
 
-    lay, ids, layers = layout(mode), block_ids(mode, seed), source_layers(mode, seed)
+    lay, ids, layers = layout(mode), block_ids(mode, seed), engine_layers(mode, source_layers(mode, seed))
     spans = route_spans(mode, seed, dst_ids)
     raw = [gather(layer, spans[:, 0], spans[:, 2]) for layer in layers]
     listener = socket.create_server(("127.0.0.1", 0))
@@ -124,7 +145,7 @@ class _Link:
         self.mode, self.conn, self.address, self.route = mode, conn, address, route
         self.layout = layout(mode)
         self.consumer = KVConsumer(self.layout, 0, DisaggConfig(token=TOKEN, route=route, timeout_s=120))
-        self.landing = [np.zeros(self.layout.layer_nbytes, np.uint8) for _ in range(self.layout.num_layers)]
+        self.landing = engine_layers(mode)
         self.n = 0
 
     def prepare(self) -> str:
@@ -225,6 +246,7 @@ def _case(config: BenchConfig, conn: Any, addrs: tuple[str, str], route: str, ba
         tokens=TOKENS[mode],
         layers=lay.num_layers,
         layout=f"vLLM CPU {lay.order.value} {lay.dtype}",
+        memory="both pools allocated as vLLM's (torch.zeros), collapsed into huge pages as the connector does",
         route=route,
         baseline_detail=detail,
         server="separate process (spawn)",

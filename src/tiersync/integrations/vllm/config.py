@@ -42,6 +42,9 @@ key                  meaning (default)
 ``pd_token_file``    file holding that secret (read once, when the engine starts)
 ``pd_route``         prefill->decode on one host: "auto" (copy out of the producer's memory
                      when permitted, else TCP), "local" (insist), "tcp" ("auto")
+``huge_pages``       prefill->decode: collapse the engine's KV tensors into transparent huge
+                     pages in the background once registered (Linux 6.1+, best effort; the
+                     same-host copy ran 1.3-1.6x faster out of them) (True)
 ===================  =========================================================================
 """
 
@@ -74,6 +77,7 @@ _KEYS = {
     "pd_token",
     "pd_token_file",
     "pd_route",
+    "huge_pages",
 }
 _KINDS = {
     "host_bytes": "size",
@@ -81,6 +85,7 @@ _KINDS = {
     "pd_port": "int",
     "load_timeout_s": "float",
     "async_disk_loads": "bool",
+    "huge_pages": "bool",
 }  # how a string value of these keys is read; the others are strings
 _EXPECTED = {
     "size": "must be a size such as 4GiB, or a number of bytes",
@@ -108,6 +113,7 @@ class ConnectorConfig:
     pd_port: int = 0
     pd_token: str | bytes | None = None
     pd_route: str = "auto"
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         check_positive_int(self.host_bytes, "kv_connector_extra_config.host_bytes")
@@ -121,12 +127,11 @@ class ConnectorConfig:
         t = self.load_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise UsageError("must be a positive number", argument="kv_connector_extra_config.load_timeout_s")
-        if not isinstance(self.async_disk_loads, bool):
-            raise UsageError(
-                "must be true or false",
-                argument="kv_connector_extra_config.async_disk_loads",
-                value=self.async_disk_loads,
-            )
+        for name in ("async_disk_loads", "huge_pages"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(
+                    "must be true or false", argument=f"kv_connector_extra_config.{name}", value=getattr(self, name)
+                )
         if not isinstance(self.pd_port, int) or isinstance(self.pd_port, bool) or not 0 <= self.pd_port < 65536:
             raise UsageError("must be a port number", argument="kv_connector_extra_config.pd_port")
         if self.pd_route not in ("auto", "local", "tcp"):

@@ -60,4 +60,5 @@ def build_pd(
         config=dcfg,
         host=cfg.pd_host,
         port=cfg.pd_port + rank if producer else 0,
+        huge_pages=cfg.huge_pages,
     )

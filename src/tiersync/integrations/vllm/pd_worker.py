@@ -19,6 +19,7 @@ from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.disagg.producer import KVProducer
 from tiersync.errors import TierSyncError, UsageError
 from tiersync.integrations.vllm.metadata import ReadJob, SendJob
+from tiersync.tiers.huge_pages import Collapser
 
 __all__ = ["PDWorker", "layer_bytes"]
 
@@ -50,10 +51,19 @@ class PDWorker:
     """The producer's or the consumer's worker half, for one rank."""
 
     def __init__(
-        self, *, producer: bool, layout: PagedKVLayout, rank: int, config: DisaggConfig, host: str, port: int
+        self,
+        *,
+        producer: bool,
+        layout: PagedKVLayout,
+        rank: int,
+        config: DisaggConfig,
+        host: str,
+        port: int,
+        huge_pages: bool = True,
     ) -> None:
         self.producer, self.layout, self.rank = producer, layout, rank
-        self._config, self._host, self._port = config, host, port
+        self._config, self._host, self._port, self._huge_pages = config, host, port, huge_pages
+        self._collapser: Collapser | None = None
         self._layers: list[np.ndarray] = []
         self._index: dict[str, int] = {}
         self._server: KVProducer | None = None
@@ -76,6 +86,8 @@ class PDWorker:
             )
         self._layers = [layer_bytes(kv_caches[n], self.layout.layer_nbytes, n) for n in names]
         self._index = {n: i for i, n in enumerate(names)}
+        if self._huge_pages:  # same-host reads of them ran 1.3-1.6x faster (tiers.huge_pages)
+            self._collapser = Collapser(self._layers)
         if self.producer:
             self._server = KVProducer(self.layout, self.rank, self._config, host=self._host, port=self._port)
         else:
@@ -161,6 +173,8 @@ class PDWorker:
         return out
 
     def close(self) -> None:
+        if self._collapser is not None:
+            self._collapser.stop()
         for side in (self._server, self._client):
             if side is not None:
                 side.close()
