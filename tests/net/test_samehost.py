@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 
+from _samehost_source import NBYTES, _expected, _ranges
 from tiersync.errors import UsageError
 from tiersync.net import events as ev
 from tiersync.net import local
@@ -32,40 +33,6 @@ from tiersync.transfer.kernel import TSUM64, tsum64
 pytestmark = pytest.mark.skipif(
     TSUM64 is None or not local.can_read(os.getpid()), reason="needs the native checksum and process_vm_readv"
 )
-
-NBYTES = 24 << 20
-SIZES = [0, 1, 63, 64, 65, 4095, (256 << 10) - 1, 256 << 10, (256 << 10) + 1, 3 << 20, (5 << 20) + 17]
-_CHILD = """
-import sys, numpy as np
-buf = np.random.default_rng(7).integers(0, 256, int(sys.argv[1]), dtype=np.uint8)
-print(buf.ctypes.data, flush=True)
-sys.stdin.read()
-"""
-
-
-def _expected() -> np.ndarray:
-    return np.random.default_rng(7).integers(0, 256, NBYTES, dtype=np.uint8)
-
-
-@pytest.fixture(scope="module")
-def source():
-    """(pid, address) of a buffer of NBYTES seeded bytes in another process."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(NBYTES)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        yield child.pid, int(child.stdout.readline())
-    finally:
-        child.stdin.close()
-        child.wait(30)
-
-
-def _ranges(address: int) -> list[tuple[int, int]]:
-    out, off = [], 0
-    for n in SIZES:
-        out.append((address + off, n))
-        off += n + 7  # ranges that do not start on a stripe boundary of the source
-    return out
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
@@ -124,43 +91,6 @@ def test_sum_ranges_equals_tsum64_and_refuses_ranges_outside():
         ]
     with pytest.raises(ValueError):
         local.sum_ranges(buf, [NBYTES], [1])
-
-
-def test_the_helper_pool_serves_concurrent_callers_and_a_forked_child(source):
-    """Copies and sums on helper threads: four Python threads at once (one holds the pool, the
-    others run on threads of their own) each land and sum their ranges exactly, and a child
-    forked after the pool started (it has none of the parent's helpers) sums correctly too."""
-    import threading
-
-    pid, address = source
-    want, ranges = _expected(), _ranges(address)
-    results, errors = {}, []
-
-    def reader(k: int) -> None:
-        try:
-            for _ in range(5):
-                dests = [memoryview(bytearray(n)) for _, n in ranges]
-                sums = local.read_summed(pid, ranges, dests, 3)
-                results[k] = all(
-                    bytes(d) == want[a - address : a - address + n].tobytes() and got == tsum64(d)
-                    for (a, n), d, got in zip(ranges, dests, sums)
-                )
-        except (OSError, ValueError) as exc:  # reported below: an exception in a thread would be lost
-            errors.append(exc)
-
-    threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors and results == {0: True, 1: True, 2: True, 3: True}
-    buf = want[: 8 << 20]
-    child = os.fork()
-    if child == 0:  # the child: exit status 0 only when its threaded sums are right
-        ok = local.sum_ranges(buf, [0, 3], [8 << 20, 5 << 20], 4) == [tsum64(buf), tsum64(buf[3 : (5 << 20) + 3])]
-        os._exit(0 if ok else 1)
-    _, status = os.waitpid(child, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_refused_reads_raise_local_read_error(source):

@@ -69,24 +69,25 @@ def source_layers(mode: str, seed: int) -> list[np.ndarray]:
     return [rng.integers(0, 256, lay.layer_nbytes, dtype=np.uint8) for _ in range(lay.num_layers)]
 
 
-def engine_layers(mode: str, fill: list[np.ndarray] | None = None) -> list[np.ndarray]:
+def engine_layers(mode: str, fill: list[np.ndarray] | None = None) -> tuple[list[np.ndarray], str]:
     """One buffer per layer allocated as vLLM's CPU backend allocates its KV cache (``torch.zeros``:
     4 KiB pages; numpy where torch is absent), then collapsed into huge pages as the connector does
     when it registers them (``huge_pages``, :class:`~tiersync.tiers.huge_pages.Collapser`), long
-    before a request; ``fill[l]`` copied in first."""
+    before a request; ``fill[l]`` copied in first. Also says what it got, for the row."""
     from tiersync.tiers.huge_pages import Collapser
 
-    n = layout(mode).layer_nbytes
+    lay = layout(mode)
     try:
         import torch
 
-        out = [torch.zeros(n, dtype=torch.uint8).numpy() for _ in range(layout(mode).num_layers)]
+        out, how = [torch.zeros(lay.layer_nbytes, dtype=torch.uint8).numpy() for _ in range(lay.num_layers)], "torch"
     except ImportError:
-        out = [np.zeros(n, np.uint8) for _ in range(layout(mode).num_layers)]
+        out, how = [np.zeros(lay.layer_nbytes, np.uint8) for _ in range(lay.num_layers)], "numpy (no torch)"
     for buf, src in zip(out, fill or []):
         buf[:] = src
-    Collapser(out).done.wait()
-    return out
+    collapser = Collapser(out)
+    collapser.done.wait()
+    return out, f"{how}, {collapser.collapsed / 1e6:.0f} of {lay.layer_nbytes * lay.num_layers / 1e6:.0f} MB collapsed"
 
 
 def route_spans(mode: str, seed: int, dst_ids: list[int]) -> np.ndarray:
@@ -103,7 +104,8 @@ def _prefill(mode: str, seed: int, dst_ids: list[int], conn: Any) -> None:
     from tiersync.disagg import DisaggConfig, KVProducer
     from tiersync.disagg.spanio import gather
 
-    lay, ids, layers = layout(mode), block_ids(mode, seed), engine_layers(mode, source_layers(mode, seed))
+    lay, ids = layout(mode), block_ids(mode, seed)
+    layers, memory = engine_layers(mode, source_layers(mode, seed))
     spans = route_spans(mode, seed, dst_ids)
     raw = [gather(layer, spans[:, 0], spans[:, 2]) for layer in layers]
     listener = socket.create_server(("127.0.0.1", 0))
@@ -111,7 +113,7 @@ def _prefill(mode: str, seed: int, dst_ids: list[int], conn: Any) -> None:
     import threading
 
     threading.Thread(target=_raw_server, args=(listener, raw), daemon=True).start()
-    conn.send((producer.address, f"127.0.0.1:{listener.getsockname()[1]}"))
+    conn.send((producer.address, f"127.0.0.1:{listener.getsockname()[1]}", memory))
     while True:
         cmd = conn.recv()
         producer.poll()  # forget what finished (the buffers are shared by every request)
@@ -145,7 +147,7 @@ class _Link:
         self.mode, self.conn, self.address, self.route = mode, conn, address, route
         self.layout = layout(mode)
         self.consumer = KVConsumer(self.layout, 0, DisaggConfig(token=TOKEN, route=route, timeout_s=120))
-        self.landing = engine_layers(mode)
+        self.landing, self.memory = engine_layers(mode)
         self.n = 0
 
     def prepare(self) -> str:
@@ -220,7 +222,7 @@ def _time(config: BenchConfig, link: _Link, baseline: Any, dst_ids: list[int], b
     return ours, base
 
 
-def _case(config: BenchConfig, conn: Any, addrs: tuple[str, str], route: str, bar: Any) -> dict[str, Any]:
+def _case(config: BenchConfig, conn: Any, addrs: tuple[str, str, str], route: str, bar: Any) -> dict[str, Any]:
     mode = config.mode
     lay, dst_ids = layout(mode), block_ids(mode, config.seed + 7)
     nbytes = int(route_spans(mode, config.seed, dst_ids)[:, 2].sum()) * lay.num_layers
@@ -246,7 +248,7 @@ def _case(config: BenchConfig, conn: Any, addrs: tuple[str, str], route: str, ba
         tokens=TOKENS[mode],
         layers=lay.num_layers,
         layout=f"vLLM CPU {lay.order.value} {lay.dtype}",
-        memory="both pools allocated as vLLM's (torch.zeros), collapsed into huge pages as the connector does",
+        memory=f"producer: {addrs[2]}; consumer: {link.memory}",
         route=route,
         baseline_detail=detail,
         server="separate process (spawn)",

@@ -86,12 +86,12 @@ class PDWorker:
             )
         self._layers = [layer_bytes(kv_caches[n], self.layout.layer_nbytes, n) for n in names]
         self._index = {n: i for i, n in enumerate(names)}
-        if self._huge_pages:  # same-host reads of them ran 1.3-1.6x faster (tiers.huge_pages)
-            self._collapser = Collapser(self._layers)
         if self.producer:
             self._server = KVProducer(self.layout, self.rank, self._config, host=self._host, port=self._port)
         else:
             self._client = KVConsumer(self.layout, self.rank, self._config)
+        if self._huge_pages:  # same-host reads of them ran 1.3-1.6x faster (tiers.huge_pages)
+            self._collapser = Collapser(self._layers)
 
     @property
     def address(self) -> str | None:
