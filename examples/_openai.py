@@ -97,6 +97,23 @@ def complete(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[
     return time.perf_counter() - t0, tokens
 
 
+def stream(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float, list[int]]:
+    """:func:`complete`, streamed: (seconds to the first token, seconds in all, token ids)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body |= {"return_token_ids": True, "stream": True}
+    request = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    t0, first, tokens = time.perf_counter(), 0.0, []
+    with urllib.request.urlopen(request, timeout=600) as answer:
+        for line in answer:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    tokens += choice.get("token_ids") or []
+                first = first or (time.perf_counter() - t0 if tokens else 0.0)
+    return first, time.perf_counter() - t0, tokens
+
+
 def done(work: str, ok: bool) -> int:
     """The exit status; the work directory (model, disk tier, logs) is removed after a run
     that went well and kept, with its path printed, after one that did not."""

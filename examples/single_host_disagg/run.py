@@ -5,10 +5,11 @@
 The prefill server runs the connector as ``kv_producer``, the decode server as
 ``kv_consumer``. The router (``tiersync router --prefill URL --decode URL``) sends each request
 to the prefill server with one output token and ``kv_transfer_params={"do_remote_decode":
-true}``, then the client's request to the decode server with the ``kv_transfer_params`` the
-prefill server returned; the decode engine pulls the KV layer by layer instead of computing it.
-Prints TTFT (the router's answer to a 1-token request) and TPOT per request, beside the same
-prompt on the prefill server alone (monolithic), and whether the greedy tokens are identical.
+true}``, streams that token to the client, then sends the prompt's token ids and that token
+to the decode server with the ``kv_transfer_params`` the prefill server returned; the decode
+engine pulls the KV layer by layer instead of computing it. Prints TTFT (the first streamed
+token) and TPOT per request, beside the same prompt on the prefill server alone (monolithic),
+and whether the greedy tokens are identical.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _openai import OpenAIServer, complete, done, free_port
+from _openai import OpenAIServer, done, free_port, stream
 
 
 def kv(role: str, **extra: object) -> dict:
@@ -70,10 +71,8 @@ def main() -> int:
         r, same = random.Random(0), True
         for i in range(args.requests):
             prompt = [r.randrange(3, 4000) for _ in range(args.prompt_tokens)]
-            mono_first, _ = complete(prefill.url, model, prompt, 1)
-            _, mono = complete(prefill.url, model, prompt, args.output_tokens)
-            pd_first, _ = complete(url, model, prompt, 1)
-            seconds, pd = complete(url, model, prompt, args.output_tokens)
+            mono_first, _, mono = stream(prefill.url, model, prompt, args.output_tokens)
+            pd_first, seconds, pd = stream(url, model, prompt, args.output_tokens)
             same &= pd == mono
             print(
                 f"request {i}: monolithic TTFT {mono_first * 1e3:7.0f} ms | prefill->decode TTFT "

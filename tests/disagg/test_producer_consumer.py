@@ -233,6 +233,23 @@ def test_unknown_request_and_mismatch_refused(procs):
     assert h.wait(20) is RequestState.FAILED and h.error.code is ErrorCode.BAD_REQUEST and "mismatch" in h.error.message
 
 
+def test_a_reader_may_take_the_first_tokens_of_a_registration_only(procs):
+    src = _layout(1)
+    prod = procs(src)
+    prod.register("p", [4, 2, 7], 40, seed=9)  # 2 full blocks of 16 and 8 tokens of the third
+    prod.ready("p", range(src.num_layers))
+    for wrong in (SourceSpec(src, prod.addresses, [4, 2, 7], 41), SourceSpec(src, prod.addresses, [4, 3], 32)):
+        with KVConsumer(src, 0) as consumer:  # more tokens than registered, or other blocks
+            h = consumer.start_read("p", wrong, [1, 2, 3], _landing(src))
+            assert h.wait(20) is RequestState.FAILED and "mismatch" in h.error.message
+    landing = _landing(src)
+    with KVConsumer(src, 0) as consumer:
+        h = consumer.start_read("p", SourceSpec(src, prod.addresses, [4, 2], 32), [1, 0], landing)
+        assert h.wait(20) is RequestState.DONE
+    np.testing.assert_array_equal(unshard(src, [landing], [1, 0], 32), global_kv(src, 40, 9)[:, :, :32])
+    assert not unshard(src, [landing], list(range(2, 16)), 14 * 16).any()  # no other block written
+
+
 def test_landing_never_written_after_failure(procs):
     src = _layout(1)
     prod = procs(src)

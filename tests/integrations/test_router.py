@@ -54,11 +54,15 @@ class Upstream:
 def stack():
     made = []
 
-    def build(prefill_answer=lambda b: json.dumps({"kv_transfer_params": PARAMS}).encode(), **cfg):
+    def build(
+        prefill_answer=lambda b: json.dumps({"kv_transfer_params": PARAMS}).encode(),
+        decode_answer=lambda b: json.dumps(
+            {"choices": [{"token_ids": [7]}], "got": b.get("kv_transfer_params")}
+        ).encode(),
+        **cfg,
+    ):
         prefill = Upstream(prefill_answer)
-        decode = Upstream(
-            lambda b: json.dumps({"choices": [{"token_ids": [7]}], "got": b.get("kv_transfer_params")}).encode()
-        )
+        decode = Upstream(decode_answer)
         router = Router(RouterConfig((prefill.url,), (decode.url,), **cfg))
         threading.Thread(target=router.serve_forever, daemon=True).start()
         made.extend([router, prefill, decode])
@@ -108,6 +112,80 @@ def test_prefill_without_params_sends_the_request_to_decode_without_any(stack):
     router, _, decode = stack(prefill_answer=lambda b: b'{"choices": []}')
     _post(router.address, json.dumps({"prompt": [1], "kv_transfer_params": {"forged": True}}).encode())
     assert "kv_transfer_params" not in decode.seen[0][1]
+
+
+def _completion(text: str, ids: list[int], prompt: list[int], finish: str | None = "length") -> dict:
+    choice = {"index": 0, "text": text, "token_ids": ids, "prompt_token_ids": prompt, "finish_reason": finish}
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
+    return {
+        "id": "cmpl-x",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [choice],
+        "usage": usage,
+    }
+
+
+def _first_token_prefill(finish: str = "length"):
+    return lambda b: json.dumps({**_completion(" A", [9], [1, 2], finish), "kv_transfer_params": PARAMS}).encode()
+
+
+def _answer(raw: bytes) -> bytes:
+    """The body of a chunked HTTP answer."""
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    if b"chunked" not in head:
+        return rest
+    body = b""
+    while rest:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        body, rest = body + rest[:n], rest[n + 2 :]
+    return body
+
+
+def test_a_completion_gets_the_prefill_token_first_and_decode_continues_from_it(stack):
+    router, prefill, decode = stack(
+        prefill_answer=_first_token_prefill(),
+        decode_answer=lambda b: json.dumps(_completion(" B C", [10, 11], b["prompt"])).encode(),
+    )
+    out = json.loads(_answer(_post(router.address, json.dumps({"prompt": "hi", "max_tokens": 3}).encode())))
+    assert prefill.seen[0][1]["return_token_ids"] is True and prefill.seen[0][1]["max_tokens"] == 1
+    ask = decode.seen[0][1]
+    assert ask["prompt"] == [1, 2, 9] and ask["max_tokens"] == 2 and ask["kv_transfer_params"] == PARAMS
+    assert out["choices"][0]["text"] == " A B C" and out["choices"][0]["token_ids"] is None
+    assert out["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+
+
+def test_a_streamed_completion_sends_the_first_token_then_the_decode_events(stack):
+    def events(b):
+        one = {"id": "d", "choices": [{"text": " B", "token_ids": [10], "prompt_token_ids": b["prompt"]}]}
+        return b"data: " + json.dumps(one).encode() + b"\n\ndata: [DONE]\n\n"
+
+    router, _, _ = stack(prefill_answer=_first_token_prefill(), decode_answer=events)
+    body = {"prompt": [1, 2], "max_tokens": 2, "stream": True, "return_token_ids": True}
+    lines = [ln for ln in _answer(_post(router.address, json.dumps(body).encode())).split(b"\n") if ln]
+    first, second = (json.loads(ln[6:])["choices"][0] for ln in lines[:2])
+    assert (first["text"], first["token_ids"], first["prompt_token_ids"]) == (" A", [9], [1, 2])
+    assert (second["text"], second["token_ids"], second["prompt_token_ids"]) == (" B", [10], None)
+    assert lines[2] == b"data: [DONE]"
+
+
+def test_a_first_token_that_ends_the_answer_is_the_whole_answer(stack):
+    router, prefill, decode = stack(prefill_answer=_first_token_prefill("stop"))
+    out = json.loads(_answer(_post(router.address, json.dumps({"prompt": "hi", "max_tokens": 3}).encode())))
+    assert out["choices"][0]["text"] == " A" and "kv_transfer_params" not in out and not decode.seen
+    _post(router.address, json.dumps({"prompt": "hi", "max_tokens": 1}).encode())
+    assert "kv_transfer_params" not in prefill.seen[1][1] and not decode.seen  # monolithic on the prefill server
+
+
+def test_decode_unreachable_mid_stream_ends_the_stream_with_an_error_event(stack):
+    router, _, decode = stack(prefill_answer=_first_token_prefill())
+    decode.close()
+    body = json.dumps({"prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+    lines = [ln for ln in _answer(_post(router.address, body)).split(b"\n") if ln]
+    assert json.loads(lines[0][6:])["choices"][0]["text"] == " A"
+    assert b"unreachable" in lines[1] and lines[2] == b"data: [DONE]"
 
 
 def test_prefill_answering_garbage_is_a_502_naming_it(stack):

@@ -50,9 +50,27 @@ def cluster(tmp_path_factory):
 def test_prefill_to_decode_matches_monolithic(cluster):
     prompt = make_prompt(PROMPT_LEN, 7, 4096)
     mono = cluster["prefill"].generate(prompt, 24)
-    out = cluster["router"].generate(prompt, 24)
+    out = cluster["router"].generate(prompt, 24)  # the first token from prefill, decode from prompt + it
     assert out["prefill"]["kv_transfer_params"]["tiersync_source"]["request_id"]
-    assert out["cached_tokens"] == (PROMPT_LEN - 1) // BLOCK * BLOCK  # every full block came from prefill
+    assert PROMPT_LEN % BLOCK and out["cached_tokens"] == PROMPT_LEN  # every prompt token, the partial block too
+    assert out["tokens"] == mono["tokens"]
+
+
+def test_decode_given_the_same_prompt_loads_all_but_the_last_token(cluster):
+    prompt = make_prompt(PROMPT_LEN, 9, 4096)
+    mono = cluster["prefill"].generate(prompt, 24)
+    params = cluster["prefill"].generate(prompt, 1, {"do_remote_decode": True})["kv_transfer_params"]
+    out = cluster["decode"].generate(prompt, 24, params)
+    assert out["cached_tokens"] == PROMPT_LEN - 1  # the partial block too; vLLM computes the last token
+    assert out["tokens"] == mono["tokens"]
+
+
+def test_decode_given_another_prompt_loads_nothing(cluster):
+    prompt, other = make_prompt(PROMPT_LEN, 10, 4096), make_prompt(PROMPT_LEN, 11, 4096)
+    first = cluster["prefill"].generate(prompt, 1, {"do_remote_decode": True})
+    mono = cluster["prefill"].generate(other + first["tokens"], 8)
+    out = cluster["decode"].generate(other + first["tokens"], 8, first["kv_transfer_params"])
+    assert out["cached_tokens"] == 0  # the digest of the prefill's prompt differs: a miss, not its KV
     assert out["tokens"] == mono["tokens"]
 
 

@@ -3,8 +3,9 @@
 Real processes: both engines run vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``)
 with ``--kv-transfer-config``; the router is the ``tiersync router`` command. A client sends
 ``/v1/completions`` to the router (plain and streamed): the greedy tokens equal the prefill
-server's own answer for the prompt alone (monolithic), and the decode server counts the prompt's
-full blocks as external prefix-cache hits (it pulled them instead of computing them).
+server's own answer for the prompt alone (monolithic), the first of them the prefill server's,
+and the decode server counts every prompt token as an external prefix-cache hit (it pulled
+them all, the partial last block too, and computed only the first token's K/V).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from tiersync.bench.serve_engine import make_prompt
 from tiersync.bench.tiny_llama import write_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
-BLOCK, PROMPT_LEN = 128, 1500
-PULLED = (PROMPT_LEN - 1) // BLOCK * BLOCK  # the decode engine computes the last partial block
+PROMPT_LEN = 1500  # not a multiple of the 128-token block: the last block is partial
+PULLED = PROMPT_LEN  # the decode engine's prompt is this one and the first token: it computes only that
 
 
 def _kv(role: str, **extra: object) -> dict:

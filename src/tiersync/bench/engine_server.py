@@ -4,11 +4,14 @@
 (spec as in :mod:`tiersync.bench.serve_engine`) and serves ``POST /generate`` with a JSON
 body ``{"prompt_token_ids", "max_tokens", "kv_transfer_params"?}``, answering the
 :func:`~tiersync.bench.serve_engine.generate` row. It prints ``READY <port> <host>`` once the
-engine is up. ``... router PREFILL_URL DECODE_URL PORT`` serves the same endpoint by
-sending each request to the prefill engine (one token, ``do_remote_decode``), then to the
-decode engine with the prefill engine's ``kv_transfer_params``; its answer adds
-``prefill`` (the prefill row) and ``decode_seconds`` (the decode engine's own time), and
-``seconds`` covers both hops.
+engine is up. ``... router PREFILL_URL DECODE_URL PORT`` serves the same endpoint as
+``tiersync router`` does: each request goes to the prefill engine (one token,
+``do_remote_decode``), whose token is the first of the answer; then, unless that was the
+last, the prompt followed by that token goes to the decode engine with the prefill engine's
+``kv_transfer_params`` for the remaining tokens. Its answer adds ``prefill`` (the prefill
+row), ``ttft_seconds`` (when the router had the first token: a streaming router sends it
+then), ``decode_seconds`` (the decode engine's own time; 0 without it) and
+``decode_tokens``; ``seconds`` covers both hops, ``cached_tokens`` is the decode engine's.
 """
 
 from __future__ import annotations
@@ -71,23 +74,26 @@ def serve_engine(spec: dict, port: int, host: str = "127.0.0.1") -> None:
 def serve_router(prefill: str, decode: str, port: int) -> None:
     def handle(body: dict) -> dict:
         t0 = time.perf_counter()
+        prompt, max_tokens = list(body["prompt_token_ids"]), int(body.get("max_tokens", 16))
         first = post(
             prefill + "/generate",
-            {
-                "prompt_token_ids": body["prompt_token_ids"],
-                "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": True},
-            },
+            {"prompt_token_ids": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
         )
-        out = post(
-            decode + "/generate",
-            {
-                "prompt_token_ids": body["prompt_token_ids"],
-                "max_tokens": body.get("max_tokens", 16),
-                "kv_transfer_params": first.get("kv_transfer_params"),
-            },
-        )
-        out["prefill"], out["decode_seconds"], out["seconds"] = first, out["seconds"], time.perf_counter() - t0
+        ttft = time.perf_counter() - t0
+        if max_tokens <= 1:
+            out = {**first, "decode_seconds": 0.0, "decode_tokens": 0}
+        else:
+            out = post(
+                decode + "/generate",
+                {
+                    "prompt_token_ids": prompt + first["tokens"],
+                    "max_tokens": max_tokens - 1,
+                    "kv_transfer_params": first.get("kv_transfer_params"),
+                },
+            )
+            out["decode_seconds"], out["decode_tokens"] = out["seconds"], len(out["tokens"])
+            out["tokens"], out["logprobs"] = first["tokens"] + out["tokens"], first["logprobs"] + out["logprobs"]
+        out["prefill"], out["ttft_seconds"], out["seconds"] = first, ttft, time.perf_counter() - t0
         return out
 
     _serve(handle, port)

@@ -306,10 +306,14 @@ class KVProducer(Service):
             req = self._requests.get(read.request_id)
         if req is None:
             raise Refused(Code.NOT_FOUND, f"unknown request {read.request_id!r}: not registered or already final")
-        if read.num_tokens != req.num_tokens or read.src_block_ids[: len(req.block_ids)] != req.block_ids:
+        # a reader may take the first tokens only (a decode engine that computes the last block)
+        need = self.layout.blocks_needed(read.num_tokens)
+        if not read.num_tokens <= req.num_tokens or tuple(read.src_block_ids[:need]) != req.block_ids[:need]:
             raise Refused(Code.BAD_REQUEST, "mismatch: num_tokens or source block ids differ from the registration")
         try:
-            plan = self._planner.plan(self.layout, read.dst_layout, req.block_ids, read.dst_block_ids, req.num_tokens)
+            plan = self._planner.plan(
+                self.layout, read.dst_layout, req.block_ids[:need], read.dst_block_ids, read.num_tokens
+            )
         except UsageError as exc:
             raise Refused(Code.BAD_REQUEST, exc.message) from None
         spans = plan.route_spans(self.rank, read.dst_rank)

@@ -4,10 +4,19 @@ Clients talk to the router as to one OpenAI server (``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``, ``/health``). Each generation request goes to a
 prefill server first (``max_tokens=1``, no streaming, ``kv_transfer_params={"do_remote_decode":
 true}``); the prefill engine (``kv_role="kv_producer"``) computes the prompt and answers with
-``kv_transfer_params`` naming where its KV is served; the router then sends the client's own
-request, with those params, to a decode server (``kv_role="kv_consumer"``), which pulls the KV
-instead of computing it, and relays the decode server's answer (streamed as it comes when
-the client asked for ``stream``). Several ``--prefill`` / ``--decode`` URLs are used in turn.
+``kv_transfer_params`` naming where its KV is served. Then:
+
+- ``/v1/completions`` with one prompt and one choice (no echo, logprobs or suffix): the
+  prefill server's token is the answer's first (a streaming client gets it at once), and the
+  decode server (``kv_role="kv_consumer"``) gets the prompt's ids followed by that token, with
+  those params, for the rest: it pulls the KV of every prompt token and computes none of them
+  (:mod:`tiersync.integrations.first_token`). A first token that ends the answer (EOS, a stop
+  string, ``max_tokens`` 1) is the whole answer.
+- anything else (chat, several prompts or choices): the client's own request, with those
+  params, goes to the decode server, which pulls the prompt's full blocks and computes the
+  last, partial one; its answer is relayed (streamed as it comes when the client asked).
+
+Several ``--prefill`` / ``--decode`` URLs are used in turn.
 
 Failures: a prefill server that cannot be reached, refuses or answers what is not JSON is an
 HTTP 502 naming it; a prefill answer without ``kv_transfer_params`` sends the request to decode
@@ -32,6 +41,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from tiersync.errors import UsageError, check_positive_int
+from tiersync.integrations import first_token
 
 __all__ = ["Router", "RouterConfig"]
 
@@ -106,16 +116,20 @@ class Router:
         ask = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         ask.pop("stream_options", None)
         ask.pop("max_completion_tokens", None)
-        with self.call(url, path, ask) as answer:
+        params = self.ask(url, path, ask).get("kv_transfer_params")
+        return params if isinstance(params, dict) else None
+
+    def ask(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` to ``url + path``: the JSON object it answered. _Upstream otherwise."""
+        with self.call(url, path, body) as answer:
             raw = answer.read(self.config.max_body + 1)
         try:
             parsed = json.loads(raw) if len(raw) <= self.config.max_body else None
         except ValueError:
             parsed = None
         if not isinstance(parsed, dict):
-            raise _Upstream(502, f"{url} answered the prefill with no JSON object")
-        params = parsed.get("kv_transfer_params")
-        return params if isinstance(params, dict) else None
+            raise _Upstream(502, f"{url} answered {path} with no JSON object")
+        return parsed
 
     def call(self, url: str, path: str, body: dict[str, Any] | None = None) -> Any:
         """POST ``body`` (GET without one) to ``url + path``; the open response. _Upstream on failure."""
@@ -178,6 +192,11 @@ class _Handler(BaseHTTPRequestHandler):
         prefill, decode = router.next_pair()
 
         body.pop("kv_transfer_params", None)  # only the prefill server's reach decode
+        max_tokens = first_token.plan(self.path, body)
+        if max_tokens == 1:  # the prefill server's token is the whole answer
+            return self._relay(lambda: router.call(prefill, self.path, body))
+        if max_tokens is not None:
+            return self._first_token(prefill, decode, body, max_tokens)
 
         def run() -> Any:
             params = router.prefill(prefill, self.path, body)
@@ -186,6 +205,54 @@ class _Handler(BaseHTTPRequestHandler):
             return router.call(decode, self.path, {**body, "kv_transfer_params": params} if params else body)
 
         self._relay(run)
+
+    def _first_token(self, prefill: str, decode: str, body: dict[str, Any], max_tokens: int) -> None:
+        """The first-token flow (module docstring)."""
+        router = self.server.router
+        try:
+            answer = router.ask(prefill, self.path, first_token.prefill_body(body))
+        except _Upstream as exc:
+            return self._error(exc.status, str(exc))
+        first, params = first_token.first_of(answer), answer.get("kv_transfer_params")
+        want_ids, stream = body.get("return_token_ids") is True, body.get("stream") is True
+        if first is None or not isinstance(params, dict):
+            log.warning("prefill %s returned no first token or kv_transfer_params: decode computes the prompt", prefill)
+            ask = {**body, "kv_transfer_params": params} if isinstance(params, dict) else body
+            return self._relay(lambda: router.call(decode, self.path, ask))
+        if first.finish_reason != "length":
+            if stream:
+                usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
+                return self._send(200, "text/event-stream", first_token.alone_events(first, want_ids, bool(usage)))
+            return self._send(200, "application/json", json.dumps(first_token.alone(first, want_ids)).encode())
+        ask = first_token.decode_body(body, first, max_tokens, params)
+        if stream:
+            return self._stream(decode, ask, first_token.StreamFixer(first, want_ids))
+        try:
+            merged = first_token.merge(first, router.ask(decode, self.path, ask), want_ids)
+        except _Upstream as exc:
+            return self._error(exc.status, str(exc))
+        except ValueError as exc:
+            return self._error(502, f"{decode}: {exc}")
+        self._send(200, "application/json", json.dumps(merged).encode())
+
+    def _stream(self, decode: str, ask: dict[str, Any], fixer: first_token.StreamFixer) -> None:
+        """Send the first token's event now, then the decode server's events, rewritten."""
+        self._start(200, "text/event-stream")
+        try:
+            self._chunk(fixer.opening())
+            try:
+                upstream = self.server.router.call(decode, self.path, ask)
+            except _Upstream as exc:  # the answer has begun: end it with an error event
+                self._chunk(first_token.event({"error": {"message": str(exc), "code": exc.status}}))
+                self._chunk(b"data: [DONE]\n\n")
+            else:
+                with upstream:
+                    while line := upstream.readline(self.server.router.config.max_body):
+                        self._chunk(fixer.line(line))
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError as exc:
+            log.info("router: stream to %s ended: %s", self.client_address[0], exc)
+            self.close_connection = True
 
     def _body(self, limit: int) -> dict[str, Any] | None:
         try:
@@ -210,27 +277,36 @@ class _Handler(BaseHTTPRequestHandler):
         except _Upstream as exc:
             return self._error(exc.status, str(exc))
         with upstream:
-            self.send_response(upstream.status)
-            self.send_header("Content-Type", upstream.headers.get("Content-Type", "application/json"))
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
+            self._start(upstream.status, upstream.headers.get("Content-Type", "application/json"))
             try:
                 while chunk := upstream.read1(_CHUNK):
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                    self.wfile.flush()
+                    self._chunk(chunk)
                 self.wfile.write(b"0\r\n\r\n")
             except OSError as exc:  # the client or the upstream went away mid-answer: end this connection
                 log.info("router: relay to %s ended: %s", self.client_address[0], exc)
                 self.close_connection = True
 
-    def _error(self, status: int, message: str) -> None:
-        self.close_connection = True  # the request body may be unread: never parse it as a request
-        data = json.dumps({"error": {"message": message, "code": status}}).encode()
+    def _start(self, status: int, content_type: str) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def _chunk(self, data: bytes) -> None:
+        if data:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+
+    def _send(self, status: int, content_type: str, data: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def _error(self, status: int, message: str) -> None:
+        self.close_connection = True  # the request body may be unread: never parse it as a request
+        self._send(status, "application/json", json.dumps({"error": {"message": message, "code": status}}).encode())
 
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("router: " + fmt, *args)

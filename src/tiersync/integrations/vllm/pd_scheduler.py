@@ -3,24 +3,53 @@
 The request flow is vLLM's (as with its NIXL connector): a router sends the prompt to the
 prefill engine with ``kv_transfer_params={"do_remote_decode": True}`` and ``max_tokens=1``;
 when it finishes, the prefill engine returns ``kv_transfer_params={"tiersync_source":
-{"request_id", "source"}}`` (its request id, KV server addresses, layout, block ids); the router sends the same prompt to
-the decode engine with those params, and the decode engine pulls the KV instead of
-computing it. A failed pull is reported as load errors, so the decode engine recomputes.
+{"request_id", "source", "prompt", "prompt_tokens"}}`` (its request id; KV server
+addresses, layout and block ids; a digest of the prompt's token ids and their count) and
+serves the KV of every prompt token. Blocks move whole, the last partial one too: vLLM's CPU
+attention kernels pack the tokens inside a block their own way (a token's K and V are not at
+offsets a layout can name), so only a whole block's bytes mean the same on both sides.
+
+What the decode engine loads depends on the prompt the router sends it:
+
+- the prompt followed by the prefill engine's first token (``tiersync router``, as SGLang
+  does): every prompt token. The decode engine computes only that first token's K/V, by a
+  one-token forward exactly as a monolithic engine's first decode step does: its greedy
+  tokens and logprobs are bit for bit a monolithic engine's.
+- the same prompt (vLLM's own proxies, as with its NIXL connector): all but the last token,
+  which vLLM always computes itself (a request needs one computed token to sample from). That
+  token's K/V come from a one-token forward, not the prefill's batched one, so logprobs may
+  differ from a monolithic engine's in their last bits (about 1e-6 here), as they do after a
+  chunked prefill.
+- a prompt that does not start with the prefill's prompt (the digest differs): nothing.
+
+A failed pull is reported as load errors, so the decode engine recomputes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from tiersync.disagg.consumer import SourceSpec
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.errors import UsageError
 from tiersync.integrations.vllm.metadata import PDMeta, ReadJob, SendJob
 
-__all__ = ["SOURCE_KEY", "PDScheduler"]
+__all__ = ["SOURCE_KEY", "PDScheduler", "prompt_digest"]
 
+log = logging.getLogger(__name__)
 SOURCE_KEY = "tiersync_source"
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """A digest of a prompt's token ids (BLAKE2b-128 of them as little-endian int64)."""
+    data = np.asarray(token_ids, dtype="<i8").tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 @dataclass(slots=True)
@@ -49,8 +78,8 @@ class PDScheduler:
 
     # -- hooks ------------------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Producer: 0. Consumer: the full blocks the prefill engine offers past
-        ``num_computed_tokens`` (at least one token is left to compute), loaded asynchronously."""
+        """Producer: 0. Consumer: the prompt tokens the prefill engine offers past
+        ``num_computed_tokens`` (see the module docstring), loaded asynchronously."""
         r = self._reqs.setdefault(request.request_id, _Req(request))
         if self.producer or r.read is not None or r.sent:
             return 0, False
@@ -61,21 +90,31 @@ class PDScheduler:
             source = SourceSpec.from_dict(raw.get("source"))
         except UsageError:
             return 0, False  # a malformed description is a miss, not a crash
-        usable = min((request.num_tokens - 1) // self.block_size, source.num_tokens // self.block_size)
-        start = num_computed_tokens // self.block_size
+        usable = self._usable(request, source, raw.get("prompt"), raw.get("prompt_tokens"))
+        start = num_computed_tokens // self.block_size * self.block_size
         if usable <= start:
             return 0, False
-        r.pending_source, r.start, r.remote_id = source, start, raw["request_id"]
-        return (usable - start) * self.block_size, True
+        r.pending_source, r.start, r.remote_id = source, start // self.block_size, raw["request_id"]
+        return usable - start, True
+
+    def _usable(self, request: Any, source: SourceSpec, digest: Any, n: Any) -> int:
+        """How many of the source's prompt tokens (``n``) this request can load (module docstring)."""
+        prompt = request.prompt_token_ids or ()
+        if type(n) is not int or not source.num_tokens - self.block_size < n <= source.num_tokens:
+            return 0
+        if len(prompt) < n or digest != prompt_digest(prompt[:n]):
+            log.warning("request %s: its prompt does not extend the prefill's; computing it", request.request_id)
+            return 0
+        return min(request.num_tokens - 1, n)  # vLLM computes at least one token
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         r = self._reqs.get(request.request_id)
         if r is None or r.pending_source is None or num_external_tokens <= 0:
             return
-        n = num_external_tokens // self.block_size
-        src = r.pending_source
-        part = SourceSpec(src.layout, src.addresses, src.block_ids[r.start : r.start + n], n * self.block_size)
-        r.read = ReadJob(request.request_id, r.remote_id, part.to_dict(), tuple(block_ids[r.start : r.start + n]))
+        src, first = r.pending_source, r.start
+        blocks = -(-(first * self.block_size + num_external_tokens) // self.block_size)  # whole blocks
+        part = SourceSpec(src.layout, src.addresses, src.block_ids[first:blocks], (blocks - first) * self.block_size)
+        r.read = ReadJob(request.request_id, r.remote_id, part.to_dict(), tuple(block_ids[first:blocks]))
         r.pending_source = None
 
     def build_meta(self, out: Any) -> PDMeta:
@@ -113,22 +152,21 @@ class PDScheduler:
             return
         r.block_ids = new_blocks if replace else r.block_ids + new_blocks
         prompt = len(r.request.prompt_token_ids or ())
-        if r.sent or not self._params(r.request).get("do_remote_decode") or computed < prompt:
+        if r.sent or not prompt or not self._params(r.request).get("do_remote_decode") or computed < prompt:
             return
-        n = self._offered(prompt)
-        if n:  # the step that ends the prompt: serve its full blocks as their layers are computed
-            meta.sends.append(SendJob(rid, tuple(r.block_ids[: n // self.block_size]), n))
-            r.sent = True
-
-    def _offered(self, prompt_tokens: int) -> int:
-        """Tokens a decode engine loads: full blocks, leaving >= 1 prompt token to compute."""
-        return (prompt_tokens - 1) // self.block_size * self.block_size
+        # the step that ends the prompt: serve all its blocks, whole, as their layers are computed
+        blocks = -(-prompt // self.block_size)
+        meta.sends.append(SendJob(rid, tuple(r.block_ids[:blocks]), blocks * self.block_size))
+        r.sent = True
 
     def finished(self, request: Any) -> tuple[bool, dict | None]:
         """Producer: keep the blocks until the decode side has read them; return where it reads."""
         r = self._reqs.pop(request.request_id, None)
         if not self.producer or r is None or not r.sent:
             return False, None
-        n = self._offered(len(request.prompt_token_ids or ()))
-        source = SourceSpec(self.layout, self.addresses, tuple(r.block_ids[: n // self.block_size]), n)
-        return True, {SOURCE_KEY: {"request_id": request.request_id, "source": source.to_dict()}}
+        prompt = request.prompt_token_ids or ()
+        blocks = -(-len(prompt) // self.block_size)
+        source = SourceSpec(self.layout, self.addresses, tuple(r.block_ids[:blocks]), blocks * self.block_size)
+        params = {"request_id": request.request_id, "source": source.to_dict()}
+        params |= {"prompt": prompt_digest(prompt), "prompt_tokens": len(prompt)}
+        return True, {SOURCE_KEY: params}
