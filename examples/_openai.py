@@ -41,7 +41,6 @@ class OpenAIServer:
             str(self.port),
             "--host",
             "127.0.0.1",
-            "--skip-tokenizer-init",
             "--dtype",
             "float32",
             "--max-model-len",

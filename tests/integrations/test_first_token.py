@@ -40,6 +40,17 @@ def _prefill_answer(finish: str = "length") -> dict:
         ("/v1/completions", {"prompt": "hi", "suffix": "x"}, None),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, None),
         ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, None),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 0}, None),  # 0 still asks for logprobs
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 0}, None),
+        ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, None),
+        ("/v1/completions", {"prompt": "hi", "response_format": {"type": "text"}}, 16),
+        ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a+"}}, None),
+        ("/v1/completions", {"prompt": "hi", "bad_words": ["x"]}, None),
+        ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, None),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 0, "frequency_penalty": 0.0}, 16),
+        ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 10}, None),
+        ("/v1/completions", {"prompt": "hi", "stream": 1}, None),
+        ("/v1/completions", {"prompt": "hi", "return_token_ids": "yes"}, None),
     ],
 )
 def test_plan_takes_one_prompt_one_choice_completions_only(path, body, want):
@@ -62,6 +73,10 @@ def test_first_of_reads_the_token_or_gives_none():
     no_prompt = _prefill_answer()
     no_prompt["choices"][0]["prompt_token_ids"] = None
     assert ft.first_of(no_prompt) is None
+    for partial in ("", "\ufffd"):  # a byte of a character: the decode server could not finish it
+        half = _prefill_answer()
+        half["choices"][0]["text"] = partial
+        assert ft.first_of(half) is None
 
 
 def test_decode_body_is_the_prompt_ids_and_the_first_token_for_the_rest():
@@ -88,8 +103,18 @@ def test_merge_puts_the_first_token_in_front_and_counts_it_as_completion(want_id
     }
     assert choice["token_ids"] == ([9, 10, 11] if want_ids else None)
     assert choice["prompt_token_ids"] == (PROMPT_IDS if want_ids else None) and "kv_transfer_params" not in out
-    with pytest.raises(ValueError):
-        ft.merge(first, {"choices": []}, want_ids)
+    assert out["id"] == "cmpl-p"
+    for hostile in (
+        {"choices": []},
+        {"choices": ["x"]},
+        {"choices": [{"text": 5}]},
+        {"choices": [{"token_ids": 3}]},
+        [],
+    ):
+        with pytest.raises(ValueError):
+            ft.merge(first, hostile, want_ids)
+    odd = {"choices": [{"text": ""}], "usage": {"prompt_tokens": 4, "completion_tokens": "many"}}
+    assert ft.merge(first, odd, want_ids)["usage"] == {"prompt_tokens": 3, "completion_tokens": 1}
 
 
 def test_alone_is_the_prefill_answer_without_its_params():
@@ -113,5 +138,5 @@ def test_stream_fixer_opens_with_the_first_token_then_rewrites_the_decode_events
     assert line["choices"][0]["token_ids"] == [10] and line["choices"][0]["text"] == " B"
     usage = {"id": "cmpl-d", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}
     assert json.loads(fixer.line(b"data: " + json.dumps(usage).encode())[6:])["usage"]["prompt_tokens"] == 3
-    for passthrough in (b"\n", b"data: [DONE]\n", b"data: not json\n", b": comment\n"):
+    for passthrough in (b"\n", b"data: [DONE]\n", b"data: not json\n", b": comment\n", b'data: {"error": {}}\n'):
         assert fixer.line(passthrough) == passthrough

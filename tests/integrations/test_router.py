@@ -179,6 +179,12 @@ def test_a_first_token_that_ends_the_answer_is_the_whole_answer(stack):
     assert "kv_transfer_params" not in prefill.seen[1][1] and not decode.seen  # monolithic on the prefill server
 
 
+def test_a_decode_answer_that_is_no_completion_is_a_502(stack):
+    router, _, _ = stack(prefill_answer=_first_token_prefill(), decode_answer=lambda b: b'{"choices": ["x"]}')
+    out = _post(router.address, json.dumps({"prompt": "hi", "max_tokens": 3}).encode())
+    assert out.startswith(b"HTTP/1.1 502") and b"no completion choice" in out
+
+
 def test_decode_unreachable_mid_stream_ends_the_stream_with_an_error_event(stack):
     router, _, decode = stack(prefill_answer=_first_token_prefill())
     decode.close()

@@ -60,8 +60,10 @@ def test_router_serves_prefill_then_decode_with_monolithic_tokens(tmp_path):
     model = write_tiny_llama(str(tmp_path / "model"))
     prompt = make_prompt(PROMPT_LEN, seed=7, vocab=1000)
     with (
-        openai_server(model, _kv("kv_producer", pd_port=free_port()), str(tmp_path / "prefill.log")) as prefill,
-        openai_server(model, _kv("kv_consumer"), str(tmp_path / "decode.log")) as decode,
+        openai_server(
+            model, _kv("kv_producer", pd_port=free_port()), str(tmp_path / "prefill.log"), tokenizer=True
+        ) as prefill,
+        openai_server(model, _kv("kv_consumer"), str(tmp_path / "decode.log"), tokenizer=True) as decode,
     ):
         router = subprocess.Popen(
             [
@@ -88,6 +90,9 @@ def test_router_serves_prefill_then_decode_with_monolithic_tokens(tmp_path):
             body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
             assert _stream(srv.url, body) == monolithic
             assert settled_total(decode, "vllm:external_prefix_cache_hits_total", 2 * PULLED) == 2 * PULLED
+            plain = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0}  # text, no ids
+            text = post(prefill.url + "/v1/completions", plain)["choices"][0]["text"]
+            assert text and post(srv.url + "/v1/completions", plain)["choices"][0]["text"] == text
             with pytest.raises(urllib.error.HTTPError) as ei:
                 post(srv.url + "/v1/nothing", {})
             assert ei.value.code == 404

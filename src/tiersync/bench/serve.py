@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,11 @@ from tiersync.errors import UsageError
 __all__ = ["run"]
 
 PD_PORT = 17650
+# vLLM's shm-broadcast readers (each engine's worker process) busy-poll for 1 s after their last
+# message: on cores shared by the prefill and decode engines a request started sooner competes
+# with the other engine's spin (measured: a monolithic request right after a prefill -> decode
+# one took 4.90 s, 4.32-4.38 s after a pause). Every timed request of the pd rows waits this long.
+SETTLE_S = 1.5
 SMALL = TinyLlama()  # 512 hidden, 6 layers, 4 KV heads x 64: 12 KiB of float32 KV per token
 BIG_KV = TinyLlama(
     hidden_size=1024,
@@ -197,11 +203,16 @@ def _pd_measure(case: _Case, prefill: Any, router: Any) -> list[dict]:
     mono, pd = [], []
     prefill.generate(prompt, 1)  # warm-up of both paths on this prompt length
     router.generate(prompt, 2)
+
+    def timed(server: Any, step: str, max_tokens: int) -> dict:
+        time.sleep(SETTLE_S)  # the other engine's worker has stopped spinning
+        return {"step": step, **server.generate(prompt, max_tokens)}
+
     for _ in range(case.timed):  # the router's TTFT is the prefill's token; 2 tokens run the decode too
-        mono.append({"step": "ttft", **prefill.generate(prompt, 1)})
-        pd.append({"step": "ttft", **router.generate(prompt, 2)})
-    mono.append({"step": "gen", **prefill.generate(prompt, 16)})
-    pd.append({"step": "gen", **router.generate(prompt, 16)})
+        mono.append(timed(prefill, "ttft", 1))
+        pd.append(timed(router, "ttft", 2))
+    mono.append(timed(prefill, "gen", 16))
+    pd.append(timed(router, "gen", 16))
     ref = _Row("monolithic", mono, None)
     out = [ref.as_dict(case), _Row("tiersync_prefill_decode", pd, ref).as_dict(case)]
     if out[1]["tokens_match"] is False:

@@ -42,9 +42,10 @@ class TinyLlama:
 
 
 def write_tiny_llama(directory: str, shape: TinyLlama = TinyLlama(), seed: int = 0) -> str:
-    """Write ``config.json`` and ``model.safetensors`` (bf16) into ``directory``; reuse
-    them when the same shape and seed are already there. Returns ``directory``."""
-    stamp = json.dumps({"shape": asdict(shape), "seed": seed, "std": INIT_STD}, sort_keys=True)
+    """Write ``config.json``, ``model.safetensors`` (bf16) and a tokenizer (:func:`_tokenizer`)
+    into ``directory``; reuse them when the same shape and seed are already there. Returns
+    ``directory``."""
+    stamp = json.dumps({"shape": asdict(shape), "seed": seed, "std": INIT_STD, "tokenizer": 1}, sort_keys=True)
     marker = os.path.join(directory, "tiersync-model.json")
     if os.path.exists(marker):
         with open(marker) as f:
@@ -67,6 +68,25 @@ def write_tiny_llama(directory: str, shape: TinyLlama = TinyLlama(), seed: int =
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)
+    _tokenizer(directory, shape.vocab_size)
     with open(marker, "w") as f:
         f.write(stamp)
     return directory
+
+
+def _tokenizer(directory: str, vocab_size: int) -> None:
+    """A word-level tokenizer: token ``i`` is the text ``w<i>`` (0, 1, 2: unk, bos, eos), so a
+    server that detokenizes answers ASCII text, every token whole characters."""
+    special = [
+        {"id": i, "content": f"w{i}", "single_word": False, "lstrip": False, "rstrip": False}
+        | {"normalized": False, "special": True}
+        for i in range(3)
+    ]
+    model = {"type": "WordLevel", "vocab": {f"w{i}": i for i in range(vocab_size)}, "unk_token": "w0"}
+    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": special, "normalizer": None}
+    spec |= {"pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": {"type": "Fuse"}}
+    with open(os.path.join(directory, "tokenizer.json"), "w") as f:
+        json.dump({**spec, "model": model}, f)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "w0", "bos_token": "w1", "eos_token": "w2"}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({**config, "model_max_length": 1 << 20}, f)

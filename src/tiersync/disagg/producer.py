@@ -306,14 +306,11 @@ class KVProducer(Service):
             req = self._requests.get(read.request_id)
         if req is None:
             raise Refused(Code.NOT_FOUND, f"unknown request {read.request_id!r}: not registered or already final")
-        # a reader may take the first tokens only (a decode engine that computes the last block)
-        need = self.layout.blocks_needed(read.num_tokens)
-        if not read.num_tokens <= req.num_tokens or tuple(read.src_block_ids[:need]) != req.block_ids[:need]:
+        blocks = _run_of(req.block_ids, read.src_block_ids, self.layout.blocks_needed(read.num_tokens))
+        if blocks is None or blocks[0] * self.layout.block_size + read.num_tokens > req.num_tokens:
             raise Refused(Code.BAD_REQUEST, "mismatch: num_tokens or source block ids differ from the registration")
         try:
-            plan = self._planner.plan(
-                self.layout, read.dst_layout, req.block_ids[:need], read.dst_block_ids, read.num_tokens
-            )
+            plan = self._planner.plan(self.layout, read.dst_layout, blocks[1], read.dst_block_ids, read.num_tokens)
         except UsageError as exc:
             raise Refused(Code.BAD_REQUEST, exc.message) from None
         spans = plan.route_spans(self.rank, read.dst_rank)
@@ -362,3 +359,14 @@ class KVProducer(Service):
         if route.counted:
             return ev.CommitReply(event.request_id, ev.CommitStatus.COMMITTED)
         return ev.CommitReply(event.request_id, ev.CommitStatus.FAILED, "request timed out, was aborted or failed")
+
+
+def _run_of(registered: tuple[int, ...], asked: Sequence[int], need: int) -> tuple[int, tuple[int, ...]] | None:
+    """(first index, blocks) when the first ``need`` of ``asked`` are a run of ``registered``
+    (a reader may take part of a request: a decode engine that has its first blocks in its own
+    prefix cache, or computes the last token itself); None otherwise."""
+    ids = tuple(asked[:need])
+    if not ids or len(ids) < need or ids[0] not in registered:
+        return None
+    first = registered.index(ids[0])
+    return (first, ids) if registered[first : first + need] == ids else None

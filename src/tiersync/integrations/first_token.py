@@ -8,8 +8,11 @@ computes only the first token's K/V, by a one-token forward as a monolithic engi
 decode step does. So the greedy tokens are a monolithic engine's, and a streaming client gets
 its first token as soon as the prefill server answered.
 
-:func:`plan` says whether a request can take this flow (one prompt, one choice, no echo, no
-logprobs, no suffix); :func:`first_of` reads the prefill answer; :func:`decode_body` is what
+:func:`plan` says whether a request can take this flow: one prompt, one choice, and nothing
+that needs the first token among the output tokens (echo, logprobs, suffix, structured
+output, bad words, frequency or presence penalties) or changes the prompt (truncation);
+:func:`first_of` reads the prefill answer (None for a first token whose text is not complete
+characters, which a decode server would lose when it starts from it); :func:`decode_body` is what
 the decode server gets; :func:`merge` and :class:`StreamFixer` make the decode server's
 answer (JSON, or server-sent events) the answer for the client's own prompt: the first token's
 text and ids in front, usage counting the prompt and the tokens as the client sent and got
@@ -35,7 +38,22 @@ __all__ = [
     "prefill_body",
 ]
 
-_UNSUPPORTED = ("echo", "logprobs", "suffix", "prompt_logprobs", "use_beam_search", "prompt_embeds")
+# keys that must be absent (or None or False) for the flow; 0 counts as present (logprobs=0)
+_UNSUPPORTED = (
+    "echo",
+    "logprobs",
+    "suffix",
+    "prompt_logprobs",
+    "use_beam_search",
+    "prompt_embeds",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "truncate_prompt_tokens",
+    "logits_processors",
+)
 _DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 
 
@@ -43,11 +61,22 @@ def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
+def _absent(value: Any) -> bool:
+    return value is None or value is False
+
+
 def plan(path: str, body: dict[str, Any]) -> int | None:
     """The client's ``max_tokens`` when ``body`` can take the first-token flow, else None."""
-    if path != "/v1/completions" or any(body.get(k) not in (None, False) for k in _UNSUPPORTED):
+    if path != "/v1/completions" or not all(_absent(body.get(k)) for k in _UNSUPPORTED):
         return None
-    if body.get("n", 1) not in (None, 1) or body.get("best_of", 1) not in (None, 1):
+    if body.get("n", 1) not in (None, 1) or body.get("best_of", 1) not in (None, 1) or body.get("bad_words"):
+        return None
+    if not all(_absent(body.get(k)) or body.get(k) is True for k in ("stream", "return_token_ids")):
+        return None  # 1 or "true" would be read differently here and by vLLM
+    if body.get("frequency_penalty") not in (None, 0) or body.get("presence_penalty") not in (None, 0):
+        return None  # vLLM counts output tokens only: the first would be a prompt token
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         return None
     if not (isinstance(body.get("prompt"), str) or _is_ids(body.get("prompt"))):
         return None
@@ -79,8 +108,9 @@ class First:
 
 
 def first_of(answer: Any) -> First | None:
-    """The first token of a prefill answer; None when it lacks one (the router then falls
-    back to the decode server computing the prompt's last block)."""
+    """The first token of a prefill answer; None when it lacks one or its text is not whole
+    characters (the router then sends the client's own request to the decode server, which
+    computes the prompt's last token)."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         return None
@@ -88,13 +118,16 @@ def first_of(answer: Any) -> First | None:
     ids, prompt, text = c.get("token_ids"), c.get("prompt_token_ids"), c.get("text")
     if not (_is_ids(ids) and len(ids) == 1 and _is_ids(prompt) and isinstance(text, str)):
         return None
+    if not text or text.endswith("\ufffd"):  # part of a character: the next token completes it
+        return None
     return First(answer, text, ids, prompt, c.get("finish_reason"))
 
 
 def decode_body(body: dict[str, Any], first: First, max_tokens: int, params: dict[str, Any]) -> dict[str, Any]:
     """The decode server's request: the prompt's ids and the first token, for the rest."""
     ask = {**body, "prompt": first.prompt_ids + first.token_ids, "max_tokens": max_tokens - 1}
-    ask.pop("max_completion_tokens", None)
+    for key in ("max_completion_tokens", "truncation_side"):  # the prefill's prompt ids are final
+        ask.pop(key, None)
     if isinstance(body.get("min_tokens"), int):
         ask["min_tokens"] = max(0, body["min_tokens"] - 1)
     return {**ask, "return_token_ids": True, "kv_transfer_params": params}
@@ -114,17 +147,23 @@ def _fix_choice(choice: dict[str, Any], first: First | None, want_ids: bool) -> 
 
 def _fix_usage(usage: Any) -> None:
     """The decode server counted the first token as a prompt token: it is a completion token."""
-    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+    if isinstance(usage, dict) and type(usage.get("prompt_tokens")) is int:
+        done = usage.get("completion_tokens")
         usage["prompt_tokens"] -= 1
-        usage["completion_tokens"] = int(usage.get("completion_tokens") or 0) + 1
+        usage["completion_tokens"] = (done if type(done) is int else 0) + 1
 
 
 def merge(first: First, decoded: Any, want_ids: bool) -> dict[str, Any]:
-    """The client's answer from the decode server's JSON answer."""
-    if not isinstance(decoded, dict) or not isinstance(decoded.get("choices"), list) or not decoded["choices"]:
-        raise ValueError("the decode server's answer has no choices")
+    """The client's answer from the decode server's JSON answer (ValueError if it is not one)."""
+    choices = decoded.get("choices") if isinstance(decoded, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    if not isinstance(choice, dict) or not isinstance(choice.get("text", ""), str):
+        raise ValueError("the decode server's answer has no completion choice")
+    if not isinstance(choice.get("token_ids") or [], list):
+        raise ValueError("the decode server's answer has token_ids that are not a list")
     decoded.pop("kv_transfer_params", None)
-    _fix_choice(decoded["choices"][0], first, want_ids)
+    decoded["id"] = first.answer.get("id", decoded.get("id"))
+    _fix_choice(choice, first, want_ids)
     if want_ids:
         decoded["choices"][0]["prompt_token_ids"] = first.prompt_ids
     _fix_usage(decoded.get("usage"))
@@ -165,10 +204,10 @@ class StreamFixer:
         self.id = first.answer.get("id")
 
     def opening(self) -> bytes:
-        a = self.first.answer
-        choice = {"index": 0, "text": self.first.text, "logprobs": None, "finish_reason": None}
-        if self.want_ids:
-            choice |= {"prompt_token_ids": self.first.prompt_ids, "token_ids": self.first.token_ids}
+        a, ids = self.first.answer, self.want_ids
+        choice = {"index": 0, "text": self.first.text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+        choice["prompt_token_ids"] = self.first.prompt_ids if ids else None
+        choice["token_ids"] = self.first.token_ids if ids else None
         return event(
             {
                 "id": self.id,
@@ -187,7 +226,7 @@ class StreamFixer:
             data = json.loads(raw[6:])
         except ValueError:
             return raw
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) or "error" in data:
             return raw
         data["id"] = self.id
         for choice in data.get("choices") or []:

@@ -12,9 +12,10 @@ true}``); the prefill engine (``kv_role="kv_producer"``) computes the prompt and
   those params, for the rest: it pulls the KV of every prompt token and computes none of them
   (:mod:`tiersync.integrations.first_token`). A first token that ends the answer (EOS, a stop
   string, ``max_tokens`` 1) is the whole answer.
-- anything else (chat, several prompts or choices): the client's own request, with those
-  params, goes to the decode server, which pulls the prompt's full blocks and computes the
-  last, partial one; its answer is relayed (streamed as it comes when the client asked).
+- anything else (chat, several prompts or choices, structured output...): the client's own
+  request, with those params, goes to the decode server, which pulls the KV of all but the
+  prompt's last token and computes that one; its answer is relayed (streamed as it comes
+  when the client asked).
 
 Several ``--prefill`` / ``--decode`` URLs are used in turn.
 
@@ -30,6 +31,7 @@ the upstream timeout; at most ``max_connections`` clients are served at once (mo
 from __future__ import annotations
 
 import contextlib
+import http.client
 import itertools
 import json
 import logging
@@ -121,8 +123,11 @@ class Router:
 
     def ask(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST ``body`` to ``url + path``: the JSON object it answered. _Upstream otherwise."""
-        with self.call(url, path, body) as answer:
-            raw = answer.read(self.config.max_body + 1)
+        try:
+            with self.call(url, path, body) as answer:
+                raw = answer.read(self.config.max_body + 1)
+        except (OSError, http.client.HTTPException) as exc:  # the answer broke off
+            raise _Upstream(502, f"{url} failed mid-answer: {exc!r}") from None
         try:
             parsed = json.loads(raw) if len(raw) <= self.config.max_body else None
         except ValueError:
@@ -246,13 +251,22 @@ class _Handler(BaseHTTPRequestHandler):
                 self._chunk(first_token.event({"error": {"message": str(exc), "code": exc.status}}))
                 self._chunk(b"data: [DONE]\n\n")
             else:
-                with upstream:
-                    while line := upstream.readline(self.server.router.config.max_body):
-                        self._chunk(fixer.line(line))
+                self._events(upstream, fixer)
             self.wfile.write(b"0\r\n\r\n")
         except OSError as exc:
             log.info("router: stream to %s ended: %s", self.client_address[0], exc)
             self.close_connection = True
+
+    def _events(self, upstream: Any, fixer: first_token.StreamFixer) -> None:
+        """Relay the decode server's events; one that breaks off ends with an error event."""
+        with upstream:
+            try:
+                while line := upstream.readline(self.server.router.config.max_body):
+                    self._chunk(fixer.line(line))
+                return
+            except (http.client.HTTPException, TimeoutError, ConnectionError) as exc:
+                message = f"the decode server's answer broke off: {exc!r}"
+        self._chunk(first_token.event({"error": {"message": message, "code": 502}}) + b"data: [DONE]\n\n")
 
     def _body(self, limit: int) -> dict[str, Any] | None:
         try:
@@ -282,7 +296,7 @@ class _Handler(BaseHTTPRequestHandler):
                 while chunk := upstream.read1(_CHUNK):
                     self._chunk(chunk)
                 self.wfile.write(b"0\r\n\r\n")
-            except OSError as exc:  # the client or the upstream went away mid-answer: end this connection
+            except (OSError, http.client.HTTPException) as exc:  # a side went away mid-answer: end this connection
                 log.info("router: relay to %s ended: %s", self.client_address[0], exc)
                 self.close_connection = True
 

@@ -61,6 +61,7 @@ class _Req:
     pending_source: SourceSpec | None = None
     start: int = 0
     remote_id: str = ""
+    warned: bool = False
 
 
 class PDScheduler:
@@ -90,20 +91,22 @@ class PDScheduler:
             source = SourceSpec.from_dict(raw.get("source"))
         except UsageError:
             return 0, False  # a malformed description is a miss, not a crash
-        usable = self._usable(request, source, raw.get("prompt"), raw.get("prompt_tokens"))
+        usable = self._usable(r, source, raw.get("prompt"), raw.get("prompt_tokens"))
         start = num_computed_tokens // self.block_size * self.block_size
         if usable <= start:
             return 0, False
         r.pending_source, r.start, r.remote_id = source, start // self.block_size, raw["request_id"]
         return usable - start, True
 
-    def _usable(self, request: Any, source: SourceSpec, digest: Any, n: Any) -> int:
+    def _usable(self, r: _Req, source: SourceSpec, digest: Any, n: Any) -> int:
         """How many of the source's prompt tokens (``n``) this request can load (module docstring)."""
-        prompt = request.prompt_token_ids or ()
+        request, prompt = r.request, r.request.prompt_token_ids or ()
         if type(n) is not int or not source.num_tokens - self.block_size < n <= source.num_tokens:
             return 0
         if len(prompt) < n or digest != prompt_digest(prompt[:n]):
-            log.warning("request %s: its prompt does not extend the prefill's; computing it", request.request_id)
+            if not r.warned:
+                log.warning("request %s: its prompt does not extend the prefill's: computed", request.request_id)
+            r.warned = True
             return 0
         return min(request.num_tokens - 1, n)  # vLLM computes at least one token
 
