@@ -20,7 +20,8 @@ What the decode engine loads depends on the prompt the router sends it:
   token's K/V come from a one-token forward, not the prefill's batched one, so logprobs may
   differ from a monolithic engine's in their last bits (about 1e-6 here), as they do after a
   chunked prefill.
-- a prompt that does not start with the prefill's prompt (the digest differs): nothing.
+- a prompt that does not start with the prefill's prompt (the digest differs), or a prefill
+  engine with another block size (its blocks would be regrouped token by token): nothing.
 
 A failed pull is reported as load errors, so the decode engine recomputes.
 """
@@ -102,6 +103,11 @@ class PDScheduler:
         """How many of the source's prompt tokens (``n``) this request can load (module docstring)."""
         request, prompt = r.request, r.request.prompt_token_ids or ()
         if type(n) is not int or not source.num_tokens - self.block_size < n <= source.num_tokens:
+            return 0
+        if source.layout.block_size != self.block_size:  # tokens regrouped: offsets inside a block
+            if not r.warned:  # mean nothing for vLLM's packed CPU blocks
+                log.warning("request %s: the prefill engine's block size differs: computed", request.request_id)
+            r.warned = True
             return 0
         if len(prompt) < n or digest != prompt_digest(prompt[:n]):
             if not r.warned:

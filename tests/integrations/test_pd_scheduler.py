@@ -1,0 +1,52 @@
+"""What a decode engine's scheduler loads of a prefill engine's KV (``pd_scheduler``'s module
+docstring, one case each). The scheduler imports vLLM, so the cases run in the vLLM venv
+(``_pd_scheduler_cases.py``) and their answers are checked here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from _vllm_engine import require_vllm
+from tiersync.bench.serve_engine import vllm_python
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def answers() -> dict:
+    require_vllm()
+    script = os.path.join(os.path.dirname(__file__), "_pd_scheduler_cases.py")
+    out = subprocess.run([vllm_python(), script], check=True, capture_output=True, text=True, timeout=300)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_prompt_and_the_first_token_loads_every_prompt_token(answers):
+    assert answers["prompt_and_first_token"] == [300, True]
+
+
+def test_the_same_prompt_loads_all_but_the_last_token(answers):
+    assert answers["same_prompt"] == [299, True]
+
+
+def test_blocks_in_the_local_prefix_cache_are_not_loaded_again(answers):
+    assert answers["local_prefix_hit"] == [172, True]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "other_prompt",  # the digest differs
+        "shorter_prompt",
+        "other_block_size",  # tokens inside vLLM's packed CPU blocks have no offsets to regroup
+        "count_not_int",
+        "count_past_blocks",
+        "count_short_of_blocks",
+        "malformed_source",
+    ],
+)
+def test_anything_else_loads_nothing(answers, case):
+    assert answers[case] == [0, False]
