@@ -84,10 +84,10 @@ def _raw(address: str, request: bytes) -> bytes:
         return out
 
 
-def _post(address: str, body: bytes, extra: bytes = b"") -> bytes:
+def _post(address: str, body: bytes, extra: bytes = b"", path: bytes = b"/v1/completions") -> bytes:
     return _raw(
         address,
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
         + body
         + extra,
@@ -106,6 +106,16 @@ def test_decode_gets_only_the_prefill_servers_kv_params(stack):
         "do_remote_decode": True
     }
     assert decode.seen[0][1]["kv_transfer_params"] == PARAMS and decode.seen[0][1]["max_tokens"] == 5
+
+
+def test_chat_prefill_caps_min_tokens_at_its_one_token(stack):
+    router, prefill, decode = stack()
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "min_tokens": 4}
+    out = _post(router.address, json.dumps(body).encode(), path=b"/v1/chat/completions")
+    assert b"200 OK" in out.split(b"\r\n")[0]
+    assert prefill.seen[0][0] == "/v1/chat/completions"
+    assert prefill.seen[0][1]["max_tokens"] == 1 and prefill.seen[0][1]["min_tokens"] == 1
+    assert decode.seen[0][1]["min_tokens"] == 4 and decode.seen[0][1]["max_tokens"] == 6
 
 
 def test_prefill_without_params_sends_the_request_to_decode_without_any(stack):

@@ -115,10 +115,7 @@ class Router:
 
     def prefill(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         """Run the prompt on prefill server ``url``: the ``kv_transfer_params`` it returned."""
-        ask = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
-        ask.pop("stream_options", None)
-        ask.pop("max_completion_tokens", None)
-        params = self.ask(url, path, ask).get("kv_transfer_params")
+        params = self.ask(url, path, first_token.prefill_body(body)).get("kv_transfer_params")
         return params if isinstance(params, dict) else None
 
     def ask(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
