@@ -1,11 +1,14 @@
 """Run under the vLLM venv's python (``pd_scheduler`` imports vLLM): what a decode engine's
 scheduler answers ``get_num_new_matched_tokens`` for each case of ``test_pd_scheduler.py``,
-with vLLM's request reduced to the fields the hook reads. Prints one JSON object."""
+and what a prefill engine's does with a served prompt that finished, with vLLM's request and
+scheduler output reduced to the fields the hooks read. Prints one JSON object."""
 
 from __future__ import annotations
 
 import json
 from types import SimpleNamespace
+
+from vllm.v1.request import RequestStatus
 
 from tiersync.disagg import KVOrder, PagedKVLayout, SourceSpec
 from tiersync.integrations.vllm.pd_scheduler import SOURCE_KEY, PDScheduler, prompt_digest
@@ -34,6 +37,34 @@ def _matched(prompt: list[int], params: dict, computed: int = 0) -> list:
     return list(PDScheduler(producer=False, layout=_layout(), addresses=()).num_new_matched_tokens(request, computed))
 
 
+def _finished(status: RequestStatus) -> dict:
+    """A prefill engine's scheduler: the step that ends a 300-token prompt, the request finishing
+    with ``status``, the next step. What it returned, what each step told the workers."""
+    sched = PDScheduler(producer=True, layout=_layout(), addresses=("127.0.0.1:1",))
+    request = SimpleNamespace(
+        request_id="p-1", prompt_token_ids=PROMPT, num_tokens=len(PROMPT),
+        kv_transfer_params={"do_remote_decode": True}, status=RequestStatus.RUNNING,
+    )  # fmt: skip
+    assert sched.num_new_matched_tokens(request, 0) == (0, False)
+    new = SimpleNamespace(req_id="p-1", block_ids=([4, 5, 6],), num_computed_tokens=0)
+    step = sched.build_meta(_output([new], {"p-1": len(PROMPT)}))
+    request.status = status
+    hold, params = sched.finished(request)
+    after = sched.build_meta(_output([], {}))
+    return {
+        "sends": [[j.req_id, list(j.block_ids)] for j in step.sends],
+        "hold": hold,
+        "params": sorted(params[SOURCE_KEY]) if params else None,
+        "aborts": after.aborts,
+        "aborts_later": sched.build_meta(_output([], {})).aborts,
+    }
+
+
+def _output(new: list, scheduled: dict) -> SimpleNamespace:
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    return SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens=scheduled, scheduled_cached_reqs=cached)
+
+
 CASES = {
     "prompt_and_first_token": _matched(PROMPT + [7], _params()),
     "same_prompt": _matched(PROMPT, _params()),
@@ -45,6 +76,9 @@ CASES = {
     "count_past_blocks": _matched(PROMPT + [7], _params(prompt_tokens=500)),
     "count_short_of_blocks": _matched(PROMPT + [7], _params(prompt_tokens=100)),
     "malformed_source": _matched(PROMPT + [7], {SOURCE_KEY: {"request_id": "p-1", "source": {"layout": 1}}}),
+    "finished_length_capped": _finished(RequestStatus.FINISHED_LENGTH_CAPPED),
+    "finished_stopped": _finished(RequestStatus.FINISHED_STOPPED),
+    "finished_aborted": _finished(RequestStatus.FINISHED_ABORTED),
 }
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """What a decode engine's scheduler loads of a prefill engine's KV (``pd_scheduler``'s module
-docstring, one case each). The scheduler imports vLLM, so the cases run in the vLLM venv
+docstring, one case each), and which finished prompts a prefill engine keeps serving. The scheduler imports vLLM, so the cases run in the vLLM venv
 (``_pd_scheduler_cases.py``) and their answers are checked here."""
 
 from __future__ import annotations
@@ -50,3 +50,18 @@ def test_blocks_in_the_local_prefix_cache_are_not_loaded_again(answers):
 )
 def test_anything_else_loads_nothing(answers, case):
     assert answers[case] == [0, False]
+
+
+def test_a_prompt_stopped_at_its_token_budget_is_kept_for_the_decode_engine(answers):
+    got = answers["finished_length_capped"]
+    assert got["sends"] == [["p-1", [4, 5, 6]]]
+    assert got["hold"] is True and got["params"] == ["prompt", "prompt_tokens", "request_id", "source"]
+    assert got["aborts"] == [] and got["aborts_later"] == []
+
+
+@pytest.mark.parametrize("case", ["finished_stopped", "finished_aborted"])
+def test_a_prompt_that_ended_otherwise_frees_its_blocks_and_the_workers_stop_serving(answers, case):
+    got = answers[case]
+    assert got["sends"] == [["p-1", [4, 5, 6]]]
+    assert got["hold"] is False and got["params"] is None
+    assert got["aborts"] == ["p-1"] and got["aborts_later"] == []  # told once, in the next step

@@ -87,7 +87,9 @@ def _raw(address: str, request: bytes) -> bytes:
 def _post(address: str, body: bytes, extra: bytes = b"", path: bytes = b"/v1/completions") -> bytes:
     return _raw(
         address,
-        b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST "
+        + path
+        + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
         + body
         + extra,

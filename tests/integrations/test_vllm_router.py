@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from _vllm_engine import complete, free_port, openai_server, require_vllm, settled_total
+from _vllm_engine import complete, free_port, metrics, openai_server, require_vllm, settled_total, total
 from tiersync.bench.engine_server import Server, post
 from tiersync.bench.serve_engine import make_prompt
 from tiersync.bench.tiny_llama import write_tiny_llama
@@ -53,6 +54,18 @@ def _stream(url: str, body: dict) -> list[int]:
                 for choice in json.loads(line[6:])["choices"]:
                     tokens += choice.get("token_ids") or []
     return tokens
+
+
+def _kv_usage_settles_at_zero(srv: Server, timeout: float = 20) -> bool:
+    """Whether the engine's KV pool becomes empty within ``timeout`` s (it records a step's stats
+    after the step); a prompt pinned for a decode engine would keep it above zero for
+    ``load_timeout_s`` (120 s)."""
+    deadline = time.monotonic() + timeout
+    while total(metrics(srv), "vllm:kv_cache_usage_perc") > 0:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
 
 
 def test_router_serves_prefill_then_decode_with_monolithic_tokens(tmp_path):
@@ -93,6 +106,17 @@ def test_router_serves_prefill_then_decode_with_monolithic_tokens(tmp_path):
             plain = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0}  # text, no ids
             text = post(prefill.url + "/v1/completions", plain)["choices"][0]["text"]
             assert text and post(srv.url + "/v1/completions", plain)["choices"][0]["text"] == text
+            # a first token that ends the answer (here a stop token): the router answers with it
+            # alone and no decode engine reads that prompt's KV, so the prefill engine frees it
+            # at once instead of pinning it for load_timeout_s
+            first = monolithic[0]
+            stop = {**plain, "stop_token_ids": [first], "include_stop_str_in_output": True}
+            ended = post(srv.url + "/v1/completions", {**stop, "return_token_ids": True})["choices"][0]
+            assert ended["finish_reason"] == "stop" and ended["token_ids"] == [first]
+            assert _kv_usage_settles_at_zero(prefill)
+            asked = post(prefill.url + "/v1/completions", {**stop, "kv_transfer_params": {"do_remote_decode": True}})
+            assert asked.get("kv_transfer_params") is None  # as a router's prefill request: nothing to read
+            assert _kv_usage_settles_at_zero(prefill)
             with pytest.raises(urllib.error.HTTPError) as ei:
                 post(srv.url + "/v1/nothing", {})
             assert ei.value.code == 404

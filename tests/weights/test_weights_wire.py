@@ -4,6 +4,7 @@ bounded, the vocabulary, and the version segment's header checks."""
 from __future__ import annotations
 
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -172,3 +173,32 @@ def test_segment_header_size_and_version_checks(tmp_path):
             SegmentReader(path, payload)
     finally:
         w.close()
+
+
+def test_span_sums_are_computed_once_for_receivers_asking_at_once(monkeypatch):
+    from tiersync.weights import serving
+
+    calls = []
+    real = serving.sum_of
+    monkeypatch.setattr(serving, "sum_of", lambda algo, parts: calls.append(1) or real(algo, parts))
+    sums, shard = serving._Sums(), np.random.default_rng(1).integers(0, 255, 16 << 20, dtype=np.uint8)
+    span = StridedSpan(0, shard.size)
+    payload = span_payload(shard, span)
+    start, got = threading.Barrier(6), []
+
+    def receiver(rid: int) -> None:
+        start.wait()
+        got.append(sums.of(Get(rid, 4, "w", (0,), span), payload))
+
+    threads = [threading.Thread(target=receiver, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(set(got)) == 1
+    assert got[0] == (serving.SUPPORTED[0], real(serving.SUPPORTED[0], payload))
+    sums.of(Get(9, 3, "w", (0,), span), payload)  # an older version: summed, never kept
+    sums.of(Get(10, 3, "w", (0,), span), payload)
+    assert len(calls) == 3
+    sums.of(Get(11, 4, "w", (0,), span), payload)  # the newest version's sum stays known
+    assert len(calls) == 3

@@ -35,6 +35,7 @@ answer was written (the bytes must not change before). Raises a TierSyncError to
 
 _ROWS_SENT_AS_IOVEC = 256  # strided spans of at most this many rows of >= 64 KiB go out zero-copy
 _MAX_SUMS = 1 << 16  # cached span checksums (one version's chunks)
+_WAIT_S = 30.0  # most a GET waits for another's sum of its span before summing it itself
 
 
 def span_payload(shard: np.ndarray, span: StridedSpan) -> list[memoryview]:
@@ -53,13 +54,16 @@ def span_payload(shard: np.ndarray, span: StridedSpan) -> list[memoryview]:
 
 class _Sums:
     """Payload checksums of the newest version's spans, computed once for every receiver that
-    GETs the span (replicated samplers ask for the same ones). Sound because a version's bytes
-    never change while it is served and versions only grow. The stack sends a known sum only
-    when it is of the connection's algorithm (this build's first choice: almost always)."""
+    GETs the span (replicated samplers ask for the same ones, usually at the same moment: a
+    GET for a span being summed waits for that sum instead of summing it again). Sound because
+    a version's bytes never change while it is served and versions only grow. The stack sends
+    a known sum only when it is of the connection's algorithm (this build's first choice:
+    almost always)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sums: dict[tuple, int] = {}
+        self._busy: dict[tuple, threading.Event] = {}  # being summed -> set when known
         self._version = -1
 
     def of(
@@ -67,17 +71,31 @@ class _Sums:
     ) -> tuple[PayloadChecksum, int]:
         key, algo = (get.version, get.tensor, get.span if span is None else span), SUPPORTED[0]
         with self._lock:
-            known = self._sums.get(key)
+            known, busy = self._sums.get(key), self._busy.get(key)
+            mine = known is None and busy is None and get.version >= self._version
+            if mine:
+                busy = self._busy[key] = threading.Event()
         if known is not None:
             return algo, known
+        if not mine and busy is not None and busy.wait(_WAIT_S):
+            with self._lock:
+                known = self._sums.get(key)
+            if known is not None:
+                return algo, known
         value = sum_of(algo, payload)
-        with self._lock:
-            if get.version > self._version or len(self._sums) >= _MAX_SUMS:
-                self._sums.clear()
-                self._version = max(get.version, self._version)
-            if get.version == self._version:
-                self._sums[key] = value
+        if mine:
+            self._keep(key, get.version, value)
         return algo, value
+
+    def _keep(self, key: tuple, version: int, value: int) -> None:
+        with self._lock:
+            if version > self._version or len(self._sums) >= _MAX_SUMS:
+                self._sums.clear()
+                self._version = max(version, self._version)
+            if version == self._version:
+                self._sums[key] = value
+            busy = self._busy.pop(key)
+        busy.set()
 
 
 class SpanService(Service):

@@ -100,7 +100,9 @@ class ReadJob:
 
 @dataclass
 class PDMeta(KVConnectorMetadata):
-    """One prefill->decode step: requests to start serving, reads to start."""
+    """One prefill->decode step: requests to start serving, reads to start, and requests no
+    decode engine will read (served since an earlier step; their blocks are vLLM's again)."""
 
     sends: list[SendJob] = field(default_factory=list)
     reads: list[ReadJob] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)

@@ -23,7 +23,9 @@ What the decode engine loads depends on the prompt the router sends it:
 - a prompt that does not start with the prefill's prompt (the digest differs), or a prefill
   engine with another block size (its blocks would be regrouped token by token): nothing.
 
-A failed pull is reported as load errors, so the decode engine recomputes.
+A failed pull is reported as load errors, so the decode engine recomputes. The prefill engine
+keeps a prompt's blocks for a decode engine only when the prompt stopped at its token budget;
+one that ended otherwise (EOS or a stop string first, aborted) frees them (:meth:`finished`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class PDScheduler:
         self.producer, self.layout, self.addresses = producer, layout, addresses
         self.block_size = layout.block_size
         self._reqs: dict[str, _Req] = {}
+        self._aborts: list[str] = []  # producer: served, then finished with no decode to come
         self.loaded_blocks = 0
 
     def _params(self, request: Any) -> dict:
@@ -135,6 +138,7 @@ class PDScheduler:
                     self.loaded_blocks += len(r.read.dst_block_ids)
                     r.read, r.sent = None, True  # issued once; a failure is recomputed, not retried
             return meta
+        meta.aborts, self._aborts = self._aborts, []
         for req in out.scheduled_new_reqs:
             self._step(
                 meta,
@@ -169,9 +173,18 @@ class PDScheduler:
         r.sent = True
 
     def finished(self, request: Any) -> tuple[bool, dict | None]:
-        """Producer: keep the blocks until the decode side has read them; return where it reads."""
+        """Producer: keep the blocks until the decode side has read them; return where it reads.
+
+        Only a prompt that stopped at its token budget (``max_tokens``, as a router asks it)
+        has a decode to come. One that ended otherwise (EOS or a stop string as its first token:
+        the answer is complete; aborted: no one waits) frees its blocks now, as vLLM's own NIXL
+        connector does, and the workers stop serving them at the next step, before any forward
+        can write to them: otherwise they stay pinned until ``load_timeout_s``."""
         r = self._reqs.pop(request.request_id, None)
         if not self.producer or r is None or not r.sent:
+            return False, None
+        if getattr(getattr(request, "status", None), "name", None) != "FINISHED_LENGTH_CAPPED":
+            self._aborts.append(request.request_id)
             return False, None
         prompt = request.prompt_token_ids or ()
         blocks = -(-len(prompt) // self.block_size)

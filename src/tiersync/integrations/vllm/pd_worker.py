@@ -76,6 +76,7 @@ class PDWorker:
         self._failed_now: set[str] = set()  # reads refused before they started
         self._attempted: set[str] = set()  # producer: sends tried this step
         self._pending: set[str] = set()  # producer: registered, not yet reported by the server
+        self._dropped: set[str] = set()  # producer: dropped this step, never reported to vLLM
         self._local: dict[str, str] = {}  # consumer: the prefill engine's request id -> ours
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
@@ -111,6 +112,17 @@ class PDWorker:
                 continue  # not served: the decode side's read fails and it recomputes
             self._sending.append(job.req_id)
             self._pending.add(job.req_id)
+
+    def drop_sends(self, req_ids: Sequence[str]) -> None:
+        """Stop serving requests vLLM finished without a decode to come (it freed their blocks):
+        readers are refused from now on, and the requests are never reported as sent."""
+        for rid in req_ids:
+            self._dropped.add(rid)
+            self._pending.discard(rid)
+            self._sent.discard(rid)
+            if rid in self._sending:
+                self._sending.remove(rid)
+            self._server.abort(rid)
 
     def layer_done(self, layer_name: str) -> None:
         """``layer_name``'s KV of this step is written: push it to the readers."""
@@ -152,7 +164,11 @@ class PDWorker:
             st = self._server.poll()
             final = set(st.done_sending | st.failed_sending)
             self._pending -= final
-            self._sent |= final
+            self._sent |= final - self._dropped
+            # vLLM reports a dropped request finished in the step that drops it, and that poll
+            # reported it (abort makes it final at once) unless an earlier one did: done with it
+            self._finished -= self._dropped
+            self._dropped = set()
             ready = self._sent & self._finished
             self._sent -= ready
             self._finished -= ready

@@ -228,7 +228,9 @@ class ProducerWorkerRole(_PDWorkerRole):
     """``kv_producer``, worker: serves each finished prompt's KV, layer by layer as it is written."""
 
     def start_load_kv(self, meta: object) -> None:
-        self.worker.start_sends(_expect(meta, PDMeta).sends)
+        meta = _expect(meta, PDMeta)
+        self.worker.drop_sends(meta.aborts)  # before this step's forward writes their blocks
+        self.worker.start_sends(meta.sends)
 
     def save_kv_layer(self, meta: object, layer_name: str) -> None:
         sends = _expect(meta, PDMeta).sends

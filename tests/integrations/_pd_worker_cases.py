@@ -1,0 +1,65 @@
+"""Run under the vLLM venv's python (the worker's metadata types import vLLM): a prefill
+engine's worker serving two prompts over a real socket, one of them dropped by the scheduler
+(finished with no decode to come), each read by a real consumer. Prints one JSON object."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import torch
+
+from tiersync.disagg import DisaggConfig, KVConsumer, KVOrder, PagedKVLayout, SourceSpec
+from tiersync.integrations.vllm.metadata import SendJob
+from tiersync.integrations.vllm.pd_worker import PDWorker
+
+TOKEN = b"w" * 32
+LAYOUT = PagedKVLayout(
+    num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, num_blocks=8, dtype="float16",
+    tp_size=1, order=KVOrder.HEAD_MAJOR,
+)  # fmt: skip
+JOBS = {"keep": (1, 2), "drop": (3, 4)}
+
+
+def _read(consumer: KVConsumer, address: str, rid: str) -> tuple[str, bool]:
+    """The read's final state, and whether its blocks landed equal to the producer's."""
+    landing = [np.zeros(LAYOUT.layer_nbytes, np.uint8) for _ in range(LAYOUT.num_layers)]
+    source = SourceSpec(LAYOUT, (address,), JOBS[rid], 32)
+    state = consumer.start_read(rid, source, (0, 1), landing).wait(20)
+    return state.name, landing
+
+
+def main() -> dict:
+    caches = {f"l{i}": torch.randint(-9, 9, (LAYOUT.layer_nbytes // 2,), dtype=torch.int16) for i in range(2)}
+    worker = PDWorker(
+        producer=True, layout=LAYOUT, rank=0, config=DisaggConfig(token=TOKEN), host="127.0.0.1", port=0,
+        huge_pages=False,
+    )  # fmt: skip
+    worker.register(caches)
+    worker.start_sends([SendJob(rid, blocks, 32) for rid, blocks in JOBS.items()])
+    worker.all_layers_done()
+    worker.drop_sends(["drop"])  # what start_load_kv does with the next step's PDMeta.aborts
+    reported: list = []
+    with KVConsumer(LAYOUT, 0, DisaggConfig(token=TOKEN)) as consumer:
+        states = {}
+        for rid in JOBS:
+            states[rid], landing = _read(consumer, worker.address, rid)
+            if rid == "keep":
+                unit = LAYOUT.block_nbytes * 2  # head-major: a block's K and V
+                want = [caches[f"l{i}"].numpy().view(np.uint8) for i in range(2)]
+                exact = all(
+                    (landing[i][:2 * unit] == want[i][unit:3 * unit]).all() for i in range(2)
+                )  # fmt: skip
+        finished, end = {"keep", "drop"}, time.monotonic() + 10  # vLLM reports both finished
+        while time.monotonic() < end and "keep" not in reported:
+            reported += sorted(worker.results(finished)[0])
+            finished = set()
+        for _ in range(3):
+            reported += sorted(worker.results(set())[0])
+    worker.close()
+    return {"states": states, "exact": exact, "reported": reported}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))

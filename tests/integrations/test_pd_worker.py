@@ -1,0 +1,27 @@
+"""A prefill engine's worker: a prompt the scheduler dropped (finished with no decode to come)
+is refused to readers from the next step on and never reported to vLLM as sent, while another
+is served byte-exact and reported. The worker's types import vLLM, so the case runs in the
+vLLM venv (``_pd_worker_cases.py``) over a real socket and its answers are checked here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from _vllm_engine import require_vllm
+from tiersync.bench.serve_engine import vllm_python
+
+pytestmark = pytest.mark.vllm
+
+
+def test_a_dropped_prompt_is_refused_and_never_reported_sent():
+    require_vllm()
+    script = os.path.join(os.path.dirname(__file__), "_pd_worker_cases.py")
+    out = subprocess.run([vllm_python(), script], check=True, capture_output=True, text=True, timeout=300)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["states"] == {"keep": "DONE", "drop": "FAILED"}
+    assert got["exact"] is True
+    assert got["reported"] == ["keep"]
