@@ -140,6 +140,35 @@ def test_composed_partials_give_the_checksum_of_the_concatenation():
         kernel.tsum64_compose([kernel.tsum64_partial(b"x" * 64), b"not a state"])
 
 
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 4096, 256 << 10, (256 << 10) + 1, (1 << 20) + 4097])
+@pytest.mark.parametrize("shift", [0, 1, 32])
+def test_copy_partials_copies_and_sums_each_piece_of_what_landed(n, shift):
+    piece = 64 << 10
+    src = np.frombuffer(os.urandom(n), np.uint8)
+    room = np.zeros(n + shift, np.uint8)
+    dst = room[shift:]  # destinations aligned for streamed stores and not
+    states = kernel.copy_partials(dst, src, piece)
+    assert bytes(dst) == bytes(src)
+    parts = [states[i : i + 136] for i in range(0, len(states), 136)]
+    assert len(parts) == -(-n // piece)
+    assert kernel.tsum64_compose(parts) == reference(bytes(src))
+    assert all(p == kernel.tsum64_partial(bytes(src[k * piece : (k + 1) * piece])) for k, p in enumerate(parts))
+
+
+def test_copy_partials_refuses_bad_arguments_and_writes_nothing():
+    src, dst = np.arange(256, dtype=np.uint8), np.zeros(256, np.uint8)
+    for piece in (0, -64, 100):
+        with pytest.raises(ValueError, match="piece must be a positive multiple of 64"):
+            kernel.copy_partials(dst, src, piece)
+    with pytest.raises(ValueError, match="differ in length"):
+        kernel.copy_partials(dst[:255], src, 64)
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        kernel.copy_partials(bytes(256), src, 64)  # read-only destination
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        kernel.copy_partials(np.zeros(512, np.uint8)[::2], src, 64)  # not contiguous
+    assert not dst.any()
+
+
 def test_any_contiguous_buffer_and_single_bit_flips():
     arr = np.random.default_rng(1).integers(0, 255, size=(64, 1024), dtype=np.uint8)
     base = kernel.tsum64(arr)
@@ -178,3 +207,5 @@ def test_missing_extension_raises_a_clear_error(monkeypatch):
         kernel.tsum64(b"x")
     with pytest.raises(RuntimeError, match="native extension"):
         kernel.tsum64_hasher()
+    with pytest.raises(RuntimeError, match="native extension"):
+        kernel.copy_partials(np.zeros(64, np.uint8), np.zeros(64, np.uint8), 64)

@@ -70,6 +70,36 @@ def test_two_trainer_shards_to_tp2_dp3_samplers_bitwise(transport):
         _close(recs, pubs)
 
 
+def test_large_spans_are_answered_with_sums_taken_while_the_version_was_written(monkeypatch):
+    """Over TCP, a trainer shard's spans of at least one piece carry checksums composed from the
+    sums its copy-in took (no second read of their bytes), and the receivers verify them."""
+    from tiersync.weights import piece_sums, serving
+
+    summed = []
+    real = serving.sum_of
+    monkeypatch.setattr(serving, "sum_of", lambda algo, parts: summed.append(sum(map(len, parts))) or real(algo, parts))
+    rng = np.random.default_rng(4)
+    g = {"big": rng.standard_normal((3 * piece_sums.PIECE // 4 + 33, 4)).astype(np.float32), **model()}
+    # "big" (3 pieces + 528 bytes) in two chunks: [0, 2 pieces + 4096) is composed from pieces 0
+    # and 1 and a tail summed alone; the rest from a head summed alone and the short last piece
+    pubs = _publishers(g, 1, segment_bytes=2 * piece_sums.PIECE + 4096)
+    replicas = {n: Sharding(Mesh((2,), ("dp",)), (None,) * a.ndim) for n, a in g.items()}
+    recs = _receivers(pubs, replicas, 2, transport=TransportKind.TCP)
+    try:
+        for version in (1, 2):
+            g["big"] += 1
+            results = _publish(pubs, version)
+            assert all(res.ok for res in results), results
+            for rank, rec in enumerate(recs):
+                rec.receive(version).result(TIMEOUT)
+                with rec.acquire(TIMEOUT) as lease:
+                    assert lease.version == version
+                    assert_bitwise(lease.tensors, g, replicas, rank)
+        assert summed == []  # every span's checksum was composed, none read again whole
+    finally:
+        _close(recs, pubs)
+
+
 def test_large_fanout_relays_through_samplers_over_tcp():
     g = model(1)
     layout = Sharding.replicated(Mesh((4,), ("dp",)))

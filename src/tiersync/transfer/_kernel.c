@@ -23,6 +23,10 @@
  *   Splitting the input across update() calls never changes the result. The stripe loop is
  *   written with 32x32->64 vector multiplies (SSE2, AVX2, AVX-512F), the widest the CPU has
  *   picked at load time.
+ *
+ * tsum64_partial / tsum64_compose: a buffer's partial state, and the tsum64 of a concatenation
+ *   from its parts' states. copy_partials(dst, src, piece): copy src into dst and return the
+ *   partial state of each piece of what landed, in one pass (a trainer shard's version buffer).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -248,6 +252,49 @@ static PyObject *tsum64_compose(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(ts_digest(&st));
 }
 
+/* copy_partials(dst, src, piece): copy src into dst (equal lengths) and return the partial
+ * state (tsum64_partial) of every piece of `piece` bytes of what landed, in order (the last
+ * piece may be shorter), concatenated: one pass, the sums taken from the registers stored
+ * (ts_copy_partial). `piece` is a positive multiple of 64, so the pieces compose. */
+static PyObject *copy_partials(PyObject *self, PyObject *args) {
+    PyObject *dst_obj, *src_obj;
+    Py_ssize_t piece;
+    if (!PyArg_ParseTuple(args, "OOn", &dst_obj, &src_obj, &piece)) return NULL;
+    if (piece <= 0 || piece % 64) {
+        PyErr_SetString(PyExc_ValueError, "piece must be a positive multiple of 64");
+        return NULL;
+    }
+    Py_buffer dst, src;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    if (dst.len != src.len) {
+        PyErr_SetString(PyExc_ValueError, "dst and src differ in length");
+        goto done;
+    }
+    size_t n = (size_t)src.len, count = (n + (size_t)piece - 1) / (size_t)piece;
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(count * PARTIAL_WORDS * sizeof(uint64_t)));
+    if (out == NULL) goto done;
+    char *at = PyBytes_AS_STRING(out);
+    PyThreadState *ts = n >= TS_GIL_FREE ? PyEval_SaveThread() : NULL;
+    for (size_t i = 0; i < count; i++, at += sizeof(uint64_t) * PARTIAL_WORDS) {
+        size_t off = i * (size_t)piece, len = n - off < (size_t)piece ? n - off : (size_t)piece;
+        uint64_t w[PARTIAL_WORDS];
+        ts_copy_partial(w, w + 8, (unsigned char *)dst.buf + off, (const unsigned char *)src.buf + off, len);
+        w[16] = (uint64_t)len;
+        memcpy(at, w, sizeof w);
+    }
+    ts_copy_fence();
+    if (ts) PyEval_RestoreThread(ts);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return out;
+}
+
 /* Tests: tsum64 through a named stripe implementation ("scalar", "sse2", "avx2", "avx512"). */
 static PyObject *tsum64_using(PyObject *self, PyObject *args) {
     const char *name;
@@ -333,6 +380,7 @@ static PyMethodDef methods[] = {
     {"_tsum64_using", tsum64_using, METH_VARARGS, "Tests only: tsum64 through one stripe implementation."},
     {"tsum64_partial", tsum64_partial, METH_O, "The partial state of a buffer (bytes), for tsum64_compose."},
     {"tsum64_compose", tsum64_compose, METH_VARARGS, "tsum64 of a concatenation from its parts' partial states."},
+    {"copy_partials", copy_partials, METH_VARARGS, "Copy src into dst, the partial state of each piece landed."},
     {NULL, NULL, 0, NULL},
 };
 

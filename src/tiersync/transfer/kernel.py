@@ -57,6 +57,17 @@ def tsum64_compose(partials: list[bytes] | tuple[bytes, ...], seed: int = 0) -> 
     return int(_native.tsum64_compose(partials, seed))
 
 
+def copy_partials(dst: np.ndarray, src: np.ndarray, piece: int) -> bytes:
+    """Copy ``src`` into ``dst`` (C-contiguous, equal byte lengths) and return the
+    :func:`tsum64_partial` value of each ``piece``-byte piece of what landed, in order and
+    concatenated (the last piece may be shorter): one pass, the sums taken from the very
+    bytes stored. ``piece`` is a positive multiple of 64 (ValueError otherwise), so any run of
+    the pieces composes. Raises RuntimeError when the extension is not built."""
+    if TSUM64 is None:
+        raise RuntimeError("copy_partials needs the native extension (tiersync.transfer._kernel)")
+    return _native.copy_partials(dst, src, piece)  # type: ignore[no-any-return]
+
+
 def tsum64_hasher(seed: int = 0) -> object:
     """An incremental tsum64: ``update(buffer)`` any number of times, then ``intdigest()``.
 

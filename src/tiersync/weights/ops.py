@@ -6,7 +6,8 @@ publisher.WeightPublisher`) and registers; the shard then pushes each version to
     W_REGISTER{label, rank, host, transport, relay, zero_copy} -> W_WELCOME{transport, source_rank}
                                                                   (or ERROR: refused)
     <- W_ANNOUNCE{manifest}     one-way: version v is being written (JSON, bounded)
-    <- W_READY{v, count}        one-way: the first ``count`` tensors of v are complete
+    <- W_READY{v, count}        one-way: the first ``count`` tensors of v are complete (to
+                                samplers on shared memory; a GET waits for its tensor itself)
     W_ACK{v, ok, seconds, error, moved} ->   one-way: this sampler's outcome of v
     W_RELEASE{v} ->             one-way, zero-copy samplers: no longer reading v's segment
 

@@ -5,8 +5,10 @@
 :class:`~tiersync.weights.segment.SegmentPool` (same-host samplers read it in place) or
 anonymous memory. A version begins once the GETs of the old one finished, in a segment no
 zero-copy sampler still reads; tensor ``i`` is served (:meth:`provide`, the
-:class:`~tiersync.weights.serving.SpanService` provider) once it was written. It works under
-the publisher's condition, the lock the pool is called under.
+:class:`~tiersync.weights.serving.SpanService` provider) once it was written, and the
+checksums of its spans are composed from sums taken while it was copied in (:meth:`span_sum`,
+:class:`~tiersync.weights.piece_sums.PieceSums`). It works under the publisher's condition,
+the lock the pool is called under.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import numpy as np
 
 from tiersync.errors import UsageError
 from tiersync.net.errors import RemoteError
+from tiersync.weights.piece_sums import PieceSums, span_sum
 from tiersync.weights.segment import SegmentPool
+from tiersync.weights.spans import StridedSpan
 
 __all__ = ["PublishBuffer"]
 
@@ -42,6 +46,7 @@ class PublishBuffer:
         self._current: int | None = None  # version GETs may read
         self._ready = 0
         self._inflight = 0
+        self._sums = PieceSums(len(sizes))
         if pool is not None:
             self._store = self._segment_store(-1, set())
         else:
@@ -63,6 +68,7 @@ class PublishBuffer:
         end = time.monotonic() + timeout
         with self._cond:
             self._current, self._ready = None, 0
+            self._sums.reset()
             self._cond.notify_all()  # GETs waiting for the old version give up now
             while self._inflight and time.monotonic() < end:
                 self._cond.wait(end - time.monotonic())
@@ -72,8 +78,9 @@ class PublishBuffer:
             self._current = version
 
     def write(self, i: int, src: np.ndarray) -> None:
-        """Copy tensor ``i``'s bytes ``src`` in; GETs of it are answered from now."""
-        np.copyto(self._store[self._offsets[i] - self._offsets[0] :][: self._sizes[i]], src)
+        """Copy tensor ``i``'s bytes ``src`` in (summing its pieces on the way); GETs of it are
+        answered from now."""
+        self._sums.copy_in(i, self._store[self._offsets[i] - self._offsets[0] :][: self._sizes[i]], src)
         with self._cond:
             self._ready = i + 1
             self._cond.notify_all()
@@ -99,6 +106,18 @@ class PublishBuffer:
             self._inflight += 1
         lo = self._offsets[i] - self._offsets[0]
         return self._store[lo : lo + self._sizes[i]], self._release
+
+    def span_sum(self, version: int, name: str, span: StridedSpan) -> int | None:
+        """tsum64 of ``span`` of tensor ``name`` of ``version`` from the sums taken while it was
+        written; None when that is not known (another version, not written, or a span
+        :class:`~tiersync.weights.piece_sums.PieceSums` cannot compose): sum the bytes."""
+        i = self._index.get(name)
+        with self._cond:
+            if i is None or self._current != version or self._ready <= i:
+                return None
+            lo = self._offsets[i] - self._offsets[0]
+            flat, states = self._store[lo : lo + self._sizes[i]], self._sums.of(i)
+        return span_sum(states, flat, span)
 
     def _release(self) -> None:
         with self._cond:

@@ -26,7 +26,7 @@ import numpy as np
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net.server import TcpServer
-from tiersync.weights.config import PublisherConfig
+from tiersync.weights.config import PublisherConfig, TransportKind
 from tiersync.weights.manifest import Manifest, host_id
 from tiersync.weights.ops import Announce, Ready
 from tiersync.weights.publish_buffer import PublishBuffer
@@ -90,6 +90,7 @@ class WeightPublisher:
             self.config.io_timeout_s,
             control=self._registry.control,
             ended=self._registry.ended,
+            summer=self._buffer.span_sum,
         )
         self._server = TcpServer(self.config.listen, service, self.config.tcp_config(f"weights-publisher-{rank}"))
 
@@ -157,9 +158,10 @@ class WeightPublisher:
         announce = Announce(self._manifest(version, targets))
         for s in targets:
             self._registry.send(s, announce)
+        shm = [s for s in targets if s.transport is TransportKind.SHM]  # TCP GETs wait in provide
         for i, name in enumerate(self._names):
             self._buffer.write(i, host_bytes(self._tensors[name], name))
-            for s in targets:
+            for s in shm:
                 if s.alive:
                     self._registry.send(s, Ready(version, i + 1))
         self._buffer.complete(version)

@@ -5,7 +5,9 @@
 holder's buffer sent without a copy, or gathered when the span is many small rows), or ERROR
 when the provider refuses (stale version, unknown tensor, not there in time, span out of
 range). ``W_SUMS`` (a delta sync asking a trainer shard which chunks changed) is answered
-with the same per-span checksums DATA carries, computed once per span and version.
+with the same per-span checksums DATA carries, computed once per span and version (a trainer
+shard's ``summer`` composes them from sums taken while the version was written, without
+reading the bytes again).
 Anything else goes to ``control`` (a trainer shard's registrations and acks).
 """
 
@@ -26,12 +28,16 @@ from tiersync.weights.executor import span_view
 from tiersync.weights.ops import WEIGHTS, Get, Sums, SumsReply
 from tiersync.weights.spans import StridedSpan
 
-__all__ = ["Provider", "SpanService", "span_payload"]
+__all__ = ["Provider", "SpanService", "Summer", "span_payload"]
 
 Provider = Callable[[int, str, tuple, float], tuple[np.ndarray, Callable[[], None]]]
 """``(version, tensor, key, timeout_s) -> (flat uint8 local shard, release)`` once that tensor
 (chunk ``key`` of it, for a relay) of that version is there; ``release()`` runs once the
 answer was written (the bytes must not change before). Raises a TierSyncError to refuse."""
+
+Summer = Callable[[int, str, StridedSpan], "int | None"]
+"""``(version, tensor, span) -> tsum64 of the span's bytes``, or None when not known (the span
+is then summed from its bytes)."""
 
 _ROWS_SENT_AS_IOVEC = 256  # strided spans of at most this many rows of >= 64 KiB go out zero-copy
 _MAX_SUMS = 1 << 16  # cached span checksums (one version's chunks)
@@ -100,7 +106,8 @@ class _Sums:
 
 class SpanService(Service):
     """Answers GETs from ``provider`` (waiting at most ``timeout_s`` for the bytes); other
-    messages go to ``control(session, event) -> answers``, session ends to ``ended(session)``."""
+    messages go to ``control(session, event) -> answers``, session ends to ``ended(session)``;
+    ``summer`` knows spans' checksums without reading them (a trainer shard's version buffer)."""
 
     vocabulary = WEIGHTS
 
@@ -110,9 +117,10 @@ class SpanService(Service):
         timeout_s: float,
         control: Callable[[Session, object], Iterable[object]] | None = None,
         ended: Callable[[Session], None] | None = None,
+        summer: Summer | None = None,
     ) -> None:
         self._provider, self._timeout = provider, timeout_s
-        self._control, self._ended = control, ended
+        self._control, self._ended, self._summer = control, ended, summer
         self._sums = _Sums()
 
     def handle(self, session: Session, event: object) -> Iterable[object]:
@@ -140,7 +148,7 @@ class SpanService(Service):
             return
         try:
             payload = span_payload(shard, get.span)
-            yield ev.Data(get.request_id, payload, self._sums.of(get, payload))
+            yield ev.Data(get.request_id, payload, self._sum(get, payload, get.span))
         except ProtocolError as exc:
             yield ev.Error(get.request_id, ev.ErrorCode.BAD_REQUEST, exc.message[:512])
         finally:
@@ -154,9 +162,17 @@ class SpanService(Service):
             yield ev.Error(req.request_id, ev.ErrorCode.NOT_FOUND, exc.message[:512])
             return
         try:
-            sums = [self._sums.of(req, span_payload(shard, s), s) for s in req.spans]
+            sums = [self._sum(req, span_payload(shard, s), s) for s in req.spans]
             yield SumsReply(req.request_id, int(sums[0][0]), tuple(v for _, v in sums))
         except ProtocolError as exc:
             yield ev.Error(req.request_id, ev.ErrorCode.BAD_REQUEST, exc.message[:512])
         finally:
             release()
+
+    def _sum(self, req: Get | Sums, payload: list[memoryview], span: StridedSpan) -> tuple[PayloadChecksum, int]:
+        """The checksum of ``span``'s ``payload``: the summer's when it knows it, else summed once
+        per span and version (:class:`_Sums`)."""
+        known = None if self._summer is None else self._summer(req.version, req.tensor, span)
+        if known is not None:
+            return PayloadChecksum.TSUM64, known
+        return self._sums.of(req, payload, span)

@@ -1,0 +1,74 @@
+"""Checksums of a trainer shard's spans composed from sums taken while the version was written.
+
+A trainer shard copies each tensor of a version into its version buffer, then every sampler
+GETs spans of it, each answer carrying the span's tsum64. Summing a span when it is first
+asked for reads its bytes once more, cold, on the trainer's critical path. :class:`PieceSums`
+instead copies each tensor in with :func:`~tiersync.transfer.kernel.copy_partials` (one pass:
+the bytes stored and their sums come from the same registers) and keeps the partial state of
+every :data:`PIECE` bytes of it. tsum64 is a Fletcher pair, so the checksum of any contiguous
+span that starts on a 64-byte stripe is the composition of: the partial state of its head up
+to the first piece boundary, the states of the whole pieces inside it, and that of its tail
+(head and tail are summed from the bytes: less than a piece each). Spans that do not start
+on a stripe, strided spans, spans inside one piece, or a build without the native checksum get
+None: the caller sums them from the bytes as before.
+
+The sums are of the bytes as they were stored; a GET reads them while the version is served
+and its bytes never change meanwhile (:class:`~tiersync.weights.publish_buffer.PublishBuffer`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tiersync.transfer import kernel
+from tiersync.weights.spans import StridedSpan
+
+__all__ = ["PIECE", "PieceSums", "span_sum"]
+
+PIECE = 256 << 10
+"""Bytes per kept partial state (a multiple of 64): head and tail sums read less than this."""
+_STATE = 17 * 8  # one tsum64_partial value: 8 + 8 stripe sums and the length, native u64
+_STRIPE = 64
+
+
+class PieceSums:
+    """The partial states of the pieces of ``count`` tensors of the version being written."""
+
+    def __init__(self, count: int) -> None:
+        self._states: list[bytes | None] = [None] * count
+
+    def reset(self) -> None:
+        """A new version: no tensor's sums are known."""
+        self._states = [None] * len(self._states)
+
+    def copy_in(self, i: int, dst: np.ndarray, src: np.ndarray) -> None:
+        """Copy tensor ``i``'s bytes ``src`` into ``dst`` (flat uint8), keeping its pieces' sums
+        (none kept without the native checksum or for a source not C-contiguous)."""
+        if kernel.TSUM64 is None or not src.flags.c_contiguous:
+            self._states[i] = None
+            np.copyto(dst, src)
+            return
+        self._states[i] = kernel.copy_partials(dst, src, PIECE)
+
+    def of(self, i: int) -> bytes | None:
+        """Tensor ``i``'s pieces' partial states (for :func:`span_sum`), None when not kept."""
+        return self._states[i]
+
+
+def span_sum(states: bytes | None, flat: np.ndarray, span: StridedSpan) -> int | None:
+    """tsum64 of ``span`` of a tensor whose stored bytes are ``flat`` and whose pieces' partial
+    states are ``states`` (:meth:`PieceSums.of`); None when it cannot be composed (see the
+    module)."""
+    lo, hi = span.offset, span.offset + span.row_bytes
+    if states is None or not span.is_contiguous or lo % _STRIPE or hi > flat.size:
+        return None
+    count = len(states) // _STATE
+    first = -(-lo // PIECE)
+    last = count if hi == flat.size else hi // PIECE  # whole pieces [first, last)
+    if first >= last:
+        return None
+    parts = [kernel.tsum64_partial(memoryview(flat[lo : first * PIECE]))] if lo < first * PIECE else []
+    parts += [states[k * _STATE : (k + 1) * _STATE] for k in range(first, last)]
+    if last * PIECE < hi:
+        parts.append(kernel.tsum64_partial(memoryview(flat[last * PIECE : hi])))
+    return kernel.tsum64_compose(parts)

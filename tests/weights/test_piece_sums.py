@@ -1,0 +1,84 @@
+"""PieceSums: a trainer shard's span checksums composed from sums taken while copying in.
+
+Mirrors the module: every contiguous span starting on a stripe, with at least one whole piece
+inside, gets exactly the tsum64 of its bytes (head, pieces, tail; the tensor's short last piece
+included); other spans, a reset, or a source the kernel cannot take get None and the bytes
+are still copied; the publish buffer answers only for the version and tensors written.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from tiersync.transfer import kernel
+from tiersync.weights.piece_sums import PIECE, PieceSums, span_sum
+from tiersync.weights.publish_buffer import PublishBuffer
+from tiersync.weights.spans import StridedSpan
+
+pytestmark = pytest.mark.skipif(kernel.TSUM64 is None, reason="native extension not built")
+
+
+def _copied(n: int, seed: int = 0) -> tuple[PieceSums, np.ndarray, np.ndarray]:
+    src = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    sums, dst = PieceSums(2), np.zeros(n, np.uint8)
+    sums.copy_in(1, dst, src)
+    return sums, dst, src
+
+
+def test_composed_sums_are_the_checksums_of_the_span_bytes():
+    n = 5 * PIECE + 4097  # a short last piece
+    sums, dst, src = _copied(n)
+    assert np.array_equal(dst, src)
+    rng = random.Random(3)
+    spans = [(0, n), (0, PIECE), (PIECE, 2 * PIECE), (64, n - 64), (64, n), (3 * PIECE - 640, n), (0, 4 * PIECE + 1)]
+    spans += [(64 * rng.randrange(n // 64), 0) for _ in range(40)]
+    checked = 0
+    for lo, hi in spans:
+        hi = hi or rng.randrange(lo + 1, n + 1)
+        got = span_sum(sums.of(1), dst, StridedSpan(lo, hi - lo))
+        if got is not None:
+            assert got == kernel.tsum64(memoryview(src[lo:hi])), (lo, hi)
+            checked += 1
+        else:  # only when no whole piece lies inside the span
+            assert -(-lo // PIECE) >= (hi // PIECE if hi < n else -(-n // PIECE))
+    assert checked >= 7
+
+
+def test_spans_it_cannot_compose_get_none():
+    sums, dst, _ = _copied(3 * PIECE)
+    states = sums.of(1)
+    assert span_sum(states, dst, StridedSpan(1, 2 * PIECE)) is None  # not on a stripe
+    assert span_sum(states, dst, StridedSpan(64, 1000)) is None  # no whole piece inside
+    assert span_sum(states, dst, StridedSpan(0, 4096, (4,), (8192,))) is None  # strided
+    assert span_sum(states, dst, StridedSpan(PIECE, 3 * PIECE)) is None  # past the tensor
+    assert span_sum(sums.of(0), dst, StridedSpan(0, PIECE)) is None  # tensor 0 never copied in
+    sums.reset()
+    assert sums.of(1) is None
+
+
+def test_a_source_the_kernel_cannot_take_is_copied_without_sums():
+    sums, dst = PieceSums(1), np.zeros(2 * PIECE, np.uint8)
+    src = np.arange(4 * PIECE, dtype=np.uint8)[::2]  # not contiguous
+    sums.copy_in(0, dst, src)
+    assert np.array_equal(dst, src) and sums.of(0) is None
+
+
+def test_publish_buffer_answers_for_the_written_tensors_of_its_version():
+    sizes = [2 * PIECE, PIECE + 128]
+    buf = PublishBuffer(threading.Condition(), None, {"a": 0, "b": 1}, [0, sizes[0]], sizes, sum(sizes))
+    rng = np.random.default_rng(5)
+    data = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    whole = StridedSpan(0, sizes[0])
+    buf.begin(7, set(), 1.0)
+    assert buf.span_sum(7, "a", whole) is None  # not written yet
+    buf.write(0, data[0])
+    assert buf.span_sum(7, "a", whole) == kernel.tsum64(memoryview(data[0]))
+    assert buf.span_sum(6, "a", whole) is None and buf.span_sum(7, "nope", whole) is None
+    buf.write(1, data[1])
+    assert buf.span_sum(7, "b", StridedSpan(0, sizes[1])) == kernel.tsum64(memoryview(data[1]))
+    buf.begin(8, set(), 1.0)
+    assert buf.span_sum(8, "a", whole) is None and buf.span_sum(7, "a", whole) is None
