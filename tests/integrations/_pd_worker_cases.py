@@ -1,6 +1,7 @@
 """Run under the vLLM venv's python (the worker's metadata types import vLLM): a prefill
 engine's worker serving two prompts over a real socket, one of them dropped by the scheduler
-(finished with no decode to come), each read by a real consumer. Prints one JSON object."""
+(finished with no decode to come), each read by a real consumer, and a third whose
+registration is refused. Prints one JSON object."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def main() -> dict:
     )  # fmt: skip
     worker.register(caches)
     worker.start_sends([SendJob(rid, blocks, 32) for rid, blocks in JOBS.items()])
+    worker.start_sends([SendJob("refused", (99, 100), 32)])  # blocks past the pool: not served
     worker.all_layers_done()
+    early = sorted(worker.results(set())[0])  # nothing is reported before vLLM finishes it
     worker.drop_sends(["drop"])  # what start_load_kv does with the next step's PDMeta.aborts
     reported: list = []
     with KVConsumer(LAYOUT, 0, DisaggConfig(token=TOKEN)) as consumer:
@@ -51,14 +54,14 @@ def main() -> dict:
                 exact = all(
                     (landing[i][:2 * unit] == want[i][unit:3 * unit]).all() for i in range(2)
                 )  # fmt: skip
-        finished, end = {"keep", "drop"}, time.monotonic() + 10  # vLLM reports both finished
+        finished, end = {"keep", "drop", "refused"}, time.monotonic() + 10  # vLLM reports all finished
         while time.monotonic() < end and "keep" not in reported:
             reported += sorted(worker.results(finished)[0])
             finished = set()
         for _ in range(3):
             reported += sorted(worker.results(set())[0])
     worker.close()
-    return {"states": states, "exact": exact, "reported": reported}
+    return {"states": states, "exact": exact, "reported": sorted(reported), "early": early}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A prefill engine's worker: a prompt the scheduler dropped (finished with no decode to come)
 is refused to readers from the next step on and never reported to vLLM as sent, while another
-is served byte-exact and reported. The worker's types import vLLM, so the case runs in the
+is served byte-exact and reported; one whose registration was refused is reported once vLLM
+finished it (else vLLM would hold its blocks for good). The worker's types import vLLM, so the case runs in the
 vLLM venv (``_pd_worker_cases.py``) over a real socket and its answers are checked here."""
 
 from __future__ import annotations
@@ -24,4 +25,5 @@ def test_a_dropped_prompt_is_refused_and_never_reported_sent():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["states"] == {"keep": "DONE", "drop": "FAILED"}
     assert got["exact"] is True
-    assert got["reported"] == ["keep"]
+    assert got["reported"] == ["keep", "refused"]
+    assert got["early"] == []

@@ -109,7 +109,11 @@ class PDWorker:
             try:
                 self._server.register(job.req_id, job.block_ids, job.num_tokens, self._layers)
             except TierSyncError:
-                continue  # not served: the decode side's read fails and it recomputes
+                # not served: the decode side's read fails and it recomputes. A send that ended at
+                # once: reported once vLLM finishes the request, or vLLM would hold its blocks forever
+                if job.req_id not in self._pending:
+                    self._sent.add(job.req_id)
+                continue
             self._sending.append(job.req_id)
             self._pending.add(job.req_id)
 
