@@ -54,14 +54,16 @@ def main() -> dict:
                 exact = all(
                     (landing[i][:2 * unit] == want[i][unit:3 * unit]).all() for i in range(2)
                 )  # fmt: skip
-        finished, end = {"keep", "drop", "refused"}, time.monotonic() + 10  # vLLM reports all finished
+        # vLLM reports all finished, and a request that never had a send
+        finished, end = {"keep", "drop", "refused", "plain"}, time.monotonic() + 10
         while time.monotonic() < end and "keep" not in reported:
             reported += sorted(worker.results(finished)[0])
             finished = set()
         for _ in range(3):
             reported += sorted(worker.results(set())[0])
+    remembered = sorted(worker._finished)  # nothing left behind once every send ended
     worker.close()
-    return {"states": states, "exact": exact, "reported": sorted(reported), "early": early}
+    return {"states": states, "exact": exact, "reported": sorted(reported), "early": early, "left": remembered}
 
 
 if __name__ == "__main__":

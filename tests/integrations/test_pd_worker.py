@@ -26,4 +26,4 @@ def test_a_dropped_prompt_is_refused_and_never_reported_sent():
     assert got["states"] == {"keep": "DONE", "drop": "FAILED"}
     assert got["exact"] is True
     assert got["reported"] == ["keep", "refused"]
-    assert got["early"] == []
+    assert got["early"] == [] and got["left"] == []

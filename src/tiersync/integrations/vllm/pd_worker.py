@@ -168,14 +168,15 @@ class PDWorker:
             st = self._server.poll()
             final = set(st.done_sending | st.failed_sending)
             self._pending -= final
+            # a dropped request is never reported: this step's poll made it final (abort does at
+            # once) unless an earlier one did, and vLLM reports it finished in this step
             self._sent |= final - self._dropped
-            # vLLM reports a dropped request finished in the step that drops it, and that poll
-            # reported it (abort makes it final at once) unless an earlier one did: done with it
-            self._finished -= self._dropped
             self._dropped = set()
             ready = self._sent & self._finished
             self._sent -= ready
-            self._finished -= ready
+            # keep only ids whose send is still going: vLLM reports every finished request (ones
+            # never sent too), and a send is registered in a step before its request finishes
+            self._finished &= self._pending
             return ready, set(), set()
         st = self._client.poll()
         failed = set(st.failed_receiving) | self._failed_now
