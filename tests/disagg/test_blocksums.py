@@ -102,6 +102,31 @@ def test_regions_carry_tsum64_of_their_bytes_precomputed_or_not(order):
 
 
 @needs_native
+@pytest.mark.parametrize("order", list(KVOrder))
+def test_composed_is_the_checksum_of_a_pulls_bytes_back_to_back(order):
+    layout = _layout(order)
+    ids = [3, 4, 5, 9, 0, 1]
+    view = np.random.default_rng(7).integers(0, 256, layout.layer_nbytes, dtype=np.uint8)
+    sums, req = BlockSums(layout, threads=2), _Req(ids, [view] * 3)
+    sums.enable()
+    known = sums.known(req, 0)
+    sums.close()
+    u = sums.unit
+    cases = [
+        ([3 * u, 9 * u, 0], [3 * u, u, 2 * u]),  # whole regions, coalesced neighbours
+        ([3 * u + 64, 9 * u], [2 * u - 64, u - 1]),  # a pull cut inside regions, stripes whole
+        ([0], [5]),  # one short piece
+    ]
+    for offs, lens in cases:
+        offs, lens = np.array(offs, np.int64), np.array(lens, np.int64)
+        want = tsum64([memoryview(view[o : o + n]) for o, n in zip(offs.tolist(), lens.tolist())])
+        assert sums.composed(view, known, offs, lens) == want
+    odd = np.array([3 * u, 9 * u], np.int64), np.array([u - 1, u], np.int64)  # a piece not whole stripes
+    assert sums.composed(view, known, *odd) is None
+    assert sums.composed(view, None, *cases[0]) is None  # nothing known: the stack sums the bytes
+
+
+@needs_native
 def test_a_layer_is_summed_once_whether_the_thread_or_a_pull_gets_there_first(monkeypatch):
     """Pulls asking for a layer's sums while the thread is queued or busy with them never sum
     it a second time; every answer equals tsum64 of the block."""
@@ -137,10 +162,12 @@ def _read(consumer, producer, layout, rid, ids, ntok):
 
 
 @needs_native
-def test_same_host_reads_from_precomputed_sums_are_exact_and_changes_are_refused():
+@pytest.mark.parametrize("route", ["local", "tcp"])
+def test_reads_from_precomputed_sums_are_exact_and_changes_are_refused(route):
+    """Same host: each region's sum; TCP: each DATA's checksum composed from the regions'."""
     layout = _layout(KVOrder.HEAD_MAJOR)
     ids, ntok = list(range(4, 14)), 150  # neighbours on both sides: the route coalesces them
-    config = DisaggConfig(route="local", timeout_s=30)
+    config = DisaggConfig(route=route, timeout_s=30)
     with KVProducer(layout, 0, config) as producer, KVConsumer(layout, 0, config) as consumer:
         for n, rid in enumerate(["first", "summed", "changed"]):
             bufs = _serve(layout, ids, ntok, seed=n)
@@ -148,7 +175,7 @@ def test_same_host_reads_from_precomputed_sums_are_exact_and_changes_are_refused
             for layer in range(layout.num_layers):
                 producer.layer_ready(rid, layer)
             producer.settle(rid)
-            # before any same-host reader nothing is summed ahead; after one, settle has every layer's sums
+            # before any reader nothing is summed ahead; after one, settle has every layer's sums
             assert len(producer._requests[rid].sums) == (0 if rid == "first" else layout.num_layers)
             if rid == "changed":
                 bufs[1][ids[2] * 2 * layout.block_nbytes] ^= 0xFF  # after layer_ready: the contract broken

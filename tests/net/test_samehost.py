@@ -93,6 +93,22 @@ def test_sum_ranges_equals_tsum64_and_refuses_ranges_outside():
         local.sum_ranges(buf, [NBYTES], [1])
 
 
+def test_sum_ranges_states_are_each_ranges_partial_state_and_compose():
+    from tiersync.transfer import kernel
+
+    buf = _expected()
+    offsets, lengths = [0, 64, 5, 1 << 20], [0, (1 << 20) - 64, 63, (3 << 20) + 5]  # pieces, tails, empty
+    for threads in (1, 3):
+        states = np.zeros((len(offsets), 17), np.uint64)
+        sums = local.sum_ranges(buf, offsets, lengths, threads, states)
+        assert sums == [tsum64(buf[o : o + n]) for o, n in zip(offsets, lengths)]
+        assert [s.tobytes() for s in states] == [kernel.tsum64_partial(buf[o : o + n]) for o, n in zip(offsets, lengths)]
+        # [64, 1 MiB) then [1 MiB, 4 MiB + 5): their states compose into the run's checksum
+        assert kernel.tsum64_compose([states[1].tobytes(), states[3].tobytes()]) == tsum64(buf[64 : (4 << 20) + 5])
+    with pytest.raises(ValueError, match="states"):
+        local.sum_ranges(buf, offsets, lengths, 1, np.zeros(17, np.uint64))  # not 17 per range
+
+
 def test_refused_reads_raise_local_read_error(source):
     pid, _ = source
     with pytest.raises(local.LocalReadError, match="Bad address"):

@@ -1,11 +1,15 @@
-"""Checksums of a request's blocks for same-host readers, computed as each layer becomes ready.
+"""Checksums of a request's blocks for its readers, computed as each layer becomes ready.
 
 A same-host reader copies the regions a producer names and verifies each against the tsum64
-the producer sends with it. Summing a region when its pull arrives puts a full pass over the
-bytes on the read path (on a small host it also competes with the reader's copying threads).
-A producer that has served a same-host reader therefore sums every block region of a request
-on its own thread as soon as the layer is ready (``layer_ready``: the bytes are final from
-then on, the producer's contract), and answers a pull from those sums. A pull is cut at block
+the producer sends with it; a TCP reader verifies each DATA against the checksum in its
+header. Summing the bytes when a pull arrives puts a full pass over them on the read path (on
+a small host it also competes with the reader's copying threads). A producer that has served
+a reader therefore sums every block region of a request on its own thread as soon as the
+layer is ready (``layer_ready``: the bytes are final from then on, the producer's contract),
+keeping each region's tsum64 and its partial state, and answers a pull from those: a
+same-host pull with the regions' sums, a TCP pull's DATA with their states composed into the
+checksum of the pull's bytes (:meth:`BlockSums.composed`; a region cut by the pull is summed
+alone). A pull is cut at block
 boundaries so its regions are whole blocks wherever the route allows; a region that is not a
 whole block is summed when asked; a pull for a layer whose sums are not done yet sums the
 layer's blocks itself (or waits for the thread already summing them): never twice. A block changed
@@ -23,8 +27,12 @@ import numpy as np
 
 from tiersync.disagg.geometry import KVOrder, PagedKVLayout
 from tiersync.net import local
+from tiersync.transfer import kernel
 
 __all__ = ["BlockSums", "LayerSums", "region_unit"]
+
+_STATE_WORDS = 17  # one partial state: 8 + 8 stripe sums and the length, native u64
+_STRIPE = 64
 
 
 def region_unit(layout: PagedKVLayout) -> int:
@@ -106,9 +114,29 @@ class BlockSums:
         offs = ids * self.unit if not self._kv_major else np.concatenate([ids, ids]) * self.unit
         if self._kv_major:
             offs[len(ids) :] += self._v_base
-        sums = local.sum_ranges(req.views[layer], offs, np.full(len(offs), self.unit, np.int64), self._threads)
+        states = np.zeros((len(offs), _STATE_WORDS), np.uint64)
+        sums = local.sum_ranges(req.views[layer], offs, np.full(len(offs), self.unit, np.int64), self._threads, states)
         order = np.argsort(offs)
-        return LayerSums(offs[order], np.asarray(sums, np.uint64)[order])
+        return LayerSums(offs[order], np.asarray(sums, np.uint64)[order], states[order].tobytes())
+
+    def composed(self, view: np.ndarray, known: LayerSums | None, offs: np.ndarray, lens: np.ndarray) -> int | None:
+        """tsum64 of the spans ``(offs, lens)`` of ``view`` back to back (a TCP pull's payload):
+        each whole block region's state from ``known``, any other piece summed alone. None
+        when it cannot be composed (nothing known, no native checksum, or a piece other than
+        the last is not a whole number of 64-byte stripes): the stack sums the bytes."""
+        if known is None or not len(known) or kernel.TSUM64 is None:
+            return None
+        offs, lens = _cut(np.asarray(offs, np.int64), np.asarray(lens, np.int64), self.unit)
+        if len(lens) > 1 and (lens[:-1] % _STRIPE).any():
+            return None
+        at = np.minimum(np.searchsorted(known.offsets, offs), len(known) - 1)
+        have = ((known.offsets[at] == offs) & (lens == self.unit)).tolist()
+        size, states = _STATE_WORDS * 8, known.states
+        parts = [
+            states[k * size : (k + 1) * size] if whole else kernel.tsum64_partial(memoryview(view[o : o + n]))
+            for whole, k, o, n in zip(have, at.tolist(), offs.tolist(), lens.tolist())
+        ]
+        return kernel.tsum64_compose(parts)
 
     def regions(
         self, view: np.ndarray, known: LayerSums | None, offs: np.ndarray, lens: np.ndarray
@@ -131,10 +159,12 @@ class BlockSums:
 @dataclass(frozen=True, slots=True)
 class LayerSums:
     """One layer's block sums: ``values[i]`` is the tsum64 of the block region at ``offsets[i]``
-    (sorted), ``unit`` bytes long."""
+    (sorted), ``unit`` bytes long, and ``states[136 * i : 136 * (i + 1)]`` its partial state
+    (``kernel.tsum64_partial``'s bytes)."""
 
     offsets: np.ndarray
     values: np.ndarray
+    states: bytes
 
     def __len__(self) -> int:
         return len(self.offsets)

@@ -96,17 +96,22 @@ class LayerReads:
         return (route.req.views[route.told[n]], *route_slice(route.offsets, route.lengths, offset, length))
 
     def pull(self, session: Session, event: KvPull, route_of: Callable[[Session], Route]) -> Iterable[object]:
-        """DATA: views of the host buffer when the spans are few or large, else gathered."""
+        """DATA: views of the host buffer when the spans are few or large, else gathered; its
+        checksum composed from the layer's block sums when they are known (else the stack sums
+        the bytes as it sends them)."""
         try:
-            view, offs, lens = self.spans(route_of(session), event.n, event.offset, event.length)
+            route = route_of(session)
+            view, offs, lens = self.spans(route, event.n, event.offset, event.length)
         except Refused as exc:
             return [ev.Error(event.request_id, exc.code, str(exc)[:512])]
+        known = self.sums.known(route.req, route.told[event.n]) if self.sums.enabled else None
+        value = self.sums.composed(view, known, offs, lens)
+        checksum = None if value is None else (PayloadChecksum.TSUM64, value)
         if lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= ZERO_COPY_AVG:
-            return [
-                ev.Data(event.request_id, [memoryview(view[o : o + n]) for o, n in zip(offs.tolist(), lens.tolist())])
-            ]
+            views = [memoryview(view[o : o + n]) for o, n in zip(offs.tolist(), lens.tolist())]
+            return [ev.Data(event.request_id, views, checksum)]
         staging = gather(view, offs, lens, out=self._staging_of(session, event.length, 0))
-        return written_before_next(ev.Data(event.request_id, memoryview(staging)))
+        return written_before_next(ev.Data(event.request_id, memoryview(staging), checksum))
 
     def _staging_of(self, session: Session, nbytes: int, slot: int) -> np.ndarray:
         """The session's gather buffer ``slot``, at least ``nbytes`` (grown on demand, bounded

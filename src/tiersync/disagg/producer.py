@@ -136,8 +136,8 @@ class KVProducer(Service):
 
     def settle(self, request_id: str) -> None:
         """Finish now what :meth:`layer_ready` left to the producer's thread for the request:
-        the checksums a same-host reader is answered with, of every ready layer (a no-op
-        before any same-host reader connected, or once the request finished). A prefill
+        the checksums a reader is answered with, of every ready layer (a no-op before any
+        reader connected, or once the request finished). A prefill
         engine need not call it: its forward takes far longer than the sums, which run
         meanwhile. A benchmark does, so a read it times starts from an idle producer, as a
         decode engine's read does after the prefill answered. Raises UsageError naming
@@ -273,7 +273,7 @@ class KVProducer(Service):
     def opened(self, session: Session) -> None:
         if session.info.same_host:
             local.allow_readers()
-            self._sums.enable()
+        self._sums.enable()  # from now on each ready layer is summed ahead of its pulls
 
     def closed(self, session: Session) -> None:
         """A reader's connection ended: a request it joined and did not finish fails."""

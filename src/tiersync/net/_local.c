@@ -294,9 +294,12 @@ static PyObject *read_summed_at(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* sum_ranges(buffer, ranges, threads) -> tsum64 of each (offset, length) range of buffer, the
- * ranges cut into segments summed on up to `threads` threads and combined as read_summed's are
- * (a source checksums what it is about to offer without a Python call per range). */
+/* sum_ranges(buffer, ranges, threads[, states]) -> tsum64 of each (offset, length) range of
+ * buffer, the ranges cut into segments summed on up to `threads` threads and combined as
+ * read_summed's are (a source checksums what it is about to offer without a Python call per
+ * range). `states`, a writable buffer of 17 uint64 per range, receives each range's partial
+ * state (tsum64_partial's layout), so a run of ranges composes into the checksum of their
+ * concatenation without reading them again. */
 static void *sum_worker(void *arg) {
     task *t = arg;
     for (;;) {
@@ -307,16 +310,35 @@ static void *sum_worker(void *arg) {
     return NULL;
 }
 
+/* Each range's partial state from zero (17 u64: tsum64_partial's layout) into out: its
+ * segments joined as ts_join joins parts (S2 += m * S1 + p2; S1 += p1). */
+static void states_of(const segment *segs, const uint64_t *pairs, Py_ssize_t count, uint64_t *out) {
+    size_t at = 0;
+    for (Py_ssize_t r = 0; r < count; r++, out += 17) {
+        size_t n = (size_t)((pairs[2 * r + 1] + PIECE - 1) / PIECE);
+        memset(out, 0, 16 * sizeof(uint64_t));
+        for (size_t i = at; i < at + n; i++) {
+            uint64_t stripes = (segs[i].len + 63) / 64;
+            for (int k = 0; k < 8; k++) {
+                out[8 + k] += stripes * out[k] + segs[i].s2[k];
+                out[k] += segs[i].s1[k];
+            }
+        }
+        out[16] = pairs[2 * r + 1];
+        at += n;
+    }
+}
+
 static PyObject *sum_ranges(PyObject *self, PyObject *args) {
-    Py_buffer bv, rv;
+    Py_buffer bv, rv, sv = {0};
     int threads;
-    if (!PyArg_ParseTuple(args, "y*y*i", &bv, &rv, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*i|w*", &bv, &rv, &threads, &sv)) return NULL;
     Py_ssize_t count = rv.len / 16;
     uint64_t *pairs = PyMem_Calloc((size_t)count * 2 + 2, sizeof(uint64_t));
     Py_buffer *views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
     size_t nsegs = 0, nunits = 0;
     PyObject *out = NULL;
-    int bad = rv.len % 16 != 0 || threads < 1;
+    int bad = rv.len % 16 != 0 || threads < 1 || (sv.obj != NULL && sv.len != count * 17 * 8);
     for (Py_ssize_t r = 0; pairs && !bad && r < count; r++) {
         uint64_t off = ((const uint64_t *)rv.buf)[2 * r], len = ((const uint64_t *)rv.buf)[2 * r + 1];
         bad = off > (uint64_t)bv.len || len > (uint64_t)bv.len - off;
@@ -327,7 +349,9 @@ static PyObject *sum_ranges(PyObject *self, PyObject *args) {
     segment *segs = pairs && views && !bad ? PyMem_Calloc(nsegs + 1, sizeof(segment)) : NULL;
     size_t *units = segs ? PyMem_Calloc(nsegs + 2, sizeof(size_t)) : NULL;
     if (units == NULL) {
-        if (bad) PyErr_SetString(PyExc_ValueError, "ranges must be (offset, length) uint64 pairs inside the buffer");
+        if (bad)
+            PyErr_SetString(PyExc_ValueError, "ranges must be (offset, length) uint64 pairs inside the buffer, "
+                                              "states 17 uint64 per range");
         else PyErr_NoMemory();
         goto done;
     }
@@ -340,11 +364,23 @@ static PyObject *sum_ranges(PyObject *self, PyObject *args) {
     run(&t, want, sum_worker);
     Py_END_ALLOW_THREADS
     out = sums_of(segs, pairs, count);
+    if (out != NULL && sv.obj != NULL) {
+        uint64_t *w = PyMem_Malloc((size_t)count * 17 * sizeof(uint64_t) + 1);
+        if (w == NULL) {
+            Py_CLEAR(out);
+            PyErr_NoMemory();
+        } else {
+            states_of(segs, pairs, count, w);
+            memcpy(sv.buf, w, (size_t)count * 17 * sizeof(uint64_t)); /* sv may be unaligned */
+            PyMem_Free(w);
+        }
+    }
 done:
     PyMem_Free(units);
     PyMem_Free(segs);
     PyMem_Free(views);
     PyMem_Free(pairs);
+    if (sv.obj != NULL) PyBuffer_Release(&sv);
     PyBuffer_Release(&rv);
     PyBuffer_Release(&bv);
     return out;
@@ -361,7 +397,8 @@ static PyObject *address(PyObject *self, PyObject *obj) {
 
 static PyMethodDef methods[] = {
     {"address", address, METH_O, "address(buffer) -> int: where a C-contiguous buffer's bytes start."},
-    {"sum_ranges", sum_ranges, METH_VARARGS, "sum_ranges(buffer, ranges, threads) -> tsum64 of each range."},
+    {"sum_ranges", sum_ranges, METH_VARARGS,
+     "sum_ranges(buffer, ranges, threads[, states]) -> tsum64 of each range (and its partial state)."},
     {"read_summed_at", read_summed_at, METH_VARARGS,
      "read_summed_at(pid, remote, dest, offsets, threads[, mapping, base]) -> tsum64 of each range landed in dest."},
     {"read_summed", read_summed, METH_VARARGS,

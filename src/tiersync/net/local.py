@@ -235,13 +235,22 @@ def _refused(pid: int, exc: OSError) -> LocalReadError:
     )
 
 
-def sum_ranges(buf: np.ndarray, offsets: Sequence[int], lengths: Sequence[int], threads: int = 1) -> list[int]:
+def sum_ranges(
+    buf: np.ndarray, offsets: Sequence[int], lengths: Sequence[int], threads: int = 1, states: np.ndarray | None = None
+) -> list[int]:
     """tsum64 of each ``(offset, length)`` range of the uint8 array ``buf`` in one GIL-free call
     on up to ``threads`` threads (what a same-host source sends with a LOCAL_REPLY); a Python
-    loop where the native reader is not built."""
+    loop where the native reader is not built. ``states``: a C-contiguous uint64 array of 17
+    per range that receives each range's partial state (``kernel.tsum64_partial``'s bytes), so
+    runs of ranges compose (``kernel.tsum64_compose``) without reading them again."""
     if _native is None:
         from tiersync.transfer import kernel
 
-        return [kernel.tsum64(buf[o : o + n].data) for o, n in zip(offsets, lengths)]
+        views = [buf[o : o + n].data for o, n in zip(offsets, lengths)]
+        if states is not None:
+            states.reshape(-1)[:] = np.frombuffer(b"".join(kernel.tsum64_partial(v) for v in views), np.uint64)
+        return [kernel.tsum64(v) for v in views]
     pairs = np.stack([np.asarray(offsets, np.uint64), np.asarray(lengths, np.uint64)], axis=1)
-    return list(_native.sum_ranges(buf, pairs.tobytes(), threads))
+    if states is None:
+        return list(_native.sum_ranges(buf, pairs.tobytes(), threads))
+    return list(_native.sum_ranges(buf, pairs.tobytes(), threads, states))
