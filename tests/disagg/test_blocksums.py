@@ -295,3 +295,24 @@ def test_a_region_longer_than_the_pull_is_a_protocol_error():
 
         assert isinstance(handle.error, ProtocolError) and handle.error.fault is ProtocolFault.MALFORMED
         assert "longer than the pull" in str(handle.error)
+
+
+def test_without_the_native_checksum_nothing_is_summed_ahead_and_tcp_reads_work(monkeypatch):
+    """No native tsum64: block sums stay off (pulls are summed by the stack as they are sent)."""
+    from types import SimpleNamespace
+
+    from tiersync.disagg import blocksums
+
+    monkeypatch.setattr(blocksums, "kernel", SimpleNamespace(TSUM64=None))
+    layout = _layout(KVOrder.HEAD_MAJOR)
+    ids, ntok = list(range(4, 14)), 150
+    config = DisaggConfig(route="tcp", timeout_s=30)
+    with KVProducer(layout, 0, config) as producer, KVConsumer(layout, 0, config) as consumer:
+        for n, rid in enumerate(["a", "b"]):
+            producer.register(rid, ids, ntok, _serve(layout, ids, ntok, seed=n))
+            for layer in range(layout.num_layers):
+                producer.layer_ready(rid, layer)
+            handle, land = _read(consumer, producer, layout, rid, ids, ntok)
+            assert handle.wait(30) is RequestState.DONE, handle.error
+            np.testing.assert_array_equal(unshard(layout, [land], ids, ntok), global_kv(layout, ntok, n))
+        assert not producer._reads.sums.enabled  # no thread, no sums taken ahead

@@ -102,7 +102,9 @@ def test_sum_ranges_states_are_each_ranges_partial_state_and_compose():
         states = np.zeros((len(offsets), 17), np.uint64)
         sums = local.sum_ranges(buf, offsets, lengths, threads, states)
         assert sums == [tsum64(buf[o : o + n]) for o, n in zip(offsets, lengths)]
-        assert [s.tobytes() for s in states] == [kernel.tsum64_partial(buf[o : o + n]) for o, n in zip(offsets, lengths)]
+        assert [s.tobytes() for s in states] == [
+            kernel.tsum64_partial(buf[o : o + n]) for o, n in zip(offsets, lengths)
+        ]
         # [64, 1 MiB) then [1 MiB, 4 MiB + 5): their states compose into the run's checksum
         assert kernel.tsum64_compose([states[1].tobytes(), states[3].tobytes()]) == tsum64(buf[64 : (4 << 20) + 5])
     with pytest.raises(ValueError, match="states"):

@@ -80,8 +80,9 @@ def test_large_spans_are_answered_with_sums_taken_while_the_version_was_written(
     monkeypatch.setattr(serving, "sum_of", lambda algo, parts: summed.append(sum(map(len, parts))) or real(algo, parts))
     rng = np.random.default_rng(4)
     g = {"big": rng.standard_normal((3 * piece_sums.PIECE // 4 + 33, 4)).astype(np.float32), **model()}
-    # "big" (3 pieces + 528 bytes) in two chunks: [0, 2 pieces + 4096) is composed from pieces 0
-    # and 1 and a tail summed alone; the rest from a head summed alone and the short last piece
+    # "big" (12 pieces + 528 bytes of 16-byte rows) in chunks of 2 pieces + 4096: each composed
+    # from the whole pieces inside it and its head and tail summed alone; the last one ends on
+    # the tensor's short last piece
     pubs = _publishers(g, 1, segment_bytes=2 * piece_sums.PIECE + 4096)
     replicas = {n: Sharding(Mesh((2,), ("dp",)), (None,) * a.ndim) for n, a in g.items()}
     recs = _receivers(pubs, replicas, 2, transport=TransportKind.TCP)

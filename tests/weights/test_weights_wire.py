@@ -202,3 +202,23 @@ def test_span_sums_are_computed_once_for_receivers_asking_at_once(monkeypatch):
     assert len(calls) == 3
     sums.of(Get(11, 4, "w", (0,), span), payload)  # the newest version's sum stays known
     assert len(calls) == 3
+
+
+def test_a_span_whose_sum_failed_is_not_left_busy(monkeypatch):
+    from tiersync.weights import serving
+
+    real, fail = serving.sum_of, [True]
+
+    def flaky(algo, parts):
+        if fail.pop() if fail else False:
+            raise MemoryError("no room")
+        return real(algo, parts)
+
+    monkeypatch.setattr(serving, "sum_of", flaky)
+    sums, shard = serving._Sums(), np.arange(4096, dtype=np.uint8)
+    span = StridedSpan(0, shard.size)
+    payload = span_payload(shard, span)
+    with pytest.raises(MemoryError):
+        sums.of(Get(1, 4, "w", (0,), span), payload)
+    assert not sums._busy  # a later GET sums it at once instead of waiting for the failed one
+    assert sums.of(Get(2, 4, "w", (0,), span), payload) == (serving.SUPPORTED[0], real(serving.SUPPORTED[0], payload))

@@ -18,6 +18,7 @@ after ``layer_ready`` fails the reader's check: it is refused, never delivered.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from tiersync.net import local
 from tiersync.transfer import kernel
 
 __all__ = ["BlockSums", "LayerSums", "region_unit"]
+
+log = logging.getLogger(__name__)
 
 _STATE_WORDS = 17  # one partial state: 8 + 8 stripe sums and the length, native u64
 _STRIPE = 64
@@ -60,7 +63,10 @@ class BlockSums:
         return self._thread is not None
 
     def enable(self) -> None:
-        """From now on sum each ready layer ahead of its pulls (idempotent)."""
+        """From now on sum each ready layer ahead of its pulls (idempotent). Nothing changes
+        without the native checksum: pulls are then summed by the stack as they are sent."""
+        if kernel.TSUM64 is None:
+            return
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tiersync-kv-sums", daemon=True)
@@ -87,7 +93,10 @@ class BlockSums:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
-            self._sum_once(*job)
+            try:
+                self._sum_once(*job)
+            except Exception:  # that layer is summed when pulled; the thread goes on
+                log.exception("summing a layer ahead of its pulls failed")
 
     def _sum_once(self, req: Any, layer: int) -> None:
         with self._lock:

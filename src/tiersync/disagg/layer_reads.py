@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tiersync.disagg.blocksums import BlockSums
+from tiersync.disagg.blocksums import BlockSums, LayerSums
 from tiersync.disagg.config import DisaggConfig, RequestState
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.disagg.ops import KvPull, KvPullLocal
@@ -56,7 +56,7 @@ class Outgoing:
     joined: set[int] = field(default_factory=set)
     acked: set[int] = field(default_factory=set)
     sessions: set[Session] = field(default_factory=set)
-    sums: dict[int, dict[int, int]] = field(default_factory=dict)  # layer -> block offset -> tsum64
+    sums: dict[int, LayerSums] = field(default_factory=dict)  # layer -> its block regions' sums and states
 
 
 @dataclass(eq=False)

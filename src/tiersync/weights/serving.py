@@ -88,17 +88,21 @@ class _Sums:
                 known = self._sums.get(key)
             if known is not None:
                 return algo, known
-        value = sum_of(algo, payload)
-        if mine:
-            self._keep(key, get.version, value)
+        value: int | None = None
+        try:
+            value = sum_of(algo, payload)
+        finally:
+            if mine:  # waiters wake even when summing failed (they then sum it themselves)
+                self._keep(key, get.version, value)
+        assert value is not None  # sum_of returned
         return algo, value
 
-    def _keep(self, key: tuple, version: int, value: int) -> None:
+    def _keep(self, key: tuple, version: int, value: int | None) -> None:
         with self._lock:
             if version > self._version or len(self._sums) >= _MAX_SUMS:
                 self._sums.clear()
                 self._version = max(version, self._version)
-            if version == self._version:
+            if version == self._version and value is not None:
                 self._sums[key] = value
             busy = self._busy.pop(key)
         busy.set()
