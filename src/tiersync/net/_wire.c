@@ -14,7 +14,8 @@
  * Per frame: receives the next frame of a blocking stream
  *   socket `fd` at a frame boundary, expecting it to be the DATA answer to `request_id` whose
  *   payload is exactly len(dest) bytes:
- *     1. one scatter read (recvmsg, no MSG_WAITALL) into [header (64 bytes), dest buffers];
+ *     1. one scatter read (recvmsg, no MSG_WAITALL) into [header (64 bytes), the first TS_PIECE
+ *        bytes of the dest buffers];
  *     2. the rest of the header (MSG_WAITALL: 64 bytes at most);
  *     3. the same checks as tiersync.net.frames.decode_header, in the same order: magic,
  *        version, header checksum (xxh3_64 of bytes 0..56), op, flags/reserved, payload
@@ -42,7 +43,11 @@
 #include <sys/uio.h>
 #include "../transfer/tsum64.h"
 
-#define TS_PIECE (256 << 10)
+/* Bytes landed per recvmsg before the checksum reads them: small enough that they are still in
+ * the core's cache. Measured on a Zen 4 VM (1 MiB L2), summing right after the receive: 128 KiB
+ * pieces at 48-55 GB/s, 256 KiB ones at 16-26 GB/s (the kernel's copy had already pushed part
+ * of them out). */
+#define TS_PIECE (128 << 10)
 #define HDR 64
 #define OP_DATA 21
 #define ALGO_TSUM64 1
@@ -164,7 +169,7 @@ static void run_job(recv_job *j) {
     struct iovec iov[IOV_BATCH + 1] = {{j->hdr, HDR}};
     size_t k = 0;
     cursor c = {0, 0};
-    fill_iov(j, c, iov + 1, IOV_BATCH, j->len, &k);
+    fill_iov(j, c, iov + 1, IOV_BATCH, TS_PIECE, &k);
     ssize_t r = recvmsg_retry(j->fd, iov, k + 1, 0);
     if (r <= 0) { j->err = r < 0 ? errno : 0; return; }
     j->n = (uint64_t)r;
