@@ -109,10 +109,14 @@ class Server:
         return f"Server({self.url}, pid={self.proc.pid})"
 
     def generate(self, prompt: list[int], max_tokens: int = 16, kv_transfer_params: dict | None = None) -> dict:
+        """The server's answer plus ``client_seconds``: the POST's wall time seen from here."""
         body = {"prompt_token_ids": prompt, "max_tokens": max_tokens}
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
-        return post(self.url + "/generate", body)
+        t0 = time.perf_counter()
+        out = post(self.url + "/generate", body)
+        out["client_seconds"] = time.perf_counter() - t0
+        return out
 
     def kill(self, grace_s: float = 20.0) -> None:
         """Stop the whole process group (the engine's core and worker processes too): SIGTERM

@@ -11,9 +11,11 @@ model, each engine its own process started by :mod:`tiersync.bench.serve_engine`
 - ``tiersync_prefill_decode``: a prefill engine, a decode engine pulling the KV, a router
   (TTFT: until the router has the first token, which the prefill engine computed; each timed
   request asks two tokens, so the decode engine also pulls the KV and computes the second),
-  against ``monolithic`` (the same prompt on the prefill engine alone). The 16-token
-  generation's tokens, the first from prefill and the rest from decode, must equal the
-  monolithic engine's.
+  against ``monolithic`` (the same prompt on the prefill engine alone). Both TTFTs are one
+  HTTP POST to the prefill engine until its token is back (the router's POST; the bench's
+  for monolithic), and both rows also give ``engine_ttft_s``, the prefill engine's own time,
+  with every timed sample. The 16-token generation's tokens, the first from prefill and the
+  rest from decode, must equal the monolithic engine's.
 
 ``ttft_s`` is the median over the row's timed requests; ``ttft_ratio = ttft_s /
 baseline_ttft_s`` (lower is better). To follow the bench contract, ``gbps`` is the
@@ -208,8 +210,12 @@ def _pd_measure(case: _Case, prefill: Any, router: Any) -> list[dict]:
         time.sleep(SETTLE_S)  # the other engine's worker has stopped spinning
         return {"step": step, **server.generate(prompt, max_tokens)}
 
+    # Both TTFTs are one POST to the prefill engine until its token is back: the router's own
+    # POST (its ttft_seconds), and for monolithic the bench's (client_seconds). The router's
+    # answer arrives only after the decode engine's, so the bench cannot time that from here.
     for _ in range(case.timed):  # the router's TTFT is the prefill's token; 2 tokens run the decode too
-        mono.append(timed(prefill, "ttft", 1))
+        step = timed(prefill, "ttft", 1)
+        mono.append({**step, "ttft_seconds": step["client_seconds"]})
         pd.append(timed(router, "ttft", 2))
     mono.append(timed(prefill, "gen", 16))
     pd.append(timed(router, "gen", 16))
@@ -241,6 +247,9 @@ class _Row:
 
     def ttft(self) -> float:
         return median([s.get("ttft_seconds", s["seconds"]) for s in self.steps if s["step"] == "ttft"])
+
+    def samples(self, key: str) -> list[float]:
+        return [round(s[key], 4) for s in self.steps if s["step"] == "ttft" and key in s]
 
     def gen(self) -> dict:
         return next(s for s in self.steps if s["step"] == "gen")
@@ -277,4 +286,16 @@ class _Row:
             "cached_tokens": gen["cached_tokens"],
             "kv_bytes": kv,
             "tokens_match": None if self.ref is None else gen["tokens"] == self.ref.gen()["tokens"],
+            **self._engine_times(),
         }
+
+    def _engine_times(self) -> dict:
+        """For the pd rows: each timed TTFT, and the prefill engine's own time of it (from the
+        generate call's start to its end inside the engine), so a gap shows where it is."""
+        ttfts = self.samples("ttft_seconds")
+        if not ttfts:
+            return {}
+        engine = [round(s.get("prefill", s)["seconds"], 4) for s in self.steps if s["step"] == "ttft"]
+        out = {"ttft_samples_s": ttfts, "engine_ttft_s": round(median(engine), 4), "engine_samples_s": engine}
+        decode = self.samples("decode_seconds")
+        return {**out, "decode_samples_s": decode} if decode else out
