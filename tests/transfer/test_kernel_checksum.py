@@ -134,6 +134,7 @@ def test_composed_partials_give_the_checksum_of_the_concatenation():
         assert kernel.tsum64_compose(states) == reference(whole)
         assert kernel.tsum64_compose(states, seed=9) == reference(whole, 9)
     assert kernel.tsum64_compose([]) == reference(b"")
+    assert {len(s) for s in states} == {kernel.PARTIAL_BYTES}  # the size callers slice kept states by
     with pytest.raises(ValueError, match=r"partials\[0\] is not a whole number of stripes"):
         kernel.tsum64_compose([kernel.tsum64_partial(b"x" * 65), kernel.tsum64_partial(b"y")])
     with pytest.raises(ValueError, match=r"partials\[1\]"):

@@ -34,9 +34,6 @@ __all__ = ["BlockSums", "LayerSums", "region_unit"]
 
 log = logging.getLogger(__name__)
 
-_STATE_WORDS = 17  # one partial state: 8 + 8 stripe sums and the length, native u64
-_STRIPE = 64
-
 
 def region_unit(layout: PagedKVLayout) -> int:
     """Bytes of one summed block region of ``layout`` (a block's K and V together, or each of
@@ -123,7 +120,7 @@ class BlockSums:
         offs = ids * self.unit if not self._kv_major else np.concatenate([ids, ids]) * self.unit
         if self._kv_major:
             offs[len(ids) :] += self._v_base
-        states = np.zeros((len(offs), _STATE_WORDS), np.uint64)
+        states = np.zeros((len(offs), kernel.PARTIAL_BYTES // 8), np.uint64)
         sums = local.sum_ranges(req.views[layer], offs, np.full(len(offs), self.unit, np.int64), self._threads, states)
         order = np.argsort(offs)
         return LayerSums(offs[order], np.asarray(sums, np.uint64)[order], states[order].tobytes())
@@ -136,11 +133,11 @@ class BlockSums:
         if known is None or not len(known) or kernel.TSUM64 is None:
             return None
         offs, lens = _cut(np.asarray(offs, np.int64), np.asarray(lens, np.int64), self.unit)
-        if len(lens) > 1 and (lens[:-1] % _STRIPE).any():
+        if len(lens) > 1 and (lens[:-1] % kernel.STRIPE).any():
             return None
         at = np.minimum(np.searchsorted(known.offsets, offs), len(known) - 1)
         have = ((known.offsets[at] == offs) & (lens == self.unit)).tolist()
-        size, states = _STATE_WORDS * 8, known.states
+        size, states = kernel.PARTIAL_BYTES, known.states
         parts = [
             states[k * size : (k + 1) * size] if whole else kernel.tsum64_partial(memoryview(view[o : o + n]))
             for whole, k, o, n in zip(have, at.tolist(), offs.tolist(), lens.tolist())
@@ -168,8 +165,8 @@ class BlockSums:
 @dataclass(frozen=True, slots=True)
 class LayerSums:
     """One layer's block sums: ``values[i]`` is the tsum64 of the block region at ``offsets[i]``
-    (sorted), ``unit`` bytes long, and ``states[136 * i : 136 * (i + 1)]`` its partial state
-    (``kernel.tsum64_partial``'s bytes)."""
+    (sorted), ``unit`` bytes long, and ``states[P * i : P * (i + 1)]`` its partial state
+    (``kernel.tsum64_partial``'s bytes; P is :data:`~tiersync.transfer.kernel.PARTIAL_BYTES`)."""
 
     offsets: np.ndarray
     values: np.ndarray

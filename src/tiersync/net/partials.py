@@ -27,7 +27,6 @@ from tiersync.transfer import kernel
 __all__ = ["ChangedBlock", "PartialSums"]
 
 Known = tuple[PayloadChecksum, int] | None
-_STRIPE = 64
 
 
 class ChangedBlock(Exception):
@@ -63,7 +62,7 @@ class PartialSums:
             return None
         if any(k is None or k[0] is not PayloadChecksum.TSUM64 for _, _, k in blocks):
             return None
-        if any(len(view) % _STRIPE for _, view, _ in blocks[:-1]):
+        if any(len(view) % kernel.STRIPE for _, view, _ in blocks[:-1]):
             return None
         states = [self._state(key, view, known[1]) for key, view, known in blocks]  # type: ignore[index]
         return PayloadChecksum.TSUM64, kernel.tsum64_compose(states)

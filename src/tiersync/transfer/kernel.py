@@ -30,6 +30,11 @@ except ImportError:  # pragma: no cover
 KERNEL = "native" if _native is not None else "python-memmove"
 TSUM64: str | None = getattr(_native, "TSUM64_IMPL", None)
 """The tsum64 stripe implementation ("avx512", "avx2", "sse2", "scalar"), or None when not built."""
+STRIPE = 64
+"""tsum64 reads 64-byte stripes: buffers compose (:func:`tsum64_compose`) when every one but the
+last is a whole number of them."""
+PARTIAL_BYTES = 17 * 8
+"""Bytes of one :func:`tsum64_partial` value: 8 + 8 stripe sums and the length, native u64."""
 
 
 def tsum64(data: bytes | bytearray | memoryview | list[memoryview] | tuple[memoryview, ...], seed: int = 0) -> int:

@@ -27,8 +27,6 @@ __all__ = ["PIECE", "PieceSums", "span_sum"]
 
 PIECE = 256 << 10
 """Bytes per kept partial state (a multiple of 64): head and tail sums read less than this."""
-_STATE = 17 * 8  # one tsum64_partial value: 8 + 8 stripe sums and the length, native u64
-_STRIPE = 64
 
 
 class PieceSums:
@@ -60,15 +58,16 @@ def span_sum(states: bytes | None, flat: np.ndarray, span: StridedSpan) -> int |
     states are ``states`` (:meth:`PieceSums.of`); None when it cannot be composed (see the
     module)."""
     lo, hi = span.offset, span.offset + span.row_bytes
-    if states is None or not span.is_contiguous or lo % _STRIPE or hi > flat.size:
+    if states is None or not span.is_contiguous or lo % kernel.STRIPE or hi > flat.size:
         return None
-    count = len(states) // _STATE
+    count = len(states) // kernel.PARTIAL_BYTES
     first = -(-lo // PIECE)
     last = count if hi == flat.size else hi // PIECE  # whole pieces [first, last)
     if first >= last:
         return None
     parts = [kernel.tsum64_partial(memoryview(flat[lo : first * PIECE]))] if lo < first * PIECE else []
-    parts += [states[k * _STATE : (k + 1) * _STATE] for k in range(first, last)]
+    size = kernel.PARTIAL_BYTES
+    parts += [states[k * size : (k + 1) * size] for k in range(first, last)]
     if last * PIECE < hi:
         parts.append(kernel.tsum64_partial(memoryview(flat[last * PIECE : hi])))
     return kernel.tsum64_compose(parts)
