@@ -99,7 +99,7 @@ def test_sum_ranges_states_are_each_ranges_partial_state_and_compose():
     buf = _expected()
     offsets, lengths = [0, 64, 5, 1 << 20], [0, (1 << 20) - 64, 63, (3 << 20) + 5]  # pieces, tails, empty
     for threads in (1, 3):
-        states = np.zeros((len(offsets), 17), np.uint64)
+        states = np.zeros((len(offsets), kernel.PARTIAL_BYTES // 8), np.uint64)
         sums = local.sum_ranges(buf, offsets, lengths, threads, states)
         assert sums == [tsum64(buf[o : o + n]) for o, n in zip(offsets, lengths)]
         assert [s.tobytes() for s in states] == [

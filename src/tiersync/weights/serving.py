@@ -88,13 +88,14 @@ class _Sums:
                 known = self._sums.get(key)
             if known is not None:
                 return algo, known
-        value: int | None = None
         try:
             value = sum_of(algo, payload)
-        finally:
+        except BaseException:
             if mine:  # waiters wake even when summing failed (they then sum it themselves)
-                self._keep(key, get.version, value)
-        assert value is not None  # sum_of returned
+                self._keep(key, get.version, None)
+            raise
+        if mine:
+            self._keep(key, get.version, value)
         return algo, value
 
     def _keep(self, key: tuple, version: int, value: int | None) -> None:
