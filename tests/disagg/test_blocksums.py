@@ -150,6 +150,29 @@ def test_a_layer_is_summed_once_whether_the_thread_or_a_pull_gets_there_first(mo
         assert known.values.tolist() == [tsum64(view[o : o + sums.unit]) for o in known.offsets.tolist()]
 
 
+@needs_native
+def test_close_ends_the_thread_and_it_keeps_no_request():
+    """close() returns once the summing thread has ended, so no request's buffers are left on
+    it: freed there while the interpreter shuts down, torch-owned layers abort the process
+    ("terminate called without an active exception", seen at the exit of bench pd's producer)."""
+    import gc
+    import weakref
+
+    layout = _layout(KVOrder.HEAD_MAJOR)
+    sums = BlockSums(layout, threads=1)
+    req = _Req([3, 4, 5], [np.ones(layout.layer_nbytes, np.uint8)])
+    sums.enable()
+    thread = sums._thread
+    sums.submit(req, 0)
+    assert sums.known(req, 0) is not None
+    gone = weakref.ref(req)
+    del req
+    sums.close()
+    assert not thread.is_alive()
+    gc.collect()
+    assert gone() is None
+
+
 def _serve(layout, ids, ntok, seed):
     bufs = shard(layout, global_kv(layout, ntok, seed), ids)[0]
     return bufs

@@ -70,9 +70,15 @@ class BlockSums:
                 self._thread.start()
 
     def close(self) -> None:
+        """Stop the summing thread and wait for it (a layer being summed is finished first):
+        once closed it holds no request's buffers, so none is freed on it while the interpreter
+        shuts down (freeing torch-owned memory there aborts the process)."""
         with self._lock:
-            if self._thread is not None:
-                self._queue.put(None)
+            thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            if thread is not threading.current_thread():
+                thread.join(timeout=10)
 
     def submit(self, req: Any, layer: int) -> None:
         """Sum ``req``'s blocks in ``req.views[layer]`` (sets ``req.sums[layer]``) when enabled."""
@@ -94,6 +100,7 @@ class BlockSums:
                 self._sum_once(*job)
             except Exception:  # that layer is summed when pulled; the thread goes on
                 log.exception("summing a layer ahead of its pulls failed")
+            del job  # a finished request is not kept alive while the thread waits for the next
 
     def _sum_once(self, req: Any, layer: int) -> None:
         with self._lock:
