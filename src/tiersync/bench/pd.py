@@ -275,6 +275,9 @@ def run(config: BenchConfig) -> dict[str, Any]:
             for route in routes:
                 results.append(_case(config, conn, addrs, route, bar))
         conn.send(("stop",))
+        proc.join(30)
+        if proc.exitcode != 0:  # e.g. an abort at exit: a defect the numbers must not hide
+            raise RoundTripError("the prefill process did not exit cleanly", exitcode=proc.exitcode)
     finally:
         proc.join(10)
         if proc.is_alive():
