@@ -177,6 +177,32 @@ def test_pull_many_on_route_local_spans_groups_and_refuses_a_lie():
         server.close()
 
 
+def test_memory_block_source_regions_keep_whole_blocks_rows_and_refuse_as_views_do():
+    """A MemoryBlockSource answers ``regions`` of whole blocks from rows kept with their
+    checksums (from the second read on), parts of blocks as the base does: the same rows the
+    base derives from ``views`` either way, and the same refusals."""
+    from tiersync.net.source import BlockError, BlockService
+
+    rng = np.random.default_rng(4)
+    blocks = {i.to_bytes(16, "little"): rng.bytes(4096 + 64 * i) for i in range(5)}
+    keys = list(blocks)
+    src = MemoryBlockSource(blocks)
+    lease = src.lease(so.ReadLease(1, tuple(keys[:4]))).lease_id
+    whole = [(k, 0, len(blocks[k])) for k in keys[:4]]
+    for items in (whole, whole, [*whole[:2], (keys[3], 64, 100)], [(keys[1], 0, 100)]):
+        got = src.regions(lease, items)
+        assert np.array_equal(got, BlockService.regions(src, lease, items))
+        assert got[:, 1].tolist() == [n for _, _, n in items]
+    for bad, code in (([whole[0], (keys[4], 0, 4352)], "NOT_FOUND"), ([(keys[0], 4000, 97)], "BAD_REQUEST")):
+        with pytest.raises(BlockError) as info:
+            src.regions(lease, bad)
+        assert info.value.code is ev.ErrorCode[code]
+    src.release(lease)
+    with pytest.raises(BlockError) as info:
+        src.regions(lease, whole)
+    assert info.value.code is ev.ErrorCode.LEASE_EXPIRED
+
+
 # -- shareable memory: mapped instead of process_vm_readv ------------------------------------------
 _SHARING_CHILD = """
 import json, os, sys, tempfile, numpy as np

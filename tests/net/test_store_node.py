@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
 import pytest
 
 from _peer import TOKEN
@@ -276,6 +277,43 @@ def test_store_node_views_answer_as_view_does_and_refuse_all_or_nothing():
         with pytest.raises(BlockError) as info:
             node.views(lease + 99, items)
         assert info.value.code is ev.ErrorCode.LEASE_EXPIRED
+    finally:
+        server.close()
+        node.close()
+
+
+def test_store_node_regions_say_where_views_bytes_are_and_refuse_as_views_do():
+    """``regions`` (a same-host reader's answer) computes addresses from block ids instead of
+    a view per item: the same rows the base derives from ``views`` (address, length, checksum
+    by SUPPORTED[0]; a part of a block summed), the same refusals; a same-host reader pulls a
+    whole block and a part of one byte-exact through it."""
+    from tiersync.net.config import Route
+    from tiersync.net.source import BlockError, BlockService
+
+    node = StoreNode(4 * BLOCK, BLOCK, config=TcpConfig(token=TOKEN.encode()))
+    server = StoreNodeServer("127.0.0.1:0", node)
+    try:
+        keys, bufs = _keys(3, tag=9), _bufs(3)
+        assert client(server.address).offer_and_push(keys, bufs).commit is ev.CommitStatus.COMMITTED
+        lease = node.lease(so.ReadLease(1, tuple(keys))).lease_id
+        items = [(keys[2], 0, len(bufs[2])), (keys[0], 5, 1000), (keys[1], 0, len(bufs[1]))]
+        got = node.regions(lease, items)
+        assert got.dtype == np.uint64 and np.array_equal(got, BlockService.regions(node, lease, items))
+        for bad, code in (
+            ([items[0], (keys[1], len(bufs[1]), 1)], "BAD_REQUEST"),
+            ([(b"\xfe" * 16, 0, 1)], "NOT_FOUND"),
+        ):
+            with pytest.raises(BlockError) as info:
+                node.regions(lease, bad)
+            assert info.value.code is ev.ErrorCode[code]
+        channel = TcpTransport(TcpConfig(token=TOKEN.encode(), route=Route.LOCAL)).connect(server.address)
+        try:
+            reader = channel.request(so.ReadLease(channel.new_request_id(), tuple(keys))).lease_id
+            into = [bytearray(n) for _, _, n in items]
+            channel.pull_many(reader, [(k, o, memoryview(d)) for (k, o, _), d in zip(items, into)])
+            assert [bytes(d) for d in into] == [bufs[2], bufs[0][5:1005], bufs[1]]
+        finally:
+            channel.close()
     finally:
         server.close()
         node.close()

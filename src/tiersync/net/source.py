@@ -4,7 +4,8 @@ A block server implements four methods — :meth:`~BlockService.lease` (validate
 keys, all-or-nothing; TTL clamped to [30, 600] s), :meth:`~BlockService.view` (a zero-copy
 view of a range under a lease), :meth:`~BlockService.release` and optionally
 :meth:`~BlockService.offer` (and :meth:`~BlockService.views`, many ranges of one lease at
-once, where it can do better than a loop) — and the base answers the wire: PING,
+once, and :meth:`~BlockService.regions`, where they are for a same-host reader, where it can
+do better than a loop) — and the base answers the wire: PING,
 READ_LEASE, PULL, PULL_MANY (one DATA carrying every range, gathered without a copy; of whole
 blocks, its checksum composed from theirs by :class:`~tiersync.net.partials.PartialSums`),
 PULL_LOCAL (same-host peers: where the ranges are, with their checksums, for
@@ -92,6 +93,18 @@ class BlockService(Service):
         check the lease once for all of them)."""
         return [self.view(lease_id, *item) for item in items]
 
+    def regions(self, lease_id: int, items: Iterable[tuple[bytes, int, int]]) -> np.ndarray:
+        """Where each ``(key, offset, length)`` is in this process, for a same-host reader: an
+        (n, 3) uint64 array of (address, length, checksum by ``SUPPORTED[0]``), all or
+        BlockError as :meth:`views`. This one goes through :meth:`views`; a server that knows
+        where its blocks are answers without a view per item."""
+        algo = SUPPORTED[0]
+        rows = [
+            (local.address_of(v), len(v), k[1] if k is not None and k[0] is algo else payload_checksum(algo, v))
+            for v, k in self.views(lease_id, items)
+        ]
+        return np.array(rows, np.uint64).reshape(-1, 3)
+
     def offer(self, req: so.Offer, session: Session) -> Iterator[object]:
         """Answers to an OFFER; a read-only server refuses every offer."""
         yield so.OfferReply(req.request_id, so.OfferStatus.REFUSED)
@@ -141,19 +154,14 @@ class BlockService(Service):
     def _local(self, session: Session, req: so.PullLocal) -> ev.LocalReply:
         if not session.info.same_host:
             raise BlockError(ev.ErrorCode.UNSUPPORTED, "PULL_LOCAL from another host")
-        algo = SUPPORTED[0]
-        columns: tuple[list[int], list[int], list[int]] = ([], [], [])
-        for view, known in self.views(req.lease_id, req.items):
-            columns[0].append(local.address_of(view))
-            columns[1].append(len(view))
-            columns[2].append(known[1] if known is not None and known[0] is algo else payload_checksum(algo, view))
-        return ev.LocalReply(req.request_id, os.getpid(), algo, np.array(columns, np.uint64).T, self._mapping(columns))
+        regions = self.regions(req.lease_id, req.items)
+        return ev.LocalReply(req.request_id, os.getpid(), SUPPORTED[0], regions, self._mapping(regions))
 
-    def _mapping(self, columns: tuple[list[int], list[int], list[int]]) -> tuple[int, int, int] | None:
+    def _mapping(self, regions: np.ndarray) -> tuple[int, int, int] | None:
         """The one shared region holding every range, as LOCAL_REPLY names it, or None."""
-        if not self.shared or not columns[0]:
+        if not self.shared or not len(regions):
             return None
-        start, end = min(columns[0]), max(a + n for a, n in zip(columns[0], columns[1]))
+        start, end = int(regions[:, 0].min()), int((regions[:, 0] + regions[:, 1]).max())
         region = next((r for r in self.shared if r.covers(start, end)), None)
         return None if region is None else (region.fd, region.address, region.nbytes)
 
@@ -191,6 +199,7 @@ class MemoryBlockSource(BlockService):
         self._blocks = {bytes(k): memoryview(cast("Buffer", v)).cast("B") for k, v in blocks.items()}
         self._clock = clock
         self._sums: dict[bytes, tuple[PayloadChecksum, int]] = {}
+        self._rows: dict[bytes, tuple[int, int, int]] = {}  # key -> a whole block's regions() row
         self._leases: dict[int, tuple[float, frozenset[bytes]]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -244,7 +253,19 @@ class MemoryBlockSource(BlockService):
         known = self._sums.get(key)
         if known is None:
             known = self._sums[key] = (SUPPORTED[0], payload_checksum(SUPPORTED[0], block))
+            self._rows[key] = (local.address_of(block), len(block), known[1])
         return known
+
+    def regions(self, lease_id: int, items: Iterable[tuple[bytes, int, int]]) -> np.ndarray:
+        """Whole blocks held by the lease from the rows kept with their checksums (a dict
+        lookup each); anything else as the base answers it."""
+        items = tuple(items)
+        keys, rows = self._held_keys(lease_id), self._rows
+        if keys is not None:
+            found = [rows.get(k) if o == 0 and k in keys else None for k, o, _ in items]
+            if all(r is not None and r[1] == n for r, (_, _, n) in zip(found, items)):
+                return np.array(found, np.uint64).reshape(-1, 3)
+        return super().regions(lease_id, items)
 
     def release(self, lease_id: int) -> bool:
         held = self._held_keys(lease_id) is not None

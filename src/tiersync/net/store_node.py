@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, cast
 
+import numpy as np
+
 from tiersync.errors import CapacityError, RemoteError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
@@ -126,7 +128,27 @@ class StoreNode(BlockService):
     def views(
         self, lease_id: int, items: Iterable[tuple[bytes, int, int]]
     ) -> list[tuple[memoryview, tuple[PayloadChecksum, int] | None]]:
-        with self._lock:  # once for all the items; each item checked as view checks it, in order
+        found = self._found(lease_id, items)
+        return [(self.arena.block(b)[o : o + n], None if c is None else (SUPPORTED[0], c)) for b, o, n, c in found]
+
+    def regions(self, lease_id: int, items: Iterable[tuple[bytes, int, int]]) -> np.ndarray:
+        """Addresses from block ids (the arena is one mapping), no view per item; only a part of
+        a block is summed here."""
+        found = self._found(lease_id, items)
+        self.arena.check_open()
+        rows = np.array([(b, o, n, c or 0) for b, o, n, c in found], np.uint64).reshape(-1, 4)
+        out = np.empty((len(rows), 3), np.uint64)
+        out[:, 0] = np.uint64(self.arena.address) + rows[:, 0] * np.uint64(self.arena.memory.strides[0]) + rows[:, 1]
+        out[:, 1:] = rows[:, 2:]
+        for i, (b, o, n, c) in enumerate(found):
+            if c is None:
+                out[i, 2] = payload_checksum(SUPPORTED[0], self.arena.block(b)[o : o + n])
+        return out
+
+    def _found(self, lease_id: int, items: Iterable[tuple[bytes, int, int]]) -> list[tuple[int, int, int, int | None]]:
+        """(block, offset, length, checksum of a whole block else None) of each item, all or
+        BlockError; the lease checked once for all of them, each item as view checks it."""
+        with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None:
                 raise BlockError(ev.ErrorCode.LEASE_EXPIRED, "lease not held")
@@ -138,7 +160,7 @@ class StoreNode(BlockService):
                 if offset + length > size:
                     raise BlockError(ev.ErrorCode.BAD_REQUEST, "range beyond the block")
                 found.append((block, offset, length, checksum if offset == 0 and length == size else None))
-        return [(self.arena.block(b)[o : o + n], None if c is None else (SUPPORTED[0], c)) for b, o, n, c in found]
+        return found
 
     def release(self, lease_id: int) -> bool:
         with self._lock:

@@ -29,6 +29,7 @@ from tiersync.net.fields import (
     check_text,
     check_u64,
     check_u64s,
+    parsed,
 )
 from tiersync.net.frames import Op, ProtocolConfig
 from tiersync.net.vocab import Vocabulary
@@ -235,7 +236,7 @@ class PullMany:
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> PullMany:
-        return cls(rid, r.u64(), _read_items(r, cfg))
+        return parsed(cls, rid, r.u64(), _read_items(r, cfg))  # items: _ITEM's format bounds them
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +259,7 @@ class PullLocal:
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> PullLocal:
-        return cls(rid, r.u64(), _read_items(r, cfg))
+        return parsed(cls, rid, r.u64(), _read_items(r, cfg))
 
 
 @dataclass(frozen=True, slots=True)
