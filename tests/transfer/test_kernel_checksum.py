@@ -156,6 +156,20 @@ def test_copy_partials_copies_and_sums_each_piece_of_what_landed(n, shift):
     assert all(p == kernel.tsum64_partial(bytes(src[k * piece : (k + 1) * piece])) for k, p in enumerate(parts))
 
 
+def test_compose_pieces_mixes_kept_states_and_bytes_summed_now():
+    """Pieces back to back, some from kept states (copy_partials'), some summed from the bytes,
+    give the tsum64 of their concatenation; a middle piece not a whole number of stripes is
+    refused as tsum64_compose refuses it."""
+    piece = 4096
+    buf = np.frombuffer(os.urandom(5 * piece + 100), np.uint8)
+    states = kernel.copy_partials(np.empty_like(buf), buf, piece)
+    pieces = [(64, piece - 64, -1), (piece, piece, 1), (2 * piece, piece, 2), (3 * piece, 2 * piece + 100, -1)]
+    assert kernel.compose_pieces(buf, pieces, states) == reference(bytes(buf[64:]))
+    assert kernel.compose_pieces(buf, [(5 * piece, 100, 5)], states) == reference(bytes(buf[5 * piece :]))
+    with pytest.raises(ValueError):
+        kernel.compose_pieces(buf, [(0, 100, -1), (100, piece, -1)], states)
+
+
 def test_copy_partials_refuses_bad_arguments_and_writes_nothing():
     src, dst = np.arange(256, dtype=np.uint8), np.zeros(256, np.uint8)
     for piece in (0, -64, 100):

@@ -143,13 +143,8 @@ class BlockSums:
         if len(lens) > 1 and (lens[:-1] % kernel.STRIPE).any():
             return None
         at = np.minimum(np.searchsorted(known.offsets, offs), len(known) - 1)
-        have = ((known.offsets[at] == offs) & (lens == self.unit)).tolist()
-        size, states = kernel.PARTIAL_BYTES, known.states
-        parts = [
-            states[k * size : (k + 1) * size] if whole else kernel.tsum64_partial(memoryview(view[o : o + n]))
-            for whole, k, o, n in zip(have, at.tolist(), offs.tolist(), lens.tolist())
-        ]
-        return kernel.tsum64_compose(parts)
+        kept = np.where((known.offsets[at] == offs) & (lens == self.unit), at, -1)  # a whole summed block
+        return kernel.compose_pieces(view, zip(offs.tolist(), lens.tolist(), kept.tolist()), known.states)
 
     def regions(
         self, view: np.ndarray, known: LayerSums | None, offs: np.ndarray, lens: np.ndarray

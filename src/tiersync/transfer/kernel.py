@@ -15,6 +15,7 @@ Callers validate bounds: these functions trust their offsets.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -60,6 +61,17 @@ def tsum64_compose(partials: list[bytes] | tuple[bytes, ...], seed: int = 0) -> 
     if TSUM64 is None:
         raise RuntimeError("tsum64 needs the native extension (tiersync.transfer._kernel)")
     return int(_native.tsum64_compose(partials, seed))
+
+
+def compose_pieces(buf: np.ndarray, pieces: Iterable[tuple[int, int, int]], states: bytes) -> int:
+    """tsum64 of pieces of the flat uint8 array ``buf`` back to back, each ``(offset, length,
+    kept)``: ``kept >= 0`` takes kept partial state number ``kept`` of ``states`` (
+    :data:`PARTIAL_BYTES` each, of exactly those bytes, e.g. from :func:`copy_partials`), ``-1``
+    sums the bytes now. Raises as :func:`tsum64_compose` (every piece but the last must be a
+    whole number of stripes)."""
+    size = PARTIAL_BYTES
+    parts = [states[k * size : (k + 1) * size] if k >= 0 else tsum64_partial(buf[o : o + n].data) for o, n, k in pieces]
+    return tsum64_compose(parts)
 
 
 def copy_partials(dst: np.ndarray, src: np.ndarray, piece: int) -> bytes:

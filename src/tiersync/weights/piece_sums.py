@@ -65,9 +65,8 @@ def span_sum(states: bytes | None, flat: np.ndarray, span: StridedSpan) -> int |
     last = count if hi == flat.size else hi // PIECE  # whole pieces [first, last)
     if first >= last:
         return None
-    parts = [kernel.tsum64_partial(memoryview(flat[lo : first * PIECE]))] if lo < first * PIECE else []
-    size = kernel.PARTIAL_BYTES
-    parts += [states[k * size : (k + 1) * size] for k in range(first, last)]
+    pieces = [(lo, first * PIECE - lo, -1)] if lo < first * PIECE else []  # the head, summed now
+    pieces += [(k * PIECE, PIECE, k) for k in range(first, last)]  # kept (the length is in the state)
     if last * PIECE < hi:
-        parts.append(kernel.tsum64_partial(memoryview(flat[last * PIECE : hi])))
-    return kernel.tsum64_compose(parts)
+        pieces.append((last * PIECE, hi - last * PIECE, -1))  # the tail
+    return kernel.compose_pieces(flat, pieces, states)
