@@ -189,7 +189,7 @@ class Pull:
         fixed = r.peek_exact(_PULL_META)
         if fixed is not None and fixed[1] == KEY_SIZE:  # the usual layout: one unpack
             r.skip(_PULL_META.size)
-            return cls(rid, fixed[0], fixed[2], fixed[3], fixed[4])
+            return parsed(cls, rid, fixed[0], fixed[2], fixed[3], fixed[4])  # the format bounds each field
         return cls(rid, r.u64(), r.blob(KEY_SIZE), r.u64(), r.u64())
 
 
