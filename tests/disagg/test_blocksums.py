@@ -151,10 +151,12 @@ def test_a_layer_is_summed_once_whether_the_thread_or_a_pull_gets_there_first(mo
 
 
 @needs_native
-def test_close_ends_the_thread_and_it_keeps_no_request():
-    """close() returns once the summing thread has ended, so no request's buffers are left on
-    it: freed there while the interpreter shuts down, torch-owned layers abort the process
-    ("terminate called without an active exception", seen at the exit of bench pd's producer)."""
+def test_the_thread_keeps_no_summed_request_and_close_ends_it():
+    """The summing thread lets go of a request once its layer is summed (not at its next job),
+    and close() returns once the thread has ended and refuses to start it again: a request's
+    buffers freed on that thread while the interpreter shuts down abort the process when torch
+    owns them ("terminate called without an active exception", seen at the exit of bench pd's
+    producer)."""
     import gc
     import weakref
 
@@ -167,10 +169,15 @@ def test_close_ends_the_thread_and_it_keeps_no_request():
     assert sums.known(req, 0) is not None
     gone = weakref.ref(req)
     del req
+    end = time.monotonic() + 10
+    while gone() is not None and time.monotonic() < end:  # the thread takes the job, finds it done
+        gc.collect()
+        time.sleep(0.01)
+    assert gone() is None and thread.is_alive()
     sums.close()
-    assert not thread.is_alive()
-    gc.collect()
-    assert gone() is None
+    assert not thread.is_alive() and not sums.enabled
+    sums.enable()
+    assert not sums.enabled
 
 
 def _serve(layout, ids, ntok, seed):

@@ -177,10 +177,10 @@ def test_pull_many_on_route_local_spans_groups_and_refuses_a_lie():
         server.close()
 
 
-def test_memory_block_source_regions_keep_whole_blocks_rows_and_refuse_as_views_do():
+def test_memory_block_source_regions_keep_whole_blocks_rows_and_refuse_as_views_do(monkeypatch):
     """A MemoryBlockSource answers ``regions`` of whole blocks from rows kept with their
-    checksums (from the second read on), parts of blocks as the base does: the same rows the
-    base derives from ``views`` either way, and the same refusals."""
+    checksums (from the second read on, without ``views``), parts of blocks as the base does:
+    the same rows the base derives from ``views`` either way, and the same refusals."""
     from tiersync.net.source import BlockError, BlockService
 
     rng = np.random.default_rng(4)
@@ -193,6 +193,10 @@ def test_memory_block_source_regions_keep_whole_blocks_rows_and_refuse_as_views_
         got = src.regions(lease, items)
         assert np.array_equal(got, BlockService.regions(src, lease, items))
         assert got[:, 1].tolist() == [n for _, _, n in items]
+    expected = BlockService.regions(src, lease, whole)
+    with monkeypatch.context() as m:
+        m.setattr(src, "views", lambda *a: pytest.fail("whole blocks read through views"))
+        assert np.array_equal(src.regions(lease, whole), expected)
     for bad, code in (([whole[0], (keys[4], 0, 4352)], "NOT_FOUND"), ([(keys[0], 4000, 97)], "BAD_REQUEST")):
         with pytest.raises(BlockError) as info:
             src.regions(lease, bad)

@@ -306,6 +306,9 @@ def test_store_node_regions_say_where_views_bytes_are_and_refuse_as_views_do():
             with pytest.raises(BlockError) as info:
                 node.regions(lease, bad)
             assert info.value.code is ev.ErrorCode[code]
+        with pytest.raises(BlockError) as info:
+            node.regions(lease + 99, items)
+        assert info.value.code is ev.ErrorCode.LEASE_EXPIRED
         channel = TcpTransport(TcpConfig(token=TOKEN.encode(), route=Route.LOCAL)).connect(server.address)
         try:
             reader = channel.request(so.ReadLease(channel.new_request_id(), tuple(keys))).lease_id

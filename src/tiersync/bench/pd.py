@@ -276,6 +276,8 @@ def run(config: BenchConfig) -> dict[str, Any]:
                 results.append(_case(config, conn, addrs, route, bar))
         conn.send(("stop",))
         proc.join(30)
+        if proc.exitcode is None:
+            raise RoundTripError("the prefill process did not exit within 30 s of stop")
         if proc.exitcode != 0:  # e.g. an abort at exit: a defect the numbers must not hide
             raise RoundTripError("the prefill process did not exit cleanly", exitcode=proc.exitcode)
     finally:

@@ -52,6 +52,7 @@ class BlockSums:
         self._threads = threads
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._closed = False
         self._lock = threading.Lock()
         self._busy: dict[tuple[int, int], threading.Event] = {}  # (request, layer) being summed -> done
 
@@ -65,20 +66,24 @@ class BlockSums:
         if kernel.TSUM64 is None:
             return
         with self._lock:
-            if self._thread is None:
+            if self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._run, name="tiersync-kv-sums", daemon=True)
                 self._thread.start()
 
     def close(self) -> None:
-        """Stop the summing thread and wait for it (a layer being summed is finished first):
-        once closed it holds no request's buffers, so none is freed on it while the interpreter
-        shuts down (freeing torch-owned memory there aborts the process)."""
+        """Stop summing ahead (from now on a pull sums what it needs) and wait, at most 10 s, for
+        the thread to sum the layers already queued and end: it then holds no request's buffers,
+        so none is freed on it while the interpreter shuts down (freeing torch-owned memory
+        there aborts the process). Idempotent."""
         with self._lock:
-            thread = self._thread
-        if thread is not None:
-            self._queue.put(None)
-            if thread is not threading.current_thread():
-                thread.join(timeout=10)
+            thread, self._thread, self._closed = self._thread, None, True
+        if thread is None:
+            return
+        self._queue.put(None)
+        if thread is not threading.current_thread():
+            thread.join(timeout=10)
+            if thread.is_alive():
+                log.warning("the block-summing thread did not end within 10 s of close")
 
     def submit(self, req: Any, layer: int) -> None:
         """Sum ``req``'s blocks in ``req.views[layer]`` (sets ``req.sums[layer]``) when enabled."""

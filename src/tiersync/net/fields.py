@@ -6,8 +6,10 @@ Enum values travel as u8 and are wire format: never renumber. Each check raises
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from typing import TypeVar
+import functools
+from typing import Any, TypeVar, cast
 
 from tiersync.errors import UsageError
 from tiersync.net.codec import KEY_SIZE
@@ -102,14 +104,22 @@ def check_rows(name: str, rows: object, kinds: tuple[type, ...]) -> None:
 
 
 def parsed(cls: type[T], *values: object) -> T:
-    """An event of the slotted dataclass ``cls`` from ``values`` (its fields, in order) that a
-    parser already bounded, its struct formats fixing each field's type and range: built
-    without ``__post_init__``, whose checks would cost a Python call per item of every
-    many-item request a server reads."""
+    """An event of the dataclass ``cls`` from ``values`` (its fields, in order) that a parser
+    already bounded, its struct formats fixing each field's type and range: built without
+    ``__post_init__``, whose checks would cost a Python call per item of every many-item
+    request a server reads. TypeError (a bug, not a peer's fault) when the count differs."""
+    names = _field_names(cast(Any, cls))
+    if len(values) != len(names):
+        raise TypeError(f"{cls.__name__} has {len(names)} fields, got {len(values)} values")
     event = object.__new__(cls)
-    for name, value in zip(cls.__slots__, values, strict=True):  # type: ignore[attr-defined]
+    for name, value in zip(names, values):
         object.__setattr__(event, name, value)
     return event
+
+
+@functools.cache
+def _field_names(cls: Any) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def check_enum(name: str, v: object, kind: type[enum.IntEnum]) -> None:

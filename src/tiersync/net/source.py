@@ -3,9 +3,10 @@
 A block server implements four methods — :meth:`~BlockService.lease` (validate and pin
 keys, all-or-nothing; TTL clamped to [30, 600] s), :meth:`~BlockService.view` (a zero-copy
 view of a range under a lease), :meth:`~BlockService.release` and optionally
-:meth:`~BlockService.offer` (and :meth:`~BlockService.views`, many ranges of one lease at
-once, and :meth:`~BlockService.regions`, where they are for a same-host reader, where it can
-do better than a loop) — and the base answers the wire: PING,
+:meth:`~BlockService.offer` (and, where a server can do better than a loop over
+:meth:`~BlockService.view`: :meth:`~BlockService.views`, many ranges of one lease at once,
+and :meth:`~BlockService.regions`, where they lie for a same-host reader) — and the base
+answers the wire: PING,
 READ_LEASE, PULL, PULL_MANY (one DATA carrying every range, gathered without a copy; of whole
 blocks, its checksum composed from theirs by :class:`~tiersync.net.partials.PartialSums`),
 PULL_LOCAL (same-host peers: where the ranges are, with their checksums, for

@@ -138,7 +138,8 @@ class StoreNode(BlockService):
         self.arena.check_open()
         rows = np.array([(b, o, n, c or 0) for b, o, n, c in found], np.uint64).reshape(-1, 4)
         out = np.empty((len(rows), 3), np.uint64)
-        out[:, 0] = np.uint64(self.arena.address) + rows[:, 0] * np.uint64(self.arena.memory.strides[0]) + rows[:, 1]
+        stride = np.uint64(self.arena.config.block_nbytes)  # the memory is (num_blocks, block_nbytes)
+        out[:, 0] = np.uint64(self.arena.address) + rows[:, 0] * stride + rows[:, 1]
         out[:, 1:] = rows[:, 2:]
         for i, (b, o, n, c) in enumerate(found):
             if c is None:

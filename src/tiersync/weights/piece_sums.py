@@ -66,7 +66,7 @@ def span_sum(states: bytes | None, flat: np.ndarray, span: StridedSpan) -> int |
     if first >= last:
         return None
     pieces = [(lo, first * PIECE - lo, -1)] if lo < first * PIECE else []  # the head, summed now
-    pieces += [(k * PIECE, PIECE, k) for k in range(first, last)]  # kept (the length is in the state)
+    pieces += [(k * PIECE, min(PIECE, flat.size - k * PIECE), k) for k in range(first, last)]  # kept
     if last * PIECE < hi:
         pieces.append((last * PIECE, hi - last * PIECE, -1))  # the tail
     return kernel.compose_pieces(flat, pieces, states)
