@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -250,18 +251,28 @@ def test_a_same_host_reader_copies_out_of_a_map_of_the_node_s_arena(node):
     assert channel.mapped_sources == 0
 
 
+@contextlib.contextmanager
+def _leased(n: int, tag: int):
+    """A node in this process holding ``n`` pushed blocks, its server, their keys and bytes, and a
+    lease on them: ``(node, server, keys, bufs, lease_id)``."""
+    node = StoreNode(4 * BLOCK, BLOCK, config=TcpConfig(token=TOKEN.encode()))
+    server = StoreNodeServer("127.0.0.1:0", node)
+    try:
+        keys, bufs = _keys(n, tag=tag), _bufs(n)
+        assert client(server.address).offer_and_push(keys, bufs).commit is ev.CommitStatus.COMMITTED
+        yield node, server, keys, bufs, node.lease(so.ReadLease(1, tuple(keys))).lease_id
+    finally:
+        server.close()
+        node.close()
+
+
 def test_store_node_views_answer_as_view_does_and_refuse_all_or_nothing():
     """The node's ``views`` checks its lease once for many ranges: the same answers as ``view``
     (a whole block with the checksum kept since its write), and one bad item refuses the call."""
     from tiersync.net.frames import PayloadChecksum, payload_checksum
     from tiersync.net.source import BlockError
 
-    node = StoreNode(4 * BLOCK, BLOCK, config=TcpConfig(token=TOKEN.encode()))
-    server = StoreNodeServer("127.0.0.1:0", node)
-    try:
-        keys, bufs = _keys(2, tag=7), _bufs(2)
-        assert client(server.address).offer_and_push(keys, bufs).commit is ev.CommitStatus.COMMITTED
-        lease = node.lease(so.ReadLease(1, tuple(keys))).lease_id
+    with _leased(2, tag=7) as (node, _server, keys, bufs, lease):
         items = [(keys[0], 0, len(bufs[0])), (keys[1], 3, 100)]
         got = node.views(lease, items)
         assert [bytes(v) for v, _ in got] == [bufs[0], bufs[1][3:103]]
@@ -277,9 +288,6 @@ def test_store_node_views_answer_as_view_does_and_refuse_all_or_nothing():
         with pytest.raises(BlockError) as info:
             node.views(lease + 99, items)
         assert info.value.code is ev.ErrorCode.LEASE_EXPIRED
-    finally:
-        server.close()
-        node.close()
 
 
 def test_store_node_regions_say_where_views_bytes_are_and_refuse_as_views_do():
@@ -290,12 +298,7 @@ def test_store_node_regions_say_where_views_bytes_are_and_refuse_as_views_do():
     from tiersync.net.config import Route
     from tiersync.net.source import BlockError, BlockService
 
-    node = StoreNode(4 * BLOCK, BLOCK, config=TcpConfig(token=TOKEN.encode()))
-    server = StoreNodeServer("127.0.0.1:0", node)
-    try:
-        keys, bufs = _keys(3, tag=9), _bufs(3)
-        assert client(server.address).offer_and_push(keys, bufs).commit is ev.CommitStatus.COMMITTED
-        lease = node.lease(so.ReadLease(1, tuple(keys))).lease_id
+    with _leased(3, tag=9) as (node, server, keys, bufs, lease):
         items = [(keys[2], 0, len(bufs[2])), (keys[0], 5, 1000), (keys[1], 0, len(bufs[1]))]
         got = node.regions(lease, items)
         assert got.dtype == np.uint64 and np.array_equal(got, BlockService.regions(node, lease, items))
@@ -317,6 +320,3 @@ def test_store_node_regions_say_where_views_bytes_are_and_refuse_as_views_do():
             assert [bytes(d) for d in into] == [bufs[2], bufs[0][5:1005], bufs[1]]
         finally:
             channel.close()
-    finally:
-        server.close()
-        node.close()

@@ -65,10 +65,10 @@ def tsum64_compose(partials: list[bytes] | tuple[bytes, ...], seed: int = 0) -> 
 
 def compose_pieces(buf: np.ndarray, pieces: Iterable[tuple[int, int, int]], states: bytes) -> int:
     """tsum64 of pieces of the flat uint8 array ``buf`` back to back, each ``(offset, length,
-    kept)``: ``kept >= 0`` takes kept partial state number ``kept`` of ``states`` (
-    :data:`PARTIAL_BYTES` each, e.g. from :func:`copy_partials`, which must be of exactly those
-    bytes: its length is the one the state carries), ``-1`` sums the bytes now. Raises as :func:`tsum64_compose` (every piece but the last must be a
-    whole number of stripes)."""
+    kept)``: ``kept >= 0`` takes partial state number ``kept`` of ``states`` (:data:`PARTIAL_BYTES`
+    each, e.g. from :func:`copy_partials`; it must be of exactly those bytes, whose length it
+    carries), ``-1`` sums the bytes now. Raises as :func:`tsum64_compose` (every piece but the
+    last must be a whole number of stripes)."""
     size = PARTIAL_BYTES
     parts = [states[k * size : (k + 1) * size] if k >= 0 else tsum64_partial(buf[o : o + n].data) for o, n, k in pieces]
     return tsum64_compose(parts)
