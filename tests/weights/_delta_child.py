@@ -68,6 +68,7 @@ def main() -> None:
         transport=TransportKind(transport),
         buffers=buffers,
         streams=1,
+        window=1,  # one GET at a time: a stalled sync still has GETs to send when it resumes
         copy_threads=1,
     )
     rec = WeightReceiver(Sharding.replicated(Mesh((count,), ("dp",))), cfg, progress=progress, allocator=alloc)

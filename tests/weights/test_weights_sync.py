@@ -229,6 +229,8 @@ def test_segment_is_unlinked_on_close():
         ({"publishers": ("h:1",), "buffers": 3}, "buffers"),
         ({"publishers": ("h:1",), "transport": "tcp"}, "transport"),
         ({"publishers": ("h:1",), "streams": 0}, "streams"),
+        ({"publishers": ("h:1",), "window": 0}, "window"),
+        ({"publishers": ("h:1",), "window": True}, "window"),
         ({"publishers": ("h:1",), "sync_timeout_s": 0}, "sync_timeout_s"),
         ({"publishers": ("h:1",), "rank": -1}, "rank"),
     ],

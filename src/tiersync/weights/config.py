@@ -154,7 +154,10 @@ class ReceiverConfig:
     double-buffered (a version switch is atomic and readers of the old version keep it
     until they release it); 1 = single-buffered (half the memory; a sync writes the live
     weights, so readers must not run during a sync). ``streams``: TCP connections per
-    sender. ``copy_threads``: threads copying slices out of shared memory.
+    sender. ``window``: GETs in flight on each of them (chunks with one source; a relayed
+    chunk, which may fall back to the trainer, is fetched alone, and a trainer shard that
+    relayed chunks fall back to keeps one of its streams for them). ``copy_threads``: threads
+    copying slices out of shared memory.
     ``listen``: where this sampler serves relays to other samplers.
     ``sync_timeout_s``: deadline of one version's sync (announce to switch);
     ``lease_timeout_s``: how long a sync waits for readers to release the standby buffer;
@@ -178,6 +181,7 @@ class ReceiverConfig:
     transport: TransportKind = TransportKind.AUTO
     buffers: int = 2
     streams: int = 4
+    window: int = 4
     copy_threads: int = 2
     listen: str = "127.0.0.1:0"
     sync_timeout_s: float = 120.0
@@ -207,7 +211,7 @@ class ReceiverConfig:
         for name in ("zero_copy", "delta"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError("must be a bool", argument=name, value=getattr(self, name))
-        for name in ("streams", "copy_threads", "max_meta_bytes"):
+        for name in ("streams", "window", "copy_threads", "max_meta_bytes"):
             check_positive_int(getattr(self, name), name)
         _check_address(self.listen, "listen")
         for name in ("sync_timeout_s", "lease_timeout_s", "io_timeout_s", "connect_timeout_s"):

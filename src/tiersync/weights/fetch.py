@@ -9,7 +9,8 @@ shard when the relay fails. Jobs are ordered by (stage, tensor write order) so a
 consumed in the order it is produced and no relay waits on a later stage.
 :class:`TcpPool` keeps up to ``streams`` authenticated data channels per address
 (:class:`~tiersync.net.tcp.TcpChannel`); a GET's DATA lands straight in the sampler's buffer
-(the rows of a strided destination span too, when they are few), checksum verified.
+(the rows of a strided destination span too, when they are few), checksum verified. Chunks
+with one source go out pipelined, a window of GETs in flight per channel (:meth:`TcpPool.get_many`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -129,6 +131,11 @@ class TcpPool:
         self._lock = threading.Lock()
         self._closed = False
 
+    @property
+    def io_timeout_s(self) -> float:
+        """Deadline of one GET."""
+        return self._io_s
+
     def _take(self, address: str, end: float) -> TcpChannel:
         with self._lock:
             if self._closed:
@@ -178,6 +185,43 @@ class TcpPool:
             self._give(address, channel)
         if strided is not None:
             np.copyto(strided, np.frombuffer(into, np.uint8).reshape(strided.shape))
+
+    def get_many(
+        self,
+        address: str,
+        version: int,
+        jobs: Sequence[Job],
+        bufs: Mapping[str, np.ndarray],
+        window: int,
+        landed: Callable[[Job], None],
+        timeout: float,
+    ) -> None:
+        """GET ``jobs`` (each from its one source, at ``address``) on one channel, ``window`` in
+        flight: the sender answers the next while one lands, and consecutive answers land in one
+        native call. ``landed(job)`` runs once a job's bytes are in place, in order. ``timeout``
+        covers them all. Raises like :meth:`get`; the jobs not yet landed are not landed."""
+        channel = self._take(address, time.monotonic() + self._io_s)
+        of: dict[int, tuple[Job, np.ndarray | None, object]] = {}
+
+        def requests() -> Iterator[tuple[Get, object]]:  # staging buffers made as requests go out
+            for job in jobs:
+                into, strided = _landing(bufs[job.tensor], job.dst_span)
+                get = Get(channel.new_request_id(), version, job.tensor, job.key, job.sources[0].span)
+                of[get.request_id] = (job, strided, into)
+                yield get, into
+
+        def done(request_id: int, _answer: object) -> None:
+            job, strided, into = of.pop(request_id)
+            if strided is not None:
+                np.copyto(strided, np.frombuffer(cast(memoryview, into), np.uint8).reshape(strided.shape))
+            landed(job)
+
+        try:
+            channel.pipeline(requests(), window=window, timeout=max(0.001, timeout), landed=done)
+        except RequestError as exc:
+            raise RemoteError(f"GET refused: {exc.message}", peer=address) from None
+        finally:
+            self._give(address, channel)
 
     def sums(self, address: str, version: int, tensor: str, spans: tuple[StridedSpan, ...]) -> SumsReply:
         """W_SUMS to the trainer shard at ``address``: the checksums of ``spans`` of ``tensor``.

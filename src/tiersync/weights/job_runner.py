@@ -31,7 +31,8 @@ Progress = Callable[[int, int, int], None]
 
 class JobRunner:
     """Lands jobs from ``links`` (shared memory) or ``pool`` (TCP) with up to ``copy_threads``
-    copiers plus ``streams`` per TCP address; landed chunks go to ``relay`` and ``progress``."""
+    copiers plus ``streams`` per TCP address (``window`` GETs in flight on each of a sender's
+    streams); landed chunks go to ``relay`` and ``progress``."""
 
     def __init__(
         self,
@@ -41,9 +42,10 @@ class JobRunner:
         progress: Progress | None,
         copy_threads: int,
         streams: int,
+        window: int,
     ) -> None:
         self._links, self._pool, self._relay, self._progress = links, pool, relay, progress
-        self._copy_threads, self._streams = copy_threads, streams
+        self._copy_threads, self._streams, self._window = copy_threads, streams, window
         self._lock = threading.Lock()
         self._stats = {"shm": 0, "tcp": 0, "relay": 0}
 
@@ -60,11 +62,20 @@ class JobRunner:
         bufs: Mapping[str, np.ndarray],
         deadline: Deadline,
     ) -> None:
-        """Land every one of ``jobs`` into ``bufs``; the first error once all stopped."""
+        """Land every one of ``jobs`` into ``bufs``; the first error once all stopped. Chunks
+        with one TCP source go out pipelined, split over ``streams`` channels per address."""
         total, done, errors = sum(j.nbytes for j in jobs), [0], []
         lock = threading.Lock()
         tcp = {s.address for j in jobs for s in j.sources if s.via is TransportKind.TCP}
         workers = min(32, max(1, self._copy_threads) + self._streams * len(tcp))
+
+        def finished(job: Job) -> None:
+            self._relay.landed([job])
+            with lock:
+                done[0] += job.nbytes
+                n = done[0]
+            if self._progress is not None:
+                self._progress(version, n, total)
 
         def run(job: Job) -> None:
             if errors:
@@ -74,17 +85,38 @@ class JobRunner:
             except BaseException as exc:  # noqa: BLE001
                 errors.append(exc)
                 return
-            self._relay.landed([job])
-            with lock:
-                done[0] += job.nbytes
-                n = done[0]
-            if self._progress is not None:
-                self._progress(version, n, total)
+            finished(job)
 
+        def pipe(part: list[Job]) -> None:
+            if errors:
+                return
+            try:
+                self._pipe(version, part, bufs, deadline, finished)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        piped, rest = _split(jobs, self._streams)
         with ThreadPoolExecutor(workers, thread_name_prefix="fetch") as pool:
-            list(pool.map(run, jobs))
+            pending = [pool.submit(pipe, part) for part in piped]
+            list(pool.map(run, rest))
+            for f in pending:
+                f.result()
         if errors:
             raise first_error(errors)
+
+    def _pipe(
+        self, version: int, part: list[Job], bufs: Mapping[str, np.ndarray], deadline: Deadline, finished: Callable
+    ) -> None:
+        """GETs of ``part`` (one sender, one source each) on one channel, ``window`` in flight;
+        as long as the sync's deadline allows, at most ``io_timeout_s`` per GET."""
+
+        def landed(job: Job) -> None:
+            with self._lock:
+                self._stats["tcp"] += job.nbytes
+            finished(job)
+
+        timeout = min(deadline.remaining(), self._pool.io_timeout_s * len(part))
+        self._pool.get_many(part[0].sources[0].address, version, part, bufs, self._window, landed, timeout)
 
     def _run_job(self, version: int, job: Job, manifests: list[Manifest], dst: np.ndarray, deadline: Deadline) -> None:
         errors = []
@@ -119,3 +151,21 @@ class JobRunner:
             self._relay.landed([job])
             with self._lock:
                 self._stats["shm"] += job.nbytes
+
+
+def _split(jobs: list[Job], streams: int) -> tuple[list[list[Job]], list[Job]]:
+    """The jobs whose one source is a TCP sender, in parts of each sender's jobs (in order,
+    dealt round-robin) to pipeline on a channel each, and the others in order (shared memory,
+    relays). A sender that relayed jobs may fall back to keeps one of its ``streams`` channels
+    free for them (with one stream, its jobs are not pipelined)."""
+    fallback = {s.address for j in jobs for s in j.sources[1:] if s.via is TransportKind.TCP}
+    ways = lambda address: streams - (address in fallback)  # noqa: E731
+    by_sender: dict[str, list[Job]] = {}
+    rest = []
+    for job in jobs:
+        if len(job.sources) == 1 and job.sources[0].via is TransportKind.TCP and ways(job.sources[0].address):
+            by_sender.setdefault(job.sources[0].address, []).append(job)
+        else:
+            rest.append(job)
+    parts = [g[k :: ways(a)] for a, g in by_sender.items() for k in range(ways(a))]
+    return [p for p in parts if p], rest

@@ -84,7 +84,9 @@ class WeightReceiver:
         tcp = config.tcp_config()
         self._transport = TcpTransport(tcp, WEIGHTS)
         self._pool = TcpPool(config.streams, tcp, config.io_timeout_s)
-        self._runner = JobRunner(self._links, self._pool, self._relay, progress, config.copy_threads, config.streams)
+        self._runner = JobRunner(
+            self._links, self._pool, self._relay, progress, config.copy_threads, config.streams, config.window
+        )
         self._delta = DeltaState(config.buffers, self._pool, config.max_meta_bytes)
         self._server = (
             TcpServer(config.listen, SpanService(self._relay.provide, config.io_timeout_s), tcp)

@@ -69,7 +69,7 @@ class WeightSyncConfig:
     ``buffers``: 1 (default: one host copy of the model per worker; a sync of the next version
     waits while an update reads it) or 2 (the next version lands while an update runs).
     ``apply_timeout_s``: how long an update waits for its version to land.
-    ``sync_timeout_s``, ``connect_timeout_s``, ``io_timeout_s``, ``streams``: the receiver's
+    ``sync_timeout_s``, ``connect_timeout_s``, ``io_timeout_s``, ``streams``, ``window``: the receiver's
     (:class:`~tiersync.weights.ReceiverConfig`). ``sampler_id``: label in the trainer's
     results (default ``"vllm-<rank>"``). ``token``: the trainer's shared secret (str or bytes,
     >= 16 bytes; its ``PublisherConfig.token``), or ``token_file``: a file holding it (read here, on
@@ -84,6 +84,7 @@ class WeightSyncConfig:
     connect_timeout_s: float = 10.0
     io_timeout_s: float = 30.0
     streams: int = 4
+    window: int = 4
     sampler_id: str | None = None
     token: str | bytes | None = field(default=None, repr=False)  # never printed
     token_file: str | None = None
@@ -115,6 +116,7 @@ class WeightSyncConfig:
             transport=TransportKind(self.transport),
             buffers=self.buffers,
             streams=self.streams,
+            window=self.window,
             sync_timeout_s=self.sync_timeout_s,
             connect_timeout_s=self.connect_timeout_s,
             io_timeout_s=self.io_timeout_s,
