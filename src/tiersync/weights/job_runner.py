@@ -64,59 +64,65 @@ class JobRunner:
     ) -> None:
         """Land every one of ``jobs`` into ``bufs``; the first error once all stopped. Chunks
         with one TCP source go out pipelined, split over ``streams`` channels per address."""
-        total, done, errors = sum(j.nbytes for j in jobs), [0], []
-        lock = threading.Lock()
+        tally = _Tally(sum(j.nbytes for j in jobs))
         tcp = {s.address for j in jobs for s in j.sources if s.via is TransportKind.TCP}
         workers = min(32, max(1, self._copy_threads) + self._streams * len(tcp))
-
-        def finished(job: Job) -> None:
-            self._relay.landed([job])
-            with lock:
-                done[0] += job.nbytes
-                n = done[0]
-            if self._progress is not None:
-                self._progress(version, n, total)
-
-        def run(job: Job) -> None:
-            if errors:
-                return
-            try:
-                self._run_job(version, job, manifests, bufs[job.tensor], deadline)
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-                return
-            finished(job)
-
-        def pipe(part: list[Job]) -> None:
-            if errors:
-                return
-            try:
-                self._pipe(version, part, bufs, deadline, finished)
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-
         piped, rest = _split(jobs, self._streams)
         with ThreadPoolExecutor(workers, thread_name_prefix="fetch") as pool:
-            pending = [pool.submit(pipe, part) for part in piped]
-            list(pool.map(run, rest))
+            pending = [pool.submit(self._pipe, version, part, bufs, deadline, tally) for part in piped]
+            list(pool.map(lambda job: self._one(version, job, manifests, bufs, deadline, tally), rest))
             for f in pending:
                 f.result()
-        if errors:
-            raise first_error(errors)
+        if tally.errors:
+            raise first_error(tally.errors)
+
+    def _one(
+        self,
+        version: int,
+        job: Job,
+        manifests: list[Manifest],
+        bufs: Mapping[str, np.ndarray],
+        deadline: Deadline,
+        tally: _Tally,
+    ) -> None:
+        if tally.errors:
+            return
+        try:
+            self._run_job(version, job, manifests, bufs[job.tensor], deadline)
+        except BaseException as exc:  # noqa: BLE001
+            tally.errors.append(exc)
+            return
+        self._finished(version, job, tally)
 
     def _pipe(
-        self, version: int, part: list[Job], bufs: Mapping[str, np.ndarray], deadline: Deadline, finished: Callable
+        self, version: int, part: list[Job], bufs: Mapping[str, np.ndarray], deadline: Deadline, tally: _Tally
     ) -> None:
         """GETs of ``part`` (one sender, one source each) on one channel, ``window`` in flight;
-        as long as the sync's deadline allows, at most ``io_timeout_s`` per GET."""
+        as long as the sync's deadline allows, at most ``io_timeout_s`` per GET. Stops once
+        another job of the version failed."""
 
         def landed(job: Job) -> None:
             with self._lock:
                 self._stats["tcp"] += job.nbytes
-            finished(job)
+            self._finished(version, job, tally)
+            if tally.errors:
+                raise _Abandoned
 
-        timeout = min(deadline.remaining(), self._pool.io_timeout_s * len(part))
-        self._pool.get_many(part[0].sources[0].address, version, part, bufs, self._window, landed, timeout)
+        if tally.errors:
+            return
+        try:
+            timeout = min(deadline.remaining(), self._pool.io_timeout_s * len(part))
+            self._pool.get_many(part[0].sources[0].address, version, part, bufs, self._window, landed, timeout)
+        except _Abandoned:
+            pass
+        except BaseException as exc:  # noqa: BLE001
+            tally.errors.append(exc)
+
+    def _finished(self, version: int, job: Job, tally: _Tally) -> None:
+        self._relay.landed([job])
+        n = tally.landed(job.nbytes)
+        if self._progress is not None:
+            self._progress(version, n, tally.total)
 
     def _run_job(self, version: int, job: Job, manifests: list[Manifest], dst: np.ndarray, deadline: Deadline) -> None:
         errors = []
@@ -151,6 +157,25 @@ class JobRunner:
             self._relay.landed([job])
             with self._lock:
                 self._stats["shm"] += job.nbytes
+
+
+class _Tally:
+    """One run's bytes landed (of ``total``) and the errors its jobs raised."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self._done = total, 0
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+
+    def landed(self, nbytes: int) -> int:
+        """Count ``nbytes`` more landed; the bytes landed so far."""
+        with self._lock:
+            self._done += nbytes
+            return self._done
+
+
+class _Abandoned(Exception):
+    """A pipelined batch stopped because another job of the version failed."""
 
 
 def _split(jobs: list[Job], streams: int) -> tuple[list[list[Job]], list[Job]]:
