@@ -2,7 +2,8 @@
 
 :class:`JobRunner` lands jobs (:mod:`tiersync.weights.fetch`) into the sampler's buffers on a
 thread pool: shared-memory copies once the trainer shard wrote the tensor, TCP GETs from a
-trainer shard or a relaying sampler (falling back to the next source). Each landed chunk is
+trainer shard or a relaying sampler (falling back to the next source); chunks with one TCP
+source go out pipelined, ``window`` GETs in flight on each of a sender's streams. Each landed chunk is
 offered to relays (:class:`~tiersync.weights.relay_chunks.RelayChunks`) and reported to the
 ``progress`` hook; the bytes landed are counted per route (``shm``, ``tcp``, ``relay``).
 """
