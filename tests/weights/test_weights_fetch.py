@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import pytest
 
 from tiersync.errors import RemoteError, TierSyncError
 from tiersync.net.config import TcpConfig
+from tiersync.net.socket_io import Deadline
 from tiersync.net.tcp import TcpTransport
 from tiersync.weights.config import TransportKind
 from tiersync.weights.fetch import Job, Source, TcpPool
+from tiersync.weights.job_runner import JobRunner, _split
 from tiersync.weights.ops import WEIGHTS
+from tiersync.weights.relay_chunks import RelayChunks
 from tiersync.weights.serving import SpanService
 from tiersync.weights.spans import StridedSpan
 
@@ -68,26 +73,20 @@ def test_pipelined_gets_land_byte_exact_in_order(server, window):
         pool.close()
 
 
-def test_a_refused_get_fails_the_batch_after_the_chunks_before_it(server):
+@pytest.mark.parametrize("at", [0, 3, 4])
+def test_a_refused_get_fails_the_batch_and_nothing_after_it_lands(server, at):
     pool = TcpPool(1, TcpConfig(token=TOKEN), 5.0)
-    jobs = _jobs(server)[:4]
-    bad = _job(4, server, StridedSpan(0, 64), StridedSpan(0, 64), tensor="missing")
+    jobs = _jobs(server)[:7]
+    bad = _job(99, server, StridedSpan(0, 64), StridedSpan(0, 64), tensor="missing")
+    batch = [*jobs[:at], bad, *jobs[at:]]
     dst, landed = np.zeros(1 << 20, np.uint8), []
     try:
         with pytest.raises(RemoteError, match="GET refused: no such tensor"):
-            pool.get_many(
-                server,
-                1,
-                [*jobs, bad, *_jobs(server)[4:6]],
-                {"w": dst, "missing": np.zeros(64, np.uint8)},
-                4,
-                landed.append,
-                10.0,
-            )
-        assert landed == jobs  # what came before the refusal landed; nothing after it
-        assert np.array_equal(dst, _expected(jobs))
+            pool.get_many(server, 1, batch, {"w": dst, "missing": np.zeros(64, np.uint8)}, 4, landed.append, 10.0)
+        assert landed == jobs[: len(landed)] and len(landed) <= at  # a prefix of what came before it
+        assert np.array_equal(dst[: 65536 * len(landed)], _expected(landed)[: 65536 * len(landed)])
         pool.get_many(server, 1, jobs[:1], {"w": dst}, 4, landed.append, 10.0)  # a fresh channel works
-        assert len(landed) == len(jobs) + 1
+        assert landed[-1] == jobs[0]
     finally:
         pool.close()
 
@@ -101,16 +100,60 @@ def test_a_peer_without_the_token_is_refused(server):
         pool.close()
 
 
-def test_jobs_split_into_pipelined_parts_per_sender_keeping_a_stream_for_fallbacks():
-    from tiersync.weights.job_runner import _split
-
+def test_jobs_split_into_streams_per_sender_keeping_one_for_fallbacks():
     span = StridedSpan(0, 64)
-    trainer, other = [_job(i, "t:1", span, span) for i in range(7)], [_job(i, "u:1", span, span) for i in range(3)]
+    trainer, other = [_job(i, "t:1", span, span) for i in range(7)], [_job(i, "u:1", span, span) for i in range(2)]
     shm = Job("w", 9, (9,), 0, span, (Source(TransportKind.SHM, span, rank=0),))
     relayed = Job("w", 8, (8,), 0, span, (Source(TransportKind.TCP, span, address="r:1"), *trainer[0].sources))
-    parts, rest = _split([shm, *trainer, relayed, *other], 3)
-    # t:1 is a relayed job's fallback: 2 of its 3 streams pipeline, one stays free; u:1 uses 3
-    assert parts == [trainer[0::2], trainer[1::2], other[0:1], other[1:2], other[2:3]]
-    assert rest == [shm, relayed]  # in their order
-    parts, rest = _split([shm, *trainer, relayed, *other], 1)
-    assert parts == [other] and rest == [shm, *trainer, relayed]  # one stream: kept for the fallback
+    feeds, rest = _split([shm, *trainer, relayed, *other], 3)
+    # t:1 is a relayed job's fallback: 2 of its 3 streams pipeline; u:1 has 2 jobs: 2 streams
+    assert [a for a, _ in feeds] == ["t:1", "t:1", "u:1", "u:1"] and rest == [shm, relayed]
+    assert feeds[0][1] is feeds[1][1] and list(feeds[0][1]) == trainer  # one feed per sender, in order
+    assert next(feeds[2][1]) == other[0] and next(feeds[3][1]) == other[1]  # streams take turns
+    feeds, rest = _split([shm, *trainer, relayed, *other], 1)
+    assert [a for a, _ in feeds] == ["u:1"] and rest == [shm, *trainer, relayed]  # one stream: kept free
+
+
+def _runner(streams: int, bufs: dict, progress=None) -> tuple[JobRunner, TcpPool]:
+    relay = RelayChunks()
+    relay.begin(1, bufs)
+    pool = TcpPool(streams, TcpConfig(token=TOKEN), 5.0)
+    return JobRunner(None, pool, relay, progress, 1, streams, 2), pool  # no shared-memory jobs: no links
+
+
+def test_a_runner_lands_pipelined_and_relayed_jobs_with_a_dead_relay_falling_back(server):
+    dead = socket.create_server(("127.0.0.1", 0))
+    relay = f"127.0.0.1:{dead.getsockname()[1]}"
+    dead.close()  # nothing listens there: the relayed job falls back to the trainer's kept stream
+    jobs = _jobs(server)
+    relayed = Job(
+        "w",
+        7,
+        (7,),
+        0,
+        jobs[7].dst_span,
+        (Source(TransportKind.TCP, jobs[7].sources[0].span, address=relay), *jobs[7].sources),
+    )
+    jobs[7] = relayed
+    seen = []
+    dst = np.zeros(1 << 20, np.uint8)
+    runner, pool = _runner(2, {"w": dst}, lambda v, done, total: seen.append((v, done, total)))
+    try:
+        runner.run(1, jobs, [], {"w": dst}, Deadline(30.0, "sync"))
+        assert np.array_equal(dst, _expected(jobs))
+        total = sum(j.nbytes for j in jobs)
+        assert runner.stats()["tcp"] == total and seen[-1] == (1, total, total) and len(seen) == len(jobs)
+    finally:
+        pool.close()
+
+
+def test_a_runner_fails_the_version_when_a_pipelined_get_is_refused(server):
+    jobs = _jobs(server) + [_job(99, server, StridedSpan(0, 64), StridedSpan(0, 64), tensor="missing")]
+    bufs = {"w": np.zeros(1 << 20, np.uint8), "missing": np.zeros(64, np.uint8)}
+    runner, pool = _runner(2, bufs)
+    try:
+        with pytest.raises(RemoteError, match="GET refused"):
+            runner.run(1, jobs, [], bufs, Deadline(30.0, "sync"))
+        assert runner.stats()["tcp"] < sum(j.nbytes for j in jobs)
+    finally:
+        pool.close()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import cast
 
@@ -190,17 +190,20 @@ class TcpPool:
         self,
         address: str,
         version: int,
-        jobs: Sequence[Job],
+        jobs: Iterable[Job],
         bufs: Mapping[str, np.ndarray],
         window: int,
         landed: Callable[[Job], None],
         timeout: float,
     ) -> None:
-        """GET ``jobs`` (each from its one source, at ``address``) on one channel, ``window`` in
-        flight: the sender answers the next while one lands, and consecutive answers land in one
-        native call. ``landed(job)`` runs once a job's bytes are in place, in order. ``timeout``
-        covers them all. Raises like :meth:`get`; the jobs not yet landed are not landed."""
-        channel = self._take(address, time.monotonic() + self._io_s)
+        """GET ``jobs`` (each from its one source, at ``address``; taken from the iterable as
+        requests go out) on one channel, ``window`` in flight: the sender answers the next while
+        one lands, and consecutive answers land in one native call. ``landed(job)`` runs once a
+        job's bytes are verified and in place, in order. ``timeout`` covers the batch, getting a
+        channel included. Raises like :meth:`get` (an exception from ``landed`` too); the jobs
+        not reported landed may hold some of their bytes or none."""
+        end = time.monotonic() + timeout
+        channel = self._take(address, min(end, time.monotonic() + self._io_s))
         of: dict[int, tuple[Job, np.ndarray | None, object]] = {}
 
         def requests() -> Iterator[tuple[Get, object]]:  # staging buffers made as requests go out
@@ -217,7 +220,7 @@ class TcpPool:
             landed(job)
 
         try:
-            channel.pipeline(requests(), window=window, timeout=max(0.001, timeout), landed=done)
+            channel.pipeline(requests(), window=window, timeout=max(0.001, end - time.monotonic()), landed=done)
         except RequestError as exc:
             raise RemoteError(f"GET refused: {exc.message}", peer=address) from None
         finally:

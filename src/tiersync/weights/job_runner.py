@@ -64,13 +64,15 @@ class JobRunner:
         deadline: Deadline,
     ) -> None:
         """Land every one of ``jobs`` into ``bufs``; the first error once all stopped. Chunks
-        with one TCP source go out pipelined, split over ``streams`` channels per address."""
+        with one TCP source go out pipelined on the sender's streams (:func:`_split`)."""
         tally = _Tally(sum(j.nbytes for j in jobs))
         tcp = {s.address for j in jobs for s in j.sources if s.via is TransportKind.TCP}
         workers = min(32, max(1, self._copy_threads) + self._streams * len(tcp))
-        piped, rest = _split(jobs, self._streams)
+        feeds, rest = _split(jobs, self._streams)
         with ThreadPoolExecutor(workers, thread_name_prefix="fetch") as pool:
-            pending = [pool.submit(self._pipe, version, part, bufs, deadline, tally) for part in piped]
+            pending = [
+                pool.submit(self._pipe, version, address, feed, bufs, deadline, tally) for address, feed in feeds
+            ]
             list(pool.map(lambda job: self._one(version, job, manifests, bufs, deadline, tally), rest))
             for f in pending:
                 f.result()
@@ -90,17 +92,16 @@ class JobRunner:
             return
         try:
             self._run_job(version, job, manifests, bufs[job.tensor], deadline)
-        except BaseException as exc:  # noqa: BLE001
-            tally.errors.append(exc)
-            return
-        self._finished(version, job, tally)
+            self._finished(version, job, tally)
+        except BaseException as exc:  # noqa: BLE001 - a failed job, or the progress hook raised
+            tally.failed(exc)
 
     def _pipe(
-        self, version: int, part: list[Job], bufs: Mapping[str, np.ndarray], deadline: Deadline, tally: _Tally
+        self, version: int, address: str, feed: _Feed, bufs: Mapping[str, np.ndarray], deadline: Deadline, tally: _Tally
     ) -> None:
-        """GETs of ``part`` (one sender, one source each) on one channel, ``window`` in flight;
-        as long as the sync's deadline allows, at most ``io_timeout_s`` per GET. Stops once
-        another job of the version failed."""
+        """GETs of the jobs this stream takes from ``feed`` (one sender, one source each) on one
+        channel, ``window`` in flight, within the sync's deadline. Stops once another job of the
+        version failed."""
 
         def landed(job: Job) -> None:
             with self._lock:
@@ -112,12 +113,11 @@ class JobRunner:
         if tally.errors:
             return
         try:
-            timeout = min(deadline.remaining(), self._pool.io_timeout_s * len(part))
-            self._pool.get_many(part[0].sources[0].address, version, part, bufs, self._window, landed, timeout)
+            self._pool.get_many(address, version, feed, bufs, self._window, landed, deadline.remaining())
         except _Abandoned:
             pass
         except BaseException as exc:  # noqa: BLE001
-            tally.errors.append(exc)
+            tally.failed(exc)
 
     def _finished(self, version: int, job: Job, tally: _Tally) -> None:
         self._relay.landed([job])
@@ -174,24 +174,44 @@ class _Tally:
             self._done += nbytes
             return self._done
 
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.errors.append(exc)
+
 
 class _Abandoned(Exception):
     """A pipelined batch stopped because another job of the version failed."""
 
 
-def _split(jobs: list[Job], streams: int) -> tuple[list[list[Job]], list[Job]]:
-    """The jobs whose one source is a TCP sender, in parts of each sender's jobs (in order,
-    dealt round-robin) to pipeline on a channel each, and the others in order (shared memory,
-    relays). A sender that relayed jobs may fall back to keeps one of its ``streams`` channels
-    free for them (with one stream, its jobs are not pipelined)."""
+class _Feed:
+    """One sender's jobs, in order, each to whichever of its streams asks next (a stream
+    finishing its chunks early takes more); thread-safe."""
+
+    def __init__(self, jobs: list[Job]) -> None:
+        self._jobs, self._lock = iter(jobs), threading.Lock()
+
+    def __iter__(self) -> _Feed:
+        return self
+
+    def __next__(self) -> Job:
+        with self._lock:
+            return next(self._jobs)
+
+
+def _split(jobs: list[Job], streams: int) -> tuple[list[tuple[str, _Feed]], list[Job]]:
+    """(address, feed) per stream to pipeline on, from the jobs whose one source is a TCP
+    sender, and the other jobs in order (shared memory, relays). A sender that relayed jobs may
+    fall back to keeps one of its ``streams`` channels free for them (with one stream, its jobs
+    are not pipelined)."""
     fallback = {s.address for j in jobs for s in j.sources[1:] if s.via is TransportKind.TCP}
-    ways = lambda address: streams - (address in fallback)  # noqa: E731
     by_sender: dict[str, list[Job]] = {}
     rest = []
     for job in jobs:
-        if len(job.sources) == 1 and job.sources[0].via is TransportKind.TCP and ways(job.sources[0].address):
-            by_sender.setdefault(job.sources[0].address, []).append(job)
+        one = job.sources[0] if len(job.sources) == 1 else None
+        if one is not None and one.via is TransportKind.TCP and streams - (one.address in fallback) > 0:
+            by_sender.setdefault(one.address, []).append(job)
         else:
             rest.append(job)
-    parts = [g[k :: ways(a)] for a, g in by_sender.items() for k in range(ways(a))]
-    return [p for p in parts if p], rest
+    feeds = {address: _Feed(group) for address, group in by_sender.items()}
+    ways = {address: min(len(group), streams - (address in fallback)) for address, group in by_sender.items()}
+    return [(address, feeds[address]) for address in feeds for _ in range(ways[address])], rest

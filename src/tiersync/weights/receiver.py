@@ -58,7 +58,8 @@ class WeightReceiver:
 
     ``destination``: a :class:`Sharding` for every tensor or a mapping name -> sharding (it must
     cover every tensor the trainer publishes). ``progress(version, done_bytes, total_bytes)`` is
-    called after each chunk (from worker threads). ``allocator``: makes the weight arrays (e.g.
+    called after each chunk (from worker threads; keep it short: a stream's next answers wait
+    behind it, and an exception fails the sync). ``allocator``: makes the weight arrays (e.g.
     in engine-provided or pinned memory); see :class:`VersionedBuffers`. Connects and registers on construction:
     UsageError when the trainer refuses the transport asked for, AuthError when a shard
     refused the token or TLS (or failed ours), RemoteError when a shard is unreachable.
