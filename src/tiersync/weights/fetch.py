@@ -15,6 +15,7 @@ with one source go out pipelined, a window of GETs in flight per channel (:meth:
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -131,11 +132,6 @@ class TcpPool:
         self._lock = threading.Lock()
         self._closed = False
 
-    @property
-    def io_timeout_s(self) -> float:
-        """Deadline of one GET."""
-        return self._io_s
-
     def _take(self, address: str, end: float) -> TcpChannel:
         with self._lock:
             if self._closed:
@@ -168,23 +164,14 @@ class TcpPool:
             self._all.discard(channel)
 
     def get(self, address: str, version: int, job: Job, src: Source, dst: np.ndarray) -> None:
-        """GET ``src.span`` of ``job.tensor`` at ``address`` into ``job.dst_span`` of ``dst``.
+        """GET ``src.span`` of ``job.tensor`` at ``address`` into ``job.dst_span`` of ``dst``
+        (:meth:`get_many` of that one chunk from ``src``, within ``io_timeout_s``).
 
         Raises RemoteError (refused, closed, timed out; AuthError: the token or TLS check
         failed) or ProtocolError (bad bytes).
         """
-        end = time.monotonic() + self._io_s
-        into, strided = _landing(dst, job.dst_span)
-        channel = self._take(address, end)
-        try:
-            get = Get(channel.new_request_id(), version, job.tensor, job.key, src.span)
-            channel.request(get, into=into, timeout=max(0.001, end - time.monotonic()))
-        except RequestError as exc:
-            raise RemoteError(f"GET refused: {exc.message}", peer=address) from None
-        finally:
-            self._give(address, channel)
-        if strided is not None:
-            np.copyto(strided, np.frombuffer(into, np.uint8).reshape(strided.shape))
+        one = dataclasses.replace(job, sources=(src,))
+        self.get_many(address, version, [one], {job.tensor: dst}, 1, lambda _job: None, self._io_s)
 
     def get_many(
         self,
