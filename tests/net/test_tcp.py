@@ -7,11 +7,13 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 
 import pytest
 
 from _peer import run_block_server
+from tiersync.errors import UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, RequestError
@@ -308,3 +310,48 @@ def test_views_answers_as_view_does_and_refuses_all_or_nothing():
     with pytest.raises(BlockError) as info:
         source.views(lease, items)
     assert info.value.code is ev.ErrorCode.LEASE_EXPIRED
+
+
+class _Stalling(MemoryBlockSource):
+    """Answers every block but ``SMALL``, whose pulls wait for ``resume`` (a server that stops
+    answering with its socket open)."""
+
+    def __init__(self) -> None:
+        super().__init__(BLOCKS)
+        self.resume = threading.Event()
+
+    def view(self, lease_id, key, offset, length):
+        if key == SMALL:
+            self.resume.wait(30)
+        return super().view(lease_id, key, offset, length)
+
+
+def test_pipeline_idle_bounds_each_step_not_only_the_batch():
+    source = _Stalling()
+    server = TcpTransport(TcpConfig(token=TOKEN)).serve("127.0.0.1:0", source)
+    channel = TcpTransport(TcpConfig(token=TOKEN)).connect(server.address)
+    try:
+        lease = channel.request(so.ReadLease(channel.new_request_id(), (BIG, SMALL))).lease_id
+        dest = bytearray(1 << 20)
+        pulls = [(so.Pull(channel.new_request_id(), lease, BIG, 0, 1 << 20), memoryview(dest))]
+        pulls.append((so.Pull(channel.new_request_id(), lease, SMALL, 0, 11), memoryview(bytearray(11))))
+        with pytest.raises(NetTimeoutError) as info:
+            channel.pipeline(pulls, window=1, timeout=60, idle=0.3)
+        assert info.value.context["timeout_s"] == 0.3 and info.value.peer == server.address
+        assert dest == BLOCKS[BIG][: 1 << 20] and channel.closed  # answered before the stall: landed
+    finally:
+        source.resume.set()
+        channel.close()
+        server.close()
+
+
+@pytest.mark.parametrize("idle", [0, -1.0, True, "1"])
+def test_pipeline_refuses_a_bad_idle_before_sending(peer, idle):
+    channel = TcpTransport(TcpConfig(token=TOKEN)).connect(peer)
+    try:
+        with pytest.raises(UsageError) as info:
+            channel.pipeline([(ev.Ping(channel.new_request_id()), None)], idle=idle)
+        assert info.value.argument == "idle"
+        assert isinstance(channel.request(ev.Ping(channel.new_request_id())), ev.Pong)  # still usable
+    finally:
+        channel.close()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import socket
+import threading
 
 import numpy as np
 import pytest
 
 from tiersync.errors import RemoteError, TierSyncError
 from tiersync.net.config import TcpConfig
+from tiersync.net.errors import NetTimeoutError
 from tiersync.net.socket_io import Deadline
 from tiersync.net.tcp import TcpTransport
 from tiersync.weights.config import TransportKind
@@ -21,9 +23,12 @@ from tiersync.weights.spans import StridedSpan
 
 TOKEN = b"k" * 32
 SHARD = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8)  # what the server holds
+RESUME = threading.Event()  # a GET of tensor "stall" is answered once this is set
 
 
 def _provider(version: int, tensor: str, key: tuple, timeout_s: float):
+    if tensor == "stall":  # a trainer that stops answering, its socket open
+        RESUME.wait(30)
     if tensor == "missing":
         raise TierSyncError("no such tensor", tensor=tensor)
     return SHARD, lambda: None
@@ -88,6 +93,28 @@ def test_a_refused_get_fails_the_batch_and_nothing_after_it_lands(server, at):
         pool.get_many(server, 1, jobs[:1], {"w": dst}, 4, landed.append, 10.0)  # a fresh channel works
         assert landed[-1] == jobs[0]
     finally:
+        pool.close()
+
+
+def test_a_sender_that_stops_answering_fails_the_batch_after_io_timeout(server):
+    pool = TcpPool(1, TcpConfig(token=TOKEN), 0.5)  # io_timeout_s; the batch itself has 60 s
+    jobs = _jobs(server)[:3]
+    stalled = _job(98, server, StridedSpan(0, 64), StridedSpan(0, 64), tensor="stall")
+    dst, landed = np.zeros(1 << 20, np.uint8), []
+    RESUME.clear()
+    try:
+        with pytest.raises(NetTimeoutError) as info:
+            pool.get_many(
+                server, 1, [*jobs, stalled, *jobs], {"w": dst, "stall": np.zeros(64, np.uint8)}, 4, landed.append, 60.0
+            )
+        assert info.value.context["timeout_s"] == 0.5 and info.value.peer == server
+        # a prefix of what was answered before the stall (its last answers may have been taken
+        # in the receive that timed out), nothing after it
+        assert landed and landed == jobs[: len(landed)]
+        n = 65536 * len(landed)
+        assert np.array_equal(dst[:n], _expected(landed)[:n])
+    finally:
+        RESUME.set()
         pool.close()
 
 

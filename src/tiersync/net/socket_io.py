@@ -58,6 +58,12 @@ class Deadline:
             raise NetTimeoutError("operation timed out", peer=self.peer, timeout_s=self._timeout)
         return left
 
+    def within(self, seconds: float | None) -> Deadline:
+        """This deadline, or one ``seconds`` from now where that comes first (None: this one)."""
+        if seconds is None or seconds >= self.remaining():
+            return self
+        return Deadline(seconds, self.peer)
+
 
 def write_nonblocking(sock: socket.socket, bufs: Sequence[bytes | memoryview], deadline: Deadline) -> None:
     """Write every buffer to a non-blocking socket (plain or TLS), waiting for room with poll

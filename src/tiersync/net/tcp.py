@@ -166,6 +166,7 @@ class TcpChannel(Channel):
         *,
         window: int = 8,
         timeout: float | None = None,
+        idle: float | None = None,
         landed: Callable[[int, object], None] | None = None,
     ) -> None:
         """Send ``(request, destination)`` pairs keeping ``window`` requests in flight. A request
@@ -174,10 +175,15 @@ class TcpChannel(Channel):
         ``None`` by any answer its vocabulary allows.
         ``landed(request_id, answer)`` runs after each answer was received and verified, in
         order (``answer`` None for a DATA that landed), before the next answer is read. One
-        deadline covers the whole batch; raises like :meth:`pull_many` (an exception from
-        ``landed`` closes the channel too: later answers are in flight)."""
+        deadline covers the whole batch; ``idle`` (seconds, None: no other) also bounds each
+        step on its own (a send, or the receive of the next answers: at most half a window), so a
+        peer that stops answering with its socket open is noticed after ``idle``, not at the end
+        of a long batch's deadline. Raises like :meth:`pull_many` (an exception from ``landed``
+        closes the channel too: later answers are in flight)."""
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise UsageError("must be >= 1", argument="window", value=window)
+        if idle is not None and (isinstance(idle, bool) or not isinstance(idle, (int, float)) or not idle > 0):
+            raise UsageError("must be > 0 seconds or None", argument="idle", value=idle)
         with self._rlock, self._wlock:
             self._check_open()
             deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
@@ -186,11 +192,11 @@ class TcpChannel(Channel):
             later: dict[int, Later] = {}
             try:
                 half = max(1, window // 2)
-                self._send_pulls(todo, window, pending, later, deadline)
+                self._send_pulls(todo, window, pending, later, deadline.within(idle))
                 while pending:  # up to half a window landed per native call, then refilled at once
-                    self._receive_some(pending, half, later, deadline, landed)
+                    self._receive_some(pending, half, later, deadline.within(idle), landed)
                     if len(pending) <= window - half:
-                        self._send_pulls(todo, window - len(pending), pending, later, deadline)
+                        self._send_pulls(todo, window - len(pending), pending, later, deadline.within(idle))
             except BaseException:
                 self._shut()
                 raise

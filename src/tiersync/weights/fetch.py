@@ -187,7 +187,9 @@ class TcpPool:
         requests go out) on one channel, ``window`` in flight: the sender answers the next while
         one lands, and consecutive answers land in one native call. ``landed(job)`` runs once a
         job's bytes are verified and in place, in order. ``timeout`` covers the batch, getting a
-        channel included. Raises like :meth:`get` (an exception from ``landed`` too); the jobs
+        channel included; each step of it (a send, the next answers) also has ``io_timeout_s``,
+        so a sender that stops answering with its socket open fails the batch after that long.
+        Raises like :meth:`get` (an exception from ``landed`` too); the jobs
         not reported landed may hold some of their bytes or none."""
         end = time.monotonic() + timeout
         channel = self._take(address, min(end, time.monotonic() + self._io_s))
@@ -207,7 +209,8 @@ class TcpPool:
             landed(job)
 
         try:
-            channel.pipeline(requests(), window=window, timeout=max(0.001, end - time.monotonic()), landed=done)
+            left = max(0.001, end - time.monotonic())
+            channel.pipeline(requests(), window=window, timeout=left, idle=self._io_s, landed=done)
         except RequestError as exc:
             raise RemoteError(f"GET refused: {exc.message}", peer=address) from None
         finally:

@@ -100,8 +100,8 @@ class JobRunner:
         self, version: int, address: str, feed: _Feed, bufs: Mapping[str, np.ndarray], deadline: Deadline, tally: _Tally
     ) -> None:
         """GETs of the jobs this stream takes from ``feed`` (one sender, one source each) on one
-        channel, ``window`` in flight, within the sync's deadline. Stops once another job of the
-        version failed."""
+        channel, ``window`` in flight, within the sync's deadline (each step within
+        ``io_timeout_s``). Stops once another job of the version failed."""
 
         def landed(job: Job) -> None:
             with self._lock:
