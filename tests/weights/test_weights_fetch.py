@@ -13,6 +13,7 @@ from tiersync.net.config import TcpConfig
 from tiersync.net.errors import NetTimeoutError
 from tiersync.net.socket_io import Deadline
 from tiersync.net.tcp import TcpTransport
+from tiersync.weights import job_runner
 from tiersync.weights.config import TransportKind
 from tiersync.weights.fetch import Job, Source, TcpPool
 from tiersync.weights.job_runner import JobRunner, _split
@@ -183,4 +184,33 @@ def test_a_runner_fails_the_version_when_a_pipelined_get_is_refused(server):
             runner.run(1, jobs, [], bufs, Deadline(30.0, "sync"))
         assert runner.stats()["tcp"] < sum(j.nbytes for j in jobs)
     finally:
+        pool.close()
+
+
+def test_a_pipelined_stream_stops_at_its_next_answer_once_another_job_failed(server, monkeypatch):
+    # Two streams, one GET in flight each: one blocks on the stalled chunk, the other is refused.
+    # The refusal is recorded, then the stall answered: that stream lands it and asks for nothing more.
+    recorded = job_runner._Tally.failed
+
+    def failed(self, exc):
+        recorded(self, exc)
+        RESUME.set()
+
+    monkeypatch.setattr(job_runner._Tally, "failed", failed)
+    stalled = _job(97, server, StridedSpan(0, 64), StridedSpan(0, 64), tensor="stall")
+    refused = _job(99, server, StridedSpan(0, 64), StridedSpan(0, 64), tensor="missing")
+    later = _jobs(server)[:4]
+    bufs = {"w": np.zeros(1 << 20, np.uint8), "stall": np.zeros(64, np.uint8), "missing": np.zeros(64, np.uint8)}
+    relay = RelayChunks()
+    relay.begin(1, bufs)
+    pool = TcpPool(2, TcpConfig(token=TOKEN), 5.0)
+    runner = JobRunner(None, pool, relay, None, 1, 2, 1)  # window 1
+    RESUME.clear()
+    try:
+        with pytest.raises(RemoteError, match="GET refused"):
+            runner.run(1, [stalled, refused, *later], [], bufs, Deadline(30.0, "sync"))
+        assert RESUME.is_set() and runner.stats()["tcp"] == 64  # the stalled chunk landed, nothing after it
+        assert np.array_equal(bufs["stall"], SHARD[:64]) and not bufs["w"].any()
+    finally:
+        RESUME.set()
         pool.close()
