@@ -355,3 +355,21 @@ def test_pipeline_refuses_a_bad_idle_before_sending(peer, idle):
         assert isinstance(channel.request(ev.Ping(channel.new_request_id())), ev.Pong)  # still usable
     finally:
         channel.close()
+
+
+def test_send_many_writes_requests_in_order_and_refuses_all_or_closes(peer):
+    channel = TcpTransport(TcpConfig(token=TOKEN)).connect(peer)
+    try:
+        pings = [ev.Ping(channel.new_request_id(), token) for token in (1, 2, 3)]
+        channel.send_many(pings)
+        assert [channel.next_answer(p.request_id).token for p in pings] == [1, 2, 3]
+        with pytest.raises(UsageError):  # the first event refused: nothing was sent, the channel stays
+            channel.send_many([ev.Pong(channel.new_request_id(), 4), ev.Ping(channel.new_request_id())])
+        ping = ev.Ping(channel.new_request_id(), 5)
+        channel.send(ping)
+        assert channel.next_answer(ping.request_id).token == 5
+        with pytest.raises(UsageError):  # refused after one was counted as sent: the channel closes
+            channel.send_many([ev.Ping(channel.new_request_id()), ev.Pong(channel.new_request_id(), 6)])
+        assert channel.closed
+    finally:
+        channel.close()

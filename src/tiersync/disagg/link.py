@@ -12,9 +12,11 @@ verified; route AUTO falls back to TCP when that is refused) — report each lay
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -33,7 +35,7 @@ __all__ = ["pull_route"]
 
 Buffer = Callable[[int], np.ndarray]
 Landed = Callable[[int], None]
-_LOCAL_WINDOW = 2  # the producer alternates two gather buffers: never more in flight
+_LOCAL_WINDOW = 2  # same-host pulls out at once: the producer alternates two gather buffers
 _LOCAL_PIECE_MAX = 32 << 20  # half the default max_frame_size: room for a producer that lowered it
 
 
@@ -73,7 +75,7 @@ def pull_route(
     opening = KvOpen(channel.new_request_id(), read)
     if total and channel.local_route():  # KV_OPEN goes out ahead of the first pulls: no round trip of its own
         piece = _local_piece(route, total, config, src_unit)
-        done = _copy_local(channel, opening, num_layers, route, total, piece, deadline, config, buffer, landed)
+        done = _copy_local(channel, opening, num_layers, route, total, piece, deadline, buffer, landed)
     else:
         _opened(channel, channel.request(opening, timeout=_left(deadline, channel)), total)
         done = (0, [])
@@ -151,52 +153,76 @@ def _copy_local(
     total: int,
     piece_bytes: int,
     deadline: float,
-    config: DisaggConfig,
     buffer: Buffer,
     landed: Landed,
 ) -> tuple[int, list[int]]:
-    """Copy every layer out of the producer's memory as one stream of requests: KV_OPEN, then
-    each layer's KV_NEXT behind the previous layer's pulls (the producer answers in order), at
-    most two pulls in flight (a piece it gathered stays in one of two buffers it alternates),
-    each ``piece_bytes`` (:func:`_local_piece`; the bytes do not travel in it). Returns (layers landed,
-    layer ids KV_NEXT named): all of them, or where the copy was refused and route AUTO falls
-    back to TCP (route LOCAL raises)."""
-    plan = [item for n in range(num_layers) for item in [(n, None), *((n, p) for p in _pieces(total, piece_bytes))]]
-    sent: list = [(opening, -1, None)]  # (request, layer or -1 for KV_OPEN, piece or None), oldest first
-    channel.send(opening, timeout=_left(deadline, channel))
-    told: list[int] = []  # layer ids in the order KV_NEXT named them
-    pulls_out, at, landed_n = 0, 0, 0
+    """Copy every layer out of the producer's memory as one stream of requests (:class:`_Asks`):
+    KV_OPEN, then each layer's KV_NEXT behind the previous layer's pulls (the producer answers in
+    order), each pull ``piece_bytes`` (:func:`_local_piece`; the bytes do not travel in it).
+    Returns (layers landed, layer ids KV_NEXT named): all of them, or where the copy was refused
+    and route AUTO falls back to TCP (route LOCAL raises)."""
+    asks = _Asks(channel, num_layers, total, piece_bytes)
+    asks.send([opening], deadline)
+    landed_n = 0
     while landed_n < num_layers:
-        while at < len(plan) and (plan[at][1] is None or pulls_out < _LOCAL_WINDOW):
-            n, piece = plan[at]
-            rid = channel.new_request_id()
-            req = KvNext(rid, n) if piece is None else KvPullLocal(rid, n, *piece)
-            channel.send(req, timeout=_left(deadline, channel))
-            sent.append((req, n, piece))
-            pulls_out += piece is not None
-            at += 1
-        req, n, piece = sent.pop(0)
+        req, n, piece = asks.sent.popleft()
         answer = channel.next_answer(req.request_id, timeout=_left(deadline, channel))
         if n < 0:
             _opened(channel, answer, total)
-            continue
-        if piece is None:
-            _told(channel, answer, told, num_layers)
-            continue
-        pulls_out -= 1
-        try:
-            _verified_copy(channel, answer, route, buffer(told[n]), req)
-        except LocalReadError as exc:
-            for rest, _m, p in sent:  # answers still in flight
-                later = channel.next_answer(rest.request_id, timeout=_left(deadline, channel))
-                if p is None:
-                    _told(channel, later, told, num_layers)
-            channel.local_refused(exc)
-            return n, told
-        if piece[0] + piece[1] == total:
-            landed(told[n])
-            landed_n += 1
-    return num_layers, told
+        elif piece is None:
+            _told(channel, answer, asks.told, num_layers)
+        else:
+            asks.pulls_out -= 1
+            try:
+                _verified_copy(channel, answer, route, buffer(asks.told[n]), cast(KvPullLocal, req))
+            except LocalReadError as exc:
+                asks.drain(deadline)
+                channel.local_refused(exc)
+                return n, asks.told
+            if piece[0] + piece[1] == total:
+                landed(asks.told[n])
+                landed_n += 1
+            asks.send([], deadline)
+    return num_layers, asks.told
+
+
+class _Asks:
+    """The requests of a same-host copy: those sent and not yet answered (oldest first, as
+    ``(request, layer or -1 for KV_OPEN, piece or None for KV_NEXT)``), and what to send next.
+    At most ``_LOCAL_WINDOW`` pulls are out (a piece the producer gathered stays in one of two
+    buffers it alternates); KV_NEXTs go out ahead of them."""
+
+    def __init__(self, channel: TcpChannel, num_layers: int, total: int, piece_bytes: int) -> None:
+        self.channel, self.num_layers = channel, num_layers
+        pieces = _pieces(total, piece_bytes)
+        self.plan = [item for n in range(num_layers) for item in [(n, None), *((n, p) for p in pieces)]]
+        self.sent: collections.deque[tuple[KvOpen | KvNext | KvPullLocal, int, tuple[int, int] | None]] = (
+            collections.deque()
+        )
+        self.told: list[int] = []  # layer ids in the order KV_NEXT named them
+        self.at = self.pulls_out = 0
+
+    def send(self, first: list[KvOpen], deadline: float) -> None:
+        """Send ``first`` and what the plan allows now, in one write (one wake-up of the producer)."""
+        reqs: list[KvOpen | KvNext | KvPullLocal] = list(first)
+        self.sent.extend((req, -1, None) for req in first)
+        while self.at < len(self.plan) and (self.plan[self.at][1] is None or self.pulls_out < _LOCAL_WINDOW):
+            n, piece = self.plan[self.at]
+            rid = self.channel.new_request_id()
+            req = KvNext(rid, n) if piece is None else KvPullLocal(rid, n, *piece)
+            reqs.append(req)
+            self.sent.append((req, n, piece))
+            self.pulls_out += piece is not None
+            self.at += 1
+        if reqs:
+            self.channel.send_many(reqs, timeout=_left(deadline, self.channel))
+
+    def drain(self, deadline: float) -> None:
+        """Read the answers still in flight (a copy was refused), keeping the layers KV_NEXT names."""
+        for req, _n, piece in self.sent:
+            later = self.channel.next_answer(req.request_id, timeout=_left(deadline, self.channel))
+            if piece is None:
+                _told(self.channel, later, self.told, self.num_layers)
 
 
 def _local_piece(route: _Route, total: int, config: DisaggConfig, src_unit: int) -> int:

@@ -88,11 +88,27 @@ class TcpChannel(Channel):
     def send(self, event: object, *, timeout: float | None = None) -> None:
         """Send one-way message ``event`` (thread-safe beside a :meth:`receive` in another
         thread). Raises like :meth:`request`."""
+        self.send_many([event], timeout=timeout)
+
+    def send_many(self, events: Sequence[object], *, timeout: float | None = None) -> None:
+        """Send ``events`` in order in one write (one system call where the socket takes them
+        all; a peer reading them wakes once): one-way messages, or requests whose answers
+        :meth:`next_answer` reads. Raises like :meth:`request`; an event this channel may not
+        send raises UsageError, which closes the channel when events before it were counted
+        as sent (the first one refused sends nothing and leaves it as it was)."""
         with self._wlock:
             self._check_open()
+            bufs: list[bytes | memoryview] = []
             try:
                 deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
-                self._framed.write(cast(ev.Event, event), deadline)  # a message of this channel's vocabulary
+                with self._framed.lock:
+                    for event in events:  # messages of this channel's vocabulary
+                        bufs += self._framed.conn.send(cast(ev.Event, event))
+                self._framed.send_buffers(bufs, deadline)
+            except UsageError:
+                if bufs:
+                    self._shut()
+                raise
             except _BROKEN:
                 self._shut()
                 raise
