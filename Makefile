@@ -33,9 +33,10 @@ $(VENV)/.test-extras: $(VENV)/.installed
 	$(PIP) install -q $(SGLANG_TEST_DEPS) "ray==2.60.0"
 	touch $@
 
-# ruff over everything; mypy strict over the lower layers (pyproject's [tool.mypy] overrides) and
-# the leaves they import.
+# ruff over everything; mypy strict over the layers up to disagg and weights (pyproject's
+# [tool.mypy] overrides) and the leaves they import.
 MYPY_STRICT := src/tiersync/layout src/tiersync/tiers src/tiersync/transfer src/tiersync/store src/tiersync/net \
+	src/tiersync/disagg src/tiersync/weights \
 	src/tiersync/completion.py src/tiersync/errors.py src/tiersync/sizes.py src/tiersync/settings.py src/tiersync/iov.py
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests examples fuzz setup.py

@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, cast
 
 import numpy as np
 
@@ -41,6 +42,20 @@ def region_unit(layout: PagedKVLayout) -> int:
     return layout.block_nbytes * (1 if layout.order is KVOrder.KV_MAJOR else 2)
 
 
+class _Request(Protocol):
+    """What :class:`BlockSums` reads and fills of a request (a producer's
+    :class:`~tiersync.disagg.layer_reads.Outgoing`)."""
+
+    @property
+    def block_ids(self) -> Sequence[int]: ...
+
+    @property
+    def views(self) -> Sequence[np.ndarray]: ...
+
+    @property
+    def sums(self) -> dict[int, LayerSums]: ...
+
+
 class BlockSums:
     """Per-layer sums of whole block regions (``unit`` bytes each, at multiples of ``unit`` in
     the layer: a block's K and V together, or each of them in a KV-major layer)."""
@@ -50,7 +65,7 @@ class BlockSums:
         self._kv_major = layout.order is KVOrder.KV_MAJOR
         self._v_base = layout.num_blocks * layout.block_nbytes
         self._threads = threads
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[_Request, int] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -85,12 +100,12 @@ class BlockSums:
             if thread.is_alive():
                 log.warning("the block-summing thread did not end within 10 s of close")
 
-    def submit(self, req: Any, layer: int) -> None:
+    def submit(self, req: _Request, layer: int) -> None:
         """Sum ``req``'s blocks in ``req.views[layer]`` (sets ``req.sums[layer]``) when enabled."""
         if self.enabled:
             self._queue.put((req, layer))
 
-    def known(self, req: Any, layer: int) -> LayerSums | None:
+    def known(self, req: _Request, layer: int) -> LayerSums | None:
         """The layer's block sums for a pull: done already, or being summed on the thread (then
         waited for), or summed now on the caller's thread when enabled (the thread then skips
         the layer): a layer is never summed twice. None when not enabled (the pull sums what it sends)."""
@@ -107,7 +122,7 @@ class BlockSums:
                 log.exception("summing a layer ahead of its pulls failed")
             del job  # a finished request is not kept alive while the thread waits for the next
 
-    def _sum_once(self, req: Any, layer: int) -> None:
+    def _sum_once(self, req: _Request, layer: int) -> None:
         with self._lock:
             if layer in req.sums:
                 return
@@ -127,13 +142,15 @@ class BlockSums:
                 del self._busy[id(req), layer]
             busy.set()
 
-    def _layer_sums(self, req: Any, layer: int) -> LayerSums:
+    def _layer_sums(self, req: _Request, layer: int) -> LayerSums:
         ids = np.asarray(req.block_ids, np.int64)
         offs = ids * self.unit if not self._kv_major else np.concatenate([ids, ids]) * self.unit
         if self._kv_major:
             offs[len(ids) :] += self._v_base
         states = np.zeros((len(offs), kernel.PARTIAL_BYTES // 8), np.uint64)
-        sums = local.sum_ranges(req.views[layer], offs, np.full(len(offs), self.unit, np.int64), self._threads, states)
+        sums = local.sum_ranges(
+            req.views[layer], _ints(offs), _ints(np.full(len(offs), self.unit, np.int64)), self._threads, states
+        )
         order = np.argsort(offs)
         return LayerSums(offs[order], np.asarray(sums, np.uint64)[order], states[order].tobytes())
 
@@ -165,7 +182,7 @@ class BlockSums:
             sums[have] = known.values[at[have]]
         todo = np.flatnonzero(~have)
         if todo.size:
-            sums[todo] = local.sum_ranges(view, offs[todo], lens[todo], self._threads)
+            sums[todo] = local.sum_ranges(view, _ints(offs[todo]), _ints(lens[todo]), self._threads)
         return offs, lens, sums
 
 
@@ -181,6 +198,12 @@ class LayerSums:
 
     def __len__(self) -> int:
         return len(self.offsets)
+
+
+def _ints(array: np.ndarray) -> Sequence[int]:
+    """An int64 array as the ``Sequence[int]`` :func:`~tiersync.net.local.sum_ranges` is typed
+    to take, not converted: it only iterates it or hands it to ``np.asarray``."""
+    return cast("Sequence[int]", array)
 
 
 def _cut(offs: np.ndarray, lens: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from tiersync.disagg.blocksums import region_unit
 from tiersync.disagg.config import DisaggConfig, FinishedRequests, RequestState, check_side
@@ -46,7 +46,7 @@ from tiersync.disagg.spanio import byte_view
 from tiersync.errors import ClosedError, RemoteError, TierSyncError, UsageError, check_positive_int
 from tiersync.net.config import parse_address
 from tiersync.net.errors import NetTimeoutError, PeerClosedError, log_level
-from tiersync.net.tcp import TcpTransport
+from tiersync.net.tcp import TcpChannel, TcpTransport
 from tiersync.net.transport import ChannelPool
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class SourceSpec:
         object.__setattr__(self, "addresses", addresses)
         object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         return {
             "layout": self.layout.to_dict(),
             "addresses": list(self.addresses),
@@ -223,7 +223,8 @@ class KVConsumer:
     # -- one pooled connection per feeding prefill rank and read -----------------------------
     def _pull(self, handle: ReadHandle, address: str, read: ReadRequest) -> None:
         try:
-            with self._pool.acquire(address) as channel:
+            with self._pool.acquire(address) as pooled:
+                channel = cast(TcpChannel, pooled)  # the pool connects with a TcpTransport
                 if not handle._attach(channel):
                     return
                 spans = handle.plan.route_spans(read.src_rank, self.rank)

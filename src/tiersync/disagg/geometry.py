@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
+import numpy.typing as npt
 
 from tiersync.errors import UsageError, check_positive_int
 from tiersync.layout.pool import PoolSpec, Region
@@ -47,7 +49,7 @@ def dtype_info(dtype: object) -> tuple[str, int]:
     dt = None
     for candidate in (name,) if isinstance(dtype, str) else (dtype, name):
         try:
-            dt = np.dtype(candidate)
+            dt = np.dtype(cast("npt.DTypeLike", candidate))  # a probe: TypeError for what numpy does not know
             break
         except TypeError:
             continue
@@ -196,7 +198,7 @@ class PagedKVLayout:
             )
         else:
             regions = (Region(0, self.block_nbytes),)
-        return tuple(
+        k, v = (
             PoolSpec(
                 num_blocks=self.num_blocks,
                 block_stride=self.block_stride(),
@@ -207,13 +209,14 @@ class PagedKVLayout:
             )
             for kv in (0, 1)
         )
+        return k, v
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that ``num_tokens`` tokens occupy."""
         return -(-num_tokens // self.block_size)
 
     # -- wire form ---------------------------------------------------------------------------
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         """JSON-able form (for kv_transfer_params and the wire); inverse of :meth:`from_dict`."""
         return {
             "num_layers": self.num_layers,

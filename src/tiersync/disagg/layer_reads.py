@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -23,6 +24,9 @@ from tiersync.net import events as ev
 from tiersync.net import local
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 from tiersync.net.service import Session
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["LayerReads", "Outgoing", "Refused", "Route"]
 
@@ -108,10 +112,10 @@ class LayerReads:
         value = self.sums.composed(view, known, offs, lens)
         checksum = None if value is None else (PayloadChecksum.TSUM64, value)
         if lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= ZERO_COPY_AVG:
-            views = [memoryview(view[o : o + n]) for o, n in zip(offs.tolist(), lens.tolist())]
+            views = [memoryview(cast("Buffer", view[o : o + n])) for o, n in zip(offs.tolist(), lens.tolist())]
             return [ev.Data(event.request_id, views, checksum)]
         staging = gather(view, offs, lens, out=self._staging_of(session, event.length, 0))
-        return written_before_next(ev.Data(event.request_id, memoryview(staging), checksum))
+        return written_before_next(ev.Data(event.request_id, memoryview(cast("Buffer", staging)), checksum))
 
     def _staging_of(self, session: Session, nbytes: int, slot: int) -> np.ndarray:
         """The session's gather buffer ``slot``, at least ``nbytes`` (grown on demand, bounded
@@ -134,18 +138,22 @@ class LayerReads:
             route.local_pulls += 1  # two buffers in turn: the reader keeps at most two pulls in flight
             view = gather(view, offs, lens, out=self._staging_of(session, event.length, route.local_pulls % 2))
             offs, lens = np.zeros(1, np.int64), np.array([view.size], np.int64)
-            sums = np.array([payload_checksum(algo, view)], np.uint64)
+            sums = np.array([payload_checksum(algo, cast(memoryview, view))], np.uint64)  # it sums any buffer
         elif algo is PayloadChecksum.TSUM64:
             offs, lens, sums = self.sums.regions(view, self.sums.known(route.req, route.told[event.n]), offs, lens)
-        else:
+        else:  # each view as it is: payload_checksum sums any buffer, not only those it is typed for
             sums = np.array(
-                [payload_checksum(algo, view[o : o + n]) for o, n in zip(offs.tolist(), lens.tolist())], np.uint64
+                [
+                    payload_checksum(algo, cast(memoryview, view[o : o + n]))
+                    for o, n in zip(offs.tolist(), lens.tolist())
+                ],
+                np.uint64,
             )
         base = local.buffer_address(view)[0]
         regions = np.stack([offs.astype(np.uint64) + np.uint64(base), lens.astype(np.uint64), sums], axis=1)
         return ev.LocalReply(event.request_id, os.getpid(), algo, regions)
 
 
-def written_before_next(answer: object):
+def written_before_next(answer: object) -> Iterator[object]:
     """A generator answer: the server sends what a handler yields before it reads on."""
     yield answer

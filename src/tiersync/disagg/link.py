@@ -16,7 +16,7 @@ import collections
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from tiersync.net import events as ev
 from tiersync.net.errors import NetTimeoutError, ProtocolError, ProtocolFault
 from tiersync.net.local import LocalReadError
 from tiersync.net.tcp import Later, TcpChannel
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer as _Buffer
 
 __all__ = ["pull_route"]
 
@@ -50,7 +53,8 @@ class _Route:
     def dests(self, buf: np.ndarray, offset: int, size: int) -> list[memoryview]:
         """Views of ``buf`` (the destination layer) that receive route bytes ``[offset, offset+size)``."""
         offs, lens = route_slice(self.dst, self.lengths, offset, size)
-        return [memoryview(buf[o : o + n]) for o, n in zip(offs.tolist(), lens.tolist())]
+        # numpy arrays have the buffer protocol; numpy's stubs declare it only from Python 3.12
+        return [memoryview(cast("_Buffer", buf[o : o + n])) for o, n in zip(offs.tolist(), lens.tolist())]
 
 
 def pull_route(
@@ -114,7 +118,7 @@ def _layers_tcp(
     pieces = _pieces(total, config.chunk_bytes)
     then: dict[int, Callable[[object], None]] = {}  # request id -> what its answer does
 
-    def requests() -> Iterator[tuple[object, object]]:
+    def requests() -> Iterator[tuple[ev.Request, object]]:
         for n in range(landed_n, num_layers):
             if n >= known:
                 ask = KvNext(channel.new_request_id(), n)
@@ -123,8 +127,8 @@ def _layers_tcp(
             for i, (off, size) in enumerate(pieces):
                 pull = KvPull(channel.new_request_id(), n, off, size)
                 if i == len(pieces) - 1:
-                    then[pull.request_id] = lambda _answer, n=n: landed(told[n])
-                yield pull, Later(lambda n=n, off=off, size=size: route.dests(buffer(told[n]), off, size))
+                    then[pull.request_id] = _landing(landed, told, n)
+                yield pull, _dests_later(route, buffer, told, n, off, size)
 
     def on_answer(request_id: int, answer: object) -> None:
         action = then.pop(request_id, None)
@@ -132,6 +136,17 @@ def _layers_tcp(
             action(answer)
 
     channel.pipeline(requests(), window=config.window, timeout=_left(deadline, channel), landed=on_answer)
+
+
+def _landing(landed: Landed, told: list[int], n: int) -> Callable[[object], None]:
+    """What the answer to the last pull of the ``n``-th ready layer does: report that layer."""
+    return lambda _answer: landed(told[n])
+
+
+def _dests_later(route: _Route, buffer: Buffer, told: list[int], n: int, off: int, size: int) -> Later:
+    """Where route bytes ``[off, off+size)`` of the ``n``-th ready layer land, resolved once
+    KV_NEXT ``n``'s answer named the layer."""
+    return Later(lambda: route.dests(buffer(told[n]), off, size))
 
 
 def _told(channel: TcpChannel, answer: object, told: list[int], num_layers: int) -> None:
@@ -271,7 +286,8 @@ def _placed(starts: np.ndarray, lengths: np.ndarray, offs: np.ndarray, lens: np.
     span = np.minimum(np.searchsorted(ends, starts, side="right"), lens.size - 1)
     if np.any(starts + lengths > ends[span]):
         return None
-    return offs[span] + (starts - (ends[span] - lens[span]))
+    placed: np.ndarray = offs[span] + (starts - (ends[span] - lens[span]))
+    return placed
 
 
 def _left(deadline: float, channel: TcpChannel) -> float:

@@ -4,6 +4,7 @@ It travels as the JSON metadata of a ``KV_OPEN`` (:mod:`tiersync.disagg.ops`).""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +43,7 @@ class ReadRequest:
     num_tokens: int
     notify_only: bool = False
 
-    def to_meta(self) -> dict:
+    def to_meta(self) -> dict[str, object]:
         return {
             "request_id": self.request_id,
             "src_rank": self.src_rank,
@@ -59,21 +60,21 @@ def _bad(message: str, **context: Any) -> ProtocolError:
     return ProtocolError(message, fault=ProtocolFault.MALFORMED, **context)
 
 
-def _int(meta: dict, name: str, minimum: int = 0) -> int:
+def _int(meta: Mapping[str, object], name: str, minimum: int = 0) -> int:
     value = meta.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise _bad(f"{name} must be an int >= {minimum}", field=name)
     return value
 
 
-def _ids(meta: dict, name: str) -> tuple[int, ...]:
+def _ids(meta: Mapping[str, object], name: str) -> tuple[int, ...]:
     value = meta.get(name)
     if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         raise _bad(f"{name} must be a list of ints", field=name)
     return tuple(value)
 
 
-def parse_read(meta: dict) -> ReadRequest:
+def parse_read(meta: Mapping[str, object]) -> ReadRequest:
     """Validate a READ's metadata. Raises ProtocolError (MALFORMED) naming the field."""
     try:
         request_id = check_request_id(meta.get("request_id"))

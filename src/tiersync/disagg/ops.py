@@ -128,6 +128,13 @@ class KvLayer:
         return cls(rid, r.u32())
 
 
+def _check_pull(pull: KvPull | KvPullLocal) -> None:
+    """The field checks of KV_PULL and KV_PULL_LOCAL."""
+    for name in ("request_id", "offset", "length"):
+        check_u64(name, getattr(pull, name))
+    check_u32("n", pull.n)
+
+
 @dataclass(frozen=True, slots=True)
 class KvPull:
     """``length`` bytes at ``offset`` of the route of the ``n``-th ready layer (the one KV_NEXT
@@ -141,9 +148,7 @@ class KvPull:
     length: int
 
     def __post_init__(self) -> None:
-        for name in ("request_id", "offset", "length"):
-            check_u64(name, getattr(self, name))
-        check_u32("n", self.n)
+        _check_pull(self)
 
     def meta(self) -> bytes:
         return MetaWriter().u32(self.n).u64(self.offset).u64(self.length).getvalue()
@@ -166,7 +171,9 @@ class KvPullLocal:
     offset: int
     length: int
 
-    __post_init__ = KvPull.__post_init__
+    def __post_init__(self) -> None:
+        _check_pull(self)
+
     meta = KvPull.meta
 
     @classmethod

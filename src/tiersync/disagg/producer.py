@@ -26,8 +26,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, cast
 
 from tiersync.disagg.config import DisaggConfig, FinishedRequests, RequestState, check_side
 from tiersync.disagg.geometry import PagedKVLayout
@@ -146,7 +146,9 @@ class KVProducer(Service):
             req = self._requests.get(request_id)
             if req is None and request_id not in self._final:
                 raise UsageError("not registered", argument="request_id", value=request_id)
-            ready = list(req.ready) if req is not None and req.state is RequestState.PENDING else []
+            if req is None or req.state is not RequestState.PENDING:
+                return
+            ready = list(req.ready)
         for layer in ready:
             self._sums.known(req, layer)
 
@@ -238,7 +240,7 @@ class KVProducer(Service):
             return True
 
     # -- serving (a Service on the one TcpServer: handle runs on its worker pool) --------------
-    def handle(self, session: Session, event: object):
+    def handle(self, session: Session, event: object) -> Iterable[object]:
         """Answer one request of a reader's session (see :mod:`tiersync.disagg.ops`). A gathered
         pull is yielded, so the server writes it before this session's next pull reuses the
         staging buffer."""
@@ -249,10 +251,11 @@ class KVProducer(Service):
                 return self._reads.pull(session, event, self._route_of)
             answer = self._answer(session, event)
         except Refused as exc:
-            answer = ev.Error(event.request_id, exc.code, str(exc)[:512])
+            rid = cast(ev.Request, event).request_id  # a request of the KV vocabulary (the server parsed it)
+            answer = ev.Error(rid, exc.code, str(exc)[:512])
         return [answer]
 
-    def _waiting(self, session: Session, event: KvNext):
+    def _waiting(self, session: Session, event: KvNext) -> Iterator[object]:
         try:
             yield self._answer(session, event)
         except Refused as exc:

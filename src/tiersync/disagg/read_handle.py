@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 
@@ -92,7 +93,7 @@ class ReadHandle(Completion[None]):
                 self._cond.wait(left)
             if layer in self._arrived:
                 return True
-            raise self._error  # type: ignore[misc]  # FAILED: set by _fail
+            raise cast(BaseException, self._error)  # FAILED (DONE needs every layer): set by _fail
 
     def wait(self, timeout: float | None = None) -> RequestState:
         """Wait until DONE or FAILED (or the timeout); returns the state."""

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -40,6 +40,9 @@ __all__ = [
 ]
 
 SRC_RANK, SRC_OFF, DST_RANK, DST_OFF, NBYTES = range(5)
+
+_K = TypeVar("_K", bound=Hashable)
+_V = TypeVar("_V")
 
 
 class Route(NamedTuple):
@@ -203,7 +206,8 @@ class ReshardPlan:
         """``(n, 3)`` int64 ``[src_offset, dst_offset, nbytes]`` that ``src_rank`` sends ``dst_rank``
         per layer (possibly empty), in the order a transport sends them."""
         sel = (self.spans[:, SRC_RANK] == src_rank) & (self.spans[:, DST_RANK] == dst_rank)
-        return self.spans[sel][:, [SRC_OFF, DST_OFF, NBYTES]]
+        rows: np.ndarray = self.spans[sel][:, [SRC_OFF, DST_OFF, NBYTES]]
+        return rows
 
     def route_nbytes(self, src_rank: int, dst_rank: int) -> int:
         """Bytes per layer that ``src_rank`` sends to ``dst_rank``."""
@@ -244,6 +248,10 @@ def _build_plan(
     return ReshardPlan(src, dst, num_tokens, routes, spans)
 
 
+_PlanKey = tuple[PagedKVLayout, PagedKVLayout, tuple[tuple[int, ...], tuple[int, ...]], int]
+"""A cached plan's key: the two layouts, the block ids each side uses, the token count."""
+
+
 class ReshardPlanner:
     """Plans with two caches: routes per ``(src, dst)`` layout pair (``max_layouts``) and whole
     plans per ``(src, dst, block tables, num_tokens)`` (``max_plans``, so the producer and the
@@ -252,8 +260,8 @@ class ReshardPlanner:
     def __init__(self, max_layouts: int = 64, max_plans: int = 256) -> None:
         check_positive_int(max_layouts, "max_layouts")
         check_positive_int(max_plans, "max_plans")
-        self._routes: OrderedDict = OrderedDict()
-        self._plans: OrderedDict = OrderedDict()
+        self._routes: OrderedDict[tuple[PagedKVLayout, PagedKVLayout], tuple[Route, ...]] = OrderedDict()
+        self._plans: OrderedDict[_PlanKey, ReshardPlan] = OrderedDict()
         self._limits = (max_layouts, max_plans)
         self._lock = threading.Lock()
 
@@ -276,13 +284,16 @@ class ReshardPlanner:
         duplicate destination ids)."""
         check_positive_int(num_tokens, "num_tokens")
         routes = self.routes(src, dst)
-        ids = (_ids_key(src_block_ids, src, num_tokens), _ids_key(dst_block_ids, dst, num_tokens))
-        build = lambda: _build_plan(src, dst, routes, src_block_ids, dst_block_ids, num_tokens)  # noqa: E731
-        if None in ids:
-            return build()  # odd input: _build_plan raises the precise error
-        return self._cached(self._plans, (src, dst, ids, num_tokens), self._limits[1], build)
+        src_ids, dst_ids = _ids_key(src_block_ids, src, num_tokens), _ids_key(dst_block_ids, dst, num_tokens)
 
-    def _cached(self, cache: OrderedDict, key: object, limit: int, build):
+        def build() -> ReshardPlan:
+            return _build_plan(src, dst, routes, src_block_ids, dst_block_ids, num_tokens)
+
+        if src_ids is None or dst_ids is None:
+            return build()  # odd input: _build_plan raises the precise error
+        return self._cached(self._plans, (src, dst, (src_ids, dst_ids), num_tokens), self._limits[1], build)
+
+    def _cached(self, cache: OrderedDict[_K, _V], key: _K, limit: int, build: Callable[[], _V]) -> _V:
         with self._lock:
             if key in cache:
                 cache.move_to_end(key)
@@ -299,7 +310,7 @@ class ReshardPlanner:
             return len(self._routes)
 
 
-def _ids_key(ids: object, layout: PagedKVLayout, num_tokens: int) -> tuple | None:
+def _ids_key(ids: Sequence[int], layout: PagedKVLayout, num_tokens: int) -> tuple[int, ...] | None:
     try:
         return tuple(int(i) for i in list(ids)[: layout.blocks_needed(num_tokens)])
     except (TypeError, ValueError):

@@ -48,7 +48,8 @@ def _row_index(offsets: np.ndarray, lengths: np.ndarray, g: int) -> np.ndarray:
     starts, counts = offsets // g, lengths // g
     total = int(counts.sum())
     shift = np.repeat(starts - (np.cumsum(counts) - counts), counts)
-    return np.arange(total, dtype=np.int64) + shift
+    index: np.ndarray = np.arange(total, dtype=np.int64) + shift
+    return index
 
 
 def _rows(buf: np.ndarray, g: int) -> np.ndarray:

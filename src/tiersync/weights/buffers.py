@@ -175,8 +175,9 @@ class VersionedBuffers:
         self._fire()
 
     def _drop_views(self, index: int) -> None:
-        if self._held[index] is not None:
-            self._unheld.append(self._held[index])
+        held = self._held[index]
+        if held is not None:
+            self._unheld.append(held)
         self._views[index], self._held[index] = {}, None
 
     def _fire(self) -> None:
@@ -207,13 +208,16 @@ class VersionedBuffers:
                 self._cond.wait(left)
             self._check_open()
             index = self._active
+            assert index is not None  # the wait ends with a set active unless closed (raised above)
+            version = self._version[index]
+            assert version is not None  # an active set holds the version committed into it
             self._readers[index] += 1
             views, served = {}, self._views[index]
             for name, arr in self._sets[index].items():
                 view = served.get(name, arr).view()
                 view.flags.writeable = False
                 views[name] = view
-            return WeightsLease(self, index, self._version[index], views)
+            return WeightsLease(self, index, version, views)
 
     def _release(self, index: int) -> None:
         with self._cond:

@@ -72,7 +72,7 @@ def _check_link(token: object, tls: object) -> bytes | None:
     return coerce_token(token, "token")
 
 
-def _tcp_config(cfg: object, connect_timeout_s: float, node_id: str) -> TcpConfig:
+def _tcp_config(cfg: PublisherConfig | ReceiverConfig, connect_timeout_s: float, node_id: str) -> TcpConfig:
     """A weight-sync endpoint's TcpConfig. A server's answer to a GET may wait up to
     ``io_timeout_s`` for its bytes before it is written, so one operation gets twice that."""
     protocol = ProtocolConfig(max_frame_size=MAX_SPAN_BYTES + cfg.max_meta_bytes, max_meta_size=cfg.max_meta_bytes)

@@ -26,15 +26,20 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from tiersync.errors import IntegrityError
+from tiersync.errors import IntegrityError, UsageError
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 from tiersync.weights.config import TransportKind
 from tiersync.weights.executor import span_view
 from tiersync.weights.fetch import Job, TcpPool
+from tiersync.weights.ops import SumsReply
 from tiersync.weights.spans import StridedSpan
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["DeltaState", "Landing", "chunk_sum"]
 
@@ -45,14 +50,22 @@ _SPAN_META = 24  # bytes of one span in a W_SUMS besides 16 per dimension
 
 def chunk_sum(algo: PayloadChecksum, arr: np.ndarray, span: StridedSpan) -> int:
     """Checksum of ``span``'s bytes of ``arr`` in C order (what the trainer computed for them)."""
+    # numpy arrays export the buffer protocol; its stubs do not say so (hence the casts)
     if span.is_contiguous:
         flat = arr.reshape(-1).view(np.uint8)
-        return payload_checksum(algo, memoryview(flat[span.offset : span.offset + span.nbytes]))
-    return payload_checksum(algo, memoryview(np.ascontiguousarray(span_view(arr, span)).reshape(-1)))
+        return payload_checksum(algo, memoryview(cast("Buffer", flat[span.offset : span.offset + span.nbytes])))
+    return payload_checksum(algo, memoryview(cast("Buffer", np.ascontiguousarray(span_view(arr, span)).reshape(-1))))
 
 
 def _key(job: Job) -> ChunkKey:
     return job.tensor, tuple(job.key)
+
+
+def _origin_span(job: Job) -> StridedSpan:
+    """The chunk in its trainer shard's buffer (what a W_SUMS asks for; build_jobs sets it)."""
+    if job.origin_span is None:
+        raise UsageError("a delta sync needs every job's origin_span", argument="jobs", tensor=job.tensor)
+    return job.origin_span
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +114,13 @@ class DeltaState:
             groups.setdefault((j.origin, j.tensor), []).append(j)
         batches = []
         for (origin, tensor), group in groups.items():  # each W_SUMS well inside max_meta_bytes
-            size = _SPAN_META + 16 * max(len(j.origin_span.counts) for j in group)
+            size = _SPAN_META + 16 * max(len(_origin_span(j).counts) for j in group)
             step = max(1, min(_BATCH, (self._max_meta // 2 - len(tensor)) // size))
             batches += [(origin, tensor, group[i : i + step]) for i in range(0, len(group), step)]
 
-        def ask(batch: tuple[int, str, list[Job]]):
+        def ask(batch: tuple[int, str, list[Job]]) -> tuple[list[Job], SumsReply]:
             origin, tensor, group = batch
-            return group, self._pool.sums(addresses[origin], version, tensor, tuple(j.origin_span for j in group))
+            return group, self._pool.sums(addresses[origin], version, tensor, tuple(_origin_span(j) for j in group))
 
         with ThreadPoolExecutor(min(16, max(1, len(batches))), thread_name_prefix="sums") as pool:
             replies = list(pool.map(ask, batches))
@@ -164,9 +177,10 @@ def land_delta(
 ) -> Landing:
     """Land ``jobs`` in ``bufs``: keep, copy or ``fetch`` each chunk, verify, refetch the bad ones
     directly; ``landed(jobs)`` once chunks are verified local copies (relays may serve them)."""
-    kept, copied, fetched = triage(jobs, want, here, active[0] if active else {})
-    if copied:
-        copy_local(copied, active[1], bufs)
+    held, src = active if active is not None else ({}, {})
+    kept, copied, fetched = triage(jobs, want, here, held)
+    if copied:  # chunks the active set holds (none without one)
+        copy_local(copied, src, bufs)
     bad = bad_chunks(algo, kept + copied, bufs, want)
     bad_ids = {id(j) for j in bad}
     landed([j for j in kept + copied if id(j) not in bad_ids])

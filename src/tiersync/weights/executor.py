@@ -8,11 +8,12 @@ use it as the oracle; nothing here is tuned for speed.
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
+from typing import cast
 
 import numpy as np
 
 from tiersync.errors import UsageError
-from tiersync.weights.sharding import shard_boxes
+from tiersync.weights.sharding import Box, shard_boxes
 from tiersync.weights.spans import StridedSpan
 from tiersync.weights.transfer_plan import TransferKind, TransferPlan
 
@@ -71,8 +72,9 @@ def execute_local(
     if not isinstance(plan, TransferPlan):
         raise UsageError("expected a TransferPlan", argument="plan", value=type(plan))
     if dst_shards is None:
-        dst_shards = allocate_destination(plan)
-    boxes: dict[tuple[bool, str], dict] = {}
+        # a fresh dict of dicts nobody else holds: the caller may treat it as mutable mappings
+        dst_shards = cast("MutableMapping[int, MutableMapping[str, np.ndarray]]", allocate_destination(plan))
+    boxes: dict[tuple[bool, str], dict[int, Box]] = {}
     for stage in plan.stages():
         for t in stage:
             if t.kind is TransferKind.PUSH:
@@ -86,7 +88,14 @@ def execute_local(
 
 
 def _shard(
-    shards: Shards, rank: int, name: str, argument: str, plan: TransferPlan, boxes: dict, *, source: bool
+    shards: Shards,
+    rank: int,
+    name: str,
+    argument: str,
+    plan: TransferPlan,
+    boxes: dict[tuple[bool, str], dict[int, Box]],
+    *,
+    source: bool,
 ) -> np.ndarray:
     try:
         arr = shards[rank][name]

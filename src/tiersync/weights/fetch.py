@@ -19,13 +19,13 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from tiersync.errors import RemoteError, TierSyncError
+from tiersync.errors import RemoteError, TierSyncError, UsageError
 from tiersync.net.config import TcpConfig
 from tiersync.net.errors import RequestError
 from tiersync.net.tcp import TcpChannel, TcpTransport
@@ -33,8 +33,12 @@ from tiersync.weights.config import TransportKind
 from tiersync.weights.executor import span_view
 from tiersync.weights.ops import WEIGHTS, Get, Sums, SumsReply
 from tiersync.weights.segment import SegmentReader
+from tiersync.weights.sharding import Box
 from tiersync.weights.spans import StridedSpan
-from tiersync.weights.transfer_plan import TransferKind, TransferPlan
+from tiersync.weights.transfer_plan import Transfer, TransferKind, TransferPlan
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["Job", "Source", "TcpPool", "build_jobs", "shm_copy"]
 
@@ -79,7 +83,7 @@ def build_jobs(
 ) -> list[Job]:
     """The jobs of destination ``rank``. ``transports``/``publishers``: per trainer shard, how it is
     reached and its address; ``peers``: relay addresses of the other samplers."""
-    roots = {}
+    roots: dict[tuple[str, Box], Transfer] = {}
     for t in plan.transfers:
         if t.kind is TransferKind.PUSH:
             roots.setdefault((t.tensor, t.global_box), t)
@@ -126,7 +130,7 @@ class TcpPool:
     def __init__(self, streams: int, config: TcpConfig, io_timeout_s: float) -> None:
         self._streams, self._io_s = streams, io_timeout_s
         self._transport = TcpTransport(config, WEIGHTS)
-        self._idle: dict[str, queue.SimpleQueue] = {}
+        self._idle: dict[str, queue.SimpleQueue[TcpChannel]] = {}
         self._count: dict[str, int] = {}
         self._all: set[TcpChannel] = set()
         self._lock = threading.Lock()
@@ -245,16 +249,19 @@ def _landing(dst: np.ndarray, span: StridedSpan) -> tuple[object, np.ndarray | N
     """Where a GET of ``span`` of ``dst`` lands: its bytes (contiguous), its rows (a few), or a
     staging buffer to copy into the returned strided view (many small rows)."""
     flat = dst.reshape(-1).view(np.uint8)
+    # numpy arrays export the buffer protocol; its stubs do not say so (hence the casts)
     if span.is_contiguous:
-        return memoryview(flat[span.offset : span.offset + span.nbytes]), None
+        return memoryview(cast("Buffer", flat[span.offset : span.offset + span.nbytes])), None
     if span.row_count <= _ROWS_IN_PLACE:
-        return [memoryview(flat[o : o + n]) for o, n in span.rows()], None
-    return memoryview(np.empty(span.nbytes, np.uint8)), span_view(dst, span)
+        return [memoryview(cast("Buffer", flat[o : o + n])) for o, n in span.rows()], None
+    return memoryview(cast("Buffer", np.empty(span.nbytes, np.uint8))), span_view(dst, span)
 
 
-def first_error(errors: list[BaseException]) -> BaseException | None:
-    """The most telling of several errors (a TierSyncError over others)."""
+def first_error(errors: Sequence[BaseException]) -> BaseException:
+    """The most telling of several errors (a TierSyncError over others); ``errors`` is not empty."""
     for e in errors:
         if isinstance(e, TierSyncError):
             return e
-    return errors[0] if errors else None
+    if not errors:
+        raise UsageError("no error to choose from", argument="errors")
+    return errors[0]

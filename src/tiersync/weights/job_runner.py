@@ -126,11 +126,12 @@ class JobRunner:
             self._progress(version, n, tally.total)
 
     def _run_job(self, version: int, job: Job, manifests: list[Manifest], dst: np.ndarray, deadline: Deadline) -> None:
-        errors = []
+        errors: list[TierSyncError] = []
         for n, src in enumerate(job.sources):
             try:
                 if src.via is TransportKind.SHM:
                     m = manifests[src.rank]
+                    assert m.segment is not None  # TrainerLinks.manifests refused an SHM shard without one
                     self._links.wait_ready(src.rank, version, job.index, deadline)
                     nbytes = int(np.prod(shard_boxes(m.specs[job.index].shape, m.source[job.index])[src.rank].shape))
                     shm_copy(

@@ -66,8 +66,10 @@ class ShardLink:
     def send(self, event: object, timeout: float) -> None:
         """Send one-way message ``event`` (thread-safe); a failure is logged: the control reader
         notices the lost link."""
+        channel = self.channel
+        assert channel is not None  # sent to live links only: register connected them
         try:
-            self.channel.send(event, timeout=timeout)
+            channel.send(event, timeout=timeout)
         except TierSyncError as exc:
             log.log(log_level(exc), "%s to trainer shard %s failed: %s", type(event).__name__, self.rank, exc)
 
@@ -101,9 +103,11 @@ class TrainerLinks:
             threading.Thread(target=self._read_control, args=(shard,), daemon=True, name=name).start()
 
     def _read_control(self, shard: ShardLink) -> None:
+        channel = shard.channel
+        assert channel is not None  # connect starts this reader once register connected the link
         try:
             while True:
-                event = shard.channel.receive()
+                event = channel.receive()
                 if isinstance(event, Announce):
                     self._announce(shard, event.manifest)
                 elif isinstance(event, Ready):
@@ -116,7 +120,7 @@ class TrainerLinks:
                     )
         except TierSyncError as exc:
             log.log(log_level(exc), "trainer shard %s control ended: %s", shard.rank, exc)
-            shard.channel.close()
+            channel.close()
         with self._cond:
             shard.alive = False
             self._cond.notify_all()
@@ -147,8 +151,9 @@ class TrainerLinks:
         if any(not m.same_model(manifests[0]) or m.source_ranks != len(self._shards) for m in manifests):
             raise UsageError("trainer shards disagree on the model (or their number)", argument="publishers")
         for s, m in zip(self._shards, manifests):
-            if s.transport is TransportKind.SHM and m.segment not in s.readers:
-                s.readers[m.segment] = SegmentReader(m.segment, m.payload_bytes)
+            segment = _segment(s, m) if s.transport is TransportKind.SHM else None
+            if segment is not None and segment not in s.readers:
+                s.readers[segment] = SegmentReader(segment, m.payload_bytes)
                 for old in list(s.readers)[:-4]:  # a zero-copy lease keeps its mapping alive
                     s.readers.pop(old).close()
         return manifests
@@ -156,7 +161,9 @@ class TrainerLinks:
     def readers(self, manifests: list[Manifest]) -> dict[int, SegmentReader]:
         """Source rank -> the mapped segment of its manifest, for the shared-memory shards."""
         return {
-            s.rank: s.readers[m.segment] for s, m in zip(self._shards, manifests) if s.transport is TransportKind.SHM
+            s.rank: s.readers[_segment(s, m)]
+            for s, m in zip(self._shards, manifests)
+            if s.transport is TransportKind.SHM
         }
 
     def reader(self, rank: int, segment: str) -> SegmentReader:
@@ -196,3 +203,12 @@ class TrainerLinks:
                 s.channel.close()  # wakes the control reader blocked in receive
             for r in s.readers.values():
                 r.close()
+
+
+def _segment(shard: ShardLink, m: Manifest) -> str:
+    """The segment a shared-memory shard's manifest names; ProtocolError when it names none."""
+    if m.segment is None:
+        raise ProtocolError(
+            "a shared-memory trainer shard announced no segment", fault=ProtocolFault.MALFORMED, peer=shard.address
+        )
+    return m.segment

@@ -42,7 +42,7 @@ def sharding_to_json(s: Sharding) -> dict[str, Any]:
     return {
         "shape": list(m.shape),
         "axes": list(m.axis_names),
-        "ranks": list(m.ranks),
+        "ranks": list(m.rank_ids),
         "spec": [list(d) for d in s.spec],
     }
 

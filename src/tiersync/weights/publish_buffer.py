@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from tiersync.errors import UsageError
-from tiersync.net.errors import RemoteError
+from tiersync.errors import ClosedError, RemoteError, UsageError
 from tiersync.weights.piece_sums import PieceSums, span_sum
-from tiersync.weights.segment import SegmentPool
+from tiersync.weights.segment import SegmentPool, SegmentWriter
 from tiersync.weights.spans import StridedSpan
 
 __all__ = ["PublishBuffer"]
@@ -48,21 +47,21 @@ class PublishBuffer:
         self._inflight = 0
         self._sums = PieceSums(len(sizes))
         if pool is not None:
-            self._store = self._segment_store(-1, set())
+            self._store = self._segment_store(pool, -1, set())
         else:
             self._store = np.zeros(payload, np.uint8)
 
     @property
     def segment_path(self) -> str | None:
-        return None if self._pool is None else self._pool.current.path
+        return None if self._pool is None else _current(self._pool).path
 
-    def _segment_store(self, version: int, holders: set) -> np.ndarray:
+    def _segment_store(self, pool: SegmentPool, version: int, holders: set[object]) -> np.ndarray:
         """Switch to the pool's segment for ``version`` (held by ``holders``): its payload view."""
         self._store = np.zeros(0, np.uint8)  # drop the old view before the pool may unmap it
-        seg = self._pool.take(version, holders)
+        seg = pool.take(version, holders)
         return seg.region(self._offsets[0], self._payload) if self._payload else np.zeros(0, np.uint8)
 
-    def begin(self, version: int, holders: set, timeout: float) -> None:
+    def begin(self, version: int, holders: set[object], timeout: float) -> None:
         """Refuse GETs of the old version, let the running ones finish (at most ``timeout`` s),
         mark the new one (in a segment no zero-copy sampler still reads; ``holders`` hold it from now)."""
         end = time.monotonic() + timeout
@@ -73,8 +72,8 @@ class PublishBuffer:
             while self._inflight and time.monotonic() < end:
                 self._cond.wait(end - time.monotonic())
             if self._pool is not None:
-                self._store = self._segment_store(version, holders)
-                self._pool.current.begin(version)
+                self._store = self._segment_store(self._pool, version, holders)
+                _current(self._pool).begin(version)
             self._current = version
 
     def write(self, i: int, src: np.ndarray) -> None:
@@ -88,9 +87,11 @@ class PublishBuffer:
     def complete(self, version: int) -> None:
         """Every tensor of ``version`` is written (the segment's header says so)."""
         if self._pool is not None:
-            self._pool.current.complete(version)
+            _current(self._pool).complete(version)
 
-    def provide(self, version: int, name: str, key: tuple, timeout: float):
+    def provide(
+        self, version: int, name: str, key: tuple[int, ...], timeout: float
+    ) -> tuple[np.ndarray, Callable[[], None]]:
         """GETs: tensor ``name`` of ``version`` once written (waiting at most ``timeout`` s)."""
         i = self._index.get(name)
         if i is None:
@@ -130,3 +131,12 @@ class PublishBuffer:
             with self._cond:
                 self._store = np.zeros(0, np.uint8)
                 self._pool.close()
+
+
+def _current(pool: SegmentPool) -> SegmentWriter:
+    """The segment the pool handed out last (the buffer takes one on construction; None only
+    once the pool is closed)."""
+    seg = pool.current
+    if seg is None:
+        raise ClosedError("the publisher's segments are closed", argument="publisher")
+    return seg

@@ -29,12 +29,13 @@ from concurrent.futures import Future
 import numpy as np
 
 from tiersync.errors import IntegrityError, UsageError
+from tiersync.net.frames import PayloadChecksum
 from tiersync.net.server import TcpServer
 from tiersync.net.socket_io import Deadline
 from tiersync.net.tcp import TcpTransport
 from tiersync.weights.buffers import VersionedBuffers, WeightsLease
 from tiersync.weights.config import ReceiverConfig, ReceiveResult, TransportKind
-from tiersync.weights.delta import DeltaState, Landing, land_delta
+from tiersync.weights.delta import ChunkKey, DeltaState, Landing, land_delta
 from tiersync.weights.fetch import Job, TcpPool, build_jobs
 from tiersync.weights.job_runner import JobRunner, Progress
 from tiersync.weights.links import TrainerLinks
@@ -71,7 +72,7 @@ class WeightReceiver:
         config: ReceiverConfig,
         *,
         progress: Progress | None = None,
-        allocator: Callable[[tuple, str], np.ndarray] | None = None,
+        allocator: Callable[[tuple[int, ...], str], np.ndarray] | None = None,
     ) -> None:
         if not isinstance(config, ReceiverConfig):
             raise UsageError("expected a ReceiverConfig", argument="config")
@@ -170,7 +171,7 @@ class WeightReceiver:
             version, nbytes, time.perf_counter() - t0, self.transports(), landing.moved, landing.copied
         )
 
-    def _jobs(self, manifests: list[Manifest]) -> tuple[list[Job], dict[str, tuple[tuple, str]]]:
+    def _jobs(self, manifests: list[Manifest]) -> tuple[list[Job], dict[str, tuple[tuple[int, ...], str]]]:
         """This rank's jobs of the version of ``manifests`` and its local (shape, dtype) per
         tensor; the buffer sets made to fit."""
         m0 = manifests[0]
@@ -187,7 +188,13 @@ class WeightReceiver:
         return jobs, {n: (local[n], specs[n].dtype) for n in m0.names}
 
     def _land(
-        self, version: int, jobs: list[Job], manifests: list[Manifest], bufs: dict, here: tuple, deadline: Deadline
+        self,
+        version: int,
+        jobs: list[Job],
+        manifests: list[Manifest],
+        bufs: dict[str, np.ndarray],
+        here: tuple[PayloadChecksum | None, dict[ChunkKey, int]],
+        deadline: Deadline,
     ) -> Landing:
         """Fetch ``jobs`` into ``bufs``: every one, or (delta) the changed ones, verified."""
         index = self._buffers.writing
@@ -209,6 +216,7 @@ class WeightReceiver:
             lambda js: self._runner.run(version, js, manifests, bufs, deadline),
             self._relay.landed,
         )
+        assert index is not None  # _sync holds the set begin_write gave it until commit or abort
         self._delta.commit(index, algo, want)
         return landing
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -19,13 +19,15 @@ from tiersync.weights.fetch import Job
 
 __all__ = ["RelayChunks"]
 
+_Chunk = tuple[str, tuple[int, ...]]  # (tensor, global box start)
+
 
 class RelayChunks:
     """The chunks of one version that landed, in that version's buffers."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._relay: tuple[int, Mapping[str, np.ndarray], set] | None = None  # version, buffers, done chunks
+        self._relay: tuple[int, Mapping[str, np.ndarray], set[_Chunk]] | None = None  # version, buffers, done chunks
 
     def begin(self, version: int, buffers: Mapping[str, np.ndarray]) -> None:
         """``version`` is being landed in ``buffers`` (none of its chunks yet)."""
@@ -42,10 +44,14 @@ class RelayChunks:
     def landed(self, jobs: Iterable[Job]) -> None:
         """The chunks of ``jobs`` are there."""
         with self._cond:
-            self._relay[2].update((j.tensor, j.key) for j in jobs)
+            relay = self._relay
+            assert relay is not None  # the sync that lands chunks began their version and has not dropped it
+            relay[2].update((j.tensor, j.key) for j in jobs)
             self._cond.notify_all()
 
-    def provide(self, version: int, name: str, key: tuple, timeout: float):
+    def provide(
+        self, version: int, name: str, key: tuple[int, ...], timeout: float
+    ) -> tuple[np.ndarray, Callable[[], None]]:
         """Relay GETs: chunk ``key`` of ``name`` once it landed in this version's buffer."""
         end, chunk = time.monotonic() + timeout, (name, tuple(key))
         with self._cond:

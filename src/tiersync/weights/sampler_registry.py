@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from tiersync.errors import TierSyncError
@@ -104,9 +104,9 @@ class SamplerRegistry:
         with self._cond:
             s = self._by_session.get(session.session_id)
             known = s is not None and isinstance(event, (Ack, Release))
-            if known and isinstance(event, Ack):
+            if s is not None and isinstance(event, Ack):
                 s.acks[event.version] = event
-            elif known and self._pool is not None:
+            elif s is not None and isinstance(event, Release) and self._pool is not None:
                 self._pool.release(s, event.version)
             self._cond.notify_all()
         if not known:
@@ -114,7 +114,7 @@ class SamplerRegistry:
             session.close()
         return ()
 
-    def _register(self, session: Session, hello: Register):
+    def _register(self, session: Session, hello: Register) -> Iterator[ev.Error | Welcome]:
         """A generator: W_WELCOME is written before the sampler takes part (so no ANNOUNCE
         overtakes it); a registration that replaces one of the same rank drops the old one."""
         shm_ok = self._pool is not None and hello.host == self._host

@@ -22,8 +22,9 @@ import struct
 import weakref
 
 import numpy as np
+import numpy.typing as npt
 
-from tiersync.errors import IntegrityError, UsageError
+from tiersync.errors import ClosedError, IntegrityError, UsageError
 
 __all__ = ["HEADER_BYTES", "SegmentPool", "SegmentReader", "SegmentWriter", "tensor_offsets"]
 
@@ -68,7 +69,7 @@ class SegmentWriter:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, HEADER_BYTES + payload_bytes)
-            self._map = mmap.mmap(fd, HEADER_BYTES + payload_bytes)
+            self._map: mmap.mmap | None = mmap.mmap(fd, HEADER_BYTES + payload_bytes)
         except BaseException:
             os.close(fd)
             os.unlink(path)
@@ -77,10 +78,12 @@ class SegmentWriter:
         # a publisher the program never closed still removes its name when the interpreter exits
         self._unlink_at_exit = weakref.finalize(self, _unlink_quiet, path)
         self.payload_bytes = payload_bytes
-        self._array = np.frombuffer(self._map, dtype=np.uint8)
+        self._array: npt.NDArray[np.uint8] | None = np.frombuffer(self._map, dtype=np.uint8)
         self._write_head(-1, EMPTY)
 
     def _write_head(self, version: int, state: int) -> None:
+        if self._map is None:
+            raise ClosedError("the weights segment is closed", argument="segment", path=self.path)
         self._map[: _HEAD.size] = _HEAD.pack(MAGIC, version, state, self.payload_bytes)
 
     def begin(self, version: int) -> None:
@@ -93,9 +96,12 @@ class SegmentWriter:
 
     def region(self, offset: int, nbytes: int) -> np.ndarray:
         """A writable uint8 view of ``nbytes`` at file offset ``offset``."""
-        if offset < HEADER_BYTES or offset + nbytes > len(self._array):
+        array = self._array
+        if array is None:
+            raise ClosedError("the weights segment is closed", argument="segment", path=self.path)
+        if offset < HEADER_BYTES or offset + nbytes > len(array):
             raise UsageError("region outside the payload", argument="offset", offset=offset, nbytes=nbytes)
-        return self._array[offset : offset + nbytes]
+        return array[offset : offset + nbytes]
 
     def close(self) -> None:
         """Unmap and unlink; idempotent."""
@@ -145,17 +151,20 @@ class SegmentReader:
                     size=size,
                     expected=HEADER_BYTES + payload_bytes,
                 )
-            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        magic, _, _, payload = _HEAD.unpack(self._map[: _HEAD.size])
+        magic, _, _, payload = _HEAD.unpack(mapped[: _HEAD.size])
         if magic != MAGIC or payload != payload_bytes:
-            self._map.close()
+            mapped.close()
             raise IntegrityError("not a weights segment of this manifest", path=path, payload=payload)
-        self._array = np.frombuffer(self._map, dtype=np.uint8)
+        self._map: mmap.mmap | None = mapped
+        self._array: npt.NDArray[np.uint8] | None = np.frombuffer(mapped, dtype=np.uint8)
 
     def header(self) -> tuple[int, int]:
         """``(version, state)`` as the writer left them."""
+        if self._map is None:
+            raise ClosedError("the weights segment is closed", argument="segment", path=self.path)
         _, version, state, _ = _HEAD.unpack(self._map[: _HEAD.size])
         return version, state
 
@@ -165,9 +174,12 @@ class SegmentReader:
 
     def region(self, offset: int, nbytes: int) -> np.ndarray:
         """A read-only uint8 view of ``nbytes`` at file offset ``offset``."""
-        if offset < HEADER_BYTES or offset + nbytes > len(self._array):
+        array = self._array
+        if array is None:
+            raise ClosedError("the weights segment is closed", argument="segment", path=self.path)
+        if offset < HEADER_BYTES or offset + nbytes > len(array):
             raise IntegrityError("region outside the segment", path=self.path, offset=offset, nbytes=nbytes)
-        return self._array[offset : offset + nbytes]
+        return array[offset : offset + nbytes]
 
     def close(self) -> None:
         if self._map is None:
@@ -193,12 +205,12 @@ class SegmentPool:
     def __init__(self, prefix: str, payload_bytes: int) -> None:
         self.prefix, self.payload_bytes = prefix, payload_bytes
         self._segments: list[SegmentWriter] = []
-        self._holders: dict[int, set] = {}  # id(segment) -> holder keys
+        self._holders: dict[int, set[object]] = {}  # id(segment) -> holder keys
         self._version: dict[int, int] = {}  # id(segment) -> version written into it
         self.current: SegmentWriter | None = None
         self._made = 0
 
-    def take(self, version: int, holders: set) -> SegmentWriter:
+    def take(self, version: int, holders: set[object]) -> SegmentWriter:
         """The segment to write ``version`` into, now held by ``holders`` (zero-copy samplers)."""
         seg = next((s for s in self._segments if s is not self.current and not self._holders[id(s)]), None)
         if self.current is not None and not self._holders[id(self.current)]:

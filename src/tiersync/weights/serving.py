@@ -14,11 +14,12 @@ Anything else goes to ``control`` (a trainer shard's registrations and acks).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from tiersync.errors import TierSyncError
+from tiersync.errors import TierSyncError, UsageError
 from tiersync.net import events as ev
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.frames import SUPPORTED, PayloadChecksum
@@ -28,9 +29,12 @@ from tiersync.weights.executor import span_view
 from tiersync.weights.ops import WEIGHTS, Get, Sums, SumsReply
 from tiersync.weights.spans import StridedSpan
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
 __all__ = ["Provider", "SpanService", "Summer", "span_payload"]
 
-Provider = Callable[[int, str, tuple, float], tuple[np.ndarray, Callable[[], None]]]
+Provider = Callable[[int, str, tuple[int, ...], float], tuple[np.ndarray, Callable[[], None]]]
 """``(version, tensor, key, timeout_s) -> (flat uint8 local shard, release)`` once that tensor
 (chunk ``key`` of it, for a relay) of that version is there; ``release()`` runs once the
 answer was written (the bytes must not change before). Raises a TierSyncError to refuse."""
@@ -43,6 +47,8 @@ _ROWS_SENT_AS_IOVEC = 256  # strided spans of at most this many rows of >= 64 Ki
 _MAX_SUMS = 1 << 16  # cached span checksums (one version's chunks)
 _WAIT_S = 30.0  # most a GET waits for another's sum of its span before summing it itself
 
+_Key = tuple[int, str, StridedSpan]  # (version, tensor, span): one cached checksum
+
 
 def span_payload(shard: np.ndarray, span: StridedSpan) -> list[memoryview]:
     """Byte views of ``span`` in ``shard`` (flat uint8), in C order; a gathered copy when the
@@ -51,11 +57,12 @@ def span_payload(shard: np.ndarray, span: StridedSpan) -> list[memoryview]:
         raise ProtocolError(
             "span reaches past the shard", fault=ProtocolFault.OVERSIZE, extent=span.extent, nbytes=shard.size
         )
+    # numpy arrays export the buffer protocol; its stubs do not say so (hence the casts)
     if span.is_contiguous:
-        return [memoryview(shard[span.offset : span.offset + span.row_bytes])]
+        return [memoryview(cast("Buffer", shard[span.offset : span.offset + span.row_bytes]))]
     if span.row_count <= _ROWS_SENT_AS_IOVEC and span.row_bytes >= 64 << 10:
-        return [memoryview(shard[o : o + n]) for o, n in span.rows()]
-    return [memoryview(np.ascontiguousarray(span_view(shard, span)).reshape(-1))]
+        return [memoryview(cast("Buffer", shard[o : o + n])) for o, n in span.rows()]
+    return [memoryview(cast("Buffer", np.ascontiguousarray(span_view(shard, span)).reshape(-1)))]
 
 
 class _Sums:
@@ -68,14 +75,18 @@ class _Sums:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sums: dict[tuple, int] = {}
-        self._busy: dict[tuple, threading.Event] = {}  # being summed -> set when known
+        self._sums: dict[_Key, int] = {}
+        self._busy: dict[_Key, threading.Event] = {}  # being summed -> set when known
         self._version = -1
 
     def of(
         self, get: Get | Sums, payload: list[memoryview], span: StridedSpan | None = None
     ) -> tuple[PayloadChecksum, int]:
-        key, algo = (get.version, get.tensor, get.span if span is None else span), SUPPORTED[0]
+        if span is None:
+            if not isinstance(get, Get):
+                raise UsageError("the checksum of a W_SUMS span needs that span", argument="span")
+            span = get.span
+        key, algo = (get.version, get.tensor, span), SUPPORTED[0]
         with self._lock:
             known, busy = self._sums.get(key), self._busy.get(key)
             mine = known is None and busy is None and get.version >= self._version
@@ -98,7 +109,7 @@ class _Sums:
             self._keep(key, get.version, value)
         return algo, value
 
-    def _keep(self, key: tuple, version: int, value: int | None) -> None:
+    def _keep(self, key: _Key, version: int, value: int | None) -> None:
         with self._lock:
             if version > self._version or len(self._sums) >= _MAX_SUMS:
                 self._sums.clear()
@@ -142,7 +153,7 @@ class SpanService(Service):
         if self._ended is not None:
             self._ended(session)
 
-    def _get(self, get: Get):
+    def _get(self, get: Get) -> Iterator[ev.Error | ev.Data]:
         """DATA (written before ``release`` runs: a generator's answer is sent before the server
         asks it for more) or ERROR."""
         try:
@@ -159,7 +170,7 @@ class SpanService(Service):
         finally:
             release()
 
-    def _checksums(self, req: Sums):
+    def _checksums(self, req: Sums) -> Iterator[ev.Error | SumsReply]:
         """W_SUMS_REPLY with the checksum of every span (the ones DATA of a GET would carry), or ERROR."""
         try:
             shard, release = self._provider(req.version, req.tensor, (), self._timeout)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tiersync.errors import UsageError
 
@@ -84,13 +85,20 @@ class Mesh:
         except ValueError:
             raise UsageError(f"mesh has no axis {name!r}", argument=argument, axis_names=self.axis_names) from None
 
+    @property
+    def rank_ids(self) -> tuple[int, ...]:
+        """``ranks`` as the constructor filled it in (never None once built)."""
+        ranks = self.ranks
+        assert ranks is not None  # __post_init__ replaces None with 0 .. size-1
+        return ranks
+
     def coords(self) -> Iterable[tuple[int, tuple[int, ...]]]:
         """Yield ``(rank, mesh coordinates)`` for every position, in C order."""
-        for pos, rank in enumerate(self.ranks):  # type: ignore[arg-type]
+        for pos, rank in enumerate(self.rank_ids):
             yield rank, _unravel(pos, self.shape)
 
 
-def _as_tuple(value: object, argument: str) -> tuple:
+def _as_tuple(value: object, argument: str) -> tuple[Any, ...]:  # elements: the caller checks them
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise UsageError("expected a sequence", argument=argument, value=value)
     return tuple(value)

@@ -63,7 +63,8 @@ def _torch_numpy(t: Any) -> np.ndarray:
     t = t.contiguous()
     if t.dtype in (torch.bfloat16, torch.float16) or "float8" in str(t.dtype):
         t = t.view(getattr(torch, _TORCH_SAME_SIZE_INT[t.element_size()]))
-    return t.numpy()
+    arr: np.ndarray = t.numpy()
+    return arr
 
 
 def numpy_dtype(name: str) -> np.dtype | None:

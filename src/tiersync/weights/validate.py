@@ -21,7 +21,9 @@ def validate_source(
         raise UsageError("expected a non-empty mapping name -> tensor", argument="tensors")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise UsageError("must be an int >= 0", argument="rank", value=rank)
-    names, specs, source = [], [], []
+    names: list[str] = []
+    specs: list[TensorSpec] = []
+    source: list[Sharding] = []
     for name, t in tensors.items():
         if not isinstance(name, str) or not name:
             raise UsageError("tensor names must be non-empty strings", argument="tensors", name=name)
@@ -29,7 +31,7 @@ def validate_source(
         sh = layout if isinstance(layout, Sharding) else (layout.get(name) if isinstance(layout, Mapping) else None)
         if not isinstance(sh, Sharding):
             raise UsageError(f"no Sharding for tensor {name!r}", argument="layout")
-        if tuple(sh.mesh.ranks) != tuple(range(sh.mesh.size)) or rank >= sh.mesh.size:
+        if tuple(sh.mesh.rank_ids) != tuple(range(sh.mesh.size)) or rank >= sh.mesh.size:
             raise UsageError(
                 "source meshes must number ranks 0..n-1 and hold this rank",
                 argument="layout",

@@ -24,7 +24,7 @@ class VersionQueue:
         self._lock = threading.RLock()  # a future's callback may call receive()
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._queued: set[int] = set()
-        self._waiters: dict[int, list[Future]] = {}
+        self._waiters: dict[int, list[Future[ReceiveResult]]] = {}
         self._failed: dict[int, BaseException] = {}
         self._last: ReceiveResult | None = None
         self._closed = False
@@ -46,7 +46,7 @@ class VersionQueue:
         which); failed with the sync's error when version ``version`` itself failed."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise UsageError("must be an int >= 0", argument="version", value=version)
-        fut: Future = Future()
+        fut: Future[ReceiveResult] = Future()
         with self._lock:
             if self._closed:
                 raise ClosedError("receiver closed", argument="receiver")
@@ -65,6 +65,7 @@ class VersionQueue:
                 self._last = result
                 done = [f for v in [v for v in self._waiters if v <= version] for f in self._waiters.pop(v)]
             else:
+                assert error is not None  # the sync loop settles a version with a result or its error
                 self._failed[version] = error
                 done = self._waiters.pop(version, [])
         for f in done:  # outside the lock: a callback may call receive() or close() the receiver
