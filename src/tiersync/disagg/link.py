@@ -29,7 +29,8 @@ from tiersync.errors import RemoteError
 from tiersync.net import events as ev
 from tiersync.net.errors import NetTimeoutError, ProtocolError, ProtocolFault
 from tiersync.net.local import LocalReadError
-from tiersync.net.tcp import Later, TcpChannel
+from tiersync.net.pull_plan import Later
+from tiersync.net.tcp import TcpChannel
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer as _Buffer

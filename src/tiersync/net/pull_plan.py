@@ -5,12 +5,14 @@ A :class:`~tiersync.net.tcp.TcpChannel` pulls ``(key, offset, dest)`` items. Ove
 per about :data:`GROUP_LIMIT` bytes whose single DATA answer is scattered into their buffers.
 On the same host, :func:`local_groups` cuts the items into PULL_LOCAL requests growing from
 :data:`LOCAL_FIRST` to :data:`LOCAL_GROUP` bytes. :func:`writable` checks a destination
-(UsageError naming ``items``).
+(UsageError naming ``items``); :class:`Later` is a pipelined request's destination known only
+once an earlier answer was read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from tiersync.errors import UsageError
@@ -26,6 +28,7 @@ __all__ = [
     "LOCAL_FIRST",
     "LOCAL_GROUP",
     "Item",
+    "Later",
     "Pull",
     "local_groups",
     "plan_pulls",
@@ -44,6 +47,17 @@ LOCAL_GROUP = 32 << 20  # bytes per PULL_LOCAL: two in flight, one copied while 
 LOCAL_FIRST = 2 << 20  # ... from this size up, doubling: the first copy starts after a short lookup
 Item = tuple[bytes, int, memoryview]  # (key, offset, destination) of a pull, checked
 Pull = tuple[so.Pull | so.PullMany, memoryview | list[memoryview]]  # a request and where its DATA lands
+
+
+@dataclass(frozen=True, slots=True)
+class Later:
+    """A :meth:`~tiersync.net.tcp.TcpChannel.pipeline` destination known only once an earlier answer of the same
+    pipeline was read: ``resolve()`` gives the buffer (or list of buffers) before this request's
+    DATA is read, after ``landed`` ran for every answer ahead of it that is not a DATA (the DATA
+    answers queued back to back are received together, their destinations resolved first: a
+    destination may depend on an earlier non-DATA answer, not on an earlier DATA)."""
+
+    resolve: Callable[[], object]
 
 
 def plan_pulls(lease_id: int, items: Iterable[tuple[bytes, int, object]], new_id: Callable[[], int]) -> list[Pull]:

@@ -16,26 +16,18 @@ import itertools
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.config import Route, TcpConfig, parse_address
-from tiersync.net.errors import (
-    AuthError,
-    NetTimeoutError,
-    PeerClosedError,
-    ProtocolError,
-    ProtocolFault,
-    RequestError,
-)
+from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault, RequestError
 from tiersync.net.frames import PayloadChecksum
 from tiersync.net.handshake import client_handshake
 from tiersync.net.local import LocalReadError
 from tiersync.net.protocol import Connection, Role
-from tiersync.net.pull_plan import local_groups, plan_pulls, writable
+from tiersync.net.pull_plan import Later, local_groups, plan_pulls, writable
 from tiersync.net.samehost import local_copy, local_copy_at
 from tiersync.net.server import TcpServer
 from tiersync.net.service import PeerInfo, Service
@@ -51,17 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["Deadline", "Later", "Route", "TcpChannel", "TcpConfig", "TcpTransport", "parse_address"]
 
 _BROKEN = (PeerClosedError, ProtocolError, NetTimeoutError, AuthError)
-
-
-@dataclass(frozen=True, slots=True)
-class Later:
-    """A :meth:`TcpChannel.pipeline` destination known only once an earlier answer of the same
-    pipeline was read: ``resolve()`` gives the buffer (or list of buffers) before this request's
-    DATA is read, after ``landed`` ran for every answer ahead of it that is not a DATA (the DATA
-    answers queued back to back are received together, their destinations resolved first: a
-    destination may depend on an earlier non-DATA answer, not on an earlier DATA)."""
-
-    resolve: Callable[[], object]
 
 
 class TcpChannel(Channel):
@@ -91,11 +72,9 @@ class TcpChannel(Channel):
         self.send_many([event], timeout=timeout)
 
     def send_many(self, events: Sequence[object], *, timeout: float | None = None) -> None:
-        """Send ``events`` in order in one write (one system call where the socket takes them
-        all; a peer reading them wakes once): one-way messages, or requests whose answers
-        :meth:`next_answer` reads. Raises like :meth:`request`; an event this channel may not
-        send raises UsageError, which closes the channel when events before it were counted
-        as sent (the first one refused sends nothing and leaves it as it was)."""
+        """Send ``events`` (messages, or requests answered through :meth:`next_answer`) in order
+        in one write. Raises like :meth:`request`; a refused event (UsageError) closes the
+        channel when events before it were counted as sent, else leaves it as it was."""
         with self._wlock:
             self._check_open()
             bufs: list[bytes | memoryview] = []
@@ -191,11 +170,10 @@ class TcpChannel(Channel):
         ``None`` by any answer its vocabulary allows.
         ``landed(request_id, answer)`` runs after each answer was received and verified, in
         order (``answer`` None for a DATA that landed), before the next answer is read. One
-        deadline covers the whole batch; ``idle`` (seconds, None: no other) also bounds each
-        step on its own (a send, or the receive of the next answers: at most half a window), so a
-        peer that stops answering with its socket open is noticed after ``idle``, not at the end
-        of a long batch's deadline. Raises like :meth:`pull_many` (an exception from ``landed``
-        closes the channel too: later answers are in flight)."""
+        deadline covers the whole batch; ``idle`` (seconds) also bounds each step (a send, the
+        receive of at most half a window of answers): a peer that stops answering is noticed
+        then. Raises like :meth:`pull_many` (an exception from ``landed`` closes the channel
+        too: later answers are in flight)."""
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise UsageError("must be >= 1", argument="window", value=window)
         if idle is not None and (isinstance(idle, bool) or not isinstance(idle, (int, float)) or not idle > 0):
