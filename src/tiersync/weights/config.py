@@ -158,8 +158,8 @@ class ReceiverConfig:
     chunk, which may fall back to the trainer, is fetched alone, and a trainer shard that
     relayed chunks fall back to keeps one of its streams for them); a strided chunk of many
     rows is staged, so up to ``window`` of them per stream are held at once. A stream's
-    pipelined GETs end with the sync's deadline. ``copy_threads``: threads copying slices out
-    of shared memory.
+    pipelined GETs end with the sync's deadline, each step of them within ``io_timeout_s``.
+    ``copy_threads``: threads copying slices out of shared memory.
     ``listen``: where this sampler serves relays to other samplers.
     ``sync_timeout_s``: deadline of one version's sync (announce to switch);
     ``lease_timeout_s``: how long a sync waits for readers to release the standby buffer;
