@@ -64,14 +64,19 @@ class JobRunner:
         deadline: Deadline,
     ) -> None:
         """Land every one of ``jobs`` into ``bufs``; the first error once all stopped. Chunks
-        with one TCP source go out pipelined on the sender's streams (:func:`_split`)."""
+        with one TCP source go out pipelined on the sender's streams (:func:`_split`); relayed
+        chunks are taken in order by up to ``streams`` workers per relay (:func:`_relay_feeds`)."""
         tally = _Tally(sum(j.nbytes for j in jobs))
         tcp = {s.address for j in jobs for s in j.sources if s.via is TransportKind.TCP}
         workers = min(32, max(1, self._copy_threads) + self._streams * len(tcp))
         feeds, rest = _split(jobs, self._streams)
+        relayed, rest = _relay_feeds(rest, self._streams)
         with ThreadPoolExecutor(workers, thread_name_prefix="fetch") as pool:
             pending = [
                 pool.submit(self._pipe, version, address, feed, bufs, deadline, tally) for address, feed in feeds
+            ]
+            pending += [
+                pool.submit(self._in_order, version, feed, manifests, bufs, deadline, tally) for feed in relayed
             ]
             list(pool.map(lambda job: self._one(version, job, manifests, bufs, deadline, tally), rest))
             for f in pending:
@@ -95,6 +100,19 @@ class JobRunner:
             self._finished(version, job, tally)
         except BaseException as exc:  # noqa: BLE001 - a failed job, or the progress hook raised
             tally.failed(exc)
+
+    def _in_order(
+        self,
+        version: int,
+        feed: _Feed,
+        manifests: list[Manifest],
+        bufs: Mapping[str, np.ndarray],
+        deadline: Deadline,
+        tally: _Tally,
+    ) -> None:
+        """The jobs this worker takes from ``feed``, one after the other."""
+        for job in feed:
+            self._one(version, job, manifests, bufs, deadline, tally)
 
     def _pipe(
         self, version: int, address: str, feed: _Feed, bufs: Mapping[str, np.ndarray], deadline: Deadline, tally: _Tally
@@ -216,3 +234,21 @@ def _split(jobs: list[Job], streams: int) -> tuple[list[tuple[str, _Feed]], list
     feeds = {address: _Feed(group) for address, group in by_sender.items()}
     ways = {address: min(len(group), streams - (address in fallback)) for address, group in by_sender.items()}
     return [(address, feeds[address]) for address in feeds for _ in range(ways[address])], rest
+
+
+def _relay_feeds(jobs: list[Job], streams: int) -> tuple[list[_Feed], list[Job]]:
+    """A feed per worker for the jobs relayed by another sampler (up to ``streams`` workers per
+    relay, each taking the relay's next job in order), and the other jobs. A worker takes a
+    later chunk only once it is done with an earlier one, so a relay's channels (``streams``
+    of them) are never all held by chunks the relay lands late while an earlier chunk, which
+    the relay itself may need from this sampler first, waits for a channel."""
+    by_relay: dict[str, list[Job]] = {}
+    rest = []
+    for job in jobs:
+        first = job.sources[0]
+        if len(job.sources) > 1 and first.via is TransportKind.TCP:
+            by_relay.setdefault(first.address, []).append(job)
+        else:
+            rest.append(job)
+    feeds = [(_Feed(group), min(len(group), streams)) for group in by_relay.values()]
+    return [feed for feed, ways in feeds for _ in range(ways)], rest
