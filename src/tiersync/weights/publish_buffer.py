@@ -123,7 +123,8 @@ class PublishBuffer:
     def _release(self) -> None:
         with self._cond:
             self._inflight -= 1
-            self._cond.notify_all()
+            if not self._inflight:  # only begin() waits on this count: GETs waiting in provide stay asleep
+                self._cond.notify_all()
 
     def close(self) -> None:
         """Unmap and unlink the segments (nothing to do in memory)."""
