@@ -16,7 +16,7 @@ from tiersync.net.tcp import TcpTransport
 from tiersync.weights import job_runner
 from tiersync.weights.config import TransportKind
 from tiersync.weights.fetch import Job, Source, TcpPool
-from tiersync.weights.job_runner import JobRunner, _split
+from tiersync.weights.job_runner import JobRunner, _relay_feeds, _split
 from tiersync.weights.ops import WEIGHTS
 from tiersync.weights.relay_chunks import RelayChunks
 from tiersync.weights.serving import SpanService
@@ -140,6 +140,27 @@ def test_jobs_split_into_streams_per_sender_keeping_one_for_fallbacks():
     assert next(feeds[2][1]) == other[0] and next(feeds[3][1]) == other[1]  # streams take turns
     feeds, rest = _split([shm, *trainer, relayed, *other], 1)
     assert [a for a, _ in feeds] == ["u:1"] and rest == [shm, *trainer, relayed]  # one stream: kept free
+
+
+def test_relayed_jobs_are_fed_in_order_to_at_most_streams_workers_per_relay():
+    span = StridedSpan(0, 64)
+    fallback = _job(0, "t:1", span, span).sources
+
+    def relayed(i: int, relay: str) -> Job:
+        return Job("w", i, (i,), 0, span, (Source(TransportKind.TCP, span, address=relay), *fallback))
+
+    by_r, by_q = [relayed(i, "r:1") for i in range(5)], [relayed(10 + i, "q:1") for i in range(2)]
+    shm = Job("w", 9, (9,), 0, span, (Source(TransportKind.SHM, span, rank=0),))
+    direct = _job(7, "t:1", span, span)
+    mixed = [by_r[0], shm, by_q[0], by_r[1], direct, *by_r[2:], by_q[1]]
+    feeds, rest = _relay_feeds(mixed, 3)
+    assert rest == [shm, direct]  # neither relayed: left for the others, in order
+    # r:1 gets 3 workers sharing one feed, q:1 only as many as it has jobs (2)
+    assert len(feeds) == 5 and feeds[0] is feeds[1] is feeds[2] and feeds[3] is feeds[4]
+    # each next job goes to whichever worker asks: in the relay's order, never two at once
+    assert [next(feeds[2]), next(feeds[0]), next(feeds[1])] == by_r[:3] and list(feeds[0]) == by_r[3:]
+    assert list(feeds[4]) == by_q
+    assert _relay_feeds([shm, direct], 3) == ([], [shm, direct])
 
 
 def _runner(streams: int, bufs: dict, progress=None) -> tuple[JobRunner, TcpPool]:
