@@ -1,6 +1,7 @@
-"""PublishBuffer: GETs wait for their tensor, begin() waits for running GETs, and a GET's
-release wakes waiters only when it was the last one running (begin is the only one waiting on
-that count)."""
+"""PublishBuffer: a GET waits for its tensor and is woken by that tensor's write alone,
+begin() waits for running GETs and ends the waits of the old version's, and a GET's release
+wakes the condition's waiters only when it was the last one running (begin is the only one
+waiting on that count)."""
 
 from __future__ import annotations
 
@@ -31,25 +32,56 @@ def _buffer() -> tuple[PublishBuffer, _CountingCondition]:
     return PublishBuffer(cond, None, {"a": 0, "b": 1}, [0, 16], sizes, sum(sizes)), cond
 
 
-def test_a_get_waits_for_its_tensor_and_reads_what_was_written() -> None:
+def _get(buf: PublishBuffer, version: int, name: str, got: dict[str, object], timeout: float = 30) -> None:
+    """A GET of tensor ``name``: its bytes (its release kept under ``release:name``) or its error."""
+    try:
+        view, release = buf.provide(version, name, (), timeout)
+        got[name], got[f"release:{name}"] = bytes(view), release
+    except RemoteError as exc:
+        got[name] = exc
+
+
+def test_a_get_is_woken_by_its_own_tensor_and_reads_what_was_written() -> None:
+    buf, cond = _buffer()
+    buf.begin(1, set(), 5)
+    got: dict[str, object] = {}
+    threads = [threading.Thread(target=_get, args=(buf, 1, name, got)) for name in ("a", "b")]
+    for t in threads:
+        t.start()
+    wakes = cond.wakes
+    buf.write(0, np.arange(16, dtype=np.uint8))
+    threads[0].join(10)
+    assert got["a"] == bytes(range(16)) and "b" not in got and threads[1].is_alive()  # b's GET sleeps on
+    buf.write(1, np.arange(32, dtype=np.uint8) + 100)
+    threads[1].join(10)
+    assert got["b"] == bytes(range(100, 132))
+    assert cond.wakes == wakes  # writes wake no one waiting on the shared condition
+    for name in ("a", "b"):
+        got[f"release:{name}"]()  # type: ignore[operator]
+
+
+class _NotedEvent(threading.Event):
+    """An Event that says when someone starts waiting on it (``waiting``)."""
+
+    waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        _NotedEvent.waiting.set()
+        return super().wait(timeout)
+
+
+def test_begin_ends_the_waits_of_the_old_versions_gets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(threading, "Event", _NotedEvent)  # the buffer's per-tensor events
+    _NotedEvent.waiting.clear()
     buf, _ = _buffer()
     buf.begin(1, set(), 5)
-    got: list[bytes] = []
-    started = threading.Event()
-
-    def get() -> None:
-        started.set()
-        view, release = buf.provide(1, "b", (), 30)
-        got.append(bytes(view))
-        release()
-
-    t = threading.Thread(target=get)
+    got: dict[str, object] = {}
+    t = threading.Thread(target=_get, args=(buf, 1, "a", got, 60))
     t.start()
-    started.wait(5)
-    buf.write(0, np.arange(16, dtype=np.uint8))
-    buf.write(1, np.arange(32, dtype=np.uint8) + 100)
+    assert _NotedEvent.waiting.wait(10)  # the GET sleeps on tensor a's event
+    buf.begin(2, set(), 5)
     t.join(10)
-    assert got == [bytes(range(100, 132))]
+    assert not t.is_alive() and isinstance(got["a"], RemoteError)
 
 
 def test_a_get_of_an_unwritten_tensor_gives_up_at_its_timeout() -> None:

@@ -5,7 +5,8 @@
 :class:`~tiersync.weights.segment.SegmentPool` (same-host samplers read it in place) or
 anonymous memory. A version begins once the GETs of the old one finished, in a segment no
 zero-copy sampler still reads; tensor ``i`` is served (:meth:`provide`, the
-:class:`~tiersync.weights.serving.SpanService` provider) once it was written, and the
+:class:`~tiersync.weights.serving.SpanService` provider) once it was written (a GET waiting for
+it sleeps on that tensor's event, so writing one tensor wakes only the GETs of that one), and the
 checksums of its spans are composed from sums taken while it was copied in (:meth:`span_sum`,
 :class:`~tiersync.weights.piece_sums.PieceSums`). It works under the publisher's condition,
 the lock the pool is called under.
@@ -45,6 +46,7 @@ class PublishBuffer:
         self._current: int | None = None  # version GETs may read
         self._ready = 0
         self._inflight = 0
+        self._written = [threading.Event() for _ in sizes]  # this version's tensor i was written
         self._sums = PieceSums(len(sizes))
         if pool is not None:
             self._store = self._segment_store(pool, -1, set())
@@ -68,7 +70,9 @@ class PublishBuffer:
         with self._cond:
             self._current, self._ready = None, 0
             self._sums.reset()
-            self._cond.notify_all()  # GETs waiting for the old version give up now
+            for event in self._written:  # GETs waiting for the old version give up now
+                event.set()
+            self._written = [threading.Event() for _ in self._sizes]
             while self._inflight and time.monotonic() < end:
                 self._cond.wait(end - time.monotonic())
             if self._pool is not None:
@@ -82,7 +86,8 @@ class PublishBuffer:
         self._sums.copy_in(i, self._store[self._offsets[i] - self._offsets[0] :][: self._sizes[i]], src)
         with self._cond:
             self._ready = i + 1
-            self._cond.notify_all()
+            for event in self._written[: i + 1]:  # in order: earlier ones were set already
+                event.set()
 
     def complete(self, version: int) -> None:
         """Every tensor of ``version`` is written (the segment's header says so)."""
@@ -97,14 +102,17 @@ class PublishBuffer:
         if i is None:
             raise UsageError(f"unknown tensor {name!r}", argument="tensor")
         end = time.monotonic() + timeout
-        with self._cond:
-            while self._current == version and self._ready <= i and time.monotonic() < end:
-                self._cond.wait(end - time.monotonic())
-            if self._current != version or self._ready <= i:
-                raise RemoteError(
-                    "version not being served (or not written in time)", version=version, current=self._current
-                )
-            self._inflight += 1
+        while True:
+            with self._cond:
+                if self._current == version and self._ready > i:
+                    self._inflight += 1
+                    break
+                written = self._written[i]
+                if self._current != version or time.monotonic() >= end:
+                    raise RemoteError(
+                        "version not being served (or not written in time)", version=version, current=self._current
+                    )
+            written.wait(end - time.monotonic())  # set when tensor i is written or the version ends
         lo = self._offsets[i] - self._offsets[0]
         return self._store[lo : lo + self._sizes[i]], self._release
 
