@@ -83,7 +83,7 @@ class SegmentWriter:
 
     def _write_head(self, version: int, state: int) -> None:
         if self._map is None:
-            raise ClosedError("the weights segment is closed", argument="segment", path=self.path)
+            raise _closed(self.path)
         self._map[: _HEAD.size] = _HEAD.pack(MAGIC, version, state, self.payload_bytes)
 
     def begin(self, version: int) -> None:
@@ -98,7 +98,7 @@ class SegmentWriter:
         """A writable uint8 view of ``nbytes`` at file offset ``offset``."""
         array = self._array
         if array is None:
-            raise ClosedError("the weights segment is closed", argument="segment", path=self.path)
+            raise _closed(self.path)
         if offset < HEADER_BYTES or offset + nbytes > len(array):
             raise UsageError("region outside the payload", argument="offset", offset=offset, nbytes=nbytes)
         return array[offset : offset + nbytes]
@@ -120,6 +120,10 @@ class SegmentWriter:
                 pass  # the last view frees the mapping
         self._map = None
         self._unlink_at_exit()
+
+
+def _closed(path: str) -> ClosedError:
+    return ClosedError("the weights segment is closed", argument="segment", path=path)
 
 
 def _unlink_quiet(path: str) -> None:
@@ -164,7 +168,7 @@ class SegmentReader:
     def header(self) -> tuple[int, int]:
         """``(version, state)`` as the writer left them."""
         if self._map is None:
-            raise ClosedError("the weights segment is closed", argument="segment", path=self.path)
+            raise _closed(self.path)
         _, version, state, _ = _HEAD.unpack(self._map[: _HEAD.size])
         return version, state
 
@@ -176,7 +180,7 @@ class SegmentReader:
         """A read-only uint8 view of ``nbytes`` at file offset ``offset``."""
         array = self._array
         if array is None:
-            raise ClosedError("the weights segment is closed", argument="segment", path=self.path)
+            raise _closed(self.path)
         if offset < HEADER_BYTES or offset + nbytes > len(array):
             raise IntegrityError("region outside the segment", path=self.path, offset=offset, nbytes=nbytes)
         return array[offset : offset + nbytes]
