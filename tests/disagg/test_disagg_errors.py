@@ -21,7 +21,7 @@ from tiersync.disagg.ops import KV, KvDone, KvLayer, KvNext, KvOpen, KvOpened, K
 from tiersync.disagg.reshard import default_planner
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
-from tiersync.net.errors import PeerClosedError, ProtocolError, RequestError
+from tiersync.net.errors import NetTimeoutError, PeerClosedError, ProtocolError, RequestError
 from tiersync.net.server import TcpServer
 from tiersync.net.service import Service
 from tiersync.net.tcp import TcpConfig, TcpTransport
@@ -110,6 +110,7 @@ def test_start_read_refusals(producer):
         ({"tls": "yes"}, "tls"),
         ({"window": 0}, "window"),
         ({"connect_timeout_s": True}, "connect_timeout_s"),
+        ({"io_timeout_s": -1.0}, "io_timeout_s"),
     ],
 )
 def test_config_validated(kwargs, name):
@@ -304,3 +305,58 @@ def test_out_of_protocol_requests_refused_and_session_kept(producer):
     assert producer.state("o") is RequestState.PENDING  # a refused request changed nothing
     channel.close()  # the reader leaves before it is done: the request fails
     assert _poll_until(producer, "o").failed_sending == {"o"}
+
+
+class _Staller(_Liar):
+    """Answers ``op`` like ``answer`` only once ``release`` is set (a producer that stops
+    mid-read), as the producer's waiting answers do: a generator, so the answers before it
+    were sent."""
+
+    def __init__(self, op: str, answer, release: threading.Event) -> None:
+        super().__init__()
+        self.op, self.answer, self.release = op, answer, release
+
+    def handle(self, session, event):
+        if type(event).__name__ != self.op:
+            return super().handle(session, event)
+        return self._stall(event)
+
+    def _stall(self, event):
+        self.release.wait(60)
+        yield self.answer(event)
+
+
+@pytest.mark.parametrize("route", ["tcp", "local"])
+def test_a_producer_that_stops_answering_pulls_fails_the_read_after_io_timeout(route):
+    release = threading.Event()
+    op, answer = (
+        ("KvPull", lambda e: ev.Data(e.request_id, bytes(e.length)))
+        if route == "tcp"
+        else ("KvPullLocal", lambda e: _local_reply(e, None))
+    )
+    server = TcpServer("127.0.0.1:0", _Staller(op, answer, release))
+    consumer = KVConsumer(LAYOUT, 0, DisaggConfig(timeout_s=60, io_timeout_s=0.5, route=route))
+    try:
+        h = consumer.start_read("s", SourceSpec(LAYOUT, (server.address,), (0, 1), 8), [0, 1], _layers())
+        assert h.wait(20) is RequestState.FAILED  # the read's own deadline (60 s) is far off
+        assert isinstance(h.error, NetTimeoutError) and h.error.context["timeout_s"] == 0.5
+    finally:
+        release.set()
+        consumer.close()
+        server.close()
+
+
+def test_a_layer_computed_for_longer_than_io_timeout_still_lands():
+    slow_layer = threading.Event()  # never set: each KV_NEXT waits out its second, as a prefill would
+    server = TcpServer(
+        "127.0.0.1:0",
+        _Liar(KvNext=lambda e: (slow_layer.wait(1.0), KvLayer(e.request_id, e.n))[1]),
+    )
+    landing = [np.full(LAYOUT.layer_nbytes, 9, np.uint8) for _ in range(LAYOUT.num_layers)]
+    try:
+        with KVConsumer(LAYOUT, 0, DisaggConfig(timeout_s=60, io_timeout_s=0.3, route="tcp")) as consumer:
+            h = consumer.start_read("w", SourceSpec(LAYOUT, (server.address,), (0, 1), 8), [0, 1], landing)
+            assert h.wait(20) is RequestState.DONE, h.error
+        assert not any(buf[: 2 * 2 * 4 * 4 * 4 * 2].any() for buf in landing)  # the liar's zeros landed
+    finally:
+        server.close()

@@ -345,6 +345,27 @@ def test_pipeline_idle_bounds_each_step_not_only_the_batch():
         server.close()
 
 
+class _SlowLease(MemoryBlockSource):
+    """Grants leases a second late (a service's own wait, as prefill->decode's KV_NEXT is)."""
+
+    def lease(self, req):
+        threading.Event().wait(1.0)
+        return super().lease(req)
+
+
+def test_pipeline_idle_leaves_answers_that_are_not_data_to_the_deadline():
+    server = TcpTransport(TcpConfig(token=TOKEN)).serve("127.0.0.1:0", _SlowLease(BLOCKS))
+    channel = TcpTransport(TcpConfig(token=TOKEN)).connect(server.address)
+    answers = []
+    try:
+        ask = so.ReadLease(channel.new_request_id(), (BIG,))
+        channel.pipeline([(ask, None)], timeout=60, idle=0.3, landed=lambda rid, a: answers.append(a))
+        assert [a.status for a in answers] == [so.LeaseStatus.GRANTED] and not channel.closed
+    finally:
+        channel.close()
+        server.close()
+
+
 @pytest.mark.parametrize("idle", [0, -1.0, True, "1"])
 def test_pipeline_refuses_a_bad_idle_before_sending(peer, idle):
     channel = TcpTransport(TcpConfig(token=TOKEN)).connect(peer)

@@ -21,6 +21,10 @@ class DisaggConfig:
     ``timeout_s``: a request's whole life (producer: from :meth:`register` until every reader
     acknowledged; consumer: from :meth:`start_read` until every layer landed). Past it the
     request is FAILED, never done. ``connect_timeout_s``: TCP connect + handshake.
+    ``io_timeout_s``: a consumer's step that should not wait — a send, the answer to a pull —
+    must finish within it, so a producer that stops answering mid-read is noticed then (the
+    answers that wait for the producer — the request's opening, a layer's KV_NEXT while that
+    layer is computed — may take until ``timeout_s``).
     ``token``: shared secret (str or bytes, >= 16 bytes) both sides must prove; None disables
     the check (only a side without a token accepts a peer without one). ``tls``: optional
     :class:`~tiersync.net.tls.TlsConfig` (the producer needs a cert; the consumer verifies it).
@@ -37,6 +41,7 @@ class DisaggConfig:
 
     timeout_s: float = 120.0
     connect_timeout_s: float = 5.0
+    io_timeout_s: float = 30.0
     token: bytes | str | None = None
     chunk_bytes: int = 16 << 20
     sndbuf: int = 16 << 20
@@ -51,7 +56,7 @@ class DisaggConfig:
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "connect_timeout_s"):
+        for name in ("timeout_s", "connect_timeout_s", "io_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise UsageError("must be > 0 seconds", argument=name, value=value)

@@ -80,7 +80,8 @@ def pull_route(
     opening = KvOpen(channel.new_request_id(), read)
     if total and channel.local_route():  # KV_OPEN goes out ahead of the first pulls: no round trip of its own
         piece = _local_piece(route, total, config, src_unit)
-        done = _copy_local(channel, opening, num_layers, route, total, piece, deadline, buffer, landed)
+        idle = config.io_timeout_s
+        done = _copy_local(channel, opening, num_layers, route, total, piece, deadline, idle, buffer, landed)
     else:
         _opened(channel, channel.request(opening, timeout=_left(deadline, channel)), total)
         done = (0, [])
@@ -136,7 +137,8 @@ def _layers_tcp(
         if action is not None:
             action(answer)
 
-    channel.pipeline(requests(), window=config.window, timeout=_left(deadline, channel), landed=on_answer)
+    left = _left(deadline, channel)
+    channel.pipeline(requests(), window=config.window, timeout=left, idle=config.io_timeout_s, landed=on_answer)
 
 
 def _landing(landed: Landed, told: list[int], n: int) -> Callable[[object], None]:
@@ -169,12 +171,14 @@ def _copy_local(
     total: int,
     piece_bytes: int,
     deadline: float,
+    idle: float,
     buffer: Buffer,
     landed: Landed,
 ) -> tuple[int, list[int]]:
     """Copy every layer out of the producer's memory as one stream of requests (:class:`_Asks`):
     KV_OPEN, then each layer's KV_NEXT behind the previous layer's pulls (the producer answers in
-    order), each pull ``piece_bytes`` (:func:`_local_piece`; the bytes do not travel in it).
+    order), each pull ``piece_bytes`` (:func:`_local_piece`; the bytes do not travel in it), its
+    answer within ``idle`` seconds (KV_OPEN's and KV_NEXT's may take until ``deadline``).
     Returns (layers landed, layer ids KV_NEXT named): all of them, or where the copy was refused
     and route AUTO falls back to TCP (route LOCAL raises)."""
     asks = _Asks(channel, num_layers, total, piece_bytes)
@@ -182,7 +186,8 @@ def _copy_local(
     landed_n = 0
     while landed_n < num_layers:
         req, n, piece = asks.sent.popleft()
-        answer = channel.next_answer(req.request_id, timeout=_left(deadline, channel))
+        left = _left(deadline, channel)  # a pull's answer should not wait: within idle
+        answer = channel.next_answer(req.request_id, timeout=left if piece is None else min(left, idle))
         if n < 0:
             _opened(channel, answer, total)
         elif piece is None:

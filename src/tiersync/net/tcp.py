@@ -170,10 +170,10 @@ class TcpChannel(Channel):
         ``None`` by any answer its vocabulary allows.
         ``landed(request_id, answer)`` runs after each answer was received and verified, in
         order (``answer`` None for a DATA that landed), before the next answer is read. One
-        deadline covers the whole batch; ``idle`` (seconds) also bounds each step (a send, the
-        receive of at most half a window of answers): a peer that stops answering is noticed
-        then. Raises like :meth:`pull_many` (an exception from ``landed`` closes the channel
-        too: later answers are in flight)."""
+        deadline covers the whole batch; ``idle`` (seconds) also bounds each send and each receive
+        of DATA answers (at most half a window): a peer that stops answering is noticed then (an
+        answer that is not a DATA, a service's own wait, may take until the deadline). Raises
+        like :meth:`pull_many` (an exception from ``landed`` closes the channel too)."""
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise UsageError("must be >= 1", argument="window", value=window)
         if idle is not None and (isinstance(idle, bool) or not isinstance(idle, (int, float)) or not idle > 0):
@@ -188,7 +188,7 @@ class TcpChannel(Channel):
                 half = max(1, window // 2)
                 self._send_pulls(todo, window, pending, later, deadline.within(idle))
                 while pending:  # up to half a window landed per native call, then refilled at once
-                    self._receive_some(pending, half, later, deadline.within(idle), landed)
+                    self._receive_some(pending, half, later, deadline, idle, landed)
                     if len(pending) <= window - half:
                         self._send_pulls(todo, window - len(pending), pending, later, deadline.within(idle))
             except BaseException:
@@ -201,10 +201,11 @@ class TcpChannel(Channel):
         most: int,
         later: dict[int, Later],
         deadline: Deadline,
+        idle: float | None,
         landed: Callable[[int, object], None] | None,
     ) -> None:
         """The answers to the first pending requests: consecutive DATA ones in one native call
-        (the :class:`Later` destinations among them resolved and registered first)."""
+        within ``idle`` (the :class:`Later` destinations among them resolved and registered first)."""
         rid, has_dest = pending[0]
         if not has_dest:
             answer = self._answer(rid, deadline)
@@ -218,7 +219,7 @@ class TcpChannel(Channel):
                 dest = later.pop(r).resolve()
                 with self._framed.lock:
                     self._framed.conn.expect_payload_into(r, dest)
-        for _ in range(self._expect_data([r for r, _ in run], deadline)):
+        for _ in range(self._expect_data([r for r, _ in run], deadline.within(idle))):
             rid, _ = pending.popleft()
             if landed is not None:
                 landed(rid, None)
