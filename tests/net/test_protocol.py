@@ -18,6 +18,8 @@ from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.errors import ProtocolError, ProtocolFault
+from tiersync.net.events import MAX_CHECKSUMS
+from tiersync.net.frame_reader import handshake_limit
 from tiersync.net.frames import (
     HEADER_SIZE,
     MAGIC,
@@ -237,6 +239,26 @@ def test_oversize_is_refused_from_the_header_alone():
     with pytest.raises(ProtocolError) as info:
         server.next_event()
     assert info.value.fault is ProtocolFault.OVERSIZE
+
+
+def test_before_ready_a_frame_is_bounded_by_the_largest_handshake_message():
+    server = Connection(Role.SERVER)
+    limit = handshake_limit(server.config)
+    server.receive_data(_raw(int(Op.HELLO), bytes(limit + 1))[:HEADER_SIZE])  # the header alone
+    with pytest.raises(ProtocolError) as info:
+        server.next_event()
+    assert info.value.fault is ProtocolFault.OVERSIZE and info.value.context["limit"] == limit
+    # the largest HELLO there is (both strings at max_string bytes, every checksum id) still passes
+    longest = "n" * server.config.max_string
+    hello = ev.Hello(longest, b"c" * 16, tuple(range(MAX_CHECKSUMS)), host=longest, pid=2**63)
+    fresh = Connection(Role.SERVER)
+    fresh.receive_data(_raw(int(Op.HELLO), hello.meta()))
+    assert len(hello.meta()) <= limit and fresh.next_event() == hello
+    # once READY the connection's own bounds apply: a request larger than any handshake frame
+    client, server = ready_pair()
+    items = tuple((bytes([i]) * 16, 0, 1) for i in range(limit // 32 + 1))
+    request = so.PullMany(7, 1, items)
+    assert len(request.meta()) > limit and deliver(client, server, request) == [request]
 
 
 def test_fatal_error_closes_both_sides():

@@ -124,6 +124,53 @@ def test_ten_thousand_idle_and_unauthenticated_connections_do_not_stop_service(m
         _stop(proc)
 
 
+def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1 << 16) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_an_unauthenticated_peer_cannot_make_the_node_buffer_a_large_frame():
+    """100 peers each declare a HELLO with 1 MiB of metadata (a valid header: its checksum is
+    anyone's to compute) and send all of it but the last byte: the node refuses each from the
+    header alone (a handshake frame is at most a few KiB), well before its 5 s handshake
+    deadline, instead of buffering 100 MiB."""
+    from tiersync.net.frames import EMPTY_CHECKSUM, SUPPORTED, Op, encode_header
+
+    proc, address = _start(cap=1000)
+    host, port = address.rsplit(":", 1)
+    meta = bytes((1 << 20) - 1)
+    wire = encode_header(Op.HELLO, 0, meta, 0, EMPTY_CHECKSUM[SUPPORTED[0]], SUPPORTED[0]) + meta[:-1]
+    socks = []
+    try:
+        base = _rss(proc.pid)
+        for _ in range(100):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            socks.append(s)
+            try:
+                s.sendall(wire)
+            except OSError:  # the node closed it while the metadata was on its way
+                pass
+        grown = _rss(proc.pid) - base
+        assert _closed_by_peer(socks[0], 2.0) and _closed_by_peer(socks[-1], 2.0)  # not at the 5 s deadline
+        assert grown < 8 << 20, grown >> 20  # 0 here; 25 MiB and growing without the bound
+        assert _read_block_after_write(address) == b"ok"
+    finally:
+        for s in socks:
+            s.close()
+        _stop(proc)
+
+
+def _read_block_after_write(address: str) -> bytes:
+    data = os.urandom(4096)
+    _write_block(address, b"H" * 16, data)
+    return b"ok" if _read_block(address, b"H" * 16, len(data)) == data else b"differs"
+
+
 def test_connections_over_the_cap_are_refused_with_a_clear_error():
     proc, address = _start(cap=4)
     host, port = address.rsplit(":", 1)

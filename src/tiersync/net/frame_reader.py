@@ -17,7 +17,10 @@ receiver), and :meth:`~FrameReader.read_hint` (read no further than the header i
 such a payload).
 
 Memory: nothing is allocated from a peer-declared size beyond :class:`ProtocolConfig` bounds;
-payload buffers grow only as bytes arrive. A :class:`ProtocolError` poisons the connection.
+payload buffers grow only as bytes arrive. Before the handshake is done a frame may carry at
+most :func:`handshake_limit` bytes (the largest a handshake message can be), so a peer that has
+not authenticated makes a server buffer no more than that. A :class:`ProtocolError` poisons
+the connection.
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ from tiersync.net.vocab import Vocabulary
 __all__ = ["FrameReader"]
 
 _FAST_ALGO = PayloadChecksum.TSUM64  # what a native receiver verifies (data_fast_targets)
+
+
+def handshake_limit(config: ProtocolConfig) -> int:
+    """Most metadata + payload bytes of a frame before READY: a HELLO's two strings of at most
+    ``max_string`` bytes and its few fixed fields (nonce, checksum ids, pid, lengths)."""
+    return 2 * config.max_string + 1024
+
+
 _EMPTY = memoryview(b"")
 
 
@@ -59,6 +70,7 @@ class FrameReader:
 
     def __init__(self, config: ProtocolConfig, ledger: Ledger, vocabulary: Vocabulary) -> None:
         self._config, self._ledger, self._vocabulary = config, ledger, vocabulary
+        self._handshake_limit = handshake_limit(config)
         self._members = {op: cls.OP for op, cls in vocabulary.types.items()}
         self._buf = bytearray()
         self._eof = False
@@ -293,6 +305,14 @@ class FrameReader:
         header = decode_header(bytes(self._buf[:HEADER_SIZE]), self._config, self._members)
         del self._buf[:HEADER_SIZE]
         self._ledger.check_recv(header.op, header.request_id)
+        if self._ledger.state is not State.READY and header.meta_len + header.payload_len > self._handshake_limit:
+            raise ProtocolError(
+                "handshake frame exceeds its bound",
+                fault=ProtocolFault.OVERSIZE,
+                meta_len=header.meta_len,
+                payload_len=header.payload_len,
+                limit=self._handshake_limit,
+            )
         self._header = header
         if self._prefill is not None:
             self._settle_prefill(header, self._prefill)
