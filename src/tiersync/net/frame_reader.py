@@ -49,18 +49,16 @@ from tiersync.net.pieces import Pieces, bytes_view
 from tiersync.net.states import State
 from tiersync.net.vocab import Vocabulary
 
-__all__ = ["FrameReader"]
+__all__ = ["FrameReader", "handshake_limit"]
 
 _FAST_ALGO = PayloadChecksum.TSUM64  # what a native receiver verifies (data_fast_targets)
+_EMPTY = memoryview(b"")
 
 
 def handshake_limit(config: ProtocolConfig) -> int:
     """Most metadata + payload bytes of a frame before READY: a HELLO's two strings of at most
     ``max_string`` bytes and its few fixed fields (nonce, checksum ids, pid, lengths)."""
     return 2 * config.max_string + 1024
-
-
-_EMPTY = memoryview(b"")
 
 
 class FrameReader:
