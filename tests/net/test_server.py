@@ -7,6 +7,7 @@ RSS and descriptors through /proc.
 
 from __future__ import annotations
 
+import enum
 import os
 import resource
 import socket
@@ -14,13 +15,19 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 
 from tiersync.net import store_ops as so
-from tiersync.net.errors import AuthError, PeerClosedError
+from tiersync.net.codec import MetaReader, MetaWriter
+from tiersync.net.errors import AuthError, PeerClosedError, RequestError
+from tiersync.net.events import CORE, Pong
+from tiersync.net.service import Service
 from tiersync.net.store_node import StoreNodeClient
 from tiersync.net.tcp import TcpConfig, TcpTransport
+from tiersync.net.vocab import Vocabulary
 
 HERE = os.path.dirname(__file__)
 TOKEN = b"server-test-token-0123456789"
@@ -247,3 +254,87 @@ def test_a_reader_that_disconnects_mid_read_leaves_no_lease():
     finally:
         server.close()
         node.close()
+
+
+def test_an_error_frame_before_the_handshake_ends_that_connection_not_the_server():
+    """An unauthenticated ERROR frame with a request id other than 0 once made the handshake
+    answer on a closed connection, and the ClosedError ended the server's loop for good."""
+    from tiersync.net import events as ev
+    from tiersync.net.frames import EMPTY_CHECKSUM, SUPPORTED, Op, encode_header
+
+    proc, address = _start(cap=100)
+    host, port = address.rsplit(":", 1)
+    try:
+        meta = ev.Error(5, ev.ErrorCode.INTERNAL, "x").meta()
+        for rid in (5, 0):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(encode_header(Op.ERROR, rid, meta, 0, EMPTY_CHECKSUM[SUPPORTED[0]], SUPPORTED[0]) + meta)
+            assert _closed_by_peer(s, 2.0)
+            s.close()
+        assert _read_block_after_write(address) == b"ok"  # the node still serves
+    finally:
+        _stop(proc)
+
+
+class _OddOp(enum.IntEnum):
+    ODD = 63
+
+
+@dataclass(frozen=True, slots=True)
+class _Odd:
+    """A request whose metadata parse raises RecursionError for ``what == 1`` (as JSON nested
+    too deep does) and whose handler fails with a bug for ``what == 2``."""
+
+    OP: ClassVar[_OddOp] = _OddOp.ODD
+    request_id: int
+    what: int
+
+    def meta(self) -> bytes:
+        return MetaWriter().u64(self.what).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: object) -> _Odd:
+        what = r.u64()
+        if what == 1:
+            raise RecursionError("maximum recursion depth exceeded")
+        return cls(rid, what)
+
+
+class _OddService(Service):
+    vocabulary = Vocabulary("odd", {_Odd: (Pong,)}, include=(CORE,))
+
+    def __init__(self) -> None:
+        self.ended = threading.Semaphore(0)
+
+    def handle(self, session, event):
+        if isinstance(event, _Odd) and event.what == 2:
+            return self._bug()
+        return [Pong(event.request_id, 0)]
+
+    def _bug(self):
+        raise RuntimeError("a handler bug")
+        yield  # a generator: its body runs while the answers are written
+
+    def closed(self, session) -> None:
+        self.ended.release()
+
+
+def test_a_request_no_parser_or_handler_foresaw_ends_its_session_not_the_server():
+    service = _OddService()
+    transport = TcpTransport(TcpConfig(token=TOKEN), _OddService.vocabulary)
+    server = transport.serve("127.0.0.1:0", service)
+    try:
+        for what in (1, 2):  # the first request of a session is parsed on the loop thread, later ones on a worker
+            for first in (True, False):
+                channel = transport.connect(server.address)
+                if not first:
+                    assert isinstance(channel.request(_Odd(channel.new_request_id(), 0)), Pong)
+                with pytest.raises((PeerClosedError, RequestError)):
+                    channel.request(_Odd(channel.new_request_id(), what), timeout=10)
+                channel.close()
+                assert service.ended.acquire(timeout=10)  # the session ended: its service was told
+        channel = transport.connect(server.address)
+        assert isinstance(channel.request(_Odd(channel.new_request_id(), 0)), Pong)  # still serving
+        channel.close()
+    finally:
+        server.close()

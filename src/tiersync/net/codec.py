@@ -145,7 +145,7 @@ class MetaReader:
         raw = self.blob(max_len)
         try:
             value = json.loads(raw)
-        except ValueError as exc:  # UnicodeDecodeError included
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError included; nesting past the limit
             raise _malformed("metadata is not JSON") from exc
         if not isinstance(value, dict):
             raise _malformed("metadata is not a JSON object")

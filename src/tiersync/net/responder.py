@@ -112,6 +112,10 @@ class Responder:
             log.debug("session %s ended: %s", s.peer, exc)
             self._end(s)
             return
+        except Exception:  # a bug (or a peer's input no parser foresaw): this session ends, not the server
+            log.exception("session %s ended by an unexpected error", s.peer)
+            self._end(s)
+            return
         if not s.closed:
             self._rearm(s)
 

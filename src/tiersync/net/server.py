@@ -25,6 +25,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
@@ -92,7 +93,7 @@ class TcpServer(Server):
                     elif key.fileobj is self._wake_r:
                         self._drain_wake()
                     else:
-                        self._readable(key.data)
+                        self._guarded(self._readable, key.data)
                 self._run_todo()
                 self._expire()
         except Exception:  # pragma: no cover - a bug here must not leave the server silently dead
@@ -181,6 +182,14 @@ class TcpServer(Server):
             if not n or not (isinstance(s.sock, ssl.SSLSocket) and s.sock.pending()):
                 return self._advance(s)  # TLS may hold decrypted bytes the selector cannot see
 
+    def _guarded(self, step: Callable[[ServerSession], None], s: ServerSession) -> None:
+        """``step(s)`` on the loop thread; an unexpected error ends that session, never the loop."""
+        try:
+            step(s)
+        except Exception:
+            log.exception("connection from %s ended by an unexpected error", s.peer)
+            self._end(s)
+
     def _tls_handshake(self, s: ServerSession) -> bool:
         try:
             cast(ssl.SSLSocket, s.sock).do_handshake()  # tls_pending: an SSLSocket
@@ -203,7 +212,9 @@ class TcpServer(Server):
                 return self._end(s)
             if event is NEED_DATA:
                 return
-            if isinstance(event, ev.ConnectionClosed) or (isinstance(event, ev.Error) and event.request_id == 0):
+            if isinstance(event, ev.ConnectionClosed) or (
+                isinstance(event, ev.Error) and (event.request_id == 0 or not s.hs.done)
+            ):  # an ERROR before READY, whatever its request id, ends the handshake
                 if isinstance(event, ev.Error) and event.code is ev.ErrorCode.AUTH_FAILED and not s.hs.done:
                     return self._auth_failed(s, f"the client refused this server: {event.message}")
                 return self._end(s)
@@ -215,9 +226,9 @@ class TcpServer(Server):
             return
 
     def _handshake_step(self, s: ServerSession, event: object) -> None:
-        with s.lock:
-            bufs = s.hs.step(event)
         try:
+            with s.lock:
+                bufs = s.hs.step(event)
             write_nonblocking(s.sock, bufs, Deadline(1.0, s.peer))
         except (TierSyncError, OSError):
             return self._end(s)
@@ -265,7 +276,7 @@ class TcpServer(Server):
                 self._release_socket(s)
             elif not s.closed:
                 self._register(s)
-                self._advance(s)  # bytes may have arrived while the worker ran
+                self._guarded(self._advance, s)  # bytes may have arrived while the worker ran
 
     def _wake(self, action: str, s: ServerSession | None) -> None:
         self._todo.put((action, s))

@@ -78,13 +78,19 @@ class Vocabulary:
 
     def parse(self, op: int, request_id: int, meta: bytes, config: ProtocolConfig) -> object:
         """The event of a frame ``op`` with metadata ``meta`` (every byte read, fields checked).
-        ProtocolError(MALFORMED) when the metadata does not parse."""
+        ProtocolError(MALFORMED) when the metadata does not parse, whatever a parser raised (a
+        JSON document nested past the recursion limit, a number out of range: the peer's bytes)."""
         reader = MetaReader(meta)
         parse: Callable[[int, MetaReader, ProtocolConfig], object] = self.types[op].parse
         try:
             event = parse(request_id, reader, config)
-        except ValueError as exc:  # UsageError from field checks, bad enum values
-            raise ProtocolError(f"invalid {self.name_of(op)} fields: {exc}", fault=ProtocolFault.MALFORMED) from exc
+        except ProtocolError:
+            raise
+        except Exception as exc:  # field checks, bad enum values, anything a peer's bytes can raise
+            raise ProtocolError(
+                f"invalid {self.name_of(op)} fields: {type(exc).__name__}: {str(exc)[:200]}",
+                fault=ProtocolFault.MALFORMED,
+            ) from exc
         reader.finish()
         return event
 
