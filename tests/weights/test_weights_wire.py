@@ -99,6 +99,10 @@ def _get_meta(counts=(2,), strides=(10,), row=3, key=(0,)) -> bytes:
         (Announce, MetaWriter().json({"version": 1}).getvalue()),  # a manifest missing fields
         (Announce, MetaWriter().blob(b"[1, 2]").getvalue()),
         (Ack, MetaWriter().u64(1).u8(1).f64(float("nan")).text("").getvalue()),
+        (Get, _get_meta(counts=(1,), strides=((1 << 64) - 1,))),  # a stride numpy cannot address
+        (Announce, MetaWriter().blob(b"[" * 100_000).getvalue()),  # JSON nested past the recursion limit
+        (Announce, MetaWriter().json({**_manifest().to_json(), "peers": []}).getvalue()),  # peers not a map
+        (Announce, MetaWriter().json({**_manifest().to_json(), "version": float("inf")}).getvalue()),
     ],
 )
 def test_hostile_metadata_is_malformed_on_the_wire(cls, meta):

@@ -121,6 +121,9 @@ class TrainerLinks:
         except TierSyncError as exc:
             log.log(log_level(exc), "trainer shard %s control ended: %s", shard.rank, exc)
             channel.close()
+        except Exception:  # a bug, or what no parser foresaw: the link is dead all the same
+            log.exception("trainer shard %s control ended by an unexpected error", shard.rank)
+            channel.close()
         with self._cond:
             shard.alive = False
             self._cond.notify_all()

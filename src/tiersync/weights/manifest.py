@@ -116,8 +116,8 @@ class Manifest:
             )
         except ProtocolError:
             raise
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise ProtocolError(f"bad manifest: {exc}", fault=ProtocolFault.MALFORMED) from exc
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as exc:
+            raise ProtocolError(f"bad manifest: {exc!r}", fault=ProtocolFault.MALFORMED) from exc
 
     def index(self) -> dict[str, int]:
         """Tensor name -> write position."""

@@ -256,6 +256,8 @@ def _check_span(s: object) -> None:
     if not isinstance(s, StridedSpan) or len(s.counts) > _MAX_DIMS or len(s.counts) != len(s.strides):
         raise UsageError(f"must be a StridedSpan of at most {_MAX_DIMS} dimensions", argument="span")
     check_u64s("span", (s.offset, *s.counts, *s.strides))
+    if any(v >= 1 << 63 for v in (s.offset, *s.strides)):  # numpy addresses bytes with int64
+        raise UsageError("offset and strides must be below 2**63", argument="span")
     if s.row_bytes <= 0 or any(c <= 0 for c in s.counts) or s.nbytes > MAX_SPAN_BYTES:
         raise UsageError(f"must hold 1..{MAX_SPAN_BYTES} bytes", argument="span")
 
