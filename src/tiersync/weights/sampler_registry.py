@@ -29,6 +29,7 @@ from tiersync.weights.segment import SegmentPool
 __all__ = ["Sampler", "SamplerRegistry"]
 
 log = logging.getLogger(__name__)
+_KEPT_ACKS = 16  # a sampler's answers kept, newest versions (collect asks for one in flight)
 
 
 @dataclass(eq=False)
@@ -106,6 +107,8 @@ class SamplerRegistry:
             known = s is not None and isinstance(event, (Ack, Release))
             if s is not None and isinstance(event, Ack):
                 s.acks[event.version] = event
+                while len(s.acks) > _KEPT_ACKS:  # a sampler's answers to old versions are not asked for
+                    del s.acks[min(s.acks)]
             elif s is not None and isinstance(event, Release) and self._pool is not None:
                 self._pool.release(s, event.version)
             self._cond.notify_all()
@@ -117,6 +120,11 @@ class SamplerRegistry:
     def _register(self, session: Session, hello: Register) -> Iterator[ev.Error | Welcome]:
         """A generator: W_WELCOME is written before the sampler takes part (so no ANNOUNCE
         overtakes it); a registration that replaces one of the same rank drops the old one."""
+        with self._cond:
+            again = session.session_id in self._by_session
+        if again:  # one sampler per connection
+            yield ev.Error(hello.request_id, ev.ErrorCode.BAD_REQUEST, "this connection registered already")
+            return
         shm_ok = self._pool is not None and hello.host == self._host
         if hello.transport is TransportKind.SHM and not shm_ok:
             yield ev.Error(

@@ -1,0 +1,63 @@
+"""The publisher's sampler registry against a peer speaking the control ops by hand: one
+sampler per connection, and a sampler's answers kept for recent versions only."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from _sync_helpers import fsdp, model
+from tiersync.net.config import TcpConfig
+from tiersync.net.errors import RequestError
+from tiersync.net.tcp import TcpTransport
+from tiersync.weights.config import PublisherConfig, TransportKind
+from tiersync.weights.ops import WEIGHTS, Ack, Register, Welcome
+from tiersync.weights.publisher import WeightPublisher
+from tiersync.weights.sampler_registry import _KEPT_ACKS
+
+TOKEN = "registry-token-of-32-characters!"
+
+
+def _until(predicate, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+@pytest.fixture()
+def publisher():
+    pub = WeightPublisher(model(3), fsdp(1), config=PublisherConfig(token=TOKEN, shm=False))
+    yield pub
+    pub.close()
+
+
+def _register(channel, rank: int, label: str) -> object:
+    return channel.request(Register(channel.new_request_id(), label, rank, "elsewhere", TransportKind.TCP))
+
+
+def test_a_connection_registers_one_sampler_and_its_end_drops_it(publisher):
+    channel = TcpTransport(TcpConfig(token=TOKEN), WEIGHTS).connect(publisher.address)
+    try:
+        assert isinstance(_register(channel, 0, "a"), Welcome)
+        with pytest.raises(RequestError, match="registered already"):
+            _register(channel, 1, "b")  # before: a second sampler on the same session stayed after it ended
+        assert publisher.samplers() == {0: "a"}
+    finally:
+        channel.close()
+    assert _until(lambda: publisher.samplers() == {})
+
+
+def test_a_samplers_answers_are_kept_for_recent_versions_only(publisher):
+    channel = TcpTransport(TcpConfig(token=TOKEN), WEIGHTS).connect(publisher.address)
+    try:
+        assert isinstance(_register(channel, 0, "a"), Welcome)
+        channel.send_many([Ack(v, True) for v in range(1, 201)])  # answers nobody asked for
+        sampler = publisher._registry.live()[0]  # white box: how many answers it holds
+        assert _until(lambda: 200 in sampler.acks)
+        assert sorted(sampler.acks) == list(range(201 - _KEPT_ACKS, 201))
+    finally:
+        channel.close()
