@@ -14,7 +14,8 @@ from _peer import StoreNodeProc as Node
 from tiersync.errors import CapacityError, RemoteError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
-from tiersync.net.errors import AuthError
+from tiersync.net.errors import AuthError, ProtocolError
+from tiersync.net.source import MemoryBlockSource
 from tiersync.net.store_node import StoreNode, StoreNodeClient, StoreNodeServer
 from tiersync.net.tcp import TcpConfig, TcpTransport
 
@@ -320,3 +321,23 @@ def test_store_node_regions_say_where_views_bytes_are_and_refuse_as_views_do():
             assert [bytes(d) for d in into] == [bufs[2], bufs[0][5:1005], bufs[1]]
         finally:
             channel.close()
+
+
+class _ShortLease(MemoryBlockSource):
+    """A node that grants a lease naming fewer sizes than keys (a buggy or hostile node)."""
+
+    def lease(self, req):
+        reply = super().lease(req)
+        return so.LeaseReply(reply.request_id, reply.status, reply.lease_id, reply.ttl_s, reply.sizes[:1])
+
+
+def test_a_lease_with_fewer_sizes_than_keys_is_the_nodes_fault_and_lands_nothing():
+    keys = [b"a" * 16, b"b" * 16]
+    server = TcpTransport(TcpConfig(token=TOKEN)).serve("127.0.0.1:0", _ShortLease(dict.fromkeys(keys, b"x" * 64)))
+    into = [bytearray(b"\xee" * 64) for _ in keys]
+    try:
+        with pytest.raises(ProtocolError, match="sizes do not match"):
+            StoreNodeClient(server.address, token=TOKEN, timeout=10).read(keys, into)
+        assert all(buf == b"\xee" * 64 for buf in into)  # before: the first landed, the second kept old bytes
+    finally:
+        server.close()

@@ -17,6 +17,7 @@ from _peer import TOKEN, StoreNodeProc
 from tiersync.errors import UsageError
 from tiersync.layout.adapters import kv_layout
 from tiersync.net import store_ops as so
+from tiersync.net.registry.base import StoreInfo
 from tiersync.net.registry.grpc_service import RegistryClient, serve_registry
 from tiersync.net.registry.memory import MemoryRegistry
 from tiersync.net.store_client import StoreNodeClient
@@ -254,5 +255,29 @@ def test_config_and_give_back_are_validated():
         taken = host.store.take_evictable(3)
         assert len(taken) == 3 and host.store.stats().host_evictable == 5
         assert host.store.give_back([k for k, _ in taken], drop=True) == 3 and host.free == 3
+    finally:
+        host.close()
+
+
+def test_a_registry_entry_no_client_can_use_is_skipped_not_raised(registry, nodes):
+    """Registry entries are other processes' writes: one whose address is not an address (and
+    that claims the most free blocks, so placement tries it first) fails that target only."""
+    node = nodes(64)
+    poison = StoreInfo("poison", "nohost", free_blocks=1 << 40)
+    registry[1].register_store(poison)
+    host = Host(400)
+    tier = RemoteTier(host.store, registry[1], CFG)
+    try:
+        host.save(0, 400)
+        report = tier.sweep()  # before: UsageError from the poisoned target, nothing moved
+        assert report.failed == ["poison"] and report.remote == {node.store_id: 20} and host.free == 20
+        registry[1].unpublish(node.store_id, host.keys[:20])
+        registry[1].publish("poison", host.keys[:20])  # only the poisoned node "owns" them now
+        hit = host.store.lookup(host.keys[:20])
+        host.store.release(hit.keys)
+        assert tier.fill(host.keys[:20]) == 0  # before: UsageError out of fill
+        registry[1].publish(node.store_id, host.keys[:20])
+        assert tier.fill(host.keys[:20]) == 20  # read back from the node that has them
+        host.assert_reads_back(0, 20)
     finally:
         host.close()

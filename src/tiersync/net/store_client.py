@@ -16,6 +16,7 @@ from tiersync.errors import CapacityError, RemoteError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.config import coerce_token
+from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.service import Session
 from tiersync.net.source import MemoryBlockSource
 from tiersync.net.tcp import Deadline, TcpChannel, TcpConfig, TcpTransport
@@ -115,6 +116,14 @@ class StoreNodeClient:
             lease = cast(so.LeaseReply, channel.request(ask, timeout=deadline.remaining()))
             if lease.status is not so.LeaseStatus.GRANTED:
                 raise RemoteError("store node lacks keys", peer=self.address, missing=len(lease.missing))
+            if len(lease.sizes) != len(keys):  # else a key without a size would be left unwritten
+                raise ProtocolError(
+                    "lease sizes do not match the keys",
+                    fault=ProtocolFault.MALFORMED,
+                    peer=self.address,
+                    keys=len(keys),
+                    sizes=len(lease.sizes),
+                )
             try:
                 self._pull_all(channel, lease, keys, into, deadline)
             except BaseException:
@@ -140,8 +149,8 @@ class StoreNodeClient:
         items: list[tuple[bytes, int, memoryview]] = []
         for key, size, buf in zip(keys, lease.sizes, into):
             view = memoryview(buf).cast("B")
-            if len(view) < size:
-                raise UsageError("buffer smaller than the block", argument="into", need=size, got=len(view))
+            if len(view) < size:  # the node's answer, not the caller's mistake
+                raise RemoteError("store node's block is larger than its buffer", need=size, got=len(view))
             items.append((key, 0, view[:size]))
         channel.pull_many(lease.lease_id, items, window=PULL_WINDOW, timeout=deadline.remaining())
 

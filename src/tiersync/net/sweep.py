@@ -185,7 +185,7 @@ class RemoteTier:
             except CapacityError:
                 report.refused.append(target.store_id)
                 continue
-            except RemoteError as exc:
+            except (RemoteError, UsageError) as exc:  # UsageError: a registry entry no client can use (its address)
                 log.log(log_level(exc), "store node %s failed a sweep push: %s", target.store_id, exc)
                 report.failed.append(target.store_id)
                 continue
@@ -273,12 +273,12 @@ class RemoteTier:
                     new: list[bytes], views: list[memoryview], client: StoreNodeClient = client, info: StoreInfo = info
                 ) -> None:  # called before the loop moves on
                     sizes = client.read(new, views)
-                    if any(s != nbytes for s in sizes):
+                    if len(sizes) != len(new) or any(s != nbytes for s in sizes):
                         raise RemoteError("remote block has another size", peer=info.address, need=nbytes)
 
                 self.store.insert_host(keys, land)
                 return True
-            except RemoteError as exc:
+            except (RemoteError, UsageError) as exc:  # UsageError: a registry entry no client can use
                 log.log(log_level(exc), "read-back from %s failed: %s", owner, exc)
         return False
 
