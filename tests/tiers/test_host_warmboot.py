@@ -133,3 +133,28 @@ def test_recovered_blocks_are_evictable_and_reloadable(tmp_path):
             engine.h2d([(rec.block, 5, 1)]).result()
         for p in pools:
             assert np.array_equal(p[5], content(2, 1, p[5].shape))
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this machine")
+def test_an_entry_vouching_for_part_of_a_block_is_not_adopted(tmp_path):
+    """Another writer of the segment may publish an entry whose checksum covers only the first
+    bytes of a block; adopting it would serve the rest of the block unchecked."""
+    from tiersync.tiers.shm import Geometry, ShmSegment
+
+    layout, _ = make_layout()
+    cfg = ShmConfig(key="part", model_id="m1", directory=str(tmp_path))
+    with HostArena.for_layout(layout, HOST_BLOCKS, shm=cfg) as arena:
+        [whole, part] = arena.allocate(2)
+        arena.memory[whole] = 7
+        arena.publish([whole], [b"whole"])
+        config = arena.config
+    seg = ShmSegment.open(cfg, Geometry(config.num_blocks, config.block_nbytes, config.layout_digest))
+    try:
+        seg.payload[part * config.block_nbytes : (part + 1) * config.block_nbytes] = b"\xee" * config.block_nbytes
+        seg.publish(part, b"part", nbytes=100)  # valid: its checksum covers 100 bytes
+        assert {r.key for r in seg.recover()} >= {b"whole", b"part"}
+    finally:
+        seg.close()
+    with HostArena.for_layout(layout, HOST_BLOCKS, shm=cfg) as arena:
+        assert [r.key for r in arena.recovered] == [b"whole"] and arena.allocator.num_cached == 1
+        assert arena.allocator.num_free == config.num_blocks - 1  # the partial block is free again

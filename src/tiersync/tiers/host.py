@@ -172,7 +172,12 @@ class HostArena:
 
         geometry = Geometry(config.num_blocks, config.block_nbytes, config.layout_digest)
         self._segment = ShmSegment.open(shm, geometry)
-        self.recovered = list(self._segment.recover())
+        found = list(self._segment.recover())
+        # an arena publishes whole blocks: an entry vouching for fewer bytes (another writer's)
+        # would serve the rest unchecked, so it is left out and its block stays free
+        self.recovered = [r for r in found if r.nbytes == config.block_nbytes]
+        if len(self.recovered) < len(found):
+            log.warning("warm boot from %s: %d partial blocks left out", shm.path, len(found) - len(self.recovered))
         if self._segment.cold_start is None:
             log.info("warm boot from %s: %d blocks recovered", shm.path, len(self.recovered))
         return self._segment.payload
