@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from _store_helpers import identity, keys_for, make_layout
-from tiersync.errors import CapacityError
+from tiersync.errors import CapacityError, IntegrityError
 from tiersync.store import KVCacheStore, Residency, StoreConfig
 from tiersync.tiers.storage import StorageConfig, StorageTier
 
@@ -158,3 +158,25 @@ def test_a_hung_write_down_delays_a_save_by_demote_wait_s_only(sdir, monkeypatch
         s.load(hit.keys, range(4)).result(10)
         assert (dev[:4] == ref[:4]).all()
         assert s.metrics.value("tiersync_store_evictions_total", tier="host_unsaved") == 0
+
+
+def test_a_stored_block_of_another_size_is_dropped_not_leaked(sdir):
+    """A writer with the same identity but another block size shares the directory: its record
+    (a valid descriptor) cannot be loaded here. Before, every load of it raised at once and
+    kept a host block and a hold: the store ran out of host blocks."""
+    _, layout = make_layout(num_blocks=4, nbytes=1024)
+    keys = keys_for(1)
+    other = make_storage(sdir, layout)
+    try:
+        other.write(keys, [memoryview(bytearray(512))]).result(10)  # half a block of this layout
+    finally:
+        other.close()
+    with KVCacheStore(layout, StoreConfig(host_blocks=4, **NO_SWEEP), storage=make_storage(sdir, layout)) as s:
+        free = s.stats().host_free_blocks
+        hit = s.lookup(keys)
+        assert hit.complete  # the scan indexed it
+        with pytest.raises(IntegrityError, match="another size"):
+            s.load(hit.keys, [0]).result(10)
+        assert s.stats().host_free_blocks == free  # nothing leaked
+        s.release(hit.keys)
+        assert s.lookup(keys).num_hits == 0  # dropped: never offered again

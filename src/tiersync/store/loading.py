@@ -60,15 +60,41 @@ class Loader:
             self._h.check_open()
             entries = self._pinned_entries(keys)
             cold = [e for e in dict.fromkeys(entries) if not e.residency & HOST]
+            if self._drop_misfits(cold, fut):
+                return fut
             blocks = self._h.allocate_host(len(cold)) if cold else []
             self._h.index.hold(entries)
         if not cold:
             self._to_device(entries, dev, fut)
             return fut
         assert self._h.storage is not None  # cold entries have a STORAGE copy
-        rf = self._h.storage.read([e.key for e in cold], [self._h.arena.block(b) for b in blocks])
+        try:
+            rf = self._h.storage.read([e.key for e in cold], [self._h.arena.block(b) for b in blocks])
+        except BaseException:  # nothing read: give back the host blocks and the holds, keep the pins
+            with self._h.lock:
+                self._h.arena.free(blocks)
+                self._h.index.unhold(entries)
+                self._h.gauge()
+            raise
         rf.add_done_callback(lambda f: self._promoted(f, cold, blocks, entries, dev, fut))
         return fut
+
+    def _drop_misfits(self, cold: list[Entry], fut: StoreFuture[None]) -> bool:
+        """Storage copies whose stored length is not this store's block size (another layout's
+        writer sharing the directory and identity) are never loadable here: drop them as corrupt
+        ones are and fail ``fut`` (pins kept); True when there were any. Under the lock."""
+        storage, n = self._h.storage, self._h.arena.block_nbytes
+        misfits = [e for e in cold if storage is not None and storage.stored_length(e.key) not in (None, n)]
+        for e in misfits:
+            self._h.index.clear(e, STORAGE)
+        if misfits:
+            assert storage is not None  # misfits were found in it
+            storage.forget([e.key for e in misfits])
+            self._h.gauge()
+            fut._fail(
+                IntegrityError("storage block has another size than this store's blocks", key=misfits[0].key.hex())
+            )
+        return bool(misfits)
 
     def _pinned_entries(self, keys: list[bytes]) -> list[Entry]:
         """Entries of ``keys``; each needs one pin per time it is named (as in release)."""

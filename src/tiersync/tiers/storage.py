@@ -221,6 +221,19 @@ class StorageTier:
         with self._lock:
             return key in self._locs
 
+    def forget(self, keys: Sequence[bytes]) -> None:
+        """Stop offering ``keys`` in this process (a block this reader can never use, such as one
+        of another size); the files stay for other readers of the directory."""
+        with self._lock:
+            for k in keys:
+                self._locs.pop(bytes(k), None)
+
+    def stored_length(self, key: bytes) -> int | None:
+        """Bytes of the stored block ``key`` (as its checksummed descriptor says), None when unknown."""
+        with self._lock:
+            loc = self._locs.get(key)
+            return None if loc is None else loc.record.length
+
     def keys(self) -> list[bytes]:
         """Known keys, oldest segment first (a good initial LRU order)."""
         with self._lock:
