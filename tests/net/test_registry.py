@@ -166,3 +166,43 @@ def test_store_record_keeps_capacity_through_heartbeats(registry):
     assert reg.heartbeat("a", 7)
     assert reg.get_store("a") == StoreInfo("a", "127.0.0.1:7001", 7, "g1", capacity_blocks=128)
     assert reg.placement_targets("g1", 1)[0].capacity_blocks == 128
+
+
+def test_blocks_of_a_store_that_is_not_registered_are_not_recorded(registry):
+    """An unauthenticated caller could otherwise grow the registry with made-up store ids."""
+    reg, clock = registry
+    _stores(reg)
+    reg.publish("nobody", keys(50))
+    assert reg.lookup(keys(50)) == [()] * 50
+    reg.publish("a", keys(2))
+    clock.now += CFG.store_ttl_s + 1  # "a" expired without a heartbeat: its publishes are ignored too
+    reg.publish("a", keys(2, seed=1))
+    reg.register_store(StoreInfo("a", "127.0.0.1:7001", 100, "g1"))
+    assert reg.lookup(keys(2, seed=1)) == [(), ()] and reg.lookup(keys(2)) == [("a",), ("a",)]
+
+
+def test_store_fields_are_bounded_in_utf8_bytes_as_the_wire_bounds_them():
+    with pytest.raises(UsageError) as info:
+        StoreInfo("€" * 100, "127.0.0.1:1", 1)  # 100 characters, 300 bytes
+    assert info.value.argument == "store_id"
+    with pytest.raises(UsageError) as info:
+        StoreInfo("s", "€" * 200, 1)
+    assert info.value.argument == "address"
+
+
+def test_a_redis_record_another_writer_broke_is_skipped_by_readers(redis_url):
+    from tiersync.net.registry.redis_backend import RedisRegistry
+
+    clock = Clock()
+    reg = RedisRegistry(redis_url, _with_prefix(f"t{uuid.uuid4().hex}:"), clock)
+    try:
+        _stores(reg)
+        reg.publish("a", keys(3))
+        stores_key = reg._stores_key  # white box: what a foreign writer of the same Redis would touch
+        reg._redis.hset(stores_key, "broken", b"{not json")
+        reg._redis.hset(stores_key, "partial", b'{"address": "127.0.0.1:9"}')  # no expires_at
+        assert reg.lookup(keys(3)) == [("a",)] * 3
+        assert {t.store_id for t in reg.placement_targets("g1", 8)} == {"a", "b", "c"}
+        assert reg.get_store("broken") is None and reg.get_store("a") is not None
+    finally:
+        reg.close()

@@ -50,15 +50,15 @@ class StoreInfo:
     pool_group: str = ""
     capacity_blocks: int = 0
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.store_id, str) or not self.store_id or len(self.store_id) > 256:
-            raise UsageError("must be a non-empty str (<= 256 chars)", argument="store_id")
-        if not isinstance(self.address, str) or len(self.address) > 512:
-            raise UsageError("must be a str (<= 512 chars)", argument="address")
+    def __post_init__(self) -> None:  # lengths in UTF-8 bytes, as the wire bounds them
+        if not isinstance(self.store_id, str) or not self.store_id or len(self.store_id.encode()) > 256:
+            raise UsageError("must be a non-empty str (<= 256 bytes in UTF-8)", argument="store_id")
+        if not isinstance(self.address, str) or len(self.address.encode()) > 512:
+            raise UsageError("must be a str (<= 512 bytes in UTF-8)", argument="address")
         if not isinstance(self.free_blocks, int) or self.free_blocks < 0:
             raise UsageError("must be an int >= 0", argument="free_blocks")
-        if not isinstance(self.pool_group, str) or len(self.pool_group) > 256:
-            raise UsageError("must be a str (<= 256 chars)", argument="pool_group")
+        if not isinstance(self.pool_group, str) or len(self.pool_group.encode()) > 256:
+            raise UsageError("must be a str (<= 256 bytes in UTF-8)", argument="pool_group")
         if not isinstance(self.capacity_blocks, int) or self.capacity_blocks < 0:
             raise UsageError("must be an int >= 0", argument="capacity_blocks")
 

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from tiersync.errors import TierSyncError
+from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.registry import messages as m
 from tiersync.net.registry.base import Registry, RegistryConfig, StoreInfo, check_keys
 from tiersync.net.registry.errors import RegistryUnavailableError
@@ -132,8 +133,18 @@ class RegistryClient(Registry):
         out: list[tuple[str, ...]] = []
         step = self.config.batch_size
         for start in range(0, len(keys), step):
+            batch = keys[start : start + step]
             try:
-                out.extend(m.dec_owners(self._rpc("Lookup", m.enc_keys(keys[start : start + step]))))
+                owners = m.dec_owners(self._rpc("Lookup", m.enc_keys(batch)))
+                if len(owners) != len(batch):  # else owners would be paired with other keys
+                    raise ProtocolError(
+                        "lookup reply has another number of rows than keys",
+                        fault=ProtocolFault.MALFORMED,
+                        peer=self.address,
+                        keys=len(batch),
+                        rows=len(owners),
+                    )
+                out.extend(owners)
             except TierSyncError as exc:
                 self.failures += 1
                 log.warning("registry lookup degraded: %s", exc)

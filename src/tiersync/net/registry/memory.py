@@ -44,9 +44,15 @@ class MemoryRegistry(Registry):
         return entry[0] if entry is not None and entry[1] > self._clock() else None
 
     def publish(self, store_id: str, keys: Sequence[bytes]) -> None:
+        """Record ``keys`` as held by a registered, live store; keys of any other are ignored (an
+        unauthenticated caller could otherwise grow the registry with made-up store ids)."""
         check_keys(keys)
-        expires = self._clock() + self.config.block_ttl_s
+        now = self._clock()
+        expires = now + self.config.block_ttl_s
         with self._lock:
+            entry = self._stores.get(store_id)
+            if entry is None or entry[1] <= now:
+                return
             for key in keys:
                 self._owners.setdefault(key, {})[store_id] = expires
 

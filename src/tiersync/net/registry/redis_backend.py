@@ -67,14 +67,24 @@ class RedisRegistry(Registry):
     def _info(store_id: str, rec: dict[str, Any]) -> StoreInfo:
         return StoreInfo(store_id, rec["address"], rec["free_blocks"], rec["pool_group"], rec.get("capacity_blocks", 0))
 
+    def _parsed(self, sid: str, blob: bytes | str) -> tuple[StoreInfo, float] | None:
+        """A store's record and its expiry, or None for a record that does not parse (Redis is
+        shared: something else may have written it): skipped, never raised to a reader."""
+        try:
+            rec = json.loads(blob)
+            return self._info(sid, rec), float(rec["expires_at"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # UsageError from StoreInfo too
+            log.warning("registry record of store %r skipped: %r", sid, exc)
+            return None
+
     def _live_stores(self) -> dict[str, StoreInfo]:
         raw = self._call(self._redis.hgetall, self._stores_key)
         now, out = self._clock(), {}
         for sid, blob in raw.items():
-            rec = json.loads(blob)
-            if rec["expires_at"] > now:
-                sid = cast(bytes, sid).decode()  # bytes: the client does not decode responses
-                out[sid] = self._info(sid, rec)
+            sid = cast(bytes, sid).decode(errors="replace")  # bytes: the client does not decode responses
+            parsed = self._parsed(sid, blob)
+            if parsed is not None and parsed[1] > now:
+                out[sid] = parsed[0]
         return out
 
     def register_store(self, info: StoreInfo) -> None:
@@ -93,15 +103,14 @@ class RedisRegistry(Registry):
 
     def get_store(self, store_id: str) -> StoreInfo | None:
         blob = self._call(self._redis.hget, self._stores_key, store_id)
-        if blob is None:
-            return None
-        rec = json.loads(blob)
-        if rec["expires_at"] <= self._clock():
-            return None
-        return self._info(store_id, rec)
+        parsed = None if blob is None else self._parsed(store_id, blob)
+        return None if parsed is None or parsed[1] <= self._clock() else parsed[0]
 
     def publish(self, store_id: str, keys: Sequence[bytes]) -> None:
+        """As the memory registry: keys of a store that is not registered and live are ignored."""
         check_keys(keys)
+        if self.get_store(store_id) is None:
+            return
         expires = self._clock() + self.config.block_ttl_s
         ttl_ms = int(self.config.block_ttl_s * 1000)
         pipe = self._redis.pipeline(transaction=False)
@@ -130,7 +139,11 @@ class RedisRegistry(Registry):
         except RegistryUnavailableError as exc:
             self._degraded("lookup", exc)
             return [()] * len(keys)
-        live = {sid.decode() for sid, blob in results[0].items() if json.loads(blob)["expires_at"] > now}
+        records = {
+            sid.decode(errors="replace"): self._parsed(sid.decode(errors="replace"), blob)
+            for sid, blob in results[0].items()
+        }
+        live = {sid for sid, parsed in records.items() if parsed is not None and parsed[1] > now}
         out = []
         for members in results[1:]:
             out.append(tuple(m.decode() for m in members if m.decode() in live))
