@@ -81,8 +81,9 @@ class Loader:
 
     def _drop_misfits(self, cold: list[Entry], fut: StoreFuture[None]) -> bool:
         """Storage copies whose stored length is not this store's block size (another layout's
-        writer sharing the directory and identity) are never loadable here: drop them as corrupt
-        ones are and fail ``fut`` (pins kept); True when there were any. Under the lock."""
+        writer sharing the directory and identity) are never loadable here: this store and this
+        process's storage index forget them (the files stay, unlike corrupt ones: other readers
+        may use them) and ``fut`` fails (pins kept); True when there were any. Under the lock."""
         storage, n = self._h.storage, self._h.arena.block_nbytes
         misfits = [e for e in cold if storage is not None and storage.stored_length(e.key) not in (None, n)]
         for e in misfits:

@@ -139,11 +139,8 @@ class RedisRegistry(Registry):
         except RegistryUnavailableError as exc:
             self._degraded("lookup", exc)
             return [()] * len(keys)
-        records = {
-            sid.decode(errors="replace"): self._parsed(sid.decode(errors="replace"), blob)
-            for sid, blob in results[0].items()
-        }
-        live = {sid for sid, parsed in records.items() if parsed is not None and parsed[1] > now}
+        names = {sid.decode(errors="replace"): blob for sid, blob in results[0].items()}
+        live = {sid for sid, blob in names.items() if (p := self._parsed(sid, blob)) is not None and p[1] > now}
         out = []
         for members in results[1:]:
             out.append(tuple(m.decode() for m in members if m.decode() in live))
