@@ -1,4 +1,10 @@
-/* Native fast path of the TCP transport's receive side (tiersync.net._wire).
+/* Native fast paths of the TCP transport (tiersync.net._wire).
+ *
+ * send_all(fd, bufs, timeout_s) -> (sent, err)
+ *   Writes every byte of the buffers `bufs` (a list, gathered by sendmsg, MSG_DONTWAIT, so a
+ *   blocking socket behaves as a non-blocking one) waiting for room with poll, all with the GIL
+ *   released, for at most timeout_s seconds. sent: bytes written; err: 0 when all were,
+ *   ETIMEDOUT when the time ran out first, else the errno of the failing sendmsg or poll.
  *
  * recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum) -> (done, sums, n, err)
  *   Receives consecutive frames, the i-th expected to be the DATA answer to request_ids[i]
@@ -39,6 +45,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <poll.h>
+#include <time.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include "../transfer/tsum64.h"
@@ -310,6 +318,91 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
                          last ? last->err : 0);
 }
 
+/* send_all: the server's gather write, without the GIL. */
+#define SEND_IOV 1024
+
+typedef struct {
+    struct iovec *iov;
+    size_t count;
+} gather;
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+/* Drop the first `n` bytes of g's vectors. */
+static void advance(gather *g, size_t n) {
+    while (n && g->count) {
+        if (n < g->iov->iov_len) {
+            g->iov->iov_base = (char *)g->iov->iov_base + n;
+            g->iov->iov_len -= n;
+            return;
+        }
+        n -= g->iov->iov_len;
+        g->iov++;
+        g->count--;
+    }
+}
+
+/* Write every byte of g, waiting for room with poll until `end` (CLOCK_MONOTONIC seconds);
+ * bytes written go to *sent; 0, ETIMEDOUT or the errno of a failing sendmsg. */
+static int send_gather(int fd, gather *g, double end, uint64_t *sent) {
+    while (g->count) {
+        struct msghdr msg = {0};
+        msg.msg_iov = g->iov;
+        msg.msg_iovlen = g->count < SEND_IOV ? g->count : SEND_IOV;
+        ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (r >= 0) {
+            *sent += (uint64_t)r;
+            advance(g, (size_t)r);
+            continue;
+        }
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) return errno;
+        double left = end - now_s();
+        if (left <= 0) return ETIMEDOUT;
+        struct pollfd p = {fd, POLLOUT, 0};
+        int ms = (int)(left * 1000.0) + 1;
+        if (poll(&p, 1, ms) < 0 && errno != EINTR) return errno;
+    }
+    return 0;
+}
+
+static PyObject *send_all(PyObject *self, PyObject *args) {
+    int fd;
+    PyObject *bufs;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iO!d", &fd, &PyList_Type, &bufs, &timeout)) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(bufs);
+    Py_buffer *views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
+    struct iovec *iov = PyMem_Calloc((size_t)count + 1, sizeof(struct iovec));
+    Py_ssize_t held = 0;
+    PyObject *out = NULL;
+    if (views == NULL || iov == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < count; held++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(bufs, held), &views[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        iov[held].iov_base = views[held].buf;
+        iov[held].iov_len = (size_t)views[held].len;
+    }
+    gather g = {iov, (size_t)count};
+    uint64_t sent = 0;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = send_gather(fd, &g, now_s() + timeout, &sent);
+    Py_END_ALLOW_THREADS
+    out = Py_BuildValue("Ki", (unsigned long long)sent, err);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(iov);
+    return out;
+}
+
 /* Tests: xxh3_64 of exactly 56 bytes, to compare with the xxhash package. */
 static PyObject *xxh3_56_py(PyObject *self, PyObject *arg) {
     Py_buffer v;
@@ -327,6 +420,7 @@ static PyObject *xxh3_56_py(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"recv_many", recv_many, METH_VARARGS,
      "recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum) -> (done, sums, n, err)."},
+    {"send_all", send_all, METH_VARARGS, "send_all(fd, bufs, timeout_s) -> (sent, err)."},
     {"_xxh3_56", xxh3_56_py, METH_O, "Tests only: xxh3_64 of a 56-byte header prefix."},
     {NULL, NULL, 0, NULL},
 };

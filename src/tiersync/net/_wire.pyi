@@ -1,4 +1,4 @@
-"""Types of the native receive path (``_wire.c``)."""
+"""Types of the native send and receive paths (``_wire.c``)."""
 
 def recv_many(
     fd: int,
@@ -10,5 +10,8 @@ def recv_many(
     /,
 ) -> tuple[int, tuple[int, ...], int, int]:
     """(done, sums, n, err): see ``_wire.c``."""
+
+def send_all(fd: int, bufs: list[bytes | memoryview], timeout_s: float, /) -> tuple[int, int]:
+    """(sent, err): see ``_wire.c``."""
 
 def _xxh3_56(data: bytes | bytearray | memoryview, /) -> int: ...

@@ -7,6 +7,8 @@ blocking call, and socket errors become the RemoteError family, naming the peer.
 
 from __future__ import annotations
 
+import errno
+import os
 import select
 import socket
 import ssl
@@ -68,8 +70,10 @@ class Deadline:
 def write_nonblocking(sock: socket.socket, bufs: Sequence[bytes | memoryview], deadline: Deadline) -> None:
     """Write every buffer to a non-blocking socket (plain or TLS), waiting for room with poll
     until ``deadline``. Raises NetTimeoutError, PeerClosedError, AuthError (TLS)."""
-    views = [memoryview(b).cast("B") for b in bufs if len(b)]
     tls = isinstance(sock, ssl.SSLSocket)
+    if _wire is not None and not tls:
+        return _send_native(sock, list(bufs), deadline)
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
     with io_errors(deadline.peer):
         while views:
             try:
@@ -79,6 +83,17 @@ def write_nonblocking(sock: socket.socket, bufs: Sequence[bytes | memoryview], d
                 poller.register(sock, select.POLLOUT)
                 if not poller.poll(max(1, int(deadline.remaining() * 1000))):
                     deadline.remaining()  # raises once the deadline passed
+
+
+def _send_native(sock: socket.socket, bufs: list[bytes | memoryview], deadline: Deadline) -> None:
+    """:func:`write_nonblocking` in one GIL-free call per deadline check (plain sockets)."""
+    while bufs:
+        sent, err = _wire.send_all(sock.fileno(), bufs, deadline.remaining())
+        if not err:
+            return
+        consume(cast("list[memoryview]", bufs), sent)  # headers are bytes: consume slices them alike
+        if err != errno.ETIMEDOUT:
+            _raise_io(OSError(err, os.strerror(err)), deadline.peer)
 
 
 def tune(sock: socket.socket, cfg: TcpConfig) -> None:

@@ -1,0 +1,101 @@
+"""``write_nonblocking`` (the server's gather write) on real socket pairs, through the native
+``send_all`` and through the pure-Python loop alike: every byte arrives in order, a peer that
+stops reading ends the write at its deadline, a peer that left is a PeerClosedError."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tiersync.net import socket_io
+from tiersync.net.errors import NetTimeoutError, PeerClosedError
+from tiersync.net.socket_io import Deadline, write_nonblocking
+
+PATHS = ["native", "python"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    if request.param == "native":
+        if socket_io._wire is None:
+            pytest.skip("the native extension is not built here")
+    else:
+        monkeypatch.setattr(socket_io, "_wire", None)
+    return request.param
+
+
+@pytest.fixture()
+def pair():
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)  # far under what is written: it fills
+    a.setblocking(False)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _read_all(sock: socket.socket, n: int, out: bytearray) -> None:
+    while len(out) < n:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            return
+        out += chunk
+        time.sleep(0.0005)  # a slow reader: the writer keeps finding the buffer full
+
+
+def test_every_byte_arrives_in_order(path, pair):
+    a, b = pair
+    rng = np.random.default_rng(5)
+    parts = [
+        rng.bytes(100),
+        b"",  # an empty part is skipped, not an error
+        memoryview(rng.bytes(3 << 20)),
+        rng.integers(0, 2**32, 1 << 16, dtype=np.uint32),  # not bytes-formatted: sent as its bytes
+        memoryview(bytearray(rng.bytes(70_001)))[1:],
+    ]
+    expected = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    got = bytearray()
+    reader = threading.Thread(target=_read_all, args=(b, len(expected), got))
+    reader.start()
+    write_nonblocking(a, parts, Deadline(30, "pair"))
+    reader.join(30)
+    assert bytes(got) == expected
+
+
+def test_a_peer_that_stops_reading_ends_the_write_at_its_deadline(path, pair):
+    a, _ = pair
+    t0 = time.monotonic()
+    with pytest.raises(NetTimeoutError):
+        write_nonblocking(a, [bytes(16 << 20)], Deadline(0.3, "pair"))
+    assert 0.25 <= time.monotonic() - t0 < 5
+
+
+def test_a_peer_that_left_is_a_peer_closed_error(path, pair):
+    a, b = pair
+    b.close()
+    with pytest.raises(PeerClosedError):
+        write_nonblocking(a, [bytes(1 << 20)], Deadline(5, "pair"))
+
+
+@pytest.mark.skipif(socket_io._wire is None, reason="the native extension is not built here")
+def test_send_all_counts_exactly_what_was_written_before_its_time_ran_out(pair):
+    """``sent`` is exactly the bytes the peer can then read (the caller resumes from there)."""
+    a, b = pair
+    data = os.urandom(8 << 20)
+    sent, err = socket_io._wire.send_all(a.fileno(), [data[: 1 << 20], memoryview(data)[1 << 20 :]], 0.2)
+    assert err == errno.ETIMEDOUT and 0 < sent < len(data)
+    b.setblocking(False)
+    got = bytearray()
+    while True:
+        try:
+            chunk = b.recv(1 << 20)
+        except BlockingIOError:
+            break
+        got += chunk
+    assert bytes(got) == data[:sent]
