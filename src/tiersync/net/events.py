@@ -12,6 +12,7 @@ Enum fields travel as u8; their values are wire format — never renumber.
 from __future__ import annotations
 
 import enum
+import itertools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ NONCE_SIZE = 16
 PROOF_SIZE = 32
 
 
+_BUFFERS = (bytes, bytearray, memoryview)  # what a DATA payload (or each of its parts) may be
 _REGION = struct.Struct("<QQQ")  # one LOCAL_REPLY region: address, length, checksum
 
 MAX_CHECKSUMS = 16
@@ -235,7 +237,7 @@ class Data:
     def __post_init__(self) -> None:
         check_u64("request_id", self.request_id)
         parts = self.payload if isinstance(self.payload, (list, tuple)) else (self.payload,)
-        if any(not isinstance(p, (bytes, bytearray, memoryview)) for p in parts):
+        if not all(map(isinstance, parts, itertools.repeat(_BUFFERS))):  # one C loop: a PULL_MANY has many
             raise UsageError("must be a bytes-like buffer or a list of them", argument="payload")
         if self.payload_sum is not None:
             if not isinstance(self.payload_sum, tuple) or len(self.payload_sum) != 2:

@@ -26,6 +26,7 @@ the connection.
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
 
 from tiersync.errors import ClosedError, UsageError
@@ -45,7 +46,7 @@ from tiersync.net.frames import (
     payload_hasher,
 )
 from tiersync.net.ledger import Ledger
-from tiersync.net.pieces import Pieces, bytes_view
+from tiersync.net.pieces import Pieces, byte_views, bytes_view
 from tiersync.net.states import State
 from tiersync.net.vocab import Vocabulary
 
@@ -53,6 +54,7 @@ __all__ = ["FrameReader", "handshake_limit"]
 
 _FAST_ALGO = PayloadChecksum.TSUM64  # what a native receiver verifies (data_fast_targets)
 _EMPTY = memoryview(b"")
+_READONLY = operator.attrgetter("readonly")
 
 
 def handshake_limit(config: ProtocolConfig) -> int:
@@ -103,10 +105,10 @@ class FrameReader:
         into it. A DATA frame of another size raises ProtocolError(MALFORMED).
         """
         self._check_data_request(request_id)
-        views = [bytes_view(b) for b in buffer] if isinstance(buffer, (list, tuple)) else [bytes_view(buffer)]
-        if not views or any(v.readonly for v in views):
+        views = byte_views(buffer) if isinstance(buffer, (list, tuple)) else [bytes_view(buffer)]
+        if not views or any(map(_READONLY, views)):
             raise UsageError("must be writable (and at least one buffer)", argument="buffer")
-        self._sinks[request_id] = views[0] if len(views) == 1 else Pieces([v for v in views if len(v)])
+        self._sinks[request_id] = views[0] if len(views) == 1 else Pieces(list(filter(len, views)))
 
     def expect_payload_later(self, request_id: int) -> None:
         """Keep the place of my request ``request_id``'s DATA among the registered buffers, its

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Sequence
+from typing import cast
 
 from tiersync.errors import check_positive_int
 from tiersync.net.frames import PayloadChecksum
@@ -60,12 +61,19 @@ class PartialSums:
         its checksum."""
         if kernel.TSUM64 is None or len(blocks) < 2:
             return None
-        if any(k is None or k[0] is not PayloadChecksum.TSUM64 for _, _, k in blocks):
-            return None
+        tsum = PayloadChecksum.TSUM64
         if any(len(view) % kernel.STRIPE for _, view, _ in blocks[:-1]):
             return None
-        states = [self._state(key, view, known[1]) for key, view, known in blocks]  # type: ignore[index]
-        return PayloadChecksum.TSUM64, kernel.tsum64_compose(states)
+        states: list[bytes | None] = []
+        with self._lock:  # the lock taken once for every block's state
+            get = self._states.get
+            for key, _, known in blocks:
+                if known is None or known[0] is not tsum:
+                    return None
+                states.append(get((key, known[1])))
+        if None in states:  # a block composed for the first time
+            states = [self._state(k, v, c[1]) if s is None else s for s, (k, v, c) in zip(states, blocks)]  # type: ignore[index]
+        return tsum, kernel.tsum64_compose(cast("list[bytes]", states))
 
     def _state(self, key: bytes, view: memoryview, checksum: int) -> bytes:
         with self._lock:

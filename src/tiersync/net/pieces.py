@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, cast
 
 from tiersync.net.frames import Hasher, PayloadChecksum, payload_checksum, payload_hasher
@@ -11,7 +13,9 @@ from tiersync.transfer import kernel
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["Pieces", "bytes_view", "payload_views", "sum_of"]
+_AS_BYTES = cast("Callable[[memoryview, str], memoryview]", memoryview.cast)  # unbound: map calls it per view
+
+__all__ = ["Pieces", "byte_views", "bytes_view", "payload_views", "sum_of"]
 
 
 def bytes_view(buf: object) -> memoryview:
@@ -19,9 +23,20 @@ def bytes_view(buf: object) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def byte_views(parts: Sequence[object]) -> list[memoryview]:
+    """:func:`bytes_view` of each part, in C loops rather than a Python call per part (a
+    PULL_MANY and its answer have many); TypeError for a part that is not a buffer."""
+    try:
+        views: Iterator[memoryview] = map(memoryview, cast("Sequence[Buffer]", parts))
+        return list(map(_AS_BYTES, views, itertools.repeat("B")))
+    except TypeError:  # a part cast refuses (not C-contiguous, not a buffer): bytes_view decides
+        return [bytes_view(p) for p in parts]
+
+
 def payload_views(payload: object) -> list[memoryview]:
+    """A byte view of each non-empty part of ``payload`` (a buffer or a list of them)."""
     parts = payload if isinstance(payload, (list, tuple)) else (payload,)
-    return [v for v in (bytes_view(p) for p in parts) if len(v)]
+    return list(filter(len, byte_views(parts)))
 
 
 def sum_of(algo: PayloadChecksum, parts: list[memoryview]) -> int:
@@ -43,7 +58,7 @@ class Pieces:
     __slots__ = ("index", "offset", "total", "views")
 
     def __init__(self, views: list[memoryview]) -> None:
-        self.views, self.total, self.index, self.offset = views, sum(len(v) for v in views), 0, 0
+        self.views, self.total, self.index, self.offset = views, sum(map(len, views)), 0, 0
 
     def __len__(self) -> int:
         return self.total

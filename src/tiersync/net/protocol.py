@@ -80,7 +80,7 @@ class Connection:
         self._ledger.check_send(op, rid, event)
         meta = event.meta()
         parts = payload_views(data.payload) if op is Op.DATA else []
-        size = sum(len(p) for p in parts)
+        size = sum(map(len, parts))
         if len(meta) > self.config.max_meta_size or len(meta) + size > self.config.max_frame_size:
             raise UsageError("frame exceeds max_frame_size", argument="event", meta_len=len(meta), payload_len=size)
         self._ledger.sent(op, rid, event)

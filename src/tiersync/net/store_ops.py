@@ -10,6 +10,8 @@ are wire format — never renumber.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import struct
 from dataclasses import dataclass
 from typing import ClassVar
@@ -51,6 +53,7 @@ __all__ = [
 
 _PULL_META = struct.Struct(f"<QI{KEY_SIZE}sQQ")  # lease id, key length, key, offset, length
 _ITEM = struct.Struct(f"<{KEY_SIZE}sQQ")  # one PULL_MANY / PULL_LOCAL item: key, offset, length
+_KEY_OF = operator.itemgetter(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,13 +200,13 @@ def _check_items(name: str, items: object) -> None:
     if not isinstance(items, tuple) or not items:
         raise UsageError("must be a non-empty tuple of (key, offset, length)", argument=name)
     check_rows(name, items, (bytes, int, int))
-    if any(len(item[0]) != KEY_SIZE for item in items):
+    if set(map(len, map(_KEY_OF, items))) - {KEY_SIZE}:
         raise UsageError(f"keys must be {KEY_SIZE} bytes", argument=name)
 
 
 def _write_items(w: MetaWriter, items: tuple[tuple[bytes, int, int], ...]) -> MetaWriter:
     w.u32(len(items))
-    w.raw(b"".join(_ITEM.pack(*item) for item in items))
+    w.raw(b"".join(itertools.starmap(_ITEM.pack, items)))
     return w
 
 
