@@ -109,7 +109,8 @@ class FramedSocket:
 
     Plain TCP runs the socket in blocking mode with kernel timeouts (SO_RCVTIMEO /
     SO_SNDTIMEO) re-armed only when the deadline has moved by more than ``_SLACK``
-    of what is left, so one recv or sendmsg is one syscall (no poll, no ioctl). While a
+    of what is left, so one recv or sendmsg is one syscall (no poll, no ioctl); with the
+    native extension a write is one GIL-free ``send_all`` (MSG_DONTWAIT, poll for room). While a
     payload buffer is registered, a frame starts with one scatter read (``recvmsg_into``)
     of the header plus the buffer the next DATA should land in (a pipelined answer that
     already arrived whole takes one syscall), and the rest of a payload comes with
@@ -147,6 +148,8 @@ class FramedSocket:
 
     def send_buffers(self, bufs: Sequence[bytes | memoryview], deadline: Deadline) -> None:
         """Write encoded frames (``Connection.send`` output, possibly several concatenated)."""
+        if _wire is not None and not self._tls:  # MSG_DONTWAIT and poll: no kernel timeout to arm
+            return _send_native(self.sock, list(bufs), deadline)
         views = cast("list[memoryview]", [b for b in bufs if len(b)])  # headers are bytes: consume slices them alike
         try:
             while views:
