@@ -35,13 +35,15 @@ __all__ = [
     "writable",
 ]
 
-# Pulls smaller than GROUP_BYTES are grouped into one PULL_MANY of about GROUP_LIMIT bytes. One
-# answer is one unit on both sides (the server's gather, the client's scatter and checksum), so
-# a group is kept small enough that several streams' answers interleave finely: with 1 MiB
-# rather than 4 MiB, bench h2h's 1m-4s-w8 row went from 0.72-0.77x to 0.79-0.88x raw sockets
-# (4 interleaved A/B runs each, 64k and 16m rows unchanged).
-GROUP_BYTES = 1 << 20
-GROUP_LIMIT = 1 << 20
+# Pulls smaller than GROUP_BYTES are grouped into one PULL_MANY of about GROUP_LIMIT bytes, so the
+# work each request costs on both sides (encode, parse, answer, ledger: tens of microseconds of
+# interpreter) is paid once per 4 MiB. Since both sides write with one native call and the reader
+# lands a group's answer natively, 4 MiB beat 1 MiB in each of 6 interleaved pairs of bench h2h's
+# 4-stream rows (session of 2026-12-06 10:59 UTC: 0.80-0.83x raw sockets against 0.71-0.76x at
+# 1 MiB, 0.85-0.88x against 0.75-0.80x at 64 KiB); before those, 1 MiB had won (answers of
+# several streams interleaving more finely) or the two were inside the noise.
+GROUP_BYTES = 4 << 20
+GROUP_LIMIT = 4 << 20
 GROUP_ITEMS = 64
 LOCAL_GROUP = 32 << 20  # bytes per PULL_LOCAL: two in flight, one copied while the next is looked up
 LOCAL_FIRST = 2 << 20  # ... from this size up, doubling: the first copy starts after a short lookup

@@ -143,8 +143,8 @@ class TcpChannel(Channel):
         """Pull ``(key, offset, dest)`` items under ``lease_id``, keeping ``window`` requests in
         flight on this one connection so the round trip of one hides behind the next.
 
-        Each payload lands straight in its ``dest`` (exact size); items under 1 MiB travel
-        grouped, one PULL_MANY per about 1 MiB (``GROUP_LIMIT``) whose single DATA answer is scattered into
+        Each payload lands straight in its ``dest`` (exact size); items under 4 MiB travel
+        grouped, one PULL_MANY per about 4 MiB (``GROUP_LIMIT``) whose single DATA answer is scattered into
         their buffers. One deadline covers the whole batch. Raises like :meth:`request` (an
         ERROR answer raises RequestError after the channel is closed, since later answers
         are still in flight).
