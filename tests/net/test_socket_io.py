@@ -68,11 +68,12 @@ def test_every_byte_arrives_in_order(path, pair):
     assert bytes(got) == expected
 
 
-def test_a_peer_that_stops_reading_ends_the_write_at_its_deadline(path, pair):
+@pytest.mark.parametrize("part", [bytes(16 << 20), np.zeros(4 << 20, np.uint32)], ids=["bytes", "uint32"])
+def test_a_peer_that_stops_reading_ends_the_write_at_its_deadline(path, pair, part):
     a, _ = pair
     t0 = time.monotonic()
     with pytest.raises(NetTimeoutError):
-        write_nonblocking(a, [bytes(16 << 20)], Deadline(0.3, "pair"))
+        write_nonblocking(a, [b"head", part], Deadline(0.3, "pair"))
     assert 0.25 <= time.monotonic() - t0 < 5
 
 
@@ -99,3 +100,17 @@ def test_send_all_counts_exactly_what_was_written_before_its_time_ran_out(pair):
             break
         got += chunk
     assert bytes(got) == data[:sent]
+
+
+@pytest.mark.skipif(socket_io._wire is None, reason="the native extension is not built here")
+@pytest.mark.parametrize("bufs", [[b""], [b"ab", b"", b""], [], [b"", memoryview(b"cd")]])
+def test_send_all_returns_when_only_empty_buffers_are_left(pair, bufs):
+    """A sendmsg of no bytes makes no progress: empty buffers are skipped, never retried."""
+    a, b = pair
+    done: list[tuple[int, int]] = []
+    t = threading.Thread(target=lambda: done.append(socket_io._wire.send_all(a.fileno(), bufs, 5.0)), daemon=True)
+    t.start()
+    t.join(3)
+    total = sum(len(x) for x in bufs)
+    assert done == [(total, 0)]
+    assert (b.recv(16) if total else b"") == b"".join(bytes(x) for x in bufs)

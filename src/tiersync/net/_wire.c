@@ -332,9 +332,10 @@ static double now_s(void) {
     return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
 }
 
-/* Drop the first `n` bytes of g's vectors. */
+/* Drop the first `n` bytes of g's vectors, and the empty vectors then in front (a sendmsg of
+ * nothing would return 0 and make no progress). */
 static void advance(gather *g, size_t n) {
-    while (n && g->count) {
+    while (g->count) {
         if (n < g->iov->iov_len) {
             g->iov->iov_base = (char *)g->iov->iov_base + n;
             g->iov->iov_len -= n;
@@ -349,6 +350,7 @@ static void advance(gather *g, size_t n) {
 /* Write every byte of g, waiting for room with poll until `end` (CLOCK_MONOTONIC seconds);
  * bytes written go to *sent; 0, ETIMEDOUT or the errno of a failing sendmsg. */
 static int send_gather(int fd, gather *g, double end, uint64_t *sent) {
+    advance(g, 0);
     while (g->count) {
         struct msghdr msg = {0};
         msg.msg_iov = g->iov;

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal, NoReturn, cast
 from tiersync.iov import consume
 from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError
 from tiersync.net.frames import EMPTY_META_CHECKSUM, HEADER_SIZE, SUPPORTED, PayloadChecksum
+from tiersync.net.pieces import byte_views
 from tiersync.net.protocol import NEED_DATA, Connection
 
 if TYPE_CHECKING:
@@ -87,13 +88,14 @@ def write_nonblocking(sock: socket.socket, bufs: Sequence[bytes | memoryview], d
 
 def _send_native(sock: socket.socket, bufs: list[bytes | memoryview], deadline: Deadline) -> None:
     """:func:`write_nonblocking` in one GIL-free call per deadline check (plain sockets)."""
-    while bufs:
+    while True:
         sent, err = _wire.send_all(sock.fileno(), bufs, deadline.remaining())
         if not err:
             return
-        consume(cast("list[memoryview]", bufs), sent)  # headers are bytes: consume slices them alike
         if err != errno.ETIMEDOUT:
             _raise_io(OSError(err, os.strerror(err)), deadline.peer)
+        rest: list[bytes | memoryview] = [*consume(byte_views(bufs), sent)]  # the deadline decides next turn
+        bufs = rest
 
 
 def tune(sock: socket.socket, cfg: TcpConfig) -> None:
