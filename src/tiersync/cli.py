@@ -9,7 +9,7 @@ Subcommands::
     tiersync metrics [--port P]                               print or serve metrics
     tiersync store-node --capacity 8GiB --port N [--token T]  serve host DRAM to peers
                         [--registry HOST:PORT] [--heartbeat-s S]  ... and register there
-    tiersync registry --port N [--redis URL]                  the global block registry (gRPC)
+    tiersync registry --port N [--redis URL] [--token-file F] the global block registry (gRPC)
     tiersync router --prefill URL --decode URL --port N       prefill -> decode before vLLM servers
 
 ``store-node`` reads each flag not typed from ``$TIERSYNC_STORE_NODE_<FLAG>``, else from the
@@ -135,6 +135,10 @@ def _add_registry(sub: Any) -> None:
     r.add_argument("--redis", default=None, help="keep the state in Redis at this URL (default: in memory)")
     r.add_argument("--store-ttl-s", type=_seconds, default=900.0, help="a store unheard for this long is dead")
     r.add_argument("--block-ttl-s", type=_seconds, default=3600.0, help="an ownership entry not re-published expires")
+    r.add_argument(
+        "--token-file",
+        help="file holding the shared secret every call must prove (>= 16 bytes; default: $TIERSYNC_TOKEN)",
+    )
     r.set_defaults(func=cmd_registry)
 
 
@@ -292,15 +296,23 @@ def cmd_store_node(args: argparse.Namespace) -> int:
 
 
 def cmd_registry(args: argparse.Namespace) -> int:
+    from tiersync.net.config import token_from
     from tiersync.net.registry.process import main as registry_main
 
+    token = token_from(args.token_file, argument="--token-file")
     problem = bind_probe(args, "host")  # before gRPC, which logs its own bind failure first
     if problem is not None:
         raise problem
     stop = stop_on_sigterm()
     with starting(args), redis_url(args):
         rc = registry_main(
-            args.port, args.host, args.redis, store_ttl_s=args.store_ttl_s, block_ttl_s=args.block_ttl_s, stop=stop
+            args.port,
+            args.host,
+            args.redis,
+            store_ttl_s=args.store_ttl_s,
+            block_ttl_s=args.block_ttl_s,
+            token=token,
+            stop=stop,
         )
     return stopped(args, rc)
 

@@ -35,7 +35,8 @@ def run_store_node(
     """The ``tiersync store-node`` process: print the address, serve until interrupted (or SIGTERM).
 
     ``registry``: "host:port" of ``tiersync registry`` (or "redis://..."): register as
-    ``store_id`` (default "HOST:PORT" of ``advertise``) and heartbeat every ``heartbeat_s``.
+    ``store_id`` (default "HOST:PORT" of ``advertise``) and heartbeat every ``heartbeat_s``,
+    proving ``token`` on every gRPC registry call too.
     ``kv_events``: publish a vLLM KV event stream (:func:`attach_events`); an empty topic
     becomes ``kv@<store id>@*``.
     """
@@ -51,9 +52,12 @@ def run_store_node(
         if registry:
             from tiersync.net.registry import open_registry
             from tiersync.net.registry.agent import AgentConfig
+            from tiersync.net.registry.base import RegistryConfig
 
             where = advertise or default_advertise(server.address)
-            reg = open_registry(registry)
+            reg = open_registry(
+                registry, RegistryConfig(token=token)
+            )  # one secret: the node's links and its registry calls
             agent = attach_registry(server, reg, AgentConfig(store_id or where, where, pool_group, heartbeat_s))
         print(_listening(server, agent, registry, events), flush=True)
         while not stop.wait(1.0):

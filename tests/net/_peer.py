@@ -132,17 +132,23 @@ class StoreNodeProc(Proc):
 class RegistryProc(Proc):
     """`tiersync registry` on 127.0.0.1 (``port`` 0 picks one); ``address`` from its stdout."""
 
-    def __init__(self, port: int = 0, *, redis: str | None = None, store_ttl_s: float = 900.0) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "tiersync.cli",
-            "registry",
-            "--port",
-            str(port),
-            "--store-ttl-s",
-            str(store_ttl_s),
-        ] + (["--redis", redis] if redis else [])
+    def __init__(
+        self, port: int = 0, *, redis: str | None = None, store_ttl_s: float = 900.0, token_file: str | None = None
+    ) -> None:
+        cmd = (
+            [
+                sys.executable,
+                "-m",
+                "tiersync.cli",
+                "registry",
+                "--port",
+                str(port),
+                "--store-ttl-s",
+                str(store_ttl_s),
+            ]
+            + (["--redis", redis] if redis else [])
+            + (["--token-file", token_file] if token_file else [])
+        )
         super().__init__(cmd, "listening on ")
         self.address = self.address_after("listening on ")
         self.port = int(self.address.rpartition(":")[2])

@@ -183,3 +183,45 @@ def test_store_node_process_registers_directly_in_redis(tmp_path):
             node.kill()
         reg.close()
         redis.kill()
+
+
+def test_a_registry_process_with_a_token_takes_only_nodes_that_prove_it(tmp_path):
+    """`tiersync registry --token-file`: a store node with that token registers and advertises;
+    one with another token is refused on every call and never appears; a client without it sees
+    nothing (lookups degrade as on an outage)."""
+    from _peer import RegistryProc
+    from tiersync.net.errors import AuthError
+    from tiersync.net.registry.grpc_service import RegistryClient
+
+    secret = tmp_path / "token"
+    secret.write_text(TOKEN + "\n")
+    registry = RegistryProc(token_file=str(secret))
+    good = bad = None
+    reg = RegistryClient(registry.address, RegistryConfig(token=TOKEN))
+    outsider = RegistryClient(registry.address)
+    try:
+        good = StoreNodeProc("1MiB", block=4096, registry=registry.address, heartbeat_s=0.2, store_id="good")
+        bad = StoreNodeProc(
+            "1MiB",
+            block=4096,
+            token="another-token-0123456789",
+            registry=registry.address,
+            heartbeat_s=0.2,
+            store_id="bad",
+        )
+        StoreNodeClient(good.address, token=TOKEN.encode(), timeout=10).offer_and_push(KEYS[:2], [b"g" * 4096] * 2)
+        assert wait_until(lambda: reg.lookup(KEYS[:3]) == [("good",)] * 2 + [()])
+        registry.wait_for("refused a RegisterStore call", 15)  # the bad node tried and was logged
+        assert reg.get_store("bad") is None
+        assert [s.store_id for s in reg.placement_targets("", 5)] == ["good"]
+        assert outsider.lookup(KEYS[:2]) == [(), ()]
+        with pytest.raises(AuthError):
+            outsider.remove_store("good")
+        assert reg.get_store("good") is not None
+    finally:
+        for node in (good, bad):
+            if node is not None:
+                node.kill()
+        reg.close()
+        outsider.close()
+        registry.kill()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -12,6 +13,7 @@ from tiersync.net.registry.errors import RegistryUnavailableError
 from tiersync.net.registry.memory import MemoryRegistry
 
 grpc = pytest.importorskip("grpc")
+from tiersync.net.registry.auth import METADATA_KEY, proof  # noqa: E402
 from tiersync.net.registry.grpc_service import SERVICE, RegistryClient, serve_registry  # noqa: E402
 
 FAST = RegistryConfig(rpc_timeout_s=0.5)
@@ -99,3 +101,100 @@ def test_open_registry_picks_the_backend():
     client.close()
     with pytest.raises(UsageError):
         open_registry("not an address")
+
+
+# -- the token: every call proves it when the server has one ------------------------------------
+TOKEN = b"registry-secret-0123456789"
+
+
+@pytest.fixture()
+def guarded():
+    backend = MemoryRegistry()
+    server = serve_registry(backend, token=TOKEN)
+    yield backend, server
+    server.stop()
+
+
+def _client(server, token):
+    return RegistryClient(server.address, RegistryConfig(rpc_timeout_s=2.0, token=token))
+
+
+@pytest.mark.parametrize("token", [None, b"another-secret-0123456789"], ids=["none", "wrong"])
+def test_a_client_without_the_token_changes_nothing(guarded, token):
+    from tiersync.net.errors import AuthError
+
+    backend, server = guarded
+    client = _client(server, token)
+    try:
+        with pytest.raises(AuthError) as info:
+            client.register_store(StoreInfo("evil", "127.0.0.1:1", 10**6, "g"))
+        assert info.value.peer == server.address
+        with pytest.raises(AuthError):
+            client.publish("evil", KEYS)
+        assert client.lookup(KEYS[:3]) == [()] * 3  # degrades like an outage, counted
+        assert client.failures == 1
+    finally:
+        client.close()
+    assert backend.get_store("evil") is None and backend.lookup(KEYS[:3]) == [()] * 3
+
+
+def test_a_client_with_the_token_is_served(guarded):
+    _, server = guarded
+    client = _client(server, TOKEN.decode())  # str accepted, as at every config boundary
+    try:
+        client.register_store(StoreInfo("a", "127.0.0.1:1", 10, "g"))
+        client.publish("a", KEYS)
+        assert client.lookup(KEYS) == [("a",)] * 300
+        assert [s.store_id for s in client.placement_targets("g", 2)] == ["a"]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        lambda payload: "v1:1:" + "0" * 32 + ":" + "0" * 64,  # garbage signature
+        lambda payload: proof(TOKEN, "Publish", payload, now=time.time() - 3600),  # stale
+        lambda payload: proof(TOKEN, "Publish", payload + b"x"),  # signs other bytes
+        lambda payload: proof(TOKEN, "Unpublish", payload),  # signs another method
+        lambda payload: "v1:1:" + "0" * 32 + ":" + "0" * 1000,  # longer than any proof
+    ],
+    ids=["garbage", "stale", "other-bytes", "other-method", "long"],
+)
+def test_forged_or_replayed_proofs_are_refused(guarded, forge):
+    from tiersync.net.registry import messages as m
+
+    backend, server = guarded
+    backend.register_store(StoreInfo("a", "127.0.0.1:1", 10, "g"))
+    payload = m.enc_store_keys("a", KEYS[:2])
+    channel = grpc.insecure_channel(server.address)
+    try:
+        call = channel.unary_unary(f"/{SERVICE}/Publish")
+        with pytest.raises(grpc.RpcError) as info:
+            call(payload, timeout=2, metadata=((METADATA_KEY, forge(payload)),))
+        assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        call(payload, timeout=2, metadata=((METADATA_KEY, proof(TOKEN, "Publish", payload)),))  # the real one passes
+    finally:
+        channel.close()
+    assert backend.lookup(KEYS[:3]) == [("a",), ("a",), ()]
+
+
+def test_a_short_token_is_refused_at_the_boundary():
+    from tiersync.errors import UsageError
+
+    with pytest.raises(UsageError, match="token"):
+        RegistryConfig(token="short")
+    with pytest.raises(UsageError, match="token"):
+        serve_registry(MemoryRegistry(), token=b"short")
+
+
+@pytest.mark.parametrize(
+    "value", [None, "", "v1:²:" + "0" * 32 + ":" + "0" * 64, "v1:1:" + "0" * 32 + ":é", "v2:1:2:3"]
+)
+def test_check_proof_refuses_what_grpc_would_not_even_send(value):
+    """Decided without raising anything but AuthError (a str compare of non-ASCII raises TypeError)."""
+    from tiersync.net.errors import AuthError
+    from tiersync.net.registry.auth import check_proof
+
+    with pytest.raises(AuthError):
+        check_proof(TOKEN, "Publish", b"", value, peer="p")

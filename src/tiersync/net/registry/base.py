@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiersync.errors import UsageError
+from tiersync.net.config import coerce_token
 
 KEY_SIZE = 16
 
@@ -19,7 +20,10 @@ class RegistryConfig:
     ``store_ttl_s``: a store not heard from for this long is dead (its blocks
     are no longer reported). ``block_ttl_s``: an ownership entry not re-published
     for this long expires. ``batch_size``: most keys per lookup call over the
-    wire. ``rpc_timeout_s``: deadline of one gRPC call.
+    wire. ``rpc_timeout_s``: deadline of one gRPC call. ``token``: the gRPC registry's
+    shared secret (str or bytes, >= 16 bytes; stored as bytes): a server given one refuses
+    every call that does not prove it, a client proves it on every call
+    (:mod:`tiersync.net.registry.auth`); None: calls carry no proof.
     """
 
     heartbeat_interval_s: float = 300.0
@@ -28,8 +32,10 @@ class RegistryConfig:
     batch_size: int = 256
     rpc_timeout_s: float = 2.0
     key_prefix: str = "tiersync:"
+    token: str | bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "token", coerce_token(self.token, "token"))
         for name in ("heartbeat_interval_s", "store_ttl_s", "block_ttl_s", "rpc_timeout_s"):
             if not getattr(self, name) > 0:
                 raise UsageError("must be > 0", argument=name)

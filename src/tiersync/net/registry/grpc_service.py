@@ -8,20 +8,26 @@ in one small Python module shared by client and server.
 :class:`RegistryClient` implements :class:`Registry`. On an outage
 ``lookup`` and ``placement_targets`` never raise: they log, count
 (``client.failures``) and return what they have (unanswered keys get ``()``).
-Writes raise :class:`RegistryUnavailableError`.
+Writes raise :class:`RegistryUnavailableError`, or :class:`~tiersync.net.errors.AuthError`
+when the server refuses the token (``RegistryConfig.token``; lookups then degrade as on an
+outage). A server given a token refuses every call without its proof (:mod:`.auth`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import grpc
 
 from tiersync.errors import TierSyncError
-from tiersync.net.errors import ProtocolError, ProtocolFault
+from tiersync.net.config import coerce_token
+from tiersync.net.errors import AuthError, ProtocolError, ProtocolFault
 from tiersync.net.registry import messages as m
+from tiersync.net.registry.auth import METADATA_KEY, check_proof, proof
 from tiersync.net.registry.base import Registry, RegistryConfig, StoreInfo, check_keys
 from tiersync.net.registry.errors import RegistryUnavailableError
 
@@ -63,8 +69,31 @@ def _methods(backend: Registry) -> dict[str, Callable[[bytes], bytes]]:
     }
 
 
-def _wrap(fn: Callable[[bytes], bytes]) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+class _Gate:
+    """The token check of every call when the server has a token; refusals logged like the wire
+    stack's (the first ten, then every thousandth)."""
+
+    def __init__(self, token: bytes | None) -> None:
+        self.token, self.refused, self._lock = token, 0, threading.Lock()
+
+    def check(self, name: str, data: bytes, context: grpc.ServicerContext) -> None:
+        if self.token is None:
+            return
+        value = next((v for k, v in context.invocation_metadata() if k == METADATA_KEY), None)
+        try:
+            check_proof(self.token, name, data, value if isinstance(value, str) else None, peer=context.peer())
+        except AuthError as exc:
+            with self._lock:
+                self.refused += 1
+                n = self.refused
+            level = logging.WARNING if n <= 10 or n % 1000 == 0 else logging.DEBUG
+            log.log(level, "registry refused a %s call: %s (%d refused so far)", name, exc.message, n)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, exc.message)
+
+
+def _wrap(name: str, fn: Callable[[bytes], bytes], gate: _Gate) -> Callable[[bytes, grpc.ServicerContext], bytes]:
     def handler(data: bytes, context: grpc.ServicerContext) -> bytes:
+        gate.check(name, data, context)  # aborts the call (raises) when the proof fails
         try:
             return fn(data)
         except RegistryUnavailableError as exc:  # the backend (e.g. Redis) is down: retryable
@@ -87,10 +116,17 @@ class RegistryServer:
         self._server.stop(grace).wait(5)
 
 
-def serve_registry(backend: Registry, port: int = 0, host: str = "127.0.0.1", workers: int = 4) -> RegistryServer:
-    """Serve ``backend`` over gRPC on ``host:port`` (0 picks a free port) and return the handle."""
+def serve_registry(
+    backend: Registry, port: int = 0, host: str = "127.0.0.1", workers: int = 4, *, token: str | bytes | None = None
+) -> RegistryServer:
+    """Serve ``backend`` over gRPC on ``host:port`` (0 picks a free port) and return the handle.
+    With ``token`` (str or bytes, >= 16 bytes) every call must prove it (:mod:`.auth`), else it
+    is refused UNAUTHENTICATED before the backend sees it."""
+    gate = _Gate(coerce_token(token, "token"))
     server = grpc.server(ThreadPoolExecutor(max_workers=workers))
-    handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(fn)) for name, fn in _methods(backend).items()}
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(_wrap(name, fn, gate)) for name, fn in _methods(backend).items()
+    }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     bound = server.add_insecure_port(f"{host}:{port}")
     server.start()
@@ -119,10 +155,16 @@ class RegistryClient(Registry):
         stub = self._stubs.get(name)
         if stub is None:
             stub = self._stubs[name] = self._channel.unary_unary(f"/{SERVICE}/{name}")
+        token = cast("bytes | None", self.config.token)  # RegistryConfig coerced it to bytes
+        metadata = ((METADATA_KEY, proof(token, name, payload)),) if token is not None else None
         try:
-            reply: bytes = stub(payload, timeout=self.config.rpc_timeout_s)
+            reply: bytes = stub(payload, timeout=self.config.rpc_timeout_s, metadata=metadata)
             return reply
         except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+                raise AuthError(
+                    f"the registry refused this client's token: {exc.details()}", peer=self.address
+                ) from exc
             raise RegistryUnavailableError(
                 f"registry call {name} failed: {exc.code().name}", peer=self.address
             ) from exc

@@ -36,18 +36,29 @@ def main(
     store_ttl_s: float = 900.0,
     block_ttl_s: float = 3600.0,
     heartbeat_interval_s: float = 300.0,
+    token: bytes | None = None,
     stop: threading.Event | None = None,
 ) -> int:
-    """Serve until interrupted (or ``stop`` is set); prints "tiersync registry listening on ADDR"."""
+    """Serve until interrupted (or ``stop`` is set); prints "tiersync registry listening on ADDR".
+    With ``token`` every call must prove it; without one any peer that reaches the port may
+    register stores and publish blocks (logged as a warning)."""
     from tiersync.net.registry.grpc_service import serve_registry
 
     config = RegistryConfig(
         heartbeat_interval_s=min(heartbeat_interval_s, store_ttl_s), store_ttl_s=store_ttl_s, block_ttl_s=block_ttl_s
     )
     backend = make_backend(redis_url, config)
-    server = serve_registry(backend, port=port, host=host)
+    server = serve_registry(backend, port=port, host=host, token=token)
     kind = "redis" if redis_url else "memory"
-    print(f"tiersync registry listening on {server.address} ({kind} backend, store TTL {store_ttl_s:g} s)", flush=True)
+    auth = "token required" if token is not None else "no token"
+    print(
+        f"tiersync registry listening on {server.address} ({kind} backend, store TTL {store_ttl_s:g} s, {auth})",
+        flush=True,
+    )
+    if token is None:
+        log.warning(
+            "registry %s has no token: any peer that reaches it may register stores and publish", server.address
+        )
     stop = stop or threading.Event()
     sweep = getattr(backend, "sweep", None)  # the memory backend drops expired entries on request
     health = _Health(backend, redis_url)
