@@ -4,7 +4,10 @@
  *   Writes every byte of the buffers `bufs` (a list, gathered by sendmsg, MSG_DONTWAIT, so a
  *   blocking socket behaves as a non-blocking one) waiting for room with poll, all with the GIL
  *   released, for at most timeout_s seconds. sent: bytes written; err: 0 when all were,
- *   ETIMEDOUT when the time ran out first, else the errno of the failing sendmsg or poll.
+ *   -1 when the time ran out first, else the errno of the failing sendmsg or poll. A signal
+ *   runs the interpreter's handlers (an exception from one is raised) and the write goes on.
+ *   Both calls work on a duplicate of fd, so a close of fd by another thread meanwhile never
+ *   lets them read or write a socket that got its number.
  *
  * recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum) -> (done, sums, n, err)
  *   Receives consecutive frames, the i-th expected to be the DATA answer to request_ids[i]
@@ -45,7 +48,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
+#include <unistd.h>
 #include <time.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -266,6 +271,14 @@ static int get_dests(PyObject *dests, PyObject *rids, dest_set *d, recv_job *job
     return 0;
 }
 
+/* A duplicate of `fd` held for a GIL-free call: a close of `fd` by another thread meanwhile
+ * cannot hand its number to a new socket under us (a shutdown still ends our calls). */
+static int hold_fd(int fd) {
+    int held = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (held < 0) PyErr_SetFromErrno(PyExc_OSError);
+    return held;
+}
+
 static PyObject *recv_many(PyObject *self, PyObject *args) {
     int fd;
     Py_buffer hv;
@@ -293,10 +306,18 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
         jobs[i].max_payload = max_payload;
         jobs[i].empty_meta = empty_meta;
     }
+    int own = hold_fd(fd);
+    if (own < 0) {
+        release_dests(&d);
+        PyBuffer_Release(&hv);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) jobs[i].fd = own;
     size_t done;
     Py_BEGIN_ALLOW_THREADS
     done = run_jobs(jobs, (size_t)count);
     Py_END_ALLOW_THREADS
+    close(own);
     release_dests(&d);
     PyBuffer_Release(&hv);
     recv_job *last = done < (size_t)count ? &jobs[done] : NULL;
@@ -320,6 +341,7 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
 
 /* send_all: the server's gather write, without the GIL. */
 #define SEND_IOV 1024
+#define SEND_DEADLINE (-1) /* send_all's err when the time ran out */
 
 typedef struct {
     struct iovec *iov;
@@ -348,7 +370,8 @@ static void advance(gather *g, size_t n) {
 }
 
 /* Write every byte of g, waiting for room with poll until `end` (CLOCK_MONOTONIC seconds);
- * bytes written go to *sent; 0, ETIMEDOUT or the errno of a failing sendmsg. */
+ * bytes written go to *sent; 0, SEND_DEADLINE, EINTR (a signal: the caller runs the handlers,
+ * then calls again) or the errno of a failing sendmsg or poll. */
 static int send_gather(int fd, gather *g, double end, uint64_t *sent) {
     advance(g, 0);
     while (g->count) {
@@ -361,13 +384,12 @@ static int send_gather(int fd, gather *g, double end, uint64_t *sent) {
             advance(g, (size_t)r);
             continue;
         }
-        if (errno == EINTR) continue;
         if (errno != EAGAIN && errno != EWOULDBLOCK) return errno;
         double left = end - now_s();
-        if (left <= 0) return ETIMEDOUT;
+        if (left <= 0) return SEND_DEADLINE;
         struct pollfd p = {fd, POLLOUT, 0};
-        int ms = (int)(left * 1000.0) + 1;
-        if (poll(&p, 1, ms) < 0 && errno != EINTR) return errno;
+        int ms = left < 3600.0 ? (int)(left * 1000.0) + 1 : 3600 * 1000;  /* an hour at most per poll */
+        if (poll(&p, 1, ms) < 0) return errno;
     }
     return 0;
 }
@@ -382,6 +404,7 @@ static PyObject *send_all(PyObject *self, PyObject *args) {
     struct iovec *iov = PyMem_Calloc((size_t)count + 1, sizeof(struct iovec));
     Py_ssize_t held = 0;
     PyObject *out = NULL;
+    int own = -1;
     if (views == NULL || iov == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -391,14 +414,21 @@ static PyObject *send_all(PyObject *self, PyObject *args) {
         iov[held].iov_base = views[held].buf;
         iov[held].iov_len = (size_t)views[held].len;
     }
+    if ((own = hold_fd(fd)) < 0) goto done;
     gather g = {iov, (size_t)count};
     uint64_t sent = 0;
+    double end = now_s() + timeout;
     int err;
-    Py_BEGIN_ALLOW_THREADS
-    err = send_gather(fd, &g, now_s() + timeout, &sent);
-    Py_END_ALLOW_THREADS
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        err = send_gather(own, &g, end, &sent);
+        Py_END_ALLOW_THREADS
+        if (err != EINTR) break;
+        if (PyErr_CheckSignals() < 0) goto done;  /* a handler raised (Ctrl-C): that is the answer */
+    }
     out = Py_BuildValue("Ki", (unsigned long long)sent, err);
 done:
+    if (own >= 0) close(own);
     for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
     PyMem_Free(views);
     PyMem_Free(iov);

@@ -7,7 +7,6 @@ blocking call, and socket errors become the RemoteError family, naming the peer.
 
 from __future__ import annotations
 
-import errno
 import os
 import select
 import socket
@@ -40,6 +39,7 @@ if PayloadChecksum.TSUM64 not in SUPPORTED:  # pragma: no cover - the fallback m
     _wire = None  # type: ignore[assignment]
 
 _IOV_MAX = 1024
+_DEADLINE = -1  # _wire.send_all's err when the time ran out
 _PIECE = 4 << 20  # most bytes one recv lands in a payload before the checksum reads them
 _SLACK = 0.05  # re-arm a kernel timeout once it is off by more than this share of what is left
 _TIMEVAL = struct.Struct("@ll")
@@ -92,7 +92,7 @@ def _send_native(sock: socket.socket, bufs: list[bytes | memoryview], deadline: 
         sent, err = _wire.send_all(sock.fileno(), bufs, deadline.remaining())
         if not err:
             return
-        if err != errno.ETIMEDOUT:
+        if err != _DEADLINE:  # a TCP ETIMEDOUT is the peer's failure, not our deadline
             _raise_io(OSError(err, os.strerror(err)), deadline.peer)
         rest: list[bytes | memoryview] = [*consume(byte_views(bufs), sent)]  # the deadline decides next turn
         bufs = rest
