@@ -56,6 +56,23 @@ def test_small_items_grouped_within_the_limits_large_ones_alone(sizes):
     assert len(big) == sum(1 for n in sizes if n >= GROUP_BYTES)
 
 
+@pytest.mark.parametrize("max_frame", [MiB, 2 * MiB + 5, 64 << 10])
+def test_groups_never_pass_the_connections_max_frame(max_frame):
+    """A group's DATA answer is at most ``max_frame`` bytes (a server cannot send a larger frame);
+    an item that reaches the bound goes alone, as large items do."""
+    items = _items([512 << 10] * 9 + [64 << 10] * 40 + [3 * MiB])
+    ids = itertools.count(1)
+    plan = plan_pulls(3, items, lambda: next(ids), max_frame)
+    for request, dest in plan:
+        if isinstance(request, so.PullMany):
+            assert sum(n for _, _, n in request.items) <= max_frame
+        else:
+            assert request.length == len(dest)
+    assert sorted(
+        k for r, _ in plan for k in ([i[0] for i in r.items] if isinstance(r, so.PullMany) else [r.key])
+    ) == sorted(k for k, _, _ in items)
+
+
 def test_a_bad_destination_is_refused_before_any_request():
     ids = itertools.count(1)
     items = [*_items([100, 200]), (b"x" * 16, 0, memoryview(b"read-only"))]

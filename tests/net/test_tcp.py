@@ -220,6 +220,27 @@ def test_pull_many_pipelines_into_each_destination(route):
         server.close()
 
 
+def test_pull_many_groups_stay_within_a_lowered_max_frame_size():
+    """A connection whose frames are capped below GROUP_LIMIT still pulls many small blocks:
+    each group's answer fits the cap (with 1 MiB of blocks per frame, 8 x 512 KiB pass)."""
+    from tiersync.net import store_ops as so
+    from tiersync.net.frames import ProtocolConfig
+    from tiersync.net.source import MemoryBlockSource
+    from tiersync.net.tcp import Route, TcpTransport
+
+    blocks = {bytes([i]) * 16: os.urandom(512 << 10) for i in range(8)}
+    transport = TcpTransport(TcpConfig(route=Route.TCP, protocol=ProtocolConfig(max_frame_size=(1 << 20) + 4096)))
+    server = transport.serve("127.0.0.1:0", MemoryBlockSource(blocks))
+    try:
+        ch = transport.connect(server.address)
+        lease = ch.request(so.ReadLease(ch.new_request_id(), tuple(blocks), ttl_s=60)).lease_id
+        dests = {k: memoryview(bytearray(len(v))) for k, v in blocks.items()}
+        ch.pull_many(lease, [(k, 0, d) for k, d in dests.items()], window=4)
+        assert all(bytes(dests[k]) == v for k, v in blocks.items())
+    finally:
+        server.close()
+
+
 # -- builds with and without the native checksum talk to each other -------------------------------
 _FALLBACK_PEER = r"""
 import sys

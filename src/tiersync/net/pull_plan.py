@@ -62,24 +62,27 @@ class Later:
     resolve: Callable[[], object]
 
 
-def plan_pulls(lease_id: int, items: Iterable[tuple[bytes, int, object]], new_id: Callable[[], int]) -> list[Pull]:
+def plan_pulls(
+    lease_id: int, items: Iterable[tuple[bytes, int, object]], new_id: Callable[[], int], max_frame: int = GROUP_LIMIT
+) -> list[Pull]:
     """Validate every item before anything is sent (UsageError naming ``items``), then group
     the small ones: ``(PULL or PULL_MANY, destination buffer or buffers)``, request ids from
-    ``new_id``."""
+    ``new_id``; a group's answer is at most ``max_frame`` bytes (the connection's
+    ``max_frame_size``: a group the server could not send is never asked for)."""
     out: list[Pull] = []
     group: list[Item] = []
-    size = 0
+    size, limit = 0, min(GROUP_LIMIT, max_frame)
     for key, offset, dest in items:
         view = writable(dest)
-        if len(view) >= GROUP_BYTES:
+        if len(view) >= min(GROUP_BYTES, limit):
             out.append((so.Pull(new_id(), lease_id, key, offset, len(view)), view))
             continue
-        if group and size + len(view) > GROUP_LIMIT:  # a group never passes GROUP_LIMIT
+        if group and size + len(view) > limit:  # a group never passes the limit
             out.append(_group(lease_id, group, new_id))
             group, size = [], 0
         group.append((key, offset, view))
         size += len(view)
-        if size >= GROUP_LIMIT or len(group) == GROUP_ITEMS:
+        if size >= limit or len(group) == GROUP_ITEMS:
             out.append(_group(lease_id, group, new_id))
             group, size = [], 0
     if group:

@@ -143,17 +143,17 @@ class TcpChannel(Channel):
         """Pull ``(key, offset, dest)`` items under ``lease_id``, keeping ``window`` requests in
         flight on this one connection so the round trip of one hides behind the next.
 
-        Each payload lands straight in its ``dest`` (exact size); items under 4 MiB travel
-        grouped, one PULL_MANY per about 4 MiB (``GROUP_LIMIT``) whose single DATA answer is scattered into
-        their buffers. One deadline covers the whole batch. Raises like :meth:`request` (an
-        ERROR answer raises RequestError after the channel is closed, since later answers
-        are still in flight).
+        Each payload lands straight in its ``dest`` (exact size); items under 4 MiB travel grouped, one
+        PULL_MANY per about 4 MiB (``GROUP_LIMIT``, at most ``max_frame_size``) whose single DATA answer
+        is scattered into their buffers. One deadline covers the whole batch. Raises like :meth:`request`
+        (an ERROR answer raises RequestError after the channel is closed: later answers are in flight).
         """
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise UsageError("must be >= 1", argument="window", value=window)
         if self.local_route():
             return self._pull_local(lease_id, items, timeout)
-        self.pipeline(plan_pulls(lease_id, items, self.new_request_id), window=window, timeout=timeout)
+        plan = plan_pulls(lease_id, items, self.new_request_id, self._framed.conn.config.max_frame_size)
+        self.pipeline(plan, window=window, timeout=timeout)
 
     def pipeline(
         self,
