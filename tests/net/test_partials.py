@@ -73,6 +73,47 @@ def test_a_state_is_computed_once_per_key_and_checksum_and_bounded(monkeypatch):
     assert info.value.argument == "limit"
 
 
+def test_remembered_blocks_compose_without_reading_them_again(monkeypatch):
+    """remember() returns a stored block's checksum and keeps its state from the same pass."""
+    sums, blocks = PartialSums(), _blocks([4096, 4096, 100])
+    assert [sums.remember(k, v) for k, v, _ in blocks] == [c for _, _, (_, c) in blocks]
+    calls = []
+    real = kernel.tsum64_partial
+    monkeypatch.setattr(kernel, "tsum64_partial", lambda v: calls.append(len(v)) or real(v))
+    want = kernel.tsum64(b"".join(bytes(v) for _, v, _ in blocks))
+    assert sums.composed(blocks) == (T, want) and calls == []
+
+
+def test_a_store_node_keeps_each_stored_block_s_state(monkeypatch):
+    """A PULL_MANY of blocks a store node stored composes their checksum from what it kept when
+    they landed: no pass over them at read time (1 MiB blocks are grouped since 4 MiB groups)."""
+    from tiersync.net import events as ev
+    from tiersync.net import store_ops as so
+    from tiersync.net.store_node import StoreNode, StoreNodeClient, StoreNodeServer
+    from tiersync.net.tcp import TcpConfig
+
+    token, size = b"partials-token-0123456789", 64 << 10
+    node = StoreNode(8 * size, size, config=TcpConfig(token=token))
+    server = StoreNodeServer("127.0.0.1:0", node)
+    try:
+        keys, data = [bytes([9, i]) * 8 for i in range(4)], [os.urandom(size) for _ in range(4)]
+        client = StoreNodeClient(server.address, token=token, timeout=10)
+        assert client.offer_and_push(keys, data).commit is ev.CommitStatus.COMMITTED
+        calls = []
+        real = kernel.tsum64_partial
+        monkeypatch.setattr(kernel, "tsum64_partial", lambda v: calls.append(len(v)) or real(v))
+        lease = node.lease(so.ReadLease(1, tuple(keys)))
+        found = node.views(lease.lease_id, [(k, 0, size) for k in keys])
+        composed = node._partials.composed([(k, *v) for k, v in zip(keys, found)])
+        assert composed == (T, kernel.tsum64(b"".join(data))) and calls == []
+        into = [bytearray(size) for _ in keys]
+        client.read(keys, into)
+        assert [bytes(b) for b in into] == data and calls == []
+    finally:
+        server.close()
+        node.close()
+
+
 def test_bytes_changed_since_their_checksum_raise_before_and_after_the_state_was_kept():
     sums = PartialSums()
     blocks = _blocks([256, 256, 256])

@@ -83,8 +83,20 @@ class PartialSums:
         state = kernel.tsum64_partial(view)
         if kernel.tsum64_compose([state]) != checksum:
             raise ChangedBlock(key)
+        self._keep(key, checksum, state)
+        return state
+
+    def remember(self, key: bytes, view: memoryview) -> int:
+        """The TSUM64 checksum of a block just stored, its partial state kept in the same pass (a
+        server that sums what it stores anyway: a later PULL_MANY of it reads no byte again).
+        Needs the native checksum (:data:`~tiersync.transfer.kernel.TSUM64`)."""
+        state = kernel.tsum64_partial(view)
+        checksum = kernel.tsum64_compose([state])
+        self._keep(key, checksum, state)
+        return checksum
+
+    def _keep(self, key: bytes, checksum: int, state: bytes) -> None:
         with self._lock:
             self._states[(key, checksum)] = state
             while len(self._states) > self.limit:
                 self._states.popitem(last=False)
-        return state

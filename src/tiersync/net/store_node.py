@@ -25,7 +25,6 @@ are called with new keys before COMMITTED is answered.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import socket
 import threading
@@ -41,7 +40,7 @@ from tiersync.net import store_ops as so
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 from tiersync.net.server import TcpServer
 from tiersync.net.service import Session
-from tiersync.net.source import BlockError, BlockService, clamp_ttl
+from tiersync.net.source import BlockError, BlockService, clamp_ttl, new_lease_id
 from tiersync.net.tcp import Deadline, TcpConfig, TcpTransport, parse_address
 from tiersync.tiers.host import HostArena, HostArenaConfig
 
@@ -91,7 +90,6 @@ class StoreNode(BlockService):
         self._index: dict[bytes, tuple[int, int, int]] = {}  # key -> (block, size, checksum of the bytes)
         self._landing: set[bytes] = set()
         self._leases: dict[int, tuple[float, list[int], frozenset[bytes]]] = {}
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
     # -- reads ---------------------------------------------------------------
@@ -113,7 +111,7 @@ class StoreNode(BlockService):
                 return so.LeaseReply(req.request_id, so.LeaseStatus.MISSING, missing=missing)
             blocks = [self._index[k][0] for k in req.keys]
             self.arena.allocator.lock(blocks)
-            lease_id = next(self._ids)
+            lease_id = new_lease_id(self._leases)
             self._leases[lease_id] = (self._clock() + ttl, blocks, frozenset(req.keys))
             sizes = tuple(self._index[k][1] for k in req.keys)
         return so.LeaseReply(req.request_id, so.LeaseStatus.GRANTED, lease_id, ttl, sizes)
@@ -188,7 +186,7 @@ class StoreNode(BlockService):
         assert writer is not None  # _admit accepts nothing without one
         try:
             self._pull_from(writer, req.lease_id, new, blocks)
-            sums = [payload_checksum(SUPPORTED[0], self.arena.block(b)[:size]) for (_, size), b in zip(new, blocks)]
+            sums = [self._sum_stored(key, self.arena.block(b)[:size]) for (key, size), b in zip(new, blocks)]
         except Exception as exc:  # noqa: BLE001 - any failure: free the landing blocks, answer FAILED
             log.info("offer %d from %s failed: %s", req.request_id, writer, exc)
             with self._lock:
@@ -203,6 +201,13 @@ class StoreNode(BlockService):
         for listener in self._listeners:
             listener([k for k, _ in new])
         yield ev.CommitReply(req.request_id, ev.CommitStatus.COMMITTED)
+
+    def _sum_stored(self, key: bytes, view: memoryview) -> int:
+        """A landed block's checksum; with TSUM64 its partial state is kept from the same pass,
+        so PULL_MANYs of stored blocks compose their checksum without reading them again."""
+        if SUPPORTED[0] is PayloadChecksum.TSUM64:
+            return self._partials.remember(key, view)
+        return payload_checksum(SUPPORTED[0], view)
 
     def _admit(self, req: so.Offer, writer: str | None) -> tuple[so.OfferReply, list[tuple[bytes, int]], list[int]]:
         refused = so.OfferReply(req.request_id, so.OfferStatus.REFUSED)
