@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 
@@ -341,3 +342,46 @@ def test_a_lease_with_fewer_sizes_than_keys_is_the_nodes_fault_and_lands_nothing
         assert all(buf == b"\xee" * 64 for buf in into)  # before: the first landed, the second kept old bytes
     finally:
         server.close()
+
+
+def test_a_peer_cannot_release_another_readers_lease_by_counting(node):
+    """Lease ids are unguessable: a second authenticated peer that releases the ids next to its
+    own (where a sequential counter put the first reader's) leaves the first reader's lease held."""
+    keys, bufs = _keys(2, tag=5), _bufs(2)
+    assert client(node.address).offer_and_push(keys, bufs).commit is ev.CommitStatus.COMMITTED
+    transport = TcpTransport(TcpConfig(token=TOKEN.encode()))
+    first, second = transport.connect(node.address), transport.connect(node.address)
+    try:
+        held = first.request(so.ReadLease(first.new_request_id(), tuple(keys), 600))
+        mine = second.request(so.ReadLease(second.new_request_id(), tuple(keys), 600))
+        assert held.status is mine.status is so.LeaseStatus.GRANTED
+        for guess in (mine.lease_id - 1, mine.lease_id + 1, 1, 2):
+            reply = second.request(so.Release(second.new_request_id(), guess))
+            assert reply.status is ev.CommitStatus.FAILED
+        into = bytearray(BLOCK)
+        first.request(so.Pull(first.new_request_id(), held.lease_id, keys[0], 0, len(bufs[0])), into=into)
+        assert bytes(into[: len(bufs[0])]) == bufs[0]
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.parametrize("kind", ["store-node", "memory"])
+def test_lease_ids_are_random_63_bit_and_distinct(kind):
+    from tiersync.net.source import new_lease_id
+
+    if kind == "memory":
+        source = MemoryBlockSource(dict.fromkeys(_keys(1), b"x" * 64))
+        ids = [source.lease(so.ReadLease(1, tuple(_keys(1)))).lease_id for _ in range(300)]
+    else:
+        store = StoreNode(4 * BLOCK, BLOCK, config=TcpConfig(token=TOKEN.encode()))
+        server = StoreNodeServer("127.0.0.1:0", store)
+        try:
+            assert client(server.address).offer_and_push(_keys(1), _bufs(1)).commit is ev.CommitStatus.COMMITTED
+            ids = [store.lease(so.ReadLease(1, tuple(_keys(1)))).lease_id for _ in range(300)]
+        finally:
+            server.close()
+            store.close()
+    assert len(set(ids)) == 300 and all(0 < i < 2**63 for i in ids)
+    assert not any(abs(a - b) < 2**32 for a, b in itertools.pairwise(ids))  # no counter: neighbours are far apart
+    assert new_lease_id({5}) not in (0, 5)

@@ -19,11 +19,11 @@ every lease it still holds is released, so a reader killed mid-read pins nothing
 
 from __future__ import annotations
 
-import itertools
 import os
+import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -40,9 +40,27 @@ from tiersync.tiers.shareable import SharedRegion
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["LEASE_TTL_MAX_S", "LEASE_TTL_MIN_S", "BlockError", "BlockService", "MemoryBlockSource", "clamp_ttl"]
+__all__ = [
+    "LEASE_TTL_MAX_S",
+    "LEASE_TTL_MIN_S",
+    "BlockError",
+    "BlockService",
+    "MemoryBlockSource",
+    "clamp_ttl",
+    "new_lease_id",
+]
 
 LEASE_TTL_MIN_S, LEASE_TTL_MAX_S = 30, 600
+
+
+def new_lease_id(taken: Container[int]) -> int:
+    """A lease id no one can predict (63 random bits, never 0) and not in ``taken``: a lease is a
+    bearer capability shared by the streams of one reader, so a peer that holds the token must
+    not reach another reader's lease by counting (ids were sequential)."""
+    while True:
+        lease_id = secrets.randbits(63)
+        if lease_id and lease_id not in taken:
+            return lease_id
 
 
 def clamp_ttl(ttl_s: int) -> int:
@@ -202,7 +220,6 @@ class MemoryBlockSource(BlockService):
         self._sums: dict[bytes, tuple[PayloadChecksum, int]] = {}
         self._rows: dict[bytes, tuple[int, int, int]] = {}  # key -> a whole block's regions() row
         self._leases: dict[int, tuple[float, frozenset[bytes]]] = {}
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
     def lease(self, req: so.ReadLease) -> so.LeaseReply:
@@ -211,7 +228,7 @@ class MemoryBlockSource(BlockService):
             return so.LeaseReply(req.request_id, so.LeaseStatus.MISSING, missing=missing)
         ttl = clamp_ttl(req.ttl_s)
         with self._lock:
-            lease_id = next(self._ids)
+            lease_id = new_lease_id(self._leases)
             self._leases[lease_id] = (self._clock() + ttl, frozenset(req.keys))
         sizes = tuple(len(self._blocks[k]) for k in req.keys)
         return so.LeaseReply(req.request_id, so.LeaseStatus.GRANTED, lease_id, ttl, sizes)
