@@ -206,3 +206,31 @@ def test_a_redis_record_another_writer_broke_is_skipped_by_readers(redis_url):
         assert reg.get_store("broken") is None and reg.get_store("a") is not None
     finally:
         reg.close()
+
+
+def test_redis_sweep_drops_dead_store_records_and_publish_drops_dead_owners(redis_url):
+    """The stores hash does not grow with every store that ever lived (each lookup reads all of
+    it): sweep drops records whose time ran out, atomically, keeping live and re-registered
+    stores and records another writer broke; a publish prunes the key's expired owners."""
+    from tiersync.net.registry.redis_backend import RedisRegistry
+
+    clock = Clock()
+    reg = RedisRegistry(redis_url, _with_prefix(f"t{uuid.uuid4().hex}:"), clock)
+    try:
+        _stores(reg)
+        reg.publish("a", keys(2))
+        reg._redis.hset(reg._stores_key, "broken", b"not json")
+        clock.now += CFG.store_ttl_s / 2
+        reg.heartbeat("b", 400)  # b re-registers: its time starts again
+        clock.now += CFG.store_ttl_s / 2 + 1  # a and c ran out, b has not
+        assert reg.sweep() == 2
+        assert set(reg._redis.hkeys(reg._stores_key)) == {b"b", b"broken"}
+        assert reg.get_store("b").free_blocks == 400 and reg.sweep() == 0
+        reg.publish("b", keys(2))
+        clock.now += CFG.block_ttl_s  # a's ownership entries ran out too
+        reg.register_store(StoreInfo("a", "127.0.0.1:7001", 100, "g1"))
+        reg.publish("a", keys(1))  # touches key 0: its dead owners go (b's entry ran out too)
+        assert reg._redis.zrange(reg._blk + keys(1)[0], 0, -1) == [b"a"]
+        assert reg.lookup(keys(2)) == [("a",), ()]
+    finally:
+        reg.close()

@@ -7,7 +7,9 @@ Data model (prefix ``config.key_prefix``)::
 
 Expiry times come from ``clock`` (wall-clock seconds by default, shared by all
 processes using the same Redis). Ownership keys also get a Redis PEXPIRE of
-``block_ttl_s`` so abandoned keys are garbage-collected by Redis itself.
+``block_ttl_s`` so abandoned keys are garbage-collected by Redis itself, and a publish drops
+the owners of each key it touches whose entry ran out; :meth:`RedisRegistry.sweep` (the
+registry process runs it) drops the records of stores whose time ran out.
 Redis failures raise :class:`RegistryUnavailableError` (a RemoteError), except in
 ``lookup`` and ``placement_targets``, which never raise on an outage: they log,
 count (``failures``) and answer ``()`` per key / ``[]`` (a shorter answer).
@@ -29,6 +31,26 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
+# Drops every record of KEYS[1] (the stores hash) whose expires_at <= ARGV[1]; a record that is
+# not JSON or has no number there is left alone. Atomic: no register runs in between.
+_SWEEP = """
+local dropped = 0
+local all = redis.call('HGETALL', KEYS[1])
+local now = tonumber(ARGV[1])
+for i = 1, #all, 2 do
+  local ok, rec = pcall(cjson.decode, all[i + 1])
+  if ok and type(rec) == 'table' then
+    local at = tonumber(rec['expires_at'])
+    if at ~= nil and at <= now then
+      redis.call('HDEL', KEYS[1], all[i])
+      dropped = dropped + 1
+    end
+  end
+end
+return dropped
+"""
+
+
 class RedisRegistry(Registry):
     """:class:`Registry` over Redis at ``url`` (e.g. ``redis://127.0.0.1:6379/0``)."""
 
@@ -45,6 +67,7 @@ class RedisRegistry(Registry):
         self.failures = 0
         p = self.config.key_prefix.encode()
         self._stores_key, self._blk = p + b"stores", p + b"blk:"
+        self._sweep = self._redis.register_script(_SWEEP)
 
     def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
         try:
@@ -111,13 +134,21 @@ class RedisRegistry(Registry):
         check_keys(keys)
         if self.get_store(store_id) is None:
             return
-        expires = self._clock() + self.config.block_ttl_s
-        ttl_ms = int(self.config.block_ttl_s * 1000)
+        now = self._clock()
+        expires, ttl_ms = now + self.config.block_ttl_s, int(self.config.block_ttl_s * 1000)
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
             pipe.zadd(self._blk + key, {store_id: expires})
+            pipe.zremrangebyscore(self._blk + key, "-inf", repr(now))  # owners whose entry ran out
             pipe.pexpire(self._blk + key, ttl_ms)
         self._call(pipe.execute)
+
+    def sweep(self) -> int:
+        """Drop the records of stores whose time ran out (one atomic script: a store that
+        re-registers meanwhile keeps its new record); returns how many went. Records another
+        writer broke stay (readers skip them). Expired owners of a block go when it is
+        published again, the block itself ``block_ttl_s`` after its last publish."""
+        return int(self._call(self._sweep, [self._stores_key], [repr(self._clock())]))
 
     def unpublish(self, store_id: str, keys: Sequence[bytes]) -> None:
         check_keys(keys)
