@@ -194,11 +194,23 @@ def test_mutual_tls_with_token_across_processes(pki):
             TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["rogue_ca"], ccert, ckey))).connect(address)
 
 
+def _pull_every_block(transport, server, blocks):
+    """Lease every block of ``server`` and pull_many them into buffers of their own, byte-exact;
+    the channel and the lease id."""
+    from tiersync.net import store_ops as so
+
+    ch = transport.connect(server.address)
+    lease = ch.request(so.ReadLease(ch.new_request_id(), tuple(blocks), ttl_s=60)).lease_id
+    dests = {k: memoryview(bytearray(len(v))) for k, v in blocks.items()}
+    ch.pull_many(lease, [(k, 0, d) for k, d in dests.items()], window=4)
+    assert all(bytes(dests[k]) == v for k, v in blocks.items())
+    return ch, lease
+
+
 @pytest.mark.parametrize("route", ["tcp", "local"])
 def test_pull_many_pipelines_into_each_destination(route):
     """pull_many keeps several PULLs in flight (small ones grouped into PULL_MANY, or the
     same-host route); every payload lands byte-exact in its own buffer."""
-    from tiersync.net import store_ops as so
     from tiersync.net.source import MemoryBlockSource
     from tiersync.net.tcp import Route, TcpTransport
 
@@ -206,11 +218,7 @@ def test_pull_many_pipelines_into_each_destination(route):
     transport = TcpTransport(TcpConfig(route=Route(route)))
     server = transport.serve("127.0.0.1:0", MemoryBlockSource(blocks))
     try:
-        ch = transport.connect(server.address)
-        lease = ch.request(so.ReadLease(ch.new_request_id(), tuple(blocks), ttl_s=60)).lease_id
-        dests = {k: memoryview(bytearray(len(v))) for k, v in blocks.items()}
-        ch.pull_many(lease, [(k, 0, d) for k, d in dests.items()], window=4)
-        assert all(bytes(dests[k]) == v for k, v in blocks.items())
+        ch, lease = _pull_every_block(transport, server, blocks)
         from tiersync.net.errors import RequestError
 
         with pytest.raises(RequestError):  # a key not under the lease: an ERROR answer
@@ -223,7 +231,6 @@ def test_pull_many_pipelines_into_each_destination(route):
 def test_pull_many_groups_stay_within_a_lowered_max_frame_size():
     """A connection whose frames are capped below GROUP_LIMIT still pulls many small blocks:
     each group's answer fits the cap (with 1 MiB of blocks per frame, 8 x 512 KiB pass)."""
-    from tiersync.net import store_ops as so
     from tiersync.net.frames import ProtocolConfig
     from tiersync.net.source import MemoryBlockSource
     from tiersync.net.tcp import Route, TcpTransport
@@ -232,11 +239,7 @@ def test_pull_many_groups_stay_within_a_lowered_max_frame_size():
     transport = TcpTransport(TcpConfig(route=Route.TCP, protocol=ProtocolConfig(max_frame_size=(1 << 20) + 4096)))
     server = transport.serve("127.0.0.1:0", MemoryBlockSource(blocks))
     try:
-        ch = transport.connect(server.address)
-        lease = ch.request(so.ReadLease(ch.new_request_id(), tuple(blocks), ttl_s=60)).lease_id
-        dests = {k: memoryview(bytearray(len(v))) for k, v in blocks.items()}
-        ch.pull_many(lease, [(k, 0, d) for k, d in dests.items()], window=4)
-        assert all(bytes(dests[k]) == v for k, v in blocks.items())
+        _pull_every_block(transport, server, blocks)
     finally:
         server.close()
 
