@@ -138,6 +138,11 @@ def test_a_signal_during_a_blocked_write_runs_its_handler_at_once(path, pair):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     assert time.monotonic() - t0 < 5
+    if path == "native":  # part of the frame went out: the socket is shut, no frame can follow it
+        b = pair[1]
+        b.settimeout(10)
+        while b.recv(1 << 20):
+            pass
 
 
 def test_a_socket_closed_under_a_blocked_write_ends_it_and_its_number_reused_gets_nothing(path, pair):
@@ -168,3 +173,10 @@ def test_a_socket_closed_under_a_blocked_write_ends_it_and_its_number_reused_get
     finally:
         c.close()
         d.close()
+
+
+def test_a_write_to_a_socket_already_closed_is_a_peer_closed_error(path, pair):
+    a, _ = pair
+    a.close()  # fileno() is -1 now: no descriptor to write to or to duplicate
+    with pytest.raises(PeerClosedError):
+        write_nonblocking(a, [b"late"], Deadline(5, "pair"))

@@ -5,9 +5,10 @@
  *   blocking socket behaves as a non-blocking one) waiting for room with poll, all with the GIL
  *   released, for at most timeout_s seconds. sent: bytes written; err: 0 when all were,
  *   -1 when the time ran out first, else the errno of the failing sendmsg or poll. A signal
- *   runs the interpreter's handlers (an exception from one is raised) and the write goes on.
- *   Both calls work on a duplicate of fd, so a close of fd by another thread meanwhile never
- *   lets them read or write a socket that got its number.
+ *   runs the interpreter's handlers and the write goes on; an exception from one is raised, the
+ *   socket shut down first when part of the frames went out (no frame may follow a torn one).
+ *   Both calls work on a duplicate of fd, so a close of fd by another thread while they run
+ *   never lets them read or write a socket that got its number.
  *
  * recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum) -> (done, sums, n, err)
  *   Receives consecutive frames, the i-th expected to be the DATA answer to request_ids[i]
@@ -271,8 +272,8 @@ static int get_dests(PyObject *dests, PyObject *rids, dest_set *d, recv_job *job
     return 0;
 }
 
-/* A duplicate of `fd` held for a GIL-free call: a close of `fd` by another thread meanwhile
- * cannot hand its number to a new socket under us (a shutdown still ends our calls). */
+/* A duplicate of `fd` held for a GIL-free call: a close of `fd` by another thread while the call
+ * runs cannot hand its number to a new socket under us (a shutdown still ends our calls). */
 static int hold_fd(int fd) {
     int held = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (held < 0) PyErr_SetFromErrno(PyExc_OSError);
@@ -424,7 +425,10 @@ static PyObject *send_all(PyObject *self, PyObject *args) {
         err = send_gather(own, &g, end, &sent);
         Py_END_ALLOW_THREADS
         if (err != EINTR) break;
-        if (PyErr_CheckSignals() < 0) goto done;  /* a handler raised (Ctrl-C): that is the answer */
+        if (PyErr_CheckSignals() < 0) {  /* a handler raised (Ctrl-C): that is the answer */
+            if (sent) shutdown(own, SHUT_RDWR);  /* part of a frame went out: no frame may follow it */
+            goto done;
+        }
     }
     out = Py_BuildValue("Ki", (unsigned long long)sent, err);
 done:

@@ -89,7 +89,10 @@ def write_nonblocking(sock: socket.socket, bufs: Sequence[bytes | memoryview], d
 def _send_native(sock: socket.socket, bufs: list[bytes | memoryview], deadline: Deadline) -> None:
     """:func:`write_nonblocking` in one GIL-free call per deadline check (plain sockets)."""
     while True:
-        sent, err = _wire.send_all(sock.fileno(), bufs, deadline.remaining())
+        try:
+            sent, err = _wire.send_all(sock.fileno(), bufs, deadline.remaining())
+        except OSError as exc:  # the socket was closed (EBADF) or no descriptor is left (EMFILE)
+            _raise_io(exc, deadline.peer)
         if not err:
             return
         if err != _DEADLINE:  # a TCP ETIMEDOUT is the peer's failure, not our deadline

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from tiersync.errors import TierSyncError
 from tiersync.net.registry.base import Registry, RegistryConfig
@@ -67,13 +68,22 @@ def main(
         while not stop.wait(min(store_ttl_s, HEALTH_INTERVAL_S)):
             health.check()
             if sweep is not None:
-                sweep()
+                _sweep(sweep)
     except KeyboardInterrupt:
         pass
     finally:
         server.stop(grace=1.0)
         backend.close()
     return 0
+
+
+def _sweep(sweep: Callable[[], int]) -> None:
+    """One sweep of the backend; a failure (Redis down, a script refused) is logged, never fatal:
+    expired records are also ignored by every reader, the next sweep drops them."""
+    try:
+        sweep()
+    except TierSyncError as exc:
+        log.warning("registry sweep failed: %s", exc)
 
 
 class _Health:

@@ -145,8 +145,8 @@ class RedisRegistry(Registry):
 
     def sweep(self) -> int:
         """Drop the records of stores whose time ran out (one atomic script: a store that
-        re-registers meanwhile keeps its new record); returns how many went. Records another
-        writer broke stay (readers skip them). Expired owners of a block go when it is
+        re-registers meanwhile keeps its new record); returns how many went. Records that are not
+        JSON or carry no expires_at number stay (readers skip them). Expired owners of a block go when it is
         published again, the block itself ``block_ttl_s`` after its last publish."""
         return int(self._call(self._sweep, [self._stores_key], [repr(self._clock())]))
 
