@@ -312,6 +312,7 @@ def cmd_registry(args: argparse.Namespace) -> int:
             store_ttl_s=args.store_ttl_s,
             block_ttl_s=args.block_ttl_s,
             token=token,
+            token_source="--token-file" if args.token_file is not None else "$TIERSYNC_TOKEN",
             stop=stop,
         )
     return stopped(args, rc)

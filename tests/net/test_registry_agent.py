@@ -211,7 +211,9 @@ def test_a_registry_process_with_a_token_takes_only_nodes_that_prove_it(tmp_path
         )
         StoreNodeClient(good.address, token=TOKEN.encode(), timeout=10).offer_and_push(KEYS[:2], [b"g" * 4096] * 2)
         assert wait_until(lambda: reg.lookup(KEYS[:3]) == [("good",)] * 2 + [()])
+        assert "token required (from --token-file)" in "".join(registry.tail)
         registry.wait_for("refused a RegisterStore call", 15)  # the bad node tried and was logged
+        bad.wait_for("registry refused the token of store bad", 15)
         assert reg.get_store("bad") is None
         assert [s.store_id for s in reg.placement_targets("", 5)] == ["good"]
         assert outsider.lookup(KEYS[:2]) == [(), ()]

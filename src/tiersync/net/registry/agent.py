@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tiersync.errors import TierSyncError, UsageError
+from tiersync.net.errors import AuthError
 from tiersync.net.registry.base import Registry, StoreInfo
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,8 @@ class StoreAgent:
                 return self._set_health(True)
             self._register_all()
         except TierSyncError as exc:
-            log.warning("registry unreachable from store %s: %s", self.config.store_id, exc)
+            what = "refused the token of" if isinstance(exc, AuthError) else "unreachable from"
+            log.warning("registry %s store %s: %s", what, self.config.store_id, exc)
             return self._set_health(False)
         return True
 

@@ -38,11 +38,13 @@ def main(
     block_ttl_s: float = 3600.0,
     heartbeat_interval_s: float = 300.0,
     token: bytes | None = None,
+    token_source: str = "",
     stop: threading.Event | None = None,
 ) -> int:
     """Serve until interrupted (or ``stop`` is set); prints "tiersync registry listening on ADDR".
-    With ``token`` every call must prove it; without one any peer that reaches the port may
-    register stores and publish blocks (logged as a warning)."""
+    With ``token`` every call must prove it (``token_source``, e.g. "$TIERSYNC_TOKEN", is named
+    in that line); without one any peer that reaches the port may register stores and publish
+    blocks (logged as a warning)."""
     from tiersync.net.registry.grpc_service import serve_registry
 
     config = RegistryConfig(
@@ -51,7 +53,7 @@ def main(
     backend = make_backend(redis_url, config)
     server = serve_registry(backend, port=port, host=host, token=token)
     kind = "redis" if redis_url else "memory"
-    auth = "token required" if token is not None else "no token"
+    auth = "no token" if token is None else f"token required{f' (from {token_source})' if token_source else ''}"
     print(
         f"tiersync registry listening on {server.address} ({kind} backend, store TTL {store_ttl_s:g} s, {auth})",
         flush=True,
