@@ -226,3 +226,34 @@ def test_recv_many_verifies_what_the_parser_would(vectored):
     from tiersync.net.frames import payload_checksum
 
     assert list(sums) == [payload_checksum(PayloadChecksum.TSUM64, blk) for blk in blocks]
+
+
+class _Alarm(Exception):
+    pass
+
+
+def _raise_alarm(signum, frame):
+    raise _Alarm
+
+
+def test_a_signal_during_a_blocked_receive_runs_its_handler_at_once():
+    """Ctrl-C (an interval timer whose handler raises) ends a receive waiting for a silent peer
+    at once, not when the socket's timeout fires (each retry inside restarted that timeout)."""
+    import signal
+    import struct
+    import time
+
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 8, 0))  # the old code's end
+    old = signal.signal(signal.SIGALRM, _raise_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(_Alarm):
+            _wire.recv_many(a.fileno(), bytearray(64), [bytearray(4096)], [1], 1 << 20, 0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        a.close()
+        b.close()
+    assert time.monotonic() - t0 < 5

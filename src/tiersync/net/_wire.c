@@ -19,7 +19,8 @@
  *   `done` was not verified: n bytes of it were consumed (header first, then dests[done]) and
  *   go to the reference parser, n == 0 with err == 0 is end of stream, n == 0 with err != 0
  *   a failing read (errno err; raised as OSError when done == 0, so a timeout raises
- *   BlockingIOError) after which the caller reads again.
+ *   BlockingIOError and a signal InterruptedError, or what its handler raised) after which the
+ *   caller reads again.
  *
  * Per frame: receives the next frame of a blocking stream
  *   socket `fd` at a frame boundary, expecting it to be the DATA answer to `request_id` whose
@@ -163,19 +164,14 @@ static void landed(const recv_job *j, cursor *c, uint64_t n, ts_state *st) {
     }
 }
 
-static ssize_t recv_retry(int fd, void *buf, size_t n, int flags) {
-    ssize_t r;
-    do r = recv(fd, buf, n, flags); while (r < 0 && errno == EINTR);
-    return r;
-}
-
-static ssize_t recvmsg_retry(int fd, struct iovec *iov, size_t count, int flags) {
+/* One recvmsg. EINTR is not retried here: it ends the call like any failed read (the first
+ * read's errno goes back to the caller, a later one leaves a short frame for the reference
+ * parser), so the interpreter runs its signal handlers and re-arms the deadline at once. */
+static ssize_t recvmsg_some(int fd, struct iovec *iov, size_t count, int flags) {
     struct msghdr msg = {0};
     msg.msg_iov = iov;
     msg.msg_iovlen = count;
-    ssize_t r;
-    do r = recvmsg(fd, &msg, flags); while (r < 0 && errno == EINTR);
-    return r;
+    return recvmsg(fd, &msg, flags);
 }
 
 /* Steps 1-4 without the GIL. */
@@ -184,11 +180,11 @@ static void run_job(recv_job *j) {
     size_t k = 0;
     cursor c = {0, 0};
     fill_iov(j, c, iov + 1, IOV_BATCH, TS_PIECE, &k);
-    ssize_t r = recvmsg_retry(j->fd, iov, k + 1, 0);
+    ssize_t r = recvmsg_some(j->fd, iov, k + 1, 0);
     if (r <= 0) { j->err = r < 0 ? errno : 0; return; }
     j->n = (uint64_t)r;
     while (j->n < HDR) {
-        r = recv_retry(j->fd, j->hdr + j->n, HDR - (size_t)j->n, MSG_WAITALL);
+        r = recv(j->fd, j->hdr + j->n, HDR - (size_t)j->n, MSG_WAITALL);
         if (r <= 0) return;
         j->n += (uint64_t)r;
     }
@@ -199,7 +195,7 @@ static void run_job(recv_job *j) {
     landed(j, &c, have, &st);
     while (have < j->len) {  /* pieces of TS_PIECE, each summed while still in cache */
         fill_iov(j, c, iov, IOV_BATCH, TS_PIECE, &k);
-        r = recvmsg_retry(j->fd, iov, k, MSG_WAITALL);
+        r = recvmsg_some(j->fd, iov, k, MSG_WAITALL);
         if (r <= 0) return;
         landed(j, &c, (uint64_t)r, &st);
         have += (uint64_t)r;
