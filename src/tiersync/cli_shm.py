@@ -7,7 +7,6 @@ segment, whether its owner still runs); ``reclaim`` unlinks segments no live pro
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -79,19 +78,12 @@ def cmd_shm_reclaim(args: argparse.Namespace) -> int:
 
 def _weights_owner(path: str) -> dict[str, Any]:
     """``owner_pid`` and ``stale`` (that process is gone) of a weight-sync segment, else {}."""
-    from tiersync.weights.segment import segment_owner
+    from tiersync.weights.segment import pid_alive, segment_owner
 
     pid = segment_owner(path)
     if pid is None:
         return {}
-    try:
-        os.kill(pid, 0)
-        alive = True
-    except ProcessLookupError:
-        alive = False
-    except PermissionError:  # another user's process
-        alive = True
-    return {"owner_pid": pid, "stale": not alive}
+    return {"owner_pid": pid, "stale": not pid_alive(pid)}
 
 
 def _weights_state(info: dict[str, Any]) -> str | None:

@@ -16,6 +16,8 @@ no byte of a later version (:meth:`SegmentReader.still_version`).
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import mmap
 import os
 import struct
@@ -26,7 +28,17 @@ import numpy.typing as npt
 
 from tiersync.errors import ClosedError, IntegrityError, UsageError
 
-__all__ = ["HEADER_BYTES", "SegmentPool", "SegmentReader", "SegmentWriter", "tensor_offsets"]
+__all__ = [
+    "HEADER_BYTES",
+    "SegmentPool",
+    "SegmentReader",
+    "SegmentWriter",
+    "pid_alive",
+    "reclaim_stale",
+    "tensor_offsets",
+]
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"TSWSEG01"
 HEADER_BYTES = 4096
@@ -59,6 +71,48 @@ def segment_owner(path: str) -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (another user's process counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reclaim_stale(directory: str) -> list[str]:
+    """Unlink the weights segments in ``directory`` whose publisher is gone: its pid does not
+    run and no process holds the segment's lock (a writer holds it while the segment lives, so
+    a publisher in another pid namespace keeps its segments). A publisher killed before it could
+    unlink its segments (SIGKILL, SIGTERM without a handler) leaves them; the next one on the
+    host removes them. Returns the paths unlinked."""
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(SEGMENT_PREFIX)]
+    except OSError:
+        return []
+    gone = []
+    for name in names:
+        path = os.path.join(directory, name)
+        pid = segment_owner(path)
+        if pid is None or pid_alive(pid):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live writer: BlockingIOError
+            os.unlink(path)
+            gone.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return gone
+
+
 class SegmentWriter:
     """Creates and owns ``path`` (``payload_bytes`` after the header); unlinks it on close."""
 
@@ -68,15 +122,15 @@ class SegmentWriter:
         self.path = path
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held while the segment lives: reclaim_stale leaves it
             os.ftruncate(fd, HEADER_BYTES + payload_bytes)
             self._map: mmap.mmap | None = mmap.mmap(fd, HEADER_BYTES + payload_bytes)
         except BaseException:
             os.close(fd)
             os.unlink(path)
             raise
-        os.close(fd)
         # a publisher the program never closed still removes its name when the interpreter exits
-        self._unlink_at_exit = weakref.finalize(self, _unlink_quiet, path)
+        self._unlink_at_exit = weakref.finalize(self, _unlink_and_close, path, fd)
         self.payload_bytes = payload_bytes
         self._array: npt.NDArray[np.uint8] | None = np.frombuffer(self._map, dtype=np.uint8)
         self._write_head(-1, EMPTY)
@@ -126,11 +180,12 @@ def _closed(path: str) -> ClosedError:
     return ClosedError("the weights segment is closed", argument="segment", path=path)
 
 
-def _unlink_quiet(path: str) -> None:
+def _unlink_and_close(path: str, fd: int) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    os.close(fd)  # drops the lock
 
 
 class SegmentReader:
@@ -207,6 +262,8 @@ class SegmentPool:
     """
 
     def __init__(self, prefix: str, payload_bytes: int) -> None:
+        for path in reclaim_stale(os.path.dirname(prefix) or "."):
+            log.info("removed %s: its publisher is gone", path)
         self.prefix, self.payload_bytes = prefix, payload_bytes
         self._segments: list[SegmentWriter] = []
         self._holders: dict[int, set[object]] = {}  # id(segment) -> holder keys

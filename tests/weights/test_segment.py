@@ -1,0 +1,94 @@
+"""Weights segments whose publisher is gone: a publisher killed before it could unlink its
+segments leaves them in /dev/shm; the next SegmentPool in that directory removes them, and
+never a segment whose publisher runs (its pid, or its lock held from another pid namespace)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+
+from tiersync.weights.segment import SEGMENT_PREFIX, SegmentPool, SegmentWriter, reclaim_stale
+
+_WRITER = """
+import os, sys
+from tiersync.weights.segment import SEGMENT_PREFIX, SegmentWriter
+path = sys.argv[1] or os.path.join(sys.argv[2], f"{SEGMENT_PREFIX}{os.getpid()}-0-w-0")
+w = SegmentWriter(path, 4096)
+print(path, flush=True)
+sys.stdin.read()
+"""
+
+
+def _writer(path: str = "", directory: str = "") -> tuple[subprocess.Popen, str]:
+    """A process holding a SegmentWriter at ``path`` (default: in ``directory``, named after
+    that process's pid, as a publisher names it) and the path."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, path, directory], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().strip()
+
+
+def _named(directory: str, pid: int, tag: str) -> str:
+    return os.path.join(directory, f"{SEGMENT_PREFIX}{pid}-0-{tag}-0")
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_killed_publishers_segment_is_removed_by_the_next_pool(tmp_path):
+    killed, path = _writer(directory=str(tmp_path))
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert os.path.exists(path)  # nothing ran at its exit
+    pool = SegmentPool(_named(str(tmp_path), os.getpid(), "b"), 4096)
+    try:
+        assert not os.path.exists(path)
+    finally:
+        pool.close()
+
+
+def test_a_running_publishers_segments_stay(tmp_path):
+    live, path = _writer(directory=str(tmp_path))
+    try:
+        assert reclaim_stale(str(tmp_path)) == []
+        assert os.path.exists(path)
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_segment_locked_by_a_live_writer_stays_whatever_its_name_says(tmp_path):
+    """A publisher in another pid namespace: its pid means nothing here, its lock does."""
+    path = _named(str(tmp_path), _dead_pid(), "ns")
+    holder, _ = _writer(path)
+    try:
+        assert reclaim_stale(str(tmp_path)) == []
+        assert os.path.exists(path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert reclaim_stale(str(tmp_path)) == [path]  # its holder is gone now: the lock went with it
+
+
+def test_a_closed_writer_unlinks_and_drops_its_lock(tmp_path):
+    path = _named(str(tmp_path), os.getpid(), "c")
+    writer = SegmentWriter(path, 4096)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            raise AssertionError("a live writer's segment could be locked")
+        except BlockingIOError:
+            pass
+        writer.close()
+        assert not os.path.exists(path)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the writer's lock is gone
+    finally:
+        os.close(fd)
