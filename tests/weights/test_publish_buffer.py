@@ -113,3 +113,29 @@ def test_only_the_last_release_wakes_waiters_and_begin_waits_for_it() -> None:
     assert cond.wakes == waiting + 1  # the last release woke begin
     with pytest.raises(RemoteError):
         buf.provide(1, "a", (), 0.05)  # the old version is no longer served
+
+
+class _CountedEvent(threading.Event):
+    sets = 0
+
+    def set(self) -> None:
+        _CountedEvent.sets += 1
+        super().set()
+
+
+def test_each_tensor_s_event_is_set_once_per_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writing tensor i sets only the events not set yet: n writes are n sets, not n*(n+1)/2
+    (each set takes the event's lock and wakes its waiters; a version has hundreds of tensors)."""
+    monkeypatch.setattr(threading, "Event", _CountedEvent)
+    sizes = [16] * 10
+    buf = PublishBuffer(
+        threading.Condition(), None, {f"t{i}": i for i in range(10)}, [16 * i for i in range(10)], sizes, sum(sizes)
+    )
+    buf.begin(1, set(), 5)
+    _CountedEvent.sets = 0
+    for i in range(10):
+        buf.write(i, np.full(16, i, np.uint8))
+    assert _CountedEvent.sets == 10
+    view, release = buf.provide(1, "t9", (), 5)
+    assert bytes(view) == bytes([9]) * 16
+    release()

@@ -85,8 +85,8 @@ class PublishBuffer:
         answered from now."""
         self._sums.copy_in(i, self._store[self._offsets[i] - self._offsets[0] :][: self._sizes[i]], src)
         with self._cond:
-            self._ready = i + 1
-            for event in self._written[: i + 1]:  # in order: earlier ones were set already
+            newly, self._ready = self._written[self._ready : i + 1], i + 1
+            for event in newly:  # only those not set yet (each set takes a lock and wakes waiters)
                 event.set()
 
     def complete(self, version: int) -> None:
