@@ -78,7 +78,8 @@ def cmd_shm_reclaim(args: argparse.Namespace) -> int:
 
 def _weights_owner(path: str) -> dict[str, Any]:
     """``owner_pid`` and ``stale`` (that process is gone) of a weight-sync segment, else {}."""
-    from tiersync.weights.segment import pid_alive, segment_owner
+    from tiersync.tiers.shm import pid_alive
+    from tiersync.weights.segment import segment_owner
 
     pid = segment_owner(path)
     if pid is None:

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tiersync.weights.segment import SEGMENT_PREFIX, SegmentPool, SegmentWriter, reclaim_stale
 
 _WRITER = """
@@ -54,27 +56,19 @@ def test_a_killed_publishers_segment_is_removed_by_the_next_pool(tmp_path):
         pool.close()
 
 
-def test_a_running_publishers_segments_stay(tmp_path):
-    live, path = _writer(directory=str(tmp_path))
-    try:
-        assert reclaim_stale(str(tmp_path)) == []
-        assert os.path.exists(path)
-    finally:
-        live.kill()
-        live.wait()
-
-
-def test_a_segment_locked_by_a_live_writer_stays_whatever_its_name_says(tmp_path):
-    """A publisher in another pid namespace: its pid means nothing here, its lock does."""
-    path = _named(str(tmp_path), _dead_pid(), "ns")
-    holder, _ = _writer(path)
+@pytest.mark.parametrize("named", ["own-pid", "dead-pid"])
+def test_a_running_publishers_segment_stays_until_it_is_gone(tmp_path, named):
+    """Named after its own running pid, or after a pid that does not run here (a publisher in
+    another pid namespace): a live writer's lock keeps it; once the writer is gone, it goes."""
+    path = "" if named == "own-pid" else _named(str(tmp_path), _dead_pid(), "ns")
+    holder, path = _writer(path, str(tmp_path))
     try:
         assert reclaim_stale(str(tmp_path)) == []
         assert os.path.exists(path)
     finally:
         holder.kill()
         holder.wait()
-    assert reclaim_stale(str(tmp_path)) == [path]  # its holder is gone now: the lock went with it
+    assert reclaim_stale(str(tmp_path)) == [path]
 
 
 def test_a_closed_writer_unlinks_and_drops_its_lock(tmp_path):

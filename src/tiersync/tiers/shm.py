@@ -44,9 +44,21 @@ from tiersync.errors import ClosedError, UsageError, check_positive_int
 from tiersync.tiers import shm_format as fmt
 from tiersync.tiers.shm_format import ColdStart, SegmentInfo
 
-__all__ = ["ColdStart", "Geometry", "RecoveredBlock", "SegmentInfo", "ShmConfig", "ShmSegment", "ShmStats"]
+__all__ = ["ColdStart", "Geometry", "RecoveredBlock", "SegmentInfo", "ShmConfig", "ShmSegment", "ShmStats", "pid_alive"]
 
 log = logging.getLogger("tiersync.shm")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (another user's process counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _PREFIX = fmt.PREFIX

@@ -49,6 +49,7 @@ from typing import TypeVar
 from tiersync.errors import ClosedError, UsageError, check_positive_int
 from tiersync.tiers import storage_format as fmt
 from tiersync.tiers import storage_io as sio
+from tiersync.tiers.shm import pid_alive
 from tiersync.tiers.storage_index import SegmentIndex, unlink_quiet
 from tiersync.tiers.storage_queue import Combiner
 from tiersync.tiers.storage_read import ReadPass, ReadStatus
@@ -345,7 +346,7 @@ class StorageTier:
         pat = re.compile(re.escape(fmt.TMP_PREFIX + self._prefix + self._host) + r"\.(\d+)\.")
         for n in names:
             m = pat.match(n)
-            dead_tmp = m is not None and not _pid_alive(int(m.group(1)))
+            dead_tmp = m is not None and not pid_alive(int(m.group(1)))
             stale_tomb = (
                 n.startswith(self._prefix)
                 and n.endswith(fmt.SUFFIX + fmt.TOMB_SUFFIX)
@@ -372,13 +373,3 @@ class StorageTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -27,13 +27,13 @@ import numpy as np
 import numpy.typing as npt
 
 from tiersync.errors import ClosedError, IntegrityError, UsageError
+from tiersync.tiers.shm import pid_alive
 
 __all__ = [
     "HEADER_BYTES",
     "SegmentPool",
     "SegmentReader",
     "SegmentWriter",
-    "pid_alive",
     "reclaim_stale",
     "tensor_offsets",
 ]
@@ -69,17 +69,6 @@ def segment_owner(path: str) -> int | None:
         return None
     pid = name[len(SEGMENT_PREFIX) :].split("-", 1)[0]
     return int(pid) if pid.isdigit() else None
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (another user's process counts as running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def reclaim_stale(directory: str) -> list[str]:
