@@ -155,13 +155,15 @@ class RegistryProc(Proc):
 
 
 class RedisProc(Proc):
-    """A throwaway `redis-server` on 127.0.0.1 (no persistence); ``url`` to reach it."""
+    """A throwaway `redis-server` on 127.0.0.1 (no persistence; ``password``: requirepass);
+    ``url`` to reach it."""
 
-    def __init__(self, workdir: str, port: int | None = None) -> None:
+    def __init__(self, workdir: str, port: int | None = None, password: str | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise FileNotFoundError("redis-server")
         self.port = port or free_port()
+        auth = ["--requirepass", password] if password else []
         super().__init__(
             [
                 binary,
@@ -175,7 +177,9 @@ class RedisProc(Proc):
                 "no",
                 "--dir",
                 workdir,
+                *auth,
             ],
             "Ready to accept connections",
         )
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{self.port}/0"
+        self.shown = self.url.replace(f":{password}@", ":***@") if password else self.url

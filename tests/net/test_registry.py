@@ -234,3 +234,20 @@ def test_redis_sweep_drops_dead_store_records_and_publish_drops_dead_owners(redi
         assert reg.lookup(keys(2)) == [("a",), ()]
     finally:
         reg.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://:hunter2@10.0.0.5:6379/1", "redis://:***@10.0.0.5:6379/1"),
+        ("rediss://svc:p%40ss@redis.example:6380/0", "rediss://svc:***@redis.example:6380/0"),
+        ("redis://only-user@h:1/0", "redis://only-user@h:1/0"),
+    ],
+)
+def test_a_password_in_the_redis_url_is_never_shown(url, shown):
+    """Logs and errors show the Redis URL without its password (the registry's health lines
+    and RegistryUnavailableError name the URL)."""
+    from tiersync.net.registry.redis_backend import shown_url
+
+    assert shown_url(url) == shown

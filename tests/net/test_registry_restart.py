@@ -113,21 +113,23 @@ def test_direct_redis_backend_outage_shortens_lookups(tmp_path):
 
 
 @needs_redis
-def test_registry_process_says_when_redis_goes_and_comes_back(tmp_path):
+@pytest.mark.parametrize("password", [None, "s3cret-in-the-url"])
+def test_registry_process_says_when_redis_goes_and_comes_back(tmp_path, password):
     """An unreachable Redis is logged by the registry (once, at WARNING), and so is its return;
-    the registry keeps serving meanwhile."""
-    redis = RedisProc(str(tmp_path))
+    the registry keeps serving meanwhile. A password in the Redis URL never reaches the log."""
+    redis = RedisProc(str(tmp_path), password=password)
     registry = RegistryProc(redis=redis.url, store_ttl_s=1.0)  # health checked every second
     try:
         assert "unreachable" not in "".join(registry.tail)
         redis.kill()
-        registry.wait_for(f"redis at {redis.url} is unreachable", 30)
+        registry.wait_for(f"redis at {redis.shown} is unreachable", 30)
         with pytest.raises(subprocess.TimeoutExpired):  # its sweeps fail meanwhile: logged, never fatal
             registry.proc.wait(2.5)
         registry.wait_for("registry sweep failed", 10)
-        redis = RedisProc(str(tmp_path), port=redis.port)
-        registry.wait_for(f"redis at {redis.url} is reachable again", 30)
+        redis = RedisProc(str(tmp_path), port=redis.port, password=password)
+        registry.wait_for(f"redis at {redis.shown} is reachable again", 30)
         assert "".join(registry.tail).count("is unreachable") == 1
+        assert password is None or password not in "".join(registry.tail)
     finally:
         registry.kill()
         redis.kill()

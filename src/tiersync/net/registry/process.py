@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from tiersync.errors import TierSyncError
 from tiersync.net.registry.base import Registry, RegistryConfig
+from tiersync.net.registry.redis_backend import shown_url
 
 log = logging.getLogger(__name__)
 HEALTH_INTERVAL_S = 10.0
@@ -94,7 +95,7 @@ class _Health:
 
     def __init__(self, backend: Registry, url: str | None) -> None:
         self.ping = getattr(backend, "ping", None)
-        self.url, self.down = url, False
+        self.url, self.down = (None if url is None else shown_url(url)), False
 
     def check(self) -> None:
         if self.ping is None:

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -28,6 +29,18 @@ from tiersync.net.registry.base import Registry, RegistryConfig, StoreInfo, chec
 from tiersync.net.registry.errors import RegistryUnavailableError
 
 log = logging.getLogger(__name__)
+
+
+def shown_url(url: str) -> str:
+    """``url`` as logs and errors show it: a password in it replaced by ``***``."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:***" if parts.username else ":***"
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+
+
 _T = TypeVar("_T")
 
 
@@ -59,7 +72,7 @@ class RedisRegistry(Registry):
 
         self.config = config or RegistryConfig()
         self._clock = clock
-        self._url = url
+        self._url = shown_url(url)  # for messages only
         self._redis = redis.Redis.from_url(
             url, socket_timeout=self.config.rpc_timeout_s, socket_connect_timeout=self.config.rpc_timeout_s
         )
