@@ -1,5 +1,6 @@
-"""How pull_many cuts a batch into requests: large items alone, small ones grouped (never past
-GROUP_LIMIT bytes or GROUP_ITEMS items), every item once with its own destination; a bad
+"""How pull_many cuts a batch into requests: large items alone (in parts when larger than the
+frame limit), small ones grouped (never past GROUP_LIMIT bytes or GROUP_ITEMS items), every
+item once with its own destination; a bad
 destination refused before any request is made; same-host groups bounded by bytes and keys."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import pytest
 
 from tiersync.errors import UsageError
 from tiersync.net import store_ops as so
+from tiersync.net.frames import ProtocolConfig
 from tiersync.net.pull_plan import (
     GROUP_BYTES,
     GROUP_ITEMS,
@@ -39,7 +41,7 @@ def _items(sizes: list[int]) -> list[tuple[bytes, int, memoryview]]:
 def test_small_items_grouped_within_the_limits_large_ones_alone(sizes):
     items = _items(sizes)
     ids = itertools.count(7)
-    plan = plan_pulls(3, items, lambda: next(ids))
+    plan = plan_pulls(3, items, lambda: next(ids), ProtocolConfig().max_frame_size)
     seen = []
     for request, dest in plan:
         if isinstance(request, so.PullMany):
@@ -57,27 +59,39 @@ def test_small_items_grouped_within_the_limits_large_ones_alone(sizes):
 
 
 @pytest.mark.parametrize("max_frame", [MiB, 2 * MiB + 5, 64 << 10])
-def test_groups_never_pass_the_connections_max_frame(max_frame):
-    """A group's DATA answer is at most ``max_frame`` bytes (a server cannot send a larger frame);
-    an item that reaches the bound goes alone, as large items do."""
-    items = _items([512 << 10] * 9 + [64 << 10] * 40 + [3 * MiB])
+def test_no_answer_passes_the_frame_limit_and_every_byte_is_asked_once(max_frame):
+    """No DATA answer is larger than ``max_frame`` (the largest frame both ends accept): groups
+    stay within it, and an item larger than it is pulled in parts, each a slice of its
+    destination at the matching offset into the block; every byte is asked for exactly once."""
+    items = [(k, 100, d) for k, _, d in _items([512 << 10] * 9 + [64 << 10] * 40 + [3 * MiB + 7])]
     ids = itertools.count(1)
     plan = plan_pulls(3, items, lambda: next(ids), max_frame)
+    parts: dict[bytes, list[tuple[int, int]]] = {k: [] for k, _, _ in items}
     for request, dest in plan:
-        if isinstance(request, so.PullMany):
-            assert sum(n for _, _, n in request.items) <= max_frame
-        else:
-            assert request.length == len(dest)
-    assert sorted(
-        k for r, _ in plan for k in ([i[0] for i in r.items] if isinstance(r, so.PullMany) else [r.key])
-    ) == sorted(k for k, _, _ in items)
+        asked = (
+            list(zip(request.items, dest))
+            if isinstance(request, so.PullMany)
+            else [((request.key, request.offset, request.length), dest)]
+        )
+        assert sum(n for (_, _, n), _ in asked) <= max_frame
+        for (key, offset, n), view in asked:
+            assert len(view) == n
+            parts[key].append((offset - 100, n))
+            view[:] = bytes([len(parts[key]) % 251 + 1]) * n  # lands where this part says it does
+    for key, _, dest in items:
+        pos = 0
+        for i, (o, n) in enumerate(sorted(parts[key])):
+            assert o == pos and bytes(dest[o : o + n]) == bytes([(i + 1) % 251 + 1]) * n
+            pos += n
+        assert pos == len(dest)
+    assert len(parts[items[-1][0]]) == -(-(3 * MiB + 7) // max_frame)  # the large item in parts
 
 
 def test_a_bad_destination_is_refused_before_any_request():
     ids = itertools.count(1)
     items = [*_items([100, 200]), (b"x" * 16, 0, memoryview(b"read-only"))]
     with pytest.raises(UsageError) as info:
-        plan_pulls(1, items, lambda: next(ids))
+        plan_pulls(1, items, lambda: next(ids), MiB)
     assert info.value.argument == "items" and next(ids) == 1  # no request id was taken
 
 

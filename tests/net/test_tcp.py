@@ -244,6 +244,33 @@ def test_pull_many_groups_stay_within_a_lowered_max_frame_size():
         server.close()
 
 
+@pytest.mark.parametrize("capped", ["server", "client"])
+def test_neither_end_is_sent_a_frame_larger_than_it_accepts(capped):
+    """The handshake tells each end the other's max_frame_size. pull_many keeps every answer
+    within the smaller of the two (the 6 MiB block in 1 MiB parts), byte-exact; a single PULL
+    over it is answered ERROR naming the frame size (the server does not send a frame the
+    client would refuse, nor refuse one it was asked for), and the channel keeps working."""
+    from tiersync.net.frames import ProtocolConfig
+    from tiersync.net.tcp import Route
+
+    mib = ProtocolConfig(max_frame_size=1 << 20)
+    server = TcpConfig(token=TOKEN, protocol=mib) if capped == "server" else TcpConfig(token=TOKEN)
+    client = TcpConfig(token=TOKEN, route=Route.TCP, **({"protocol": mib} if capped == "client" else {}))
+    with server_process(server) as address:
+        ch = TcpTransport(client).connect(address)
+        assert ch.info.max_frame == server.protocol.max_frame_size
+        lease = ch.request(so.ReadLease(ch.new_request_id(), (BIG, SMALL))).lease_id
+        for _ in range(2):  # the refused PULL in between leaves the channel usable
+            big, small = bytearray(len(BLOCKS[BIG])), bytearray(11)
+            ch.pull_many(lease, [(BIG, 0, memoryview(big)), (SMALL, 0, memoryview(small))], window=4)
+            assert big == BLOCKS[BIG] and small == BLOCKS[SMALL]
+            with pytest.raises(RequestError, match="max_frame_size"):
+                pull = so.Pull(ch.new_request_id(), lease, BIG, 0, 2 << 20)
+                ch.request(pull, into=memoryview(bytearray(2 << 20)))
+            assert not ch.closed
+        ch.close()
+
+
 # -- builds with and without the native checksum talk to each other -------------------------------
 _FALLBACK_PEER = r"""
 import sys

@@ -40,7 +40,7 @@ __all__ = ["pull_route"]
 Buffer = Callable[[int], np.ndarray]
 Landed = Callable[[int], None]
 _LOCAL_WINDOW = 2  # same-host pulls out at once: the producer alternates two gather buffers
-_LOCAL_PIECE_MAX = 32 << 20  # half the default max_frame_size: room for a producer that lowered it
+_LOCAL_PIECE_MAX = 32 << 20  # bytes per same-host pull at most (and within both ends' max_frame_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +79,7 @@ def pull_route(
     total = int(route.lengths.sum()) if not read.notify_only else 0
     opening = KvOpen(channel.new_request_id(), read)
     if total and channel.local_route():  # KV_OPEN goes out ahead of the first pulls: no round trip of its own
-        piece = _local_piece(route, total, config, src_unit)
+        piece = min(_local_piece(route, total, config, src_unit), _frame_room(channel, config))
         idle = config.io_timeout_s
         done = _copy_local(channel, opening, num_layers, route, total, piece, deadline, idle, buffer, landed)
     else:
@@ -117,7 +117,7 @@ def _layers_tcp(
     no round trip and no drained window between layers (the producer answers in order)."""
     landed_n, told = done
     known = len(told)
-    pieces = _pieces(total, config.chunk_bytes)
+    pieces = _pieces(total, min(config.chunk_bytes, _frame_room(channel, config)))
     then: dict[int, Callable[[object], None]] = {}  # request id -> what its answer does
 
     def requests() -> Iterator[tuple[ev.Request, object]]:
@@ -157,6 +157,14 @@ def _told(channel: TcpChannel, answer: object, told: list[int], num_layers: int)
     if not 0 <= layer < num_layers or layer in told:
         raise ProtocolError("unexpected layer", fault=ProtocolFault.UNEXPECTED, peer=channel.peer, layer=layer)
     told.append(layer)
+
+
+def _frame_room(channel: TcpChannel, config: DisaggConfig) -> int:
+    """The most one pull may ask for: both ends' ``max_frame_size`` (the producer's from the
+    handshake) less room for the answer's metadata. A producer configured lower than this
+    consumer gets smaller pulls instead of refusing them."""
+    limit = min(channel.info.max_frame or config.protocol.max_frame_size, config.protocol.max_frame_size)
+    return max(limit - config.protocol.max_meta_size, 1)
 
 
 def _pieces(total: int, chunk: int) -> list[tuple[int, int]]:

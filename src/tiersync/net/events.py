@@ -62,7 +62,8 @@ class Request(Event, Protocol):
 class Hello:
     """Client -> server, first frame: who I am, a fresh nonce, and the payload checksum ids
     I verify (most preferred first; default: what this build has). Ids are raw ints so a
-    newer peer's unknown ids parse (the server ignores them)."""
+    newer peer's unknown ids parse (the server ignores them). ``max_frame``: the largest frame
+    I accept (my ``max_frame_size``; 0: not stated), so the server sends none larger."""
 
     OP: ClassVar[Op] = Op.HELLO
     node_id: str
@@ -70,11 +71,13 @@ class Hello:
     checksums: tuple[int, ...] = _LOCAL_CHECKSUMS
     host: str = ""
     pid: int = 0
+    max_frame: int = 0
 
     def __post_init__(self) -> None:
         check_text("node_id", self.node_id)
         check_text("host", self.host)
         check_u64("pid", self.pid)
+        check_u64("max_frame", self.max_frame)
         check_bytes("nonce", self.nonce, (NONCE_SIZE,))
         if (
             not isinstance(self.checksums, tuple)
@@ -85,13 +88,12 @@ class Hello:
 
     def meta(self) -> bytes:
         w = MetaWriter().text(self.node_id).blob(self.nonce).blob(bytes(self.checksums))
-        return w.text(self.host).u64(self.pid).getvalue()
+        return w.text(self.host).u64(self.pid).u64(self.max_frame).getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Hello:
-        return cls(
-            r.text(cfg.max_string), r.blob(NONCE_SIZE), tuple(r.blob(MAX_CHECKSUMS)), r.text(cfg.max_string), r.u64()
-        )
+        node_id, nonce, checksums = r.text(cfg.max_string), r.blob(NONCE_SIZE), tuple(r.blob(MAX_CHECKSUMS))
+        return cls(node_id, nonce, checksums, r.text(cfg.max_string), r.u64(), r.u64())
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,24 +140,27 @@ class Auth:
 @dataclass(frozen=True, slots=True)
 class Ready:
     """Server -> client: handshake accepted; requests may flow both ways. ``host``/``pid``:
-    the server's host identity and process (same-host reads, :mod:`tiersync.net.local`)."""
+    the server's host identity and process (same-host reads, :mod:`tiersync.net.local`);
+    ``max_frame``: the largest frame the server accepts and sends (0: not stated)."""
 
     OP: ClassVar[Op] = Op.READY
     session_id: int
     host: str = ""
     pid: int = 0
+    max_frame: int = 0
 
     def __post_init__(self) -> None:
         check_u64("session_id", self.session_id)
         check_text("host", self.host)
         check_u64("pid", self.pid)
+        check_u64("max_frame", self.max_frame)
 
     def meta(self) -> bytes:
-        return MetaWriter().u64(self.session_id).text(self.host).u64(self.pid).getvalue()
+        return MetaWriter().u64(self.session_id).text(self.host).u64(self.pid).u64(self.max_frame).getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Ready:
-        return cls(r.u64(), r.text(cfg.max_string), r.u64())
+        return cls(r.u64(), r.text(cfg.max_string), r.u64(), r.u64())
 
 
 @dataclass(frozen=True, slots=True)

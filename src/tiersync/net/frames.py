@@ -43,9 +43,9 @@ from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.transfer import kernel
 
 MAGIC = b"TSYN"
-PROTOCOL_VERSION = (
-    4  # 2: payload checksum negotiation; 3: service vocabularies, host identity in HELLO/READY; 4: LOCAL_REPLY mapping
-)
+PROTOCOL_VERSION = 5
+# 2: payload checksum negotiation; 3: service vocabularies, host identity in HELLO/READY; 4: LOCAL_REPLY
+# mapping; 5: each end's max_frame_size in HELLO/READY
 HEADER_SIZE = 64
 _HEADER = struct.Struct("<4sHHIQIQQQB7sQ")
 _RESERVED = bytes(7)

@@ -1,7 +1,8 @@
 """The one handshake of every link: HELLO -> CHALLENGE -> AUTH -> READY.
 
-Mutual shared-token HMAC (:mod:`tiersync.net.auth`), payload checksum negotiation, and each
-side's host identity and pid (so both know when the other is on the same host). The
+Mutual shared-token HMAC (:mod:`tiersync.net.auth`), payload checksum negotiation, each
+side's host identity and pid (so both know when the other is on the same host), and each
+side's largest frame (neither sends the other a frame it would refuse). The
 client side runs blocking over a :class:`~tiersync.net.socket_io.FramedSocket`; the server side
 is sans-IO (:class:`ServerHandshake`: events in, frames out) so a selector drives thousands
 of half-open connections without a thread each.
@@ -35,7 +36,8 @@ def client_handshake(framed: FramedSocket, token: bytes | None, node_id: str, de
     that fails our check is told so, ERROR AUTH_FAILED, so both ends log the refusal),
     PeerClosedError when the server ended the connection (e.g. over its connection cap)."""
     nonce = auth.new_nonce()
-    framed.write(ev.Hello(node_id, nonce, host=host_identity(), pid=os.getpid()), deadline)
+    limit = framed.conn.config.max_frame_size
+    framed.write(ev.Hello(node_id, nonce, host=host_identity(), pid=os.getpid(), max_frame=limit), deadline)
     challenge = _expect(framed, ev.Challenge, deadline)
     if token is not None and not auth.proof_ok(auth.server_proof(token, nonce, challenge.nonce), challenge.proof):
         try:  # tell the server why, so it logs the refusal too (best effort)
@@ -45,7 +47,7 @@ def client_handshake(framed: FramedSocket, token: bytes | None, node_id: str, de
         raise AuthError("server failed to prove the shared token", peer=framed.peer)
     framed.write(ev.Auth(auth.client_proof(token, nonce, challenge.nonce)), deadline)
     ready = _expect(framed, ev.Ready, deadline)
-    return PeerInfo("", ready.host, ready.pid, bool(ready.host) and ready.host == host_identity())
+    return PeerInfo("", ready.host, ready.pid, bool(ready.host) and ready.host == host_identity(), ready.max_frame)
 
 
 def _expect(framed: FramedSocket, kind: type[_E], deadline: Deadline) -> _E:
@@ -87,8 +89,9 @@ class ServerHandshake:
         if not auth.proof_ok(auth.client_proof(self.token, hello.nonce, self._nonce), event.proof):
             return self._refuse("bad token proof")
         self.done = True
-        self.info = PeerInfo(hello.node_id, hello.host, hello.pid, bool(hello.host) and hello.host == host_identity())
-        return self.conn.send(ev.Ready(self.session_id, host_identity(), os.getpid()))
+        same = bool(hello.host) and hello.host == host_identity()
+        self.info = PeerInfo(hello.node_id, hello.host, hello.pid, same, hello.max_frame)
+        return self.conn.send(ev.Ready(self.session_id, host_identity(), os.getpid(), self.conn.config.max_frame_size))
 
     def _challenge(self, hello: ev.Hello) -> list[bytes | memoryview]:
         try:

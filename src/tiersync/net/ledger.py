@@ -20,7 +20,7 @@ from typing import cast
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net.errors import ProtocolError, ProtocolFault
-from tiersync.net.events import Challenge, Hello
+from tiersync.net.events import Challenge, Hello, Ready
 from tiersync.net.frames import SUPPORTED, Op, PayloadChecksum
 from tiersync.net.states import HANDSHAKE, Direction, Role, State, then
 from tiersync.net.vocab import Vocabulary
@@ -42,6 +42,7 @@ class Ledger:
         self.mine: dict[int, frozenset[int]] = {}  # requests I sent -> responses I may receive
         self._theirs: dict[int, frozenset[int]] = {}  # requests I received -> responses I may send
         self.offered: tuple[int, ...] = ()  # payload checksum ids offered in HELLO
+        self.peer_max_frame = 0  # the largest frame the peer accepts, from its HELLO or READY (0: not stated)
         self.payload_algo = PayloadChecksum.XXH3_64
         """The algorithm this side sums its payloads with (XXH3_64 until negotiated)."""
 
@@ -147,6 +148,9 @@ class Ledger:
     def _negotiate(self, op: enum.IntEnum, event: object) -> None:
         if op is Op.HELLO:
             self.offered = cast(Hello, event).checksums
+            self.peer_max_frame = cast(Hello, event).max_frame
+        elif op is Op.READY:
+            self.peer_max_frame = cast(Ready, event).max_frame
         elif op is Op.CHALLENGE:
             picked = cast(Challenge, event).checksum
             if picked not in self.offered:

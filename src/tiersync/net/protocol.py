@@ -81,8 +81,14 @@ class Connection:
         meta = event.meta()
         parts = payload_views(data.payload) if op is Op.DATA else []
         size = sum(map(len, parts))
-        if len(meta) > self.config.max_meta_size or len(meta) + size > self.config.max_frame_size:
-            raise UsageError("frame exceeds max_frame_size", argument="event", meta_len=len(meta), payload_len=size)
+        if len(meta) > self.config.max_meta_size or len(meta) + size > self.frame_limit:
+            raise UsageError(
+                "frame exceeds max_frame_size (this end's or the peer's)",
+                argument="event",
+                meta_len=len(meta),
+                payload_len=size,
+                limit=self.frame_limit,
+            )
         self._ledger.sent(op, rid, event)
         algo = self.payload_algo
         if not size:
@@ -161,6 +167,13 @@ class Connection:
     def peer_checksums(self) -> tuple[int, ...]:
         """Server side: the payload checksum ids the client's HELLO offered (empty before HELLO)."""
         return self._ledger.offered if self.role is Role.SERVER else ()
+
+    @property
+    def frame_limit(self) -> int:
+        """The largest frame both ends accept: this end's ``max_frame_size``, lowered to the
+        peer's once its HELLO or READY stated it. :meth:`send` refuses larger frames."""
+        peer = self._ledger.peer_max_frame
+        return min(self.config.max_frame_size, peer) if peer else self.config.max_frame_size
 
     @property
     def outstanding(self) -> int:

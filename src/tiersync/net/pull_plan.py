@@ -63,19 +63,22 @@ class Later:
 
 
 def plan_pulls(
-    lease_id: int, items: Iterable[tuple[bytes, int, object]], new_id: Callable[[], int], max_frame: int = GROUP_LIMIT
+    lease_id: int, items: Iterable[tuple[bytes, int, object]], new_id: Callable[[], int], max_frame: int
 ) -> list[Pull]:
     """Validate every item before anything is sent (UsageError naming ``items``), then group
     the small ones: ``(PULL or PULL_MANY, destination buffer or buffers)``, request ids from
-    ``new_id``; a group's answer is at most ``max_frame`` bytes (the connection's
-    ``max_frame_size``: a group the server could not send is never asked for)."""
+    ``new_id``. No answer exceeds ``max_frame`` bytes (the largest frame both ends accept,
+    :attr:`~tiersync.net.protocol.Connection.frame_limit`): groups stay within it and a larger
+    item is pulled in parts of at most that (a DATA answer has no metadata)."""
     out: list[Pull] = []
     group: list[Item] = []
     size, limit = 0, min(GROUP_LIMIT, max_frame)
     for key, offset, dest in items:
         view = writable(dest)
         if len(view) >= min(GROUP_BYTES, limit):
-            out.append((so.Pull(new_id(), lease_id, key, offset, len(view)), view))
+            for o in range(0, len(view), max_frame):
+                part = view[o : o + max_frame]
+                out.append((so.Pull(new_id(), lease_id, key, offset + o, len(part)), part))
             continue
         if group and size + len(view) > limit:  # a group never passes the limit
             out.append(_group(lease_id, group, new_id))

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import cast
 
-from tiersync.errors import ClosedError, TierSyncError
+from tiersync.errors import ClosedError, TierSyncError, UsageError
 from tiersync.net import events as ev
 from tiersync.net.config import TcpConfig
 from tiersync.net.errors import ProtocolError
@@ -168,7 +168,7 @@ class Responder:
             bufs = []
         for answer in answers:
             with s.lock:
-                bufs += s.conn.send(cast(ev.Event, answer))  # the service answers with events
+                bufs += _encode(s.conn, cast(ev.Event, answer))  # the service answers with events
             if streamed:  # a handler that yields may block before its next answer: send this one now
                 s.write(bufs, deadline)
                 bufs = []
@@ -188,6 +188,18 @@ class Responder:
                 if _answerable(event)
                 else []
             )
+
+
+def _encode(conn: Connection, answer: ev.Event) -> list[bytes | memoryview]:
+    """``answer``'s frames; an answer the connection refuses (UsageError, e.g. a DATA larger than
+    the client accepts) goes out as an ERROR to its request instead (nothing of it was sent)."""
+    try:
+        return conn.send(answer)
+    except UsageError as exc:
+        rid = getattr(answer, "request_id", 0)
+        if not rid:
+            raise
+        return conn.send(ev.Error(rid, ev.ErrorCode.BAD_REQUEST, exc.message[:512]))
 
 
 _local = threading.local()

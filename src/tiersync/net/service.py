@@ -29,13 +29,15 @@ __all__ = ["PeerInfo", "Service", "Session"]
 @dataclass(frozen=True, slots=True)
 class PeerInfo:
     """What the handshake told about the other end: its ``node_id``, its host identity and pid
-    (:func:`tiersync.net.local.host_identity`), and whether it runs on this host
-    (``same_host``: same identity, so its memory can be read with ``process_vm_readv``)."""
+    (:func:`tiersync.net.local.host_identity`), whether it runs on this host (``same_host``:
+    same identity, so its memory can be read with ``process_vm_readv``), and the largest frame
+    it accepts (``max_frame``, its ``max_frame_size``; 0: not stated)."""
 
     node_id: str
     host: str
     pid: int
     same_host: bool
+    max_frame: int = 0
 
 
 class Session(ABC):

@@ -1,11 +1,8 @@
 """TCP transport: tuned sockets, zero-copy scatter-gather I/O, deadlines, token + TLS.
 
-Sockets get SO_SNDBUF/SO_RCVBUF (16 MiB default) and TCP_NODELAY. Sends use
-``socket.sendmsg`` over the frame's buffers (header+metadata, payload view),
-resuming after partial sends; payloads are received with ``recv_into`` straight
-into the caller's buffer. Every blocking call runs under a deadline and raises
-:class:`NetTimeoutError` (with ``peer``) when it passes (plain TCP: at most
-``_SLACK`` of the time that was left late, see :class:`~tiersync.net.socket_io.FramedSocket`).
+Sockets get SO_SNDBUF/SO_RCVBUF (16 MiB default) and TCP_NODELAY; frames go out gathered and
+DATA lands in the caller's buffers through :class:`~tiersync.net.socket_io.FramedSocket`. Every
+blocking call runs under a deadline and raises :class:`NetTimeoutError` (with ``peer``).
 A batch of pulls is cut into requests by :mod:`tiersync.net.pull_plan`.
 """
 
@@ -144,7 +141,7 @@ class TcpChannel(Channel):
         flight on this one connection so the round trip of one hides behind the next.
 
         Each payload lands straight in its ``dest`` (exact size); items under 4 MiB travel grouped, one
-        PULL_MANY per about 4 MiB (``GROUP_LIMIT``, at most ``max_frame_size``) whose single DATA answer
+        PULL_MANY per about 4 MiB (``GROUP_LIMIT``, at most both ends' ``max_frame_size``) whose single DATA answer
         is scattered into their buffers. One deadline covers the whole batch. Raises like :meth:`request`
         (an ERROR answer raises RequestError after the channel is closed: later answers are in flight).
         """
@@ -152,7 +149,7 @@ class TcpChannel(Channel):
             raise UsageError("must be >= 1", argument="window", value=window)
         if self.local_route():
             return self._pull_local(lease_id, items, timeout)
-        plan = plan_pulls(lease_id, items, self.new_request_id, self._framed.conn.config.max_frame_size)
+        plan = plan_pulls(lease_id, items, self.new_request_id, self._framed.conn.frame_limit)
         self.pipeline(plan, window=window, timeout=timeout)
 
     def pipeline(
