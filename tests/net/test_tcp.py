@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 
 from _peer import run_block_server
-from tiersync.errors import UsageError
+from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, RequestError
@@ -269,6 +269,52 @@ def test_neither_end_is_sent_a_frame_larger_than_it_accepts(capped):
                 ch.request(pull, into=memoryview(bytearray(2 << 20)))
             assert not ch.closed
         ch.close()
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_exception_between_a_request_and_its_answer_closes_the_channel():
+    """A signal handler that raises while a request waits for its answer: the answer still
+    comes later, so the channel closes (a next request must not read it as its own)."""
+    import signal
+
+    from tiersync.net.service import Service
+    from tiersync.net.vocab import Vocabulary
+
+    release = threading.Event()
+
+    class Slow(Service):
+        vocabulary = Vocabulary("slow", {}, include=(ev.CORE,))
+
+        def handle(self, session, event):
+            release.wait(10)
+            return [ev.Pong(event.request_id, event.token)]
+
+    def interrupt(*_):
+        raise _Interrupted
+
+    transport = TcpTransport(TcpConfig(token=TOKEN), Slow.vocabulary)
+    server = transport.serve("127.0.0.1:0", Slow())
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        ch = transport.connect(server.address)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(_Interrupted):
+            ch.request(ev.Ping(ch.new_request_id(), 1), timeout=10)
+        release.set()
+        assert ch.closed
+        with pytest.raises(ClosedError):
+            ch.request(ev.Ping(ch.new_request_id(), 2))
+        ch = transport.connect(server.address)  # the server serves on
+        assert ch.request(ev.Ping(ch.new_request_id(), 3)).token == 3
+        ch.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        release.set()
+        server.close()
 
 
 # -- builds with and without the native checksum talk to each other -------------------------------

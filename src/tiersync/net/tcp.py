@@ -71,7 +71,8 @@ class TcpChannel(Channel):
     def send_many(self, events: Sequence[object], *, timeout: float | None = None) -> None:
         """Send ``events`` (messages, or requests answered through :meth:`next_answer`) in order
         in one write. Raises like :meth:`request`; a refused event (UsageError) closes the
-        channel when events before it were counted as sent, else leaves it as it was."""
+        channel when events before it were counted as sent, else leaves it as it was; any other
+        exception (a wire error, a signal handler's mid-write) closes it."""
         with self._wlock:
             self._check_open()
             bufs: list[bytes | memoryview] = []
@@ -81,12 +82,9 @@ class TcpChannel(Channel):
                     for event in events:  # messages of this channel's vocabulary
                         bufs += self._framed.conn.send(cast(ev.Event, event))
                 self._framed.send_buffers(bufs, deadline)
-            except UsageError:
-                if bufs:
+            except BaseException as exc:  # only a refusal before any event was encoded keeps the channel
+                if bufs or not isinstance(exc, UsageError):
                     self._shut()
-                raise
-            except _BROKEN:
-                self._shut()
                 raise
 
     def receive(self, *, timeout: float | None = None) -> object:
@@ -119,14 +117,18 @@ class TcpChannel(Channel):
         with self._rlock, self._wlock:
             self._check_open()
             deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
+            with self._framed.lock:
+                bufs = self._framed.conn.send(req)  # refused (UsageError): nothing sent, the channel as it was
             try:
-                self._framed.write(req, deadline)
+                self._framed.send_buffers(bufs, deadline)
                 if into is None:
                     return self._answer(req.request_id, deadline)
                 self._framed.conn.expect_payload_into(req.request_id, into)
                 return self._answer(req.request_id, deadline, data=True)
-            except _BROKEN:
-                self._shut()
+            except RequestError:
+                raise  # the server's ERROR answer: the channel stays usable
+            except BaseException:  # a wire error, or anything between a request and its answer
+                self._shut()  # (a signal handler's exception mid-frame): no torn frame, no stray answer
                 raise
 
     def pull_many(
