@@ -198,3 +198,43 @@ def test_check_proof_refuses_what_grpc_would_not_even_send(value):
 
     with pytest.raises(AuthError):
         check_proof(TOKEN, "Publish", b"", value, peer="p")
+
+
+def test_a_recorded_call_replayed_is_refused_and_changes_nothing(guarded):
+    """A proof is taken once: the same call sent again (someone recorded it, e.g. a PUBLISH of
+    blocks since unpublished) is refused within the time window."""
+    from tiersync.net.registry import messages as m
+
+    backend, server = guarded
+    backend.register_store(StoreInfo("a", "127.0.0.1:1", 10, "g"))
+    payload = m.enc_store_keys("a", KEYS[:2])
+    metadata = ((METADATA_KEY, proof(TOKEN, "Publish", payload)),)
+    channel = grpc.insecure_channel(server.address)
+    try:
+        call = channel.unary_unary(f"/{SERVICE}/Publish")
+        call(payload, timeout=2, metadata=metadata)
+        assert backend.lookup(KEYS[:2]) == [("a",), ("a",)]
+        backend.unpublish("a", KEYS[:2])
+        with pytest.raises(grpc.RpcError) as info:
+            call(payload, timeout=2, metadata=metadata)
+        assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED and "replayed" in info.value.details()
+    finally:
+        channel.close()
+    assert backend.lookup(KEYS[:2]) == [(), ()]
+
+
+def test_replays_keeps_a_bounded_record_and_refuses_what_it_dropped():
+    """Past ``cap`` proofs the oldest is dropped and nothing as old is taken any more; proofs
+    older than the window leave the record by themselves."""
+    from tiersync.net.errors import AuthError
+    from tiersync.net.registry.auth import Replays
+
+    replays = Replays(window_s=10, cap=3)
+    for i in range(4):
+        replays.take(1000 + i, f"n{i}", peer="p", now=1.5)
+    for millis, nonce in ((1000, "n0"), (1000, "fresh"), (1003, "n3")):  # dropped, as old as dropped, taken
+        with pytest.raises(AuthError, match="replayed"):
+            replays.take(millis, nonce, peer="p", now=1.5)
+    replays.take(1001, "another", peer="p", now=1.5)  # newer than the dropped one: taken
+    replays.take(20_000, "later", peer="p", now=20.0)  # the first ones ran out of the window and were
+    replays.take(1003, "n3", peer="p", now=20.0)  # forgotten (check_proof refuses so stale a proof first)

@@ -7,21 +7,24 @@ proof in the metadata entry :data:`METADATA_KEY`::
 
 where the context binds the method, the time, the nonce and the SHA-256 of the request bytes.
 The server recomputes it (:func:`check_proof`) and refuses a missing, malformed, forged or
-stale proof (more than ``window_s`` from its clock, either way). What it does not stop: a call
-someone recorded replayed within the window (the registry's writes are idempotent, its answers
-travel in the clear anyway); keep the registry on a private network or behind TLS for that.
+stale proof (more than ``window_s`` from its clock, either way), and a proof it already took
+(:class:`Replays`: a recorded call replayed within the window, e.g. an old PUBLISH or
+UNREGISTER). What it does not hide: the calls travel in the clear; keep the registry on a
+private network for that.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import os
+import threading
 import time
 
 from tiersync.net.errors import AuthError
 
-__all__ = ["METADATA_KEY", "WINDOW_S", "check_proof", "proof"]
+__all__ = ["METADATA_KEY", "WINDOW_S", "Replays", "check_proof", "proof"]
 
 METADATA_KEY = "tiersync-auth"
 WINDOW_S = 300.0
@@ -44,10 +47,47 @@ def proof(token: bytes, method: str, payload: bytes, *, now: float | None = None
     return f"v1:{millis}:{nonce}:{_mac(token, method, millis, nonce, payload)}"
 
 
+class Replays:
+    """The proofs a server took within the window: each is taken once. At most ``cap`` are
+    kept; past that the oldest is dropped and no proof as old as it is taken any more (the
+    window shrinks under load instead of letting a dropped proof be replayed)."""
+
+    def __init__(self, window_s: float = WINDOW_S, cap: int = 1 << 18) -> None:
+        self._window_ms, self._cap = int(window_s * 1000), cap
+        self._seen: set[str] = set()
+        self._heap: list[tuple[int, str]] = []  # (millis, nonce), the oldest first
+        self._floor = -1  # proofs at or before this time are refused
+        self._lock = threading.Lock()
+
+    def take(self, millis: int, nonce: str, *, peer: str, now: float | None = None) -> None:
+        """Record the proof of ``millis`` and ``nonce`` (one whose MAC checked); AuthError when
+        it was taken before or is older than the kept ones."""
+        expired = int((time.time() if now is None else now) * 1000) - self._window_ms
+        with self._lock:
+            while self._heap and self._heap[0][0] < expired:
+                self._seen.discard(heapq.heappop(self._heap)[1])
+            if nonce in self._seen or millis <= self._floor:
+                raise AuthError("registry token proof used before (a replayed call)", peer=peer)
+            self._seen.add(nonce)
+            heapq.heappush(self._heap, (millis, nonce))
+            if len(self._heap) > self._cap:
+                oldest, dropped = heapq.heappop(self._heap)
+                self._seen.discard(dropped)
+                self._floor = max(self._floor, oldest)
+
+
 def check_proof(
-    token: bytes, method: str, payload: bytes, value: str | None, *, peer: str, window_s: float = WINDOW_S
+    token: bytes,
+    method: str,
+    payload: bytes,
+    value: str | None,
+    *,
+    peer: str,
+    window_s: float = WINDOW_S,
+    replays: Replays | None = None,
 ) -> None:
-    """Raise :class:`AuthError` (naming ``peer``) unless ``value`` proves ``token`` for this call."""
+    """Raise :class:`AuthError` (naming ``peer``) unless ``value`` proves ``token`` for this call
+    (and, with ``replays``, was not taken before)."""
     if value is None:
         raise AuthError("registry call without a token proof", peer=peer)
     parts = value.split(":") if len(value) <= _MAX_PROOF else []
@@ -58,3 +98,5 @@ def check_proof(
         raise AuthError("registry token proof outside the time window (clock skew or a replay)", peer=peer)
     if not hmac.compare_digest(parts[3].encode(), _mac(token, method, millis, parts[2], payload).encode()):
         raise AuthError("registry token proof does not match (wrong token)", peer=peer)
+    if replays is not None:  # only a proof that checked is recorded: junk cannot fill the record
+        replays.take(millis, parts[2], peer=peer)

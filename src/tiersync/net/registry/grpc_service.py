@@ -27,7 +27,7 @@ from tiersync.errors import TierSyncError
 from tiersync.net.config import coerce_token
 from tiersync.net.errors import AuthError, ProtocolError, ProtocolFault
 from tiersync.net.registry import messages as m
-from tiersync.net.registry.auth import METADATA_KEY, check_proof, proof
+from tiersync.net.registry.auth import METADATA_KEY, Replays, check_proof, proof
 from tiersync.net.registry.base import Registry, RegistryConfig, StoreInfo, check_keys
 from tiersync.net.registry.errors import RegistryUnavailableError
 
@@ -75,13 +75,15 @@ class _Gate:
 
     def __init__(self, token: bytes | None) -> None:
         self.token, self.refused, self._lock = token, 0, threading.Lock()
+        self.replays = Replays()
 
     def check(self, name: str, data: bytes, context: grpc.ServicerContext) -> None:
         if self.token is None:
             return
         value = next((v for k, v in context.invocation_metadata() if k == METADATA_KEY), None)
         try:
-            check_proof(self.token, name, data, value if isinstance(value, str) else None, peer=context.peer())
+            value = value if isinstance(value, str) else None
+            check_proof(self.token, name, data, value, peer=context.peer(), replays=self.replays)
         except AuthError as exc:
             with self._lock:
                 self.refused += 1
