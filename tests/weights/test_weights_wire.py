@@ -226,3 +226,32 @@ def test_a_span_whose_sum_failed_is_not_left_busy(monkeypatch):
         sums.of(Get(1, 4, "w", (0,), span), payload)
     assert not sums._busy  # a later GET sums it at once instead of waiting for the failed one
     assert sums.of(Get(2, 4, "w", (0,), span), payload) == (serving.SUPPORTED[0], real(serving.SUPPORTED[0], payload))
+
+
+def test_a_w_sums_may_not_ask_the_trainer_to_read_more_than_the_tensor():
+    """W_SUMS over a real connection: a sampler's chunks are summed; spans covering more bytes
+    than the tensor in all (a few bytes of request, the whole tensor read for each span) get
+    an ERROR, and the session answers on."""
+    from tiersync.net.errors import RequestError
+    from tiersync.net.tcp import TcpConfig, TcpTransport
+    from tiersync.transfer import kernel
+    from tiersync.weights.ops import Sums, SumsReply
+    from tiersync.weights.serving import SpanService
+
+    shard = np.random.default_rng(5).integers(0, 255, 1 << 20, dtype=np.uint8)
+    service = SpanService(lambda v, t, k, timeout: (shard, lambda: None), 5.0, control=lambda s, e: [])
+    transport = TcpTransport(TcpConfig(token=b"w" * 32), WEIGHTS)
+    server = transport.serve("127.0.0.1:0", service)
+    try:
+        ch = transport.connect(server.address)
+        half = 1 << 19
+        whole = StridedSpan(0, 1 << 20)
+        with pytest.raises(RequestError, match="more bytes than the tensor"):
+            ch.request(Sums(ch.new_request_id(), 1, "w", (whole,) * 64))
+        reply = ch.request(Sums(ch.new_request_id(), 1, "w", (StridedSpan(0, half), StridedSpan(half, half))))
+        assert isinstance(reply, SumsReply) and reply.algo == int(ch.payload_checksum)
+        if reply.algo == int(PayloadChecksum.TSUM64):
+            assert reply.sums == (kernel.tsum64(shard[:half].data), kernel.tsum64(shard[half:].data))
+        ch.close()
+    finally:
+        server.close()

@@ -171,13 +171,20 @@ class SpanService(Service):
             release()
 
     def _checksums(self, req: Sums) -> Iterator[ev.Error | SumsReply]:
-        """W_SUMS_REPLY with the checksum of every span (the ones DATA of a GET would carry), or ERROR."""
+        """W_SUMS_REPLY with the checksum of every span (the ones DATA of a GET would carry), or
+        ERROR. The spans may cover at most the tensor's bytes in all (a sampler asks for its
+        chunks of it): one request never makes the trainer read more than a GET of all of it."""
         try:
             shard, release = self._provider(req.version, req.tensor, (), self._timeout)
         except TierSyncError as exc:
             yield ev.Error(req.request_id, ev.ErrorCode.NOT_FOUND, exc.message[:512])
             return
         try:
+            if sum(s.nbytes for s in req.spans) > shard.nbytes:  # a few bytes asking to read the tensor many times
+                yield ev.Error(
+                    req.request_id, ev.ErrorCode.BAD_REQUEST, "W_SUMS spans cover more bytes than the tensor"
+                )
+                return
             sums = [self._sum(req, span_payload(shard, s), s) for s in req.spans]
             yield SumsReply(req.request_id, int(sums[0][0]), tuple(v for _, v in sums))
         except ProtocolError as exc:
