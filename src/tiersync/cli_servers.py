@@ -170,7 +170,9 @@ def redis_url(args: argparse.Namespace) -> Iterator[None]:
     except ValueError as exc:
         if not args.redis or isinstance(exc, TierSyncError):
             raise
-        raise UsageError(str(exc), argument=args.flags["redis"], value=args.redis) from None
+        from tiersync.net.registry.redis_backend import shown_url
+
+        raise UsageError(str(exc), argument=args.flags["redis"], value=shown_url(args.redis)) from None
 
 
 def stop_on_sigterm() -> threading.Event:

@@ -7,6 +7,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from tiersync.cli_servers import stop_on_sigterm
+from tiersync.net.registry.redis_backend import shown_url
 from tiersync.net.store_node import StoreNodeServer, attach_events, attach_registry, default_advertise, serve
 from tiersync.sizes import parse_size
 
@@ -85,7 +86,7 @@ def _listening(
         f"({server.node.arena.num_blocks} blocks x {server.node.arena.block_nbytes} B)"
     )
     if agent is not None:
-        line += f" registered as {agent.config.store_id} in {registry}"
+        line += f" registered as {agent.config.store_id} in {shown_url(str(registry))}"
     if events is not None:
         line += f"; KV events on {events.endpoint} (replay {events.replay_endpoint}, topic {events.config.topic})"
     return line

@@ -151,6 +151,24 @@ def test_routes_byte_exact_across_processes(procs, route, dst_tp, chunk):
         c.close()
 
 
+@pytest.mark.parametrize("route", ["local", "tcp"])
+def test_a_producer_with_smaller_frames_gets_pulls_it_accepts(procs, route):
+    """The producer's max_frame_size, told in the handshake, bounds the consumer's pulls: a
+    consumer on the defaults (16 MiB pulls) reads a producer capped at 8 KiB frames (26 KB a
+    layer here) byte-exact; before, every pull of a layer was refused."""
+    capped = ProtocolConfig(max_frame_size=8192, max_meta_size=4096)
+    prod = procs(LAYOUT, token=TOKEN, protocol=capped, chunk_bytes=4096)
+    ntok, sids = 200, list(range(13))
+    prod.register("f", sids, ntok, seed=6)
+    prod.ready("f", range(3))
+    with KVConsumer(LAYOUT, 0, DisaggConfig(token=TOKEN, route=route)) as consumer:
+        land = _landing(LAYOUT)
+        handle = consumer.start_read("f", SourceSpec(LAYOUT, prod.addresses, sids, ntok), list(range(13)), land)
+        assert handle.wait(30) is RequestState.DONE, handle.error
+    np.testing.assert_array_equal(unshard(LAYOUT, [land], list(range(13)), ntok), global_kv(LAYOUT, ntok, 6))
+    assert prod.wait_final("f") == ["done"]
+
+
 def test_tcp_layers_named_out_of_order_land_in_their_own_buffers(procs):
     """One pipeline over all layers: the pulls of a layer go out before KV_NEXT's answer named
     it, and still land in the buffer of the layer the answer named, each layer in several pulls."""

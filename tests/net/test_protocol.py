@@ -181,6 +181,42 @@ def test_sending_an_oversize_frame_is_usage_error():
         server.send(ev.Data(1, bytes(2000)))
 
 
+@pytest.mark.parametrize("side", ["client", "server"])
+def test_each_end_sends_nothing_larger_than_the_other_accepts(side):
+    """HELLO and READY carry each end's max_frame_size: the smaller bounds what either sends
+    (frame_limit), and a refused frame changes nothing (the same request is then answered)."""
+    big, small = ProtocolConfig(), ProtocolConfig(max_frame_size=8192, max_meta_size=4096)
+    client = Connection(Role.CLIENT, small if side == "client" else big)
+    server = Connection(Role.SERVER, small if side == "server" else big)
+    deliver(client, server, ev.Hello("a", b"n" * 16, max_frame=client.config.max_frame_size))
+    deliver(server, client, ev.Challenge(b"s" * 16, b""))
+    deliver(client, server, ev.Auth(b""))
+    deliver(server, client, ev.Ready(1, max_frame=server.config.max_frame_size))
+    assert client.frame_limit == server.frame_limit == 8192
+    deliver(client, server, so.Pull(1, 1, b"k" * 16, 0, 9000))
+    with pytest.raises(UsageError, match="max_frame_size"):
+        server.send(ev.Data(1, bytes(9000)))
+    assert [type(e) for e in deliver(server, client, ev.Error(1, ev.ErrorCode.BAD_REQUEST))] == [ev.Error]
+
+
+@pytest.mark.parametrize("limit", [1, 16, 4095])
+@pytest.mark.parametrize("side", ["client", "server"])
+def test_a_peer_stating_a_tiny_max_frame_size_is_refused(side, limit):
+    """A hostile peer's max_frame of a few bytes would cut every pull into countless pieces:
+    its HELLO (or READY) is a protocol error (0 means not stated and is accepted)."""
+    client, server = Connection(Role.CLIENT), Connection(Role.SERVER)
+    hello = ev.Hello("a", b"n" * 16, max_frame=limit if side == "client" else 0)
+    if side == "client":
+        with pytest.raises(ProtocolError, match="max_frame_size"):
+            deliver(client, server, hello)
+        return
+    deliver(client, server, hello)
+    deliver(server, client, ev.Challenge(b"s" * 16, b""))
+    deliver(client, server, ev.Auth(b""))
+    with pytest.raises(ProtocolError, match="max_frame_size"):
+        deliver(server, client, ev.Ready(1, max_frame=limit))
+
+
 def test_unsolicited_response_poisons_the_connection():
     client, _server = ready_pair()
     wire = encode_header(Op.PONG, 77, struct.pack("<Q", 0), 0, checksum(b""))

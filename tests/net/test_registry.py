@@ -243,6 +243,9 @@ def test_redis_sweep_drops_dead_store_records_and_publish_drops_dead_owners(redi
         ("redis://:hunter2@10.0.0.5:6379/1", "redis://:***@10.0.0.5:6379/1"),
         ("rediss://svc:p%40ss@redis.example:6380/0", "rediss://svc:***@redis.example:6380/0"),
         ("redis://only-user@h:1/0", "redis://only-user@h:1/0"),
+        ("redis://:pa/ss#w@rd@h:1/0", "redis://:***@h:1/0"),  # unescaped, up to the last @
+        ("redis://h:6379/0?password=pw&db=1", "redis://h:6379/0?password=***&db=1"),
+        ("127.0.0.1:7500", "127.0.0.1:7500"),  # a gRPC registry address: nothing to hide
     ],
 )
 def test_a_password_in_the_redis_url_is_never_shown(url, shown):

@@ -317,6 +317,35 @@ def test_an_exception_between_a_request_and_its_answer_closes_the_channel():
         server.close()
 
 
+def test_the_error_of_another_request_is_not_taken_as_this_ones():
+    """An ERROR that answers an earlier request (sent with send_many, its answer not read)
+    arrives while a later request waits: a protocol error that closes the channel, not a
+    RequestError for the later request (whose own answer would then wait unread)."""
+    from tiersync.errors import RemoteError
+    from tiersync.net.errors import ProtocolError
+    from tiersync.net.service import Service
+    from tiersync.net.vocab import Vocabulary
+
+    class Picky(Service):
+        vocabulary = Vocabulary("picky", {}, include=(ev.CORE,))
+
+        def handle(self, session, event):
+            if event.token == 1:
+                raise RemoteError("token 1 refused")
+            return [ev.Pong(event.request_id, event.token)]
+
+    transport = TcpTransport(TcpConfig(token=TOKEN), Picky.vocabulary)
+    server = transport.serve("127.0.0.1:0", Picky())
+    try:
+        ch = transport.connect(server.address)
+        ch.send_many([ev.Ping(ch.new_request_id(), 1)])
+        with pytest.raises(ProtocolError, match="out-of-turn ERROR"):
+            ch.request(ev.Ping(ch.new_request_id(), 2), timeout=10)
+        assert ch.closed
+    finally:
+        server.close()
+
+
 # -- builds with and without the native checksum talk to each other -------------------------------
 _FALLBACK_PEER = r"""
 import sys

@@ -25,10 +25,12 @@ from tiersync.net.frames import SUPPORTED, Op, PayloadChecksum
 from tiersync.net.states import HANDSHAKE, Direction, Role, State, then
 from tiersync.net.vocab import Vocabulary
 
-__all__ = ["Ledger"]
+__all__ = ["MIN_PEER_FRAME", "Ledger"]
 
 _S, _R = Direction.SEND, Direction.RECV
 _LOCAL = frozenset(int(a) for a in SUPPORTED)
+MIN_PEER_FRAME = 4096
+"""The least ``max_frame_size`` a peer may state in its HELLO or READY (0: not stated)."""
 
 
 class Ledger:
@@ -146,11 +148,18 @@ class Ledger:
         return False
 
     def _negotiate(self, op: enum.IntEnum, event: object) -> None:
+        if op in (Op.HELLO, Op.READY):
+            limit = cast("Hello | Ready", event).max_frame
+            if 0 < limit < MIN_PEER_FRAME:  # each pull would be cut into countless tiny ones
+                raise ProtocolError(
+                    "peer's max_frame_size is below the least accepted",
+                    fault=ProtocolFault.MALFORMED,
+                    max_frame=limit,
+                    least=MIN_PEER_FRAME,
+                )
+            self.peer_max_frame = limit
         if op is Op.HELLO:
             self.offered = cast(Hello, event).checksums
-            self.peer_max_frame = cast(Hello, event).max_frame
-        elif op is Op.READY:
-            self.peer_max_frame = cast(Ready, event).max_frame
         elif op is Op.CHALLENGE:
             picked = cast(Challenge, event).checksum
             if picked not in self.offered:

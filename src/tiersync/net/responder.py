@@ -191,15 +191,16 @@ class Responder:
 
 
 def _encode(conn: Connection, answer: ev.Event) -> list[bytes | memoryview]:
-    """``answer``'s frames; an answer the connection refuses (UsageError, e.g. a DATA larger than
-    the client accepts) goes out as an ERROR to its request instead (nothing of it was sent)."""
+    """``answer``'s frames; a DATA the connection refuses (UsageError: larger than the client
+    accepts) goes out as an ERROR to its request instead (nothing of it was sent; a DATA is its
+    request's last answer). Any other refused answer raises: the session ends (and its leases
+    with it)."""
     try:
         return conn.send(answer)
     except UsageError as exc:
-        rid = getattr(answer, "request_id", 0)
-        if not rid:
+        if not isinstance(answer, ev.Data):
             raise
-        return conn.send(ev.Error(rid, ev.ErrorCode.BAD_REQUEST, exc.message[:512]))
+        return conn.send(ev.Error(answer.request_id, ev.ErrorCode.BAD_REQUEST, exc.message[:512]))
 
 
 _local = threading.local()

@@ -333,14 +333,13 @@ class TcpChannel(Channel):
     def _check_answer(self, request_id: int, event: object) -> object:
         if isinstance(event, ev.ConnectionClosed):
             raise PeerClosedError("peer closed the connection", peer=self.peer)
+        if isinstance(event, ev.Error) and event.request_id == 0:
+            raise PeerClosedError(f"peer ended the connection: {event.message}", peer=self.peer)
+        if getattr(event, "request_id", None) != request_id:  # a request, or the ERROR of another request
+            why = "peer sent a request on a client channel" if not isinstance(event, ev.Error) else "out-of-turn ERROR"
+            raise ProtocolError(why, fault=ProtocolFault.UNEXPECTED, peer=self.peer, request_id=request_id)
         if isinstance(event, ev.Error):
-            if event.request_id == 0:
-                raise PeerClosedError(f"peer ended the connection: {event.message}", peer=self.peer)
             raise RequestError(event.message or "request failed", code=event.code, peer=self.peer)
-        if getattr(event, "request_id", None) != request_id:
-            raise ProtocolError(
-                "peer sent a request on a client channel", fault=ProtocolFault.UNEXPECTED, peer=self.peer
-            )
         return event
 
     def _check_open(self) -> None:

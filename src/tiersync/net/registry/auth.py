@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import hmac
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,7 @@ __all__ = ["METADATA_KEY", "WINDOW_S", "Replays", "check_proof", "proof"]
 METADATA_KEY = "tiersync-auth"
 WINDOW_S = 300.0
 """How far a proof's time may be from the server's clock (hosts' clocks differ a little)."""
+log = logging.getLogger(__name__)
 _TAG = b"tiersync-registry-v1"
 _MAX_PROOF = 160  # "v1:" + 13-20 digits + 32 + 64 hex and separators
 
@@ -50,7 +52,9 @@ def proof(token: bytes, method: str, payload: bytes, *, now: float | None = None
 class Replays:
     """The proofs a server took within the window: each is taken once. At most ``cap`` are
     kept; past that the oldest is dropped and no proof as old as it is taken any more (the
-    window shrinks under load instead of letting a dropped proof be replayed)."""
+    window shrinks under load instead of letting a dropped proof be replayed; logged once).
+    The record is this process's: a restarted registry, or a second one on the same Redis,
+    has its own."""
 
     def __init__(self, window_s: float = WINDOW_S, cap: int = 1 << 18) -> None:
         self._window_ms, self._cap = int(window_s * 1000), cap
@@ -73,6 +77,10 @@ class Replays:
             if len(self._heap) > self._cap:
                 oldest, dropped = heapq.heappop(self._heap)
                 self._seen.discard(dropped)
+                if self._floor < 0:
+                    log.warning(
+                        "over %d registry calls within the window: older proofs are refused from now", self._cap
+                    )
                 self._floor = max(self._floor, oldest)
 
 
@@ -93,10 +101,10 @@ def check_proof(
     parts = value.split(":") if len(value) <= _MAX_PROOF else []
     if len(parts) != 4 or parts[0] != "v1" or not (parts[1].isascii() and parts[1].isdigit()) or len(parts[2]) != 32:
         raise AuthError("malformed registry token proof", peer=peer)
-    millis = int(parts[1])
-    if abs(time.time() - millis / 1000) > window_s:
+    millis, now = int(parts[1]), time.time()
+    if abs(now - millis / 1000) > window_s:
         raise AuthError("registry token proof outside the time window (clock skew or a replay)", peer=peer)
     if not hmac.compare_digest(parts[3].encode(), _mac(token, method, millis, parts[2], payload).encode()):
         raise AuthError("registry token proof does not match (wrong token)", peer=peer)
     if replays is not None:  # only a proof that checked is recorded: junk cannot fill the record
-        replays.take(millis, parts[2], peer=peer)
+        replays.take(millis, parts[2], peer=peer, now=now)

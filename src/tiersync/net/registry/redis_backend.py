@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -32,13 +32,15 @@ log = logging.getLogger(__name__)
 
 
 def shown_url(url: str) -> str:
-    """``url`` as logs and errors show it: a password in it replaced by ``***``."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    user = f"{parts.username}:***" if parts.username else ":***"
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+    """``url`` as logs and errors show it: a password in it (``user:password@`` up to the last
+    ``@``, unescaped characters included, or a ``password=`` query parameter) replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        userinfo, at, host = rest.rpartition("@")
+        if at and ":" in userinfo:
+            rest = f"{userinfo.partition(':')[0]}:***@{host}"
+        url = f"{scheme}{sep}{rest}"
+    return re.sub(r"([?&]password=)[^&]*", r"\1***", url, flags=re.IGNORECASE)
 
 
 _T = TypeVar("_T")
