@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from tiersync.weights.segment import SEGMENT_PREFIX, SegmentPool, SegmentWriter, reclaim_stale
+from tiersync.weights.segment import HEADER_BYTES, SEGMENT_PREFIX, SegmentPool, SegmentWriter, reclaim_stale
 
 _WRITER = """
 import os, sys
@@ -86,3 +87,39 @@ def test_a_closed_writer_unlinks_and_drops_its_lock(tmp_path):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the writer's lock is gone
     finally:
         os.close(fd)
+
+
+_NO_ROOM = r"""
+import os, sys
+from tiersync.errors import CapacityError
+from tiersync.weights.segment import HEADER_BYTES, SegmentWriter
+try:
+    seg = SegmentWriter(os.path.join(sys.argv[1], "tiersync-wseg-full"), 4 << 20)
+    seg.region(HEADER_BYTES, 4 << 20)[:] = 1  # the trainer writing a version
+    print("written")
+except CapacityError as exc:
+    print("refused", exc.requested, os.listdir(sys.argv[1]))
+"""
+
+
+def test_a_segment_without_room_is_refused_before_any_write(tmp_path):
+    """A /dev/shm without room for the shard (here a 1 MiB tmpfs of its own, in a user and mount
+    namespace) refuses the segment at creation (CapacityError, nothing left behind): before, the
+    file was sparse and the trainer's first write to a page past the room was a SIGBUS."""
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare, "-rm", "true"], check=False, capture_output=True, text=True) if unshare else None
+    if probe is None or probe.returncode:
+        pytest.skip(f"cannot make a user and mount namespace here: {probe.stderr.strip() if probe else 'no unshare'}")
+    mount, script = tmp_path / "shm", tmp_path / "no_room.py"
+    mount.mkdir()
+    script.write_text(_NO_ROOM)
+    cmd = 'mount -t tmpfs -o size=1m none "$1" && exec "$2" "$3" "$1"'
+    run = subprocess.run(
+        [unshare, "-rm", "sh", "-c", cmd, "sh", str(mount), sys.executable, str(script)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])  # -7 was the SIGBUS
+    assert run.stdout.split() == ["refused", str(HEADER_BYTES + (4 << 20)), "[]"]

@@ -28,6 +28,7 @@ import numpy.typing as npt
 
 from tiersync.errors import ClosedError, IntegrityError, UsageError
 from tiersync.tiers.shm import pid_alive
+from tiersync.tiers.shm_format import NO_ROOM, os_failure
 
 __all__ = [
     "HEADER_BYTES",
@@ -102,6 +103,18 @@ def reclaim_stale(directory: str) -> list[str]:
     return gone
 
 
+def _reserve(fd: int, path: str, size: int) -> None:
+    """Reserve the segment's pages now: a file system without room fails here (CapacityError),
+    not with SIGBUS when the trainer first writes a page (a /dev/shm smaller than the shard, or
+    filled by the versions zero-copy samplers still hold)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in NO_ROOM:
+            raise os_failure(exc, path, "size", requested=size) from exc
+        # a file system without fallocate: its pages come on first touch, as before
+
+
 class SegmentWriter:
     """Creates and owns ``path`` (``payload_bytes`` after the header); unlinks it on close."""
 
@@ -113,6 +126,7 @@ class SegmentWriter:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held while the segment lives: reclaim_stale leaves it
             os.ftruncate(fd, HEADER_BYTES + payload_bytes)
+            _reserve(fd, path, HEADER_BYTES + payload_bytes)
             self._map: mmap.mmap | None = mmap.mmap(fd, HEADER_BYTES + payload_bytes)
         except BaseException:
             os.close(fd)
