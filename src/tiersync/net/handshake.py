@@ -18,9 +18,10 @@ from tiersync.net import auth
 from tiersync.net import events as ev
 from tiersync.net.errors import AuthError, PeerClosedError, ProtocolError
 from tiersync.net.frames import negotiate
-from tiersync.net.local import host_identity
+from tiersync.net.local import host_identity, same_host
 from tiersync.net.protocol import Connection
 from tiersync.net.service import PeerInfo
+from tiersync.net.socket_io import peer_ip
 
 if TYPE_CHECKING:
     from tiersync.net.socket_io import Deadline, FramedSocket
@@ -47,7 +48,7 @@ def client_handshake(framed: FramedSocket, token: bytes | None, node_id: str, de
         raise AuthError("server failed to prove the shared token", peer=framed.peer)
     framed.write(ev.Auth(auth.client_proof(token, nonce, challenge.nonce)), deadline)
     ready = _expect(framed, ev.Ready, deadline)
-    return PeerInfo("", ready.host, ready.pid, bool(ready.host) and ready.host == host_identity(), ready.max_frame)
+    return PeerInfo("", ready.host, ready.pid, same_host(ready.host, peer_ip(framed.sock)), ready.max_frame)
 
 
 def _expect(framed: FramedSocket, kind: type[_E], deadline: Deadline) -> _E:
@@ -69,8 +70,8 @@ class ServerHandshake:
     send the frames, then close.
     """
 
-    def __init__(self, conn: Connection, token: bytes | None, session_id: int) -> None:
-        self.conn, self.token, self.session_id = conn, token, session_id
+    def __init__(self, conn: Connection, token: bytes | None, session_id: int, peer_ip: str = "") -> None:
+        self.conn, self.token, self.session_id, self.peer_ip = conn, token, session_id, peer_ip
         self._hello: ev.Hello | None = None
         self._nonce = b""
         self.done = False
@@ -89,7 +90,7 @@ class ServerHandshake:
         if not auth.proof_ok(auth.client_proof(self.token, hello.nonce, self._nonce), event.proof):
             return self._refuse("bad token proof")
         self.done = True
-        same = bool(hello.host) and hello.host == host_identity()
+        same = same_host(hello.host, self.peer_ip)
         self.info = PeerInfo(hello.node_id, hello.host, hello.pid, same, hello.max_frame)
         return self.conn.send(ev.Ready(self.session_id, host_identity(), os.getpid(), self.conn.config.max_frame_size))
 

@@ -19,6 +19,7 @@ import errno
 import functools
 import os
 import secrets
+import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -40,6 +41,7 @@ __all__ = [
     "read_remote",
     "read_summed",
     "read_summed_at",
+    "same_host",
 ]
 
 IOV_MAX = 1024
@@ -73,6 +75,28 @@ def host_identity() -> str:
         return f"{boot}/{os.readlink('/proc/self/ns/pid')}/{os.readlink('/proc/self/ns/net')}"
     except OSError:
         return f"unknown-{secrets.token_hex(16)}"
+
+
+def same_host(reported: str, peer_ip: str) -> bool:
+    """Whether a peer is on this host: it reported this host's identity (:func:`host_identity`)
+    **and** its connection comes from an address of this host (loopback, or one this host's
+    network namespace can bind). The identity alone is a string a peer can repeat: a remote
+    peer that learned it (it travels in HELLO and READY) would otherwise be let read, and be
+    read from, this host's processes."""
+    return bool(reported) and reported == host_identity() and _local_ip(peer_ip)
+
+
+def _local_ip(ip: str) -> bool:
+    if not ip or ip in ("0.0.0.0", "::"):  # a wildcard would bind anywhere
+        return False
+    if ip.startswith("::ffff:") and "." in ip:
+        ip = ip[7:]  # an IPv4 peer on a dual-stack socket
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((ip, 0))  # only an address of this host binds
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def buffer_address(buf: object) -> tuple[int, int]:

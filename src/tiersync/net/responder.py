@@ -23,7 +23,7 @@ from tiersync.net.errors import ProtocolError
 from tiersync.net.handshake import ServerHandshake
 from tiersync.net.protocol import NEED_DATA, Connection, Role
 from tiersync.net.service import PeerInfo, Service, Session
-from tiersync.net.socket_io import Deadline, write_nonblocking
+from tiersync.net.socket_io import Deadline, peer_ip, write_nonblocking
 from tiersync.net.vocab import Vocabulary
 
 __all__ = ["Responder", "ServerSession"]
@@ -48,7 +48,7 @@ class ServerSession(Session):
         self._end, self._config, self.sock, self.peer, self.session_id = end, config, sock, peer, session_id
         self.conn = Connection(Role.SERVER, config.protocol, vocabulary)
         token = cast("bytes | None", config.token)  # TcpConfig coerced it to bytes
-        self.hs = ServerHandshake(self.conn, token, session_id)
+        self.hs = ServerHandshake(self.conn, token, session_id, peer_ip(sock))
         self.info = PeerInfo("", "", 0, False)
         self.lock = threading.Lock()  # the Connection's state
         self.wlock = threading.Lock()  # writes to the socket

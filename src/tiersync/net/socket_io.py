@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from tiersync.net.config import TcpConfig
     from tiersync.net.events import Event
 
-__all__ = ["Deadline", "FramedSocket", "io_errors", "tune", "write_nonblocking"]
+__all__ = ["Deadline", "FramedSocket", "io_errors", "peer_ip", "tune", "write_nonblocking"]
 
 try:  # the receive fast path (GIL released); without it every frame takes the reference path
     from tiersync.net import _wire
@@ -99,6 +99,14 @@ def _send_native(sock: socket.socket, bufs: list[bytes | memoryview], deadline: 
             _raise_io(OSError(err, os.strerror(err)), deadline.peer)
         rest: list[bytes | memoryview] = [*consume(byte_views(bufs), sent)]  # the deadline decides next turn
         bufs = rest
+
+
+def peer_ip(sock: socket.socket) -> str:
+    """The IP ``sock`` is connected to ("" once it no longer is)."""
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:
+        return ""
 
 
 def tune(sock: socket.socket, cfg: TcpConfig) -> None:
