@@ -170,15 +170,15 @@ def test_answering_an_unknown_request_or_reusing_an_id_is_usage_error():
 
 
 def test_sending_an_oversize_frame_is_usage_error():
-    cfg = ProtocolConfig(max_frame_size=1024, max_meta_size=512)
+    cfg = ProtocolConfig(max_frame_size=4096, max_meta_size=512)
     client, server = Connection(Role.CLIENT, cfg), Connection(Role.SERVER, cfg)
     deliver(client, server, ev.Hello("a", b"n" * 16))
     deliver(server, client, ev.Challenge(b"s" * 16, b""))
     deliver(client, server, ev.Auth(b""))
     deliver(server, client, ev.Ready(1))
-    deliver(client, server, so.Pull(1, 1, b"k" * 16, 0, 2000))
+    deliver(client, server, so.Pull(1, 1, b"k" * 16, 0, 5000))
     with pytest.raises(UsageError):
-        server.send(ev.Data(1, bytes(2000)))
+        server.send(ev.Data(1, bytes(5000)))
 
 
 @pytest.mark.parametrize("side", ["client", "server"])
@@ -325,6 +325,8 @@ def test_event_fields_are_validated_at_construction():
         ev.Ping(-1)
     with pytest.raises(UsageError):
         ProtocolConfig(max_frame_size=0)
+    with pytest.raises(UsageError, match="at least 4096"):
+        ProtocolConfig(max_frame_size=4095, max_meta_size=1024)
 
 
 def test_local_reply_regions_travel_as_one_array_and_are_checked():

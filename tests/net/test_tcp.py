@@ -346,6 +346,42 @@ def test_the_error_of_another_request_is_not_taken_as_this_ones():
         server.close()
 
 
+def test_a_server_that_refuses_same_host_reads_gets_them_over_tcp():
+    """The client counts the server as on this host, the server does not (NAT, a redirect):
+    its UNSUPPORTED answers to PULL_LOCAL (two groups in flight) make route AUTO fall back to
+    TCP for this channel, byte-exact, instead of failing the pull."""
+    from tiersync.net.service import Service
+    from tiersync.net.tcp import Route
+
+    blocks = {bytes([i]) * 16: os.urandom(1 << 20) for i in range(6)}
+    inner = MemoryBlockSource(blocks)
+
+    class NotSameHost(Service):
+        vocabulary = inner.vocabulary
+
+        def handle(self, session, event):
+            if isinstance(event, so.PullLocal):
+                return [ev.Error(event.request_id, ev.ErrorCode.UNSUPPORTED, "PULL_LOCAL from another host")]
+            return inner.handle(session, event)
+
+        def closed(self, session):
+            inner.closed(session)
+
+    transport = TcpTransport(TcpConfig(token=TOKEN, route=Route.AUTO))
+    server = transport.serve("127.0.0.1:0", NotSameHost())
+    try:
+        ch = transport.connect(server.address)
+        assert ch.local_route()
+        lease = ch.request(so.ReadLease(ch.new_request_id(), tuple(blocks), ttl_s=60)).lease_id
+        dests = {k: memoryview(bytearray(len(v))) for k, v in blocks.items()}
+        ch.pull_many(lease, [(k, 0, d) for k, d in dests.items()], window=4)
+        assert all(bytes(dests[k]) == v for k, v in blocks.items())
+        assert not ch.local_route() and not ch.closed
+        ch.close()
+    finally:
+        server.close()
+
+
 # -- builds with and without the native checksum talk to each other -------------------------------
 _FALLBACK_PEER = r"""
 import sys

@@ -62,3 +62,17 @@ def test_a_samplers_answers_are_kept_for_recent_versions_only(publisher):
         assert sorted(sampler.acks) == list(range(201 - _KEPT_ACKS, 201))
     finally:
         channel.close()
+
+
+@pytest.mark.parametrize(
+    ("peer", "granted"),
+    [("127.0.0.1:5000", True), ("[::1]:5000", True), ("198.51.100.7:5000", False), ("not an address", False)],
+)
+def test_shared_memory_needs_a_connection_from_this_host(peer, granted):
+    """A sampler's host id is in every manifest, so a remote one could repeat it: shared memory
+    (and zero-copy holds on /dev/shm) also needs its connection to come from this host."""
+    from types import SimpleNamespace
+
+    from tiersync.weights.sampler_registry import _from_this_host
+
+    assert _from_this_host(SimpleNamespace(peer=peer)) is granted

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tiersync.weights.segment import HEADER_BYTES, SEGMENT_PREFIX, SegmentPool, SegmentWriter, reclaim_stale
+from tiersync.weights.segment import SEGMENT_PREFIX, SegmentPool, SegmentWriter, reclaim_stale
 
 _WRITER = """
 import os, sys
@@ -91,21 +91,24 @@ def test_a_closed_writer_unlinks_and_drops_its_lock(tmp_path):
 
 _NO_ROOM = r"""
 import os, sys
+import numpy as np
 from tiersync.errors import CapacityError
-from tiersync.weights.segment import HEADER_BYTES, SegmentWriter
+from tiersync.weights import Mesh, PublisherConfig, Sharding, WeightPublisher
+tensors = {"w": np.ones((1024, 1024), np.float32)}  # 4 MiB: more than the 1 MiB /dev/shm
 try:
-    seg = SegmentWriter(os.path.join(sys.argv[1], "tiersync-wseg-full"), 4 << 20)
-    seg.region(HEADER_BYTES, 4 << 20)[:] = 1  # the trainer writing a version
+    pub = WeightPublisher(tensors, Sharding(Mesh((1,), ("fsdp",)), ("fsdp",)), config=PublisherConfig(shm_dir=sys.argv[1]))
+    pub.publish(1).result(30)  # the trainer writing a version
     print("written")
 except CapacityError as exc:
-    print("refused", exc.requested, os.listdir(sys.argv[1]))
+    print("refused", exc.requested >= 4 << 20, os.listdir(sys.argv[1]))
 """
 
 
 def test_a_segment_without_room_is_refused_before_any_write(tmp_path):
     """A /dev/shm without room for the shard (here a 1 MiB tmpfs of its own, in a user and mount
-    namespace) refuses the segment at creation (CapacityError, nothing left behind): before, the
-    file was sparse and the trainer's first write to a page past the room was a SIGBUS."""
+    namespace): the publisher is refused at construction (CapacityError, nothing left behind);
+    before, the segment was a sparse file and the trainer's first write to a page past the room
+    was a SIGBUS."""
     unshare = shutil.which("unshare")
     probe = subprocess.run([unshare, "-rm", "true"], check=False, capture_output=True, text=True) if unshare else None
     if probe is None or probe.returncode:
@@ -122,4 +125,4 @@ def test_a_segment_without_room_is_refused_before_any_write(tmp_path):
         timeout=60,
     )
     assert run.returncode == 0, (run.returncode, run.stderr[-2000:])  # -7 was the SIGBUS
-    assert run.stdout.split() == ["refused", str(HEADER_BYTES + (4 << 20)), "[]"]
+    assert run.stdout.split() == ["refused", "True", "[]"]

@@ -161,7 +161,7 @@ def _told(channel: TcpChannel, answer: object, told: list[int], num_layers: int)
 
 def _frame_room(channel: TcpChannel, config: DisaggConfig) -> int:
     """The most one pull may ask for: both ends' ``max_frame_size`` (the producer's from the
-    handshake, at least MIN_PEER_FRAME; a DATA answer has no metadata). A producer configured
+    handshake, at least ``MIN_FRAME_SIZE``; a DATA answer has no metadata). A producer configured
     lower than this consumer gets smaller pulls instead of refusing them."""
     return min(channel.info.max_frame or config.protocol.max_frame_size, config.protocol.max_frame_size)
 

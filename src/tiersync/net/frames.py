@@ -149,6 +149,11 @@ class Op(enum.IntEnum):
     LOCAL_REPLY = 26
 
 
+MIN_FRAME_SIZE = 4096
+"""The least ``max_frame_size``: of a config here, and of what a peer states in HELLO/READY (a
+hostile few bytes would cut every pull into countless pieces)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ProtocolConfig:
     """Bounds of what a :class:`~tiersync.net.protocol.Connection` accepts.
@@ -156,7 +161,8 @@ class ProtocolConfig:
     ``max_frame_size``: largest metadata + payload of one frame (bytes).
     ``max_meta_size``: largest metadata of one frame. ``max_keys``: most keys in one
     OFFER / READ_LEASE. ``max_string``: longest string field (bytes, UTF-8).
-    Raises :class:`UsageError` when a bound is not positive or meta > frame.
+    Raises :class:`UsageError` when a bound is not positive, meta > frame, or the frame is
+    below :data:`MIN_FRAME_SIZE` (the least a peer may state in the handshake).
     """
 
     max_frame_size: int = 64 << 20
@@ -167,6 +173,8 @@ class ProtocolConfig:
     def __post_init__(self) -> None:
         for name in ("max_frame_size", "max_meta_size", "max_keys", "max_string"):
             check_positive_int(getattr(self, name), name)
+        if self.max_frame_size < MIN_FRAME_SIZE:
+            raise UsageError(f"must be at least {MIN_FRAME_SIZE}", argument="max_frame_size", value=self.max_frame_size)
         if self.max_meta_size > self.max_frame_size:
             raise UsageError("must not exceed max_frame_size", argument="max_meta_size")
         if self.max_meta_size >= 1 << 32:

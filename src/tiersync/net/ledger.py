@@ -21,16 +21,14 @@ from typing import cast
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.events import Challenge, Hello, Ready
-from tiersync.net.frames import SUPPORTED, Op, PayloadChecksum
+from tiersync.net.frames import MIN_FRAME_SIZE, SUPPORTED, Op, PayloadChecksum
 from tiersync.net.states import HANDSHAKE, Direction, Role, State, then
 from tiersync.net.vocab import Vocabulary
 
-__all__ = ["MIN_PEER_FRAME", "Ledger"]
+__all__ = ["Ledger"]
 
 _S, _R = Direction.SEND, Direction.RECV
 _LOCAL = frozenset(int(a) for a in SUPPORTED)
-MIN_PEER_FRAME = 4096
-"""The least ``max_frame_size`` a peer may state in its HELLO or READY (0: not stated)."""
 
 
 class Ledger:
@@ -150,12 +148,12 @@ class Ledger:
     def _negotiate(self, op: enum.IntEnum, event: object) -> None:
         if op in (Op.HELLO, Op.READY):
             limit = cast("Hello | Ready", event).max_frame
-            if 0 < limit < MIN_PEER_FRAME:  # each pull would be cut into countless tiny ones
+            if 0 < limit < MIN_FRAME_SIZE:  # each pull would be cut into countless tiny ones
                 raise ProtocolError(
                     "peer's max_frame_size is below the least accepted",
                     fault=ProtocolFault.MALFORMED,
                     max_frame=limit,
-                    least=MIN_PEER_FRAME,
+                    least=MIN_FRAME_SIZE,
                 )
             self.peer_max_frame = limit
         if op is Op.HELLO:

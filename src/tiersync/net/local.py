@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import ipaddress
 import os
 import secrets
 import socket
@@ -38,6 +39,7 @@ __all__ = [
     "buffer_address",
     "can_read",
     "host_identity",
+    "local_address",
     "read_remote",
     "read_summed",
     "read_summed_at",
@@ -83,20 +85,29 @@ def same_host(reported: str, peer_ip: str) -> bool:
     network namespace can bind). The identity alone is a string a peer can repeat: a remote
     peer that learned it (it travels in HELLO and READY) would otherwise be let read, and be
     read from, this host's processes."""
-    return bool(reported) and reported == host_identity() and _local_ip(peer_ip)
+    return bool(reported) and reported == host_identity() and local_address(peer_ip)
 
 
-def _local_ip(ip: str) -> bool:
-    if not ip or ip in ("0.0.0.0", "::"):  # a wildcard would bind anywhere
-        return False
-    if ip.startswith("::ffff:") and "." in ip:
-        ip = ip[7:]  # an IPv4 peer on a dual-stack socket
+def local_address(ip: str) -> bool:
+    """Whether ``ip`` (as ``getpeername`` gives it) is an address of this host: loopback, or
+    one the kernel routes to itself (a UDP ``connect`` picks it as its own source; no packet is
+    sent, and unlike a ``bind`` test it holds with ``ip_nonlocal_bind``). A link-local IPv6
+    address (its scope is not in the string) counts as not local: the safe side."""
+    ip = ip[7:] if ip.startswith("::ffff:") and "." in ip else ip  # IPv4 on a dual-stack socket
     try:
-        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind((ip, 0))  # only an address of this host binds
-    except (OSError, ValueError):
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
         return False
-    return True
+    if addr.is_loopback:
+        return True
+    if addr.is_unspecified or addr.is_link_local:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))
+            return ipaddress.ip_address(s.getsockname()[0]) == addr
+    except OSError:
+        return False
 
 
 def buffer_address(buf: object) -> tuple[int, int]:

@@ -9,6 +9,7 @@ A batch of pulls is cut into requests by :mod:`tiersync.net.pull_plan`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import socket
 import threading
@@ -142,11 +143,10 @@ class TcpChannel(Channel):
         """Pull ``(key, offset, dest)`` items under ``lease_id``, keeping ``window`` requests in
         flight on this one connection so the round trip of one hides behind the next.
 
-        Each payload lands straight in its ``dest`` (exact size); items under 4 MiB travel grouped, one
-        PULL_MANY per about 4 MiB (``GROUP_LIMIT``, at most both ends' ``max_frame_size``) whose single DATA answer
-        is scattered into their buffers. One deadline covers the whole batch. Raises like :meth:`request`
-        (an ERROR answer raises RequestError after the channel is closed: later answers are in flight).
-        """
+        Each payload lands in its ``dest`` (exact size); items under 4 MiB travel in PULL_MANYs of about
+        4 MiB (``GROUP_LIMIT``, within both ends' ``max_frame_size``), each one DATA scattered into their
+        buffers. One deadline covers the batch. Raises like :meth:`request` (an ERROR answer raises
+        RequestError after the channel is closed: later answers are in flight)."""
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise UsageError("must be >= 1", argument="window", value=window)
         if self.local_route():
@@ -163,16 +163,13 @@ class TcpChannel(Channel):
         idle: float | None = None,
         landed: Callable[[int, object], None] | None = None,
     ) -> None:
-        """Send ``(request, destination)`` pairs keeping ``window`` requests in flight. A request
-        with a destination (a buffer or a list of buffers, exact size, or a :class:`Later` that
-        gives one when its answer is next) is answered by one DATA landing in place; one with
-        ``None`` by any answer its vocabulary allows.
-        ``landed(request_id, answer)`` runs after each answer was received and verified, in
-        order (``answer`` None for a DATA that landed), before the next answer is read. One
-        deadline covers the whole batch; ``idle`` (seconds) also bounds each send and each receive
-        of DATA answers (at most half a window): a peer that stops answering is noticed then (an
-        answer that is not a DATA, a service's own wait, may take until the deadline). Raises
-        like :meth:`pull_many` (an exception from ``landed`` closes the channel too)."""
+        """Send ``(request, destination)`` pairs keeping ``window`` requests in flight. A request with
+        a destination (buffer(s) of the exact size, or a :class:`Later` giving them when its answer is
+        next) is answered by one DATA landing in place; one with ``None`` by any answer its vocabulary
+        allows. ``landed(request_id, answer)`` runs after each answer was received and verified, in
+        order (``answer`` None for a landed DATA). One deadline covers the batch; ``idle`` (seconds)
+        also bounds each send and each receive of DATA answers (a service's own wait may take until
+        the deadline). Raises like :meth:`pull_many` (an exception from ``landed`` closes the channel)."""
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise UsageError("must be >= 1", argument="window", value=window)
         if idle is not None and (isinstance(idle, bool) or not isinstance(idle, (int, float)) or not idle > 0):
@@ -228,13 +225,9 @@ class TcpChannel(Channel):
         host (UsageError when the route is LOCAL and it is not), and no same-host read was
         refused yet (:meth:`local_refused`)."""
         route = self._framed.cfg.route
-        if route is Route.TCP or self._local_failed:
-            return False
-        if not self.info.same_host:
-            if route is Route.LOCAL:
-                raise UsageError("route is LOCAL but the server is on another host", argument="route", peer=self.peer)
-            return False
-        return True
+        if route is Route.LOCAL and not self.info.same_host:
+            raise UsageError("route is LOCAL but the server is on another host", argument="route", peer=self.peer)
+        return route is not Route.TCP and not self._local_failed and self.info.same_host
 
     def _pull_local(self, lease_id: int, items: Iterable[tuple[bytes, int, object]], timeout: float | None) -> None:
         """PULL_LOCAL, then copy every range out of the server's memory (a map of it where offered,
@@ -247,24 +240,26 @@ class TcpChannel(Channel):
         asked: list[int] = []
         for i, group in enumerate(groups):
             while len(asked) < min(i + 2, len(groups)):
-                req = so.PullLocal(
-                    self.new_request_id(), lease_id, tuple((k, o, len(v)) for k, o, v in groups[len(asked)])
-                )
+                wanted = tuple((k, o, len(v)) for k, o, v in groups[len(asked)])
+                asked.append((req := so.PullLocal(self.new_request_id(), lease_id, wanted)).request_id)
                 self.send(req, timeout=deadline.remaining())
-                asked.append(req.request_id)
-            reply = self.next_answer(asked[i], timeout=deadline.remaining())
             try:
-                self.local_copy(reply, [v for _, _, v in group])
-            except LocalReadError as exc:
-                for rid in asked[i + 1 :]:  # answers still in flight
-                    self.next_answer(rid, timeout=deadline.remaining())
-                self.local_refused(exc)
+                self.local_copy(self.next_answer(asked[i], timeout=deadline.remaining()), [v for _, _, v in group])
+            except (LocalReadError, RequestError) as exc:
+                refused = _refusal(exc, self.peer)  # the server may not count us as same-host (NAT)
+                if refused is None:
+                    if asked[i + 1 :]:  # answers still in flight nobody would read
+                        self._shut()
+                    raise
+                for rid in asked[i + 1 :]:  # answers still in flight (refused too, or not)
+                    with contextlib.suppress(RequestError):
+                        self.next_answer(rid, timeout=deadline.remaining())
+                self.local_refused(refused)
                 return self.pull_many(lease_id, [x for g in groups[i:] for x in g], timeout=deadline.remaining())
         return None
 
     def local_copy(self, reply: object, dests: list[memoryview]) -> None:
-        """Land a LOCAL_REPLY's regions in ``dests``, verified (:func:`~tiersync.net.samehost.local_copy`
-        on this channel's ``local_threads``)."""
+        """Land a LOCAL_REPLY's regions in ``dests``, verified (:func:`~tiersync.net.samehost.local_copy`)."""
         local_copy(reply, dests, self.peer, self._framed.cfg.local_threads, self._maps)
 
     def local_copy_at(self, reply: object, dest: np.ndarray, offsets: np.ndarray) -> None:
@@ -325,8 +320,7 @@ class TcpChannel(Channel):
                 raise
 
     def _answer(self, request_id: int, deadline: Deadline, *, data: bool = False) -> object:
-        """The next event as the answer to ``request_id`` (``data``: a DATA into a registered buffer
-        is expected, so the fast receive path may take it); raises for anything else."""
+        """The next event as the answer to ``request_id`` (``data``: a DATA into a registered buffer)."""
         event = self._framed.read_data([request_id], deadline)[0] if data else self._framed.read(deadline)
         return self._check_answer(request_id, event)
 
@@ -360,6 +354,13 @@ class TcpChannel(Channel):
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def _refusal(exc: LocalReadError | RequestError, peer: str) -> LocalReadError | None:
+    """A refused same-host read as a LocalReadError (the server's UNSUPPORTED too), else None."""
+    if isinstance(exc, LocalReadError):
+        return exc
+    return LocalReadError(exc.message, peer=peer) if exc.code is ev.ErrorCode.UNSUPPORTED else None
 
 
 class TcpTransport(Transport):

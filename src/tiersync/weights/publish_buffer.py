@@ -50,6 +50,12 @@ class PublishBuffer:
         self._sums = PieceSums(len(sizes))
         if pool is not None:
             self._store = self._segment_store(pool, -1, set())
+            try:
+                _current(pool).reserve()
+            except BaseException:  # no room: the publisher is not made, and leaves no file behind
+                self._store = np.zeros(0, np.uint8)
+                pool.close()
+                raise
         else:
             self._store = np.zeros(payload, np.uint8)
 
@@ -79,6 +85,8 @@ class PublishBuffer:
                 self._store = self._segment_store(self._pool, version, holders)
                 _current(self._pool).begin(version)
             self._current = version
+        if self._pool is not None:  # a new segment's pages, outside the lock: seconds for gigabytes
+            _current(self._pool).reserve()
 
     def write(self, i: int, src: np.ndarray) -> None:
         """Copy tensor ``i``'s bytes ``src`` in (summing its pieces on the way); GETs of it are

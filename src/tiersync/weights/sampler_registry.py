@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 
 from tiersync.errors import TierSyncError
 from tiersync.net import events as ev
+from tiersync.net.config import parse_address
 from tiersync.net.errors import NetTimeoutError
+from tiersync.net.local import local_address
 from tiersync.net.service import Session
 from tiersync.weights.config import SyncStatus, TransportKind
 from tiersync.weights.ops import Ack, Register, Release, Welcome
@@ -125,7 +127,7 @@ class SamplerRegistry:
         if again:  # one sampler per connection
             yield ev.Error(hello.request_id, ev.ErrorCode.BAD_REQUEST, "this connection registered already")
             return
-        shm_ok = self._pool is not None and hello.host == self._host
+        shm_ok = self._pool is not None and hello.host == self._host and _from_this_host(session)
         if hello.transport is TransportKind.SHM and not shm_ok:
             yield ev.Error(
                 hello.request_id,
@@ -186,3 +188,13 @@ def _outcome(s: Sampler, version: int) -> SamplerOutcome:
     if ack.ok:
         return SamplerOutcome(s.label, s.rank, SyncStatus.OK, s.transport, None, ack.seconds, ack.moved)
     return SamplerOutcome(s.label, s.rank, SyncStatus.FAILED, s.transport, ack.error, ack.seconds, ack.moved)
+
+
+def _from_this_host(session: Session) -> bool:
+    """The sampler's connection comes from an address of this host. Its host id alone is a
+    string a remote sampler could repeat (every manifest carries it) to be granted shared
+    memory, and zero-copy holds that fill /dev/shm."""
+    try:
+        return local_address(parse_address(session.peer)[0])
+    except TierSyncError:
+        return False

@@ -104,8 +104,8 @@ def reclaim_stale(directory: str) -> list[str]:
 
 
 def _reserve(fd: int, path: str, size: int) -> None:
-    """Reserve the segment's pages now: a file system without room fails here (CapacityError),
-    not with SIGBUS when the trainer first writes a page (a /dev/shm smaller than the shard, or
+    """Reserve a segment's pages: a file system without room fails here (CapacityError), not
+    with SIGBUS when the trainer first writes a page (a /dev/shm smaller than the shard, or
     filled by the versions zero-copy samplers still hold)."""
     try:
         os.posix_fallocate(fd, 0, size)
@@ -126,7 +126,6 @@ class SegmentWriter:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held while the segment lives: reclaim_stale leaves it
             os.ftruncate(fd, HEADER_BYTES + payload_bytes)
-            _reserve(fd, path, HEADER_BYTES + payload_bytes)
             self._map: mmap.mmap | None = mmap.mmap(fd, HEADER_BYTES + payload_bytes)
         except BaseException:
             os.close(fd)
@@ -134,7 +133,7 @@ class SegmentWriter:
             raise
         # a publisher the program never closed still removes its name when the interpreter exits
         self._unlink_at_exit = weakref.finalize(self, _unlink_and_close, path, fd)
-        self.payload_bytes = payload_bytes
+        self.payload_bytes, self._fd, self._reserved = payload_bytes, fd, False
         self._array: npt.NDArray[np.uint8] | None = np.frombuffer(self._map, dtype=np.uint8)
         self._write_head(-1, EMPTY)
 
@@ -142,6 +141,16 @@ class SegmentWriter:
         if self._map is None:
             raise _closed(self.path)
         self._map[: _HEAD.size] = _HEAD.pack(MAGIC, version, state, self.payload_bytes)
+
+    def reserve(self) -> None:
+        """Reserve every page before the first version is written (once; the caller does it
+        outside its locks: zeroing gigabytes takes seconds). CapacityError when the file system
+        has no room: before, the sparse file's first write past the room was a SIGBUS."""
+        if self._map is None:
+            raise _closed(self.path)
+        if not self._reserved:
+            _reserve(self._fd, self.path, HEADER_BYTES + self.payload_bytes)
+            self._reserved = True
 
     def begin(self, version: int) -> None:
         """Mark ``version`` as being written (before any of its bytes land)."""
