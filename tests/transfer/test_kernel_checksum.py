@@ -224,3 +224,32 @@ def test_missing_extension_raises_a_clear_error(monkeypatch):
         kernel.tsum64_hasher()
     with pytest.raises(RuntimeError, match="native extension"):
         kernel.copy_partials(np.zeros(64, np.uint8), np.zeros(64, np.uint8), 64)
+
+
+def test_every_copy_loop_stores_the_bytes_and_sums_what_it_stored():
+    """copy_partials through each fused copy loop this CPU has (plain, AVX2, AVX-512), at every
+    tail length and at destinations aligned for streamed stores or not: the bytes land, and the
+    partial state is tsum64_partial's of them."""
+    import numpy as np
+
+    loops = []
+    for name in ("plain", "avx2", "avx512"):
+        try:
+            kernel._native._copy_partials_using(name, bytearray(1), b"x")
+        except ValueError:
+            continue
+        loops.append(name)
+    assert "plain" in loops
+    data = os.urandom(4096 + 64)
+    for n in list(range(200)) + [255, 256, 257, 4095, 4096]:
+        for shift in (0, 1, 32):
+            src = data[shift : shift + n]
+            want = kernel.tsum64_partial(src) if n else None
+            for name in loops:
+                raw = np.zeros(n + 128, np.uint8)
+                at = -raw.ctypes.data % 64 + shift  # 64-byte aligned (streamed stores) when shift is 0
+                dst = raw[at : at + n]
+                got = kernel._native._copy_partials_using(name, dst, src)
+                assert dst.tobytes() == src, (name, n, shift)
+                if n:
+                    assert got == want, (name, n, shift)

@@ -323,6 +323,37 @@ static PyObject *tsum64_using(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
+/* Tests: copy_partials(dst, src, len(src)) through a named copy loop ("plain", "avx2", "avx512"),
+ * the GIL held throughout (no other thread sees the swap). */
+static PyObject *copy_partials_using(PyObject *self, PyObject *args) {
+    const char *name;
+    PyObject *dst, *src;
+    if (!PyArg_ParseTuple(args, "sOO", &name, &dst, &src)) return NULL;
+    ts_copy_fn saved = ts_copy_stripes, fn = NULL;
+    if (!strcmp(name, "plain")) fn = ts_copy_stripes_plain;
+#ifdef TS_HAVE_SSE2
+    if (!strcmp(name, "avx2") && __builtin_cpu_supports("avx2")) fn = ts_copy_stripes_avx2;
+    if (!strcmp(name, "avx512") && __builtin_cpu_supports("avx512f")) fn = ts_copy_stripes_avx512;
+#endif
+    if (fn == NULL) {
+        PyErr_Format(PyExc_ValueError, "copy implementation %s is not available here", name);
+        return NULL;
+    }
+    Py_ssize_t n = PyObject_Length(src);
+    if (n < 0) return NULL;
+    if (n >= TS_GIL_FREE) {  /* a longer copy would run without the GIL while the loop is swapped */
+        PyErr_SetString(PyExc_ValueError, "tests copy less than TS_GIL_FREE bytes");
+        return NULL;
+    }
+    PyObject *call = Py_BuildValue("(OOn)", dst, src, n > 0 ? ((n + 63) / 64) * 64 : 64);
+    if (call == NULL) return NULL;
+    ts_copy_stripes = fn;
+    PyObject *out = copy_partials(self, call);
+    ts_copy_stripes = saved;
+    Py_DECREF(call);
+    return out;
+}
+
 typedef struct {
     PyObject_HEAD
     ts_state st;
@@ -378,6 +409,7 @@ static PyMethodDef methods[] = {
     {"tsum64", (PyCFunction)(void (*)(void))tsum64, METH_VARARGS | METH_KEYWORDS,
      "tsum64(data, seed=0) -> int: tiersync's 64-bit payload checksum, GIL released when large."},
     {"_tsum64_using", tsum64_using, METH_VARARGS, "Tests only: tsum64 through one stripe implementation."},
+    {"_copy_partials_using", copy_partials_using, METH_VARARGS, "Tests only: copy_partials through one copy loop."},
     {"tsum64_partial", tsum64_partial, METH_O, "The partial state of a buffer (bytes), for tsum64_compose."},
     {"tsum64_compose", tsum64_compose, METH_VARARGS, "tsum64 of a concatenation from its parts' partial states."},
     {"copy_partials", copy_partials, METH_VARARGS, "Copy src into dst, the partial state of each piece landed."},

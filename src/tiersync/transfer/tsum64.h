@@ -144,8 +144,8 @@ static const char *ts_impl = "scalar";
 /* Copy whole stripes src -> dst (n a multiple of 64) and add them to the sums from the same
  * registers, in one pass: the bytes summed are exactly the bytes stored, even if src changes
  * meanwhile. Stores bypass the cache (streamed: no read of dst first) when dst is aligned for
- * it; the caller fences (ts_copy_fence) before anyone reads dst. AVX2 only: elsewhere the
- * plain version copies, then sums what landed. */
+ * it; the caller fences (ts_copy_fence) before anyone reads dst. AVX2 and AVX-512 only:
+ * elsewhere the plain version copies, then sums what landed. */
 #ifdef TS_HAVE_SSE2
 __attribute__((target("avx2")))
 static void ts_copy_stripes_avx2(uint64_t *s1, uint64_t *s2, unsigned char *d, const unsigned char *p, size_t n) {
@@ -171,6 +171,28 @@ static void ts_copy_stripes_avx2(uint64_t *s1, uint64_t *s2, unsigned char *d, c
         _mm256_storeu_si256((__m256i *)(s1 + 4 * j), a[j]);
         _mm256_storeu_si256((__m256i *)(s2 + 4 * j), b[j]);
     }
+}
+
+/* The same with one 64-byte register a stripe, streamed stores when dst is 64-byte aligned. On
+ * the Xeon VM of the session of 2026-12-06 13:21 UTC, copy_partials of 248 MB into an aligned
+ * buffer: 9.3-9.9 GB/s against 8.3-8.5 with the AVX2 loop (np.copyto 11.3-12.4); into one 16 bytes
+ * off alignment (regular stores, each line read first) both 6.0-6.7. */
+__attribute__((target("avx512f")))
+static void ts_copy_stripes_avx512(uint64_t *s1, uint64_t *s2, unsigned char *d, const unsigned char *p, size_t n) {
+    __m512i a = _mm512_loadu_si512((const void *)s1), b = _mm512_loadu_si512((const void *)s2);
+    const __m512i k = _mm512_loadu_si512((const void *)TS_KEY);
+    int stream = ((uintptr_t)d & 63) == 0;
+    for (size_t off = 0; off < n; off += 64) {
+        __m512i w = _mm512_loadu_si512((const void *)(p + off));
+        if (stream) _mm512_stream_si512((void *)(d + off), w);
+        else _mm512_storeu_si512((void *)(d + off), w);
+        __m512i t = TS_TERM(_mm512_add_epi32, _mm512_srli_epi64, _mm512_mul_epu32, _mm512_add_epi64, w, k);
+        TS_KEEP(t);
+        a = _mm512_add_epi64(a, t);
+        b = _mm512_add_epi64(b, a);
+    }
+    _mm512_storeu_si512((void *)s1, a);
+    _mm512_storeu_si512((void *)s2, b);
 }
 #endif
 
@@ -202,6 +224,7 @@ static void ts_pick(void) {
     }
     if (__builtin_cpu_supports("avx512f")) {
         ts_stripes = ts_stripes_avx512;
+        ts_copy_stripes = ts_copy_stripes_avx512;
         ts_impl = "avx512";
     }
 #endif
