@@ -30,6 +30,7 @@ from tiersync.disagg import (
     SourceSpec,
 )
 from tiersync.disagg.blocksums import BlockSums, _cut
+from tiersync.disagg.layer_reads import Code, Refused
 from tiersync.disagg.link import _placed
 from tiersync.errors import UsageError
 from tiersync.net import local
@@ -268,6 +269,37 @@ def test_a_refused_same_host_copy_falls_back_to_tcp_mid_stream_or_fails(route):
             np.testing.assert_array_equal(unshard(layout, [land], ids, ntok), global_kv(layout, ntok, 5))
         else:
             assert state is RequestState.FAILED and "process_vm_readv" in str(handle.error)
+
+
+class _NotSameHostProducer(KVProducer):
+    """Refuses every KV_PULL_LOCAL as a producer does that counts the reader as on another host
+    (the two ends disagree: NAT, a redirect)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+
+        def pull_local(session, route, event):
+            raise Refused(Code.UNSUPPORTED, "KV_PULL_LOCAL from another host")
+
+        self._reads.pull_local = pull_local
+
+
+@needs_native
+def test_a_producer_refusing_same_host_reads_is_read_over_tcp():
+    """The reader counts the producer as on this host, the producer does not: its UNSUPPORTED
+    answers (two pulls in flight) make route AUTO read over TCP instead of failing the read."""
+    layout = _layout(KVOrder.HEAD_MAJOR)
+    ids, ntok = [7, 3, 12, 5], 60
+    with (
+        _NotSameHostProducer(layout, 0, DisaggConfig(timeout_s=30)) as producer,
+        KVConsumer(layout, 0, DisaggConfig(route="auto", timeout_s=30)) as consumer,
+    ):
+        producer.register("r", ids, ntok, _serve(layout, ids, ntok, seed=6))
+        for layer in range(layout.num_layers):
+            producer.layer_ready("r", layer)
+        handle, land = _read(consumer, producer, layout, "r", ids, ntok)
+        assert handle.wait(30) is RequestState.DONE, handle.error
+        np.testing.assert_array_equal(unshard(layout, [land], ids, ntok), global_kv(layout, ntok, 6))
 
 
 @needs_native

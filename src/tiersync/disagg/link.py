@@ -27,7 +27,7 @@ from tiersync.disagg.ops import KvDone, KvLayer, KvNext, KvOpen, KvOpened, KvPul
 from tiersync.disagg.spanio import route_slice, scatter
 from tiersync.errors import RemoteError
 from tiersync.net import events as ev
-from tiersync.net.errors import NetTimeoutError, ProtocolError, ProtocolFault
+from tiersync.net.errors import NetTimeoutError, ProtocolError, ProtocolFault, RequestError
 from tiersync.net.local import LocalReadError
 from tiersync.net.pull_plan import Later
 from tiersync.net.tcp import TcpChannel
@@ -194,7 +194,14 @@ def _copy_local(
     while landed_n < num_layers:
         req, n, piece = asks.sent.popleft()
         left = _left(deadline, channel)  # a pull's answer should not wait: within idle
-        answer = channel.next_answer(req.request_id, timeout=left if piece is None else min(left, idle))
+        try:
+            answer = channel.next_answer(req.request_id, timeout=left if piece is None else min(left, idle))
+        except RequestError as exc:  # the producer does not count this reader as same-host (NAT)
+            if piece is None or exc.code is not ev.ErrorCode.UNSUPPORTED:
+                raise
+            asks.drain(deadline)
+            channel.local_refused(LocalReadError(exc.message, peer=channel.peer))
+            return n, asks.told
         if n < 0:
             _opened(channel, answer, total)
         elif piece is None:
@@ -248,7 +255,12 @@ class _Asks:
     def drain(self, deadline: float) -> None:
         """Read the answers still in flight (a copy was refused), keeping the layers KV_NEXT names."""
         for req, _n, piece in self.sent:
-            later = self.channel.next_answer(req.request_id, timeout=_left(deadline, self.channel))
+            try:
+                later = self.channel.next_answer(req.request_id, timeout=_left(deadline, self.channel))
+            except RequestError as exc:  # a pull refused like the one before it
+                if piece is None or exc.code is not ev.ErrorCode.UNSUPPORTED:
+                    raise
+                continue
             if piece is None:
                 _told(self.channel, later, self.told, self.num_layers)
 
