@@ -238,3 +238,50 @@ def test_replays_keeps_a_bounded_record_and_refuses_what_it_dropped():
     replays.take(1001, "another", peer="p", now=1.5)  # newer than the dropped one: taken
     replays.take(20_000, "later", peer="p", now=20.0)  # the first ones ran out of the window and were
     replays.take(1003, "n3", peer="p", now=20.0)  # forgotten (check_proof refuses so stale a proof first)
+
+
+# -- TLS: the registry's calls encrypted, its certificate verified, optionally the client's -------
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    from _certs import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"), "server", "client")
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["server-cert", "mutual"])
+def test_a_registry_over_tls_serves_clients_that_verify_it_and_no_plaintext_one(pki, mutual):
+    from tiersync.net.registry.errors import RegistryUnavailableError
+    from tiersync.net.tls import TlsConfig
+
+    (cert, key), (ccert, ckey) = pki["server"], pki["client"]
+    backend = MemoryRegistry()
+    server = serve_registry(backend, token=TOKEN, tls=TlsConfig(pki["ca"], cert, key, require_peer_cert=mutual))
+    good = RegistryConfig(rpc_timeout_s=5.0, token=TOKEN, tls=TlsConfig(pki["ca"], ccert, ckey))
+    clients = [RegistryClient(server.address, good)]
+    try:
+        clients[0].register_store(StoreInfo("a", "127.0.0.1:1", 10, "g"))
+        clients[0].publish("a", KEYS[:3])
+        assert clients[0].lookup(KEYS[:3]) == [("a",)] * 3
+        refused = [RegistryConfig(rpc_timeout_s=2.0, token=TOKEN)]  # plaintext to a TLS port
+        if mutual:
+            refused.append(RegistryConfig(rpc_timeout_s=2.0, token=TOKEN, tls=TlsConfig(pki["ca"])))  # no client cert
+        for config in refused:
+            clients.append(client := RegistryClient(server.address, config))
+            with pytest.raises(RegistryUnavailableError):
+                client.register_store(StoreInfo("evil", "127.0.0.1:2", 10, "g"))
+            assert client.lookup(KEYS[:3]) == [()] * 3  # degrades, as on an outage
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+    assert backend.get_store("evil") is None
+
+
+def test_a_tls_registry_with_unreadable_files_is_refused_naming_them(pki, tmp_path):
+    from tiersync.errors import UsageError
+    from tiersync.net.tls import TlsConfig
+
+    with pytest.raises(UsageError, match="certfile"):
+        serve_registry(MemoryRegistry(), tls=TlsConfig(pki["ca"], str(tmp_path / "missing.pem"), pki["server"][1]))
+    with pytest.raises(UsageError, match="tls"):
+        RegistryConfig(tls="not a TlsConfig")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tiersync.errors import UsageError
 from tiersync.net.config import coerce_token
+from tiersync.net.tls import TlsConfig
 
 KEY_SIZE = 16
 
@@ -23,7 +24,10 @@ class RegistryConfig:
     wire. ``rpc_timeout_s``: deadline of one gRPC call. ``token``: the gRPC registry's
     shared secret (str or bytes, >= 16 bytes; stored as bytes): a server given one refuses
     every call that does not prove it, a client proves it on every call
-    (:mod:`tiersync.net.registry.auth`); None: calls carry no proof.
+    (:mod:`tiersync.net.registry.auth`); None: calls carry no proof. ``tls``: a
+    :class:`~tiersync.net.tls.TlsConfig` to reach a registry served over TLS (its ``cafile``
+    verifies the registry; ``certfile``/``keyfile`` for one that requires client certificates;
+    ``server_hostname`` overrides the name checked); None: plaintext.
     """
 
     heartbeat_interval_s: float = 300.0
@@ -33,9 +37,12 @@ class RegistryConfig:
     rpc_timeout_s: float = 2.0
     key_prefix: str = "tiersync:"
     token: str | bytes | None = field(default=None, repr=False)
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token", coerce_token(self.token, "token"))
+        if self.tls is not None and not isinstance(self.tls, TlsConfig):
+            raise UsageError("must be a TlsConfig or None", argument="tls")
         for name in ("heartbeat_interval_s", "store_ttl_s", "block_ttl_s", "rpc_timeout_s"):
             if not getattr(self, name) > 0:
                 raise UsageError("must be > 0", argument=name)

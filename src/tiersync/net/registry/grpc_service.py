@@ -23,13 +23,14 @@ from typing import cast
 
 import grpc
 
-from tiersync.errors import TierSyncError
+from tiersync.errors import TierSyncError, UsageError
 from tiersync.net.config import coerce_token
 from tiersync.net.errors import AuthError, ProtocolError, ProtocolFault
 from tiersync.net.registry import messages as m
 from tiersync.net.registry.auth import METADATA_KEY, Replays, check_proof, proof
 from tiersync.net.registry.base import Registry, RegistryConfig, StoreInfo, check_keys
 from tiersync.net.registry.errors import RegistryUnavailableError
+from tiersync.net.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 SERVICE = "tiersync.Registry"
@@ -108,6 +109,36 @@ def _wrap(name: str, fn: Callable[[bytes], bytes], gate: _Gate) -> Callable[[byt
     return handler
 
 
+def _read(path: str | None, argument: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}", argument=argument) from None
+
+
+def _server_credentials(tls: TlsConfig | None) -> grpc.ServerCredentials | None:
+    if tls is None:
+        return None
+    if not isinstance(tls, TlsConfig):
+        raise UsageError("must be a TlsConfig or None", argument="tls")
+    if tls.certfile is None:
+        raise UsageError("a TLS registry needs certfile and keyfile", argument="tls")
+    pair = (_read(tls.keyfile, "tls.keyfile"), _read(tls.certfile, "tls.certfile"))
+    ca = _read(tls.cafile, "tls.cafile")
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=tls.require_peer_cert)
+
+
+def _channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(tls.cafile, "tls.cafile"),
+        private_key=_read(tls.keyfile, "tls.keyfile"),
+        certificate_chain=_read(tls.certfile, "tls.certfile"),
+    )
+
+
 class RegistryServer:
     """A running registry service; ``address`` is "127.0.0.1:port"."""
 
@@ -119,18 +150,28 @@ class RegistryServer:
 
 
 def serve_registry(
-    backend: Registry, port: int = 0, host: str = "127.0.0.1", workers: int = 4, *, token: str | bytes | None = None
+    backend: Registry,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    workers: int = 4,
+    *,
+    token: str | bytes | None = None,
+    tls: TlsConfig | None = None,
 ) -> RegistryServer:
     """Serve ``backend`` over gRPC on ``host:port`` (0 picks a free port) and return the handle.
     With ``token`` (str or bytes, >= 16 bytes) every call must prove it (:mod:`.auth`), else it
-    is refused UNAUTHENTICATED before the backend sees it."""
+    is refused UNAUTHENTICATED before the backend sees it. With ``tls`` (``certfile`` and
+    ``keyfile`` required; ``require_peer_cert``: clients must present a certificate signed by
+    ``cafile``) it serves only over TLS."""
+    credentials = _server_credentials(tls)  # before anything starts: a bad file is a UsageError
     gate = _Gate(coerce_token(token, "token"))
     server = grpc.server(ThreadPoolExecutor(max_workers=workers))
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(_wrap(name, fn, gate)) for name, fn in _methods(backend).items()
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     server.start()
     return RegistryServer(server, f"{host}:{bound}")
 
@@ -143,14 +184,18 @@ class RegistryClient(Registry):
         self.address = address
         self.failures = 0
         # Reconnect fast after a registry restart (gRPC's default backoff grows to 120 s).
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.initial_reconnect_backoff_ms", 200),
-                ("grpc.min_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 2000),
-            ],
-        )
+        options: list[tuple[str, int | str]] = [
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
+        tls = self.config.tls
+        if tls is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            if tls.server_hostname:
+                options.append(("grpc.ssl_target_name_override", tls.server_hostname))
+            self._channel = grpc.secure_channel(address, _channel_credentials(tls), options=options)
         self._stubs: dict[str, grpc.UnaryUnaryMultiCallable] = {}
 
     def _rpc(self, name: str, payload: bytes) -> bytes:
