@@ -101,6 +101,10 @@ def test_open_registry_picks_the_backend():
     client.close()
     with pytest.raises(UsageError):
         open_registry("not an address")
+    from tiersync.net.tls import TlsConfig
+
+    with pytest.raises(UsageError, match="rediss://"):  # Redis takes TLS from its URL: a tls config would be ignored
+        open_registry("redis://127.0.0.1:1/0", RegistryConfig(tls=TlsConfig("/nonexistent/ca.pem")))
 
 
 # -- the token: every call proves it when the server has one ------------------------------------

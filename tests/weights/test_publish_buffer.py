@@ -139,3 +139,31 @@ def test_each_tensor_s_event_is_set_once_per_version(monkeypatch: pytest.MonkeyP
     view, release = buf.provide(1, "t9", (), 5)
     assert bytes(view) == bytes([9]) * 16
     release()
+
+
+def test_a_version_refused_for_no_room_leaves_no_segment_held(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zero-copy sampler holds version 1, so version 2 needs a new segment; /dev/shm has no
+    room for it (reserve refused): the version never starts, so nobody may hold that segment
+    (else each retry would leave one more behind)."""
+    from tiersync.errors import CapacityError
+    from tiersync.weights.segment import SEGMENT_PREFIX, SegmentPool, SegmentWriter, tensor_offsets
+
+    offsets, payload = tensor_offsets([4096])
+    pool = SegmentPool(str(tmp_path / f"{SEGMENT_PREFIX}test"), payload)
+    buf = PublishBuffer(threading.Condition(), pool, {"w": 0}, offsets, [4096], payload)
+    sampler = object()
+    try:
+        buf.begin(1, {sampler}, 5.0)
+        buf.write(0, np.ones(4096, np.uint8))
+        buf.complete(1)
+
+        def no_room(self: SegmentWriter) -> None:
+            raise CapacityError("no room to size shm segment", requested=payload)
+
+        monkeypatch.setattr(SegmentWriter, "reserve", no_room)
+        for version in (2, 3):  # a retry too
+            with pytest.raises(CapacityError):
+                buf.begin(version, {sampler}, 5.0)
+            assert pool.held() == 1  # version 1's, by the sampler; not the refused one's
+    finally:
+        buf.close()

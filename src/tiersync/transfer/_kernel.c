@@ -339,9 +339,11 @@ static PyObject *copy_partials_using(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "copy implementation %s is not available here", name);
         return NULL;
     }
-    Py_ssize_t n = PyObject_Length(src);
-    if (n < 0) return NULL;
-    if (n >= TS_GIL_FREE) {  /* a longer copy would run without the GIL while the loop is swapped */
+    Py_buffer view;  /* its length in bytes: a longer copy would run without the GIL, the loop swapped */
+    if (PyObject_GetBuffer(src, &view, PyBUF_SIMPLE) < 0) return NULL;
+    Py_ssize_t n = view.len;
+    PyBuffer_Release(&view);
+    if (n >= TS_GIL_FREE) {
         PyErr_SetString(PyExc_ValueError, "tests copy less than TS_GIL_FREE bytes");
         return NULL;
     }

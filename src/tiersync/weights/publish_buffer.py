@@ -86,7 +86,13 @@ class PublishBuffer:
                 _current(self._pool).begin(version)
             self._current = version
         if self._pool is not None:  # a new segment's pages, outside the lock: seconds for gigabytes
-            _current(self._pool).reserve()
+            try:
+                _current(self._pool).reserve()
+            except BaseException:  # no room: the version never starts, so nobody holds it
+                with self._cond:
+                    for holder in holders:
+                        self._pool.release(holder, version)
+                raise
 
     def write(self, i: int, src: np.ndarray) -> None:
         """Copy tensor ``i``'s bytes ``src`` in (summing its pieces on the way); GETs of it are

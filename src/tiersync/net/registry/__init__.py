@@ -28,6 +28,8 @@ def open_registry(spec: str, config: RegistryConfig | None = None) -> Registry:
     if spec.startswith(("redis://", "rediss://", "unix://")):
         from tiersync.net.registry.redis_backend import RedisRegistry
 
+        if config is not None and config.tls is not None:  # Redis takes TLS from its URL, not from here
+            raise UsageError("a Redis registry takes TLS as rediss://, not config.tls", argument="registry")
         return RedisRegistry(spec, config)
     try:
         parse_address(spec)
