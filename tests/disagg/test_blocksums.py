@@ -250,27 +250,6 @@ class _BadAddressProducer(KVProducer):
         self._reads.pull_local = pull_local
 
 
-@needs_native
-@pytest.mark.parametrize("route", ["auto", "local"])
-def test_a_refused_same_host_copy_falls_back_to_tcp_mid_stream_or_fails(route):
-    layout = _layout(KVOrder.HEAD_MAJOR)
-    ids, ntok = [7, 3, 12, 5], 60
-    with (
-        _BadAddressProducer(layout, 0, DisaggConfig(timeout_s=30)) as producer,
-        KVConsumer(layout, 0, DisaggConfig(route=route, timeout_s=30)) as consumer,
-    ):
-        producer.register("r", ids, ntok, _serve(layout, ids, ntok, seed=5))
-        for layer in range(layout.num_layers):
-            producer.layer_ready("r", layer)
-        handle, land = _read(consumer, producer, layout, "r", ids, ntok)
-        state = handle.wait(30)
-        if route == "auto":  # layer 0 came through memory, the rest over the socket
-            assert state is RequestState.DONE, handle.error
-            np.testing.assert_array_equal(unshard(layout, [land], ids, ntok), global_kv(layout, ntok, 5))
-        else:
-            assert state is RequestState.FAILED and "process_vm_readv" in str(handle.error)
-
-
 class _NotSameHostProducer(KVProducer):
     """Refuses every KV_PULL_LOCAL as a producer does that counts the reader as on another host
     (the two ends disagree: NAT, a redirect)."""
@@ -285,21 +264,35 @@ class _NotSameHostProducer(KVProducer):
 
 
 @needs_native
-def test_a_producer_refusing_same_host_reads_is_read_over_tcp():
-    """The reader counts the producer as on this host, the producer does not: its UNSUPPORTED
-    answers (two pulls in flight) make route AUTO read over TCP instead of failing the read."""
+@pytest.mark.parametrize(
+    ("producer_cls", "route", "why"),
+    [
+        (_BadAddressProducer, "auto", None),  # layer 0 through memory, the rest over the socket
+        (_BadAddressProducer, "local", "process_vm_readv"),
+        (_NotSameHostProducer, "auto", None),  # every pull refused (two in flight): all over the socket
+        (_NotSameHostProducer, "local", "another host"),
+    ],
+)
+def test_a_refused_same_host_read_falls_back_to_tcp_or_fails(producer_cls, route, why):
+    """A copy the kernel refuses, or a producer that answers UNSUPPORTED (it does not count the
+    reader as on this host while the reader does): route AUTO reads the rest over TCP,
+    byte-exact; route LOCAL fails the read saying why."""
     layout = _layout(KVOrder.HEAD_MAJOR)
     ids, ntok = [7, 3, 12, 5], 60
     with (
-        _NotSameHostProducer(layout, 0, DisaggConfig(timeout_s=30)) as producer,
-        KVConsumer(layout, 0, DisaggConfig(route="auto", timeout_s=30)) as consumer,
+        producer_cls(layout, 0, DisaggConfig(timeout_s=30)) as producer,
+        KVConsumer(layout, 0, DisaggConfig(route=route, timeout_s=30)) as consumer,
     ):
-        producer.register("r", ids, ntok, _serve(layout, ids, ntok, seed=6))
+        producer.register("r", ids, ntok, _serve(layout, ids, ntok, seed=5))
         for layer in range(layout.num_layers):
             producer.layer_ready("r", layer)
         handle, land = _read(consumer, producer, layout, "r", ids, ntok)
-        assert handle.wait(30) is RequestState.DONE, handle.error
-        np.testing.assert_array_equal(unshard(layout, [land], ids, ntok), global_kv(layout, ntok, 6))
+        state = handle.wait(30)
+        if why is None:
+            assert state is RequestState.DONE, handle.error
+            np.testing.assert_array_equal(unshard(layout, [land], ids, ntok), global_kv(layout, ntok, 5))
+        else:
+            assert state is RequestState.FAILED and why in str(handle.error)
 
 
 @needs_native
