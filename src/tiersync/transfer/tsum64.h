@@ -121,12 +121,17 @@ static void ts_stripes_avx2(uint64_t *s1, uint64_t *s2, const unsigned char *p, 
     }
 }
 
-__attribute__((target("avx512f")))
-static void ts_stripes_avx512(uint64_t *s1, uint64_t *s2, const unsigned char *p, size_t n) {
+/* One 64-byte register a stripe; with `copy` (a constant at each caller: inlined, the branch
+ * folds away) each stripe is also stored to d, streamed when d is 64-byte aligned. */
+__attribute__((target("avx512f"), always_inline))
+static inline void ts_avx512(uint64_t *s1, uint64_t *s2, unsigned char *d, const unsigned char *p, size_t n, int copy) {
     __m512i a = _mm512_loadu_si512((const void *)s1), b = _mm512_loadu_si512((const void *)s2);
     const __m512i k = _mm512_loadu_si512((const void *)TS_KEY);
+    int stream = copy && ((uintptr_t)d & 63) == 0;
     for (size_t off = 0; off < n; off += 64) {
         __m512i w = _mm512_loadu_si512((const void *)(p + off));
+        if (stream) _mm512_stream_si512((void *)(d + off), w);
+        else if (copy) _mm512_storeu_si512((void *)(d + off), w);
         __m512i t = TS_TERM(_mm512_add_epi32, _mm512_srli_epi64, _mm512_mul_epu32, _mm512_add_epi64, w, k);
         TS_KEEP(t);
         a = _mm512_add_epi64(a, t);
@@ -134,6 +139,11 @@ static void ts_stripes_avx512(uint64_t *s1, uint64_t *s2, const unsigned char *p
     }
     _mm512_storeu_si512((void *)s1, a);
     _mm512_storeu_si512((void *)s2, b);
+}
+
+__attribute__((target("avx512f")))
+static void ts_stripes_avx512(uint64_t *s1, uint64_t *s2, const unsigned char *p, size_t n) {
+    ts_avx512(s1, s2, NULL, p, n, 0);
 }
 #endif
 
@@ -179,20 +189,7 @@ static void ts_copy_stripes_avx2(uint64_t *s1, uint64_t *s2, unsigned char *d, c
  * off alignment (regular stores, each line read first) both 6.0-6.7. */
 __attribute__((target("avx512f")))
 static void ts_copy_stripes_avx512(uint64_t *s1, uint64_t *s2, unsigned char *d, const unsigned char *p, size_t n) {
-    __m512i a = _mm512_loadu_si512((const void *)s1), b = _mm512_loadu_si512((const void *)s2);
-    const __m512i k = _mm512_loadu_si512((const void *)TS_KEY);
-    int stream = ((uintptr_t)d & 63) == 0;
-    for (size_t off = 0; off < n; off += 64) {
-        __m512i w = _mm512_loadu_si512((const void *)(p + off));
-        if (stream) _mm512_stream_si512((void *)(d + off), w);
-        else _mm512_storeu_si512((void *)(d + off), w);
-        __m512i t = TS_TERM(_mm512_add_epi32, _mm512_srli_epi64, _mm512_mul_epu32, _mm512_add_epi64, w, k);
-        TS_KEEP(t);
-        a = _mm512_add_epi64(a, t);
-        b = _mm512_add_epi64(b, a);
-    }
-    _mm512_storeu_si512((void *)s1, a);
-    _mm512_storeu_si512((void *)s2, b);
+    ts_avx512(s1, s2, d, p, n, 1);
 }
 #endif
 
