@@ -81,8 +81,8 @@ def host_identity() -> str:
 
 def same_host(reported: str, peer_ip: str) -> bool:
     """Whether a peer is on this host: it reported this host's identity (:func:`host_identity`)
-    **and** its connection comes from an address of this host (loopback, or one this host's
-    network namespace can bind). The identity alone is a string a peer can repeat: a remote
+    **and** its connection comes from an address of this host (:func:`local_address`). The
+    identity alone is a string a peer can repeat: a remote
     peer that learned it (it travels in HELLO and READY) would otherwise be let read, and be
     read from, this host's processes."""
     return bool(reported) and reported == host_identity() and local_address(peer_ip)
