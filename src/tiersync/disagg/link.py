@@ -28,7 +28,7 @@ from tiersync.disagg.spanio import route_slice, scatter
 from tiersync.errors import RemoteError
 from tiersync.net import events as ev
 from tiersync.net.errors import NetTimeoutError, ProtocolError, ProtocolFault, RequestError
-from tiersync.net.local import LocalReadError
+from tiersync.net.local import LocalReadError, refusal
 from tiersync.net.pull_plan import Later
 from tiersync.net.tcp import TcpChannel
 
@@ -196,11 +196,12 @@ def _copy_local(
         left = _left(deadline, channel)  # a pull's answer should not wait: within idle
         try:
             answer = channel.next_answer(req.request_id, timeout=left if piece is None else min(left, idle))
-        except RequestError as exc:  # the producer does not count this reader as same-host (NAT)
-            if piece is None or exc.code is not ev.ErrorCode.UNSUPPORTED:
+        except RequestError as exc:  # the producer may not count this reader as same-host (NAT)
+            refused = refusal(exc, channel.peer)
+            if piece is None or refused is None:
                 raise
             asks.drain(deadline)
-            channel.local_refused(LocalReadError(exc.message, peer=channel.peer))
+            channel.local_refused(refused)
             return n, asks.told
         if n < 0:
             _opened(channel, answer, total)
@@ -258,7 +259,7 @@ class _Asks:
             try:
                 later = self.channel.next_answer(req.request_id, timeout=_left(deadline, self.channel))
             except RequestError as exc:  # a pull refused like the one before it
-                if piece is None or exc.code is not ev.ErrorCode.UNSUPPORTED:
+                if piece is None or refusal(exc, self.channel.peer) is None:
                     raise
                 continue
             if piece is None:

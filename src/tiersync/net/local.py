@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from tiersync.errors import RemoteError, UsageError
+from tiersync.net.errors import RequestError
+from tiersync.net.fields import ErrorCode
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -43,6 +45,7 @@ __all__ = [
     "read_remote",
     "read_summed",
     "read_summed_at",
+    "refusal",
     "same_host",
 ]
 
@@ -63,6 +66,17 @@ except ImportError:  # pragma: no cover - built without a compiler: read_remote 
 
 class LocalReadError(RemoteError):
     """This process may not (or cannot) read the other's memory; ``errno`` names why."""
+
+
+def refusal(exc: Exception, peer: str) -> LocalReadError | None:
+    """``exc`` as a refused same-host read: a copy the kernel refused, or a server's UNSUPPORTED
+    answer to a same-host pull (it does not count the reader as on its host while the reader
+    does, e.g. behind NAT); None for anything else. Route AUTO falls back to TCP on either."""
+    if isinstance(exc, LocalReadError):
+        return exc
+    if isinstance(exc, RequestError) and exc.code is ErrorCode.UNSUPPORTED:
+        return LocalReadError(exc.message, peer=peer)
+    return None
 
 
 @functools.cache

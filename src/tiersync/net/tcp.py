@@ -23,7 +23,7 @@ from tiersync.net.config import Route, TcpConfig, parse_address
 from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, ProtocolError, ProtocolFault, RequestError
 from tiersync.net.frames import PayloadChecksum
 from tiersync.net.handshake import client_handshake
-from tiersync.net.local import LocalReadError
+from tiersync.net.local import LocalReadError, refusal
 from tiersync.net.protocol import Connection, Role
 from tiersync.net.pull_plan import Later, local_groups, plan_pulls, writable
 from tiersync.net.samehost import local_copy, local_copy_at
@@ -246,7 +246,7 @@ class TcpChannel(Channel):
             try:
                 self.local_copy(self.next_answer(asked[i], timeout=deadline.remaining()), [v for _, _, v in group])
             except (LocalReadError, RequestError) as exc:
-                refused = _refusal(exc, self.peer)  # the server may not count us as same-host (NAT)
+                refused = refusal(exc, self.peer)
                 if refused is None:
                     if asked[i + 1 :]:  # answers still in flight nobody would read
                         self._shut()
@@ -354,13 +354,6 @@ class TcpChannel(Channel):
     @property
     def closed(self) -> bool:
         return self._closed
-
-
-def _refusal(exc: LocalReadError | RequestError, peer: str) -> LocalReadError | None:
-    """A refused same-host read as a LocalReadError (the server's UNSUPPORTED too), else None."""
-    if isinstance(exc, LocalReadError):
-        return exc
-    return LocalReadError(exc.message, peer=peer) if exc.code is ev.ErrorCode.UNSUPPORTED else None
 
 
 class TcpTransport(Transport):
