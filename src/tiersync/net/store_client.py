@@ -8,6 +8,7 @@ pinned on this side. A refused offer raises :class:`~tiersync.errors.CapacityErr
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -26,6 +27,15 @@ _WILDCARD = ("", "0.0.0.0", "::")
 _OnPull = Callable[[so.Pull | so.PullMany | so.PullLocal], None]
 
 
+def _named_host(bind: str) -> str:
+    """The host an OFFER names for a listener bound to ``bind``: an IP as it is, else empty."""
+    try:
+        ipaddress.ip_address(bind.strip("[]"))
+    except ValueError:
+        return ""
+    return "" if bind in _WILDCARD else bind
+
+
 @dataclass(frozen=True, slots=True)
 class PushResult:
     """``offer``: the node's OfferStatus; ``commit``: its CommitStatus (None for ALL_EXIST)."""
@@ -38,9 +48,10 @@ class PushResult:
 class StoreNodeClient:
     """Talks to the store node at ``address`` ("host:port").
 
-    ``bind_host``: where this side serves its blocks for the node to pull; the
-    OFFER names it (a wildcard bind sends an empty host: the node then dials the
-    IP it sees us connect from). ``on_pull`` (tests): called with each PULL (or
+    ``bind_host``: where this side serves its blocks for the node to pull. The node
+    dials only the IP it sees us connect from: an IP here is named in the OFFER (the
+    node refuses it unless it is that IP), a wildcard or a host name sends an empty
+    host (the node dials that IP). ``on_pull`` (tests): called with each PULL (or
     PULL_MANY, PULL_LOCAL) the node sends us, before it is answered.
     """
 
@@ -72,8 +83,7 @@ class StoreNodeClient:
         server = TcpTransport(TcpConfig(token=self.token)).serve(f"{self._bind}:0", source)
         try:
             lease = source.lease(so.ReadLease(1, keys, ttl_s=max(int(self.timeout) + 1, 30)))
-            host = "" if self._bind in _WILDCARD else self._bind
-            pull_from = f"{host}:{server.address.rpartition(':')[2]}"
+            pull_from = f"{_named_host(self._bind)}:{server.address.rpartition(':')[2]}"
             channel = self._connect(deadline)
             try:
                 return self._offer(channel, lease, keys, pull_from, deadline)

@@ -6,8 +6,8 @@ COMMITTED only when the lease was still held; expired leases are unpinned lazily
 
 Remote WRITE ("the destination pulls"): the writer serves its blocks on its own
 listener and OFFERs the keys under a lease on that source; the OFFER carries the
-writer's address (``source``; an empty host means the IP the node sees the
-writer's connection come from). The node answers ALL_EXIST, PARTIAL_EXIST (the
+writer's port (``source``): the node dials only the IP the writer's connection comes
+from, so an OFFER naming another host is refused. The node answers ALL_EXIST, PARTIAL_EXIST (the
 overlap), ACCEPT or REFUSED (not enough FREE blocks: the node never evicts for a
 remote; a block larger than the node's blocks; keys already landing; no usable
 source). After ACCEPT/PARTIAL_EXIST it pulls into landing blocks, releases the
@@ -25,6 +25,7 @@ are called with new keys before COMMITTED is answered.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
@@ -286,17 +287,29 @@ class StoreNodeServer(TcpServer):
 def writer_address(source: str, peer: str | None) -> str | None:
     """The address to pull an OFFER's blocks from, or None (no usable source: refused).
 
-    ``source`` "host:port"; an empty host (":port") takes ``peer``'s IP.
+    ``source`` "host:port"; the node dials only the IP the writer's connection comes from
+    (``peer``): an empty host takes it, any other host must be that IP written out. An
+    authenticated writer cannot make the node connect anywhere else.
     """
     host, sep, port = source.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or peer is None:
         return None
-    if not host:
-        if peer is None:
-            return None
-        host = parse_address(peer)[0]
-        host = f"[{host}]" if ":" in host else host
-    return f"{host}:{port}"
+    seen = _ip(parse_address(peer)[0])
+    if seen is None or (host and _ip(host.strip("[]")) != seen):
+        log.info("offer from %s names source %r: only the writer's own address is dialled", peer, source)
+        return None
+    ip = str(seen)
+    return f"[{ip}]:{port}" if seen.version == 6 else f"{ip}:{port}"
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``text`` as an IP address (an IPv4-mapped IPv6 one as IPv4), or None when it is not one."""
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return mapped or ip
 
 
 def _guarded(answers: Iterator[object], request_id: int) -> Iterator[object]:
