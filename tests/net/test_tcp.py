@@ -269,6 +269,16 @@ def test_neither_end_is_sent_a_frame_larger_than_it_accepts(capped):
                 ch.request(pull, into=memoryview(bytearray(2 << 20)))
             assert not ch.closed
         ch.close()
+        pool, striped = ChannelPool(TcpTransport(client)), bytearray(len(BLOCKS[BIG]))
+        lease = _lease_big(pool, address)
+        pull_striped(pool, address, lease, BIG, memoryview(striped), streams=2)  # two 3 MiB parts
+        assert striped == BLOCKS[BIG]
+        pool.close()
+
+
+def _lease_big(pool: ChannelPool, address: str) -> int:
+    with pool.acquire(address) as channel:
+        return channel.request(so.ReadLease(channel.new_request_id(), (BIG,))).lease_id
 
 
 class _Interrupted(Exception):

@@ -169,8 +169,8 @@ def pull_striped(
     """Pull block ``key`` (``len(dest)`` bytes) under ``lease_id`` into ``dest`` over several streams.
 
     Each part travels on its own pooled channel, landing straight in its slice
-    of ``dest``. Raises the first part's error (RemoteError subclasses) after
-    every part has finished.
+    of ``dest`` (in pieces no larger than the channel's agreed frame limit). Raises the
+    first part's error (RemoteError subclasses) after every part has finished.
     """
     view = memoryview(dest).cast("B")
     ranges = split_ranges(len(view), streams, min_chunk)
@@ -178,10 +178,7 @@ def pull_striped(
     def one(part: tuple[int, int]) -> None:
         offset, size = part
         with pool.acquire(address) as channel:
-            rid = channel.new_request_id()
-            channel.request(
-                so.Pull(rid, lease_id, key, offset, size), timeout=timeout, into=view[offset : offset + size]
-            )
+            channel.pull_many(lease_id, [(key, offset, view[offset : offset + size])], timeout=timeout)
 
     if len(ranges) == 1:
         one(ranges[0])
