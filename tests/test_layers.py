@@ -21,7 +21,7 @@ LAYERS = [
     {"net"},
     {"disagg", "weights"},
     {"integrations", "bench", "demo"},
-    {"cli_servers", "cli_shm"},
+    {"cli_servers", "cli_shm", "cli_tls"},
     {"cli_store_node"},
     {"cli"},
     {"__main__"},

@@ -10,6 +10,7 @@ Subcommands::
     tiersync store-node --capacity 8GiB --port N [--token T]  serve host DRAM to peers
                         [--registry HOST:PORT] [--heartbeat-s S]  ... and register there
     tiersync registry --port N [--redis URL] [--token-file F] the global block registry (gRPC)
+        (both: [--tls-cert F --tls-key F --tls-ca F [--tls-require-client-cert]], see cli_tls)
     tiersync router --prefill URL --decode URL --port N       prefill -> decode before vLLM servers
 
 ``store-node`` reads each flag not typed from ``$TIERSYNC_STORE_NODE_<FLAG>``, else from the
@@ -43,19 +44,11 @@ from tiersync.cli_servers import (
     stopped,
 )
 from tiersync.cli_shm import add_shm
+from tiersync.cli_tls import TLS_DEFAULTS, tls_config, tls_flags
 
 EXIT_ERROR, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
-BENCH_SUITES = (
-    "d2h",
-    "h2d",
-    "storage",
-    "h2h",
-    "pd",
-    "registry",
-    "weights",
-    "serve",
-    "workload",
-)  # keep in step with tiersync.bench.SUITES (checked by the tests)
+BENCH_SUITES = ("d2h", "h2d", "storage", "h2h", "pd", "registry", "weights", "serve", "workload")
+# ... in step with tiersync.bench.SUITES (checked by the tests)
 TINY_ENV = "TIERSYNC_BENCH_TINY"
 
 
@@ -98,6 +91,7 @@ STORE_NODE_DEFAULTS = {
     "kv_events_endpoint": None,
     "kv_events_replay": None,
     "kv_events_topic": "",
+    **TLS_DEFAULTS,
 }  # None: required (capacity, port) or unset
 
 
@@ -125,6 +119,7 @@ def _add_store_node(sub: Any) -> None:
     n.add_argument("--kv-events-endpoint", help="publish vLLM-format KV events on this ZMQ address, e.g. tcp://*:5557")
     n.add_argument("--kv-events-replay", help="ZMQ address of the events' replay socket, e.g. tcp://*:5558")
     n.add_argument("--kv-events-topic", help="topic of every event message (default kv@<store id>@*)")
+    tls_flags(n)
     n.set_defaults(func=cmd_store_node)
 
 
@@ -139,6 +134,7 @@ def _add_registry(sub: Any) -> None:
         "--token-file",
         help="file holding the shared secret every call must prove (>= 16 bytes; default: $TIERSYNC_TOKEN)",
     )
+    tls_flags(r)
     r.set_defaults(func=cmd_registry)
 
 
@@ -278,6 +274,7 @@ def cmd_store_node(args: argparse.Namespace) -> int:
         if args.token is not None
         else token_from(args.token_file, argument=flags["token_file"])
     )
+    tls = tls_config(args)
     with starting(args), kv_event_flags():  # the node stops on SIGTERM itself
         rc = run_store_node(
             args.capacity,
@@ -291,6 +288,7 @@ def cmd_store_node(args: argparse.Namespace) -> int:
             heartbeat_s=args.heartbeat_s,
             advertise=args.advertise,
             kv_events=kv_events_config(args),
+            tls=tls,
         )
     return stopped(args, rc)
 
@@ -299,7 +297,7 @@ def cmd_registry(args: argparse.Namespace) -> int:
     from tiersync.net.config import token_from
     from tiersync.net.registry.process import main as registry_main
 
-    token = token_from(args.token_file, argument="--token-file")
+    token, tls = token_from(args.token_file, argument="--token-file"), tls_config(args)
     problem = bind_probe(args, "host")  # before gRPC, which logs its own bind failure first
     if problem is not None:
         raise problem
@@ -313,6 +311,7 @@ def cmd_registry(args: argparse.Namespace) -> int:
             block_ttl_s=args.block_ttl_s,
             token=token,
             token_source="--token-file" if args.token_file is not None else "$TIERSYNC_TOKEN",
+            tls=tls,
             stop=stop,
         )
     return stopped(args, rc)

@@ -14,6 +14,7 @@ from tiersync.sizes import parse_size
 if TYPE_CHECKING:  # the 'net' extra's modules load only when used
     from tiersync.net.kv_events import KVEventPublisher, KVEventsConfig
     from tiersync.net.registry.agent import StoreAgent
+    from tiersync.net.tls import TlsConfig
 
 __all__ = ["run_store_node"]
 
@@ -32,6 +33,7 @@ def run_store_node(
     heartbeat_s: float = 300.0,
     advertise: str | None = None,
     kv_events: KVEventsConfig | None = None,
+    tls: TlsConfig | None = None,
 ) -> int:
     """The ``tiersync store-node`` process: print the address, serve until interrupted (or SIGTERM).
 
@@ -39,9 +41,11 @@ def run_store_node(
     ``store_id`` (default "HOST:PORT" of ``advertise``) and heartbeat every ``heartbeat_s``,
     proving ``token`` on every gRPC registry call too.
     ``kv_events``: publish a vLLM KV event stream (:func:`attach_events`); an empty topic
-    becomes ``kv@<store id>@*``.
+    becomes ``kv@<store id>@*``. ``tls``: serve over TLS, and verify a gRPC registry and the
+    writers the node pulls from with its CA (presenting its certificate to them).
     """
-    server = serve(parse_size(capacity), f"{host}:{port}", token=token, block_nbytes=parse_size(block_size))
+    nbytes = parse_size(block_size)
+    server = serve(parse_size(capacity), f"{host}:{port}", token=token, block_nbytes=nbytes, tls=tls)
     stop = stop or stop_on_sigterm()
     agent = reg = events = None
     try:
@@ -56,9 +60,8 @@ def run_store_node(
             from tiersync.net.registry.base import RegistryConfig
 
             where = advertise or default_advertise(server.address)
-            reg = open_registry(
-                registry, RegistryConfig(token=token)
-            )  # one secret: the node's links and its registry calls
+            grpc_tls = None if registry.startswith(("redis://", "rediss://", "unix://")) else tls
+            reg = open_registry(registry, RegistryConfig(token=token, tls=grpc_tls))  # one secret, one CA
             agent = attach_registry(server, reg, AgentConfig(store_id or where, where, pool_group, heartbeat_s))
         print(_listening(server, agent, registry, events), flush=True)
         while not stop.wait(1.0):
@@ -81,9 +84,11 @@ def _listening(
     server: StoreNodeServer, agent: StoreAgent | None, registry: str | None, events: KVEventPublisher | None
 ) -> str:
     """The store node's one line: where it listens, and where it registered and publishes."""
+    tls = server.config.tls
     line = (
         f"tiersync store-node listening on {server.address} "
-        f"({server.node.arena.num_blocks} blocks x {server.node.arena.block_nbytes} B)"
+        f"({server.node.arena.num_blocks} blocks x {server.node.arena.block_nbytes} B"
+        f"{'' if tls is None else ', mutual TLS' if tls.require_peer_cert else ', TLS'})"
     )
     if agent is not None:
         line += f" registered as {agent.config.store_id} in {shown_url(str(registry))}"

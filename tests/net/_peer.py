@@ -105,6 +105,7 @@ class StoreNodeProc(Proc):
         registry: str | None = None,
         heartbeat_s: float | None = None,
         store_id: str | None = None,
+        extra: tuple[str, ...] = (),
     ) -> None:
         cmd = [
             sys.executable,
@@ -124,7 +125,7 @@ class StoreNodeProc(Proc):
             cmd += ["--heartbeat-s", str(heartbeat_s)]
         if store_id:
             cmd += ["--store-id", store_id]
-        super().__init__(cmd, "listening on ")
+        super().__init__(cmd + list(extra), "listening on ")
         self.address = self.address_after("listening on ")
         self.store_id = store_id or self.address
 
@@ -133,7 +134,13 @@ class RegistryProc(Proc):
     """`tiersync registry` on 127.0.0.1 (``port`` 0 picks one); ``address`` from its stdout."""
 
     def __init__(
-        self, port: int = 0, *, redis: str | None = None, store_ttl_s: float = 900.0, token_file: str | None = None
+        self,
+        port: int = 0,
+        *,
+        redis: str | None = None,
+        store_ttl_s: float = 900.0,
+        token_file: str | None = None,
+        extra: tuple[str, ...] = (),
     ) -> None:
         cmd = (
             [
@@ -148,6 +155,7 @@ class RegistryProc(Proc):
             ]
             + (["--redis", redis] if redis else [])
             + (["--token-file", token_file] if token_file else [])
+            + list(extra)
         )
         super().__init__(cmd, "listening on ")
         self.address = self.address_after("listening on ")

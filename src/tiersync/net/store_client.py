@@ -21,6 +21,7 @@ from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.service import Session
 from tiersync.net.source import MemoryBlockSource
 from tiersync.net.tcp import Deadline, TcpChannel, TcpConfig, TcpTransport
+from tiersync.net.tls import TlsConfig
 
 PULL_WINDOW = 8
 _WILDCARD = ("", "0.0.0.0", "::")
@@ -51,7 +52,8 @@ class StoreNodeClient:
     ``bind_host``: where this side serves its blocks for the node to pull. The node
     dials only the IP it sees us connect from: an IP here is named in the OFFER (the
     node refuses it unless it is that IP), a wildcard or a host name sends an empty
-    host (the node dials that IP). ``on_pull`` (tests): called with each PULL (or
+    host (the node dials that IP). ``tls``: talk to the node over TLS; a writer also serves
+    its blocks over TLS with the same files (``certfile``/``keyfile`` needed to push). ``on_pull`` (tests): called with each PULL (or
     PULL_MANY, PULL_LOCAL) the node sends us, before it is answered.
     """
 
@@ -63,14 +65,20 @@ class StoreNodeClient:
         timeout: float = 30.0,
         bind_host: str = "127.0.0.1",
         on_pull: _OnPull | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         if not timeout > 0:
             raise UsageError("must be > 0 seconds", argument="timeout", value=timeout)
+        if tls is not None and not isinstance(tls, TlsConfig):
+            raise UsageError("must be a TlsConfig or None", argument="tls", value=type(tls).__name__)
+        self.tls = tls
         self.address, self.token, self.timeout = address, coerce_token(token), timeout
         self._bind, self._on_pull = bind_host, on_pull
 
     def _connect(self, deadline: Deadline) -> TcpChannel:
-        cfg = TcpConfig(token=self.token, node_id="tiersync-client", connect_timeout_s=min(self.timeout, 30.0))
+        cfg = TcpConfig(
+            token=self.token, tls=self.tls, node_id="tiersync-client", connect_timeout_s=min(self.timeout, 30.0)
+        )
         return TcpTransport(cfg).connect(self.address, timeout=deadline.remaining())
 
     def offer_and_push(self, keys: Sequence[bytes], buffers: Sequence[object]) -> PushResult:
@@ -80,7 +88,7 @@ class StoreNodeClient:
             raise UsageError("needs one buffer per key, at least one", argument="buffers")
         deadline = Deadline(self.timeout, self.address)
         source = _ObservedSource(dict(zip(keys, buffers)), self._on_pull)
-        server = TcpTransport(TcpConfig(token=self.token)).serve(f"{self._bind}:0", source)
+        server = TcpTransport(TcpConfig(token=self.token, tls=self.tls)).serve(f"{self._bind}:0", source)
         try:
             lease = source.lease(so.ReadLease(1, keys, ttl_s=max(int(self.timeout) + 1, 30)))
             pull_from = f"{_named_host(self._bind)}:{server.address.rpartition(':')[2]}"

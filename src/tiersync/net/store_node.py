@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from tiersync.net.kv_events import KVEventPublisher, KVEventsConfig
     from tiersync.net.registry.agent import AgentConfig, StoreAgent
     from tiersync.net.registry.base import Registry
+    from tiersync.net.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 PULL_CHUNK = 16 << 20
@@ -328,10 +329,16 @@ def _guarded(answers: Iterator[object], request_id: int) -> Iterator[object]:
 
 
 def serve(
-    capacity: int, address: str = "127.0.0.1:0", *, token: bytes | str | None = None, block_nbytes: int = 1 << 20
+    capacity: int,
+    address: str = "127.0.0.1:0",
+    *,
+    token: bytes | str | None = None,
+    block_nbytes: int = 1 << 20,
+    tls: TlsConfig | None = None,
 ) -> StoreNodeServer:
-    """Start a store node on ``address``; ``.address`` has the bound port, ``.node`` the handler."""
-    return StoreNodeServer(address, StoreNode(capacity, block_nbytes, config=TcpConfig(token=token)))
+    """Start a store node on ``address``; ``.address`` has the bound port, ``.node`` the handler.
+    ``tls``: its listener serves only TLS, and it dials writers over TLS with the same files."""
+    return StoreNodeServer(address, StoreNode(capacity, block_nbytes, config=TcpConfig(token=token, tls=tls)))
 
 
 def attach_registry(server: StoreNodeServer, registry: Registry, config: AgentConfig) -> StoreAgent:

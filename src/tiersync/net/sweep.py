@@ -40,6 +40,7 @@ from tiersync.net.config import coerce_token
 from tiersync.net.errors import log_level
 from tiersync.net.registry.base import Registry, StoreInfo
 from tiersync.net.store_client import StoreNodeClient
+from tiersync.net.tls import TlsConfig
 from tiersync.store.kvstore import KVCacheStore
 from tiersync.store.residency import LOADABLE
 
@@ -53,7 +54,7 @@ class SweepConfig:
 
     ``batch``: most blocks per offer (1..128). ``max_targets``: placement targets
     asked for per batch. ``timeout_s``: deadline of one push or read. ``token`` /
-    ``bind_host``: as for :class:`StoreNodeClient`.
+    ``bind_host`` / ``tls``: as for :class:`StoreNodeClient`.
     """
 
     low_watermark: float = 0.03
@@ -64,9 +65,12 @@ class SweepConfig:
     timeout_s: float = 30.0
     token: bytes | str | None = None
     bind_host: str = "127.0.0.1"
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token", coerce_token(self.token, "SweepConfig.token"))
+        if self.tls is not None and not isinstance(self.tls, TlsConfig):
+            raise UsageError("must be a TlsConfig or None", argument="SweepConfig.tls", value=type(self.tls).__name__)
         if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
             raise UsageError(
                 "needs 0 <= low_watermark <= high_watermark <= 1",
@@ -125,7 +129,7 @@ class RemoteTier:
 
     def _default_client(self, address: str) -> StoreNodeClient:
         cfg = self.config
-        return StoreNodeClient(address, token=cfg.token, timeout=cfg.timeout_s, bind_host=cfg.bind_host)
+        return StoreNodeClient(address, token=cfg.token, timeout=cfg.timeout_s, bind_host=cfg.bind_host, tls=cfg.tls)
 
     # -- the sweep ------------------------------------------------------------
     def _marks(self) -> tuple[int, int]:

@@ -10,10 +10,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tiersync.errors import TierSyncError
 from tiersync.net.registry.base import Registry, RegistryConfig
 from tiersync.net.registry.redis_backend import shown_url
+
+if TYPE_CHECKING:
+    from tiersync.net.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 HEALTH_INTERVAL_S = 10.0
@@ -40,10 +44,11 @@ def main(
     heartbeat_interval_s: float = 300.0,
     token: bytes | None = None,
     token_source: str = "",
+    tls: TlsConfig | None = None,
     stop: threading.Event | None = None,
 ) -> int:
     """Serve until interrupted (or ``stop`` is set); prints "tiersync registry listening on ADDR".
-    With ``token`` every call must prove it (``token_source``, e.g. "$TIERSYNC_TOKEN", is named
+    ``tls``: serve only over TLS (:func:`serve_registry`). With ``token`` every call must prove it (``token_source``, e.g. "$TIERSYNC_TOKEN", is named
     in that line); without one any peer that reaches the port may register stores and publish
     blocks (logged as a warning)."""
     from tiersync.net.registry.grpc_service import serve_registry
@@ -52,9 +57,11 @@ def main(
         heartbeat_interval_s=min(heartbeat_interval_s, store_ttl_s), store_ttl_s=store_ttl_s, block_ttl_s=block_ttl_s
     )
     backend = make_backend(redis_url, config)
-    server = serve_registry(backend, port=port, host=host, token=token)
+    server = serve_registry(backend, port=port, host=host, token=token, tls=tls)
     kind = "redis" if redis_url else "memory"
     auth = "no token" if token is None else f"token required{f' (from {token_source})' if token_source else ''}"
+    if tls is not None:
+        auth += ", mutual TLS" if tls.require_peer_cert else ", TLS"
     print(
         f"tiersync registry listening on {server.address} ({kind} backend, store TTL {store_ttl_s:g} s, {auth})",
         flush=True,
