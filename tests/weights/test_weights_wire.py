@@ -3,6 +3,7 @@ bounded, the vocabulary, and the version segment's header checks."""
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 
@@ -175,6 +176,34 @@ def test_segment_header_size_and_version_checks(tmp_path):
             f.write(struct.pack("<8s", b"NOTASEG!"))
         with pytest.raises(IntegrityError):
             SegmentReader(path, payload)
+    finally:
+        w.close()
+
+
+def test_a_segment_path_that_is_no_regular_file_is_refused_without_blocking(tmp_path):
+    """The path comes from the trainer's manifest: a FIFO (whose open would wait for a writer
+    forever), a device and a symbolic link to a real segment are each an IntegrityError."""
+    from tiersync.errors import IntegrityError
+
+    _, payload = tensor_offsets([4096])
+    fifo, link, real = tmp_path / "fifo", tmp_path / "link", str(tmp_path / "seg")
+    os.mkfifo(fifo)
+    w = SegmentWriter(real, payload)
+    os.symlink(real, link)
+    refused = []
+
+    def attach() -> None:
+        for path in (str(fifo), "/dev/zero", str(link)):
+            with pytest.raises(IntegrityError):
+                SegmentReader(path, payload)
+            refused.append(path)
+
+    try:
+        t = threading.Thread(target=attach, daemon=True)
+        t.start()
+        t.join(30)
+        assert len(refused) == 3, refused  # a blocked open never returns
+        SegmentReader(real, payload).close()
     finally:
         w.close()
 

@@ -20,6 +20,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import struct
 import weakref
 
@@ -203,18 +204,23 @@ def _unlink_and_close(path: str, fd: int) -> None:
 class SegmentReader:
     """A read-only mapping of a writer's segment.
 
-    Raises :class:`IntegrityError` when the file is missing, has the wrong magic, or its
-    size or header payload size differ from ``payload_bytes`` (what the manifest says).
+    Raises :class:`IntegrityError` when the file is missing, not a regular file (the path comes
+    from the trainer's manifest: a FIFO or a device is refused without blocking, a symbolic
+    link is not followed), has the wrong magic, or its size or header payload size differ from
+    ``payload_bytes`` (what the manifest says).
     """
 
     def __init__(self, path: str, payload_bytes: int) -> None:
         self.path = path
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise IntegrityError("cannot open the weights segment", path=path, error=str(exc)) from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode):
+                raise IntegrityError("the weights segment is not a regular file", path=path)
             if size != HEADER_BYTES + payload_bytes:
                 raise IntegrityError(
                     "segment size differs from the manifest",
