@@ -227,6 +227,40 @@ def test_a_recorded_call_replayed_is_refused_and_changes_nothing(guarded):
     assert backend.lookup(KEYS[:2]) == [(), ()]
 
 
+def test_a_call_replayed_to_another_registry_on_the_same_redis_is_refused(tmp_path):
+    """Two `tiersync registry` processes on one Redis (a second one, or the first restarted): a
+    PUBLISH recorded on its way to the first and sent to the second is refused and changes
+    nothing, since proofs of calls that change state are taken once in Redis too."""
+    from _peer import RedisProc, RegistryProc
+    from tiersync.net.registry import messages as m
+    from tiersync.net.registry.redis_backend import RedisRegistry
+
+    redis, procs, channels = RedisProc(str(tmp_path)), [], []
+    token_file = tmp_path / "token"
+    token_file.write_bytes(TOKEN)
+    state = RedisRegistry(redis.url)
+    try:
+        procs += [RegistryProc(redis=redis.url, token_file=str(token_file)) for _ in range(2)]
+        state.register_store(StoreInfo("a", "127.0.0.1:1", 10, "g"))
+        payload = m.enc_store_keys("a", KEYS[:2])
+        metadata = ((METADATA_KEY, proof(TOKEN, "Publish", payload)),)
+        channels += [grpc.insecure_channel(p.address) for p in procs]
+        channels[0].unary_unary(f"/{SERVICE}/Publish")(payload, timeout=5, metadata=metadata)
+        assert state.lookup(KEYS[:2]) == [("a",), ("a",)]
+        state.unpublish("a", KEYS[:2])
+        with pytest.raises(grpc.RpcError) as info:
+            channels[1].unary_unary(f"/{SERVICE}/Publish")(payload, timeout=5, metadata=metadata)
+        assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED and "replayed" in info.value.details()
+        assert state.lookup(KEYS[:2]) == [(), ()]
+    finally:
+        for c in channels:
+            c.close()
+        for p in procs:
+            p.kill()
+        state.close()
+        redis.kill()
+
+
 def test_replays_keeps_a_bounded_record_and_refuses_what_it_dropped():
     """Past ``cap`` proofs the oldest is dropped and nothing as old is taken any more; proofs
     older than the window leave the record by themselves."""

@@ -9,8 +9,9 @@ where the context binds the method, the time, the nonce and the SHA-256 of the r
 The server recomputes it (:func:`check_proof`) and refuses a missing, malformed, forged or
 stale proof (more than ``window_s`` from its clock, either way), and a proof it already took
 (:class:`Replays`: a recorded call replayed within the window, e.g. an old PUBLISH or
-UNREGISTER). What it does not hide: the calls travel in the clear; keep the registry on a
-private network for that.
+UNREGISTER; a call that changes state is also recorded in the backend where it keeps its
+state in Redis, so a restarted registry or a second one on the same Redis refuses it too).
+What it does not hide: without TLS the calls travel in the clear.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ class Replays:
     """The proofs a server took within the window: each is taken once. At most ``cap`` are
     kept; past that the oldest is dropped and no proof as old as it is taken any more (the
     window shrinks under load instead of letting a dropped proof be replayed; logged once).
-    The record is this process's: a restarted registry, or a second one on the same Redis,
-    has its own."""
+    The record is this process's (the gRPC service also records the proofs of calls that
+    change state in a Redis backend: :meth:`~tiersync.net.registry.base.Registry.take_once`)."""
 
     def __init__(self, window_s: float = WINDOW_S, cap: int = 1 << 18) -> None:
         self._window_ms, self._cap = int(window_s * 1000), cap
@@ -93,9 +94,9 @@ def check_proof(
     peer: str,
     window_s: float = WINDOW_S,
     replays: Replays | None = None,
-) -> None:
+) -> str:
     """Raise :class:`AuthError` (naming ``peer``) unless ``value`` proves ``token`` for this call
-    (and, with ``replays``, was not taken before)."""
+    (and, with ``replays``, was not taken before); the proof's nonce."""
     if value is None:
         raise AuthError("registry call without a token proof", peer=peer)
     parts = value.split(":") if len(value) <= _MAX_PROOF else []
@@ -108,3 +109,4 @@ def check_proof(
         raise AuthError("registry token proof does not match (wrong token)", peer=peer)
     if replays is not None:  # only a proof that checked is recorded: junk cannot fill the record
         replays.take(millis, parts[2], peer=peer, now=now)
+    return parts[2]

@@ -132,5 +132,13 @@ class Registry(ABC):
     def placement_targets(self, pool_group: str, count: int, exclude: Sequence[str] = ()) -> list[StoreInfo]:
         """Up to ``count`` live stores with free blocks, ranked by :func:`rank_targets`."""
 
+    def take_once(self, name: str, ttl_s: float) -> bool:
+        """Record ``name`` for ``ttl_s`` seconds where this registry keeps its state: False when it
+        is recorded already. The gRPC service records there the proofs of calls that change
+        state, so a registry restarted on the same state, or a second one, refuses a replayed
+        call too. This default keeps nothing (a memory registry's state ends with its process,
+        whose own record, :class:`~tiersync.net.registry.auth.Replays`, covers it)."""
+        return True
+
     def close(self) -> None:  # noqa: B027 - a default hook: a registry without resources has nothing to release
         """Release resources (connections); idempotent."""

@@ -27,13 +27,14 @@ from tiersync.errors import TierSyncError, UsageError
 from tiersync.net.config import coerce_token
 from tiersync.net.errors import AuthError, ProtocolError, ProtocolFault
 from tiersync.net.registry import messages as m
-from tiersync.net.registry.auth import METADATA_KEY, Replays, check_proof, proof
+from tiersync.net.registry.auth import METADATA_KEY, WINDOW_S, Replays, check_proof, proof
 from tiersync.net.registry.base import Registry, RegistryConfig, StoreInfo, check_keys
 from tiersync.net.registry.errors import RegistryUnavailableError
 from tiersync.net.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 SERVICE = "tiersync.Registry"
+_CHANGES = frozenset({"Publish", "Unpublish", "RegisterStore", "RemoveStore", "Heartbeat"})  # calls that change state
 
 
 def _methods(backend: Registry) -> dict[str, Callable[[bytes], bytes]]:
@@ -74,9 +75,9 @@ class _Gate:
     """The token check of every call when the server has a token; refusals logged like the wire
     stack's (the first ten, then every thousandth)."""
 
-    def __init__(self, token: bytes | None) -> None:
+    def __init__(self, token: bytes | None, backend: Registry) -> None:
         self.token, self.refused, self._lock = token, 0, threading.Lock()
-        self.replays = Replays()
+        self.replays, self._backend = Replays(), backend
 
     def check(self, name: str, data: bytes, context: grpc.ServicerContext) -> None:
         if self.token is None:
@@ -84,7 +85,11 @@ class _Gate:
         value = next((v for k, v in context.invocation_metadata() if k == METADATA_KEY), None)
         try:
             value = value if isinstance(value, str) else None
-            check_proof(self.token, name, data, value, peer=context.peer(), replays=self.replays)
+            nonce = check_proof(self.token, name, data, value, peer=context.peer(), replays=self.replays)
+            if name in _CHANGES and not self._backend.take_once(f"proof:{nonce}", 2 * WINDOW_S):
+                raise AuthError("registry token proof used before (a replayed call)", peer=context.peer())
+        except RegistryUnavailableError as exc:  # the shared record is down: so is the backend
+            context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
         except AuthError as exc:
             with self._lock:
                 self.refused += 1
@@ -167,7 +172,7 @@ def serve_registry(
     ``keyfile`` required; ``require_peer_cert``: clients must present a certificate signed by
     ``cafile``) it serves only over TLS."""
     credentials = _server_credentials(tls)  # before anything starts: a bad file is a UsageError
-    gate = _Gate(coerce_token(token, "token"))
+    gate = _Gate(coerce_token(token, "token"), backend)
     server = grpc.server(ThreadPoolExecutor(max_workers=workers))
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(_wrap(name, fn, gate)) for name, fn in _methods(backend).items()

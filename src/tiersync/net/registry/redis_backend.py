@@ -81,7 +81,7 @@ class RedisRegistry(Registry):
         self._errors = (redis.RedisError, OSError)
         self.failures = 0
         p = self.config.key_prefix.encode()
-        self._stores_key, self._blk = p + b"stores", p + b"blk:"
+        self._stores_key, self._blk, self._once = p + b"stores", p + b"blk:", p + b"once:"
         self._sweep = self._redis.register_script(_SWEEP)
 
     def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
@@ -199,6 +199,10 @@ class RedisRegistry(Registry):
             self._degraded("targets", exc)
             return []
         return rank_targets(live, pool_group, count, exclude)
+
+    def take_once(self, name: str, ttl_s: float) -> bool:
+        key, ms = self._once + name.encode(), max(1, int(ttl_s * 1000))
+        return bool(self._call(lambda: self._redis.set(key, b"1", nx=True, px=ms)))
 
     def ping(self) -> None:
         """RegistryUnavailableError unless Redis answers now."""
