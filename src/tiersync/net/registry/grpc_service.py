@@ -133,10 +133,7 @@ def _server_credentials(tls: TlsConfig | None) -> grpc.ServerCredentials | None:
         raise UsageError("a TLS registry needs certfile and keyfile", argument="tls")
     pair = (_read(tls.keyfile, "tls.keyfile"), _read(tls.certfile, "tls.certfile"))
     ca = _read(tls.cafile, "tls.cafile")
-    # gRPC cannot verify an optional client certificate (it asks for one without checking it), so
-    # one is asked for only when required: no unverified client identity ever reaches a handler.
-    roots = ca if tls.require_peer_cert else None
-    return grpc.ssl_server_credentials([pair], root_certificates=roots, require_client_auth=tls.require_peer_cert)
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=tls.require_peer_cert)
 
 
 def _channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
