@@ -44,7 +44,7 @@ from tiersync.cli_servers import (
     stopped,
 )
 from tiersync.cli_shm import add_shm
-from tiersync.cli_tls import TLS_DEFAULTS, tls_config, tls_flags
+from tiersync.cli_tls import TLS_DEFAULTS, TLS_TYPES, tls_config, tls_flags
 
 EXIT_ERROR, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
 BENCH_SUITES = ("d2h", "h2d", "storage", "h2h", "pd", "registry", "weights", "serve", "workload")
@@ -266,7 +266,7 @@ def cmd_store_node(args: argparse.Namespace) -> int:
     from tiersync.cli_store_node import run_store_node
     from tiersync.net.config import coerce_token, token_from
 
-    types = {"capacity": _size, "port": _port, "block_size": _size, "heartbeat_s": _seconds}
+    types = {"capacity": _size, "port": _port, "block_size": _size, "heartbeat_s": _seconds, **TLS_TYPES}
     layer_flags(args, "store_node", STORE_NODE_DEFAULTS, types, required=("capacity", "port"), environ=os.environ)
     flags = args.flags  # where each value came from: the flag, $TIERSYNC_STORE_NODE_<FLAG> or the file
     token = (

@@ -70,7 +70,11 @@ def _flag_value(value: Any, kind: Callable[[str], Any] | None, origin: str) -> A
     """``value`` (a string from the environment; a string or number from the file) as the flag's type."""
     from tiersync.errors import UsageError
 
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+    if isinstance(value, bool):  # a TOML true / false: only for a yes/no flag
+        value = str(value).lower()
+        if kind is None:
+            raise UsageError("must be a string or a number", argument=origin)
+    if not isinstance(value, (str, int, float)):
         raise UsageError("must be a string or a number", argument=origin)
     if kind is None:
         return str(value)

@@ -73,8 +73,9 @@ def test_a_store_node_registered_in_a_registry_serves_mutual_tls_from_its_flags(
 def test_tls_flags_are_checked_before_anything_starts_naming_the_flag(command, pki, tmp_path):
     """Missing partners, an unreadable file, a certificate or CA that is not PEM, mutual TLS
     without certificates: each exit 2 with one line naming the flag, nothing started."""
-    junk = tmp_path / "junk.pem"
+    junk, fifo = tmp_path / "junk.pem", tmp_path / "fifo"
     junk.write_text("not a certificate")
+    os.mkfifo(fifo)
     cert, key = pki["node"]
     cases = [
         (["--tls-cert", cert], "--tls-key"),
@@ -82,19 +83,46 @@ def test_tls_flags_are_checked_before_anything_starts_naming_the_flag(command, p
         (["--tls-cert", cert, "--tls-key", key, "--tls-ca", str(tmp_path / "missing.pem")], "--tls-ca"),
         (["--tls-cert", str(junk), "--tls-key", key, "--tls-ca", pki["ca"]], "--tls-cert"),
         (["--tls-cert", cert, "--tls-key", key, "--tls-ca", str(junk)], "--tls-ca"),
+        (["--tls-cert", cert, "--tls-key", str(junk), "--tls-ca", pki["ca"]], "--tls-key"),
+        (["--tls-cert", cert, "--tls-key", pki["writer"][1], "--tls-ca", pki["ca"]], "--tls-key"),  # another's
+        (["--tls-cert", cert, "--tls-key", key, "--tls-ca", str(fifo)], "--tls-ca"),  # never opened blocking
         (["--tls-require-client-cert"], "--tls-require-client-cert"),
     ]
-    env = {k: v for k, v in os.environ.items() if k != "TIERSYNC_TOKEN"}
     for flags, named in cases:
-        proc = subprocess.run(
-            [sys.executable, "-m", "tiersync.cli", *command, *flags],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=env,
-            check=False,
-        )
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        last = proc.stderr.strip().splitlines()[-1]
-        assert last.startswith(f"tiersync {command[0]}: {named}"), (flags, proc.stderr)
-        assert "listening" not in proc.stdout
+        _refused([*command, *flags], named)
+
+
+def _refused(args: list[str], named: str, env: dict[str, str] | None = None) -> None:
+    """``tiersync ARGS`` exits 2, no traceback, its last line naming ``named``; nothing started."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TIERSYNC_TOKEN"}, **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiersync.cli", *args], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tiersync {args[0]}: {named}"), (args, proc.stderr)
+    assert "listening" not in proc.stdout
+
+
+def test_a_store_node_takes_its_tls_settings_from_its_variables(pki):
+    """TIERSYNC_STORE_NODE_TLS_* like every store-node flag: mutual TLS from a variable (the
+    start line says so), and a bad value names the variable."""
+    cert, key = pki["node"]
+    env = {"TIERSYNC_STORE_NODE_TLS_CERT": cert, "TIERSYNC_STORE_NODE_TLS_KEY": key}
+    env |= {"TIERSYNC_STORE_NODE_TLS_CA": pki["ca"], "TIERSYNC_STORE_NODE_TLS_REQUIRE_CLIENT_CERT": "true"}
+    node = subprocess.Popen(
+        [sys.executable, "-m", "tiersync.cli", "store-node", "--capacity", "4MiB", "--port", "0", "--token", TOKEN],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **env},
+    )
+    try:
+        assert "mutual TLS" in node.stdout.readline()
+    finally:
+        node.kill()
+        node.wait(10)
+    store_node = ["store-node", "--capacity", "4MiB", "--port", "0", "--token", TOKEN]
+    mutual = "TIERSYNC_STORE_NODE_TLS_REQUIRE_CLIENT_CERT"
+    _refused(store_node, mutual, env | {mutual: "maybe"})
+    _refused(store_node, "TIERSYNC_STORE_NODE_TLS_KEY", env | {"TIERSYNC_STORE_NODE_TLS_KEY": "/missing.key"})

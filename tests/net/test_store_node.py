@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import socket
 import threading
 
 import numpy as np
@@ -195,64 +194,6 @@ def test_failed_pull_frees_landing_blocks():
             c.offer_and_push(_keys(2), _bufs(2))
         assert node.free_blocks == free and node.stored == 0
     finally:
-        server.close()
-        node.close()
-
-
-def test_offer_carries_the_writer_address():
-    from tiersync.net.store_node import writer_address
-
-    assert writer_address("10.0.0.7:4000", "10.0.0.7:9") == "10.0.0.7:4000"  # the IP we saw, named
-    assert writer_address("10.1.2.3:4000", "127.0.0.1:9") is None  # any other host: refused
-    assert writer_address("example.com:4000", "10.0.0.7:9") is None  # names are not resolved
-    assert writer_address("10.0.0.7:4000", "[::ffff:10.0.0.7]:9") == "10.0.0.7:4000"  # v4-mapped peer
-    assert writer_address(":4000", "10.0.0.7:51234") == "10.0.0.7:4000"  # empty host: the IP we saw
-    assert writer_address(":4000", "[::1]:51234") == "[::1]:4000"
-    assert writer_address(":4000", None) is None and writer_address("", "10.0.0.7:1") is None
-    assert writer_address("host:0", None) is None and writer_address("host:x", None) is None
-    offer = so.Offer(3, 9, (b"k" * 16,), (5,), ":4000")
-    from tiersync.net.codec import MetaReader
-    from tiersync.net.frames import ProtocolConfig
-
-    r = MetaReader(offer.meta())
-    assert so.Offer.parse(3, r, ProtocolConfig()) == offer
-    r.finish()
-
-
-def test_offer_without_a_source_is_refused_and_a_wildcard_writer_is_dialled_back():
-    node = StoreNode(1 << 20, BLOCK, config=TcpConfig(token=TOKEN.encode()))
-    server = StoreNodeServer("127.0.0.1:0", node)
-    try:
-        ch = TcpTransport(TcpConfig(token=TOKEN.encode())).connect(server.address)
-        reply = ch.request(so.Offer(ch.new_request_id(), 1, tuple(_keys(1)), (16,)))
-        assert reply.status is so.OfferStatus.REFUSED and node.free_blocks == 4
-        ch.close()
-        keys, bufs = _keys(2), _bufs(2)
-        res = client(server.address, bind_host="0.0.0.0").offer_and_push(keys, bufs)  # source ":port"
-        assert res.commit is ev.CommitStatus.COMMITTED and node.stored == 2
-    finally:
-        server.close()
-        node.close()
-
-
-def test_an_offer_naming_another_host_is_refused_and_never_dialled():
-    """An authenticated writer cannot make the node connect anywhere but back to it: an OFFER
-    from 127.0.0.1 naming a listener on 127.0.0.2 is refused, and that listener sees nothing."""
-    node = StoreNode(1 << 20, BLOCK, config=TcpConfig(token=TOKEN.encode()))
-    server = StoreNodeServer("127.0.0.1:0", node)
-    bait = socket.create_server(("127.0.0.2", 0))
-    try:
-        ch = TcpTransport(TcpConfig(token=TOKEN.encode())).connect(server.address)
-        source = f"127.0.0.2:{bait.getsockname()[1]}"
-        reply = ch.request(so.Offer(ch.new_request_id(), 1, tuple(_keys(1)), (16,), source))
-        assert reply.status is so.OfferStatus.REFUSED and node.free_blocks == 4
-        assert isinstance(ch.request(ev.Ping(ch.new_request_id())), ev.Pong)  # the session goes on
-        ch.close()
-        bait.settimeout(0.5)  # a dial would have arrived before the REFUSED answer
-        with pytest.raises(TimeoutError):
-            bait.accept()
-    finally:
-        bait.close()
         server.close()
         node.close()
 

@@ -247,6 +247,11 @@ def test_config_and_give_back_are_validated():
         SweepConfig(batch=129)
     with pytest.raises(UsageError):
         SweepConfig(low_watermark=0.2, high_watermark=0.1)
+    from tiersync.net.tls import TlsConfig
+
+    for tls in (TlsConfig("/ca.pem"), "ca.pem"):  # a sweep serves its pushes: it needs a certificate
+        with pytest.raises(UsageError, match=r"SweepConfig\.tls"):
+            SweepConfig(tls=tls)
     host = Host(8)
     try:
         host.save(0, 8)

@@ -68,7 +68,9 @@ def test_lease_pull_release_across_processes_is_byte_exact(peer):
 
 
 def test_striped_pull_over_several_streams_and_pool_reuse(peer):
-    pool = ChannelPool(TcpTransport(TcpConfig(token=TOKEN)), max_idle_per_peer=8)
+    from tiersync.net.config import Route
+
+    pool = ChannelPool(TcpTransport(TcpConfig(token=TOKEN, route=Route.TCP)), max_idle_per_peer=8)
     with pool.acquire(peer) as channel:
         lease = channel.request(so.ReadLease(channel.new_request_id(), (BIG,)))
     first = channel

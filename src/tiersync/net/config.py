@@ -10,6 +10,7 @@ integrations do (:func:`token_from`).
 from __future__ import annotations
 
 import enum
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -90,7 +91,8 @@ class TcpConfig:
     copying one same-host read (default: up to 4 of the cores this process may use);
     ``local_maps``: same-host reads copy out of a map of the server's memory where it offers
     shareable memory (a sealed memfd), else with ``process_vm_readv`` (False: always the
-    latter). Raises UsageError naming the field.
+    latter). ``source_ip``: a client connects from this local IP (None: the kernel picks).
+    Raises UsageError naming the field.
     """
 
     sndbuf: int = 16 << 20
@@ -109,6 +111,7 @@ class TcpConfig:
     local_threads: int = field(default_factory=lambda: min(4, len(os.sched_getaffinity(0))))
     local_maps: bool = True
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    source_ip: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("sndbuf", "rcvbuf", "recv_chunk", "backlog", "max_connections", "workers", "local_threads"):
@@ -126,3 +129,8 @@ class TcpConfig:
             raise UsageError("must be a Route", argument="route", value=self.route)
         if not isinstance(self.protocol, ProtocolConfig):
             raise UsageError("must be a ProtocolConfig", argument="protocol")
+        if self.source_ip is not None:
+            try:
+                ipaddress.ip_address(self.source_ip)
+            except (TypeError, ValueError):
+                raise UsageError("must be an IP address or None", argument="source_ip", value=self.source_ip) from None

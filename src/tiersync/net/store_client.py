@@ -24,17 +24,17 @@ from tiersync.net.tcp import Deadline, TcpChannel, TcpConfig, TcpTransport
 from tiersync.net.tls import TlsConfig
 
 PULL_WINDOW = 8
-_WILDCARD = ("", "0.0.0.0", "::")
 _OnPull = Callable[[so.Pull | so.PullMany | so.PullLocal], None]
 
 
 def _named_host(bind: str) -> str:
-    """The host an OFFER names for a listener bound to ``bind``: an IP as it is, else empty."""
+    """The host an OFFER names for a listener bound to ``bind`` (and the IP this side connects
+    from): a specific IP as it is, else empty (a wildcard or a host name)."""
     try:
-        ipaddress.ip_address(bind.strip("[]"))
+        ip = ipaddress.ip_address(bind.strip("[]"))
     except ValueError:
         return ""
-    return "" if bind in _WILDCARD else bind
+    return "" if ip.is_unspecified else bind.strip("[]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +49,10 @@ class PushResult:
 class StoreNodeClient:
     """Talks to the store node at ``address`` ("host:port").
 
-    ``bind_host``: where this side serves its blocks for the node to pull. The node
-    dials only the IP it sees us connect from: an IP here is named in the OFFER (the
-    node refuses it unless it is that IP), a wildcard or a host name sends an empty
-    host (the node dials that IP). ``tls``: talk to the node over TLS; a writer also serves
+    ``bind_host``: where this side serves its blocks for the node to pull. The node dials
+    only the IP it sees us connect from: a specific IP here is also the one we connect
+    from, a wildcard or a host name leaves the choice to the kernel (the node dials the IP
+    it sees). Over TLS the node checks our certificate against the IP it dials. ``tls``: talk to the node over TLS; a writer also serves
     its blocks over TLS with the same files (``certfile``/``keyfile`` needed to push). ``on_pull`` (tests): called with each PULL (or
     PULL_MANY, PULL_LOCAL) the node sends us, before it is answered.
     """
@@ -75,9 +75,13 @@ class StoreNodeClient:
         self.address, self.token, self.timeout = address, coerce_token(token), timeout
         self._bind, self._on_pull = bind_host, on_pull
 
-    def _connect(self, deadline: Deadline) -> TcpChannel:
+    def _connect(self, deadline: Deadline, source_ip: str | None = None) -> TcpChannel:
         cfg = TcpConfig(
-            token=self.token, tls=self.tls, node_id="tiersync-client", connect_timeout_s=min(self.timeout, 30.0)
+            token=self.token,
+            tls=self.tls,
+            node_id="tiersync-client",
+            connect_timeout_s=min(self.timeout, 30.0),
+            source_ip=source_ip,
         )
         return TcpTransport(cfg).connect(self.address, timeout=deadline.remaining())
 
@@ -91,8 +95,9 @@ class StoreNodeClient:
         server = TcpTransport(TcpConfig(token=self.token, tls=self.tls)).serve(f"{self._bind}:0", source)
         try:
             lease = source.lease(so.ReadLease(1, keys, ttl_s=max(int(self.timeout) + 1, 30)))
-            pull_from = f"{_named_host(self._bind)}:{server.address.rpartition(':')[2]}"
-            channel = self._connect(deadline)
+            host = _named_host(self._bind)
+            pull_from = f"{host}:{server.address.rpartition(':')[2]}"
+            channel = self._connect(deadline, host or None)  # the node dials back the IP it sees
             try:
                 return self._offer(channel, lease, keys, pull_from, deadline)
             finally:

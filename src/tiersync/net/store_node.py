@@ -6,11 +6,11 @@ COMMITTED only when the lease was still held; expired leases are unpinned lazily
 
 Remote WRITE ("the destination pulls"): the writer serves its blocks on its own
 listener and OFFERs the keys under a lease on that source; the OFFER carries the
-writer's port (``source``): the node dials only the IP the writer's connection comes
-from, so an OFFER naming another host is refused. The node answers ALL_EXIST, PARTIAL_EXIST (the
-overlap), ACCEPT or REFUSED (not enough FREE blocks: the node never evicts for a
-remote; a block larger than the node's blocks; keys already landing; no usable
-source). After ACCEPT/PARTIAL_EXIST it pulls into landing blocks, releases the
+writer's port (``source``), and the node dials only the IP the writer's connection comes
+from (an OFFER naming another host is answered ERROR(BAD_REQUEST) saying so). The node
+answers ALL_EXIST, PARTIAL_EXIST (the overlap), ACCEPT or REFUSED (not enough FREE blocks:
+the node never evicts for a remote; a block larger than the node's blocks; keys already
+landing). After ACCEPT/PARTIAL_EXIST it pulls into landing blocks, releases the
 writer's lease and inserts all-or-nothing: COMMITTED, or FAILED with every
 landing block freed.
 
@@ -175,17 +175,22 @@ class StoreNode(BlockService):
         """Answers to OFFER ``req``: the OFFER_REPLY, then (when accepted) the COMMIT_REPLY.
         An unexpected error becomes ERROR (before the reply) or FAILED (after).
 
-        ``session``: the writer's; its "ip:port" is used when ``req.source`` has an empty host.
+        ``session``: the writer's; the node dials only its IP (:func:`writer_address`), and an
+        OFFER naming another host is answered ERROR(BAD_REQUEST) saying why.
         """
         return _guarded(self._offer(req, session.peer if session is not None else None), req.request_id)
 
     def _offer(self, req: so.Offer, peer: str | None) -> Iterator[object]:
-        writer = writer_address(req.source, peer)
+        try:
+            writer = writer_address(req.source, peer)
+        except BlockError as exc:
+            log.info("offer %d from %s refused: %s", req.request_id, peer, exc)
+            yield ev.Error(req.request_id, exc.code, str(exc))
+            return
         reply, new, blocks = self._admit(req, writer)
         yield reply
         if not new:
             return
-        assert writer is not None  # _admit accepts nothing without one
         try:
             self._pull_from(writer, req.lease_id, new, blocks)
             sums = [self._sum_stored(key, self.arena.block(b)[:size]) for (key, size), b in zip(new, blocks)]
@@ -211,7 +216,7 @@ class StoreNode(BlockService):
             return self._partials.remember(key, view)
         return payload_checksum(SUPPORTED[0], view)
 
-    def _admit(self, req: so.Offer, writer: str | None) -> tuple[so.OfferReply, list[tuple[bytes, int]], list[int]]:
+    def _admit(self, req: so.Offer, writer: str) -> tuple[so.OfferReply, list[tuple[bytes, int]], list[int]]:
         refused = so.OfferReply(req.request_id, so.OfferStatus.REFUSED)
         with self._lock:
             existing = tuple(k for k in req.keys if k in self._index)
@@ -219,12 +224,7 @@ class StoreNode(BlockService):
             if not new:
                 return so.OfferReply(req.request_id, so.OfferStatus.ALL_EXIST, existing), [], []
             too_big = any(s > self.arena.block_nbytes for _, s in new)
-            if (
-                writer is None
-                or too_big
-                or any(k in self._landing for k, _ in new)
-                or len(new) > self.arena.allocator.num_free
-            ):
+            if too_big or any(k in self._landing for k, _ in new) or len(new) > self.arena.allocator.num_free:
                 return refused, [], []
             blocks = self.arena.allocate(len(new))  # free blocks only: checked above, under the lock
             self._landing.update(k for k, _ in new)
@@ -285,22 +285,26 @@ class StoreNodeServer(TcpServer):
         super().__init__(address, node, node.config)
 
 
-def writer_address(source: str, peer: str | None) -> str | None:
-    """The address to pull an OFFER's blocks from, or None (no usable source: refused).
-
-    ``source`` "host:port"; the node dials only the IP the writer's connection comes from
-    (``peer``): an empty host takes it, any other host must be that IP written out. An
-    authenticated writer cannot make the node connect anywhere else.
+def writer_address(source: str, peer: str | None) -> str:
+    """The address to pull an OFFER's blocks from: the IP the writer's connection comes from
+    (``peer``, "ip:port") and the port ``source`` ("host:port") names. An empty host takes that
+    IP; any other host must be that IP written out, so an authenticated writer cannot make the
+    node connect anywhere else. BlockError(BAD_REQUEST, why) otherwise.
     """
     host, sep, port = source.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or peer is None:
-        return None
-    seen = _ip(parse_address(peer)[0])
-    if seen is None or (host and _ip(host.strip("[]")) != seen):
-        log.info("offer from %s names source %r: only the writer's own address is dialled", peer, source)
-        return None
-    ip = str(seen)
-    return f"[{ip}]:{port}" if seen.version == 6 else f"{ip}:{port}"
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise BlockError(ev.ErrorCode.BAD_REQUEST, f"OFFER source {source!r} is not 'host:port'")
+    seen = _ip(parse_address(peer)[0]) if peer is not None else None
+    if seen is None:
+        raise BlockError(ev.ErrorCode.BAD_REQUEST, "the writer's own address is unknown")
+    named = _ip(host.strip("[]")) if host else seen
+    if named is None or named.packed != seen.packed:  # scopes aside: the node dials the one it saw
+        raise BlockError(
+            ev.ErrorCode.BAD_REQUEST,
+            f"OFFER source host {host!r} is not {seen}, the address this connection comes from "
+            "(the node dials only that one: serve on it, or connect from it)",
+        )
+    return f"[{seen}]:{port}" if seen.version == 6 else f"{seen}:{port}"
 
 
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

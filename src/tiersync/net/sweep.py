@@ -69,8 +69,10 @@ class SweepConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token", coerce_token(self.token, "SweepConfig.token"))
-        if self.tls is not None and not isinstance(self.tls, TlsConfig):
-            raise UsageError("must be a TlsConfig or None", argument="SweepConfig.tls", value=type(self.tls).__name__)
+        if self.tls is not None and (not isinstance(self.tls, TlsConfig) or self.tls.certfile is None):
+            raise UsageError(  # a sweep pushes: the nodes dial its listener, which serves TLS with it
+                "must be a TlsConfig with certfile and keyfile, or None", argument="SweepConfig.tls"
+            )
         if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
             raise UsageError(
                 "needs 0 <= low_watermark <= high_watermark <= 1",

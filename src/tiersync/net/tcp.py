@@ -368,7 +368,8 @@ class TcpTransport(Transport):
         host, port = parse_address(address)
         deadline = Deadline(timeout or self.config.connect_timeout_s, address)
         with io_errors(address):
-            sock = socket.create_connection((host, port), timeout=deadline.remaining())
+            source = None if self.config.source_ip is None else (self.config.source_ip, 0)
+            sock = socket.create_connection((host, port), timeout=deadline.remaining(), source_address=source)
         try:
             tune(sock, self.config)
             sock = self._wrap_tls(sock, host, deadline, address)

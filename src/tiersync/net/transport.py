@@ -169,7 +169,8 @@ def pull_striped(
     """Pull block ``key`` (``len(dest)`` bytes) under ``lease_id`` into ``dest`` over several streams.
 
     Each part travels on its own pooled channel, landing straight in its slice
-    of ``dest`` (in pieces no larger than the channel's agreed frame limit). Raises the
+    of ``dest`` (:meth:`~tiersync.net.tcp.TcpChannel.pull_many`: over TCP in pieces no larger
+    than the agreed frame limit, or a same-host read as the channel's route says). Raises the
     first part's error (RemoteError subclasses) after every part has finished.
     """
     view = memoryview(dest).cast("B")
