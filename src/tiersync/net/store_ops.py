@@ -60,8 +60,9 @@ _KEY_OF = operator.itemgetter(0)
 class Offer:
     """Writer -> destination: blocks ``keys`` (sizes in bytes) pullable under ``lease_id``.
 
-    ``source``: the writer's "host:port" to pull from; an empty host (":port") means
-    the address the destination sees the writer's connection come from.
+    ``source``: the writer's "host:port" to pull from. A store node dials only the IP it sees
+    the writer's connection come from: an empty host (":port") means that IP, any other host
+    must be it.
     """
 
     OP: ClassVar[Op] = Op.OFFER
