@@ -163,13 +163,13 @@ def test_recv_many_refuses_bad_arguments():
     a, b = socket.socketpair()
     try:
         with pytest.raises(ValueError):
-            _wire.recv_many(a.fileno(), bytearray(10), [bytearray(8)], [1], 1 << 20, 0)
+            _wire.recv_many(a.fileno(), bytearray(10), [bytearray(8)], [1], 1 << 20, 0, 0.0)
         with pytest.raises(ValueError):
-            _wire.recv_many(a.fileno(), bytearray(64), [bytearray(8)], [1, 2], 1 << 20, 0)
+            _wire.recv_many(a.fileno(), bytearray(64), [bytearray(8)], [1, 2], 1 << 20, 0, 0.0)
         with pytest.raises(ValueError):
-            _wire.recv_many(a.fileno(), bytearray(64), [], [], 1 << 20, 0)
+            _wire.recv_many(a.fileno(), bytearray(64), [], [], 1 << 20, 0, 0.0)
         with pytest.raises(BufferError):
-            _wire.recv_many(a.fileno(), bytearray(64), [b"read-only"], [1], 1 << 20, 0)
+            _wire.recv_many(a.fileno(), bytearray(64), [b"read-only"], [1], 1 << 20, 0, 0.0)
     finally:
         a.close()
         b.close()
@@ -216,7 +216,9 @@ def test_recv_many_verifies_what_the_parser_would(vectored):
     writer = threading.Thread(target=b.sendall, args=(wire,))
     writer.start()
     try:
-        done, sums, _, err = _wire.recv_many(a.fileno(), bytearray(64), dests, [1, 2], 64 << 20, EMPTY_META_CHECKSUM)
+        done, sums, _, err = _wire.recv_many(
+            a.fileno(), bytearray(64), dests, [1, 2], 64 << 20, EMPTY_META_CHECKSUM, 0.0
+        )
     finally:
         writer.join()
         a.close()
@@ -250,10 +252,55 @@ def test_a_signal_during_a_blocked_receive_runs_its_handler_at_once():
     t0 = time.monotonic()
     try:
         with pytest.raises(_Alarm):
-            _wire.recv_many(a.fileno(), bytearray(64), [bytearray(4096)], [1], 1 << 20, 0)
+            _wire.recv_many(a.fileno(), bytearray(64), [bytearray(4096)], [1], 1 << 20, 0, 0.0)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
         a.close()
         b.close()
     assert time.monotonic() - t0 < 5
+
+
+def test_a_peer_trickling_a_payload_cannot_hold_the_reader_past_its_deadline():
+    """A valid DATA header, then one byte every 0.1 s: each read returns before the socket's
+    receive timeout, so without the call's own deadline the receiver would wait for the whole
+    payload (an hour here). It stops starting reads at timeout_s and hands what landed over."""
+    import struct
+    import time
+
+    from _proto_helpers import deliver, ready_pair
+    from tiersync.net.socket_io import EMPTY_META_CHECKSUM
+
+    payload = os.urandom(64 << 10)
+    client, server = ready_pair(PayloadChecksum.TSUM64)
+    pull = so.Pull(1, 7, GOOD[0], 0, len(payload))
+    deliver(client, server, pull)
+    wire = b"".join(bytes(x) for x in server.send(ev.Data(1, payload)))
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # TCP: each read waits its own timeout
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 0, 500_000))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        b.sendall(wire[:100])
+        for i in range(100, len(wire)):
+            if stop.wait(0.1):
+                return
+            b.sendall(wire[i : i + 1])
+
+    writer = threading.Thread(target=trickle, daemon=True)
+    writer.start()
+    t0 = time.monotonic()
+    try:
+        done, _, n, err = _wire.recv_many(
+            a.fileno(), bytearray(64), [bytearray(len(payload))], [1], 1 << 20, EMPTY_META_CHECKSUM, 1.0
+        )
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.set()
+        writer.join(5)
+        a.close()
+        b.close()
+    assert (done, err) == (0, 0) and 100 <= n < len(wire)  # what landed goes to the parser
+    assert elapsed < 10, elapsed  # about 1 s (the deadline plus one read's timeout at most)

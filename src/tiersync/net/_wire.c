@@ -10,7 +10,7 @@
  *   Both calls work on a duplicate of fd, so a close of fd by another thread while they run
  *   never lets them read or write a socket that got its number.
  *
- * recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum) -> (done, sums, n, err)
+ * recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum, timeout_s) -> (done, sums, n, err)
  *   Receives consecutive frames, the i-th expected to be the DATA answer to request_ids[i]
  *   landing in dests[i] (the per-frame steps below), all in one call with the GIL released.
  *   dests[i] is one writable buffer, or a list of them filled in order (a vectored pull: the
@@ -20,7 +20,9 @@
  *   go to the reference parser, n == 0 with err == 0 is end of stream, n == 0 with err != 0
  *   a failing read (errno err; raised as OSError when done == 0, so a timeout raises
  *   BlockingIOError and a signal InterruptedError, or what its handler raised) after which the
- *   caller reads again.
+ *   caller reads again. timeout_s (> 0; else none): no read starts once that many seconds have
+ *   passed since the call began (the socket's receive timeout bounds each read), so a peer
+ *   that trickles bytes ends the call with them handed to the parser.
  *
  * Per frame: receives the next frame of a blocking stream
  *   socket `fd` at a frame boundary, expecting it to be the DATA answer to `request_id` whose
@@ -122,7 +124,18 @@ typedef struct {
     uint64_t n;   /* bytes consumed */
     int ok, err;  /* err: errno of a failing first read */
     uint64_t sum;
+    uint64_t end_ns; /* CLOCK_MONOTONIC time after which no further read starts (0: none) */
 } recv_job;
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* 1 when the call's time is up: a peer trickling bytes (each read returning some before the
+ * socket's receive timeout) must not keep the reader past its deadline. */
+static inline int late(const recv_job *j) { return j->end_ns && now_ns() >= j->end_ns; }
 
 #define IOV_BATCH 64
 
@@ -184,6 +197,7 @@ static void run_job(recv_job *j) {
     if (r <= 0) { j->err = r < 0 ? errno : 0; return; }
     j->n = (uint64_t)r;
     while (j->n < HDR) {
+        if (late(j)) return;
         r = recv(j->fd, j->hdr + j->n, HDR - (size_t)j->n, MSG_WAITALL);
         if (r <= 0) return;
         j->n += (uint64_t)r;
@@ -194,6 +208,7 @@ static void run_job(recv_job *j) {
     uint64_t have = j->n - HDR;
     landed(j, &c, have, &st);
     while (have < j->len) {  /* pieces of TS_PIECE, each summed while still in cache */
+        if (late(j)) return;
         fill_iov(j, c, iov, IOV_BATCH, TS_PIECE, &k);
         r = recvmsg_some(j->fd, iov, k, MSG_WAITALL);
         if (r <= 0) return;
@@ -281,8 +296,10 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
     Py_buffer hv;
     PyObject *dests, *rids;
     unsigned long long max_payload, empty_meta;
-    if (!PyArg_ParseTuple(args, "iw*O!O!KK", &fd, &hv, &PyList_Type, &dests, &PyList_Type, &rids, &max_payload,
-                          &empty_meta)) return NULL;
+    double timeout_s;
+    if (!PyArg_ParseTuple(args, "iw*O!O!KKd", &fd, &hv, &PyList_Type, &dests, &PyList_Type, &rids, &max_payload,
+                          &empty_meta, &timeout_s)) return NULL;
+    uint64_t end_ns = timeout_s > 0 ? now_ns() + (uint64_t)(timeout_s * 1e9) : 0;
     Py_ssize_t count = PyList_GET_SIZE(dests);
     if (hv.len != HDR || count < 1 || count > MAX_FRAMES || PyList_GET_SIZE(rids) != count) {
         PyBuffer_Release(&hv);
@@ -302,6 +319,7 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
         jobs[i].hdr = hv.buf;
         jobs[i].max_payload = max_payload;
         jobs[i].empty_meta = empty_meta;
+        jobs[i].end_ns = end_ns;
     }
     int own = hold_fd(fd);
     if (own < 0) {
@@ -451,7 +469,7 @@ static PyObject *xxh3_56_py(PyObject *self, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"recv_many", recv_many, METH_VARARGS,
-     "recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum) -> (done, sums, n, err)."},
+     "recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum, timeout_s) -> (done, sums, n, err)."},
     {"send_all", send_all, METH_VARARGS, "send_all(fd, bufs, timeout_s) -> (sent, err)."},
     {"_xxh3_56", xxh3_56_py, METH_O, "Tests only: xxh3_64 of a 56-byte header prefix."},
     {NULL, NULL, 0, NULL},

@@ -7,6 +7,7 @@ def recv_many(
     request_ids: list[int],
     max_payload: int,
     empty_meta_sum: int,
+    timeout_s: float,
     /,
 ) -> tuple[int, tuple[int, ...], int, int]:
     """(done, sums, n, err): see ``_wire.c``."""

@@ -212,10 +212,9 @@ class FramedSocket:
             while len(out) < len(request_ids) and (dests := conn.data_fast_targets(request_ids[len(out) :])):
                 self._arm(socket.SO_RCVTIMEO, deadline)
                 rids = list(request_ids[len(out) : len(out) + len(dests)])
-                try:
-                    done, sums, n, err = _wire.recv_many(
-                        self.sock.fileno(), self._hview, dests, rids, conn.config.max_frame_size, EMPTY_META_CHECKSUM
-                    )
+                fd, limit, left = self.sock.fileno(), conn.config.max_frame_size, deadline.remaining()
+                try:  # stops starting reads at the deadline: the parser then takes what landed
+                    done, sums, n, err = _wire.recv_many(fd, self._hview, dests, rids, limit, EMPTY_META_CHECKSUM, left)
                 except (BlockingIOError, InterruptedError):
                     continue
                 out += [conn.data_fast_received(rid, value) for rid, value in zip(rids, sums)]
