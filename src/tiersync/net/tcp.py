@@ -260,11 +260,18 @@ class TcpChannel(Channel):
 
     def local_copy(self, reply: object, dests: list[memoryview]) -> None:
         """Land a LOCAL_REPLY's regions in ``dests``, verified (:func:`~tiersync.net.samehost.local_copy`)."""
-        local_copy(reply, dests, self.peer, self._framed.cfg.local_threads, self._maps)
+        local_copy(self._ours(reply), dests, self.peer, self._framed.cfg.local_threads, self._maps)
 
     def local_copy_at(self, reply: object, dest: np.ndarray, offsets: np.ndarray) -> None:
         """:meth:`local_copy` into one uint8 array, region ``i`` at ``dest[offsets[i]:]``."""
-        local_copy_at(reply, dest, offsets, self.peer, self._framed.cfg.local_threads, self._maps)
+        local_copy_at(self._ours(reply), dest, offsets, self.peer, self._framed.cfg.local_threads, self._maps)
+
+    def _ours(self, reply: object) -> object:
+        """``reply``, unless it is a LOCAL_REPLY naming a process other than the server's (the
+        one the handshake checked holds this connection's far end): ProtocolError MALFORMED."""
+        if isinstance(reply, ev.LocalReply) and reply.pid != self.info.pid:
+            raise ProtocolError("LOCAL_REPLY names another process", fault=ProtocolFault.MALFORMED, peer=self.peer)
+        return reply
 
     @property
     def mapped_sources(self) -> int:
