@@ -307,6 +307,30 @@ def test_out_of_protocol_requests_refused_and_session_kept(producer):
     assert _poll_until(producer, "o").failed_sending == {"o"}
 
 
+def test_a_reader_beyond_any_reshard_is_refused_before_planning_and_changes_nothing(producer):
+    """KV_OPEN's layout comes off the wire: a destination rank outside its TP size, or a TP size
+    no reshard of this layout needs (one route per destination rank: a few hundred bytes could
+    make the producer plan millions), is refused BAD_REQUEST before any planning, and the
+    request still takes the honest reader afterwards (a refused reader changes nothing)."""
+    from dataclasses import replace
+
+    from tiersync.disagg.messages import ReadRequest
+    from tiersync.net.fields import ErrorCode
+
+    src = np.arange(LAYOUT.layer_nbytes, dtype=np.uint8)
+    producer.register("t", [0], 4, [src, src])
+    planned = len(default_planner())
+    channel = TcpTransport(TcpConfig(), KV).connect(producer.address)
+    for layout, rank in ((replace(LAYOUT, tp_size=2), 5), (replace(LAYOUT, tp_size=1 << 16), 0)):
+        with pytest.raises(RequestError) as e:
+            channel.request(KvOpen(channel.new_request_id(), ReadRequest("t", 0, rank, layout, (0,), (0,), 4)))
+        assert e.value.code is ErrorCode.BAD_REQUEST and not channel.closed
+    assert len(default_planner()) == planned  # nothing was planned for them
+    opened = channel.request(KvOpen(channel.new_request_id(), ReadRequest("t", 0, 0, LAYOUT, (0,), (0,), 4)))
+    assert opened.route_bytes > 0
+    channel.close()
+
+
 class _Staller(_Liar):
     """Answers ``op`` like ``answer`` only once ``release`` is set (a producer that stops
     mid-read), as the producer's waiting answers do: a generator, so the answers before it

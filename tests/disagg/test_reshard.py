@@ -149,6 +149,23 @@ def test_bad_heads_named():
     assert _arg(e) == "order"
 
 
+def test_sizes_beyond_any_real_layout_are_refused_naming_the_field():
+    """A layout also comes off the wire (KV_OPEN): no count past 2**31 and no layer past 2**50
+    bytes, so every offset stays far inside an int64 (2**40 blocks used to overflow later)."""
+    from dataclasses import replace
+
+    base = _layout(1, 16, 4, KVOrder.KV_MAJOR)
+    for change, named in [
+        ({"num_blocks": 2**40}, "num_blocks"),
+        ({"tp_size": 2**32}, "tp_size"),
+        ({"block_size": 2**31 + 1}, "block_size"),
+        ({"num_blocks": 2**31, "head_dim": 2**12}, "num_blocks"),  # each field fits, a layer does not
+    ]:
+        with pytest.raises(UsageError) as e:
+            replace(base, **change)
+        assert _arg(e) == named, change
+
+
 @pytest.mark.parametrize("field,value", [("head_dim", 8), ("dtype", "float32"), ("layers", 3), ("heads", 4)])
 def test_mismatch_named(field, value):
     src = _layout(2, 16, 4, KVOrder.KV_MAJOR)

@@ -58,6 +58,10 @@ def dtype_info(dtype: object) -> tuple[str, int]:
     return dt.name, dt.itemsize
 
 
+MAX_FIELD = 1 << 31  # bound of each count and size of a layout
+MAX_LAYER_BYTES = 1 << 50  # bound of one layer's bytes on one rank
+
+
 class KVOrder(enum.Enum):
     """Dimension order of one layer's KV tensor."""
 
@@ -89,6 +93,8 @@ class PagedKVLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "tp_size"):
             check_positive_int(getattr(self, name), name)
+            if getattr(self, name) > MAX_FIELD:  # layouts also come off the wire (KV_OPEN)
+                raise UsageError(f"must be <= {MAX_FIELD}", argument=name, value=getattr(self, name))
         if not isinstance(self.order, KVOrder):
             try:
                 object.__setattr__(self, "order", KVOrder(self.order))
@@ -96,6 +102,8 @@ class PagedKVLayout:
                 raise UsageError("must be a KVOrder", argument="order", value=self.order) from None
         name, _ = dtype_info(self.dtype)
         object.__setattr__(self, "dtype", name)
+        if self.layer_nbytes > MAX_LAYER_BYTES:  # every offset then fits an int64 with room to spare
+            raise UsageError(f"one layer would exceed {MAX_LAYER_BYTES} bytes", argument="num_blocks")
         h, tp = self.num_kv_heads, self.tp_size
         if h >= tp and h % tp:
             raise UsageError("must be divisible by tp_size", argument="num_kv_heads", num_kv_heads=h, tp_size=tp)

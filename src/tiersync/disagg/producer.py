@@ -312,6 +312,7 @@ class KVProducer(Service):
         blocks = _run_of(req.block_ids, read.src_block_ids, self.layout.blocks_needed(read.num_tokens))
         if blocks is None or blocks[0] * self.layout.block_size + read.num_tokens > req.num_tokens:
             raise Refused(Code.BAD_REQUEST, "mismatch: num_tokens or source block ids differ from the registration")
+        _check_reader(self.layout, read)  # before any planning: the reader's layout comes off the wire
         try:
             plan = self._planner.plan(self.layout, read.dst_layout, blocks[1], read.dst_block_ids, read.num_tokens)
         except UsageError as exc:
@@ -324,16 +325,17 @@ class KVProducer(Service):
         return KvOpened(event.request_id, int(route.lengths.sum()))
 
     def _join(self, req: Outgoing, read: ReadRequest, expected: tuple[int, ...], session: Session) -> None:
+        """Join the reader, all or nothing: a refused one changes nothing of ``req``."""
         if req.state is not RequestState.PENDING:
             raise Refused(Code.NOT_FOUND, "unknown request: already final")
-        if req.dst_layout is None:
-            req.dst_layout, req.expected = read.dst_layout, frozenset(expected)
-        elif req.dst_layout != read.dst_layout:
+        if req.dst_layout is not None and req.dst_layout != read.dst_layout:
             raise Refused(Code.BAD_REQUEST, "mismatch: another reader of this request uses a different layout")
-        if read.dst_rank not in req.expected or read.dst_rank in req.joined:
+        readers = req.expected if req.dst_layout is not None else frozenset(expected)
+        if read.dst_rank not in readers or read.dst_rank in req.joined:
             raise Refused(
                 Code.BAD_REQUEST, f"mismatch: destination rank {read.dst_rank} is not expected or already reading"
             )
+        req.dst_layout, req.expected = read.dst_layout, readers
         req.joined.add(read.dst_rank)
         req.sessions.add(session)
 
@@ -362,6 +364,19 @@ class KVProducer(Service):
         if route.counted:
             return ev.CommitReply(event.request_id, ev.CommitStatus.COMMITTED)
         return ev.CommitReply(event.request_id, ev.CommitStatus.FAILED, "request timed out, was aborted or failed")
+
+
+MAX_READER_TP = 16  # a reader's TP may replicate each of this rank's heads at most this often
+
+
+def _check_reader(src: PagedKVLayout, read: ReadRequest) -> None:
+    """Refuse (BAD_REQUEST) a reader rank outside its layout, or a layout whose TP size would
+    make planning cost more than any real reshard (a route per destination rank and head)."""
+    dst = read.dst_layout
+    if not 0 <= read.dst_rank < dst.tp_size:
+        raise Refused(Code.BAD_REQUEST, f"destination rank {read.dst_rank} outside tp_size {dst.tp_size}")
+    if dst.tp_size > MAX_READER_TP * max(src.tp_size, src.num_kv_heads):
+        raise Refused(Code.BAD_REQUEST, f"destination tp_size {dst.tp_size} is beyond any reshard of this layout")
 
 
 def _run_of(registered: tuple[int, ...], asked: Sequence[int], need: int) -> tuple[int, tuple[int, ...]] | None:
