@@ -70,6 +70,7 @@ def test_span_lists_exactly_the_box_bytes_in_c_order(case):
     rows = np.concatenate([np.arange(o, o + n) for o, n in span.rows()])
     assert np.array_equal(rows, expected)
     assert span.nbytes == expected.size and span.extent <= nbytes
+    assert span.disjoint and np.unique(rows).size == rows.size  # a box's rows never overlap
     buf = np.arange(nbytes, dtype=np.int64).astype(np.uint8)
     assert np.array_equal(span_view(buf, span).reshape(-1), expected.astype(np.uint8))
 
@@ -81,3 +82,29 @@ def test_span_view_rejects_overrun_and_non_contiguous():
     with pytest.raises(UsageError) as info:
         span_view(np.zeros((4, 4), np.uint8)[:, :2], StridedSpan(0, 1))
     assert info.value.argument == "buffer"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.lists(st.tuples(st.integers(1, 4), st.integers(0, 24)), min_size=0, max_size=3),
+)
+def test_a_disjoint_span_lists_no_byte_twice(row_bytes, dims):
+    """The W_GET / W_SUMS bound: a span whose rows share bytes (a stride of 0, rows closer than
+    their length) is refused, so a few bytes of a tensor cannot be asked for 2**26 times."""
+    span = StridedSpan(0, row_bytes, tuple(c for c, _ in dims), tuple(s for _, s in dims))
+    rows = [o + i for o, n in span.rows() for i in range(n)]
+    if span.disjoint:
+        assert len(set(rows)) == len(rows), span
+    if any(c > 1 and s == 0 for c, s in dims) or len(set(rows)) < len(rows):
+        assert not span.disjoint, span
+
+
+def test_a_get_or_sums_of_overlapping_rows_is_refused():
+    from tiersync.weights.ops import Get, Sums
+
+    flood = StridedSpan(0, 1, (1 << 26,), (0,))  # one byte, 2**26 times
+    with pytest.raises(UsageError, match="overlap"):
+        Get(1, 1, "w", (0,), flood)
+    with pytest.raises(UsageError, match="overlap"):
+        Sums(1, 1, "w", (flood,))

@@ -260,6 +260,8 @@ def _check_span(s: object) -> None:
         raise UsageError("offset and strides must be below 2**63", argument="span")
     if s.row_bytes <= 0 or any(c <= 0 for c in s.counts) or s.nbytes > MAX_SPAN_BYTES:
         raise UsageError(f"must hold 1..{MAX_SPAN_BYTES} bytes", argument="span")
+    if not s.disjoint:  # rows sharing bytes (a stride of 0): a few bytes of a tensor asked 2**26 times
+        raise UsageError("rows must not overlap", argument="span")
 
 
 def _write_span(w: MetaWriter, s: StridedSpan) -> MetaWriter:

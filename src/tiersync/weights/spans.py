@@ -56,6 +56,18 @@ class StridedSpan:
         return None
 
     @property
+    def disjoint(self) -> bool:
+        """True when each dimension's stride, in order of size, reaches past everything the
+        smaller ones cover: then no two rows share a byte. Every span of a tensor's box is so;
+        a span whose rows interleave is not, even where they share no byte."""
+        extent = self.row_bytes
+        for stride, count in sorted((st, c) for c, st in zip(self.counts, self.strides) if c > 1):
+            if stride < extent:
+                return False
+            extent = (count - 1) * stride + extent
+        return True
+
+    @property
     def is_contiguous(self) -> bool:
         """True when the span is one run of ``nbytes`` bytes."""
         return not self.counts
