@@ -76,3 +76,38 @@ def test_shared_memory_needs_a_connection_from_this_host(peer, granted):
     from tiersync.weights.sampler_registry import _from_this_host
 
     assert _from_this_host(SimpleNamespace(peer=peer)) is granted
+
+
+def test_a_relay_that_is_no_host_port_is_refused_at_the_boundary():
+    """Every sampler's relay goes into every manifest: only '' or a short ASCII host:port."""
+    from tiersync.errors import UsageError
+
+    for relay in ("\x01" * 1024, "a" * 300 + ":1", "host:70000", "host:", ":5000", "h\u00e9:1", "host:\u00b2"):
+        with pytest.raises(UsageError) as info:
+            Register(1, "s", 0, "h", TransportKind.TCP, relay)
+        assert info.value.argument == "relay", relay
+    for relay in ("", "10.0.0.1:5000", "::1:5000", "sampler-3.example:42"):
+        Register(1, "s", 0, "h", TransportKind.TCP, relay)
+
+
+def test_a_manifest_too_large_to_send_fails_the_publish_not_the_samplers():
+    """An ANNOUNCE this side cannot encode (the manifest of 400 long-named tensors over the
+    publisher's max_meta_bytes) fails that publish with the UsageError; the sampler stays
+    registered. Before, each sampler was dropped for it, for good."""
+    import numpy as np
+
+    from tiersync.errors import UsageError
+    from tiersync.weights.config import ReceiverConfig
+    from tiersync.weights.receiver import WeightReceiver
+
+    tensors = {f"layer.{i:04d}." + "w" * 100: np.zeros(4, np.float32) for i in range(400)}
+    pub = WeightPublisher(tensors, fsdp(1), config=PublisherConfig(shm=False, max_meta_bytes=32 << 10))
+    rec = WeightReceiver(fsdp(1), ReceiverConfig((pub.address,), transport=TransportKind.TCP))
+    try:
+        pub.wait_for_samplers(1, 30)
+        with pytest.raises(UsageError):
+            pub.publish(1).result(30)
+        pub.wait_for_samplers(1, 1)  # still registered (a dropped sampler never comes back)
+    finally:
+        rec.close()
+        pub.close()

@@ -99,6 +99,8 @@ class Register:
             check_text(name, getattr(self, name))
         if not isinstance(self.transport, TransportKind) or not isinstance(self.zero_copy, bool):
             raise UsageError("must be a TransportKind and a bool", argument="transport")
+        if self.relay and not _host_port(self.relay):  # every sampler's manifest lists it
+            raise UsageError(f"must be '' or an ASCII 'host:port' of at most {_MAX_RELAY} bytes", argument="relay")
 
     def meta(self) -> bytes:
         w = MetaWriter().text(self.label).u64(self.rank).text(self.host).text(self.transport.value)
@@ -250,6 +252,15 @@ class Get:
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Get:
         version, tensor, key = r.u64(), r.text(cfg.max_string), r.u64s(_MAX_DIMS)
         return cls(rid, version, tensor, key, _read_span(r))
+
+
+_MAX_RELAY = 255
+
+
+def _host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    ascii_ok = len(text) <= _MAX_RELAY and text.isascii() and text.isprintable()
+    return ascii_ok and bool(sep and host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _check_span(s: object) -> None:
