@@ -157,6 +157,37 @@ def test_delta_through_relays_is_byte_exact():
             x.close()
 
 
+def test_a_lying_relay_is_caught_by_the_trainers_checksums_with_delta_off(monkeypatch):
+    """Relays that serve altered bytes under a checksum of their own (the frame verifies): each
+    sampler checks relayed chunks against the trainer's checksums too, refetches those from the
+    trainer and commits the trainer's bytes. Before, delta off committed what relays sent."""
+    from tiersync.weights.relay_chunks import RelayChunks
+
+    honest = RelayChunks.provide
+
+    def lying(self, version, name, key, timeout):
+        arr, done = honest(self, version, name, key, timeout)
+        bad = arr.copy()
+        bad[:] ^= 0x5A  # the chunk's bytes are what the GET's span picks out of the tensor
+        return bad, done
+
+    monkeypatch.setattr(RelayChunks, "provide", lying)
+    g = _model()
+    total = sum(a.nbytes for a in g.values())
+    pub, recs = _in_process(g, 3, 1, 32 * ROW, transport=TransportKind.TCP, delta=False)
+    try:
+        assert pub.publish(1).result(TIMEOUT).ok
+        moved = [r.receive(1).result(TIMEOUT).moved for r in recs]
+        for r in recs:
+            with r.acquire(TIMEOUT) as lease:
+                assert digests(lease.tensors) == digests(g)
+        assert sum(r.stats()["relay"] for r in recs) > 0  # relays did serve (altered) chunks
+        assert max(moved) > total, moved  # and those chunks were fetched again
+    finally:
+        for x in (*recs, pub):
+            x.close()
+
+
 def test_delta_off_moves_every_byte_and_is_validated():
     g = _model()
     total = sum(a.nbytes for a in g.values())

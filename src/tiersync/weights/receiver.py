@@ -35,7 +35,7 @@ from tiersync.net.socket_io import Deadline
 from tiersync.net.tcp import TcpTransport
 from tiersync.weights.buffers import VersionedBuffers, WeightsLease
 from tiersync.weights.config import ReceiverConfig, ReceiveResult, TransportKind
-from tiersync.weights.delta import ChunkKey, DeltaState, Landing, land_delta
+from tiersync.weights.delta import ChunkKey, DeltaState, Landing, bad_chunks, direct, land_delta
 from tiersync.weights.fetch import Job, TcpPool, build_jobs
 from tiersync.weights.job_runner import JobRunner, Progress
 from tiersync.weights.links import TrainerLinks
@@ -201,7 +201,10 @@ class WeightReceiver:
         got = self._delta.sums(version, jobs, self._links.addresses()) if self.config.delta and jobs else None
         if got is None:
             self._runner.run(version, jobs, manifests, bufs, deadline)
-            return Landing(moved=sum(j.nbytes for j in jobs))
+            refetched = self._verify_relayed(
+                version, [j for j in jobs if len(j.sources) > 1], manifests, bufs, deadline
+            )
+            return Landing(moved=sum(j.nbytes for j in jobs + refetched), refetched=len(refetched))
         algo, want = got
         other = self._buffers.active_set()
         held = self._delta.held(other[0]) if other is not None else (None, {})
@@ -219,6 +222,26 @@ class WeightReceiver:
         assert index is not None  # _sync holds the set begin_write gave it until commit or abort
         self._delta.commit(index, algo, want)
         return landing
+
+    def _verify_relayed(
+        self,
+        version: int,
+        relayed: list[Job],
+        manifests: list[Manifest],
+        bufs: dict[str, np.ndarray],
+        deadline: Deadline,
+    ) -> list[Job]:
+        """Chunks a relay served were checked against that relay's checksum only: check them
+        against the trainer's (W_SUMS) and refetch from it directly those that differ (every one
+        when its checksums are of an algorithm this build cannot compute); those refetched."""
+        if not relayed:
+            return []
+        got = self._delta.sums(version, relayed, self._links.addresses())
+        bad = relayed if got is None else bad_chunks(got[0], relayed, bufs, got[1])
+        if bad:  # a direct GET is checked by the wire against the trainer's own checksum
+            log.warning("%d relayed chunks of version %d differ from the trainer's: refetched", len(bad), version)
+            self._runner.run(version, [direct(j) for j in bad], manifests, bufs, deadline)
+        return bad
 
     def _released(self, version: int) -> None:
         """Tell every trainer shard this sampler no longer reads ``version`` (zero-copy only)."""
