@@ -179,18 +179,25 @@ def _read_block_after_write(address: str) -> bytes:
 
 
 def test_connections_over_the_cap_are_refused_with_a_clear_error():
+    """Four authenticated sessions fill a cap of 4: a fifth connection is refused saying so.
+    Four silent ones fill it instead: a client gets in, the oldest of them is ended for it."""
     proc, address = _start(cap=4)
     host, port = address.rsplit(":", 1)
-    idle = [socket.create_connection((host, int(port))) for _ in range(4)]
+    sessions = [TcpTransport(TcpConfig(token=TOKEN)).connect(address, timeout=5) for _ in range(4)]
+    silent = []
     try:
         with pytest.raises(PeerClosedError, match="too many connections"):
             TcpTransport(TcpConfig(token=TOKEN)).connect(address, timeout=5)
-        for s in idle:
-            s.close()
+        for ch in sessions:
+            ch.close()
         data = os.urandom(4096)
         assert _until(lambda: _try_write(address, data), 20)
-        assert _read_block(address, b"C" * 16, len(data)) == data
+        silent = [socket.create_connection((host, int(port))) for _ in range(4)]
+        assert _read_block(address, b"C" * 16, len(data)) == data  # in, though 4 silent ones came first
+        assert _closed_by_peer(silent[0], 5.0)  # the oldest silent one made room, before its deadline
     finally:
+        for s in silent:
+            s.close()
         _stop(proc)
 
 

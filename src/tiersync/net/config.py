@@ -86,7 +86,8 @@ class TcpConfig:
     ``require_peer_cert``). Timeouts are seconds (> 0): ``connect_timeout_s`` bounds a
     connect plus handshake (a server closes a connection that has not finished its
     handshake by then), ``op_timeout_s`` one request. ``max_connections``: a server's cap on
-    open connections (more are answered ERROR(CAPACITY) and closed); ``workers``: the
+    open connections (at it, a new one ends the oldest still in its handshake, else it is
+    answered ERROR(CAPACITY) and closed); ``workers``: the
     server's pool running requests. ``route``: see :class:`Route`; ``local_threads``: threads
     copying one same-host read (default: up to 4 of the cores this process may use);
     ``local_maps``: same-host reads copy out of a map of the server's memory where it offers

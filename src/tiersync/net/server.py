@@ -6,7 +6,8 @@ non-blocking: a half-open or idle connection costs a socket and a small
 request, the session leaves the selector and a pool worker (``TcpConfig.workers``) runs the
 service's handler and writes the answers; requests already buffered behind it (a pipelining
 peer) are answered in the same turn and sent together, then the session goes back to the
-selector. Hostile peers: connections over ``max_connections`` are answered ERROR(CAPACITY)
+selector. Hostile peers: at ``max_connections`` a new connection ends the oldest one still in
+its handshake (silent peers cannot keep a client out), else it is answered ERROR(CAPACITY)
 and closed; a handshake not finished within ``connect_timeout_s`` is closed; a peer that
 breaks the protocol is closed; ``accept`` failing for lack of descriptors (EMFILE, ENFILE,
 ENOBUFS, ENOMEM) pauses accepting for a moment, logs once, and resumes; it never ends the
@@ -139,7 +140,7 @@ class TcpServer(Server):
         self._paused_until = time.monotonic() + _ACCEPT_PAUSE_S
 
     def _admit(self, sock: socket.socket, peer: str) -> None:
-        if len(self._sessions) >= self.config.max_connections:
+        if len(self._sessions) >= self.config.max_connections and not self._evict_pending():
             self.refused += 1
             return _refuse_over_cap(sock, self.config.max_connections)
         self._fd_logged = False
@@ -248,6 +249,18 @@ class TcpServer(Server):
         level = logging.WARNING if self.refused <= 10 or self.refused % 1000 == 0 else logging.DEBUG
         log.log(level, "tiersync server %s refused %s: %s (%d refused so far)", self.address, s.peer, why, self.refused)
         self._end(s)
+
+    def _evict_pending(self) -> bool:
+        """At the cap: end the oldest connection still in its handshake to make room (a flood of
+        silent peers then only cycles among itself, while a real client, through its handshake
+        in milliseconds, is never the oldest); False when every connection is past it."""
+        while self._deadlines:
+            _, _, s = heapq.heappop(self._deadlines)
+            if not s.closed and not s.hs.done:
+                log.debug("handshake from %s ended for a newer connection (at the cap)", s.peer)
+                self._end(s)
+                return True
+        return False
 
     def _expire(self) -> None:
         now = time.monotonic()
