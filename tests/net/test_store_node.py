@@ -333,6 +333,33 @@ def test_a_peer_cannot_release_another_readers_lease_by_counting(node):
         second.close()
 
 
+def test_keys_under_lease_are_bounded_over_every_connection(monkeypatch):
+    """Past MAX_LEASED_KEYS (3 here) a lease is refused CAPACITY whichever connection asks; a
+    release or an expiry makes room again."""
+    from tiersync.net import store_node
+    from tiersync.net.errors import RequestError
+
+    monkeypatch.setattr(store_node, "MAX_LEASED_KEYS", 3)
+    node = StoreNode(4 * BLOCK, BLOCK, config=TcpConfig(token=TOKEN.encode()))
+    server = StoreNodeServer("127.0.0.1:0", node)
+    transport = TcpTransport(TcpConfig(token=TOKEN.encode()))
+    keys = _keys(2, tag=7)
+    try:
+        assert client(server.address).offer_and_push(keys, _bufs(2)).commit is ev.CommitStatus.COMMITTED
+        a, b = transport.connect(server.address), transport.connect(server.address)
+        first = a.request(so.ReadLease(a.new_request_id(), tuple(keys), 600))
+        with pytest.raises(RequestError) as info:
+            b.request(so.ReadLease(b.new_request_id(), tuple(keys), 600))
+        assert info.value.code is ev.ErrorCode.CAPACITY and node.active_leases == 1
+        a.request(so.Release(a.new_request_id(), first.lease_id))
+        assert b.request(so.ReadLease(b.new_request_id(), tuple(keys), 600)).status is so.LeaseStatus.GRANTED
+        a.close()
+        b.close()
+    finally:
+        server.close()
+        node.close()
+
+
 @pytest.mark.parametrize("kind", ["store-node", "memory"])
 def test_lease_ids_are_random_63_bit_and_distinct(kind):
     from tiersync.net.source import new_lease_id

@@ -67,6 +67,12 @@ def clamp_ttl(ttl_s: int) -> int:
     return min(max(ttl_s, LEASE_TTL_MIN_S), LEASE_TTL_MAX_S)
 
 
+MAX_SESSION_LEASES = 1024
+"""Leases one connection may hold at once (each pins up to 4096 blocks until released, its TTL
+or the connection's end): a reader needs a few; more are refused CAPACITY."""
+_TOO_MANY_LEASES = f"this connection holds {MAX_SESSION_LEASES} leases: release some first"
+
+
 class BlockError(Exception):
     """A refused read: answered ERROR(``code``, message) to that request only."""
 
@@ -92,7 +98,7 @@ class BlockService(Service):
 
     # -- what a block server implements -------------------------------------------------------
     def lease(self, req: so.ReadLease) -> so.LeaseReply:
-        """Pin every key of ``req`` (GRANTED with sizes) or none (MISSING)."""
+        """Pin every key of ``req`` (GRANTED with sizes) or none (MISSING); BlockError to refuse."""
         raise NotImplementedError
 
     def view(
@@ -153,8 +159,15 @@ class BlockService(Service):
             return [ev.Error(getattr(event, "request_id", 0), ev.ErrorCode.INTERNAL, str(exc))]
         return [ev.Error(getattr(event, "request_id", 0), ev.ErrorCode.UNSUPPORTED, type(event).__name__)]
 
-    def _lease(self, session: Session, req: so.ReadLease) -> so.LeaseReply:
-        reply = self.lease(req)
+    def _lease(self, session: Session, req: so.ReadLease) -> so.LeaseReply | ev.Error:
+        with self._held_lock:
+            full = len(self._held.get(session, ())) >= MAX_SESSION_LEASES  # each pins its blocks
+        if full:
+            return ev.Error(req.request_id, ev.ErrorCode.CAPACITY, _TOO_MANY_LEASES)
+        try:
+            reply = self.lease(req)
+        except BlockError as exc:
+            return ev.Error(req.request_id, exc.code, str(exc))
         if reply.status is so.LeaseStatus.GRANTED:
             with self._held_lock:
                 held = self._held.setdefault(session, set())

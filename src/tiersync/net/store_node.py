@@ -25,6 +25,7 @@ are called with new keys before COMMITTED is answered.
 
 from __future__ import annotations
 
+import heapq
 import ipaddress
 import logging
 import socket
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 PULL_CHUNK = 16 << 20
 MIN_BLOCK_NBYTES = 1 << 10  # a smaller block costs more in bookkeeping than it holds (KV blocks are >= 16 KiB)
 PULL_WINDOW = 8
+MAX_LEASED_KEYS = 1 << 20  # keys under lease at once, over every connection (each lease pins its blocks)
 
 
 def _arena(num_blocks: int, block_nbytes: int) -> HostArena:
@@ -92,6 +94,8 @@ class StoreNode(BlockService):
         self._index: dict[bytes, tuple[int, int, int]] = {}  # key -> (block, size, checksum of the bytes)
         self._landing: set[bytes] = set()
         self._leases: dict[int, tuple[float, list[int], frozenset[bytes]]] = {}
+        self._ends: list[tuple[float, int]] = []  # (end, lease id) of every lease granted, soonest first
+        self._leased_keys = 0
         self._lock = threading.Lock()
 
     # -- reads ---------------------------------------------------------------
@@ -101,20 +105,34 @@ class StoreNode(BlockService):
         return super().handle(session, event)
 
     def _expire(self) -> None:
+        """Unpin the leases past their end (the soonest first: no scan of those still held)."""
         now = self._clock()
-        for lease_id in [i for i, (end, _, _) in self._leases.items() if end <= now]:
-            self.arena.allocator.unlock(self._leases.pop(lease_id)[1])
+        while self._ends and self._ends[0][0] <= now:
+            _, lease_id = heapq.heappop(self._ends)
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease[0] <= now:
+                self._unpin(lease_id)
+
+    def _unpin(self, lease_id: int) -> None:
+        _, blocks, keys = self._leases.pop(lease_id)
+        self._leased_keys -= len(keys)
+        self.arena.allocator.unlock(blocks)
 
     def lease(self, req: so.ReadLease) -> so.LeaseReply:
+        """Pin every key (all or nothing); BlockError(CAPACITY) past MAX_LEASED_KEYS under lease."""
         ttl = clamp_ttl(req.ttl_s)
         with self._lock:
             missing = tuple(k for k in req.keys if k not in self._index)
             if missing:
                 return so.LeaseReply(req.request_id, so.LeaseStatus.MISSING, missing=missing)
+            if self._leased_keys + len(req.keys) > MAX_LEASED_KEYS:
+                raise BlockError(ev.ErrorCode.CAPACITY, f"{self._leased_keys} keys are under lease here")
             blocks = [self._index[k][0] for k in req.keys]
             self.arena.allocator.lock(blocks)
-            lease_id = new_lease_id(self._leases)
-            self._leases[lease_id] = (self._clock() + ttl, blocks, frozenset(req.keys))
+            lease_id, end = new_lease_id(self._leases), self._clock() + ttl
+            self._leases[lease_id] = (end, blocks, frozenset(req.keys))
+            heapq.heappush(self._ends, (end, lease_id))
+            self._leased_keys += len(req.keys)
             sizes = tuple(self._index[k][1] for k in req.keys)
         return so.LeaseReply(req.request_id, so.LeaseStatus.GRANTED, lease_id, ttl, sizes)
 
@@ -165,10 +183,10 @@ class StoreNode(BlockService):
 
     def release(self, lease_id: int) -> bool:
         with self._lock:
-            lease = self._leases.pop(lease_id, None)
-            if lease is not None:
-                self.arena.allocator.unlock(lease[1])
-        return lease is not None
+            held = lease_id in self._leases
+            if held:
+                self._unpin(lease_id)
+        return held
 
     # -- writes --------------------------------------------------------------
     def offer(self, req: so.Offer, session: Session | None = None) -> Iterator[object]:
