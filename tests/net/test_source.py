@@ -46,3 +46,31 @@ def test_one_connection_holds_a_bounded_number_of_leases(served):
         assert ch.request(so.ReadLease(ch.new_request_id(), (KEY,), 600)).status is so.LeaseStatus.GRANTED
     finally:
         ch.close()
+
+
+def test_a_pull_larger_than_the_peers_frames_is_refused_before_any_block_is_read():
+    """A reader that takes 1 MiB frames asks 4 MiB in one PULL_MANY: answered BAD_REQUEST
+    naming the frame size, and the server read no block for it (no view, nothing summed)."""
+    from tiersync.net.config import Route
+    from tiersync.net.frames import ProtocolConfig
+    from tiersync.net.source import MemoryBlockSource
+
+    class Counting(MemoryBlockSource):
+        reads = 0
+
+        def views(self, lease_id, items):
+            Counting.reads += 1
+            return super().views(lease_id, items)
+
+    keys = [bytes([i]) * 16 for i in range(64)]
+    server = TcpTransport(TcpConfig(token=TOKEN)).serve("127.0.0.1:0", Counting(dict.fromkeys(keys, bytes(64 << 10))))
+    mib = TcpConfig(token=TOKEN, route=Route.TCP, protocol=ProtocolConfig(max_frame_size=1 << 20))
+    ch = TcpTransport(mib).connect(server.address)
+    try:
+        lease = ch.request(so.ReadLease(ch.new_request_id(), tuple(keys))).lease_id
+        with pytest.raises(RequestError, match="max_frame_size") as info:
+            ch.request(so.PullMany(ch.new_request_id(), lease, tuple((k, 0, 64 << 10) for k in keys)))
+        assert info.value.code is ev.ErrorCode.BAD_REQUEST and Counting.reads == 0 and not ch.closed
+    finally:
+        ch.close()
+        server.close()

@@ -73,6 +73,17 @@ or the connection's end): a reader needs a few; more are refused CAPACITY."""
 _TOO_MANY_LEASES = f"this connection holds {MAX_SESSION_LEASES} leases: release some first"
 
 
+def _fits(session: Session, event: object) -> None:
+    """BlockError(BAD_REQUEST) for a PULL or PULL_MANY whose answer the peer could not take in
+    one frame: refused before any block is read or summed for it."""
+    asked = event.length if isinstance(event, so.Pull) else None
+    if isinstance(event, so.PullMany):
+        asked = sum(n for _, _, n in event.items)
+    limit = session.info.max_frame
+    if asked is not None and limit and asked > limit:
+        raise BlockError(ev.ErrorCode.BAD_REQUEST, f"asks {asked} bytes: more than the max_frame_size {limit}")
+
+
 class BlockError(Exception):
     """A refused read: answered ERROR(``code``, message) to that request only."""
 
@@ -145,6 +156,7 @@ class BlockService(Service):
         if isinstance(event, so.Release):
             return [self._release(session, event)]
         try:
+            _fits(session, event)
             if isinstance(event, so.Pull):
                 return [ev.Data(event.request_id, *self.view(event.lease_id, event.key, event.offset, event.length))]
             if isinstance(event, so.PullMany):
