@@ -55,3 +55,41 @@ def test_callbacks_run_outside_the_lock_so_another_thread_can_announce_meanwhile
     fut.add_done_callback(callback)
     q.settle(1, _result(1), None)
     assert seen == [True] and q.next() == 2
+
+
+def test_failures_are_kept_bounded_and_without_the_failed_syncs_frames():
+    """A failed sync's error is kept for receive() without its traceback (whose frames held the
+    sync's buffers and segment maps), and only for the latest KEPT_FAILURES versions; the
+    versions announced are remembered up to a bound too."""
+    import gc
+    import weakref
+
+    from tiersync.weights import version_queue as vq
+
+    class Held:  # stands for a buffer a failed sync's frame referenced
+        pass
+
+    def failing_sync(held: Held) -> None:
+        raise RuntimeError("shard gone")
+
+    q = VersionQueue()
+    held = Held()
+    ref = weakref.ref(held)
+    try:
+        failing_sync(held)
+    except RuntimeError as exc:
+        error = exc
+    del held
+    q.settle(1, None, error)
+    del error
+    gc.collect()
+    assert ref() is None  # nothing of the failed sync is kept alive
+    assert isinstance(q.receive(1).exception(0), RuntimeError)
+    for v in range(2, vq.KEPT_FAILURES + 10):
+        q.settle(v, None, RuntimeError(str(v)))
+    assert not q.receive(2).done()  # forgotten: waits for a later version like any other
+    for v in range(3 * vq.KEPT_QUEUED):
+        q.announced(v)
+    q.settle(10**6, _result(10**6), None)
+    assert len(q._queued) <= 2 * vq.KEPT_QUEUED
+    q.close()

@@ -16,6 +16,9 @@ from tiersync.weights.config import ReceiveResult
 
 __all__ = ["VersionQueue"]
 
+KEPT_FAILURES = 64  # failed versions remembered for receive(); an older one waits for a later version
+KEPT_QUEUED = 4096  # announced versions remembered so a version is synced once (any shard may announce it)
+
 
 class VersionQueue:
     """The versions announced, synced and failed, and who waits on which."""
@@ -66,8 +69,13 @@ class VersionQueue:
                 done = [f for v in [v for v in self._waiters if v <= version] for f in self._waiters.pop(v)]
             else:
                 assert error is not None  # the sync loop settles a version with a result or its error
-                self._failed[version] = error
+                # without its traceback: the failed sync's frames (buffers, segment maps) go now
+                self._failed[version] = error.with_traceback(None)
+                while len(self._failed) > KEPT_FAILURES:
+                    del self._failed[min(self._failed)]
                 done = self._waiters.pop(version, [])
+            if len(self._queued) > 2 * KEPT_QUEUED:  # forget all but the latest announced
+                self._queued = set(sorted(self._queued)[-KEPT_QUEUED:])
         for f in done:  # outside the lock: a callback may call receive() or close() the receiver
             if result is not None:
                 f.set_result(result)
