@@ -35,7 +35,7 @@ def _buffer() -> tuple[PublishBuffer, _CountingCondition]:
 def _get(buf: PublishBuffer, version: int, name: str, got: dict[str, object], timeout: float = 30) -> None:
     """A GET of tensor ``name``: its bytes (its release kept under ``release:name``) or its error."""
     try:
-        view, release = buf.provide(version, name, (), timeout)
+        view, release = buf.provide(version, name, (), None, timeout)
         got[name], got[f"release:{name}"] = bytes(view), release
     except RemoteError as exc:
         got[name] = exc
@@ -88,17 +88,17 @@ def test_a_get_of_an_unwritten_tensor_gives_up_at_its_timeout() -> None:
     buf, _ = _buffer()
     buf.begin(1, set(), 5)
     with pytest.raises(RemoteError, match="not being served"):
-        buf.provide(1, "a", (), 0.05)
+        buf.provide(1, "a", (), None, 0.05)
     with pytest.raises(RemoteError, match="not being served"):
-        buf.provide(2, "a", (), 0.05)  # another version
+        buf.provide(2, "a", (), None, 0.05)  # another version
 
 
 def test_only_the_last_release_wakes_waiters_and_begin_waits_for_it() -> None:
     buf, cond = _buffer()
     buf.begin(1, set(), 5)
     buf.write(0, np.zeros(16, np.uint8))
-    _, first = buf.provide(1, "a", (), 5)
-    _, second = buf.provide(1, "a", (), 5)
+    _, first = buf.provide(1, "a", (), None, 5)
+    _, second = buf.provide(1, "a", (), None, 5)
     before = cond.wakes
     first()
     assert cond.wakes == before  # one GET still runs: nobody waits for a count above zero
@@ -112,7 +112,7 @@ def test_only_the_last_release_wakes_waiters_and_begin_waits_for_it() -> None:
     t.join(10)
     assert cond.wakes == waiting + 1  # the last release woke begin
     with pytest.raises(RemoteError):
-        buf.provide(1, "a", (), 0.05)  # the old version is no longer served
+        buf.provide(1, "a", (), None, 0.05)  # the old version is no longer served
 
 
 class _CountedEvent(threading.Event):
@@ -136,7 +136,7 @@ def test_each_tensor_s_event_is_set_once_per_version(monkeypatch: pytest.MonkeyP
     for i in range(10):
         buf.write(i, np.full(16, i, np.uint8))
     assert _CountedEvent.sets == 10
-    view, release = buf.provide(1, "t9", (), 5)
+    view, release = buf.provide(1, "t9", (), None, 5)
     assert bytes(view) == bytes([9]) * 16
     release()
 

@@ -165,8 +165,8 @@ def test_a_lying_relay_is_caught_by_the_trainers_checksums_with_delta_off(monkey
 
     honest = RelayChunks.provide
 
-    def lying(self, version, name, key, timeout):
-        arr, done = honest(self, version, name, key, timeout)
+    def lying(self, version, name, key, span, timeout):
+        arr, done = honest(self, version, name, key, span, timeout)
         bad = arr.copy()
         bad[:] ^= 0x5A  # the chunk's bytes are what the GET's span picks out of the tensor
         return bad, done

@@ -109,9 +109,10 @@ class PublishBuffer:
             _current(self._pool).complete(version)
 
     def provide(
-        self, version: int, name: str, key: tuple[int, ...], timeout: float
+        self, version: int, name: str, key: tuple[int, ...], span: object, timeout: float
     ) -> tuple[np.ndarray, Callable[[], None]]:
-        """GETs: tensor ``name`` of ``version`` once written (waiting at most ``timeout`` s)."""
+        """GETs: tensor ``name`` of ``version`` once written (waiting at most ``timeout`` s); any
+        ``key`` and ``span`` of it (the whole tensor is written)."""
         i = self._index.get(name)
         if i is None:
             raise UsageError(f"unknown tensor {name!r}", argument="tensor")

@@ -16,6 +16,7 @@ import numpy as np
 
 from tiersync.errors import RemoteError
 from tiersync.weights.fetch import Job
+from tiersync.weights.spans import StridedSpan
 
 __all__ = ["RelayChunks"]
 
@@ -27,12 +28,13 @@ class RelayChunks:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._relay: tuple[int, Mapping[str, np.ndarray], set[_Chunk]] | None = None  # version, buffers, done chunks
+        # version, buffers, and each landed chunk's span in them
+        self._relay: tuple[int, Mapping[str, np.ndarray], dict[_Chunk, StridedSpan]] | None = None
 
     def begin(self, version: int, buffers: Mapping[str, np.ndarray]) -> None:
         """``version`` is being landed in ``buffers`` (none of its chunks yet)."""
         with self._cond:
-            self._relay = (version, buffers, set())
+            self._relay = (version, buffers, {})
             self._cond.notify_all()  # a GET waiting for the version before: it is gone
 
     def drop(self) -> None:
@@ -46,13 +48,14 @@ class RelayChunks:
         with self._cond:
             relay = self._relay
             assert relay is not None  # the sync that lands chunks began their version and has not dropped it
-            relay[2].update((j.tensor, j.key) for j in jobs)
+            relay[2].update(((j.tensor, j.key), j.dst_span) for j in jobs)
             self._cond.notify_all()
 
     def provide(
-        self, version: int, name: str, key: tuple[int, ...], timeout: float
+        self, version: int, name: str, key: tuple[int, ...], span: StridedSpan | None, timeout: float
     ) -> tuple[np.ndarray, Callable[[], None]]:
-        """Relay GETs: chunk ``key`` of ``name`` once it landed in this version's buffer."""
+        """Relay GETs: chunk ``key`` of ``name`` once it landed in this version's buffer, for
+        the span it landed in only (any other span of the buffer may hold an older version)."""
         end, chunk = time.monotonic() + timeout, (name, tuple(key))
         with self._cond:
             while self._relay is not None and self._relay[0] == version and chunk not in self._relay[2]:
@@ -60,5 +63,7 @@ class RelayChunks:
                     break
             if self._relay is None or self._relay[0] != version or chunk not in self._relay[2]:
                 raise RemoteError("this sampler does not hold that chunk of that version (yet)", version=version)
+            if span != self._relay[2][chunk]:
+                raise RemoteError("that is not the span this sampler landed that chunk in", version=version)
             arr = self._relay[1][name]
         return arr.reshape(-1).view(np.uint8), lambda: None  # a relay's bytes stay until the next version

@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Provider", "SpanService", "Summer", "span_payload"]
 
-Provider = Callable[[int, str, tuple[int, ...], float], tuple[np.ndarray, Callable[[], None]]]
+Provider = Callable[[int, str, tuple[int, ...], StridedSpan | None, float], tuple[np.ndarray, Callable[[], None]]]
+"""``(version, tensor, key, span, timeout) -> (the tensor's bytes, release)``: ``span`` the one
+a GET will take (a relay serves only the span it landed under ``key``), None for W_SUMS."""
 """``(version, tensor, key, timeout_s) -> (flat uint8 local shard, release)`` once that tensor
 (chunk ``key`` of it, for a relay) of that version is there; ``release()`` runs once the
 answer was written (the bytes must not change before). Raises a TierSyncError to refuse."""
@@ -157,7 +159,7 @@ class SpanService(Service):
         """DATA (written before ``release`` runs: a generator's answer is sent before the server
         asks it for more) or ERROR."""
         try:
-            shard, release = self._provider(get.version, get.tensor, get.key, self._timeout)
+            shard, release = self._provider(get.version, get.tensor, get.key, get.span, self._timeout)
         except TierSyncError as exc:
             code = ev.ErrorCode.BAD_REQUEST if isinstance(exc, ValueError) else ev.ErrorCode.NOT_FOUND
             yield ev.Error(get.request_id, code, exc.message[:512])
@@ -175,7 +177,7 @@ class SpanService(Service):
         ERROR. The spans may cover at most the tensor's bytes in all (a sampler asks for its
         chunks of it): one request never makes the trainer read more than a GET of all of it."""
         try:
-            shard, release = self._provider(req.version, req.tensor, (), self._timeout)
+            shard, release = self._provider(req.version, req.tensor, (), None, self._timeout)
         except TierSyncError as exc:
             yield ev.Error(req.request_id, ev.ErrorCode.NOT_FOUND, exc.message[:512])
             return
