@@ -149,6 +149,10 @@ class TrainerLinks:
             while not all(version in s.manifests for s in self._shards):
                 if any(not s.alive for s in self._shards if version not in s.manifests) or self._closed:
                     raise RemoteError("a trainer shard went away before announcing", version=version)
+                if any(version not in s.manifests and max(s.manifests, default=-1) > version for s in self._shards):
+                    # shards announce in order: a later version without this one means its
+                    # manifest was dropped (more than 4 behind) and will never come
+                    raise RemoteError("superseded: a trainer shard announced later versions only", version=version)
                 self._cond.wait(deadline.remaining())
             manifests = [s.manifests[version] for s in self._shards]
         if any(not m.same_model(manifests[0]) or m.source_ranks != len(self._shards) for m in manifests):
