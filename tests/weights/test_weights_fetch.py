@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 
@@ -194,6 +195,33 @@ def test_a_runner_lands_pipelined_and_relayed_jobs_with_a_dead_relay_falling_bac
         assert runner.stats()["tcp"] == total and seen[-1] == (1, total, total) and len(seen) == len(jobs)
     finally:
         pool.close()
+
+
+def test_a_relay_that_hangs_costs_one_timeout_per_run_not_one_per_chunk(server):
+    """A relay that takes connections and never answers (its listener never accepts): the first
+    of its chunks falls back to the trainer after io_timeout_s, the others at once, without
+    trying that relay again (one connection reached it; three, one timeout each, before)."""
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel completes connects; nothing answers
+    relay = f"127.0.0.1:{silent.getsockname()[1]}"
+    jobs = _jobs(server)
+    for i in (5, 6, 7):
+        via_relay = Source(TransportKind.TCP, jobs[i].sources[0].span, address=relay)
+        jobs[i] = Job("w", i, (i,), 0, jobs[i].dst_span, (via_relay, *jobs[i].sources))
+    dst = np.zeros(1 << 20, np.uint8)
+    runner, pool = _runner(1, {"w": dst})  # one stream: the relayed chunks one after the other
+    try:
+        runner.run(1, jobs, [], {"w": dst}, Deadline(60.0, "sync"))
+        assert np.array_equal(dst, _expected(jobs))
+        silent.setblocking(False)
+        tried = 0
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                silent.accept()[0].close()
+                tried += 1
+        assert tried == 1
+    finally:
+        pool.close()
+        silent.close()
 
 
 def test_a_runner_fails_the_version_when_a_pipelined_get_is_refused(server):

@@ -167,15 +167,19 @@ class TcpPool:
             self._count[address] -= 1
             self._all.discard(channel)
 
-    def get(self, address: str, version: int, job: Job, src: Source, dst: np.ndarray) -> None:
+    def get(
+        self, address: str, version: int, job: Job, src: Source, dst: np.ndarray, timeout: float | None = None
+    ) -> None:
         """GET ``src.span`` of ``job.tensor`` at ``address`` into ``job.dst_span`` of ``dst``
-        (:meth:`get_many` of that one chunk from ``src``, within ``io_timeout_s``).
+        (:meth:`get_many` of that one chunk from ``src``, within ``io_timeout_s`` or ``timeout``
+        where that is shorter).
 
         Raises RemoteError (refused, closed, timed out; AuthError: the token or TLS check
         failed) or ProtocolError (bad bytes).
         """
         one = dataclasses.replace(job, sources=(src,))
-        self.get_many(address, version, [one], {job.tensor: dst}, 1, lambda _job: None, self._io_s)
+        limit = self._io_s if timeout is None else min(self._io_s, timeout)
+        self.get_many(address, version, [one], {job.tensor: dst}, 1, lambda _job: None, limit)
 
     def get_many(
         self,

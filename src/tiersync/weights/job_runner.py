@@ -96,7 +96,7 @@ class JobRunner:
         if tally.errors:
             return
         try:
-            self._run_job(version, job, manifests, bufs[job.tensor], deadline)
+            self._run_job(version, job, manifests, bufs[job.tensor], deadline, tally.dead)
             self._finished(version, job, tally)
         except BaseException as exc:  # noqa: BLE001 - a failed job, or the progress hook raised
             tally.failed(exc)
@@ -143,9 +143,17 @@ class JobRunner:
         if self._progress is not None:
             self._progress(version, n, tally.total)
 
-    def _run_job(self, version: int, job: Job, manifests: list[Manifest], dst: np.ndarray, deadline: Deadline) -> None:
+    def _run_job(
+        self, version: int, job: Job, manifests: list[Manifest], dst: np.ndarray, deadline: Deadline, dead: set[str]
+    ) -> None:
+        """Land ``job`` from its first source that serves it. A relay that failed once this run
+        (``dead``) is skipped: its other chunks go to the next source at once, not after a
+        timeout each; a relay GET also ends with the sync's deadline."""
         errors: list[TierSyncError] = []
         for n, src in enumerate(job.sources):
+            relay = n < len(job.sources) - 1 and src.via is TransportKind.TCP
+            if relay and src.address in dead:
+                continue
             try:
                 if src.via is TransportKind.SHM:
                     m = manifests[src.rank]
@@ -161,13 +169,15 @@ class JobRunner:
                         job.dst_span,
                     )
                 else:
-                    self._pool.get(src.address, version, job, src, dst)
+                    self._pool.get(src.address, version, job, src, dst, deadline.remaining())
                 kind = "shm" if src.via is TransportKind.SHM else "relay" if n == 0 and len(job.sources) > 1 else "tcp"
                 with self._lock:
                     self._stats[kind] += job.nbytes
                 return
             except TierSyncError as exc:
                 errors.append(exc)
+                if relay:
+                    dead.add(src.address)
         raise first_error(errors)
 
     def await_views(self, version: int, jobs: list[Job], deadline: Deadline) -> None:
@@ -185,6 +195,7 @@ class _Tally:
     def __init__(self, total: int) -> None:
         self.total, self._done = total, 0
         self.errors: list[BaseException] = []
+        self.dead: set[str] = set()  # relays that failed a GET this run
         self._lock = threading.Lock()
 
     def landed(self, nbytes: int) -> int:
