@@ -19,7 +19,7 @@ from typing import cast
 from tiersync.errors import ClosedError, TierSyncError, UsageError
 from tiersync.net import events as ev
 from tiersync.net.config import TcpConfig
-from tiersync.net.errors import ProtocolError
+from tiersync.net.errors import NetTimeoutError, ProtocolError
 from tiersync.net.handshake import ServerHandshake
 from tiersync.net.protocol import NEED_DATA, Connection, Role
 from tiersync.net.service import PeerInfo, Service, Session
@@ -65,9 +65,16 @@ class ServerSession(Session):
         self.write(bufs, Deadline(timeout or self._config.op_timeout_s, self.peer))
 
     def write(self, bufs: list[bytes | memoryview], deadline: Deadline) -> None:
+        """Write ``bufs`` whole before ``deadline``, the wait for another writer of this session
+        included (one stuck on a peer that does not read must not hold every other sender past
+        its own deadline); any failure ends the session."""
         try:
-            with self.wlock:
+            if not self.wlock.acquire(timeout=deadline.remaining()):
+                raise NetTimeoutError("another write to this peer did not end in time", peer=self.peer)
+            try:
                 write_nonblocking(self.sock, bufs, deadline)
+            finally:
+                self.wlock.release()
         except (TierSyncError, OSError):
             self.close()
             raise

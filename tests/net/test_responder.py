@@ -1,0 +1,63 @@
+"""tiersync.net.responder.ServerSession: one session's writers over a real socket pair."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+
+from tiersync.errors import TierSyncError
+from tiersync.net import events as ev
+from tiersync.net.config import TcpConfig
+from tiersync.net.errors import NetTimeoutError
+from tiersync.net.responder import ServerSession
+from tiersync.net.socket_io import Deadline
+from tiersync.net.vocab import Vocabulary
+
+
+def test_a_writer_behind_one_stuck_on_a_peer_that_does_not_read_gives_up_at_its_own_deadline():
+    """One writer blocks on a peer that reads nothing (until its 60 s deadline); another with a
+    0.3 s deadline raises NetTimeoutError then, instead of queueing behind it for a minute, and
+    the session ends (it could not be written to anyway)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        peer = socket.create_connection(listener.getsockname())
+        ours, _ = listener.accept()
+    ours.setblocking(False)
+    ended: list[ServerSession] = []
+    session = ServerSession(ended.append, TcpConfig(), Vocabulary("t", {}, include=(ev.CORE,)), ours, "peer", 1)
+    stuck = threading.Thread(
+        target=_quiet, args=(session.write, [bytes(64 << 20)], Deadline(60.0, "peer")), daemon=True
+    )
+    stuck.start()
+    assert _until(session.wlock.locked)
+    outcome: list[BaseException] = []
+
+    def second() -> None:
+        try:
+            session.write([b"x" * 64], Deadline(0.3, "peer"))
+        except BaseException as exc:  # noqa: BLE001 - recorded and asserted below
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=second, daemon=True)
+    waiter.start()
+    waiter.join(10)  # 60 s before: it waited for the stuck writer's deadline
+    try:
+        assert not waiter.is_alive() and isinstance(outcome[0], NetTimeoutError)
+        assert ended == [session]
+    finally:
+        peer.close()
+        ours.close()
+
+
+def _quiet(fn, *args) -> None:
+    with contextlib.suppress(TierSyncError, OSError):
+        fn(*args)
+
+
+def _until(predicate, timeout: float = 10.0) -> bool:
+    done = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return True
+        done.wait(0.01)
+    return predicate()
