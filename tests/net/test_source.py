@@ -74,3 +74,38 @@ def test_a_pull_larger_than_the_peers_frames_is_refused_before_any_block_is_read
     finally:
         ch.close()
         server.close()
+
+
+@pytest.mark.parametrize("kind", ["store-node", "memory"])
+def test_only_a_server_with_private_memory_lets_same_host_readers_trace_it(kind, monkeypatch):
+    """prctl(PR_SET_PTRACER_ANY) lets every same-uid process trace the server where Yama asks:
+    only worth it for memory readers copy with process_vm_readv. A store node's shareable arena
+    is mapped instead, so its same-host sessions leave it as it was; a source of private
+    blocks still asks."""
+    from tiersync.net import local
+    from tiersync.net.source import MemoryBlockSource
+    from tiersync.net.store_node import StoreNode, StoreNodeServer
+
+    asked: list[bool] = []
+    monkeypatch.setattr(local, "allow_readers", lambda: asked.append(True))
+    if kind == "store-node":
+        node = StoreNode(1 << 20, 4096, config=TcpConfig(token=TOKEN))
+        if not node.shared:
+            node.close()
+            pytest.skip("no shareable memory (memfd) on this host")
+        server, closing = StoreNodeServer("127.0.0.1:0", node), node
+    else:
+        server, closing = (
+            TcpTransport(TcpConfig(token=TOKEN)).serve("127.0.0.1:0", MemoryBlockSource({KEY: b"x"})),
+            None,
+        )
+    try:
+        ch = TcpTransport(TcpConfig(token=TOKEN)).connect(server.address)
+        assert ch.info.same_host
+        assert ch.request(ev.Ping(ch.new_request_id())) is not None  # the session is open on the server
+        ch.close()
+        assert asked == ([] if kind == "store-node" else [True])
+    finally:
+        server.close()
+        if closing is not None:
+            closing.close()

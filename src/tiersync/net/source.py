@@ -210,8 +210,15 @@ class BlockService(Service):
         return None if region is None else (region.fd, region.address, region.nbytes)
 
     def opened(self, session: Session) -> None:
-        if session.info.same_host:
+        if session.info.same_host and self.private_memory:
             local.allow_readers()
+
+    @property
+    def private_memory(self) -> bool:
+        """Whether same-host readers may need ``process_vm_readv`` of this process (then a
+        same-host session lets same-uid processes trace it where Yama asks for that): True
+        unless every block lies in :attr:`shared` memory, which readers map instead."""
+        return True
 
     def closed(self, session: Session) -> None:
         with self._held_lock:

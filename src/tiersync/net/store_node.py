@@ -98,6 +98,11 @@ class StoreNode(BlockService):
         self._leased_keys = 0
         self._lock = threading.Lock()
 
+    @property
+    def private_memory(self) -> bool:
+        """False when the arena is shareable: every block is then read out of a map of it."""
+        return not self.shared
+
     # -- reads ---------------------------------------------------------------
     def handle(self, session: Session, event: object) -> Iterable[object]:
         with self._lock:
