@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from _peer import TOKEN
-from tiersync.errors import UsageError
 from tiersync.net.config import Route
 from tiersync.net.errors import ProtocolError, ProtocolFault
+from tiersync.net.local import LocalReadError
 from tiersync.net.socket_owner import holds_peer_end
 from tiersync.net.tcp import TcpConfig, TcpTransport
 
@@ -57,7 +57,7 @@ def test_the_holder_of_the_far_end_is_told_from_any_other_process():
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holds_peer_end(os.getpid(), client)  # an in-process server: this process
-        assert not holds_peer_end(1, client) and not holds_peer_end(holder.pid, client)
+        assert not holds_peer_end(os.getppid(), client) and not holds_peer_end(holder.pid, client)
         far = socket.create_connection(("127.0.0.1", int(holder.stdout.readline())))
         assert far.recv(1) == b"!"  # accepted: the holder has it open now
         assert holds_peer_end(holder.pid, far) and not holds_peer_end(os.getpid(), far)
@@ -88,22 +88,23 @@ def liar(request):
 
 @pytest.mark.parametrize("liar", ["ready", "reply"], indirect=True)
 def test_a_server_naming_this_process_gets_no_same_host_read_of_it(liar):
-    """A same-host server that names the client's own pid in its READY is not same-host (the
-    pid does not hold its end of the connection); one that names it in a LOCAL_REPLY is a
-    protocol error before anything is copied."""
+    """A same-host server that names the client's own pid in its READY gets no same-host read
+    (the pid does not hold its end of the connection: checked before the first, AUTO reads over
+    TCP, a forced LOCAL raises); one that names it in a LOCAL_REPLY is a protocol error before
+    anything is copied."""
     from tiersync.net import store_ops as so
 
     what, address = liar
     channel = TcpTransport(TcpConfig(token=TOKEN)).connect(address)
     try:
-        assert channel.info.same_host is (what == "reply")
+        assert channel.info.same_host  # what the server claims
         lease = channel.request(so.ReadLease(channel.new_request_id(), (b"k" * 16,))).lease_id
         dest = bytearray(65536)
         if what == "ready":  # AUTO reads over TCP instead
             channel.pull_many(lease, [(b"k" * 16, 0, memoryview(dest))])
             assert dest == b"x" * 65536
             forced = TcpTransport(TcpConfig(token=TOKEN, route=Route.LOCAL)).connect(address)
-            with pytest.raises(UsageError, match="another host"):  # and a forced same-host read is refused
+            with pytest.raises(LocalReadError, match="does not hold"):  # and a forced same-host read is refused
                 forced.pull_many(lease, [(b"k" * 16, 0, memoryview(dest))])
             forced.close()
         else:

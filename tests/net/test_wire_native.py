@@ -304,3 +304,33 @@ def test_a_peer_trickling_a_payload_cannot_hold_the_reader_past_its_deadline():
         b.close()
     assert (done, err) == (0, 0) and 100 <= n < len(wire)  # what landed goes to the parser
     assert elapsed < 10, elapsed  # about 1 s (the deadline plus one read's timeout at most)
+
+
+def test_no_next_frame_is_begun_past_the_deadline():
+    """Two DATA answers expected; the first arrives whole but after the call's deadline: it is
+    taken, and the second is not waited for (n 0, ETIMEDOUT; not the socket's timeout, EAGAIN)."""
+    import errno
+    import struct
+
+    from _proto_helpers import deliver, ready_pair
+    from tiersync.net.socket_io import EMPTY_META_CHECKSUM
+
+    payload = os.urandom(4096)
+    client, server = ready_pair(PayloadChecksum.TSUM64)
+    for rid in (1, 2):
+        deliver(client, server, so.Pull(rid, 7, GOOD[0], 0, len(payload)))
+    first = b"".join(bytes(x) for x in server.send(ev.Data(1, payload)))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 2, 0))
+    late = threading.Timer(0.4, b.sendall, args=(first,))
+    late.start()
+    try:
+        dests = [bytearray(len(payload)), bytearray(len(payload))]
+        done, _, n, err = _wire.recv_many(a.fileno(), bytearray(64), dests, [1, 2], 1 << 20, EMPTY_META_CHECKSUM, 0.2)
+    finally:
+        late.join()
+        a.close()
+        b.close()
+    assert (done, n, err) == (1, 0, errno.ETIMEDOUT) and dests[0] == payload

@@ -90,7 +90,7 @@ def test_a_relay_that_is_no_host_port_is_refused_at_the_boundary():
         Register(1, "s", 0, "h", TransportKind.TCP, relay)
 
 
-def test_a_manifest_too_large_to_send_fails_the_publish_not_the_samplers():
+def test_a_manifest_too_large_to_send_fails_the_publish_not_the_samplers(tmp_path):
     """An ANNOUNCE this side cannot encode (the manifest of 400 long-named tensors over the
     publisher's max_meta_bytes) fails that publish with the UsageError; the sampler stays
     registered. Before, each sampler was dropped for it, for good."""
@@ -101,13 +101,15 @@ def test_a_manifest_too_large_to_send_fails_the_publish_not_the_samplers():
     from tiersync.weights.receiver import WeightReceiver
 
     tensors = {f"layer.{i:04d}." + "w" * 100: np.zeros(4, np.float32) for i in range(400)}
-    pub = WeightPublisher(tensors, fsdp(1), config=PublisherConfig(shm=False, max_meta_bytes=32 << 10))
-    rec = WeightReceiver(fsdp(1), ReceiverConfig((pub.address,), transport=TransportKind.TCP))
+    config = PublisherConfig(max_meta_bytes=32 << 10, shm_dir=str(tmp_path))
+    pub = WeightPublisher(tensors, fsdp(1), config=config)
+    rec = WeightReceiver(fsdp(1), ReceiverConfig((pub.address,), zero_copy=True))
     try:
         pub.wait_for_samplers(1, 30)
-        with pytest.raises(UsageError):
+        with pytest.raises(UsageError, match="max_meta_bytes"):
             pub.publish(1).result(30)
         pub.wait_for_samplers(1, 1)  # still registered (a dropped sampler never comes back)
+        assert pub._buffer._pool.held() == 0  # and the zero-copy sampler holds no segment it never heard of
     finally:
         rec.close()
         pub.close()

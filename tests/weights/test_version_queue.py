@@ -75,16 +75,22 @@ def test_failures_are_kept_bounded_and_without_the_failed_syncs_frames():
     q = VersionQueue()
     held = Held()
     ref = weakref.ref(held)
+    waiting = q.receive(1)
     try:
-        failing_sync(held)
+        try:
+            failing_sync(held)
+        except RuntimeError as inner:
+            raise RuntimeError("sync of version 1 failed") from inner
     except RuntimeError as exc:
         error = exc
     del held
     q.settle(1, None, error)
-    del error
+    assert waiting.exception(0) is error and error.__traceback__ is not None  # a waiter gets it whole
+    del error, waiting
     gc.collect()
-    assert ref() is None  # nothing of the failed sync is kept alive
-    assert isinstance(q.receive(1).exception(0), RuntimeError)
+    assert ref() is None  # the record keeps nothing of the failed sync alive (its cause's frames neither)
+    later = q.receive(1).exception(0)
+    assert isinstance(later, RuntimeError) and "failed" in str(later)
     for v in range(2, vq.KEPT_FAILURES + 10):
         q.settle(v, None, RuntimeError(str(v)))
     assert not q.receive(2).done()  # forgotten: waits for a later version like any other

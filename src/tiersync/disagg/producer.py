@@ -366,7 +366,8 @@ class KVProducer(Service):
         return ev.CommitReply(event.request_id, ev.CommitStatus.FAILED, "request timed out, was aborted or failed")
 
 
-MAX_READER_TP = 16  # a reader's TP may replicate each of this rank's heads at most this often
+MAX_READER_TP = 16  # a reader's TP may replicate each of this rank's heads at most this often ...
+MIN_READER_TP_BOUND = 256  # ... and any TP up to this (MQA / MLA: one KV head on many ranks)
 
 
 def _check_reader(src: PagedKVLayout, read: ReadRequest) -> None:
@@ -375,7 +376,7 @@ def _check_reader(src: PagedKVLayout, read: ReadRequest) -> None:
     dst = read.dst_layout
     if not 0 <= read.dst_rank < dst.tp_size:
         raise Refused(Code.BAD_REQUEST, f"destination rank {read.dst_rank} outside tp_size {dst.tp_size}")
-    if dst.tp_size > MAX_READER_TP * max(src.tp_size, src.num_kv_heads):
+    if dst.tp_size > max(MIN_READER_TP_BOUND, MAX_READER_TP * max(src.tp_size, src.num_kv_heads)):
         raise Refused(Code.BAD_REQUEST, f"destination tp_size {dst.tp_size} is beyond any reshard of this layout")
 
 

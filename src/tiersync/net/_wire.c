@@ -20,9 +20,10 @@
  *   go to the reference parser, n == 0 with err == 0 is end of stream, n == 0 with err != 0
  *   a failing read (errno err; raised as OSError when done == 0, so a timeout raises
  *   BlockingIOError and a signal InterruptedError, or what its handler raised) after which the
- *   caller reads again. timeout_s (> 0; else none): no read starts once that many seconds have
- *   passed since the call began (the socket's receive timeout bounds each read), so a peer
- *   that trickles bytes ends the call with them handed to the parser.
+ *   caller reads again. timeout_s (> 0 and < 1e9; else none): no read starts once that many
+ *   seconds have passed since the call began (a frame cut short hands what landed to the
+ *   parser; no next frame is begun: n 0, err ETIMEDOUT), so with each read bounded by the
+ *   socket's receive timeout a peer that trickles bytes ends the call within about twice it.
  *
  * Per frame: receives the next frame of a blocking stream
  *   socket `fd` at a frame boundary, expecting it to be the DATA answer to `request_id` whose
@@ -226,6 +227,10 @@ static void run_job(recv_job *j) {
 static size_t run_jobs(recv_job *jobs, size_t count) {
     size_t i = 0;
     for (; i < count; i++) {
+        if (i && late(&jobs[i])) {  /* no next frame past the deadline (n 0, err set: not end of stream) */
+            jobs[i].err = ETIMEDOUT;
+            break;
+        }
         run_job(&jobs[i]);
         if (!jobs[i].ok) break;
     }
@@ -299,7 +304,7 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
     double timeout_s;
     if (!PyArg_ParseTuple(args, "iw*O!O!KKd", &fd, &hv, &PyList_Type, &dests, &PyList_Type, &rids, &max_payload,
                           &empty_meta, &timeout_s)) return NULL;
-    uint64_t end_ns = timeout_s > 0 ? now_ns() + (uint64_t)(timeout_s * 1e9) : 0;
+    uint64_t end_ns = timeout_s > 0 && timeout_s < 1e9 ? now_ns() + (uint64_t)(timeout_s * 1e9) : 0;
     Py_ssize_t count = PyList_GET_SIZE(dests);
     if (hv.len != HDR || count < 1 || count > MAX_FRAMES || PyList_GET_SIZE(rids) != count) {
         PyBuffer_Release(&hv);

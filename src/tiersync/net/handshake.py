@@ -22,7 +22,6 @@ from tiersync.net.local import host_identity, same_host
 from tiersync.net.protocol import Connection
 from tiersync.net.service import PeerInfo
 from tiersync.net.socket_io import peer_ip
-from tiersync.net.socket_owner import holds_peer_end
 
 if TYPE_CHECKING:
     from tiersync.net.socket_io import Deadline, FramedSocket
@@ -49,9 +48,7 @@ def client_handshake(framed: FramedSocket, token: bytes | None, node_id: str, de
         raise AuthError("server failed to prove the shared token", peer=framed.peer)
     framed.write(ev.Auth(auth.client_proof(token, nonce, challenge.nonce)), deadline)
     ready = _expect(framed, ev.Ready, deadline)
-    # same host only when the pid it names holds this connection's far end (a pid on the
-    # peer's word could point this process's same-host reads at any process of its user)
-    same = same_host(ready.host, peer_ip(framed.sock)) and holds_peer_end(ready.pid, framed.sock)
+    same = same_host(ready.host, peer_ip(framed.sock))  # the pid it names: checked before a same-host read
     return PeerInfo("", ready.host, ready.pid, same, ready.max_frame)
 
 

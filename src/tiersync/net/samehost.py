@@ -27,15 +27,19 @@ __all__ = ["local_copy", "local_copy_at"]
 
 
 def local_copy(
-    reply: object, dests: Sequence[memoryview], peer: str, threads: int = 1, maps: SharedMaps | None = None
+    reply: object,
+    dests: Sequence[memoryview],
+    peer: str,
+    threads: int = 1,
+    maps: SharedMaps | None = None,
+    pid: int | None = None,
 ) -> None:
     """Copy ``reply``'s regions of its process into ``dests`` (one per region, exact sizes) on
     up to ``threads`` threads and verify each region's checksum; out of ``maps`` where the
-    reply names a mapping they can open. ProtocolError (UNEXPECTED / MALFORMED / BAD_CHECKSUM)
-    naming ``peer``; LocalReadError when this process may not read the source (the caller may
-    fall back)."""
-    if not isinstance(reply, ev.LocalReply):
-        raise ProtocolError("expected LOCAL_REPLY", fault=ProtocolFault.UNEXPECTED, peer=peer)
+    reply names a mapping they can open. ``pid``: the server's, which the reply must name.
+    ProtocolError (UNEXPECTED / MALFORMED / BAD_CHECKSUM) naming ``peer``; LocalReadError when
+    this process may not read the source (the caller may fall back)."""
+    reply = _check(reply, peer, pid)
     regions = reply.regions
     if len(regions) != len(dests) or not np.array_equal(
         regions[:, 1], np.fromiter(map(len, dests), np.uint64, len(dests))
@@ -59,11 +63,11 @@ def local_copy_at(
     peer: str,
     threads: int = 1,
     maps: SharedMaps | None = None,
+    pid: int | None = None,
 ) -> None:
     """:func:`local_copy` into one writable uint8 array, region ``i`` at ``dest[offsets[i]:]``
     (the caller placed the regions): no Python object per region. Raises as :func:`local_copy`."""
-    if not isinstance(reply, ev.LocalReply):
-        raise ProtocolError("expected LOCAL_REPLY", fault=ProtocolFault.UNEXPECTED, peer=peer)
+    reply = _check(reply, peer, pid)
     regions = reply.regions
     if len(regions) != len(offsets):
         raise ProtocolError("LOCAL_REPLY regions do not match the request", fault=ProtocolFault.MALFORMED, peer=peer)
@@ -74,9 +78,17 @@ def local_copy_at(
     ):
         view = memoryview(dest.data).cast("B")  # no native reader, or another algorithm: one view per region
         lengths = regions[:, 1].tolist()
-        return local_copy(reply, [view[o : o + n] for o, n in zip(offsets.tolist(), lengths)], peer, threads, maps)
+        return local_copy(reply, [view[o : o + n] for o, n in zip(offsets.tolist(), lengths)], peer, threads, maps, pid)
     _verify(sums, regions, peer)
     return None
+
+
+def _check(reply: object, peer: str, pid: int | None) -> ev.LocalReply:
+    if not isinstance(reply, ev.LocalReply):
+        raise ProtocolError("expected LOCAL_REPLY", fault=ProtocolFault.UNEXPECTED, peer=peer)
+    if pid is not None and reply.pid != pid:  # another process than the one checked to be the server
+        raise ProtocolError("LOCAL_REPLY names another process", fault=ProtocolFault.MALFORMED, peer=peer)
+    return reply
 
 
 def _mapped(reply: ev.LocalReply, maps: SharedMaps | None, peer: str) -> local.Mapped | None:

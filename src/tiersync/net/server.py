@@ -168,6 +168,8 @@ class TcpServer(Server):
             s.registered = False
 
     def _readable(self, s: ServerSession) -> None:
+        if s.closed:  # ended earlier in this round (made room at the cap): not a failed handshake
+            return
         if s.tls_pending and not self._tls_handshake(s):
             return
         while True:
@@ -252,8 +254,8 @@ class TcpServer(Server):
 
     def _evict_pending(self) -> bool:
         """At the cap: end the oldest connection still in its handshake to make room (a flood of
-        silent peers then only cycles among itself, while a real client, through its handshake
-        in milliseconds, is never the oldest); False when every connection is past it."""
+        silent peers then mostly cycles among itself: a real client, through its handshake in
+        milliseconds, is rarely the oldest); False when every connection is past it."""
         while self._deadlines:
             _, _, s = heapq.heappop(self._deadlines)
             if not s.closed and not s.hs.done:

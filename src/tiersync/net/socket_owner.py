@@ -11,11 +11,24 @@ address is ours (``/proc/net/tcp``, ``tcp6``) must be among that process's descr
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import socket
 import sys
 
-__all__ = ["holds_peer_end"]
+from tiersync.net.local import LocalReadError
+
+__all__ = ["holds_peer_end", "not_held"]
+
+log = logging.getLogger(__name__)
+
+
+def not_held(pid: int, sock: socket.socket, peer: str) -> LocalReadError | None:
+    """None when ``pid`` holds the far end of ``sock``; else the refusal to read it (logged)."""
+    if holds_peer_end(pid, sock):
+        return None
+    log.warning("%s names pid %d, which does not hold this connection: no same-host reads of it", peer, pid)
+    return LocalReadError(f"pid {pid} does not hold this connection (a proxy, or a false pid)", peer=peer)
 
 
 def holds_peer_end(pid: int, sock: socket.socket) -> bool:
@@ -44,10 +57,10 @@ def _inode(local: tuple[str, int], remote: tuple[str, int], family: int) -> int 
     table = "/proc/net/tcp6" if family == socket.AF_INET6 else "/proc/net/tcp"
     want = (_hex(*local, family), _hex(*remote, family))
     with open(table) as f:
-        next(f)  # the header line
+        next(f, None)  # the header line
         for line in f:
             fields = line.split()
-            if len(fields) > 9 and (fields[1], fields[2]) == want:
+            if len(fields) > 9 and (fields[1], fields[2]) == want and fields[9] != "0":
                 return int(fields[9])
     return None
 

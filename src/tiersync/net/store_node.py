@@ -26,7 +26,6 @@ are called with new keys before COMMITTED is answered.
 from __future__ import annotations
 
 import heapq
-import ipaddress
 import logging
 import socket
 import threading
@@ -40,6 +39,7 @@ from tiersync.errors import CapacityError, RemoteError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
+from tiersync.net.offer_source import writer_address
 from tiersync.net.server import TcpServer
 from tiersync.net.service import Session
 from tiersync.net.source import BlockError, BlockService, clamp_ttl, new_lease_id
@@ -119,9 +119,12 @@ class StoreNode(BlockService):
                 self._unpin(lease_id)
 
     def _unpin(self, lease_id: int) -> None:
-        _, blocks, keys = self._leases.pop(lease_id)
-        self._leased_keys -= len(keys)
+        _, blocks, _ = self._leases.pop(lease_id)
+        self._leased_keys -= len(blocks)  # one per key asked, repeats included: what lease() added
         self.arena.allocator.unlock(blocks)
+        if len(self._ends) > 2 * len(self._leases) + 1024:  # ends of leases released early
+            self._ends = [(end, i) for i, (end, _, _) in self._leases.items()]
+            heapq.heapify(self._ends)
 
     def lease(self, req: so.ReadLease) -> so.LeaseReply:
         """Pin every key (all or nothing); BlockError(CAPACITY) past MAX_LEASED_KEYS under lease."""
@@ -306,38 +309,6 @@ class StoreNodeServer(TcpServer):
     def __init__(self, address: str, node: StoreNode) -> None:
         self.node = node
         super().__init__(address, node, node.config)
-
-
-def writer_address(source: str, peer: str | None) -> str:
-    """The address to pull an OFFER's blocks from: the IP the writer's connection comes from
-    (``peer``, "ip:port") and the port ``source`` ("host:port") names. An empty host takes that
-    IP; any other host must be that IP written out, so an authenticated writer cannot make the
-    node connect anywhere else. BlockError(BAD_REQUEST, why) otherwise.
-    """
-    host, sep, port = source.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise BlockError(ev.ErrorCode.BAD_REQUEST, f"OFFER source {source!r} is not 'host:port'")
-    seen = _ip(parse_address(peer)[0]) if peer is not None else None
-    if seen is None:
-        raise BlockError(ev.ErrorCode.BAD_REQUEST, "the writer's own address is unknown")
-    named = _ip(host.strip("[]")) if host else seen
-    if named is None or named.packed != seen.packed:  # scopes aside: the node dials the one it saw
-        raise BlockError(
-            ev.ErrorCode.BAD_REQUEST,
-            f"OFFER source host {host!r} is not {seen}, the address this connection comes from "
-            "(the node dials only that one: serve on it, or connect from it)",
-        )
-    return f"[{seen}]:{port}" if seen.version == 6 else f"{seen}:{port}"
-
-
-def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """``text`` as an IP address (an IPv4-mapped IPv6 one as IPv4), or None when it is not one."""
-    try:
-        ip = ipaddress.ip_address(text)
-    except ValueError:
-        return None
-    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
-    return mapped or ip
 
 
 def _guarded(answers: Iterator[object], request_id: int) -> Iterator[object]:

@@ -1,9 +1,8 @@
 """TCP transport: tuned sockets, zero-copy scatter-gather I/O, deadlines, token + TLS.
 
 Sockets get SO_SNDBUF/SO_RCVBUF (16 MiB default) and TCP_NODELAY; frames go out gathered and
-DATA lands in the caller's buffers through :class:`~tiersync.net.socket_io.FramedSocket`. Every
-blocking call runs under a deadline and raises :class:`NetTimeoutError` (with ``peer``).
-A batch of pulls is cut into requests by :mod:`tiersync.net.pull_plan`.
+DATA lands in the caller's buffers through :class:`~tiersync.net.socket_io.FramedSocket`; every
+blocking call runs under a deadline (:class:`NetTimeoutError`); :mod:`~tiersync.net.pull_plan` cuts pulls.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from tiersync.net.server import TcpServer
 from tiersync.net.service import PeerInfo, Service
 from tiersync.net.shared_maps import SharedMaps
 from tiersync.net.socket_io import Deadline, FramedSocket, io_errors, tune
+from tiersync.net.socket_owner import not_held
 from tiersync.net.tls import client_context
 from tiersync.net.transport import Channel, Server, Transport
 from tiersync.net.vocab import Vocabulary
@@ -56,6 +56,7 @@ class TcpChannel(Channel):
         self.info = PeerInfo("", "", 0, False)
         """What the server told about itself in the handshake (``same_host`` and its pid)."""
         self._local_failed = False
+        self._owner: bool | None = None  # whether the server's pid holds this connection (checked once)
         self._maps = SharedMaps() if framed.cfg.local_maps else None  # same-host reads: sources' shareable memory
 
     def handshake(self, deadline: Deadline) -> None:
@@ -221,13 +222,19 @@ class TcpChannel(Channel):
                 landed(rid, None)
 
     def local_route(self) -> bool:
-        """Same-host reads for this channel: the route allows them and the server is on this
-        host (UsageError when the route is LOCAL and it is not), and no same-host read was
-        refused yet (:meth:`local_refused`)."""
+        """Same-host reads here: the route allows them, the server is on this host (else LOCAL:
+        UsageError), the pid it named holds this connection (checked once; else AUTO uses TCP,
+        LOCAL raises LocalReadError), and no same-host read was refused (:meth:`local_refused`)."""
         route = self._framed.cfg.route
         if route is Route.LOCAL and not self.info.same_host:
             raise UsageError("route is LOCAL but the server is on another host", argument="route", peer=self.peer)
-        return route is not Route.TCP and not self._local_failed and self.info.same_host
+        if route is Route.TCP or self._local_failed or not self.info.same_host:
+            return False
+        if self._owner is None:  # a pid on the peer's word could name any process of this user
+            self._owner = (refused := not_held(self.info.pid, self._framed.sock, self.peer)) is None
+            if refused is not None:
+                self.local_refused(refused)
+        return self._owner
 
     def _pull_local(self, lease_id: int, items: Iterable[tuple[bytes, int, object]], timeout: float | None) -> None:
         """PULL_LOCAL, then copy every range out of the server's memory (a map of it where offered,
@@ -259,19 +266,12 @@ class TcpChannel(Channel):
         return None
 
     def local_copy(self, reply: object, dests: list[memoryview]) -> None:
-        """Land a LOCAL_REPLY's regions in ``dests``, verified (:func:`~tiersync.net.samehost.local_copy`)."""
-        local_copy(self._ours(reply), dests, self.peer, self._framed.cfg.local_threads, self._maps)
+        """Land a LOCAL_REPLY (naming the pid :meth:`local_route` checked) in ``dests``, verified."""
+        local_copy(reply, dests, self.peer, self._framed.cfg.local_threads, self._maps, self.info.pid)
 
     def local_copy_at(self, reply: object, dest: np.ndarray, offsets: np.ndarray) -> None:
         """:meth:`local_copy` into one uint8 array, region ``i`` at ``dest[offsets[i]:]``."""
-        local_copy_at(self._ours(reply), dest, offsets, self.peer, self._framed.cfg.local_threads, self._maps)
-
-    def _ours(self, reply: object) -> object:
-        """``reply``, unless it is a LOCAL_REPLY naming a process other than the server's (the
-        one the handshake checked holds this connection's far end): ProtocolError MALFORMED."""
-        if isinstance(reply, ev.LocalReply) and reply.pid != self.info.pid:
-            raise ProtocolError("LOCAL_REPLY names another process", fault=ProtocolFault.MALFORMED, peer=self.peer)
-        return reply
+        local_copy_at(reply, dest, offsets, self.peer, self._framed.cfg.local_threads, self._maps, self.info.pid)
 
     @property
     def mapped_sources(self) -> int:

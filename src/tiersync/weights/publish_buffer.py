@@ -89,10 +89,15 @@ class PublishBuffer:
             try:
                 _current(self._pool).reserve()
             except BaseException:  # no room: the version never starts, so nobody holds it
-                with self._cond:
-                    for holder in holders:
-                        self._pool.release(holder, version)
+                self.abandon(version, holders)
                 raise
+
+    def abandon(self, version: int, holders: set[object]) -> None:
+        """``version`` will not be announced after all: ``holders`` hold its segment no more."""
+        if self._pool is not None:
+            with self._cond:
+                for holder in holders:
+                    self._pool.release(holder, version)
 
     def write(self, i: int, src: np.ndarray) -> None:
         """Copy tensor ``i``'s bytes ``src`` in (summing its pieces on the way); GETs of it are

@@ -118,7 +118,8 @@ class WeightPublisher:
         ``tensors``: replacement objects (same names, shapes, dtypes) to read from now on, e.g.
         new JAX arrays; None re-reads the registered ones (updated in place by training).
         Publishes run one at a time in call order. The future fails only for a local error
-        (the trainer's tensors could not be read); sampler failures are in the result.
+        (the trainer's tensors could not be read, a manifest over ``max_meta_bytes``: no sampler
+        is dropped for it); sampler failures are in the result.
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise UsageError("must be an int >= 0", argument="version", value=version)
@@ -154,8 +155,12 @@ class WeightPublisher:
     def _run(self, version: int) -> PublishResult:
         t0 = time.perf_counter()
         targets = self._registry.live()
-        self._buffer.begin(version, {s for s in targets if s.zc}, self.config.io_timeout_s)
+        holders: set[object] = {s for s in targets if s.zc}
+        self._buffer.begin(version, holders, self.config.io_timeout_s)
         announce = Announce(self._manifest(version, targets))
+        if len(announce.meta()) > self.config.max_meta_bytes:  # this side's limit: no sampler's fault
+            self._buffer.abandon(version, holders)
+            raise UsageError(f"the manifest of version {version} exceeds max_meta_bytes", argument="max_meta_bytes")
         for s in targets:
             self._registry.send(s, announce)
         shm = [s for s in targets if s.transport is TransportKind.SHM]  # TCP GETs wait in provide

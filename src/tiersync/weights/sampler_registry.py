@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from tiersync.errors import ClosedError, TierSyncError, UsageError
+from tiersync.errors import TierSyncError
 from tiersync.net import events as ev
 from tiersync.net.config import parse_address
 from tiersync.net.errors import NetTimeoutError
@@ -82,16 +82,10 @@ class SamplerRegistry:
                 self._cond.wait(left)
 
     def send(self, s: Sampler, event: object) -> None:
-        """Send one-way ``event`` to ``s``; a failure drops it. An event this side cannot
-        encode (a UsageError, e.g. a manifest over max_meta_bytes) is raised instead: it is no
-        sampler's fault, and dropping them all for it would end every sampler's link."""
+        """Send one-way ``event`` to ``s``; a failure drops it (the publisher checks an ANNOUNCE
+        against its own limits first: one too large for a sampler's stated limit is its own)."""
         try:
             s.session.send(event, timeout=self._io_timeout)
-        except ClosedError as exc:
-            log.info("sampler %s dropped: %s", s.label, exc)
-            self.drop(s)
-        except UsageError:
-            raise
         except (TierSyncError, OSError) as exc:
             log.info("sampler %s dropped: %s", s.label, exc)
             self.drop(s)

@@ -35,11 +35,10 @@ if TYPE_CHECKING:
 __all__ = ["Provider", "SpanService", "Summer", "span_payload"]
 
 Provider = Callable[[int, str, tuple[int, ...], StridedSpan | None, float], tuple[np.ndarray, Callable[[], None]]]
-"""``(version, tensor, key, span, timeout) -> (the tensor's bytes, release)``: ``span`` the one
-a GET will take (a relay serves only the span it landed under ``key``), None for W_SUMS."""
-"""``(version, tensor, key, timeout_s) -> (flat uint8 local shard, release)`` once that tensor
-(chunk ``key`` of it, for a relay) of that version is there; ``release()`` runs once the
-answer was written (the bytes must not change before). Raises a TierSyncError to refuse."""
+"""``(version, tensor, key, span, timeout_s) -> (flat uint8 local shard, release)`` once that
+tensor (chunk ``key`` of it, for a relay, which serves only the ``span`` it landed that chunk
+in; None for a W_SUMS) of that version is there; ``release()`` runs once the answer was
+written (the bytes must not change before). Raises a TierSyncError to refuse."""
 
 Summer = Callable[[int, str, StridedSpan], "int | None"]
 """``(version, tensor, span) -> tsum64 of the span's bytes``, or None when not known (the span

@@ -7,6 +7,7 @@ version or a later one is active, failed when that version's sync failed (or the
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 from concurrent.futures import Future
@@ -69,8 +70,7 @@ class VersionQueue:
                 done = [f for v in [v for v in self._waiters if v <= version] for f in self._waiters.pop(v)]
             else:
                 assert error is not None  # the sync loop settles a version with a result or its error
-                # without its traceback: the failed sync's frames (buffers, segment maps) go now
-                self._failed[version] = error.with_traceback(None)
+                self._failed[version] = _bare(error)  # the waiters now get ``error`` itself
                 while len(self._failed) > KEPT_FAILURES:
                     del self._failed[min(self._failed)]
                 done = self._waiters.pop(version, [])
@@ -98,3 +98,11 @@ class VersionQueue:
             self._waiters.clear()
         for f in futs:  # outside the lock, as in settle
             f.set_exception(ClosedError("receiver closed", argument="receiver"))
+
+
+def _bare(error: BaseException) -> BaseException:
+    """A copy of ``error`` for later waiters, without tracebacks or chained errors: the failed
+    sync's frames (its buffers, segment maps) are not kept alive by the record."""
+    bare = copy.copy(error)
+    bare.__traceback__, bare.__cause__, bare.__context__ = None, None, None
+    return bare

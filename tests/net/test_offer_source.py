@@ -1,5 +1,5 @@
 """Where a store node pulls an OFFER's blocks from: only the IP the writer connects from
-(tiersync.net.store_node.writer_address), whatever host the OFFER names."""
+(tiersync.net.offer_source.writer_address), whatever host the OFFER names."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from _peer import TOKEN
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.errors import RequestError
+from tiersync.net.offer_source import writer_address
 from tiersync.net.source import BlockError
 from tiersync.net.store_client import _named_host
-from tiersync.net.store_node import StoreNode, StoreNodeClient, StoreNodeServer, writer_address
+from tiersync.net.store_node import StoreNode, StoreNodeClient, StoreNodeServer
 from tiersync.net.tcp import TcpConfig, TcpTransport
 
 BLOCK = 256 << 10
