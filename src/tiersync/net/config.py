@@ -40,7 +40,7 @@ def parse_address(address: Any, argument: str = "address") -> tuple[str, int]:
     """Split "host:port" (an IPv6 host may be bracketed; port 0 allowed: pick one). Raises
     UsageError naming ``argument``."""
     host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
         raise UsageError("must be 'host:port' with a port in [0, 65535]", argument=argument, value=address)
     return host.strip("[]"), int(port)
 

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 
 from tiersync.errors import UsageError, check_positive_int
-from tiersync.net.config import Route, TcpConfig, coerce_token
+from tiersync.net.config import Route, TcpConfig, coerce_token, parse_address
 from tiersync.net.frames import ProtocolConfig
 from tiersync.net.tls import TlsConfig
 
@@ -88,11 +88,7 @@ def _tcp_config(cfg: PublisherConfig | ReceiverConfig, connect_timeout_s: float,
 
 
 def _check_address(value: object, argument: str) -> None:
-    if not isinstance(value, str):
-        raise UsageError("must be 'host:port'", argument=argument, value=value)
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise UsageError("must be 'host:port'", argument=argument, value=value)
+    parse_address(value, argument)
 
 
 @dataclass(frozen=True, slots=True)

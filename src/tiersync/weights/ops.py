@@ -31,6 +31,7 @@ from typing import ClassVar
 from tiersync.errors import UsageError
 from tiersync.net import events as ev
 from tiersync.net.codec import MetaReader, MetaWriter
+from tiersync.net.config import parse_address
 from tiersync.net.fields import check_text, check_u64, check_u64s
 from tiersync.net.frames import ProtocolConfig
 from tiersync.net.vocab import Vocabulary
@@ -99,8 +100,11 @@ class Register:
             check_text(name, getattr(self, name))
         if not isinstance(self.transport, TransportKind) or not isinstance(self.zero_copy, bool):
             raise UsageError("must be a TransportKind and a bool", argument="transport")
-        if self.relay and not _host_port(self.relay):  # every sampler's manifest lists it
-            raise UsageError(f"must be '' or an ASCII 'host:port' of at most {_MAX_RELAY} bytes", argument="relay")
+        if self.relay:  # every sampler's manifest lists it: a short ASCII host:port
+            if len(self.relay) > _MAX_RELAY or not (self.relay.isascii() and self.relay.isprintable()):
+                raise UsageError(f"must be '' or an ASCII 'host:port' of at most {_MAX_RELAY} bytes", argument="relay")
+            if parse_address(self.relay, "relay")[1] == 0:
+                raise UsageError("must name a port, not 0", argument="relay")
 
     def meta(self) -> bytes:
         w = MetaWriter().text(self.label).u64(self.rank).text(self.host).text(self.transport.value)
@@ -255,12 +259,6 @@ class Get:
 
 
 _MAX_RELAY = 255
-
-
-def _host_port(text: str) -> bool:
-    host, sep, port = text.rpartition(":")
-    ascii_ok = len(text) <= _MAX_RELAY and text.isascii() and text.isprintable()
-    return ascii_ok and bool(sep and host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _check_span(s: object) -> None:
