@@ -7,7 +7,7 @@ import multiprocessing
 
 import pytest
 
-from _peer import TOKEN, run_block_server
+from _peer import TOKEN, run_block_server, wait_until
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.errors import RequestError
@@ -46,6 +46,38 @@ def test_one_connection_holds_a_bounded_number_of_leases(served):
         assert ch.request(so.ReadLease(ch.new_request_id(), (KEY,), 600)).status is so.LeaseStatus.GRANTED
     finally:
         ch.close()
+
+
+def test_leases_past_their_ttl_no_longer_count_against_the_cap():
+    """A connection whose MAX_SESSION_LEASES leases all ended by their TTL (a server clock 200x
+    real time: 30 s in 0.15 s) is granted the next lease, not refused CAPACITY."""
+    ctx = multiprocessing.get_context("spawn")
+    address_q, stop = ctx.Queue(), ctx.Event()
+    args = (TcpConfig(token=TOKEN), {KEY: b"x" * 4096}, address_q, stop, 200.0)
+    proc = ctx.Process(target=run_block_server, args=args)
+    proc.start()
+    ch = None
+    try:
+        ch = TcpTransport(TcpConfig(token=TOKEN)).connect(address_q.get(timeout=30))
+        asks = [(so.ReadLease(ch.new_request_id(), (KEY,), 30), None) for _ in range(MAX_SESSION_LEASES)]
+        granted: list[int] = []
+        ch.pipeline(asks, window=64, landed=lambda _, reply: granted.append(reply.lease_id))
+        assert len(set(granted)) == MAX_SESSION_LEASES
+
+        def ended() -> bool:
+            try:
+                ch.request(so.Pull(ch.new_request_id(), granted[-1], KEY, 0, 16))
+            except RequestError as exc:
+                return exc.code is ev.ErrorCode.LEASE_EXPIRED
+            return False
+
+        assert wait_until(ended)
+        assert ch.request(so.ReadLease(ch.new_request_id(), (KEY,), 30)).status is so.LeaseStatus.GRANTED
+    finally:
+        if ch is not None:
+            ch.close()
+        stop.set()
+        proc.join(10)
 
 
 def test_a_pull_larger_than_the_peers_frames_is_refused_before_any_block_is_read():

@@ -131,7 +131,9 @@ def test_lease_expiry_unpins_and_fails_the_release():
         ch = TcpTransport(TcpConfig(token=TOKEN.encode())).connect(server.address)
         lease = ch.request(so.ReadLease(ch.new_request_id(), tuple(keys), ttl_s=1))
         assert lease.status is so.LeaseStatus.GRANTED and lease.ttl_s == 30 and node.active_leases == 1
+        assert node.holds(lease.lease_id)
         now[0] += 31
+        assert not node.holds(lease.lease_id)  # what a connection at its lease cap counts
         with pytest.raises(RemoteError) as err:
             ch.request(so.Pull(ch.new_request_id(), lease.lease_id, keys[0], 0, 16))
         assert err.value.code is ev.ErrorCode.LEASE_EXPIRED and node.active_leases == 0

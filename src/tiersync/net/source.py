@@ -2,10 +2,11 @@
 
 A block server implements four methods — :meth:`~BlockService.lease` (validate and pin
 keys, all-or-nothing; TTL clamped to [30, 600] s), :meth:`~BlockService.view` (a zero-copy
-view of a range under a lease), :meth:`~BlockService.release` and optionally
-:meth:`~BlockService.offer` (and, where a server can do better than a loop over
-:meth:`~BlockService.view`: :meth:`~BlockService.views`, many ranges of one lease at once,
-and :meth:`~BlockService.regions`, where they lie for a same-host reader) — and the base
+view of a range under a lease), :meth:`~BlockService.release` and :meth:`~BlockService.holds`
+(whether a lease has not ended: a connection at its lease cap counts only those) — and
+optionally :meth:`~BlockService.offer` and, where a server can do better than a loop over
+:meth:`~BlockService.view`, :meth:`~BlockService.views` (many ranges of one lease at once)
+and :meth:`~BlockService.regions` (where they lie for a same-host reader). The base
 answers the wire: PING,
 READ_LEASE, PULL, PULL_MANY (one DATA carrying every range, gathered without a copy; of whole
 blocks, its checksum composed from theirs by :class:`~tiersync.net.partials.PartialSums`),
@@ -122,6 +123,11 @@ class BlockService(Service):
         """Unpin a lease; True when it was still held."""
         raise NotImplementedError
 
+    def holds(self, lease_id: int) -> bool:
+        """Whether ``lease_id`` is still held (not released, not past its TTL). A connection at
+        MAX_SESSION_LEASES counts only these; this base answers True (every lease counted)."""
+        return True
+
     def views(
         self, lease_id: int, items: Iterable[tuple[bytes, int, int]]
     ) -> list[tuple[memoryview, tuple[PayloadChecksum, int] | None]]:
@@ -172,9 +178,7 @@ class BlockService(Service):
         return [ev.Error(getattr(event, "request_id", 0), ev.ErrorCode.UNSUPPORTED, type(event).__name__)]
 
     def _lease(self, session: Session, req: so.ReadLease) -> so.LeaseReply | ev.Error:
-        with self._held_lock:
-            full = len(self._held.get(session, ())) >= MAX_SESSION_LEASES  # each pins its blocks
-        if full:
+        if self._full(session):
             return ev.Error(req.request_id, ev.ErrorCode.CAPACITY, _TOO_MANY_LEASES)
         try:
             reply = self.lease(req)
@@ -187,6 +191,19 @@ class BlockService(Service):
             if session.closed:  # ended while we granted: nobody will release it
                 self.closed(session)
         return reply
+
+    def _full(self, session: Session) -> bool:
+        """Whether ``session`` holds MAX_SESSION_LEASES leases (each pins its blocks); at the cap,
+        the leases that ended by their TTL are forgotten first."""
+        with self._held_lock:
+            held = self._held.get(session, set())
+            if len(held) < MAX_SESSION_LEASES:
+                return False
+            ids = list(held)
+        ended = {lease_id for lease_id in ids if not self.holds(lease_id)}
+        with self._held_lock:
+            held -= ended
+            return len(held) >= MAX_SESSION_LEASES
 
     def _release(self, session: Session, req: so.Release) -> ev.CommitReply:
         with self._held_lock:
@@ -316,6 +333,9 @@ class MemoryBlockSource(BlockService):
             if all(r is not None and r[1] == n for r, (_, _, n) in zip(found, items)):
                 return np.array(found, np.uint64).reshape(-1, 3)
         return super().regions(lease_id, items)
+
+    def holds(self, lease_id: int) -> bool:
+        return self._held_keys(lease_id) is not None
 
     def release(self, lease_id: int) -> bool:
         held = self._held_keys(lease_id) is not None

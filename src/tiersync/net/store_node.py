@@ -189,6 +189,11 @@ class StoreNode(BlockService):
                 found.append((block, offset, length, checksum if offset == 0 and length == size else None))
         return found
 
+    def holds(self, lease_id: int) -> bool:
+        with self._lock:
+            self._expire()
+            return lease_id in self._leases
+
     def release(self, lease_id: int) -> bool:
         with self._lock:
             held = lease_id in self._leases
