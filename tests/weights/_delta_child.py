@@ -52,9 +52,9 @@ def main() -> None:
                 stall[0] = int(words[1])
                 go.clear()
                 print("ARMED", flush=True)
-            elif words[0] == "GO":
-                go.set()
+            elif words[0] == "GO":  # acknowledged first: the stalled sync's FAILED line comes after it
                 print("GONE", flush=True)
+                go.set()
             elif words[0] == "DAMAGE":
                 for a in arrays:
                     if a.nbytes == int(words[1]):
