@@ -89,6 +89,24 @@ def same_tokens(served: dict[str, list[dict]], what: str, reference: str = "reco
             raise RoundTripError(f"{what}: {mode}'s greedy tokens differ from {reference}'s", requests=bad[:8])
 
 
+def from_child(conn: Any, proc: Any, what: str, timeout: float) -> Any:
+    """The next message on ``conn`` (a Pipe end) from child process ``proc``; RoundTripError
+    naming ``what`` as soon as the child exits without one (its own error is above, on
+    stderr), or when ``timeout`` seconds pass without one."""
+    from multiprocessing.connection import wait
+
+    ready = wait([conn, proc.sentinel], timeout)
+    if conn in ready:
+        try:
+            return conn.recv()
+        except EOFError:
+            pass
+    if not ready:
+        raise RoundTripError(f"the {what} process sent nothing within {timeout:g} s")
+    proc.join(5)
+    raise RoundTripError(f"the {what} process ended before answering (its error is above)", exitcode=proc.exitcode)
+
+
 def median(values: Sequence[float]) -> float:
     """Median (mean of the two middle values for an even count). ValueError when empty."""
     if not values:

@@ -33,6 +33,7 @@ from typing import Any
 from tiersync.bench.common import (
     BenchConfig,
     RoundTripError,
+    from_child,
     percentile,
     progress,
     report,
@@ -70,7 +71,7 @@ def _count(mode: str, size: int) -> int:
 
 
 # -- the server process --------------------------------------------------------
-def _serve(mode: str, seed: int, address_q: Any, stop: Any) -> None:
+def _serve(mode: str, seed: int, conn: Any, stop: Any) -> None:
     """Server process: both listeners over the same blocks, until ``stop`` is set."""
     from tiersync.net.source import MemoryBlockSource
     from tiersync.net.tcp import TcpTransport
@@ -90,7 +91,7 @@ def _serve(mode: str, seed: int, address_q: Any, stop: Any) -> None:
     server = TcpTransport().serve("127.0.0.1:0", MemoryBlockSource(blocks, shared=shared))
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=raw_accept, args=(listener, raw), daemon=True).start()
-    address_q.put((server.address, listener.getsockname()[1]))
+    conn.send((server.address, listener.getsockname()[1]))
     stop.wait(600)
     server.close()
     listener.close()
@@ -301,11 +302,12 @@ def _row(
 
 def _start_server(config: BenchConfig) -> tuple[Any, Any, tuple[str, int]]:
     ctx = mp.get_context("spawn")
-    address_q, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_serve, args=(config.mode, config.seed, address_q, stop), daemon=True)
+    (conn, child), stop = ctx.Pipe(), ctx.Event()
+    proc = ctx.Process(target=_serve, args=(config.mode, config.seed, child, stop), daemon=True)
     proc.start()
+    child.close()
     try:
-        addrs = address_q.get(timeout=60)
+        addrs = from_child(conn, proc, "block server", 60)
     except BaseException:
         proc.kill()
         raise

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from tiersync.bench.common import BenchConfig, RoundTripError, progress, report, row, throughput
+from tiersync.bench.common import BenchConfig, RoundTripError, from_child, progress, report, row, throughput
 
 TOKENS = {"full": 6000, "quick": 6000, "tiny": 600}
 LAYERS = {"full": 32, "quick": 8, "tiny": 2}
@@ -141,10 +141,10 @@ def _raw_server(listener: socket.socket, raw: list[np.ndarray]) -> None:
 class _Link:
     """The consumer of one route: each ``run`` reads a newly registered request whole."""
 
-    def __init__(self, mode: str, conn: Any, address: str, route: str) -> None:
+    def __init__(self, mode: str, conn: Any, proc: Any, address: str, route: str) -> None:
         from tiersync.disagg import DisaggConfig, KVConsumer
 
-        self.mode, self.conn, self.address, self.route = mode, conn, address, route
+        self.mode, self.conn, self.proc, self.address, self.route = mode, conn, proc, address, route
         self.layout = layout(mode)
         self.consumer = KVConsumer(self.layout, 0, DisaggConfig(token=TOKEN, route=route, timeout_s=120))
         self.landing, self.memory = engine_layers(mode)
@@ -154,7 +154,7 @@ class _Link:
         self.n += 1
         rid = f"{self.route}-{self.n}"
         self.conn.send(("register", rid))
-        if self.conn.recv() != "ok":
+        if from_child(self.conn, self.proc, "prefill", 120) != "ok":
             raise RoundTripError("the prefill process did not register the request")
         return rid
 
@@ -222,11 +222,13 @@ def _time(config: BenchConfig, link: _Link, baseline: Any, dst_ids: list[int], b
     return ours, base
 
 
-def _case(config: BenchConfig, conn: Any, addrs: tuple[str, str, str], route: str, bar: Any) -> dict[str, Any]:
+def _case(
+    config: BenchConfig, conn: Any, proc: Any, addrs: tuple[str, str, str], route: str, bar: Any
+) -> dict[str, Any]:
     mode = config.mode
     lay, dst_ids = layout(mode), block_ids(mode, config.seed + 7)
     nbytes = int(route_spans(mode, config.seed, dst_ids)[:, 2].sum()) * lay.num_layers
-    link = _Link(mode, conn, addrs[0], route)
+    link = _Link(mode, conn, proc, addrs[0], route)
     try:
         _check(link, config, dst_ids, _expected(mode, config.seed, dst_ids))
         if route == "tcp":
@@ -266,14 +268,13 @@ def run(config: BenchConfig) -> dict[str, Any]:
         target=_prefill, args=(config.mode, config.seed, block_ids(config.mode, config.seed + 7), child), daemon=True
     )
     proc.start()
+    child.close()
     results = []
     try:
-        if not conn.poll(120):
-            raise RoundTripError("the prefill process did not start")
-        addrs = conn.recv()
+        addrs = from_child(conn, proc, "prefill", 120)
         with progress(len(routes) * (config.n_warmups + config.n_iterations), config.progress, "bench pd") as bar:
             for route in routes:
-                results.append(_case(config, conn, addrs, route, bar))
+                results.append(_case(config, conn, proc, addrs, route, bar))
         conn.send(("stop",))
         proc.join(30)
         if proc.exitcode is None:

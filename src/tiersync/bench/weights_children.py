@@ -12,7 +12,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 from tiersync.bench import weights_procs as procs
-from tiersync.bench.common import RoundTripError
+from tiersync.bench.common import RoundTripError, from_child
 
 if TYPE_CHECKING:
     from tiersync.bench.weights_model import BenchModel as Model
@@ -25,13 +25,12 @@ def spawn(target: Any, *args: Any) -> tuple[Any, Any]:
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(*args, child), daemon=True)
     proc.start()
+    child.close()  # the parent keeps only its end: a child that dies is seen at once
     return proc, parent
 
 
 def expect(conn: Any, kind: str, proc: Any, timeout: float = 600) -> tuple:
-    if not conn.poll(timeout):
-        raise RoundTripError(f"a {kind} receiver did not answer", exitcode=proc.exitcode)
-    msg = conn.recv()
+    msg = from_child(conn, proc, f"{kind} receiver", timeout)
     if msg[0] != kind:
         raise RoundTripError(f"expected {kind}, got {msg[0]}")
     return msg
