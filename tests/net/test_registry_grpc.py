@@ -162,8 +162,9 @@ def test_a_client_with_the_token_is_served(guarded):
         lambda payload: proof(TOKEN, "Publish", payload + b"x"),  # signs other bytes
         lambda payload: proof(TOKEN, "Unpublish", payload),  # signs another method
         lambda payload: "v1:1:" + "0" * 32 + ":" + "0" * 1000,  # longer than any proof
+        lambda payload: proof(TOKEN, "Publish", payload, now=time.time() + 60),  # dated ahead
     ],
-    ids=["garbage", "stale", "other-bytes", "other-method", "long"],
+    ids=["garbage", "stale", "other-bytes", "other-method", "long", "ahead"],
 )
 def test_forged_or_replayed_proofs_are_refused(guarded, forge):
     from tiersync.net.registry import messages as m
@@ -276,6 +277,22 @@ def test_replays_keeps_a_bounded_record_and_refuses_what_it_dropped():
     replays.take(1001, "another", peer="p", now=1.5)  # newer than the dropped one: taken
     replays.take(20_000, "later", peer="p", now=20.0)  # the first ones ran out of the window and were
     replays.take(1003, "n3", peer="p", now=20.0)  # forgotten (check_proof refuses so stale a proof first)
+
+
+def test_proofs_dated_ahead_cannot_keep_honest_callers_out():
+    """A token holder filling the record with proofs dated 290 s ahead used to push its floor
+    there, and every honest proof was then refused as replayed for 290 s: proofs dated over
+    FUTURE_S ahead are refused before they are recorded; a little skew still passes."""
+    from tiersync.net.errors import AuthError
+    from tiersync.net.registry.auth import FUTURE_S, Replays, check_proof
+
+    replays, now = Replays(cap=3), time.time()
+    for _ in range(4):
+        with pytest.raises(AuthError, match="ahead of this server"):
+            check_proof(TOKEN, "Publish", b"", proof(TOKEN, "Publish", b"", now=now + 290), peer="p", replays=replays)
+    check_proof(TOKEN, "Publish", b"", proof(TOKEN, "Publish", b""), peer="p", replays=replays)  # honest: taken
+    skewed = proof(TOKEN, "Publish", b"", now=time.time() + FUTURE_S / 2)
+    check_proof(TOKEN, "Publish", b"", skewed, peer="p", replays=replays)
 
 
 # -- TLS: the registry's calls encrypted, its certificate verified, optionally the client's -------

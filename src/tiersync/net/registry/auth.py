@@ -7,9 +7,10 @@ proof in the metadata entry :data:`METADATA_KEY`::
 
 where the context binds the method, the time, the nonce and the SHA-256 of the request bytes.
 The server recomputes it (:func:`check_proof`) and refuses a missing, malformed, forged or
-stale proof (more than ``window_s`` from its clock, either way), and a proof it already took
+stale proof (older than ``window_s`` by its clock, or dated more than ``future_s`` ahead of
+it), and the proof of a call that changes state it already took
 (:class:`Replays`: a recorded call replayed within the window, e.g. an old PUBLISH or
-UNREGISTER; a call that changes state is also recorded in the backend where it keeps its
+UNREGISTER; such a proof is also recorded in the backend where it keeps its
 state in Redis, so a restarted registry or a second one on the same Redis refuses it too).
 What it does not hide: without TLS the calls travel in the clear.
 """
@@ -26,11 +27,16 @@ import time
 
 from tiersync.net.errors import AuthError
 
-__all__ = ["METADATA_KEY", "WINDOW_S", "Replays", "check_proof", "proof"]
+__all__ = ["FUTURE_S", "METADATA_KEY", "WINDOW_S", "Replays", "check_proof", "proof"]
 
 METADATA_KEY = "tiersync-auth"
 WINDOW_S = 300.0
-"""How far a proof's time may be from the server's clock (hosts' clocks differ a little)."""
+"""How old a proof may be by the server's clock (hosts' clocks differ a little)."""
+FUTURE_S = 30.0
+"""How far ahead of the server's clock a proof may be dated. Proofs are dropped from a full
+:class:`Replays` oldest first and nothing as old is taken afterwards: so a token holder flooding
+it with proofs dated ahead keeps honest callers out for at most this long once it stops (it
+was the whole window, and a flood had to outpace ``cap`` proofs per this long to go on)."""
 log = logging.getLogger(__name__)
 _TAG = b"tiersync-registry-v1"
 _MAX_PROOF = 160  # "v1:" + 13-20 digits + 32 + 64 hex and separators
@@ -93,6 +99,7 @@ def check_proof(
     *,
     peer: str,
     window_s: float = WINDOW_S,
+    future_s: float = FUTURE_S,
     replays: Replays | None = None,
 ) -> str:
     """Raise :class:`AuthError` (naming ``peer``) unless ``value`` proves ``token`` for this call
@@ -103,8 +110,10 @@ def check_proof(
     if len(parts) != 4 or parts[0] != "v1" or not (parts[1].isascii() and parts[1].isdigit()) or len(parts[2]) != 32:
         raise AuthError("malformed registry token proof", peer=peer)
     millis, now = int(parts[1]), time.time()
-    if abs(now - millis / 1000) > window_s:
+    if now - millis / 1000 > window_s:
         raise AuthError("registry token proof outside the time window (clock skew or a replay)", peer=peer)
+    if millis / 1000 - now > min(future_s, window_s):
+        raise AuthError(f"registry token proof dated over {future_s:g} s ahead of this server (clock skew)", peer=peer)
     if not hmac.compare_digest(parts[3].encode(), _mac(token, method, millis, parts[2], payload).encode()):
         raise AuthError("registry token proof does not match (wrong token)", peer=peer)
     if replays is not None:  # only a proof that checked is recorded: junk cannot fill the record

@@ -85,8 +85,11 @@ class _Gate:
         value = next((v for k, v in context.invocation_metadata() if k == METADATA_KEY), None)
         try:
             value = value if isinstance(value, str) else None
-            nonce = check_proof(self.token, name, data, value, peer=context.peer(), replays=self.replays)
-            if name in _CHANGES and not self._backend.take_once(f"proof:{nonce}", 2 * WINDOW_S):
+            changes = name in _CHANGES  # only their proofs are recorded: a replayed read changes nothing
+            nonce = check_proof(
+                self.token, name, data, value, peer=context.peer(), replays=self.replays if changes else None
+            )
+            if changes and not self._backend.take_once(f"proof:{nonce}", 2 * WINDOW_S):
                 raise AuthError("registry token proof used before (a replayed call)", peer=context.peer())
         except RegistryUnavailableError as exc:  # the shared record is down: so is the backend
             context.abort(grpc.StatusCode.UNAVAILABLE, exc.message)
