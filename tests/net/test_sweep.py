@@ -224,6 +224,26 @@ def test_read_back_from_a_stopped_owner_fails_cleanly_and_the_next_owner_serves(
         host.close()
 
 
+def test_an_owner_that_fails_a_run_is_left_out_and_the_others_fill_its_parts(registry, nodes):
+    """Keys 0-9 are on nodes X and Y, keys 10-19 on X and Z: all 20 share X only, so they were
+    one run from X. X gone (its registry entries live on until they expire), the fill read
+    nothing; it now asks Y for the first ten and Z for the others."""
+    x, y, z = nodes(64), nodes(64), nodes(64)
+    src, host = Host(20), Host(20)
+    tier = RemoteTier(host.store, registry[1], SweepConfig(token=TOKEN.encode(), timeout_s=1.5))
+    try:
+        for node, lo, hi in ((x, 0, 20), (y, 0, 10), (z, 10, 20)):
+            _client(node.address).offer_and_push(src.keys[lo:hi], src.blocks(lo, hi))
+        owners = registry[1].lookup(host.keys)
+        assert [set(o) for o in owners] == [{x.store_id, y.store_id}] * 10 + [{x.store_id, z.store_id}] * 10
+        x.kill()
+        assert tier.fill(host.keys) == 20
+        host.assert_reads_back(0, 20)
+    finally:
+        src.close()
+        host.close()
+
+
 def test_background_sweeper_reacts_to_the_low_watermark(registry, nodes):
     node = nodes(64)
     host = Host(400)

@@ -257,12 +257,15 @@ class RemoteTier:
         except TierSyncError as exc:
             log.warning("registry lookup failed; nothing filled: %s", exc)
             return 0
-        filled, i = 0, 0
-        while i < len(rest) and owners[i]:
-            j, common = _run(owners, i, self.config.batch)
-            if not self._fetch(rest[i:j], common):
+        filled, i, failed = 0, 0, set[str]()
+        while i < len(rest):
+            j, common = _run(owners, i, self.config.batch, failed)
+            if not common:
                 break
-            filled, i = filled + (j - i), j
+            if self._fetch(rest[i:j], common):
+                filled, i = filled + (j - i), j
+            else:  # the same keys again without them: a run may have hidden owners of parts of it
+                failed.update(common)
         return filled
 
     def _fetch(self, keys: list[bytes], owners: list[str]) -> bool:
@@ -289,10 +292,11 @@ class RemoteTier:
         return False
 
 
-def _run(owners: list[tuple[str, ...]], i: int, limit: int) -> tuple[int, list[str]]:
-    """End of the run of keys from ``i`` (at most ``limit``) sharing an owner, and those owners (ordered)."""
-    common, j = set(owners[i]), i + 1
-    while j < len(owners) and j - i < limit and common & set(owners[j]):
+def _run(owners: list[tuple[str, ...]], i: int, limit: int, failed: set[str]) -> tuple[int, list[str]]:
+    """End of the run of keys from ``i`` (at most ``limit``) sharing an owner not in ``failed``,
+    and those owners (ordered; none when key ``i`` has no other)."""
+    common, j = set(owners[i]) - failed, i + 1
+    while common and j < len(owners) and j - i < limit and common & set(owners[j]):
         common &= set(owners[j])
         j += 1
     return j, [o for o in owners[i] if o in common]
