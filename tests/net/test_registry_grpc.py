@@ -50,6 +50,29 @@ def test_malformed_message_is_invalid_argument():
         server.stop()
 
 
+def test_a_register_call_carries_exactly_one_store():
+    """RegistryClient sends one record a call; a call carrying several (up to 65,536 fitted in
+    one message, each then read by every lookup) is refused and registers none of them."""
+    from tiersync.net.registry import messages as m
+
+    backend = MemoryRegistry()
+    server = serve_registry(backend)
+    channel = grpc.insecure_channel(server.address)
+    try:
+        call = channel.unary_unary(f"/{SERVICE}/RegisterStore")
+        two = [StoreInfo("a", "127.0.0.1:1", 10, "g"), StoreInfo("b", "127.0.0.1:2", 10, "g")]
+        for infos in (two, []):
+            with pytest.raises(grpc.RpcError) as info:
+                call(m.enc_infos(infos), timeout=2)
+            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "carries one store" in info.value.details()
+        assert backend.get_store("a") is None and backend.get_store("b") is None
+        call(m.enc_infos(two[:1]), timeout=2)
+        assert backend.get_store("a") is not None
+    finally:
+        channel.close()
+        server.stop()
+
+
 def test_bench_registry_embedded_and_grpc():
     from tiersync.net.registry.bench import bench_registry
 

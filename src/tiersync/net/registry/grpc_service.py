@@ -47,8 +47,10 @@ def _methods(backend: Registry) -> dict[str, Callable[[bytes], bytes]]:
         return b""
 
     def register(data: bytes) -> bytes:
-        for info in m.dec_infos(data):
-            backend.register_store(info)
+        infos = m.dec_infos(data)  # one store a call, as RegistryClient sends it (not 65,536 at once)
+        if len(infos) != 1:
+            raise UsageError(f"a RegisterStore call carries one store, not {len(infos)}", argument="RegisterStore")
+        backend.register_store(infos[0])
         return b""
 
     def remove(data: bytes) -> bytes:
