@@ -7,6 +7,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tiersync.disagg import (
     DisaggConfig,
@@ -384,3 +386,33 @@ def test_a_layer_computed_for_longer_than_io_timeout_still_lands():
         assert not any(buf[: 2 * 2 * 4 * 4 * 4 * 2].any() for buf in landing)  # the liar's zeros landed
     finally:
         server.close()
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(field=st.sampled_from(["layout", "addresses", "block_ids", "num_tokens"]), value=_JSON)
+def test_a_source_description_from_a_client_is_a_source_or_a_usage_error(field, value):
+    """kv_transfer_params come from any API client of the decode engine: whatever JSON stands in
+    one field, SourceSpec.from_dict answers a SourceSpec or UsageError (a TypeError or bare
+    ValueError, e.g. from ``"addresses": 5`` or ``"block_ids": ["a"]``, escaped the decode
+    scheduler's check and ended the engine)."""
+    good = SourceSpec(LAYOUT, ("127.0.0.1:1",), (0, 1), 8).to_dict()
+    try:
+        SourceSpec.from_dict(good | {field: value})
+    except UsageError:
+        pass
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("addresses", 5), ("block_ids", ["a"]), ("block_ids", [None]), ("block_ids", [-1]), ("block_ids", [True])],
+)
+def test_malformed_fields_of_a_source_are_usage_errors_naming_them(field, value):
+    good = SourceSpec(LAYOUT, ("127.0.0.1:1",), (0, 1), 8).to_dict()
+    assert _arg(SourceSpec.from_dict, good | {field: value}).startswith(f"source.{field}")

@@ -30,6 +30,12 @@ def _params(prompt: list[int] = PROMPT, block_size: int = 128, **change: object)
     return {SOURCE_KEY: raw | {"prompt_tokens": len(prompt)} | change}
 
 
+def _source_field(field: str, value: object) -> dict:
+    params = _params()
+    params[SOURCE_KEY]["source"][field] = value
+    return params
+
+
 def _matched(prompt: list[int], params: dict, computed: int = 0) -> list:
     request = SimpleNamespace(
         request_id="d-1", prompt_token_ids=prompt, num_tokens=len(prompt), kv_transfer_params=params
@@ -76,6 +82,8 @@ CASES = {
     "count_past_blocks": _matched(PROMPT + [7], _params(prompt_tokens=500)),
     "count_short_of_blocks": _matched(PROMPT + [7], _params(prompt_tokens=100)),
     "malformed_source": _matched(PROMPT + [7], {SOURCE_KEY: {"request_id": "p-1", "source": {"layout": 1}}}),
+    "addresses_not_a_list": _matched(PROMPT + [7], _source_field("addresses", 5)),  # was a TypeError
+    "block_ids_not_ints": _matched(PROMPT + [7], _source_field("block_ids", ["a", None])),  # ended the engine
     "finished_length_capped": _finished(RequestStatus.FINISHED_LENGTH_CAPPED),
     "finished_stopped": _finished(RequestStatus.FINISHED_STOPPED),
     "finished_aborted": _finished(RequestStatus.FINISHED_ABORTED),

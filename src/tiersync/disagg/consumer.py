@@ -28,6 +28,7 @@ once no thread can write them any more.
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import time
 from collections.abc import Sequence
@@ -68,7 +69,7 @@ class SourceSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.layout, PagedKVLayout):
             raise UsageError("must be a PagedKVLayout", argument="source.layout")
-        addresses = tuple(self.addresses) if not isinstance(self.addresses, str) else ()
+        addresses = tuple(self.addresses) if isinstance(self.addresses, (list, tuple)) else ()
         if len(addresses) != self.layout.tp_size:
             raise UsageError(
                 "needs one address per prefill rank", argument="source.addresses", tp_size=self.layout.tp_size
@@ -77,7 +78,7 @@ class SourceSpec:
             parse_address(a, f"source.addresses[{i}]")
         check_positive_int(self.num_tokens, "source.num_tokens")
         object.__setattr__(self, "addresses", addresses)
-        object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
+        object.__setattr__(self, "block_ids", _block_ids(self.block_ids))
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -89,15 +90,25 @@ class SourceSpec:
 
     @classmethod
     def from_dict(cls, data: Any) -> SourceSpec:
-        """Inverse of :meth:`to_dict`. Raises UsageError naming ``source`` or the field."""
+        """Inverse of :meth:`to_dict`; any JSON value (a client's kv_transfer_params) raises
+        UsageError naming ``source`` or the field, nothing else."""
         if not isinstance(data, dict) or set(data) != {"layout", "addresses", "block_ids", "num_tokens"}:
             raise UsageError("malformed source description", argument="source")
         return cls(
             PagedKVLayout.from_dict(data["layout"], argument="source.layout"),
-            tuple(data["addresses"]),
-            tuple(data["block_ids"]),
+            data["addresses"],
+            data["block_ids"],
             data["num_tokens"],
         )
+
+
+def _block_ids(values: Any) -> tuple[int, ...]:
+    """``values`` as a tuple of block ids (ints >= 0, numpy ints too); UsageError otherwise."""
+    if not isinstance(values, (list, tuple, range)) or not all(
+        isinstance(b, numbers.Integral) and not isinstance(b, bool) and int(b) >= 0 for b in values
+    ):
+        raise UsageError("must be a list of block ids (ints >= 0)", argument="source.block_ids")
+    return tuple(int(b) for b in values)
 
 
 class KVConsumer:
