@@ -1,7 +1,8 @@
 """Run under the vLLM venv's python (the worker's metadata types import vLLM): a prefill
 engine's worker serving two prompts over a real socket, one of them dropped by the scheduler
 (finished with no decode to come), each read by a real consumer, and a third whose
-registration is refused. Prints one JSON object."""
+registration is refused; then a decode engine's worker whose two requests name one prefill
+request (n > 1 samples, a router's retry). Prints one JSON object."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 
 from tiersync.disagg import DisaggConfig, KVConsumer, KVOrder, PagedKVLayout, SourceSpec
-from tiersync.integrations.vllm.metadata import SendJob
+from tiersync.integrations.vllm.metadata import ReadJob, SendJob
 from tiersync.integrations.vllm.pd_worker import PDWorker
 
 TOKEN = b"w" * 32
@@ -66,5 +67,39 @@ def main() -> dict:
     return {"states": states, "exact": exact, "reported": sorted(reported), "early": early, "left": remembered}
 
 
+def _worker(producer: bool) -> tuple[PDWorker, dict]:
+    caches = {f"l{i}": torch.randint(-9, 9, (LAYOUT.layer_nbytes // 2,), dtype=torch.int16) for i in range(2)}
+    worker = PDWorker(
+        producer=producer, layout=LAYOUT, rank=0, config=DisaggConfig(token=TOKEN), host="127.0.0.1", port=0,
+        huge_pages=False,
+    )  # fmt: skip
+    worker.register(caches)
+    return worker, caches
+
+
+def one_prefill_two_reads() -> dict:
+    """Decode requests A and B both name prefill request p-1 while A's read runs: B's read is
+    refused (B fails, its own blocks load errors), A's lands and is reported as A."""
+    prefill, src = _worker(True)
+    decode, dst = _worker(False)
+    prefill.start_sends([SendJob("p-1", (1, 2), 32)])
+    source = SourceSpec(LAYOUT, (prefill.address,), (1, 2), 32).to_dict()
+    decode.start_reads([ReadJob("A", "p-1", source, (0, 1)), ReadJob("B", "p-1", source, (2, 3))])
+    prefill.all_layers_done()  # p-1's layers are written only now: A's read is still running
+    done, failed, end = set(), set(), time.monotonic() + 20
+    while time.monotonic() < end and "A" not in done:
+        _, now_done, now_failed = decode.results(set())
+        done, failed = done | now_done, failed | now_failed
+    unit = LAYOUT.block_nbytes * 2  # head-major: a block's K and V
+    exact = all(
+        (dst[f"l{i}"].numpy().view(np.uint8)[: 2 * unit] == src[f"l{i}"].numpy().view(np.uint8)[unit : 3 * unit]).all()
+        for i in range(2)
+    )
+    errors = sorted(decode.take_load_errors())
+    decode.close()
+    prefill.close()
+    return {"done": sorted(done), "failed": sorted(failed), "load_errors": errors, "exact": exact}
+
+
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    print(json.dumps(main() | {"one_prefill_two_reads": one_prefill_two_reads()}))

@@ -18,12 +18,26 @@ from tiersync.bench.serve_engine import vllm_python
 pytestmark = pytest.mark.vllm
 
 
-def test_a_dropped_prompt_is_refused_and_never_reported_sent():
+@pytest.fixture(scope="module")
+def answers() -> dict:
     require_vllm()
     script = os.path.join(os.path.dirname(__file__), "_pd_worker_cases.py")
     out = subprocess.run([vllm_python(), script], check=True, capture_output=True, text=True, timeout=300)
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_dropped_prompt_is_refused_and_never_reported_sent(answers):
+    got = answers
     assert got["states"] == {"keep": "DONE", "drop": "FAILED"}
     assert got["exact"] is True
     assert got["reported"] == ["keep", "refused"]
     assert got["early"] == [] and got["left"] == []
+
+
+def test_two_decode_requests_naming_one_prefill_request_are_each_reported_as_themselves(answers):
+    """The read's bookkeeping was keyed by the prefill's request id: B's refused read took over
+    A's entry, A's blocks became load errors while its read still wrote them, and A's end was
+    reported under the prefill's id, unknown to vLLM (which then held A's blocks for good)."""
+    got = answers["one_prefill_two_reads"]
+    assert got["done"] == ["A", "B"] and got["failed"] == ["B"]
+    assert got["load_errors"] == [2, 3] and got["exact"] is True

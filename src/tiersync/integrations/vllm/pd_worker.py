@@ -69,15 +69,15 @@ class PDWorker:
         self._server: KVProducer | None = None
         self._client: KVConsumer | None = None
         self._sending: list[str] = []  # registered this step: their layers become ready as computed
-        self._read_blocks: dict[str, tuple[int, ...]] = {}
+        # consumer: the prefill engine's request id -> (ours, our blocks it lands in), per read
+        self._reads: dict[str, tuple[str, tuple[int, ...]]] = {}
         self._errors: set[int] = set()
         self._finished: set[str] = set()  # ids vLLM reported finished (sends may only end after)
         self._sent: set[str] = set()
-        self._failed_now: set[str] = set()  # reads refused before they started
+        self._failed_now: set[str] = set()  # consumer: our requests whose read was refused
         self._attempted: set[str] = set()  # producer: sends tried this step
         self._pending: set[str] = set()  # producer: registered, not yet reported by the server
         self._dropped: set[str] = set()  # producer: dropped this step, never reported to vLLM
-        self._local: dict[str, str] = {}  # consumer: the prefill engine's request id -> ours
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
         names = list(kv_caches)
@@ -143,23 +143,24 @@ class PDWorker:
 
     # -- consumer --------------------------------------------------------------------
     def start_reads(self, jobs: Sequence[ReadJob]) -> None:
+        """Start each job's read; a refused one (e.g. a second request of ours naming a prefill
+        request another one is reading: n > 1 samples, a retry) fails that request only, its
+        own blocks load errors, and leaves the running read as it was."""
         for job in jobs:
             try:
                 source = SourceSpec.from_dict(job.source)
                 self._client.start_read(job.remote_id, source, job.dst_block_ids, self._layers)
-                self._read_blocks[job.remote_id] = job.dst_block_ids
-                self._local[job.remote_id] = job.req_id
+                self._reads[job.remote_id] = (job.req_id, tuple(job.dst_block_ids))
             except TierSyncError:
                 self._errors.update(job.dst_block_ids)
-                self._failed_now.add(job.remote_id)
-                self._local[job.remote_id] = job.req_id
+                self._failed_now.add(job.req_id)
 
     # -- both ------------------------------------------------------------------------
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call. A
         send is reported only once vLLM has finished the request; a failed read is also a
         finished one, and its blocks are load errors."""
-        if self._pending or self._read_blocks:
+        if self._pending or self._reads:
             # An idle engine steps in a busy loop that starves the transfer threads: block
             # (GIL released) until a transfer finishes, for at most YIELD_S.
             (self._server if self.producer else self._client).wait_progress(YIELD_S)
@@ -179,15 +180,17 @@ class PDWorker:
             self._finished &= self._pending
             return ready, set(), set()
         st = self._client.poll()
-        failed = set(st.failed_receiving) | self._failed_now
-        self._failed_now = set()
-        for rid in failed:
-            self._errors.update(self._read_blocks.get(rid, ()))
-        done = set(st.done_receiving) | failed
-        for rid in done:
-            self._read_blocks.pop(rid, None)
-        local = {rid: self._local.pop(rid, rid) for rid in done}
-        return set(), {local[r] for r in done}, {local[r] for r in failed}
+        failed, self._failed_now = self._failed_now, set()
+        done = set(failed)
+        for rid in set(st.failed_receiving) | set(st.done_receiving):
+            entry = self._reads.pop(rid, None)
+            if entry is None:  # not ours (only this worker starts reads): nothing to report
+                continue
+            done.add(entry[0])
+            if rid in st.failed_receiving:
+                self._errors.update(entry[1])
+                failed.add(entry[0])
+        return set(), done, failed
 
     def take_load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
