@@ -268,7 +268,7 @@ def test_ack_after_producer_deadline_is_failed_not_done():
         producer.register("x", [0], 4, [src, src])
         producer.layer_ready("x", 0)
         producer.layer_ready("x", 1)
-        channel = _raw_reader(producer, ReadRequest("x", 0, 0, LAYOUT, (1,), (0,), 4))
+        channel = _raw_reader(producer, ReadRequest("x", 0, 0, LAYOUT, (1,), (0,), 4, LAYOUT))
         assert [channel.request(KvNext(channel.new_request_id(), n)).layer for n in range(2)] == [0, 1]
         time.sleep(max(0.0, registered + 1.2 - time.monotonic()))  # let the producer's timeout pass
         try:  # every byte could have been read, but the ack comes too late
@@ -292,7 +292,7 @@ def test_out_of_protocol_requests_refused_and_session_kept(producer):
     with pytest.raises(RequestError) as e:  # nothing open yet
         channel.request(KvNext(channel.new_request_id(), 0))
     assert e.value.code is ErrorCode.BAD_REQUEST
-    channel.request(KvOpen(channel.new_request_id(), ReadRequest("o", 0, 0, LAYOUT, (1,), (0,), 4)))
+    channel.request(KvOpen(channel.new_request_id(), ReadRequest("o", 0, 0, LAYOUT, (1,), (0,), 4, LAYOUT)))
     for bad in (
         KvNext(channel.new_request_id(), 1),  # out of order
         KvPull(channel.new_request_id(), 0, 0, 8),
@@ -325,10 +325,10 @@ def test_a_reader_beyond_any_reshard_is_refused_before_planning_and_changes_noth
     channel = TcpTransport(TcpConfig(), KV).connect(producer.address)
     for layout, rank in ((replace(LAYOUT, tp_size=2), 5), (replace(LAYOUT, tp_size=1 << 16), 0)):
         with pytest.raises(RequestError) as e:
-            channel.request(KvOpen(channel.new_request_id(), ReadRequest("t", 0, rank, layout, (0,), (0,), 4)))
+            channel.request(KvOpen(channel.new_request_id(), ReadRequest("t", 0, rank, layout, (0,), (0,), 4, LAYOUT)))
         assert e.value.code is ErrorCode.BAD_REQUEST and not channel.closed
     assert len(default_planner()) == planned  # nothing was planned for them
-    opened = channel.request(KvOpen(channel.new_request_id(), ReadRequest("t", 0, 0, LAYOUT, (0,), (0,), 4)))
+    opened = channel.request(KvOpen(channel.new_request_id(), ReadRequest("t", 0, 0, LAYOUT, (0,), (0,), 4, LAYOUT)))
     assert opened.route_bytes > 0
     channel.close()
 
@@ -416,3 +416,22 @@ def test_a_source_description_from_a_client_is_a_source_or_a_usage_error(field, 
 def test_malformed_fields_of_a_source_are_usage_errors_naming_them(field, value):
     good = SourceSpec(LAYOUT, ("127.0.0.1:1",), (0, 1), 8).to_dict()
     assert _arg(SourceSpec.from_dict, good | {field: value}).startswith(f"source.{field}")
+
+
+def test_a_reader_that_planned_with_another_source_layout_is_refused_not_served(producer):
+    """The source description (kv_transfer_params: any client's) names the prefill layout the
+    reader plans with. The same bytes in another order moved as many route bytes, so the read
+    was DONE with the prefill's blocks landed permuted; now the producer refuses the KV_OPEN."""
+    import dataclasses
+
+    layers = [np.arange(LAYOUT.layer_nbytes, dtype=np.uint32).astype(np.uint8) for _ in range(LAYOUT.num_layers)]
+    producer.register("p", [0, 1], 8, layers)
+    for layer in range(LAYOUT.num_layers):
+        producer.layer_ready("p", layer)
+    other = dataclasses.replace(LAYOUT, order=KVOrder.HEAD_MAJOR)
+    with KVConsumer(LAYOUT, 0, DisaggConfig(timeout_s=30)) as consumer:
+        landing = _layers()
+        handle = consumer.start_read("p", SourceSpec(other, (producer.address,), (0, 1), 8), [0, 1], landing)
+        assert handle.wait(20) is RequestState.FAILED
+        assert "another layout" in str(handle.error)
+        assert not any(landing[i].any() for i in range(LAYOUT.num_layers))

@@ -52,7 +52,7 @@ def _roundtrip(event):
 
 
 def test_every_op_round_trips():
-    read = ReadRequest("r", 0, 1, LAYOUT, (3, 4), (1, 2), 20)
+    read = ReadRequest("r", 0, 1, LAYOUT, (3, 4), (1, 2), 20, LAYOUT)
     for event in (
         KvOpen(5, read),
         KvOpened(5, 123),

@@ -178,6 +178,7 @@ class KVConsumer:
                 dst_ids,
                 source.block_ids,
                 source.num_tokens,
+                source.layout,
                 notify_only=src_rank in notify,
             )
             threading.Thread(

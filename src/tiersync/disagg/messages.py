@@ -30,6 +30,9 @@ def check_request_id(value: Any, argument: str = "request_id") -> str:
 class ReadRequest:
     """What a decode rank asks of one prefill rank for one request.
 
+    ``src_layout``: the prefill layout the decode rank planned its reads with (from the
+    request's source description): a prefill rank whose layout is another refuses the read,
+    since the bytes would land where the reader's plan, not its own, puts them.
     ``notify_only``: the decode rank reads nothing from this source (an unused replica) and
     only tells it that no reader will come, so it can finish.
     """
@@ -41,6 +44,7 @@ class ReadRequest:
     dst_block_ids: tuple[int, ...]
     src_block_ids: tuple[int, ...]
     num_tokens: int
+    src_layout: PagedKVLayout
     notify_only: bool = False
 
     def to_meta(self) -> dict[str, object]:
@@ -52,6 +56,7 @@ class ReadRequest:
             "dst_block_ids": list(self.dst_block_ids),
             "src_block_ids": list(self.src_block_ids),
             "num_tokens": self.num_tokens,
+            "src_layout": self.src_layout.to_dict(),
             "notify_only": self.notify_only,
         }
 
@@ -79,6 +84,7 @@ def parse_read(meta: Mapping[str, object]) -> ReadRequest:
     try:
         request_id = check_request_id(meta.get("request_id"))
         layout = PagedKVLayout.from_dict(meta.get("dst_layout"), argument="dst_layout")
+        src_layout = PagedKVLayout.from_dict(meta.get("src_layout"), argument="src_layout")
     except UsageError as exc:
         raise _bad(exc.message) from None
     notify = meta.get("notify_only")
@@ -92,5 +98,6 @@ def parse_read(meta: Mapping[str, object]) -> ReadRequest:
         _ids(meta, "dst_block_ids"),
         _ids(meta, "src_block_ids"),
         _int(meta, "num_tokens", 1),
+        src_layout,
         notify,
     )

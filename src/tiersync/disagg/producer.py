@@ -305,6 +305,8 @@ class KVProducer(Service):
                 raise Refused(Code.BAD_REQUEST, "a request is already open on this connection")
         if read.src_rank != self.rank:
             raise Refused(Code.BAD_REQUEST, f"wrong rank: this is rank {self.rank}, not {read.src_rank}")
+        if read.src_layout != self.layout:  # its plan would put our bytes where our layout does not
+            raise Refused(Code.BAD_REQUEST, "mismatch: the reader planned with another layout of this prefill engine")
         with self._cond:
             req = self._requests.get(read.request_id)
         if req is None:
