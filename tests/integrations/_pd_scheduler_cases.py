@@ -23,10 +23,10 @@ def _layout(block_size: int = 128) -> PagedKVLayout:
     )  # fmt: skip
 
 
-def _params(prompt: list[int] = PROMPT, block_size: int = 128, **change: object) -> dict:
+def _params(prompt: list[int] = PROMPT, block_size: int = 128, extras: tuple = (), **change: object) -> dict:
     blocks = -(-len(prompt) // block_size)
     source = SourceSpec(_layout(block_size), ("127.0.0.1:1",), tuple(range(blocks)), blocks * block_size)
-    raw = {"request_id": "p-1", "source": source.to_dict(), "prompt": prompt_digest(prompt)}
+    raw = {"request_id": "p-1", "source": source.to_dict(), "prompt": prompt_digest(prompt, extras)}
     return {SOURCE_KEY: raw | {"prompt_tokens": len(prompt)} | change}
 
 
@@ -36,9 +36,11 @@ def _source_field(field: str, value: object) -> dict:
     return params
 
 
-def _matched(prompt: list[int], params: dict, computed: int = 0) -> list:
+def _matched(prompt: list[int], params: dict, computed: int = 0, **inputs: object) -> list:
+    """What the decode scheduler loads for a request of ``prompt`` (and ``inputs``: cache_salt,
+    lora_request, mm_features) given the prefill's ``params``."""
     request = SimpleNamespace(
-        request_id="d-1", prompt_token_ids=prompt, num_tokens=len(prompt), kv_transfer_params=params
+        request_id="d-1", prompt_token_ids=prompt, num_tokens=len(prompt), kv_transfer_params=params, **inputs
     )
     return list(PDScheduler(producer=False, layout=_layout(), addresses=()).num_new_matched_tokens(request, computed))
 
@@ -82,6 +84,13 @@ CASES = {
     "count_past_blocks": _matched(PROMPT + [7], _params(prompt_tokens=500)),
     "count_short_of_blocks": _matched(PROMPT + [7], _params(prompt_tokens=100)),
     "malformed_source": _matched(PROMPT + [7], {SOURCE_KEY: {"request_id": "p-1", "source": {"layout": 1}}}),
+    "same_lora": _matched(PROMPT + [7], _params(extras=("ada",)), lora_request=SimpleNamespace(lora_name="ada")),
+    "other_lora": _matched(PROMPT + [7], _params(extras=("ada",)), lora_request=SimpleNamespace(lora_name="bob")),
+    "lora_only_at_decode": _matched(PROMPT + [7], _params(), lora_request=SimpleNamespace(lora_name="ada")),
+    "other_cache_salt": _matched(PROMPT + [7], _params(extras=("salt-1",)), cache_salt="salt-2"),
+    "other_image": _matched(
+        PROMPT + [7], _params(extras=("img-a",)), mm_features=[SimpleNamespace(identifier="img-b")]
+    ),
     "addresses_not_a_list": _matched(PROMPT + [7], _source_field("addresses", 5)),  # was a TypeError
     "block_ids_not_ints": _matched(PROMPT + [7], _source_field("block_ids", ["a", None])),  # ended the engine
     "finished_length_capped": _finished(RequestStatus.FINISHED_LENGTH_CAPPED),

@@ -32,6 +32,10 @@ def test_the_same_prompt_loads_all_but_the_last_token(answers):
     assert answers["same_prompt"] == [299, True]
 
 
+def test_the_same_prompt_under_the_same_lora_adapter_loads(answers):
+    assert answers["same_lora"] == [300, True]
+
+
 def test_blocks_in_the_local_prefix_cache_are_not_loaded_again(answers):
     assert answers["local_prefix_hit"] == [172, True]
 
@@ -46,6 +50,10 @@ def test_blocks_in_the_local_prefix_cache_are_not_loaded_again(answers):
         "count_past_blocks",
         "count_short_of_blocks",
         "malformed_source",
+        "other_lora",  # the prefill's KV was computed under another adapter
+        "lora_only_at_decode",
+        "other_cache_salt",
+        "other_image",
         "addresses_not_a_list",  # any API client sends kv_transfer_params: a miss, not a crash
         "block_ids_not_ints",
     ],

@@ -4,7 +4,8 @@ The request flow is vLLM's (as with its NIXL connector): a router sends the prom
 prefill engine with ``kv_transfer_params={"do_remote_decode": True}`` and ``max_tokens=1``;
 when it finishes, the prefill engine returns ``kv_transfer_params={"tiersync_source":
 {"request_id", "source", "prompt", "prompt_tokens"}}`` (its request id; KV server
-addresses, layout and block ids; a digest of the prompt's token ids and their count) and
+addresses, layout and block ids; a digest of the prompt's token ids and of its cache salt,
+LoRA adapter and multimodal inputs; the prompt's token count) and
 serves the KV of every prompt token. Blocks move whole, the last partial one too: vLLM's CPU
 attention kernels pack the tokens inside a block their own way (a token's K and V are not at
 offsets a layout can name), so only a whole block's bytes mean the same on both sides.
@@ -20,8 +21,9 @@ What the decode engine loads depends on the prompt the router sends it:
   token's K/V come from a one-token forward, not the prefill's batched one, so logprobs may
   differ from a monolithic engine's in their last bits (about 1e-6 here), as they do after a
   chunked prefill.
-- a prompt that does not start with the prefill's prompt (the digest differs), or a prefill
-  engine with another block size (its blocks would be regrouped token by token): nothing.
+- a prompt that does not start with the prefill's prompt, or another cache salt, LoRA
+  adapter or multimodal input (the digest differs), or a prefill engine with another block
+  size (its blocks would be regrouped token by token): nothing.
 
 A failed pull is reported as load errors, so the decode engine recomputes. The prefill engine
 keeps a prompt's blocks for a decode engine only when the prompt stopped at its token budget;
@@ -42,6 +44,7 @@ from tiersync.disagg.consumer import SourceSpec
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.errors import UsageError
 from tiersync.integrations.vllm.metadata import PDMeta, ReadJob, SendJob
+from tiersync.integrations.vllm.request_inputs import request_extras
 
 __all__ = ["SOURCE_KEY", "PDScheduler", "prompt_digest"]
 
@@ -49,10 +52,14 @@ log = logging.getLogger(__name__)
 SOURCE_KEY = "tiersync_source"
 
 
-def prompt_digest(token_ids: Sequence[int]) -> str:
-    """A digest of a prompt's token ids (BLAKE2b-128 of them as little-endian int64)."""
-    data = np.asarray(token_ids, dtype="<i8").tobytes()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+def prompt_digest(token_ids: Sequence[int], extras: Sequence[str] = ()) -> str:
+    """A digest of a prompt's token ids (BLAKE2b-128 of them as little-endian int64) and of
+    what else decides its KV (``extras``: :func:`~tiersync.integrations.vllm.request_inputs.request_extras`)."""
+    h = hashlib.blake2b(np.asarray(token_ids, dtype="<i8").tobytes(), digest_size=16)
+    for x in extras:
+        data = x.encode("utf-8", "surrogatepass")
+        h.update(b"\0" + len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()
 
 
 @dataclass(slots=True)
@@ -112,9 +119,9 @@ class PDScheduler:
                 log.warning("request %s: the prefill engine's block size differs: computed", request.request_id)
             r.warned = True
             return 0
-        if len(prompt) < n or digest != prompt_digest(prompt[:n]):
+        if len(prompt) < n or digest != prompt_digest(prompt[:n], request_extras(request)):
             if not r.warned:
-                log.warning("request %s: its prompt does not extend the prefill's: computed", request.request_id)
+                log.warning("request %s: its prompt or inputs differ from the prefill's: computed", request.request_id)
             r.warned = True
             return 0
         return min(request.num_tokens - 1, n)  # vLLM computes at least one token
@@ -190,5 +197,5 @@ class PDScheduler:
         blocks = -(-len(prompt) // self.block_size)
         source = SourceSpec(self.layout, self.addresses, tuple(r.block_ids[:blocks]), blocks * self.block_size)
         params = {"request_id": request.request_id, "source": source.to_dict()}
-        params |= {"prompt": prompt_digest(prompt), "prompt_tokens": len(prompt)}
+        params |= {"prompt": prompt_digest(prompt, request_extras(request)), "prompt_tokens": len(prompt)}
         return True, {SOURCE_KEY: params}

@@ -17,6 +17,7 @@ from typing import Any
 
 from tiersync.integrations.vllm.kv_events import KVEventLog
 from tiersync.integrations.vllm.metadata import LoadJob, SaveJob, StepMeta, WorkerReport
+from tiersync.integrations.vllm.request_inputs import request_extras
 from tiersync.integrations.vllm.stats import StatsCounter, TierSyncStats
 from tiersync.store.keys import CacheIdentity, block_keys
 from tiersync.store.offload import LoadSpec, OffloadConfig, OffloadManager
@@ -76,16 +77,7 @@ class OffloadScheduler:
         return t
 
     def _keys(self, request: Any) -> list[bytes]:
-        extras = [
-            x
-            for x in (
-                getattr(request, "cache_salt", None),
-                getattr(getattr(request, "lora_request", None), "lora_name", None),
-            )
-            if x
-        ]
-        extras += [str(f.identifier) for f in (getattr(request, "mm_features", None) or ())]
-        return block_keys(list(request.prompt_token_ids or ()), self.identity, extras)
+        return block_keys(list(request.prompt_token_ids or ()), self.identity, request_extras(request))
 
     def _drop_load(self, t: _Tracked) -> None:
         if t.load is not None and len(t.load):
