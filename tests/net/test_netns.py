@@ -150,3 +150,88 @@ def test_store_node_write_and_leased_read_across_a_veth_link(two_hosts):
         assert tx1 - tx0 >= total and rx1 - rx0 >= total  # pushed out and read back over the veth link
     finally:
         node.kill()
+
+
+SERVER = r"""
+import sys
+from tiersync.net.source import MemoryBlockSource
+from tiersync.net.tcp import TcpConfig, TcpTransport
+config = TcpConfig(token=sys.argv[2], keepalive_s=float(sys.argv[3]))
+server = TcpTransport(config).serve(sys.argv[1] + ":0", MemoryBlockSource({}))
+print("listening on", server.address, flush=True)
+for _ in sys.stdin:  # one line asks how many connections are open
+    print("connections", server.connections, flush=True)
+"""
+
+IDLE_CLIENT = r"""
+import sys, time
+from tiersync.net.tcp import TcpConfig, TcpTransport
+channel = TcpTransport(TcpConfig(token=sys.argv[2], keepalive_s=0)).connect(sys.argv[1])
+print("connected", flush=True)
+time.sleep(120)
+"""
+
+
+def _connections(server: subprocess.Popen) -> int:
+    server.stdin.write("?\n")
+    server.stdin.flush()
+    return int(server.stdout.readline().split()[1])
+
+
+def _until(predicate, timeout: float) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _unacked(ns: str) -> int:
+    """Bytes the established TCP connections in ``ns`` sent and have not had acknowledged."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, "ss", "-tnH", "state", "established"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    return sum(int(line.split()[1]) for line in out.splitlines() if line.strip())
+
+
+@pytest.mark.parametrize(
+    "keepalive_s,settled", [(2.0, True), (2.0, False), (0.0, True)], ids=["idle", "answer-in-flight", "none"]
+)
+def test_an_idle_session_of_a_peer_cut_off_is_closed_by_keepalive(two_hosts, keepalive_s, settled):
+    """An authenticated client sits idle; then its link goes down (its host lost power, a
+    partition: no FIN, no RST ever comes). With keepalive (2 s here) the server closes the
+    session within seconds, also when its last answer was still unacknowledged (retransmissions
+    ran for about 15 minutes then); without keepalive the session holds its slot for good."""
+    node_ns, client_ns, client_if = two_hosts
+    run = ["ip", "netns", "exec"]
+    server = subprocess.Popen(
+        [*run, node_ns, sys.executable, "-c", SERVER, NODE_IP, TOKEN, str(keepalive_s)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    client = None
+    try:
+        address = server.stdout.readline().split()[-1]
+        client = subprocess.Popen(
+            [*run, client_ns, sys.executable, "-c", IDLE_CLIENT, address, TOKEN], stdout=subprocess.PIPE, text=True
+        )
+        assert client.stdout.readline().strip() == "connected"
+        assert _until(lambda: _connections(server) == 1, 10)
+        if settled:  # every byte the server sent acknowledged: only keepalive probes can tell
+            assert _until(lambda: _unacked(node_ns) == 0, 10)
+        subprocess.run(["ip", "-n", client_ns, "link", "set", client_if, "down"], check=True, timeout=30)
+        closed = _until(lambda: _connections(server) == 0, 15)
+        assert closed is (keepalive_s > 0)
+    finally:
+        for p in (client, server):
+            if p is not None:
+                p.kill()
+                p.wait(10)

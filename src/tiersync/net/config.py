@@ -93,6 +93,9 @@ class TcpConfig:
     ``local_maps``: same-host reads copy out of a map of the server's memory where it offers
     shareable memory (a sealed memfd), else with ``process_vm_readv`` (False: always the
     latter). ``source_ip``: a client connects from this local IP (None: the kernel picks).
+    ``keepalive_s``: a connection whose peer stopped answering at all (its host lost power, a
+    partition) is closed after about this long without traffic, by TCP keepalive probes (0:
+    none); without them an idle session of a dead peer held its slot and buffers for good.
     Raises UsageError naming the field.
     """
 
@@ -113,6 +116,7 @@ class TcpConfig:
     local_maps: bool = True
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     source_ip: str | None = None
+    keepalive_s: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("sndbuf", "rcvbuf", "recv_chunk", "backlog", "max_connections", "workers", "local_threads"):
@@ -121,6 +125,10 @@ class TcpConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise UsageError("must be > 0 seconds", argument=name, value=value)
+        if isinstance(self.keepalive_s, bool) or not isinstance(self.keepalive_s, (int, float)):
+            raise UsageError("must be seconds (0: no keepalive)", argument="keepalive_s", value=self.keepalive_s)
+        if not 0 <= self.keepalive_s <= 65534:  # the kernel's idle time is at most 32767 s
+            raise UsageError("must be in [0, 65534] seconds", argument="keepalive_s", value=self.keepalive_s)
         object.__setattr__(self, "token", coerce_token(self.token))
         if self.tls is not None and not isinstance(self.tls, TlsConfig):
             raise UsageError("must be a TlsConfig or None", argument="tls")

@@ -110,11 +110,20 @@ def peer_ip(sock: socket.socket) -> str:
 
 
 def tune(sock: socket.socket, cfg: TcpConfig) -> None:
-    """Apply buffer sizes and TCP_NODELAY."""
+    """Apply buffer sizes, TCP_NODELAY and keepalive (``keepalive_s``: probes from half of it
+    on, every eighth, four unanswered ones end the connection; and sent bytes unacknowledged
+    for that long end it too: the last answer sent to a peer that went away stays unacked,
+    and then retransmissions, not probes, ran for about 15 minutes)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.sndbuf)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.rcvbuf)
     if cfg.nodelay:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if cfg.keepalive_s:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, round(cfg.keepalive_s / 2)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, round(cfg.keepalive_s / 8)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 4)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, round(cfg.keepalive_s * 1000))
 
 
 class FramedSocket:
