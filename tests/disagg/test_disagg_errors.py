@@ -435,3 +435,25 @@ def test_a_reader_that_planned_with_another_source_layout_is_refused_not_served(
         assert handle.wait(20) is RequestState.FAILED
         assert "another layout" in str(handle.error)
         assert not any(landing[i].any() for i in range(LAYOUT.num_layers))
+
+
+def test_a_channel_a_failed_read_took_to_close_is_not_given_back_to_the_pool(producer):
+    """A read's pulling thread returns its channel through ``_detach``: True while the read
+    owns it (back to the pool); False once the read failed and took it to close, so the thread
+    closes it too instead of pooling it (another request took it, then it was closed under it)."""
+    from tiersync.errors import RemoteError
+
+    class Channel:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    producer.register("slow", [0, 1], 8, _layers())  # no layer ever ready: the read stays PENDING
+    with KVConsumer(LAYOUT, 0, DisaggConfig(timeout_s=30)) as consumer:
+        handle = consumer.start_read("slow", SourceSpec(LAYOUT, (producer.address,), (0, 1), 8), [0, 1], _layers())
+        kept, taken = Channel(), Channel()
+        assert handle._attach(kept) and handle._detach(kept) and not kept.closed
+        assert handle._attach(taken)
+        handle._fail(RemoteError("another source failed", peer="p"))
+        assert taken.closed and handle._detach(taken) is False

@@ -255,7 +255,8 @@ class KVConsumer:
                     if not read.notify_only:
                         handle._counted()
                 finally:
-                    handle._detach(channel)
+                    if not handle._detach(channel):  # the read failed meanwhile and closes it: so do we,
+                        channel.close()  # before the pool takes it back
         except (TierSyncError, OSError) as exc:
             log.log(log_level(exc), "read of %s from %s failed: %s", handle.request_id, address, exc)
             if not read.notify_only:

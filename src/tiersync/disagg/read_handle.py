@@ -122,9 +122,13 @@ class ReadHandle(Completion[None]):
             self._channels.add(channel)
             return True
 
-    def _detach(self, channel: TcpChannel) -> None:
+    def _detach(self, channel: TcpChannel) -> bool:
+        """Give ``channel`` back from the read; False when the read failed meanwhile and took it
+        to close (it must then not go back to a pool, where another read would get it)."""
         with self._cond:
+            owned = channel in self._channels
             self._channels.discard(channel)
+            return owned
 
     def _buffer(self, layer: int) -> np.ndarray:
         """Layer ``layer``'s landing buffer, for a pulling thread (refused once the read is final)."""
