@@ -248,6 +248,114 @@ def test_connections_over_the_cap_get_503_and_the_rest_are_served(stack):
     assert out.startswith(b"HTTP/1.1 200")
 
 
+def _until(predicate, timeout: float = 10.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_silent_and_trickling_clients_lose_their_slot_after_the_request_deadline(stack):
+    """A socket timeout bounds each recv: a client sending one byte every so often, or nothing
+    on a kept-alive connection, held its slot for good and the router answered everyone else 503.
+    Now the whole request must arrive within client_timeout_s (1 s here)."""
+    import time
+
+    router, _, _ = stack(max_connections=2, client_timeout_s=1.0)
+    host, port = router.address.split(":")
+    silent = socket.create_connection((host, int(port)), timeout=10)
+    trickler = socket.create_connection((host, int(port)), timeout=10)
+    held = {"trickled": 0}
+
+    def trickle() -> None:  # one byte of a request line every 0.2 s, for at most 10 s
+        try:
+            for byte in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 40:
+                trickler.sendall(bytes([byte]))
+                held["trickled"] += 1
+                time.sleep(0.2)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try:
+        assert silent.recv(1) == b""  # closed by the router, not by us
+        thread.join(15)
+        assert held["trickled"] < 40  # cut off long before its request line and headers ended
+        assert _until(lambda: _post(router.address, b'{"prompt": [1]}').startswith(b"HTTP/1.1 200"))
+    finally:
+        silent.close()
+        trickler.close()
+
+
+def test_json_nested_past_the_parser_is_a_400_not_a_dropped_connection(stack):
+    router, prefill, _ = stack()
+    out = _post(router.address, b'{"a": ' + b"[" * 100_000)
+    assert out.startswith(b"HTTP/1.1 400") and not prefill.seen
+
+
+def test_request_bytes_held_at_once_are_bounded(stack):
+    router, prefill, _ = stack(max_bodies=64)
+    assert _post(router.address, json.dumps({"prompt": [1] * 40}).encode()).startswith(b"HTTP/1.1 503")
+    assert not prefill.seen
+    assert _post(router.address, b'{"prompt": [1]}').startswith(b"HTTP/1.1 200")
+
+
+def test_an_upstream_that_answers_no_http_is_a_502_naming_it():
+    """A decode URL whose server answers garbage (or TLS on an http:// URL): urllib raises
+    http.client's BadStatusLine, which escaped as a traceback and no answer at all."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def garbage() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"garbage\r\n")
+
+    threading.Thread(target=garbage, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    router = Router(RouterConfig((url,), (url,)))
+    threading.Thread(target=router.serve_forever, daemon=True).start()
+    try:
+        out = _raw(router.address, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 502") and url.encode() in out
+    finally:
+        router.close()
+        listener.close()
+
+
+def test_an_http_1_0_client_gets_its_answer_unframed(stack):
+    """HTTP/1.0 knows no chunked encoding: the relayed answer is the bytes, ended by close."""
+    router, _, _ = stack(prefill_answer=lambda b: b'{"choices": [{"text": "x"}]}')
+    body = json.dumps({"prompt": [1], "max_tokens": 1}).encode()
+    out = _raw(
+        router.address,
+        b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(body) + body,
+    )
+    head, _, rest = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower()  # 1.1: its version, as RFC 9110 says
+    assert rest == b'{"choices": [{"text": "x"}]}'
+
+
+def test_closing_the_router_does_not_wait_for_an_idle_client(stack):
+    router, _, _ = stack()
+    host, port = router.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as idle:
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # a request never finished
+        closer = threading.Thread(target=router.close, daemon=True)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive()
+
+
 def test_config_names_the_bad_argument():
     for kwargs, argument in (
         (dict(prefill=("localhost:1",), decode=("http://x",)), "prefill"),
@@ -255,6 +363,8 @@ def test_config_names_the_bad_argument():
         (dict(prefill=("http://a",), decode=()), "decode"),
         (dict(prefill=("http://a",), decode=("http://x",), timeout_s=float("inf")), "timeout_s"),
         (dict(prefill=("http://a",), decode=("http://x",), max_connections=0), "max_connections"),
+        (dict(prefill=("http://a",), decode=("http://x",), client_timeout_s=0), "client_timeout_s"),
+        (dict(prefill=("http://a",), decode=("http://x",), max_bodies=0), "max_bodies"),
     ):
         with pytest.raises(UsageError) as ei:
             RouterConfig(**kwargs)

@@ -224,7 +224,7 @@ class StreamFixer:
             return raw
         try:
             data = json.loads(raw[6:])
-        except ValueError:
+        except (ValueError, RecursionError):
             return raw
         if not isinstance(data, dict) or "error" in data:
             return raw

@@ -22,16 +22,22 @@ Several ``--prefill`` / ``--decode`` URLs are used in turn.
 Failures: a prefill server that cannot be reached, refuses or answers what is not JSON is an
 HTTP 502 naming it; a prefill answer without ``kv_transfer_params`` sends the request to decode
 alone (it computes the prompt itself). Hostile clients: request bodies are capped
-(``max_body``) and must be JSON objects; a client's own ``kv_transfer_params`` are dropped (only
-what the prefill server returned reaches decode: a client must not point decode at a KV server
-of its choosing); a connection whose request was refused is closed; every client socket has
-the upstream timeout; at most ``max_connections`` clients are served at once (more get 503).
+(``max_body`` each, ``max_bodies`` held at once: more get 503) and must be JSON objects (nested
+past the parser: 400); a client's own ``kv_transfer_params`` are dropped (only what the prefill
+server returned reaches decode: a client must not point decode at a KV server of its choosing);
+a connection whose request was refused is closed; a client's whole request, and the wait for
+its next one, must arrive within ``client_timeout_s`` (:mod:`~tiersync.integrations.client_reads`:
+a per-recv timeout let one byte now and then hold a slot for good); writes to a client have the
+upstream timeout; at most ``max_connections`` clients are served at once (more get 503). An
+HTTP/1.0 client gets streamed answers unframed, ended by closing the connection. An upstream
+that answers no HTTP at all is a 502 too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import http.client
+import io
 import itertools
 import json
 import logging
@@ -44,6 +50,7 @@ from typing import Any
 
 from tiersync.errors import UsageError, check_positive_int
 from tiersync.integrations import first_token
+from tiersync.integrations.client_reads import DeadlineReader
 
 __all__ = ["Router", "RouterConfig"]
 
@@ -55,13 +62,18 @@ _CHUNK = 64 << 10
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     """``prefill`` / ``decode``: base URLs of vLLM OpenAI servers (``http://host:port``);
-    ``timeout_s``: bound of one upstream request; ``max_body``: largest request accepted."""
+    ``timeout_s``: bound of one upstream request; ``client_timeout_s``: a client's whole
+    request (and the wait for the next one on a kept-alive connection) must arrive within it;
+    ``max_body``: largest request accepted; ``max_bodies``: request bytes held at once, all
+    clients together (a parsed JSON body takes some 20x its size)."""
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     timeout_s: float = 600.0
-    max_body: int = 64 << 20
+    max_body: int = 16 << 20
     max_connections: int = 256
+    client_timeout_s: float = 30.0
+    max_bodies: int = 256 << 20
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode"):
@@ -73,11 +85,12 @@ class RouterConfig:
             ):
                 raise UsageError("must be one or more http://host:port URLs", argument=name, value=urls)
             object.__setattr__(self, name, tuple(u.rstrip("/") for u in urls))
-        t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6:
-            raise UsageError("must be a number of seconds in (0, 1e6)", argument="timeout_s", value=t)
-        check_positive_int(self.max_body, "max_body")
-        check_positive_int(self.max_connections, "max_connections")
+        for name in ("timeout_s", "client_timeout_s"):
+            t = getattr(self, name)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6:
+                raise UsageError("must be a number of seconds in (0, 1e6)", argument=name, value=t)
+        for name in ("max_body", "max_connections", "max_bodies"):
+            check_positive_int(getattr(self, name), name)
 
 
 class _Upstream(Exception):
@@ -97,6 +110,7 @@ class Router:
         self.config = config
         self._prefill, self._decode = itertools.cycle(config.prefill), itertools.cycle(config.decode)
         self._turn = threading.Lock()
+        self._held, self._held_lock = 0, threading.Lock()  # request body bytes being served
         self._http = _HTTPServer((host, port), _Handler)
         self._http.router = self
         self._http.slots = threading.BoundedSemaphore(config.max_connections)
@@ -108,6 +122,18 @@ class Router:
     def close(self) -> None:
         self._http.shutdown()
         self._http.server_close()
+
+    def hold(self, nbytes: int) -> bool:
+        """Take ``nbytes`` of the ``max_bodies`` budget for a request's body; False when full."""
+        with self._held_lock:
+            if self._held + nbytes > self.config.max_bodies:
+                return False
+            self._held += nbytes
+            return True
+
+    def unhold(self, nbytes: int) -> None:
+        with self._held_lock:
+            self._held -= nbytes
 
     def next_pair(self) -> tuple[str, str]:
         with self._turn:
@@ -127,7 +153,7 @@ class Router:
             raise _Upstream(502, f"{url} failed mid-answer: {exc!r}") from None
         try:
             parsed = json.loads(raw) if len(raw) <= self.config.max_body else None
-        except ValueError:
+        except (ValueError, RecursionError):
             parsed = None
         if not isinstance(parsed, dict):
             raise _Upstream(502, f"{url} answered {path} with no JSON object")
@@ -140,15 +166,22 @@ class Router:
         try:
             return urllib.request.urlopen(request, timeout=self.config.timeout_s)
         except urllib.error.HTTPError as exc:
-            raise _Upstream(exc.code, f"{url} answered {exc.code}: {exc.read(500).decode(errors='replace')}") from None
+            try:
+                detail = exc.read(500).decode(errors="replace")
+            except (OSError, http.client.HTTPException):
+                detail = "(its body broke off)"
+            raise _Upstream(exc.code, f"{url} answered {exc.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as exc:
             raise _Upstream(502, f"{url} unreachable: {getattr(exc, 'reason', exc)}") from None
+        except http.client.HTTPException as exc:  # e.g. a status line that is not HTTP
+            raise _Upstream(502, f"{url} answered no HTTP: {exc!r}") from None
 
 
 class _HTTPServer(ThreadingHTTPServer):
     """Threads per connection, at most ``slots`` at once: one more gets 503 and is closed."""
 
     daemon_threads = True
+    block_on_close = False  # closing does not wait for clients (one idle client held it up to timeout_s)
     router: Router
     slots: threading.BoundedSemaphore
 
@@ -175,8 +208,14 @@ class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
 
     def setup(self) -> None:
-        self.timeout = self.server.router.config.timeout_s  # a client that stalls is dropped
+        self.timeout = self.server.router.config.timeout_s  # a client that stalls a write is dropped
         super().setup()
+        self._reader = DeadlineReader(self.connection, self.timeout)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        self._reader.start(self.server.router.config.client_timeout_s)
+        super().handle_one_request()
 
     def do_GET(self) -> None:
         router = self.server.router
@@ -188,9 +227,21 @@ class _Handler(BaseHTTPRequestHandler):
         router = self.server.router
         if self.path not in GENERATE:
             return self._error(404, f"no route {self.path}")
-        body = self._body(router.config.max_body)
-        if body is None:
+        n = self._length(router.config.max_body)
+        if n is None:
             return None
+        if not router.hold(n):
+            return self._error(503, "the router holds as many request bytes as it takes: retry")
+        try:
+            body = self._body(n)
+            if body is not None:
+                self._generate(body)
+        finally:
+            router.unhold(n)
+
+    def _generate(self, body: dict[str, Any]) -> None:
+        """A generation request: prefill, then decode (module docstring)."""
+        router = self.server.router
         prefill, decode = router.next_pair()
 
         body.pop("kv_transfer_params", None)  # only the prefill server's reach decode
@@ -249,7 +300,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._chunk(b"data: [DONE]\n\n")
             else:
                 self._events(upstream, fixer)
-            self.wfile.write(b"0\r\n\r\n")
+            self._end_chunks()
         except OSError as exc:
             log.info("router: stream to %s ended: %s", self.client_address[0], exc)
             self.close_connection = True
@@ -265,7 +316,8 @@ class _Handler(BaseHTTPRequestHandler):
                 message = f"the decode server's answer broke off: {exc!r}"
         self._chunk(first_token.event({"error": {"message": message, "code": 502}}) + b"data: [DONE]\n\n")
 
-    def _body(self, limit: int) -> dict[str, Any] | None:
+    def _length(self, limit: int) -> int | None:
+        """The request's Content-Length, at most ``limit`` (an error answered otherwise)."""
         try:
             n = int(self.headers.get("Content-Length") or -1)
         except ValueError:
@@ -273,9 +325,12 @@ class _Handler(BaseHTTPRequestHandler):
         if not 0 < n <= limit:
             self._error(413 if n > limit else 411, "a JSON body with Content-Length is required")
             return None
+        return n
+
+    def _body(self, n: int) -> dict[str, Any] | None:
         try:
             body = json.loads(self.rfile.read(n))
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             body = None
         if not isinstance(body, dict):
             self._error(400, "the body must be a JSON object")
@@ -292,21 +347,32 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 while chunk := upstream.read1(_CHUNK):
                     self._chunk(chunk)
-                self.wfile.write(b"0\r\n\r\n")
+                self._end_chunks()
             except (OSError, http.client.HTTPException) as exc:  # a side went away mid-answer: end this connection
                 log.info("router: relay to %s ended: %s", self.client_address[0], exc)
                 self.close_connection = True
 
     def _start(self, status: int, content_type: str) -> None:
+        """Begin an answer of unknown length: chunked, or for an HTTP/1.0 client (which knows
+        no chunks) unframed and ended by closing the connection."""
+        self._chunked = self.request_version != "HTTP/1.0"
         self.send_response(status)
         self.send_header("Content-Type", content_type)
-        self.send_header("Transfer-Encoding", "chunked")
+        if self._chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.close_connection = True
+            self.send_header("Connection", "close")
         self.end_headers()
 
     def _chunk(self, data: bytes) -> None:
         if data:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
             self.wfile.flush()
+
+    def _end_chunks(self) -> None:
+        if self._chunked:
+            self.wfile.write(b"0\r\n\r\n")
 
     def _send(self, status: int, content_type: str, data: bytes) -> None:
         self.send_response(status)
