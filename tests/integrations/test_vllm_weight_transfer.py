@@ -49,9 +49,12 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("client", ["http", "routes-only"])
 def test_http_driven_update_serves_the_new_checkpoint_and_never_the_old_kv(tmp_path, client, checkpoints):
     """``http``: vLLM's HTTP client, after which the trainer side resets the prefix caches
-    (vLLM's and the connector's key namespace). ``routes-only``: a client with the four routes
-    only, so nothing resets anything: the workers' weights generation alone must keep the host
-    tier's KV of the old weights from being loaded."""
+    (vLLM's and the connector's key namespace); then an update to a version that never comes,
+    refused after its timeout, after which the engine still serves B (its layers were opened for
+    the reload before the wait: placeholders with no data, and vLLM refused the finish that
+    would have put them back). ``routes-only``: a client with the four routes only, so nothing
+    resets anything: the workers' weights generation alone must keep the host tier's KV of the
+    old weights from being loaded."""
     model_a, model_b, expected = checkpoints
     with openai_server(
         model_a,
@@ -65,7 +68,7 @@ def test_http_driven_update_serves_the_new_checkpoint_and_never_the_old_kv(tmp_p
         assert before != expected  # A and B differ
         assert complete(srv, model_a, PROMPTS[0]) == before[0]
         assert settled_total(srv, HITS, 1, tier="host") > 0  # the host tier serves A's KV
-        routes = [client] if client != "http" else []
+        routes = [client] if client != "http" else ["then-stall"]
         trainer = subprocess.run(
             [vllm_python(), TRAINER, srv.url, model_b, TOKEN, *routes],
             check=False,
@@ -76,6 +79,7 @@ def test_http_driven_update_serves_the_new_checkpoint_and_never_the_old_kv(tmp_p
         assert trainer.returncode == 0, trainer.stderr[-3000:]
         sent = json.loads(trainer.stdout.strip().splitlines()[-1])
         assert sent["version"] == 1 and sent["ok"] and sent["outcomes"] == [["ok", "shm"]], sent
+        assert sent["stalled"] == ("refused" if client == "http" else None)
         with urllib.request.urlopen(srv.url + "/weight_info", timeout=30) as r:
             assert json.loads(r.read())["weight_version"] == "1"
         hits = total(metrics(srv), HITS, tier="host")

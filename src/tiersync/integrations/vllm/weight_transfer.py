@@ -63,6 +63,7 @@ class TierSyncWeightTransferEngine(WeightTransferEngine[Any, TierSyncUpdateInfo]
         self._receiver: EngineReceiver | None = None
         self._config: WeightSyncConfig | None = None
         self._lease: Any = None
+        self._reloading = False  # the model's layers are open for a layerwise reload
         self.applied: int | None = None
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> WeightSyncConfig:
@@ -77,11 +78,12 @@ class TierSyncWeightTransferEngine(WeightTransferEngine[Any, TierSyncUpdateInfo]
         self._config = init_info
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
+        """The model is opened for the reload only once the version is here (receive_weights):
+        a version that never lands leaves the model as it was (its weights were placeholders
+        with no data, and vLLM, which ends the session on a failed update, refused the finish
+        that would have put them back)."""
         if self._receiver is None:
             raise UsageError("call init_weight_transfer_engine first", argument="start_weight_update")
-        initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -89,30 +91,47 @@ class TierSyncWeightTransferEngine(WeightTransferEngine[Any, TierSyncUpdateInfo]
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: TierSyncUpdateInfo) -> None:
-        """Wait for the version to land, then hand its tensors to the model's ``load_weights``
-        (HF names, as in a checkpoint). The version's buffer stays leased until finish. A load
-        that fails may have changed some weights: the KV connector is told, the lease freed."""
+        """Wait for the version to land and lease it (a failure so far changes nothing), then
+        open the model's layers for vLLM's layerwise reload and hand them the version's tensors
+        (``load_weights``, HF names as in a checkpoint). The lease is held until finish. A load
+        that fails is finalized at once (layers it did not reach get their old weights back),
+        the KV connector told, the lease freed."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
         if self._receiver is None or self._config is None:
             raise UsageError("call init_weight_transfer_engine first", argument="update_weights")
         self._receiver.wait(update_info.version, self._config.apply_timeout_s)
+        lease = self._receiver.receiver.acquire(self._config.apply_timeout_s)
         self._release()
-        self._lease = self._receiver.receiver.acquire(self._config.apply_timeout_s)
-        self.applied = None  # unknown until the reload is final
+        self._lease, self.applied = lease, None  # unknown until the reload is final
         try:
-            self.model.load_weights(self._receiver.named(self._lease.tensors))
+            if not self._reloading:
+                initialize_layerwise_reload(self.model)
+                self._reloading = True
+            self.model.load_weights(self._receiver.named(lease.tensors))
         except BaseException:
-            self._release()
-            tell_kv_connector()
+            self._end_reload()
             raise
 
     def finish_weight_update(self) -> None:
-        """Finalize the layerwise reload, release the version's buffer, and move the tiersync
-        KV connector (if any) to keys of the new weights (also when finalizing fails)."""
+        """Finalize the layerwise reload (none was opened: nothing changed), release the
+        version's buffer, and move the tiersync KV connector (if any) to keys of the new weights
+        (also when finalizing fails)."""
+        if not self._reloading:
+            self._release()
+            return
+        version = None if self._lease is None else self._lease.version
+        self._end_reload()
+        self.applied = version
+
+    def _end_reload(self) -> None:
+        """Finalize the open reload, free the lease, tell the KV connector the weights changed."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         try:
-            finalize_layerwise_reload(self.model, self.model_config)
-            self.applied = None if self._lease is None else self._lease.version
+            if self._reloading:
+                self._reloading = False
+                finalize_layerwise_reload(self.model, self.model_config)
         finally:
             self._release()
             tell_kv_connector()
