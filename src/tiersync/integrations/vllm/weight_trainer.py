@@ -26,6 +26,8 @@ module registers the backend ``"tiersync"`` with vLLM's factories (both sides).
 from __future__ import annotations
 
 import contextlib
+import json
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -143,23 +145,48 @@ class TierSyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[TierSyncTr
             publisher.close()
 
 
-def _reset_prefix_cache(client: Any) -> None:
+def _reset_prefix_cache(client: Any, attempts: int = 3) -> None:
     """vLLM's prefix cache, and the KV connector's, hold KV of the old weights: reset both
-    (running requests recompute) through the client (``LLM`` has ``reset_prefix_cache``; the
-    HTTP client gets the server's route, on with ``VLLM_SERVER_DEV_MODE=1`` as the RL routes)."""
+    (running requests recompute) through the client: ``LLM`` has ``reset_prefix_cache``, vLLM's
+    Ray client each actor's, the HTTP client the server's route (on with
+    ``VLLM_SERVER_DEV_MODE=1``, as the RL routes). vLLM refuses a reset while blocks are held
+    (in-flight transfers): tried ``attempts`` times, then RemoteError, since KV of the old
+    weights may be served. A client of the four weight routes only has nothing to reset with."""
+    for attempt in range(attempts):
+        if _reset_once(client):
+            return
+        time.sleep(0.1 * (attempt + 1))
+    raise RemoteError(
+        "vLLM refused to reset its prefix cache after the weight update: KV of the old weights may be reused",
+        peer="engine",
+        attempts=attempts,
+    )
+
+
+def _reset_once(client: Any) -> bool:
+    """One reset through ``client`` (see :func:`_reset_prefix_cache`); whether vLLM did it."""
+    handles = getattr(client, "handles", None)
+    if handles is not None:  # vLLM's RayVLLMWeightSyncClient: every actor (LLM or AsyncLLM)
+        import ray
+
+        return all(ray.get([h.reset_prefix_cache.remote(True, True) for h in handles]))
     reset = getattr(client, "reset_prefix_cache", None)
     if reset is not None:
-        reset(reset_running_requests=True, reset_connector=True)
-        return
+        return reset(reset_running_requests=True, reset_connector=True) is not False
     base = getattr(client, "base_url", None)
-    if base is not None:
-        import urllib.request
+    if base is None:
+        return True
+    import urllib.request
 
-        request = urllib.request.Request(
-            f"{base}/reset_prefix_cache?reset_running_requests=true&reset_external=true", method="POST"
-        )
-        with urllib.request.urlopen(request, timeout=getattr(client, "timeout", 300)) as answer:
-            answer.read()
+    request = urllib.request.Request(
+        f"{base}/reset_prefix_cache?reset_running_requests=true&reset_external=true", method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=getattr(client, "timeout", 300)) as answer:
+        body = answer.read()
+    try:
+        return json.loads(body).get("success", True) is not False
+    except (ValueError, AttributeError):  # an older server answers no JSON object: it reset
+        return True
 
 
 register()
