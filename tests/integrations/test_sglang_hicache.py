@@ -255,6 +255,16 @@ def test_clear_forgets_every_page_for_good(make):
     assert make(pool).batch_exists(keys) == 0
 
 
+def test_a_hybrid_models_extra_host_pool_is_refused_at_registration(make):
+    """SGLang's hybrid cache controller registers Mamba / sliding-window pools through
+    ``register_mem_host_pool_v2`` and then calls the v2 methods this backend does not have: the
+    registration must fail (SGLang's attach then fails loudly), not its prefetch thread later."""
+    backend = make(HostPool())
+    with pytest.raises(UsageError) as info:
+        backend.register_mem_host_pool_v2(HostPool(), "mamba")
+    assert info.value.argument == "host_pool_name" and not getattr(backend, "registered_pools", None)
+
+
 def test_loaded_through_sglangs_dynamic_backend_factory(tmp_path):
     """As HiCacheController.attach_storage_backend does it, then its generic page calls
     (``_generic_page_set`` / ``_generic_page_get``: the default for a dynamic backend)."""

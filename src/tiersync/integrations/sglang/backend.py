@@ -68,6 +68,16 @@ class TierSyncHiCacheStorage(HiCacheStorage):
         )
         self._salt = self.identity + xxhash.xxh3_128_digest(fmt.encode())
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A hybrid model's extra host pool (Mamba states, sliding-window or indexer KV): refused,
+        so SGLang's attach fails loudly. SGLang's base accepted it, then its prefetch thread
+        called ``batch_exists_v2``, which raises NotImplementedError, and ended for good."""
+        raise UsageError(
+            "the tiersync HiCache backend stores the KV pool only, not a hybrid model's extra host pools",
+            argument="host_pool_name",
+            value=str(host_pool_name),
+        )
+
     def _keys(self, keys: list[str]) -> list[bytes]:
         return [xxhash.xxh3_128_digest(self._salt + k.encode()) for k in keys]
 
