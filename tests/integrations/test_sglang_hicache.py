@@ -265,6 +265,23 @@ def test_a_hybrid_models_extra_host_pool_is_refused_at_registration(make):
     assert info.value.argument == "host_pool_name" and not getattr(backend, "registered_pools", None)
 
 
+def test_the_disk_tier_keeps_at_most_disk_bytes_deleting_the_least_recently_used(make):
+    """Unbounded, the disk tier grew until the disk was full and every later write failed."""
+    pool = HostPool()
+    page = pool.get_dummy_flat_data_page().numel() * pool.get_dummy_flat_data_page().element_size()
+    keys = page_keys(8)
+    backend = make(pool, host_bytes=0, disk_bytes=4 * page)  # disk only: every read is the disk's
+    assert backend.batch_set_v1(keys[:4], slots(0, 4)) == [True] * 4
+    assert backend.batch_get_v1(keys[:1], slots(8, 1)) == [True]  # page 0 is now the most recent
+    assert backend.batch_set_v1(keys[4:6], slots(4, 2)) == [True, True]  # room made: pages 1, 2 go
+    stored = [backend.exists(k) for k in keys[:6]]
+    assert stored == [True, False, False, True, True, True] and backend.tiers.storage.num_blocks == 4
+    assert backend.batch_get_v1([keys[0], keys[5]], slots(9, 2)) == [True, True]
+    assert [pool.page_bytes(9 * PAGE), pool.page_bytes(10 * PAGE)] == [pool.page_bytes(0), pool.page_bytes(5 * PAGE)]
+    fresh = make(pool, host_bytes=0, disk_bytes=4 * page, storage_dir=str(backend.config.storage_dir) + "-2")
+    assert fresh.batch_set_v1(keys[:6], slots(0, 6)) == [True] * 4 + [False] * 2  # more than the bound
+
+
 def test_loaded_through_sglangs_dynamic_backend_factory(tmp_path):
     """As HiCacheController.attach_storage_backend does it, then its generic page calls
     (``_generic_page_set`` / ``_generic_page_get``: the default for a dynamic backend)."""
@@ -295,6 +312,8 @@ def test_loaded_through_sglangs_dynamic_backend_factory(tmp_path):
         ({"host_bytes": 0}, f"{EXTRA}.storage_dir"),
         ({"eviction": "mru"}, f"{EXTRA}.eviction"),
         ({"fsync": "maybe"}, f"{EXTRA}.fsync"),
+        ({"disk_bytes": "lots"}, f"{EXTRA}.disk_bytes"),
+        ({"disk_bytes": 0}, f"{EXTRA}.disk_bytes"),
     ],
 )
 def test_bad_settings_are_refused_by_name(extra, argument):

@@ -8,6 +8,9 @@ key                  meaning (default)
                      0: no host tier ("1GiB")
 ``storage_dir``      directory of the disk tier (checksummed segments, durable, shared by
                      every rank and by later runs); None: host tier only (None)
+``disk_bytes``       most bytes of pages this namespace keeps in ``storage_dir``, int or
+                     "100GiB"; the least recently used go first; None: until the disk is
+                     full (None)
 ``eviction``         host tier eviction policy, "lru" or "s3fifo" ("lru")
 ``weights_version``  bump it on a weight update so old KV is never reused ("0")
 ``fsync``            a write is acknowledged only once it is on disk (true)
@@ -37,7 +40,7 @@ __all__ = ["HiCacheConfig", "namespace"]
 
 EXTRA = "hicache_storage_backend_extra_config"
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
-KEYS = frozenset({"host_bytes", "storage_dir", "eviction", "weights_version", "fsync"})
+KEYS = frozenset({"host_bytes", "storage_dir", "disk_bytes", "eviction", "weights_version", "fsync"})
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
 
 
@@ -49,6 +52,7 @@ class HiCacheConfig:
 
     host_bytes: int = 1 << 30
     storage_dir: str | None = None
+    disk_bytes: int | None = None
     eviction: str = "lru"
     weights_version: str = "0"
     fsync: bool = True
@@ -62,6 +66,13 @@ class HiCacheConfig:
         if self.storage_dir is not None and (not isinstance(self.storage_dir, str) or not self.storage_dir):
             raise UsageError(
                 "must be a directory path or None", argument=f"{EXTRA}.storage_dir", value=self.storage_dir
+            )
+        db = self.disk_bytes
+        if db is not None and (not isinstance(db, int) or isinstance(db, bool) or db <= 0):
+            raise UsageError(
+                "must be a size such as 100GiB, a number of bytes > 0, or null",
+                argument=f"{EXTRA}.disk_bytes",
+                value=db,
             )
         if hb == 0 and self.storage_dir is None:
             raise UsageError(
@@ -85,21 +96,22 @@ class HiCacheConfig:
                 f"unknown key {unknown[0]!r}", argument=f"{EXTRA}.{unknown[0]}", unknown=unknown, known=sorted(KEYS)
             )
         values = {k: v for k, v in extra.items() if k in KEYS}
-        if isinstance(values.get("host_bytes"), str):
-            values["host_bytes"] = _size(values["host_bytes"])
+        for key in ("host_bytes", "disk_bytes"):
+            if isinstance(values.get(key), str):
+                values[key] = _size(values[key], key)
         if isinstance(values.get("fsync"), str):
             values["fsync"] = _BOOLS.get(values["fsync"].strip().lower(), values["fsync"])
         return cls(**values)
 
 
-def _size(text: str) -> int:
+def _size(text: str, key: str) -> int:
     if text.strip() == "0":
         return 0
     try:
         return parse_size(text)
     except UsageError:
         raise UsageError(
-            "must be a size such as 4GiB, a number of bytes, or 0", argument=f"{EXTRA}.host_bytes", value=text
+            "must be a size such as 4GiB, a number of bytes, or 0", argument=f"{EXTRA}.{key}", value=text
         ) from None
 
 

@@ -9,7 +9,8 @@ No SGLang and no torch here: a page is a byte buffer. :class:`PageTiers` keeps
   checks every copy out of it; a page that fails is dropped and read from disk instead.
 - a disk tier: a :class:`~tiersync.tiers.storage.StorageTier` (durable segments, an xxh3_64
   per block, checked on every read; a block that fails is reported CORRUPT, deleted there and
-  never served).
+  never served), at most ``disk_bytes`` of pages, the least recently used deleted first
+  (:class:`~tiersync.integrations.sglang.disk_budget.DiskBudget`).
 
 Writes go through: a page is acknowledged once the disk tier has it (durable with ``fsync``),
 and is then also cached on host. Reads try host, then disk, and land what disk served on host.
@@ -28,6 +29,7 @@ import xxhash
 
 from tiersync.errors import CapacityError, ClosedError, UsageError
 from tiersync.integrations.sglang.config import HiCacheConfig
+from tiersync.integrations.sglang.disk_budget import DiskBudget
 from tiersync.tiers.host import HostArena, HostArenaConfig
 from tiersync.tiers.storage import ReadStatus, StorageConfig, StorageTier
 
@@ -45,10 +47,12 @@ class PageTiers:
             raise UsageError("must be a HiCacheConfig", argument="config", got=type(config).__name__)
         self.config = config
         self.storage: StorageTier | None = None
+        self._budget: DiskBudget | None = None
         if config.storage_dir is not None:
             self.storage = StorageTier(
                 StorageConfig(directory=config.storage_dir, identity=identity, fsync=config.fsync)
             )
+            self._budget = DiskBudget(self.storage, config.disk_bytes)
         self.arena: HostArena | None = None
         self._host_off = config.host_bytes == 0
         self._blocks: dict[bytes, int] = {}  # key -> host block
@@ -92,15 +96,18 @@ class PageTiers:
         return ok
 
     def _write(self, keys: list[bytes], pages: list[memoryview]) -> list[bool]:
+        assert self.storage is not None and self._budget is not None  # put() writes only with a disk tier
         new = [i for i, k in enumerate(keys) if not self.storage.contains(k)]
-        if new:
+        fit = self._budget.room(len(pages[new[0]]), [keys[i] for i in new]) if new else 0
+        failed = set(new[fit:])  # more than the whole disk budget: the first pages are kept
+        if fit:
             try:
-                self.storage.write([keys[i] for i in new], [pages[i] for i in new]).result()
+                self.storage.write([keys[i] for i in new[:fit]], [pages[i] for i in new[:fit]]).result()
             except (CapacityError, UsageError, OSError) as exc:  # disk full, read-only directory
-                log.warning("tiersync: %d page(s) not written to %s: %s", len(new), self.storage.directory, exc)
-                failed = set(new)
-                return [i not in failed for i in range(len(keys))]
-        return [True] * len(keys)
+                log.warning("tiersync: %d page(s) not written to %s: %s", fit, self.storage.directory, exc)
+                failed |= set(new[:fit])
+        self._budget.used([k for i, k in enumerate(keys) if i not in failed])
+        return [i not in failed for i in range(len(keys))]
 
     def _cache(self, keys: list[bytes], pages: list[memoryview]) -> list[bool]:
         """Copy pages into host blocks (evicting the coldest); one flag per key: is it on host now."""
@@ -199,6 +206,8 @@ class PageTiers:
         for k, s in zip(keys, statuses):
             if s is ReadStatus.CORRUPT:
                 log.error("tiersync: disk copy of page %s failed its checksum: deleted, not served", k.hex())
+        if self._budget is not None:
+            self._budget.used([k for k, s in zip(keys, statuses) if s is ReadStatus.OK])
         return [s is ReadStatus.OK for s in statuses]
 
     # -- lifecycle -----------------------------------------------------------
