@@ -282,6 +282,56 @@ def test_the_disk_tier_keeps_at_most_disk_bytes_deleting_the_least_recently_used
     assert fresh.batch_set_v1(keys[:6], slots(0, 6)) == [True] * 4 + [False] * 2  # more than the bound
 
 
+def _held(obj, name: str, after: bool):
+    """Make ``obj.name`` (a real StorageTier method) wait for the returned event before it runs
+    (``after``: once it has run, before it returns): the interleaving the test needs, the real
+    method doing the work."""
+    import threading
+
+    real, go, entered = getattr(obj, name), threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):
+        if after:
+            done = real(*args, **kwargs)
+            done.result(30)  # the read has landed its pages
+        entered.set()
+        go.wait(30)
+        return done if after else real(*args, **kwargs)
+
+    setattr(obj, name, held)
+    return go, entered
+
+
+@pytest.mark.parametrize("call", ["put", "get"])
+def test_a_clear_during_a_put_or_get_keeps_none_of_its_pages(make, call):
+    """``clear()`` (what SGLang's /clear_hicache_storage_backend calls after a weight update) ran
+    while a put was writing or a get was reading the disk: the put's pages outlived the clear
+    on disk, and the get put the pages it read back on host; both are KV of the old weights."""
+    import threading
+
+    pool, keys = HostPool(), page_keys(2)
+    if call == "get":  # on disk only, written by another backend: this one's get reads the disk
+        assert make(pool, host_bytes=0).batch_set_v1(keys, slots(0, 2)) == [True, True]
+    backend = make(pool)
+    # put: its segment is written after the clear deleted every page; get: its disk read is
+    # done before the clear, and it caches the pages on host after it
+    go, entered = _held(backend.tiers.storage, "write" if call == "put" else "read", after=call == "get")
+    run = (
+        (lambda: backend.batch_set_v1(keys, slots(0, 2)))
+        if call == "put"
+        else (lambda: backend.batch_get_v1(keys, slots(8, 2)))
+    )
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert entered.wait(30)
+    assert backend.clear() is True
+    go.set()
+    worker.join(30)
+    assert backend.batch_exists(keys) == 0  # neither on disk nor on host
+    backend.close()
+    assert make(pool).batch_exists(keys) == 0  # nor after a restart
+
+
 def test_loaded_through_sglangs_dynamic_backend_factory(tmp_path):
     """As HiCacheController.attach_storage_backend does it, then its generic page calls
     (``_generic_page_set`` / ``_generic_page_get``: the default for a dynamic backend)."""

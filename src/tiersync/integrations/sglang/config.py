@@ -12,7 +12,10 @@ key                  meaning (default)
                      "100GiB"; the least recently used go first; None: until the disk is
                      full (None)
 ``eviction``         host tier eviction policy, "lru" or "s3fifo" ("lru")
-``weights_version``  bump it on a weight update so old KV is never reused ("0")
+``weights_version``  bump it on a weight update so old KV is never reused ("0"); an update
+                     in place (SGLang's ``update_weights_from_*``) does not reach this
+                     backend (SGLang's flush after it leaves L3 alone): follow it with
+                     SGLang's ``/clear_hicache_storage_backend``, which calls ``clear()``
 ``fsync``            a write is acknowledged only once it is on disk (true)
 ===================  =========================================================================
 

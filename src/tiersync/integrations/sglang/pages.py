@@ -58,6 +58,7 @@ class PageTiers:
         self._blocks: dict[bytes, int] = {}  # key -> host block
         self._sums: dict[int, int] = {}  # host block -> xxh3_64 of the page it holds
         self._lock = threading.Lock()
+        self._generation = 0  # bumped by clear(): what a put or get began before it is not kept
         self._closed = False
 
     # -- queries -------------------------------------------------------------
@@ -89,11 +90,19 @@ class PageTiers:
         keys, pages = list(keys), [memoryview(p).cast("B") for p in pages]
         if len(keys) != len(pages):
             raise UsageError("needs one page per key", argument="pages", keys=len(keys), pages=len(pages))
+        generation = self._now()
         if self.storage is None:
-            return self._cache(keys, pages)
+            return self._cache(keys, pages, generation)
         ok = self._write(keys, pages)
-        self._cache([k for k, good in zip(keys, ok) if good], [p for p, good in zip(pages, ok) if good])
+        if self._now() != generation:  # cleared while writing: these pages predate the clear
+            self.storage.delete(keys)
+            return [False] * len(keys)
+        self._cache([k for k, good in zip(keys, ok) if good], [p for p, good in zip(pages, ok) if good], generation)
         return ok
+
+    def _now(self) -> int:
+        with self._lock:
+            return self._generation
 
     def _write(self, keys: list[bytes], pages: list[memoryview]) -> list[bool]:
         assert self.storage is not None and self._budget is not None  # put() writes only with a disk tier
@@ -109,9 +118,12 @@ class PageTiers:
         self._budget.used([k for i, k in enumerate(keys) if i not in failed])
         return [i not in failed for i in range(len(keys))]
 
-    def _cache(self, keys: list[bytes], pages: list[memoryview]) -> list[bool]:
-        """Copy pages into host blocks (evicting the coldest); one flag per key: is it on host now."""
+    def _cache(self, keys: list[bytes], pages: list[memoryview], generation: int) -> list[bool]:
+        """Copy pages into host blocks (evicting the coldest) unless a clear came after
+        ``generation``; one flag per key: is it on host now."""
         with self._lock:
+            if self._generation != generation:
+                return [False] * len(keys)
             if self._closed or not keys or not self._ensure_arena(len(pages[0])):
                 return [k in self._blocks for k in keys]
             arena = self.arena
@@ -168,6 +180,7 @@ class PageTiers:
         keys, views = list(keys), [memoryview(v).cast("B") for v in views]
         if len(keys) != len(views):
             raise UsageError("needs one view per key", argument="views", keys=len(keys), views=len(views))
+        generation = self._now()
         ok = [self._from_host(k, v) for k, v in zip(keys, views)]
         cold = [i for i, good in enumerate(ok) if not good]
         if cold and self.storage is not None:
@@ -175,7 +188,7 @@ class PageTiers:
             for i, good in zip(cold, got):
                 ok[i] = good
             hits = [i for i, good in zip(cold, got) if good]
-            self._cache([keys[i] for i in hits], [views[i] for i in hits])
+            self._cache([keys[i] for i in hits], [views[i] for i in hits], generation)
         return ok
 
     def _from_host(self, key: bytes, view: memoryview) -> bool:
@@ -213,8 +226,10 @@ class PageTiers:
     # -- lifecycle -----------------------------------------------------------
     def clear(self) -> None:
         """Forget every page of this identity, on host and on disk (for good: a restart does not
-        bring them back). Pages of other identities in the same directory stay."""
+        bring them back). Pages of other identities in the same directory stay. A put or get
+        that began before it keeps nothing: its pages are deleted once written, not cached."""
         with self._lock:
+            self._generation += 1
             if self.arena is not None and self._blocks:
                 self.arena.free(list(self._blocks.values()))
             self._blocks.clear()
