@@ -345,6 +345,33 @@ def test_an_http_1_0_client_gets_its_answer_unframed(stack):
     assert rest == b'{"choices": [{"text": "x"}]}'
 
 
+def test_a_streaming_client_that_left_before_its_stream_began_still_releases_the_prefill(stack):
+    """The prefill engine keeps a prompt's KV until a decode engine pulls it (or its timeout):
+    a client gone before the router wrote its first byte ended the request with no decode
+    call, so the KV stayed pinned; clients doing that again and again fill the prefill's cache.
+    Decode is still asked for one token (its answer dropped), so it pulls the KV."""
+    import struct
+
+    client_gone = threading.Event()
+
+    def prefill_answer(body):
+        client_gone.wait(10)  # answer only once the client has reset its connection
+        return _first_token_prefill()(body)
+
+    router, _, decode = stack(prefill_answer=prefill_answer)
+    host, port = router.address.split(":")
+    body = json.dumps({"prompt": "hi", "max_tokens": 5, "stream": True, "stream_options": {}}).encode()
+    client = socket.create_connection((host, int(port)), timeout=10)
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()  # an RST: the router's first write to it fails
+    client_gone.set()
+    assert _until(lambda: len(decode.seen) == 1)
+    ask = decode.seen[0][1]
+    assert ask["max_tokens"] == 1 and "stream" not in ask and "stream_options" not in ask
+    assert ask["kv_transfer_params"] == PARAMS
+
+
 def test_closing_the_router_does_not_wait_for_an_idle_client(stack):
     router, _, _ = stack()
     host, port = router.address.split(":")

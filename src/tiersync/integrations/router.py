@@ -44,53 +44,19 @@ import logging
 import threading
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from tiersync.errors import UsageError, check_positive_int
+from tiersync.errors import UsageError
 from tiersync.integrations import first_token
 from tiersync.integrations.client_reads import DeadlineReader
+from tiersync.integrations.router_config import RouterConfig
 
 __all__ = ["Router", "RouterConfig"]
 
 log = logging.getLogger(__name__)
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 _CHUNK = 64 << 10
-
-
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    """``prefill`` / ``decode``: base URLs of vLLM OpenAI servers (``http://host:port``);
-    ``timeout_s``: bound of one upstream request; ``client_timeout_s``: a client's whole
-    request (and the wait for the next one on a kept-alive connection) must arrive within it;
-    ``max_body``: largest request accepted; ``max_bodies``: request bytes held at once, all
-    clients together (a parsed JSON body takes some 20x its size)."""
-
-    prefill: tuple[str, ...]
-    decode: tuple[str, ...]
-    timeout_s: float = 600.0
-    max_body: int = 16 << 20
-    max_connections: int = 256
-    client_timeout_s: float = 30.0
-    max_bodies: int = 256 << 20
-
-    def __post_init__(self) -> None:
-        for name in ("prefill", "decode"):
-            urls = getattr(self, name)
-            if (
-                isinstance(urls, str)
-                or not urls
-                or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls)
-            ):
-                raise UsageError("must be one or more http://host:port URLs", argument=name, value=urls)
-            object.__setattr__(self, name, tuple(u.rstrip("/") for u in urls))
-        for name in ("timeout_s", "client_timeout_s"):
-            t = getattr(self, name)
-            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6:
-                raise UsageError("must be a number of seconds in (0, 1e6)", argument=name, value=t)
-        for name in ("max_body", "max_connections", "max_bodies"):
-            check_positive_int(getattr(self, name), name)
 
 
 class _Upstream(Exception):
@@ -290,9 +256,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _stream(self, decode: str, ask: dict[str, Any], fixer: first_token.StreamFixer) -> None:
         """Send the first token's event now, then the decode server's events, rewritten."""
-        self._start(200, "text/event-stream")
         try:
+            self._start(200, "text/event-stream")
             self._chunk(fixer.opening())
+        except OSError as exc:
+            log.info("router: %s left before its stream began: %s", self.client_address[0], exc)
+            self.close_connection = True
+            return self._release(decode, ask)
+        try:
             try:
                 upstream = self.server.router.call(decode, self.path, ask)
             except _Upstream as exc:  # the answer has begun: end it with an error event
@@ -304,6 +275,14 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError as exc:
             log.info("router: stream to %s ended: %s", self.client_address[0], exc)
             self.close_connection = True
+
+    def _release(self, decode: str, ask: dict[str, Any]) -> None:
+        """The client left before decode was asked: decode still takes the prompt's KV (one
+        token, answer dropped), or the prefill engine would keep its blocks until its timeout
+        (a client leaving at once, again and again, would fill the prefill's KV cache)."""
+        once = {k: v for k, v in ask.items() if k not in ("stream", "stream_options")} | {"max_tokens": 1}
+        with contextlib.suppress(_Upstream):
+            self.server.router.ask(decode, self.path, once)
 
     def _events(self, upstream: Any, fixer: first_token.StreamFixer) -> None:
         """Relay the decode server's events; one that breaks off ends with an error event."""
