@@ -185,6 +185,35 @@ def test_store_node_process_registers_directly_in_redis(tmp_path):
         redis.kill()
 
 
+def test_a_store_node_on_redis_directly_sweeps_expired_store_records(tmp_path):
+    """With ``--registry redis://`` there is no registry process to sweep: the record of every
+    store id ever used (a pod's hostname each restart) stayed in the hash, read by each lookup."""
+    import time
+
+    import redis as redis_py
+
+    from tiersync.net.registry.base import StoreInfo
+    from tiersync.net.registry.redis_backend import RedisRegistry
+
+    redis = RedisProc(str(tmp_path))
+    node = None
+    cfg = RegistryConfig(heartbeat_interval_s=10, store_ttl_s=30)
+    past = RedisRegistry(redis.url, cfg, clock=lambda: time.time() - 3600)
+    raw = redis_py.Redis.from_url(redis.url)
+    try:
+        past.register_store(StoreInfo("gone", "127.0.0.1:1", 10, "g"))  # its record expired an hour ago
+        assert raw.hexists("tiersync:stores", "gone")
+        node = StoreNodeProc("1MiB", block=4096, registry=redis.url, heartbeat_s=0.2, store_id="node-r")
+        assert wait_until(lambda: not raw.hexists("tiersync:stores", "gone"))
+        assert raw.hexists("tiersync:stores", "node-r")  # the live one stays
+    finally:
+        if node is not None:
+            node.kill()
+        past.close()
+        raw.close()
+        redis.kill()
+
+
 def test_a_registry_process_with_a_token_takes_only_nodes_that_prove_it(tmp_path):
     """`tiersync registry --token-file`: a store node with that token registers and advertises;
     one with another token is refused on every call and never appears; a client without it sees

@@ -12,6 +12,10 @@ retried at the next heartbeat). Rules:
   (so ownership entries never reach their block TTL while we hold the blocks).
 - :meth:`announce` publishes newly stored keys at once while the registry answers;
   during an outage it only marks them for the next full re-publish.
+- A node that reaches the backend itself (``--registry redis://...``, no ``tiersync
+  registry`` process in between) also sweeps it after each heartbeat: records of stores whose
+  time ran out go (else, with no registry process, nothing ever removed them, and every lookup
+  read them all). Over gRPC the registry process sweeps.
 """
 
 from __future__ import annotations
@@ -84,6 +88,19 @@ class StoreAgent:
     def _run(self) -> None:
         while not self._stop.wait(self.config.heartbeat_interval_s):
             self.beat()
+            self.sweep()
+
+    def sweep(self) -> int:
+        """Drop expired records where this agent reaches the backend directly (best effort);
+        how many went (0 over gRPC: the registry process sweeps)."""
+        sweep = getattr(self.registry, "sweep", None)
+        if sweep is None:
+            return 0
+        try:
+            return int(sweep())
+        except TierSyncError as exc:
+            log.warning("sweeping the registry from store %s failed: %s", self.config.store_id, exc)
+            return 0
 
     def beat(self) -> bool:
         """One heartbeat (re-registering when due); True when the registry answered."""
