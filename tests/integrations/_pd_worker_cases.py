@@ -32,13 +32,18 @@ def _read(consumer: KVConsumer, address: str, rid: str) -> tuple[str, bool]:
     return state.name, landing
 
 
-def main() -> dict:
+def _worker(producer: bool) -> tuple[PDWorker, dict]:
     caches = {f"l{i}": torch.randint(-9, 9, (LAYOUT.layer_nbytes // 2,), dtype=torch.int16) for i in range(2)}
     worker = PDWorker(
-        producer=True, layout=LAYOUT, rank=0, config=DisaggConfig(token=TOKEN), host="127.0.0.1", port=0,
+        producer=producer, layout=LAYOUT, rank=0, config=DisaggConfig(token=TOKEN), host="127.0.0.1", port=0,
         huge_pages=False,
     )  # fmt: skip
     worker.register(caches)
+    return worker, caches
+
+
+def main() -> dict:
+    worker, caches = _worker(True)
     worker.start_sends([SendJob(rid, blocks, 32) for rid, blocks in JOBS.items()])
     worker.start_sends([SendJob("refused", (99, 100), 32)])  # blocks past the pool: not served
     worker.all_layers_done()
@@ -65,16 +70,6 @@ def main() -> dict:
     remembered = sorted(worker._finished)  # nothing left behind once every send ended
     worker.close()
     return {"states": states, "exact": exact, "reported": sorted(reported), "early": early, "left": remembered}
-
-
-def _worker(producer: bool) -> tuple[PDWorker, dict]:
-    caches = {f"l{i}": torch.randint(-9, 9, (LAYOUT.layer_nbytes // 2,), dtype=torch.int16) for i in range(2)}
-    worker = PDWorker(
-        producer=producer, layout=LAYOUT, rank=0, config=DisaggConfig(token=TOKEN), host="127.0.0.1", port=0,
-        huge_pages=False,
-    )  # fmt: skip
-    worker.register(caches)
-    return worker, caches
 
 
 def one_prefill_two_reads() -> dict:

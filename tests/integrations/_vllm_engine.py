@@ -28,6 +28,17 @@ def require_vllm() -> None:
         )
 
 
+def run_cases(script: str) -> dict:
+    """Run ``script`` (a file beside this one printing one JSON object last) under the vLLM
+    venv's python, skipping without vLLM: its answers, for the test to check."""
+    import os
+
+    require_vllm()
+    path = os.path.join(os.path.dirname(__file__), script)
+    out = subprocess.run([vllm_python(), path], check=True, capture_output=True, text=True, timeout=300)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_engine(spec: dict, timeout: float = 900) -> list[dict]:
     return spawn({"prompt_len": PROMPT_LEN, "chunk": CHUNK, "max_tokens": 24, **spec}, timeout=timeout)
 

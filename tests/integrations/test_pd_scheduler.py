@@ -4,24 +4,16 @@ docstring, one case each), and which finished prompts a prefill engine keeps ser
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-
 import pytest
 
-from _vllm_engine import require_vllm
-from tiersync.bench.serve_engine import vllm_python
+from _vllm_engine import run_cases
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def answers() -> dict:
-    require_vllm()
-    script = os.path.join(os.path.dirname(__file__), "_pd_scheduler_cases.py")
-    out = subprocess.run([vllm_python(), script], check=True, capture_output=True, text=True, timeout=300)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_cases("_pd_scheduler_cases.py")
 
 
 def test_prompt_and_the_first_token_loads_every_prompt_token(answers):

@@ -6,24 +6,16 @@ vLLM venv (``_pd_worker_cases.py``) over a real socket and its answers are check
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-
 import pytest
 
-from _vllm_engine import require_vllm
-from tiersync.bench.serve_engine import vllm_python
+from _vllm_engine import run_cases
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def answers() -> dict:
-    require_vllm()
-    script = os.path.join(os.path.dirname(__file__), "_pd_worker_cases.py")
-    out = subprocess.run([vllm_python(), script], check=True, capture_output=True, text=True, timeout=300)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_cases("_pd_worker_cases.py")
 
 
 def test_a_dropped_prompt_is_refused_and_never_reported_sent(answers):

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from net._peer import wait_until
 from tiersync.errors import UsageError
 from tiersync.integrations.router import Router, RouterConfig
 
@@ -248,17 +249,6 @@ def test_connections_over_the_cap_get_503_and_the_rest_are_served(stack):
     assert out.startswith(b"HTTP/1.1 200")
 
 
-def _until(predicate, timeout: float = 10.0) -> bool:
-    import time
-
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_silent_and_trickling_clients_lose_their_slot_after_the_request_deadline(stack):
     """A socket timeout bounds each recv: a client sending one byte every so often, or nothing
     on a kept-alive connection, held its slot for good and the router answered everyone else 503.
@@ -286,7 +276,7 @@ def test_silent_and_trickling_clients_lose_their_slot_after_the_request_deadline
         assert silent.recv(1) == b""  # closed by the router, not by us
         thread.join(15)
         assert held["trickled"] < 40  # cut off long before its request line and headers ended
-        assert _until(lambda: _post(router.address, b'{"prompt": [1]}').startswith(b"HTTP/1.1 200"))
+        assert wait_until(lambda: _post(router.address, b'{"prompt": [1]}').startswith(b"HTTP/1.1 200"))
     finally:
         silent.close()
         trickler.close()
@@ -366,7 +356,7 @@ def test_a_streaming_client_that_left_before_its_stream_began_still_releases_the
     client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     client.close()  # an RST: the router's first write to it fails
     client_gone.set()
-    assert _until(lambda: len(decode.seen) == 1)
+    assert wait_until(lambda: len(decode.seen) == 1)
     ask = decode.seen[0][1]
     assert ask["max_tokens"] == 1 and "stream" not in ask and "stream_options" not in ask
     assert ask["kv_transfer_params"] == PARAMS

@@ -5,24 +5,16 @@ the vLLM venv (``_weight_trainer_cases.py``) and their answers are checked here.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-
 import pytest
 
-from _vllm_engine import require_vllm
-from tiersync.bench.serve_engine import vllm_python
+from _vllm_engine import run_cases
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def answers() -> dict:
-    require_vllm()
-    script = os.path.join(os.path.dirname(__file__), "_weight_trainer_cases.py")
-    out = subprocess.run([vllm_python(), script], check=True, capture_output=True, text=True, timeout=300)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_cases("_weight_trainer_cases.py")
 
 
 def test_a_reset_refused_while_blocks_are_held_is_tried_again(answers):

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from _peer import Proc
+from _peer import Proc, wait_until
 
 NODE_IP, CLIENT_IP = "10.77.0.1", "10.77.0.2"
 TOKEN = "netns-test-token-0123456789abcdef"
@@ -178,17 +178,6 @@ def _connections(server: subprocess.Popen) -> int:
     return int(server.stdout.readline().split()[1])
 
 
-def _until(predicate, timeout: float) -> bool:
-    import time
-
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False
-
-
 def _unacked(ns: str) -> int:
     """Bytes the established TCP connections in ``ns`` sent and have not had acknowledged."""
     out = subprocess.run(
@@ -224,11 +213,11 @@ def test_an_idle_session_of_a_peer_cut_off_is_closed_by_keepalive(two_hosts, kee
             [*run, client_ns, sys.executable, "-c", IDLE_CLIENT, address, TOKEN], stdout=subprocess.PIPE, text=True
         )
         assert client.stdout.readline().strip() == "connected"
-        assert _until(lambda: _connections(server) == 1, 10)
+        assert wait_until(lambda: _connections(server) == 1, 10)
         if settled:  # every byte the server sent acknowledged: only keepalive probes can tell
-            assert _until(lambda: _unacked(node_ns) == 0, 10)
+            assert wait_until(lambda: _unacked(node_ns) == 0, 10)
         subprocess.run(["ip", "-n", client_ns, "link", "set", client_if, "down"], check=True, timeout=30)
-        closed = _until(lambda: _connections(server) == 0, 15)
+        closed = wait_until(lambda: _connections(server) == 0, 15)
         assert closed is (keepalive_s > 0)
     finally:
         for p in (client, server):
