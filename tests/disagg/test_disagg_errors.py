@@ -409,6 +409,11 @@ def test_a_source_description_from_a_client_is_a_source_or_a_usage_error(field, 
         pass
 
 
+def test_block_ids_may_be_a_numpy_array_of_ints():
+    spec = SourceSpec(LAYOUT, ("127.0.0.1:1",), np.array([0, 1], dtype=np.int64), 8)
+    assert spec.block_ids == (0, 1) and all(type(b) is int for b in spec.block_ids)
+
+
 @pytest.mark.parametrize(
     "field,value",
     [("addresses", 5), ("block_ids", ["a"]), ("block_ids", [None]), ("block_ids", [-1]), ("block_ids", [True])],

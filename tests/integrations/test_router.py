@@ -289,10 +289,24 @@ def test_json_nested_past_the_parser_is_a_400_not_a_dropped_connection(stack):
 
 
 def test_request_bytes_held_at_once_are_bounded(stack):
-    router, prefill, _ = stack(max_bodies=64)
-    assert _post(router.address, json.dumps({"prompt": [1] * 40}).encode()).startswith(b"HTTP/1.1 503")
-    assert not prefill.seen
-    assert _post(router.address, b'{"prompt": [1]}').startswith(b"HTTP/1.1 200")
+    """Each body is held (parsed, some 20x its size) while its request runs: past max_bodies
+    held at once, a new request is 503 until one ends."""
+    release = threading.Event()
+
+    def held_prefill(body):
+        release.wait(10)
+        return json.dumps({"kv_transfer_params": PARAMS}).encode()
+
+    router, _, _ = stack(prefill_answer=held_prefill, max_bodies=1000, max_body=1000)
+    body = json.dumps({"prompt": [1] * 200}).encode()  # 612 bytes: one fits, two do not
+    first: list[bytes] = []
+    held = threading.Thread(target=lambda: first.append(_post(router.address, body)))
+    held.start()
+    assert wait_until(lambda: router._held == len(body))
+    assert _post(router.address, body).startswith(b"HTTP/1.1 503")
+    release.set()
+    held.join(10)
+    assert first[0].startswith(b"HTTP/1.1 200") and _post(router.address, body).startswith(b"HTTP/1.1 200")
 
 
 def test_an_upstream_that_answers_no_http_is_a_502_naming_it():
@@ -350,7 +364,7 @@ def test_a_streaming_client_that_left_before_its_stream_began_still_releases_the
 
     router, _, decode = stack(prefill_answer=prefill_answer)
     host, port = router.address.split(":")
-    body = json.dumps({"prompt": "hi", "max_tokens": 5, "stream": True, "stream_options": {}}).encode()
+    body = json.dumps({"prompt": "hi", "max_tokens": 5, "min_tokens": 3, "stream": True, "stream_options": {}}).encode()
     client = socket.create_connection((host, int(port)), timeout=10)
     client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -358,7 +372,7 @@ def test_a_streaming_client_that_left_before_its_stream_began_still_releases_the
     client_gone.set()
     assert wait_until(lambda: len(decode.seen) == 1)
     ask = decode.seen[0][1]
-    assert ask["max_tokens"] == 1 and "stream" not in ask and "stream_options" not in ask
+    assert ask["max_tokens"] == 1 and not {"stream", "stream_options", "min_tokens"} & set(ask)  # vLLM: min <= max
     assert ask["kv_transfer_params"] == PARAMS
 
 
@@ -382,6 +396,7 @@ def test_config_names_the_bad_argument():
         (dict(prefill=("http://a",), decode=("http://x",), max_connections=0), "max_connections"),
         (dict(prefill=("http://a",), decode=("http://x",), client_timeout_s=0), "client_timeout_s"),
         (dict(prefill=("http://a",), decode=("http://x",), max_bodies=0), "max_bodies"),
+        (dict(prefill=("http://a",), decode=("http://x",), max_body=2 << 20, max_bodies=1 << 20), "max_body"),
     ):
         with pytest.raises(UsageError) as ei:
             RouterConfig(**kwargs)

@@ -153,29 +153,48 @@ def test_store_node_write_and_leased_read_across_a_veth_link(two_hosts):
 
 
 SERVER = r"""
-import sys
+import sys, threading
+from tiersync.net import events as ev
 from tiersync.net.source import MemoryBlockSource
 from tiersync.net.tcp import TcpConfig, TcpTransport
+asked, answer = threading.Event(), threading.Event()
+class HeldPings(MemoryBlockSource):  # a PING is answered only on the "answer" command
+    def handle(self, session, event):
+        if isinstance(event, ev.Ping):
+            asked.set()
+            answer.wait(60)
+        return super().handle(session, event)
 config = TcpConfig(token=sys.argv[2], keepalive_s=float(sys.argv[3]))
-server = TcpTransport(config).serve(sys.argv[1] + ":0", MemoryBlockSource({}))
+server = TcpTransport(config).serve(sys.argv[1] + ":0", HeldPings({}))
 print("listening on", server.address, flush=True)
-for _ in sys.stdin:  # one line asks how many connections are open
-    print("connections", server.connections, flush=True)
+for line in sys.stdin:  # "answer": answer the held PING; anything else: the state
+    if line.strip() == "answer":
+        answer.set()
+    print("connections", server.connections, "asked", int(asked.is_set()), flush=True)
 """
 
 IDLE_CLIENT = r"""
-import sys, time
+import sys, threading, time
+from tiersync.net import events as ev
 from tiersync.net.tcp import TcpConfig, TcpTransport
 channel = TcpTransport(TcpConfig(token=sys.argv[2], keepalive_s=0)).connect(sys.argv[1])
+if sys.argv[3] == "ping":  # a request whose answer comes only after the link went down
+    threading.Thread(target=lambda: channel.request(ev.Ping(channel.new_request_id()), timeout=120), daemon=True).start()
 print("connected", flush=True)
 time.sleep(120)
 """
 
 
-def _connections(server: subprocess.Popen) -> int:
-    server.stdin.write("?\n")
+def _state(server: subprocess.Popen, command: str = "?") -> tuple[int, int]:
+    """(open connections, whether a PING is held) of the server, after ``command``."""
+    server.stdin.write(command + "\n")
     server.stdin.flush()
-    return int(server.stdout.readline().split()[1])
+    words = server.stdout.readline().split()
+    return int(words[1]), int(words[3])
+
+
+def _connections(server: subprocess.Popen) -> int:
+    return _state(server)[0]
 
 
 def _unacked(ns: str) -> int:
@@ -191,13 +210,15 @@ def _unacked(ns: str) -> int:
 
 
 @pytest.mark.parametrize(
-    "keepalive_s,settled", [(2.0, True), (2.0, False), (0.0, True)], ids=["idle", "answer-in-flight", "none"]
+    "keepalive_s,pending", [(2.0, False), (2.0, True), (0.0, False)], ids=["idle", "answer-in-flight", "none"]
 )
-def test_an_idle_session_of_a_peer_cut_off_is_closed_by_keepalive(two_hosts, keepalive_s, settled):
+def test_an_idle_session_of_a_peer_cut_off_is_closed_by_keepalive(two_hosts, keepalive_s, pending):
     """An authenticated client sits idle; then its link goes down (its host lost power, a
     partition: no FIN, no RST ever comes). With keepalive (2 s here) the server closes the
-    session within seconds, also when its last answer was still unacknowledged (retransmissions
-    ran for about 15 minutes then); without keepalive the session holds its slot for good."""
+    session within seconds; without keepalive the session holds its slot for good.
+    ``answer-in-flight``: the server answers a request after the link went down, so its bytes
+    stay unacknowledged, and then retransmissions, not keepalive probes, run (about 15
+    minutes): the send timeout (TCP_USER_TIMEOUT) closes it."""
     node_ns, client_ns, client_if = two_hosts
     run = ["ip", "netns", "exec"]
     server = subprocess.Popen(
@@ -209,14 +230,19 @@ def test_an_idle_session_of_a_peer_cut_off_is_closed_by_keepalive(two_hosts, kee
     client = None
     try:
         address = server.stdout.readline().split()[-1]
+        mode = "ping" if pending else "idle"
         client = subprocess.Popen(
-            [*run, client_ns, sys.executable, "-c", IDLE_CLIENT, address, TOKEN], stdout=subprocess.PIPE, text=True
+            [*run, client_ns, sys.executable, "-c", IDLE_CLIENT, address, TOKEN, mode],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         assert client.stdout.readline().strip() == "connected"
-        assert wait_until(lambda: _connections(server) == 1, 10)
-        if settled:  # every byte the server sent acknowledged: only keepalive probes can tell
-            assert wait_until(lambda: _unacked(node_ns) == 0, 10)
+        assert wait_until(lambda: _state(server) == (1, int(pending)), 10)
+        assert wait_until(lambda: _unacked(node_ns) == 0, 10)  # all the server sent so far was acked
         subprocess.run(["ip", "-n", client_ns, "link", "set", client_if, "down"], check=True, timeout=30)
+        if pending:
+            _state(server, "answer")
+            assert wait_until(lambda: _unacked(node_ns) > 0, 10)  # the answer, never acknowledged
         closed = wait_until(lambda: _connections(server) == 0, 15)
         assert closed is (keepalive_s > 0)
     finally:

@@ -80,6 +80,29 @@ def test_leases_past_their_ttl_no_longer_count_against_the_cap():
         proc.join(10)
 
 
+def test_a_lease_past_its_ttl_counted_out_at_the_cap_is_also_forgotten_by_the_server():
+    """Pruning the connection's ended leases at the cap also releases them in the block server:
+    an in-memory server kept every expired lease's record (``active_leases`` grew past the cap)."""
+    import time
+
+    from tiersync.net.source import MemoryBlockSource
+
+    source = MemoryBlockSource({KEY: b"x" * 4096}, clock=lambda: time.monotonic() * 200.0)
+    server = TcpTransport(TcpConfig(token=TOKEN)).serve("127.0.0.1:0", source)
+    ch = TcpTransport(TcpConfig(token=TOKEN)).connect(server.address)
+    try:
+        asks = [(so.ReadLease(ch.new_request_id(), (KEY,), 30), None) for _ in range(MAX_SESSION_LEASES)]
+        granted: list[int] = []
+        ch.pipeline(asks, window=64, landed=lambda _, reply: granted.append(reply.lease_id))
+        assert source.active_leases == MAX_SESSION_LEASES
+        assert wait_until(lambda: not source.holds(granted[-1]))  # the last granted ended: all did
+        assert ch.request(so.ReadLease(ch.new_request_id(), (KEY,), 30)).status is so.LeaseStatus.GRANTED
+        assert source.active_leases == 1
+    finally:
+        ch.close()
+        server.close()
+
+
 def test_a_pull_larger_than_the_peers_frames_is_refused_before_any_block_is_read():
     """A reader that takes 1 MiB frames asks 4 MiB in one PULL_MANY: answered BAD_REQUEST
     naming the frame size, and the server read no block for it (no view, nothing summed)."""

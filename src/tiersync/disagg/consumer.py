@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
+
 from tiersync.disagg.blocksums import region_unit
 from tiersync.disagg.config import DisaggConfig, FinishedRequests, RequestState, check_side
 from tiersync.disagg.geometry import PagedKVLayout
@@ -104,6 +106,8 @@ class SourceSpec:
 
 def _block_ids(values: Any) -> tuple[int, ...]:
     """``values`` as a tuple of block ids (ints >= 0, numpy ints too); UsageError otherwise."""
+    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu":
+        values = values.tolist()
     if not isinstance(values, (list, tuple, range)) or not all(
         isinstance(b, numbers.Integral) and not isinstance(b, bool) and int(b) >= 0 for b in values
     ):

@@ -280,7 +280,8 @@ class _Handler(BaseHTTPRequestHandler):
         """The client left before decode was asked: decode still takes the prompt's KV (one
         token, answer dropped), or the prefill engine would keep its blocks until its timeout
         (a client leaving at once, again and again, would fill the prefill's KV cache)."""
-        once = {k: v for k, v in ask.items() if k not in ("stream", "stream_options")} | {"max_tokens": 1}
+        dropped = ("stream", "stream_options", "min_tokens", "max_completion_tokens")  # vLLM: min <= max
+        once = {k: v for k, v in ask.items() if k not in dropped} | {"max_tokens": 1}
         with contextlib.suppress(_Upstream):
             self.server.router.ask(decode, self.path, once)
 

@@ -20,7 +20,7 @@ class RouterConfig:
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     timeout_s: float = 600.0
-    max_body: int = 16 << 20
+    max_body: int = 64 << 20
     max_connections: int = 256
     client_timeout_s: float = 30.0
     max_bodies: int = 256 << 20
@@ -41,3 +41,5 @@ class RouterConfig:
                 raise UsageError("must be a number of seconds in (0, 1e6)", argument=name, value=t)
         for name in ("max_body", "max_connections", "max_bodies"):
             check_positive_int(getattr(self, name), name)
+        if self.max_body > self.max_bodies:  # such a body would be refused (503) for good
+            raise UsageError("must be at most max_bodies", argument="max_body", max_bodies=self.max_bodies)

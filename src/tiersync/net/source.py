@@ -201,6 +201,8 @@ class BlockService(Service):
                 return False
             ids = list(held)
         ended = {lease_id for lease_id in ids if not self.holds(lease_id)}
+        for lease_id in ended:  # the server forgets them too (an expired lease is not yet released)
+            self.release(lease_id)
         with self._held_lock:
             held -= ended
             return len(held) >= MAX_SESSION_LEASES

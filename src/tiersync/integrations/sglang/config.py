@@ -8,9 +8,11 @@ key                  meaning (default)
                      0: no host tier ("1GiB")
 ``storage_dir``      directory of the disk tier (checksummed segments, durable, shared by
                      every rank and by later runs); None: host tier only (None)
-``disk_bytes``       most bytes of pages this namespace keeps in ``storage_dir``, int or
-                     "100GiB"; the least recently used go first; None: until the disk is
-                     full (None)
+``disk_bytes``       most bytes of live pages this namespace keeps in ``storage_dir``, int
+                     or "100GiB"; the least recently used go first; a segment file goes
+                     once none of its pages lives (up to 16 MiB of pages a write batch),
+                     so the files can exceed it by what partly live segments hold;
+                     None: until the disk is full (None)
 ``eviction``         host tier eviction policy, "lru" or "s3fifo" ("lru")
 ``weights_version``  bump it on a weight update so old KV is never reused ("0"); an update
                      in place (SGLang's ``update_weights_from_*``) does not reach this

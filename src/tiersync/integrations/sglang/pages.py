@@ -237,6 +237,8 @@ class PageTiers:
         if self.storage is not None:
             self.storage.refresh()
             self.storage.delete(self.storage.keys())
+            with self._lock:  # what began while the disk was cleared keeps nothing either
+                self._generation += 1
 
     def _check_open(self) -> None:
         if self._closed:

@@ -100,17 +100,18 @@ class TierSyncWeightTransferEngine(WeightTransferEngine[Any, TierSyncUpdateInfo]
 
         if self._receiver is None or self._config is None:
             raise UsageError("call init_weight_transfer_engine first", argument="update_weights")
-        self._receiver.wait(update_info.version, self._config.apply_timeout_s)
-        lease = self._receiver.receiver.acquire(self._config.apply_timeout_s)
-        self._release()
-        self._lease, self.applied = lease, None  # unknown until the reload is final
         try:
+            self._receiver.wait(update_info.version, self._config.apply_timeout_s)
+            lease = self._receiver.receiver.acquire(self._config.apply_timeout_s)
+            self._release()
+            self._lease, self.applied = lease, None  # unknown until the reload is final
             if not self._reloading:
                 initialize_layerwise_reload(self.model)
                 self._reloading = True
             self.model.load_weights(self._receiver.named(lease.tensors))
         except BaseException:
-            self._end_reload()
+            if self._reloading:  # a later chunk of a session failed too: vLLM will not finish it
+                self._end_reload()
             raise
 
     def finish_weight_update(self) -> None:

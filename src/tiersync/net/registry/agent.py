@@ -87,8 +87,8 @@ class StoreAgent:
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.heartbeat_interval_s):
-            self.beat()
-            self.sweep()
+            if self.beat():  # an outage is logged once an interval, by the heartbeat
+                self.sweep()
 
     def sweep(self) -> int:
         """Drop expired records where this agent reaches the backend directly (best effort);
