@@ -11,9 +11,9 @@ connection). Writes keep the socket's own timeout.
 from __future__ import annotations
 
 import io
-import math
 import socket
-import time
+
+from tiersync.net.socket_io import Deadline
 
 __all__ = ["DeadlineReader"]
 
@@ -25,19 +25,18 @@ class DeadlineReader(io.RawIOBase):
     def __init__(self, sock: socket.socket, write_timeout_s: float) -> None:
         super().__init__()
         self._sock, self._write_timeout_s = sock, write_timeout_s
-        self._deadline = math.inf
+        self._deadline: Deadline | None = None
 
     def start(self, seconds: float) -> None:
         """The request (line, headers and body) read from now on must arrive within ``seconds``."""
-        self._deadline = time.monotonic() + seconds
+        self._deadline = Deadline(seconds, "the client")
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the client did not send its request in time")
+        # NetTimeoutError, a TimeoutError, once the deadline passed
+        left = self._write_timeout_s if self._deadline is None else self._deadline.remaining()
         self._sock.settimeout(min(left, self._write_timeout_s))
         try:
             return self._sock.recv_into(buffer)
