@@ -27,7 +27,9 @@ class DiskBudget:
         self._lock = threading.Lock()
 
     def used(self, keys: Sequence[bytes]) -> None:
-        """``keys`` were just written or read: the last to go."""
+        """``keys`` were just written or read: the last to go (nothing to track with no bound)."""
+        if self._max_bytes is None:
+            return
         with self._lock:
             for k in keys:
                 self._recent[k] = None
@@ -45,11 +47,12 @@ class DiskBudget:
             excess = self._storage.num_blocks + fit - cap
             if excess <= 0:
                 return fit
-            keep = set(incoming[:fit])
-            recent = self._recent
+            keep, recent = set(incoming[:fit]), self._recent
+            for k in [k for k in recent if not self._storage.contains(k)]:  # deleted elsewhere (a clear)
+                del recent[k]
             stored = self._storage.keys()  # oldest segment first
             older = [k for k in stored if k not in recent and k not in keep]
-            victims = (older + [k for k in recent if k not in keep and self._storage.contains(k)])[:excess]
+            victims = (older + [k for k in recent if k not in keep])[:excess]
             for k in victims:
                 recent.pop(k, None)
         self._storage.delete(victims)
