@@ -10,13 +10,20 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-def producer_main(layout_dict, ranks, config_kwargs, conn) -> None:
-    """Commands: ("register", rid, ids, ntok, seed), ("ready", rid, layers), ("poll",), ("stop",)."""
+def producer_main(layout_dict, ranks, config_kwargs, conn, share=False) -> None:
+    """Commands: ("register", rid, ids, ntok, seed), ("ready", rid, layers), ("poll",), ("stop",).
+    ``share``: each rank serves one pool per layer backed by memfds (``share_all``, as the vLLM
+    connector's producer does), every request's KV copied into it (one request at a time)."""
+    import numpy as np
+
     from _kvsim import global_kv, shard
     from tiersync.disagg import DisaggConfig, KVProducer, PagedKVLayout
+    from tiersync.tiers.shareable import share_all
 
     layout = PagedKVLayout.from_dict(layout_dict)
-    producers = [KVProducer(layout, r, DisaggConfig(**config_kwargs)) for r in ranks]
+    pools = {r: [np.zeros(layout.layer_nbytes, np.uint8) for _ in range(layout.num_layers)] for r in ranks}
+    shared = {r: share_all(pools[r]) if share else () for r in ranks}
+    producers = [KVProducer(layout, r, DisaggConfig(**config_kwargs), shared=shared[r]) for r in ranks]
     conn.send([p.address for p in producers])
     buffers = {}
     while True:
@@ -24,6 +31,10 @@ def producer_main(layout_dict, ranks, config_kwargs, conn) -> None:
         if cmd[0] == "register":
             _, rid, ids, ntok, seed = cmd
             buffers[rid] = shard(layout, global_kv(layout, ntok, seed), ids, fill=0xCD)
+            for r in ranks if share else ():
+                for pool, layer in zip(pools[r], buffers[rid][r]):
+                    pool[:] = layer
+                buffers[rid][r] = pools[r]
             for p in producers:
                 p.register(rid, ids, ntok, buffers[rid][p.rank])
             conn.send("ok")
@@ -43,11 +54,11 @@ def producer_main(layout_dict, ranks, config_kwargs, conn) -> None:
 class ProducerProcess:
     """Spawned prefill process; ``addresses`` of its ranks; methods mirror the commands."""
 
-    def __init__(self, layout, ranks, **config_kwargs) -> None:
+    def __init__(self, layout, ranks, share=False, **config_kwargs) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=producer_main, args=(layout.to_dict(), list(ranks), config_kwargs, child), daemon=True
+            target=producer_main, args=(layout.to_dict(), list(ranks), config_kwargs, child, share), daemon=True
         )
         self.proc.start()
         if not self.conn.poll(60):

@@ -240,3 +240,41 @@ def test_token_from_a_str_and_a_peer_without_it_refused(procs):
             assert h.wait(20) is RequestState.FAILED and isinstance(h.error, AuthError)
     with KVConsumer(LAYOUT, 0, DisaggConfig(token=TOKEN.encode())) as good:
         assert good.start_read("k", source, [1], _landing(LAYOUT)).wait(20) is RequestState.DONE
+
+
+def test_a_producer_whose_pools_are_shared_is_copied_out_of_maps_byte_exact(procs, monkeypatch):
+    """A producer told its pools' memfds (``share_all``, as the vLLM connector's producer is)
+    names them in LOCAL_REPLY: the consumer copies the blocks in their whole pages out of maps
+    of them (one per layer pool) and the rest with process_vm_readv, every region verified,
+    byte-exact. Blocks of 64 KiB as in vLLM's CPU layout, scattered through the pool, the
+    first and the last block among them (they lie partly in the pools' partial end pages)."""
+    from tiersync.net.shared_maps import SharedMaps
+
+    maps: list[object] = []
+    real = SharedMaps.map
+    monkeypatch.setattr(SharedMaps, "map", lambda self, *a: maps.append(real(self, *a)) or maps[-1])
+    big = PagedKVLayout(
+        num_layers=2,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        num_blocks=40,
+        dtype="float16",
+        tp_size=1,
+        order=KVOrder.HEAD_MAJOR,
+    )
+    ntok, sids = 300, [39, 3, 17, 0, 25, 8, 31, 12, 5, 22, 36, 14, 1, 28, 9, 20, 33, 6, 11]
+    dids = list(range(19))
+    prod = procs(big, share=True, token=TOKEN)
+    prod.register("s", sids, ntok, seed=6)
+    prod.ready("s", range(2))
+    consumer = KVConsumer(big, 0, DisaggConfig(token=TOKEN, route="local"))
+    landing = _landing(big)
+    try:
+        handle = consumer.start_read("s", SourceSpec(big, prod.addresses, sids, ntok), dids, landing)
+        assert handle.wait(30) is RequestState.DONE, handle.error
+        np.testing.assert_array_equal(unshard(big, [landing], dids, ntok), global_kv(big, ntok, 6))
+        assert maps and all(m is not None for m in maps)  # every pull's reply named a map it opened
+        assert len({id(m[0].obj) for m in maps}) == 2  # one map per layer pool
+    finally:
+        consumer.close()

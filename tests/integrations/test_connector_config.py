@@ -80,6 +80,8 @@ def test_environment_strings_are_read_as_the_extra_configs_are(tmp_path):
     assert ConnectorConfig.from_extra({"host_bytes": "4096", "async_disk_loads": "0"}, MODEL, {}).host_bytes == 4096
     assert ConnectorConfig.from_extra({}, MODEL, {}).huge_pages is True
     assert ConnectorConfig.from_extra({}, MODEL, {"TIERSYNC_HUGE_PAGES": "false"}).huge_pages is False
+    assert ConnectorConfig.from_extra({}, MODEL, {}).share_kv is True
+    assert ConnectorConfig.from_extra({"share_kv": "0"}, MODEL, {}).share_kv is False
 
 
 def test_other_tiersync_variables_are_not_connector_keys():
@@ -129,6 +131,7 @@ def test_a_table_that_is_not_a_table_is_refused(tmp_path):
         ("extra", "pd_route", "carrier-pigeon", "'auto', 'local' or 'tcp'"),
         ("env", "huge_pages", "often", "true or false"),
         ("extra", "huge_pages", "yes", "true or false"),
+        ("env", "share_kv", "sometimes", "true or false"),
     ],
 )
 def test_a_bad_value_names_where_it_came_from(tmp_path, where, key, value, expected):

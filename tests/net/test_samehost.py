@@ -347,9 +347,11 @@ def test_a_map_outlives_close_while_a_copy_holds_it_and_a_reused_descriptor_drop
 
 def test_local_copy_through_a_mapping_verifies_and_falls_back(sharing):
     """local_copy with a reply naming a mapping copies through it, verified: a mapping whose
-    address is off (the bytes read are not the ones summed) is refused BAD_CHECKSUM, a region
-    outside the named mapping is refused MALFORMED, and a mapping that cannot be opened falls
-    back to process_vm_readv with the same result."""
+    address is off (the bytes read are not the ones summed) is refused BAD_CHECKSUM, and a
+    mapping that cannot be opened falls back to process_vm_readv with the same result. A
+    mapping that holds only some regions (an engine's KV tensor shares its whole pages, not
+    the partial ones at its ends) has those copied out of it and the others with
+    process_vm_readv, all verified; a region that wraps around is refused MALFORMED."""
     pid, fd, address, unsealed, *_ = sharing
     want, ranges = _shared_expected(), _ranges(address)
     sums = [tsum64(want[a - address : a - address + n]) for a, n in ranges]
@@ -365,10 +367,33 @@ def test_local_copy_through_a_mapping_verifies_and_falls_back(sharing):
             ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions, (fd, address - 64, NBYTES)), dests, "p", 2, maps
         )
     assert exc.value.fault is ProtocolFault.BAD_CHECKSUM
-    with pytest.raises(ProtocolError) as exc:
-        local_copy(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions, (fd, address + 8, 64)), dests, "p", 2, maps)
+    part = 1 << 20  # holds the first 9 regions, not the last two
+    assert sum(a + n <= address + part for a, n in ranges) == 9
+    for copy in (local_copy, _copy_at):
+        dests = [memoryview(bytearray(n)) for _, n in ranges]
+        copy(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions, (fd, address, part)), dests, "p", 2, maps)
+        assert all(bytes(d) == want[a - address : a - address + n].tobytes() for (a, n), d in zip(ranges, dests))
+        with pytest.raises(ProtocolError) as exc:  # 64 bytes off: the regions inside it did come out of it
+            copy(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions, (fd, address - 64, part)), dests, "p", 2, maps)
+        assert exc.value.fault is ProtocolFault.BAD_CHECKSUM and exc.value.context["region"] < 9
+    wraps = ((address, 64, 0), ((1 << 64) - 8, 64, 0))
+    with pytest.raises(ProtocolError, match="wraps") as exc:
+        copy = [memoryview(bytearray(64)) for _ in wraps]
+        local_copy(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, wraps, (fd, address, part)), copy, "p", 2, maps)
     assert exc.value.fault is ProtocolFault.MALFORMED
     maps.close()
+
+
+def _copy_at(reply: ev.LocalReply, dests: list[memoryview], peer: str, threads: int, maps: SharedMaps) -> None:
+    """local_copy_at into one array, then each region's bytes handed back into ``dests``."""
+    lengths = [len(d) for d in dests]
+    offsets = np.cumsum([0, *lengths[:-1]]).astype(np.uint64)
+    dest = np.zeros(sum(lengths), np.uint8)
+    try:
+        local_copy_at(reply, dest, offsets, peer, threads, maps)
+    finally:
+        for d, o, n in zip(dests, offsets.tolist(), lengths):
+            d[:] = dest[o : o + n].tobytes()
 
 
 @pytest.mark.parametrize("local_maps", [True, False])

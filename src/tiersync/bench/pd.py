@@ -4,7 +4,8 @@ A prefill PROCESS (multiprocessing, spawn) holds one :class:`~tiersync.disagg.KV
 with the KV of a 6000-token prompt in vLLM's CPU layout (``HEAD_MAJOR``: per layer
 ``[num_blocks, kv_heads, block_size, 2, head_dim]``, bfloat16-sized, the request's blocks
 scattered through the pool as vLLM allocates them; both pools allocated as vLLM allocates its
-KV cache and collapsed into huge pages as the connector does: :func:`engine_layers`). Each iteration registers a new request
+KV cache, the producer's backed by memfds and both collapsed into huge pages where the kernel
+can, as the connector does: :func:`engine_layers`). Each iteration registers a new request
 with every layer ready and lets the producer finish what a ready layer starts (the checksums
 it answers a same-host reader with, :meth:`~tiersync.disagg.KVProducer.settle`: a prefill
 engine's forward overlaps them, and a decode engine reads after the prefill answered). This
@@ -69,12 +70,18 @@ def source_layers(mode: str, seed: int) -> list[np.ndarray]:
     return [rng.integers(0, 256, lay.layer_nbytes, dtype=np.uint8) for _ in range(lay.num_layers)]
 
 
-def engine_layers(mode: str, fill: list[np.ndarray] | None = None) -> tuple[list[np.ndarray], str]:
+def engine_layers(
+    mode: str, fill: list[np.ndarray] | None = None, share: bool = False
+) -> tuple[list[np.ndarray], Any, str]:
     """One buffer per layer allocated as vLLM's CPU backend allocates its KV cache (``torch.zeros``:
-    4 KiB pages; numpy where torch is absent), then collapsed into huge pages as the connector does
-    when it registers them (``huge_pages``, :class:`~tiersync.tiers.huge_pages.Collapser`), long
-    before a request; ``fill[l]`` copied in first. Also says what it got, for the row."""
+    4 KiB pages; numpy where torch is absent), ``fill[l]`` copied in, then made what the connector
+    makes them when it registers them, long before a request: with ``share`` (a producer's,
+    ``share_kv``) backed by sealed memfds (:func:`~tiersync.tiers.shareable.share_all`), then
+    collapsed into huge pages where the kernel can (``huge_pages``,
+    :class:`~tiersync.tiers.huge_pages.Collapser`). Returns them, the shared regions and what
+    it got, for the row."""
     from tiersync.tiers.huge_pages import Collapser
+    from tiersync.tiers.shareable import share_all
 
     lay = layout(mode)
     try:
@@ -85,9 +92,12 @@ def engine_layers(mode: str, fill: list[np.ndarray] | None = None) -> tuple[list
         out, how = [np.zeros(lay.layer_nbytes, np.uint8) for _ in range(lay.num_layers)], "numpy (no torch)"
     for buf, src in zip(out, fill or []):
         buf[:] = src
+    shared = share_all(out) if share else ()
     collapser = Collapser(out)
     collapser.done.wait()
-    return out, f"{how}, {collapser.collapsed / 1e6:.0f} of {lay.layer_nbytes * lay.num_layers / 1e6:.0f} MB collapsed"
+    total = lay.layer_nbytes * lay.num_layers / 1e6
+    got = f"{how}, {sum(r.nbytes for r in shared) / 1e6:.0f} of {total:.0f} MB shared, "
+    return out, shared, got + f"{collapser.collapsed / 1e6:.0f} MB collapsed"
 
 
 def route_spans(mode: str, seed: int, dst_ids: list[int]) -> np.ndarray:
@@ -105,11 +115,11 @@ def _prefill(mode: str, seed: int, dst_ids: list[int], conn: Any) -> None:
     from tiersync.disagg.spanio import gather
 
     lay, ids = layout(mode), block_ids(mode, seed)
-    layers, memory = engine_layers(mode, source_layers(mode, seed))
+    layers, shared, memory = engine_layers(mode, source_layers(mode, seed), share=True)
     spans = route_spans(mode, seed, dst_ids)
     raw = [gather(layer, spans[:, 0], spans[:, 2]) for layer in layers]
     listener = socket.create_server(("127.0.0.1", 0))
-    producer = KVProducer(lay, 0, DisaggConfig(token=TOKEN, timeout_s=120))
+    producer = KVProducer(lay, 0, DisaggConfig(token=TOKEN, timeout_s=120), shared=shared)
     import threading
 
     threading.Thread(target=_raw_server, args=(listener, raw), daemon=True).start()
@@ -147,7 +157,7 @@ class _Link:
         self.mode, self.conn, self.proc, self.address, self.route = mode, conn, proc, address, route
         self.layout = layout(mode)
         self.consumer = KVConsumer(self.layout, 0, DisaggConfig(token=TOKEN, route=route, timeout_s=120))
-        self.landing, self.memory = engine_layers(mode)
+        self.landing, _, self.memory = engine_layers(mode)
         self.n = 0
 
     def prepare(self) -> str:

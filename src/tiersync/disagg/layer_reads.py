@@ -24,6 +24,7 @@ from tiersync.net import events as ev
 from tiersync.net import local
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 from tiersync.net.service import Session
+from tiersync.tiers.shareable import SharedRegion, covering
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -79,8 +80,9 @@ class Route:
 class LayerReads:
     """Answers pulls of routes through ``layout``'s host layers (see the module doc)."""
 
-    def __init__(self, layout: PagedKVLayout, config: DisaggConfig) -> None:
+    def __init__(self, layout: PagedKVLayout, config: DisaggConfig, shared: Iterable[SharedRegion] = ()) -> None:
         self.config = config
+        self.shared = tuple(shared)  # memory same-host readers may map (named in LOCAL_REPLY)
         self.sums = BlockSums(layout, config.local_threads)
         self._lock = threading.Lock()
         self._staging: dict[tuple[int, int], np.ndarray] = {}  # (session id, slot) -> gather buffer
@@ -129,7 +131,8 @@ class LayerReads:
 
     def pull_local(self, session: Session, route: Route, event: KvPullLocal) -> ev.LocalReply:
         """Where the bytes are in this process, each region checksummed (the reader copies them
-        with ``process_vm_readv`` and verifies); many small spans are gathered first."""
+        out of a map of :attr:`shared` memory where one holds them all, else with
+        ``process_vm_readv``, and verifies); many small spans are gathered first."""
         if not session.info.same_host:
             raise Refused(Code.UNSUPPORTED, "KV_PULL_LOCAL from another host")
         view, offs, lens = self.spans(route, event.n, event.offset, event.length)
@@ -151,7 +154,7 @@ class LayerReads:
             )
         base = local.buffer_address(view)[0]
         regions = np.stack([offs.astype(np.uint64) + np.uint64(base), lens.astype(np.uint64), sums], axis=1)
-        return ev.LocalReply(event.request_id, os.getpid(), algo, regions)
+        return ev.LocalReply(event.request_id, os.getpid(), algo, regions, covering(self.shared, regions))
 
 
 def written_before_next(answer: object) -> Iterator[object]:

@@ -41,6 +41,7 @@ from tiersync.net import events as ev
 from tiersync.net import local
 from tiersync.net.server import TcpServer
 from tiersync.net.service import Service, Session
+from tiersync.tiers.shareable import SharedRegion, check_shared
 
 __all__ = ["KVProducer"]
 
@@ -51,7 +52,9 @@ Code = ev.ErrorCode
 class KVProducer(Service):
     """Serves registered requests on ``host:port`` (``port=0``: any free port, see
     :attr:`address`). ``layout`` is this TP group's geometry; ``rank`` this process's rank in
-    it. Thread-safe; close with :meth:`close` (or use as a context manager)."""
+    it. ``shared``: the layer buffers' memory same-host readers may map
+    (:func:`~tiersync.tiers.shareable.share_in_place`; they copy the rest with
+    ``process_vm_readv``). Thread-safe; close with :meth:`close` (or use as a context manager)."""
 
     vocabulary = KV
 
@@ -64,6 +67,7 @@ class KVProducer(Service):
         host: str = "127.0.0.1",
         port: int = 0,
         planner: ReshardPlanner | None = None,
+        shared: Iterable[SharedRegion] = (),
     ) -> None:
         self.config = check_side(layout, rank, config)
         self.layout, self.rank = layout, rank
@@ -75,7 +79,7 @@ class KVProducer(Service):
         self._progress = threading.Event()  # set when a request became final since the last poll
         self._closed = threading.Event()
         self._routes: dict[int, Route] = {}  # session id -> its open request
-        self._reads = LayerReads(layout, self.config)
+        self._reads = LayerReads(layout, self.config, check_shared(shared))
         self._sums = self._reads.sums
         self._server = TcpServer(f"{host}:{port}", self, self.config.tcp_config(server=True))
         self.address = self._server.address

@@ -265,9 +265,10 @@ class LocalReply:
     stay put while the lease holds; the reader verifies every checksum after its copy.
     ``regions`` is kept as a read-only ``(n, 3)`` uint64 array (a tuple of 3-tuples of ints is
     accepted): encoded, parsed and handed to the reader without Python work per region.
-    ``mapping``: ``(fd, address, nbytes)`` when every region lies in memory the reader may map
+    ``mapping``: ``(fd, address, nbytes)`` when regions lie in memory the reader may map
     instead (``pid``'s file descriptor ``fd``, a sealed memfd, backs ``[address, address +
-    nbytes)``: :mod:`tiersync.tiers.shareable`); a hint the reader checks, never trusts."""
+    nbytes)``: :mod:`tiersync.tiers.shareable`): those inside it are copied out of a map, the
+    others with ``process_vm_readv``; a hint the reader checks, never trusts."""
 
     OP: ClassVar[Op] = Op.LOCAL_REPLY
     request_id: int

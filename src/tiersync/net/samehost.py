@@ -13,7 +13,7 @@ unverified is ever reported as landed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -45,11 +45,12 @@ def local_copy(
         regions[:, 1], np.fromiter(map(len, dests), np.uint64, len(dests))
     ):
         raise ProtocolError("LOCAL_REPLY regions do not match the request", fault=ProtocolFault.MALFORMED, peer=peer)
-    sums = (
-        local.read_summed(reply.pid, regions[:, :2], dests, threads, _mapped(reply, maps, peer))
-        if reply.algo is PayloadChecksum.TSUM64
-        else None
-    )
+    found = _mapped(reply, maps, peer) if reply.algo is PayloadChecksum.TSUM64 else None
+
+    def read(rows: np.ndarray, mapped: local.Mapped | None) -> Sequence[int] | None:
+        return local.read_summed(reply.pid, regions[rows, :2], [dests[i] for i in rows], threads, mapped)
+
+    sums = _split(read, len(regions), found) if reply.algo is PayloadChecksum.TSUM64 else None
     if sums is None:  # no native reader, or another algorithm: copy, then a second pass
         local.read_remote(reply.pid, regions[:, :2], dests)
         sums = [payload_checksum(reply.algo, d) for d in dests]
@@ -71,12 +72,14 @@ def local_copy_at(
     regions = reply.regions
     if len(regions) != len(offsets):
         raise ProtocolError("LOCAL_REPLY regions do not match the request", fault=ProtocolFault.MALFORMED, peer=peer)
-    if (
-        reply.algo is not PayloadChecksum.TSUM64
-        or (sums := local.read_summed_at(reply.pid, regions[:, :2], dest, offsets, threads, _mapped(reply, maps, peer)))
-        is None
-    ):
-        view = memoryview(dest.data).cast("B")  # no native reader, or another algorithm: one view per region
+    found = _mapped(reply, maps, peer) if reply.algo is PayloadChecksum.TSUM64 else None
+
+    def read(rows: np.ndarray, mapped: local.Mapped | None) -> Sequence[int] | None:
+        return local.read_summed_at(reply.pid, regions[rows, :2], dest, offsets[rows], threads, mapped)
+
+    sums = _split(read, len(regions), found) if reply.algo is PayloadChecksum.TSUM64 else None
+    if sums is None:  # no native reader, or another algorithm: one view per region
+        view = memoryview(dest.data).cast("B")
         lengths = regions[:, 1].tolist()
         return local_copy(reply, [view[o : o + n] for o, n in zip(offsets.tolist(), lengths)], peer, threads, maps, pid)
     _verify(sums, regions, peer)
@@ -91,17 +94,38 @@ def _check(reply: object, peer: str, pid: int | None) -> ev.LocalReply:
     return reply
 
 
-def _mapped(reply: ev.LocalReply, maps: SharedMaps | None, peer: str) -> local.Mapped | None:
-    """A map of the memory ``reply`` names, when it names one, every region lies inside it and
-    ``maps`` can open it; else None (``process_vm_readv``)."""
+def _mapped(reply: ev.LocalReply, maps: SharedMaps | None, peer: str) -> tuple[local.Mapped, np.ndarray] | None:
+    """A map of the memory ``reply`` names and which regions lie inside it (copied out of the
+    map; the others with ``process_vm_readv``), when it names one that holds a region and
+    ``maps`` can open it; else None."""
     if maps is None or reply.mapping is None or not len(reply.regions):
         return None
     _, start, nbytes = reply.mapping
     regions = reply.regions
     ends = regions[:, 0] + regions[:, 1]  # uint64: a wrapped end is below its start
-    if int(regions[:, 0].min()) < start or (ends < regions[:, 0]).any() or int(ends.max()) > start + nbytes:
-        raise ProtocolError("LOCAL_REPLY region outside its mapping", fault=ProtocolFault.MALFORMED, peer=peer)
-    return maps.map(reply.pid, reply.mapping)
+    if (ends < regions[:, 0]).any():
+        raise ProtocolError("LOCAL_REPLY region wraps around", fault=ProtocolFault.MALFORMED, peer=peer)
+    inside = (regions[:, 0] >= np.uint64(start)) & (ends <= np.uint64(start) + np.uint64(nbytes))
+    mapped = maps.map(reply.pid, reply.mapping) if inside.any() else None
+    return None if mapped is None else (mapped, inside)
+
+
+def _split(
+    read: Callable[[np.ndarray, local.Mapped | None], Sequence[int] | None],
+    count: int,
+    found: tuple[local.Mapped, np.ndarray] | None,
+) -> Sequence[int] | None:
+    """Every region's sum from ``read(rows, mapped)``: the rows inside the map out of it, the
+    rest with ``process_vm_readv`` (``mapped`` None); None where the native reader is absent."""
+    if found is None or found[1].all():
+        return read(np.arange(count), None if found is None else found[0])
+    inside = found[1]
+    mapped_sums, other_sums = read(np.flatnonzero(inside), found[0]), read(np.flatnonzero(~inside), None)
+    if mapped_sums is None or other_sums is None:
+        return None
+    sums = np.empty(count, np.uint64)
+    sums[inside], sums[~inside] = mapped_sums, other_sums
+    return sums.tolist()
 
 
 def _verify(sums: Sequence[int], regions: np.ndarray, peer: str) -> None:

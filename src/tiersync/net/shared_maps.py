@@ -36,7 +36,7 @@ class SharedMaps:
     """The maps one reader holds (at most :attr:`LIMIT`, oldest closed first). Thread-safe;
     after :meth:`close` nothing is mapped any more (:meth:`map` answers None)."""
 
-    LIMIT = 16
+    LIMIT = 128  # an engine's shared KV is one memfd per layer tensor: a whole model's stays mapped
     REFUSALS = 256  # files remembered as unmappable (then forgotten all at once)
 
     def __init__(self) -> None:

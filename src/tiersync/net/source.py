@@ -29,14 +29,13 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from tiersync.errors import UsageError
 from tiersync.net import events as ev
 from tiersync.net import local
 from tiersync.net import store_ops as so
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 from tiersync.net.partials import ChangedBlock, PartialSums
 from tiersync.net.service import Service, Session
-from tiersync.tiers.shareable import SharedRegion
+from tiersync.tiers.shareable import SharedRegion, check_shared, covering
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -102,11 +101,9 @@ class BlockService(Service):
         self._held: dict[Session, set[int]] = {}
         self._held_lock = threading.Lock()
         self._partials = PartialSums()  # a PULL_MANY of whole blocks: its checksum composed from theirs
-        self.shared = tuple(shared)
+        self.shared = check_shared(shared)
         """This process's memory that same-host readers may map (``HostArena.shared`` of host
         arenas made ``shareable``); UsageError naming ``shared`` for anything else."""
-        if not all(isinstance(r, SharedRegion) for r in self.shared):
-            raise UsageError("must be SharedRegions (HostArena.shared)", argument="shared")
 
     # -- what a block server implements -------------------------------------------------------
     def lease(self, req: so.ReadLease) -> so.LeaseReply:
@@ -218,15 +215,7 @@ class BlockService(Service):
         if not session.info.same_host:
             raise BlockError(ev.ErrorCode.UNSUPPORTED, "PULL_LOCAL from another host")
         regions = self.regions(req.lease_id, req.items)
-        return ev.LocalReply(req.request_id, os.getpid(), SUPPORTED[0], regions, self._mapping(regions))
-
-    def _mapping(self, regions: np.ndarray) -> tuple[int, int, int] | None:
-        """The one shared region holding every range, as LOCAL_REPLY names it, or None."""
-        if not self.shared or not len(regions):
-            return None
-        start, end = int(regions[:, 0].min()), int((regions[:, 0] + regions[:, 1]).max())
-        region = next((r for r in self.shared if r.covers(start, end)), None)
-        return None if region is None else (region.fd, region.address, region.nbytes)
+        return ev.LocalReply(req.request_id, os.getpid(), SUPPORTED[0], regions, covering(self.shared, regions))
 
     def opened(self, session: Session) -> None:
         if session.info.same_host and self.private_memory:

@@ -45,6 +45,11 @@ key                  meaning (default)
 ``huge_pages``       prefill->decode: collapse the engine's KV tensors into transparent huge
                      pages in the background once registered (Linux 6.1+, best effort; the
                      same-host copy ran 1.3-1.6x faster out of them) (True)
+``share_kv``         prefill->decode, producer: back the engine's KV tensors by sealed memfds
+                     once registered (same addresses, same bytes) so a decode engine on this
+                     host maps them and copies at memory speed instead of through
+                     ``process_vm_readv``; any process of the same user may then read them,
+                     and they get no huge pages where shmem has none (True)
 ===================  =========================================================================
 """
 
@@ -78,6 +83,7 @@ _KEYS = {
     "pd_token_file",
     "pd_route",
     "huge_pages",
+    "share_kv",
 }
 _KINDS = {
     "host_bytes": "size",
@@ -86,6 +92,7 @@ _KINDS = {
     "load_timeout_s": "float",
     "async_disk_loads": "bool",
     "huge_pages": "bool",
+    "share_kv": "bool",
 }  # how a string value of these keys is read; the others are strings
 _EXPECTED = {
     "size": "must be a size such as 4GiB, or a number of bytes",
@@ -114,6 +121,7 @@ class ConnectorConfig:
     pd_token: str | bytes | None = None
     pd_route: str = "auto"
     huge_pages: bool = True
+    share_kv: bool = True
 
     def __post_init__(self) -> None:
         check_positive_int(self.host_bytes, "kv_connector_extra_config.host_bytes")
@@ -127,7 +135,7 @@ class ConnectorConfig:
         t = self.load_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise UsageError("must be a positive number", argument="kv_connector_extra_config.load_timeout_s")
-        for name in ("async_disk_loads", "huge_pages"):
+        for name in ("async_disk_loads", "huge_pages", "share_kv"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(
                     "must be true or false", argument=f"kv_connector_extra_config.{name}", value=getattr(self, name)

@@ -61,4 +61,5 @@ def build_pd(
         host=cfg.pd_host,
         port=cfg.pd_port + rank if producer else 0,
         huge_pages=cfg.huge_pages,
+        share_kv=cfg.share_kv,
     )

@@ -1,0 +1,173 @@
+"""Memory other processes of this host can map (tiersync.tiers.shareable): share_in_place,
+share_all, check_shared, covering."""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tiersync.errors import UsageError
+from tiersync.tiers.shareable import NEEDED_SEALS, SharedRegion, check_shared, covering, share_all, share_in_place
+
+PAGE = mmap.PAGESIZE
+
+# Another process maps /proc/<pid>/fd/<fd> read-only, prints tsum-free facts about it, then
+# prints what it sees at an offset each time it is asked (the owner writes in between).
+_READER = """
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+os.close(fd)
+print(len(m), m[: int(sys.argv[2])].hex(), flush=True)
+for line in sys.stdin:
+    at = int(line)
+    print(m[at], flush=True)
+"""
+
+
+def _torch_like(nbytes: int, offset: int = 64) -> np.ndarray:
+    """A buffer that starts ``offset`` bytes into a page, as torch's CPU allocator hands them
+    out, in memory of its own (a fresh anonymous map: no page of it was ever shared)."""
+    base = np.frombuffer(mmap.mmap(-1, nbytes + 2 * PAGE, flags=mmap.MAP_PRIVATE), np.uint8)
+    return base[offset : offset + nbytes]
+
+
+def test_share_in_place_backs_the_whole_pages_by_a_sealed_memfd_another_process_maps():
+    """The buffer keeps its bytes and addresses; its whole pages (not the partial ones at
+    either end) are now a sealed memfd that another process maps and sees the owner's later
+    writes through: the buffer's memory is the file. Sealed: it cannot shrink or grow."""
+    buf = _torch_like(40 * PAGE + 100)
+    buf[:] = np.random.default_rng(3).integers(0, 256, buf.size, dtype=np.uint8)
+    before, address = buf.copy(), buf.ctypes.data
+    region = share_in_place(buf)
+    try:
+        assert isinstance(region, SharedRegion)
+        assert region.address == -(-address // PAGE) * PAGE and region.address % PAGE == 0
+        assert region.address + region.nbytes == (address + buf.size) // PAGE * PAGE
+        assert buf.ctypes.data == address and np.array_equal(buf, before)
+        assert fcntl.fcntl(region.fd, fcntl.F_GET_SEALS) & NEEDED_SEALS == NEEDED_SEALS
+        with pytest.raises(OSError):
+            os.ftruncate(region.fd, region.nbytes // 2)
+        at = region.address - address  # the buffer's index of the region's first byte
+        child = subprocess.Popen(
+            [sys.executable, "-c", _READER, f"/proc/{os.getpid()}/fd/{region.fd}", "16"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            size, head = child.stdout.readline().split()
+            assert int(size) == region.nbytes and bytes.fromhex(head) == buf[at : at + 16].tobytes()
+            for i in (0, 5 * PAGE + 7, region.nbytes - 1):
+                buf[at + i] = (int(buf[at + i]) + 1) % 256
+                child.stdin.write(f"{i}\n")
+                child.stdin.flush()
+                assert int(child.stdout.readline()) == buf[at + i]
+        finally:
+            child.stdin.close()
+            child.wait(30)
+    finally:
+        if region is not None:
+            os.close(region.fd)
+    buf[:] = 9  # the memory stays the process's once the descriptor is gone
+    assert (buf == 9).all()
+
+
+def test_a_large_buffer_is_shared_piece_by_piece_with_every_byte_kept(monkeypatch):
+    """Pieces copied and mapped one after another (a small piece here: 5 of them and a
+    partial one) keep every byte, each piece at its own offset."""
+    from tiersync.tiers import shareable
+
+    monkeypatch.setattr(shareable, "_PIECE", 3 * PAGE)
+    buf = _torch_like(17 * PAGE)  # 64 bytes into a page: 16 whole pages
+    buf[:] = np.random.default_rng(4).integers(0, 256, buf.size, dtype=np.uint8)
+    before = buf.copy()
+    region = share_in_place(buf)
+    assert region is not None and region.nbytes == 16 * PAGE
+    with open(f"/proc/self/fd/{region.fd}", "rb") as f:
+        content = f.read()
+    os.close(region.fd)
+    at = region.address - buf.ctypes.data
+    assert np.array_equal(buf, before) and content == buf[at : at + region.nbytes].tobytes()
+
+
+def test_what_cannot_be_shared_is_left_alone_and_bad_buffers_are_refused():
+    """No whole page inside: None, nothing changed. A read-only buffer, a non-contiguous one
+    or no buffer at all: UsageError naming the argument."""
+    small = _torch_like(PAGE, offset=64)  # spans two pages, covers neither
+    small[:] = 5
+    assert share_in_place(small) is None and (small == 5).all()
+    readonly = np.zeros(4 * PAGE, np.uint8)
+    readonly.flags.writeable = False
+    for bad, reason in ((readonly, "writable"), (np.zeros((64, 64), np.uint8)[:, ::2], "contiguous"), (5, "buffer")):
+        with pytest.raises(UsageError, match=reason) as exc:
+            share_in_place(bad, "kv_caches[3]")
+        assert exc.value.argument == "kv_caches[3]"
+
+
+def test_share_all_shares_each_memory_once_and_checks_every_buffer_first():
+    """Two views of one buffer are shared once; a bad item is refused, naming it, before
+    anything is shared."""
+    pool = _torch_like(32 * PAGE)
+    pool[:] = 1
+    other = _torch_like(8 * PAGE)
+    with pytest.raises(UsageError) as exc:
+        share_all([pool, b"read-only bytes"], "kv_caches")
+    assert exc.value.argument == "kv_caches[1]"
+    assert not _is_shared(pool)  # the first was not touched
+    regions = share_all([pool, pool[: 16 * PAGE], other])  # the view lies in what pool shared
+    try:
+        assert len(regions) == 2 and _is_shared(pool) and _is_shared(other)
+        assert regions[1].address == -(-other.ctypes.data // PAGE) * PAGE
+    finally:
+        for r in regions:
+            os.close(r.fd)
+
+
+def _is_shared(buf: np.ndarray) -> bool:
+    """True when the page holding the buffer's middle is a shared map of a memfd (/proc/self/maps)."""
+    middle = buf.ctypes.data + buf.size // 2
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= middle < hi:
+                return perms.endswith("s") and "/memfd:tiersync" in line
+    return False
+
+
+def test_covering_names_the_region_holding_most_rows_and_check_shared_refuses_others():
+    a, b = SharedRegion(10, 0x10000, 0x10000), SharedRegion(11, 0x40000, 0x10000)
+    rows = np.array([[0x40000, 16, 0], [0x40100, 16, 0], [0x10000, 16, 0], [0x3FFF0, 32, 0]], np.uint64)
+    assert covering((a, b), rows) == (11, 0x40000, 0x10000)  # two rows inside b, one inside a
+    assert covering((a,), rows[:1]) is None and covering((a, b), rows[:0]) is None
+    assert covering((a, b), rows[3:]) is None  # straddles b's start: inside neither
+    assert check_shared([a, b]) == (a, b)
+    with pytest.raises(UsageError) as exc:
+        check_shared([a, (1, 2, 3)])
+    assert exc.value.argument == "shared"
+
+
+def test_zeroed_pieces_are_left_holes_that_read_as_zeros(monkeypatch):
+    """A zeroed buffer (an engine's fresh KV cache) is shared without copying: the memfd holds
+    no page of it until one is touched, and reads as zeros; a piece with one byte set is copied."""
+    from tiersync.tiers import shareable
+
+    monkeypatch.setattr(shareable, "_PIECE", 4 * PAGE)
+    buf = _torch_like(33 * PAGE)
+    buf[:] = 0
+    buf[-(5 * PAGE)] = 7  # one byte in the last whole piece
+    region = shareable.share_in_place(buf)
+    assert region is not None
+    try:
+        st = os.fstat(region.fd)
+        assert st.st_size == 32 * PAGE and st.st_blocks * 512 == 4 * PAGE  # the one piece copied
+        assert buf[-(5 * PAGE)] == 7 and np.count_nonzero(buf) == 1
+    finally:
+        os.close(region.fd)
