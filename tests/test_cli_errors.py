@@ -121,6 +121,18 @@ def test_port_out_of_range_names_port(command, host_flag):
             "--timeout-s",
             ": timeout_s:",
         ),
+        (
+            ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "0"]
+            + ["--max-body", "512MiB"],
+            "--max-body",
+            ": max_body:",
+        ),
+        (
+            ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "0"]
+            + ["--max-connections", "0"],
+            "--max-connections",
+            ": max_connections:",
+        ),
     ],
 )
 def test_bad_value_names_the_flag_not_the_field(args, flag, internal):

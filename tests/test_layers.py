@@ -22,7 +22,7 @@ LAYERS = [
     {"disagg", "weights"},
     {"integrations", "bench", "demo"},
     {"cli_servers", "cli_shm", "cli_tls"},
-    {"cli_store_node"},
+    {"cli_store_node", "cli_router"},
     {"cli"},
     {"__main__"},
 ]

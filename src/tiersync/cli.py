@@ -151,6 +151,10 @@ def _add_router(sub: Any) -> None:
     r.add_argument("--port", type=_port, required=True, help="TCP port (0 picks one; printed)")
     r.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     r.add_argument("--timeout-s", type=_seconds, default=600.0, help="bound of one upstream request (default 600)")
+    r.add_argument("--client-timeout-s", type=_seconds, default=30.0, help="a client's whole request (default 30)")
+    r.add_argument("--max-body", type=_size, default="64MiB", help="largest request accepted (default 64MiB)")
+    r.add_argument("--max-bodies", type=_size, default="256MiB", help="request bytes held at once (default 256MiB)")
+    r.add_argument("--max-connections", type=_count, default=256, help="clients served at once (default 256)")
     r.set_defaults(func=cmd_router)
 
 
@@ -174,6 +178,12 @@ def _seconds(text: str) -> float:
     if not 0 < value < 1e9:  # nan and inf too: they break every timer they reach
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (finite), not {text!r}")
     return value
+
+
+def _count(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}")
+    return int(text)
 
 
 def _size(text: str) -> str:
@@ -318,28 +328,9 @@ def cmd_registry(args: argparse.Namespace) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    import threading
+    from tiersync.cli_router import run_router
 
-    from tiersync.integrations.router import Router, RouterConfig
-
-    config = RouterConfig(tuple(args.prefill), tuple(args.decode), timeout_s=args.timeout_s)
-    stop = stop_on_sigterm()
-    with starting(args):
-        router = Router(config, args.host, args.port)
-    print(
-        f"tiersync router listening on {router.address} (prefill {', '.join(config.prefill)}; "
-        f"decode {', '.join(config.decode)})",
-        flush=True,
-    )
-    thread = threading.Thread(target=router.serve_forever, name="tiersync-router", daemon=True)
-    thread.start()
-    try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        router.close()
-    return stopped(args, 0)
+    return run_router(args)
 
 
 # -- entry point -------------------------------------------------------------
