@@ -349,27 +349,36 @@ def test_an_http_1_0_client_gets_its_answer_unframed(stack):
     assert rest == b'{"choices": [{"text": "x"}]}'
 
 
-def test_a_streaming_client_that_left_before_its_stream_began_still_releases_the_prefill(stack):
+@pytest.mark.parametrize(
+    ("path", "stream"), [("/v1/completions", True), ("/v1/completions", False), ("/v1/chat/completions", True)]
+)
+def test_a_client_gone_once_the_prefill_answered_still_has_decode_take_the_kv(stack, path, stream):
     """The prefill engine keeps a prompt's KV until a decode engine pulls it (or its timeout):
-    a client gone before the router wrote its first byte ended the request with no decode
-    call, so the KV stayed pinned; clients doing that again and again fill the prefill's cache.
-    Decode is still asked for one token (its answer dropped), so it pulls the KV."""
+    a client gone before the router asked decode ended the request with no decode call, so the
+    KV stayed pinned; clients doing that again and again fill the prefill's cache. Decode is
+    still asked for one token (its answer dropped), so it pulls the KV. The client leaves (a
+    reset) just as the prefill's answer is read: held there until the router saw it go."""
     import struct
 
-    client_gone = threading.Event()
+    router, prefill, decode = stack(prefill_answer=_first_token_prefill())
+    leave, real = threading.Event(), router.ask
 
-    def prefill_answer(body):
-        client_gone.wait(10)  # answer only once the client has reset its connection
-        return _first_token_prefill()(body)
+    def ask(url, path, body, hangup=None):
+        out = real(url, path, body, hangup)
+        if url == prefill.url:  # the prefill answered: now the client leaves
+            leave.set()
+            assert wait_until(lambda: hangup.fired)
+        return out
 
-    router, _, decode = stack(prefill_answer=prefill_answer)
+    router.ask = ask
     host, port = router.address.split(":")
-    body = json.dumps({"prompt": "hi", "max_tokens": 5, "min_tokens": 3, "stream": True, "stream_options": {}}).encode()
+    body = {"prompt": "hi", "messages": [], "max_tokens": 5, "min_tokens": 3, "stream": stream, "stream_options": {}}
+    data = json.dumps(body).encode()
     client = socket.create_connection((host, int(port)), timeout=10)
-    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    client.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (path.encode(), len(data)) + data)
+    assert leave.wait(10)
     client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    client.close()  # an RST: the router's first write to it fails
-    client_gone.set()
+    client.close()  # a reset
     assert wait_until(lambda: len(decode.seen) == 1)
     ask = decode.seen[0][1]
     assert ask["max_tokens"] == 1 and not {"stream", "stream_options", "min_tokens"} & set(ask)  # vLLM: min <= max
@@ -401,3 +410,52 @@ def test_config_names_the_bad_argument():
         with pytest.raises(UsageError) as ei:
             RouterConfig(**kwargs)
         assert ei.value.argument == argument
+
+
+class _Holding:
+    """An upstream that reads a request and never answers; ``gone`` is set once the router
+    closes or shuts down its connection (as vLLM's server sees its client leave)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.asked, self.gone = threading.Event(), threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.settimeout(60)
+            while conn.recv(65536):
+                self.asked.set()
+            self.gone.set()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("held", ["prefill", "decode"])
+@pytest.mark.parametrize("path", [b"/v1/completions", b"/v1/chat/completions"])
+def test_a_client_that_leaves_a_non_streamed_request_ends_its_upstream_call(held, path):
+    """A non-streamed answer is written only once whole, so no write tells the router its client
+    left: the client's hangup itself ends the upstream call (vLLM then aborts the request), on
+    the first-token path and the relayed one. Before, the call ran until timeout_s (600 s)."""
+    holding = _Holding()
+    answers = Upstream(lambda b: json.dumps({"choices": [{"token_ids": [7]}], "kv_transfer_params": PARAMS}).encode())
+    urls = (holding.url, answers.url) if held == "prefill" else (answers.url, holding.url)
+    router = Router(RouterConfig((urls[0],), (urls[1],)))
+    threading.Thread(target=router.serve_forever, daemon=True).start()
+    try:
+        host, port = router.address.split(":")
+        body = json.dumps({"prompt": [1, 2, 3], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+        client = socket.create_connection((host, int(port)), timeout=10)
+        client.sendall(
+            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (path, len(body), body.encode())
+        )
+        assert holding.asked.wait(10)  # the held upstream has the request
+        client.close()
+        assert holding.gone.wait(10)
+    finally:
+        router.close()
+        holding.close()
+        answers.close()

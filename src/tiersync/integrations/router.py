@@ -30,7 +30,10 @@ its next one, must arrive within ``client_timeout_s`` (:mod:`~tiersync.integrati
 a per-recv timeout let one byte now and then hold a slot for good); writes to a client have the
 upstream timeout; at most ``max_connections`` clients are served at once (more get 503). An
 HTTP/1.0 client gets streamed answers unframed, ended by closing the connection. An upstream
-that answers no HTTP at all is a 502 too.
+that answers no HTTP at all is a 502 too. A client that hangs up ends the upstream call it
+waits for (:mod:`~tiersync.integrations.hangup`: vLLM then aborts the request); one gone once
+the prefill answered still has decode take the prompt's KV (one token, dropped), or the
+prefill engine would hold it until its timeout.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from typing import Any
 from tiersync.errors import UsageError
 from tiersync.integrations import first_token
 from tiersync.integrations.client_reads import DeadlineReader
+from tiersync.integrations.hangup import Hangup, Hangups, opener
 from tiersync.integrations.router_config import RouterConfig
 
 __all__ = ["Router", "RouterConfig"]
@@ -77,6 +81,7 @@ class Router:
         self._prefill, self._decode = itertools.cycle(config.prefill), itertools.cycle(config.decode)
         self._turn = threading.Lock()
         self._held, self._held_lock = 0, threading.Lock()  # request body bytes being served
+        self.hangups, self._opener = Hangups(), opener()
         self._http = _HTTPServer((host, port), _Handler)
         self._http.router = self
         self._http.slots = threading.BoundedSemaphore(config.max_connections)
@@ -88,6 +93,7 @@ class Router:
     def close(self) -> None:
         self._http.shutdown()
         self._http.server_close()
+        self.hangups.close()
 
     def hold(self, nbytes: int) -> bool:
         """Take ``nbytes`` of the ``max_bodies`` budget for a request's body; False when full."""
@@ -105,15 +111,15 @@ class Router:
         with self._turn:
             return next(self._prefill), next(self._decode)
 
-    def prefill(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    def prefill(self, url: str, path: str, body: dict[str, Any], hangup: Hangup | None) -> dict[str, Any] | None:
         """Run the prompt on prefill server ``url``: the ``kv_transfer_params`` it returned."""
-        params = self.ask(url, path, first_token.prefill_body(body)).get("kv_transfer_params")
+        params = self.ask(url, path, first_token.prefill_body(body), hangup).get("kv_transfer_params")
         return params if isinstance(params, dict) else None
 
-    def ask(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def ask(self, url: str, path: str, body: dict[str, Any], hangup: Hangup | None = None) -> dict[str, Any]:
         """POST ``body`` to ``url + path``: the JSON object it answered. _Upstream otherwise."""
         try:
-            with self.call(url, path, body) as answer:
+            with self.call(url, path, body, hangup) as answer:
                 raw = answer.read(self.config.max_body + 1)
         except (OSError, http.client.HTTPException) as exc:  # the answer broke off
             raise _Upstream(502, f"{url} failed mid-answer: {exc!r}") from None
@@ -125,12 +131,14 @@ class Router:
             raise _Upstream(502, f"{url} answered {path} with no JSON object")
         return parsed
 
-    def call(self, url: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        """POST ``body`` (GET without one) to ``url + path``; the open response. _Upstream on failure."""
+    def call(self, url: str, path: str, body: dict[str, Any] | None = None, hangup: Hangup | None = None) -> Any:
+        """POST ``body`` (GET without one) to ``url + path``; the open response. _Upstream on
+        failure. ``hangup``: the client's, which ends the call when the client leaves."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+        request.hangup = hangup  # type: ignore[attr-defined]
         try:
-            return urllib.request.urlopen(request, timeout=self.config.timeout_s)
+            return self._opener.open(request, timeout=self.config.timeout_s)
         except urllib.error.HTTPError as exc:
             try:
                 detail = exc.read(500).decode(errors="replace")
@@ -172,6 +180,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server: _HTTPServer
+    _hangup: Hangup | None = None  # a generation request's client's (hangup.py)
 
     def setup(self) -> None:
         self.timeout = self.server.router.config.timeout_s  # a client that stalls a write is dropped
@@ -201,8 +210,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = self._body(n)
             if body is not None:
-                self._generate(body)
+                with router.hangups.watch(self.connection) as self._hangup:
+                    self._generate(body)
         finally:
+            self._hangup = None
             router.unhold(n)
 
     def _generate(self, body: dict[str, Any]) -> None:
@@ -213,15 +224,19 @@ class _Handler(BaseHTTPRequestHandler):
         body.pop("kv_transfer_params", None)  # only the prefill server's reach decode
         max_tokens = first_token.plan(self.path, body)
         if max_tokens == 1:  # the prefill server's token is the whole answer
-            return self._relay(lambda: router.call(prefill, self.path, body))
+            return self._relay(lambda: router.call(prefill, self.path, body, self._hangup))
         if max_tokens is not None:
             return self._first_token(prefill, decode, body, max_tokens)
 
         def run() -> Any:
-            params = router.prefill(prefill, self.path, body)
+            params = router.prefill(prefill, self.path, body, self._hangup)
+            if params is not None and self._left():  # it answered as the client left
+                self._release(decode, {**body, "kv_transfer_params": params})
+                raise _Upstream(499, "the client left")
             if params is None:
                 log.warning("prefill %s returned no kv_transfer_params: decode computes the prompt", prefill)
-            return router.call(decode, self.path, {**body, "kv_transfer_params": params} if params else body)
+            ask = {**body, "kv_transfer_params": params} if params else body
+            return router.call(decode, self.path, ask, self._hangup)
 
         self._relay(run)
 
@@ -229,7 +244,7 @@ class _Handler(BaseHTTPRequestHandler):
         """The first-token flow (module docstring)."""
         router = self.server.router
         try:
-            answer = router.ask(prefill, self.path, first_token.prefill_body(body))
+            answer = router.ask(prefill, self.path, first_token.prefill_body(body), self._hangup)
         except _Upstream as exc:
             return self._error(exc.status, str(exc))
         first, params = first_token.first_of(answer), answer.get("kv_transfer_params")
@@ -237,17 +252,19 @@ class _Handler(BaseHTTPRequestHandler):
         if first is None or not isinstance(params, dict):
             log.warning("prefill %s returned no first token or kv_transfer_params: decode computes the prompt", prefill)
             ask = {**body, "kv_transfer_params": params} if isinstance(params, dict) else body
-            return self._relay(lambda: router.call(decode, self.path, ask))
+            return self._relay(lambda: router.call(decode, self.path, ask, self._hangup))
         if first.finish_reason != "length":
             if stream:
                 usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
                 return self._send(200, "text/event-stream", first_token.alone_events(first, want_ids, bool(usage)))
             return self._send(200, "application/json", json.dumps(first_token.alone(first, want_ids)).encode())
         ask = first_token.decode_body(body, first, max_tokens, params)
+        if self._left():  # it answered as the client left
+            return self._release(decode, ask)
         if stream:
             return self._stream(decode, ask, first_token.StreamFixer(first, want_ids))
         try:
-            merged = first_token.merge(first, router.ask(decode, self.path, ask), want_ids)
+            merged = first_token.merge(first, router.ask(decode, self.path, ask, self._hangup), want_ids)
         except _Upstream as exc:
             return self._error(exc.status, str(exc))
         except ValueError as exc:
@@ -265,7 +282,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._release(decode, ask)
         try:
             try:
-                upstream = self.server.router.call(decode, self.path, ask)
+                upstream = self.server.router.call(decode, self.path, ask, self._hangup)
             except _Upstream as exc:  # the answer has begun: end it with an error event
                 self._chunk(first_token.event({"error": {"message": str(exc), "code": exc.status}}))
                 self._chunk(b"data: [DONE]\n\n")
@@ -275,6 +292,10 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError as exc:
             log.info("router: stream to %s ended: %s", self.client_address[0], exc)
             self.close_connection = True
+
+    def _left(self) -> bool:
+        """The client hung up (its upstream calls are ended: :mod:`~tiersync.integrations.hangup`)."""
+        return self._hangup is not None and self._hangup.fired
 
     def _release(self, decode: str, ask: dict[str, Any]) -> None:
         """The client left before decode was asked: decode still takes the prompt's KV (one
@@ -355,6 +376,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
 
     def _send(self, status: int, content_type: str, data: bytes) -> None:
+        if self._left():  # nobody to answer: its calls were ended
+            log.info("router: %s left before its answer", self.client_address[0])
+            self.close_connection = True
+            return
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
