@@ -7,6 +7,7 @@ request (n > 1 samples, a router's retry). Prints one JSON object."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -96,5 +97,47 @@ def one_prefill_two_reads() -> dict:
     return {"done": sorted(done), "failed": sorted(failed), "load_errors": errors, "exact": exact}
 
 
+def _in_memfd(address: int) -> bool:
+    """The page at ``address`` is a shared map of one of tiersync's memfds."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            low, high = (int(x, 16) for x in line.split()[0].split("-"))
+            if low <= address < high:
+                return "/memfd:tiersync" in line and line.split()[1].endswith("s")
+    return False
+
+
+def shares() -> dict:
+    """share_kv: a producer's KV tensors (2.5 MB, as vLLM allocates them) are backed by memfds
+    once registered, their bytes kept; closing the worker closes the memfds."""
+    big = PagedKVLayout(
+        num_layers=2, num_kv_heads=8, head_dim=128, block_size=16, num_blocks=40, dtype="float16",
+        tp_size=1, order=KVOrder.HEAD_MAJOR,
+    )  # fmt: skip
+    out = {}
+    for share in (True, False):
+        caches = {f"l{i}": torch.randint(-9, 9, (big.layer_nbytes // 2,), dtype=torch.int16) for i in range(2)}
+        before = [c.clone() for c in caches.values()]
+        worker = PDWorker(
+            producer=True, layout=big, rank=0, config=DisaggConfig(token=TOKEN), host="127.0.0.1", port=0,
+            share_kv=share,
+        )  # fmt: skip
+        worker.register(caches)
+        fds = [r.fd for r in worker._shared]
+        memfd = [_in_memfd(c.data_ptr() + c.nbytes // 2) for c in caches.values()]
+        kept = all(torch.equal(a, b) for a, b in zip(caches.values(), before))
+        worker.close()
+        out[str(share)] = {"fds": len(fds), "memfd": memfd, "kept": kept, "closed": [_closed(fd) for fd in fds]}
+    return out
+
+
+def _closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
 if __name__ == "__main__":
-    print(json.dumps(main() | {"one_prefill_two_reads": one_prefill_two_reads()}))
+    print(json.dumps(main() | {"one_prefill_two_reads": one_prefill_two_reads(), "shares": shares()}))

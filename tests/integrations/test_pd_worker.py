@@ -33,3 +33,12 @@ def test_two_decode_requests_naming_one_prefill_request_are_each_reported_as_the
     got = answers["one_prefill_two_reads"]
     assert got["done"] == ["A", "B"] and got["failed"] == ["B"]
     assert got["load_errors"] == [2, 3] and got["exact"] is True
+
+
+def test_a_producer_shares_its_kv_tensors_and_closes_their_memfds(answers):
+    """share_kv (the default): the tensors' memory is a shared map of a tiersync memfd once
+    registered, every byte kept; the memfds are closed when the worker closes. share_kv=False
+    leaves the tensors private."""
+    got = answers["shares"]
+    assert got["True"] == {"fds": 2, "memfd": [True, True], "kept": True, "closed": [True] * 2}
+    assert got["False"] == {"fds": 0, "memfd": [False, False], "kept": True, "closed": []}

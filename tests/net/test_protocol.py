@@ -353,22 +353,22 @@ def test_local_reply_regions_travel_as_one_array_and_are_checked():
 
 
 def test_local_reply_mapping_travels_and_a_bad_one_is_refused():
-    """LOCAL_REPLY's optional mapping (fd, address, nbytes) survives the wire; a malformed one
+    """LOCAL_REPLY's optional mapping (fd, address, nbytes, offset) survives the wire; a malformed one
     is refused naming ``mapping`` when built and MALFORMED when parsed (a flag other than 0 or
     1, or a truncated mapping)."""
     from tiersync.net.codec import MetaReader
 
     client, server = ready_pair(SUPPORTED[0])
     deliver(client, server, so.PullLocal(6, 1, ((b"k" * 16, 0, 10),)))
-    sent = ev.LocalReply(6, 1234, SUPPORTED[0], ((1 << 40, 10, 5),), (7, 1 << 40, 1 << 30))
+    sent = ev.LocalReply(6, 1234, SUPPORTED[0], ((1 << 40, 10, 5),), (7, 1 << 40, 1 << 30, 1 << 20))
     [got] = feed(client, b"".join(bytes(b) for b in server.send(sent)), [5, 90])
-    assert got == sent and got.mapping == (7, 1 << 40, 1 << 30)
+    assert got == sent and got.mapping == (7, 1 << 40, 1 << 30, 1 << 20)
     assert got != ev.LocalReply(6, 1234, SUPPORTED[0], ((1 << 40, 10, 5),))
-    for bad in ((1, 2), (1, 2, -1), [1, 2, 3], (1, 2, "3")):
+    for bad in ((1, 2, 3), (1, 2, 3, -1), [1, 2, 3, 4], (1, 2, 3, "4")):
         with pytest.raises(UsageError) as exc:
             ev.LocalReply(6, 1, SUPPORTED[0], (), bad)
         assert exc.value.argument == "mapping"
-    meta = ev.LocalReply(6, 1, SUPPORTED[0], ((8, 1, 1),), (1, 2, 3)).meta()
+    meta = ev.LocalReply(6, 1, SUPPORTED[0], ((8, 1, 1),), (1, 2, 3, 4)).meta()
     flag_at = 8 + 1 + 4 + 24
     for broken in (meta[:flag_at] + b"\x02" + meta[flag_at + 1 :], meta[:-1]):
         with pytest.raises(ProtocolError) as err:

@@ -262,8 +262,8 @@ def test_a_mapped_read_lands_the_bytes_process_vm_readv_would(sharing, threads):
     mapping is refused before anything is copied."""
     pid, fd, address, *_ = sharing
     maps = SharedMaps()
-    mapped = maps.map(pid, (fd, address, NBYTES))
-    assert mapped is not None and maps.map(pid, (fd, address, NBYTES))[0].obj is mapped[0].obj  # kept, not reopened
+    mapped = maps.map(pid, (fd, address, NBYTES, 0))
+    assert mapped is not None and maps.map(pid, (fd, address, NBYTES, 0))[0].obj is mapped[0].obj  # kept, not reopened
     want, ranges = _shared_expected(), _ranges(address)
     dests = [memoryview(bytearray(n)) for _, n in ranges]
     sums = local.read_summed(pid, ranges, dests, threads, mapped)
@@ -303,13 +303,13 @@ def test_shared_maps_refuse_what_a_reader_could_fault_on_or_hang_on(sharing, mon
     monkeypatch.setattr(shared_maps, "_open_sealed", lambda *a: opened.append(a[0]) or real(*a))
     maps = SharedMaps()
     for bad in (unsealed, plain, fifo, 1 << 20) + ((huge,) if huge >= 0 else ()):
-        assert maps.map(pid, (bad, address, NBYTES)) is None
+        assert maps.map(pid, (bad, address, NBYTES, 0)) is None
     assert f"/proc/{pid}/fd/{fifo}" not in opened  # not a regular file: never opened
-    assert maps.map(pid, (fd, address, NBYTES + 1)) is None
+    assert maps.map(pid, (fd, address, NBYTES + 1, 0)) is None
     before = len(opened)
-    assert maps.map(pid, (unsealed, address, NBYTES)) is None and len(opened) == before  # remembered
-    assert maps.map(pid, (fd, address, NBYTES)) is not None
-    assert maps.map(pid, (fd, address, NBYTES)) is not None and len(opened) == before  # kept
+    assert maps.map(pid, (unsealed, address, NBYTES, 0)) is None and len(opened) == before  # remembered
+    assert maps.map(pid, (fd, address, NBYTES, 0)) is not None
+    assert maps.map(pid, (fd, address, NBYTES, 0)) is not None and len(opened) == before  # kept
     maps.close()
 
 
@@ -322,22 +322,22 @@ def test_a_map_outlives_close_while_a_copy_holds_it_and_a_reused_descriptor_drop
     fd, owner = open_shareable(1 << 20)
     owner[:5] = b"first"
     maps = SharedMaps()
-    view, address = maps.map(os.getpid(), (fd, 4096, 1 << 20))
+    view, address = maps.map(os.getpid(), (fd, 4096, 1 << 20, 0))
     assert address == 4096 and bytes(view[:5]) == b"first" and len(maps) == 1
     maps.close()
-    assert bytes(view[:5]) == b"first" and maps.map(os.getpid(), (fd, 4096, 1 << 20)) is None
+    assert bytes(view[:5]) == b"first" and maps.map(os.getpid(), (fd, 4096, 1 << 20, 0)) is None
     view.release()
     owner.close()
     os.close(fd)
     maps = SharedMaps()
     fd1, first = open_shareable(1 << 20)
-    assert maps.map(os.getpid(), (fd1, 0, 1 << 20)) is not None
+    assert maps.map(os.getpid(), (fd1, 0, 1 << 20, 0)) is not None
     first.close()
     os.close(fd1)
     fd2, second = open_shareable(1 << 20)  # the lowest free descriptor: the same number
     second[:6] = b"second"
     if fd2 == fd1:
-        view, _ = maps.map(os.getpid(), (fd2, 0, 1 << 20))
+        view, _ = maps.map(os.getpid(), (fd2, 0, 1 << 20, 0))
         assert bytes(view[:6]) == b"second" and len(maps) == 1
         view.release()
     maps.close()
@@ -351,35 +351,45 @@ def test_local_copy_through_a_mapping_verifies_and_falls_back(sharing):
     mapping that cannot be opened falls back to process_vm_readv with the same result. A
     mapping that holds only some regions (an engine's KV tensor shares its whole pages, not
     the partial ones at its ends) has those copied out of it and the others with
-    process_vm_readv, all verified; a region that wraps around is refused MALFORMED."""
+    process_vm_readv, all verified, in whatever order they come; a mapping whose file offset
+    is off is refused BAD_CHECKSUM; a region that wraps around is refused MALFORMED."""
     pid, fd, address, unsealed, *_ = sharing
     want, ranges = _shared_expected(), _ranges(address)
     sums = [tsum64(want[a - address : a - address + n]) for a, n in ranges]
     regions = tuple((a, n, s) for (a, n), s in zip(ranges, sums))
     maps = SharedMaps()
-    for mapping in ((fd, address, NBYTES), (unsealed, address, NBYTES)):
+    for mapping in ((fd, address, NBYTES, 0), (unsealed, address, NBYTES, 0)):
         dests = [memoryview(bytearray(n)) for _, n in ranges]
         local_copy(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions, mapping), dests, "peer", 2, maps)
         assert all(bytes(d) == want[a - address : a - address + n].tobytes() for (a, n), d in zip(ranges, dests))
     dests = [memoryview(bytearray(n)) for _, n in ranges]
     with pytest.raises(ProtocolError) as exc:  # the map stands for addresses 64 bytes off: other bytes
         local_copy(
-            ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions, (fd, address - 64, NBYTES)), dests, "p", 2, maps
+            ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions, (fd, address - 64, NBYTES, 0)), dests, "p", 2, maps
         )
     assert exc.value.fault is ProtocolFault.BAD_CHECKSUM
-    part = 1 << 20  # holds the first 9 regions, not the last two
-    assert sum(a + n <= address + part for a, n in ranges) == 9
+    # a mapping from file offset 4096 on, 1 MiB: regions 6-8 lie inside it, 0-5 and 9-10 do not;
+    # the regions in a shuffled order, so those inside and those outside alternate
+    order = [9, 6, 0, 7, 3, 10, 8, 1, 5, 2, 4]
+    mixed, where = tuple(regions[i] for i in order), [ranges[i] for i in order]
+    part = (fd, address + 4096, 1 << 20, 4096)
+    assert [i for i in order if address + 4096 <= ranges[i][0] and sum(ranges[i]) <= address + 4096 + (1 << 20)] == [
+        6,
+        7,
+        8,
+    ]
     for copy in (local_copy, _copy_at):
-        dests = [memoryview(bytearray(n)) for _, n in ranges]
-        copy(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions, (fd, address, part)), dests, "p", 2, maps)
-        assert all(bytes(d) == want[a - address : a - address + n].tobytes() for (a, n), d in zip(ranges, dests))
-        with pytest.raises(ProtocolError) as exc:  # 64 bytes off: the regions inside it did come out of it
-            copy(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, regions, (fd, address - 64, part)), dests, "p", 2, maps)
-        assert exc.value.fault is ProtocolFault.BAD_CHECKSUM and exc.value.context["region"] < 9
+        dests = [memoryview(bytearray(n)) for _, n in where]
+        copy(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, mixed, part), dests, "p", 2, maps)
+        assert all(bytes(d) == want[a - address : a - address + n].tobytes() for (a, n), d in zip(where, dests))
+        with pytest.raises(ProtocolError) as exc:  # an offset 64 bytes off: the regions inside did come out of it
+            copy(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, mixed, (*part[:3], 4096 - 64)), dests, "p", 2, maps)
+        assert exc.value.fault is ProtocolFault.BAD_CHECKSUM and order[exc.value.context["region"]] in (6, 7, 8)
+    part = (fd, address, 1 << 20, 0)
     wraps = ((address, 64, 0), ((1 << 64) - 8, 64, 0))
     with pytest.raises(ProtocolError, match="wraps") as exc:
         copy = [memoryview(bytearray(64)) for _ in wraps]
-        local_copy(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, wraps, (fd, address, part)), copy, "p", 2, maps)
+        local_copy(ev.LocalReply(1, pid, PayloadChecksum.TSUM64, wraps, part), copy, "p", 2, maps)
     assert exc.value.fault is ProtocolFault.MALFORMED
     maps.close()
 
@@ -409,6 +419,9 @@ def test_a_block_source_over_a_shareable_arena_is_read_through_a_map(local_maps)
     blocks = {k: arena.block(b) for k, b in zip(keys, arena.allocate(96))}
     for view in blocks.values():
         view[:] = rng.bytes(64 << 10)
+    from tiersync.net.shared_maps import process_maps
+
+    before = process_maps().count(os.getpid())  # this process's own memory mapped by earlier tests
     transport = TcpTransport(TcpConfig(route=Route.LOCAL, local_threads=2, local_maps=local_maps))
     server = transport.serve("127.0.0.1:0", MemoryBlockSource(blocks, shared=[arena.shared]))
     channel = transport.connect(server.address)
@@ -417,7 +430,7 @@ def test_a_block_source_over_a_shareable_arena_is_read_through_a_map(local_maps)
         dests = [memoryview(bytearray(64 << 10)) for _ in keys]
         channel.pull_many(lease, [(k, 0, d) for k, d in zip(keys, dests)])
         assert all(bytes(d) == bytes(blocks[k]) for k, d in zip(keys, dests))
-        assert channel.mapped_sources == (1 if local_maps else 0)
+        assert channel.mapped_sources == (before + 1 if local_maps else 0)
     finally:
         channel.close()
         server.close()

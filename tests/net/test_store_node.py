@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from _peer import TOKEN
+from _peer import TOKEN, wait_until
 from _peer import StoreNodeProc as Node
 from tiersync.errors import CapacityError, RemoteError
 from tiersync.net import events as ev
@@ -202,9 +202,12 @@ def test_failed_pull_frees_landing_blocks():
 
 def test_a_same_host_reader_copies_out_of_a_map_of_the_node_s_arena(node):
     """A store node's arena is shareable: a same-host reader's PULL_LOCAL answer names the
-    node's sealed memfd, the reader maps it (one map, kept across reads) and lands every block
-    byte-exact, verified against the checksums kept since the write."""
+    node's sealed memfd, the reader maps it (one map, kept across reads and channels: the
+    process's channels share their maps) and lands every block byte-exact, verified against the
+    checksums kept since the write. The map goes once the node's process exits (its memory
+    would stay allocated as long as a map of it lives)."""
     from tiersync.net.config import Route
+    from tiersync.net.shared_maps import process_maps
 
     keys, bufs = _keys(8, tag=4), _bufs(8)
     assert client(node.address).offer_and_push(keys, bufs).commit is ev.CommitStatus.COMMITTED
@@ -219,7 +222,10 @@ def test_a_same_host_reader_copies_out_of_a_map_of_the_node_s_arena(node):
         channel.request(so.Release(channel.new_request_id(), lease.lease_id))
     finally:
         channel.close()
-    assert channel.mapped_sources == 0
+    pid = channel.info.pid
+    assert process_maps().count(pid) == 1
+    node.kill()
+    assert wait_until(lambda: process_maps().count(pid) == 0)
 
 
 @contextlib.contextmanager

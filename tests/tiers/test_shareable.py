@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tiersync.errors import UsageError
+from tiersync.tiers.huge_pages import HUGE_PAGE
 from tiersync.tiers.shareable import NEEDED_SEALS, SharedRegion, check_shared, covering, share_all, share_in_place
 
 PAGE = mmap.PAGESIZE
@@ -24,10 +25,10 @@ import mmap, os, sys
 fd = os.open(sys.argv[1], os.O_RDONLY)
 m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
 os.close(fd)
-print(len(m), m[: int(sys.argv[2])].hex(), flush=True)
+base = int(sys.argv[3])  # the file offset of the region's first byte
+print(len(m), m[base : base + int(sys.argv[2])].hex(), flush=True)
 for line in sys.stdin:
-    at = int(line)
-    print(m[at], flush=True)
+    print(m[base + int(line)], flush=True)
 """
 
 
@@ -50,20 +51,21 @@ def test_share_in_place_backs_the_whole_pages_by_a_sealed_memfd_another_process_
         assert isinstance(region, SharedRegion)
         assert region.address == -(-address // PAGE) * PAGE and region.address % PAGE == 0
         assert region.address + region.nbytes == (address + buf.size) // PAGE * PAGE
+        assert region.offset == region.address % HUGE_PAGE  # congruent: huge pages stay possible
         assert buf.ctypes.data == address and np.array_equal(buf, before)
         assert fcntl.fcntl(region.fd, fcntl.F_GET_SEALS) & NEEDED_SEALS == NEEDED_SEALS
         with pytest.raises(OSError):
             os.ftruncate(region.fd, region.nbytes // 2)
         at = region.address - address  # the buffer's index of the region's first byte
         child = subprocess.Popen(
-            [sys.executable, "-c", _READER, f"/proc/{os.getpid()}/fd/{region.fd}", "16"],
+            [sys.executable, "-c", _READER, f"/proc/{os.getpid()}/fd/{region.fd}", "16", str(region.offset)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
         try:
             size, head = child.stdout.readline().split()
-            assert int(size) == region.nbytes and bytes.fromhex(head) == buf[at : at + 16].tobytes()
+            assert int(size) == region.offset + region.nbytes and bytes.fromhex(head) == buf[at : at + 16].tobytes()
             for i in (0, 5 * PAGE + 7, region.nbytes - 1):
                 buf[at + i] = (int(buf[at + i]) + 1) % 256
                 child.stdin.write(f"{i}\n")
@@ -94,7 +96,8 @@ def test_a_large_buffer_is_shared_piece_by_piece_with_every_byte_kept(monkeypatc
         content = f.read()
     os.close(region.fd)
     at = region.address - buf.ctypes.data
-    assert np.array_equal(buf, before) and content == buf[at : at + region.nbytes].tobytes()
+    assert content[: region.offset] == bytes(region.offset)  # the file before the region: a hole
+    assert np.array_equal(buf, before) and content[region.offset :] == buf[at : at + region.nbytes].tobytes()
 
 
 def test_what_cannot_be_shared_is_left_alone_and_bad_buffers_are_refused():
@@ -145,7 +148,7 @@ def _is_shared(buf: np.ndarray) -> bool:
 def test_covering_names_the_region_holding_most_rows_and_check_shared_refuses_others():
     a, b = SharedRegion(10, 0x10000, 0x10000), SharedRegion(11, 0x40000, 0x10000)
     rows = np.array([[0x40000, 16, 0], [0x40100, 16, 0], [0x10000, 16, 0], [0x3FFF0, 32, 0]], np.uint64)
-    assert covering((a, b), rows) == (11, 0x40000, 0x10000)  # two rows inside b, one inside a
+    assert covering((a, b), rows) == (11, 0x40000, 0x10000, 0)  # two rows inside b, one inside a
     assert covering((a,), rows[:1]) is None and covering((a, b), rows[:0]) is None
     assert covering((a, b), rows[3:]) is None  # straddles b's start: inside neither
     assert check_shared([a, b]) == (a, b)
@@ -172,9 +175,43 @@ def test_zeroed_pieces_are_not_copied_but_read_as_zeros_and_are_resident(monkeyp
     try:
         st = os.fstat(region.fd)
         piece = (buf.ctypes.data + buf.size - 5 * PAGE - region.address) // (4 * PAGE) * 4 * PAGE
-        assert written == [piece] and st.st_size == 32 * PAGE  # only the piece with the byte was copied
-        if st.st_blocks * 512 != st.st_size:  # before Linux 5.14: allocated on first touch instead
+        assert written == [region.offset + piece] and st.st_size == region.offset + 32 * PAGE  # one piece copied
+        if st.st_blocks * 512 != 32 * PAGE:  # before Linux 5.14: allocated on first touch instead
             pytest.skip("no MADV_POPULATE_WRITE")
         assert buf[-(5 * PAGE)] == 7 and np.count_nonzero(buf) == 1
     finally:
         os.close(region.fd)
+
+
+def test_memory_that_is_not_private_anonymous_is_left_alone():
+    """A file's pages or memory already shared (an anonymous shared map, another memfd) are
+    not remapped: their sharing with the file or the other process would silently end."""
+    shared_anon = np.frombuffer(mmap.mmap(-1, 8 * PAGE), np.uint8)  # MAP_SHARED by default
+    shared_anon[:] = 3
+    assert share_in_place(shared_anon) is None and (shared_anon == 3).all()
+    with open(f"/proc/self/fd/{os.memfd_create('file')}", "r+b") as f:
+        f.truncate(8 * PAGE)
+        private_file = np.frombuffer(mmap.mmap(f.fileno(), 8 * PAGE, flags=mmap.MAP_PRIVATE), np.uint8)
+        assert share_in_place(private_file) is None
+
+
+def test_shared_pages_can_still_be_collapsed_into_huge_pages():
+    """The memfd offsets are congruent to the addresses modulo 2 MiB, so the kernel can back a
+    shared buffer's aligned interior with huge pages as it could before (where it collapses
+    private memory at all on this host)."""
+    from tiersync.tiers.huge_pages import Collapser
+
+    def collapsed(share: bool) -> int:
+        buf = _torch_like(4 * HUGE_PAGE, offset=PAGE + 64)  # neither page- nor 2 MiB-aligned
+        buf[:] = 1
+        region = share_in_place(buf) if share else None
+        c = Collapser([buf])
+        c.done.wait(30)
+        if region is not None:
+            os.close(region.fd)
+        assert (buf == 1).all()
+        return c.collapsed
+
+    if collapsed(share=False) == 0:
+        pytest.skip("this host collapses no memory into huge pages")
+    assert collapsed(share=True) > 0

@@ -130,8 +130,8 @@ class LayerReads:
             return buf[:nbytes]
 
     def pull_local(self, session: Session, route: Route, event: KvPullLocal) -> ev.LocalReply:
-        """Where the bytes are in this process, each region checksummed (the reader copies them
-        out of a map of :attr:`shared` memory where one holds them all, else with
+        """Where the bytes are in this process, each region checksummed (the reader copies
+        those in :attr:`shared` memory out of a map of it, the others with
         ``process_vm_readv``, and verifies); many small spans are gathered first."""
         if not session.info.same_host:
             raise Refused(Code.UNSUPPORTED, "KV_PULL_LOCAL from another host")

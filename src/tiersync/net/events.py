@@ -265,17 +265,18 @@ class LocalReply:
     stay put while the lease holds; the reader verifies every checksum after its copy.
     ``regions`` is kept as a read-only ``(n, 3)`` uint64 array (a tuple of 3-tuples of ints is
     accepted): encoded, parsed and handed to the reader without Python work per region.
-    ``mapping``: ``(fd, address, nbytes)`` when regions lie in memory the reader may map
-    instead (``pid``'s file descriptor ``fd``, a sealed memfd, backs ``[address, address +
-    nbytes)``: :mod:`tiersync.tiers.shareable`): those inside it are copied out of a map, the
-    others with ``process_vm_readv``; a hint the reader checks, never trusts."""
+    ``mapping``: ``(fd, address, nbytes, offset)`` when regions lie in memory the reader may
+    map instead (``pid``'s file descriptor ``fd``, a sealed memfd, backs ``[address, address +
+    nbytes)`` from file offset ``offset`` on: :mod:`tiersync.tiers.shareable`): those inside it
+    are copied out of a map, the others with ``process_vm_readv``; a hint the reader checks,
+    never trusts."""
 
     OP: ClassVar[Op] = Op.LOCAL_REPLY
     request_id: int
     pid: int
     algo: PayloadChecksum
     regions: np.ndarray
-    mapping: tuple[int, int, int] | None = None
+    mapping: tuple[int, int, int, int] | None = None
 
     def __post_init__(self) -> None:
         check_u64("request_id", self.request_id)
@@ -283,7 +284,7 @@ class LocalReply:
         check_enum("algo", self.algo, PayloadChecksum)
         object.__setattr__(self, "regions", _region_array(self.regions))
         if self.mapping is not None:
-            check_rows("mapping", (self.mapping,), (int, int, int))
+            check_rows("mapping", (self.mapping,), (int, int, int, int))
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -311,7 +312,7 @@ class LocalReply:
         flag = r.u8()
         if flag > 1:
             raise ProtocolError("mapping flag out of range", fault=ProtocolFault.MALFORMED, flag=flag)
-        mapping = (r.u64(), r.u64(), r.u64()) if flag else None
+        mapping = (r.u64(), r.u64(), r.u64(), r.u64()) if flag else None
         return cls(rid, pid, algo, regions, mapping)
 
 

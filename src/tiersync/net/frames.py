@@ -43,9 +43,10 @@ from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.transfer import kernel
 
 MAGIC = b"TSYN"
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 # 2: payload checksum negotiation; 3: service vocabularies, host identity in HELLO/READY; 4: LOCAL_REPLY
-# mapping; 5: each end's max_frame_size in HELLO/READY
+# mapping; 5: each end's max_frame_size in HELLO/READY; 6: LOCAL_REPLY's mapping has a file offset
+# and may hold only some of the regions
 HEADER_SIZE = 64
 _HEADER = struct.Struct("<4sHHIQIQQQB7sQ")
 _RESERVED = bytes(7)

@@ -47,7 +47,9 @@ def local_copy(
         raise ProtocolError("LOCAL_REPLY regions do not match the request", fault=ProtocolFault.MALFORMED, peer=peer)
     found = _mapped(reply, maps, peer) if reply.algo is PayloadChecksum.TSUM64 else None
 
-    def read(rows: np.ndarray, mapped: local.Mapped | None) -> Sequence[int] | None:
+    def read(rows: np.ndarray | None, mapped: local.Mapped | None) -> Sequence[int] | None:
+        if rows is None:  # every region
+            return local.read_summed(reply.pid, regions[:, :2], dests, threads, mapped)
         return local.read_summed(reply.pid, regions[rows, :2], [dests[i] for i in rows], threads, mapped)
 
     sums = _split(read, len(regions), found) if reply.algo is PayloadChecksum.TSUM64 else None
@@ -74,7 +76,9 @@ def local_copy_at(
         raise ProtocolError("LOCAL_REPLY regions do not match the request", fault=ProtocolFault.MALFORMED, peer=peer)
     found = _mapped(reply, maps, peer) if reply.algo is PayloadChecksum.TSUM64 else None
 
-    def read(rows: np.ndarray, mapped: local.Mapped | None) -> Sequence[int] | None:
+    def read(rows: np.ndarray | None, mapped: local.Mapped | None) -> Sequence[int] | None:
+        if rows is None:  # every region
+            return local.read_summed_at(reply.pid, regions[:, :2], dest, offsets, threads, mapped)
         return local.read_summed_at(reply.pid, regions[rows, :2], dest, offsets[rows], threads, mapped)
 
     sums = _split(read, len(regions), found) if reply.algo is PayloadChecksum.TSUM64 else None
@@ -100,25 +104,28 @@ def _mapped(reply: ev.LocalReply, maps: SharedMaps | None, peer: str) -> tuple[l
     ``maps`` can open it; else None."""
     if maps is None or reply.mapping is None or not len(reply.regions):
         return None
-    _, start, nbytes = reply.mapping
+    _, start, nbytes, _ = reply.mapping
     regions = reply.regions
     ends = regions[:, 0] + regions[:, 1]  # uint64: a wrapped end is below its start
     if (ends < regions[:, 0]).any():
         raise ProtocolError("LOCAL_REPLY region wraps around", fault=ProtocolFault.MALFORMED, peer=peer)
-    inside = (regions[:, 0] >= np.uint64(start)) & (ends <= np.uint64(start) + np.uint64(nbytes))
+    if start + nbytes >= 1 << 64:  # past the address space: a hint to ignore
+        return None
+    inside = (regions[:, 0] >= np.uint64(start)) & (ends <= np.uint64(start + nbytes))
     mapped = maps.map(reply.pid, reply.mapping) if inside.any() else None
     return None if mapped is None else (mapped, inside)
 
 
 def _split(
-    read: Callable[[np.ndarray, local.Mapped | None], Sequence[int] | None],
+    read: Callable[[np.ndarray | None, local.Mapped | None], Sequence[int] | None],
     count: int,
     found: tuple[local.Mapped, np.ndarray] | None,
 ) -> Sequence[int] | None:
-    """Every region's sum from ``read(rows, mapped)``: the rows inside the map out of it, the
-    rest with ``process_vm_readv`` (``mapped`` None); None where the native reader is absent."""
+    """Every region's sum from ``read(rows, mapped)`` (``rows`` None: all of them): the rows
+    inside the map out of it, the rest with ``process_vm_readv`` (``mapped`` None); None where
+    the native reader is absent."""
     if found is None or found[1].all():
-        return read(np.arange(count), None if found is None else found[0])
+        return read(None, None if found is None else found[0])
     inside = found[1]
     mapped_sums, other_sums = read(np.flatnonzero(inside), found[0]), read(np.flatnonzero(~inside), None)
     if mapped_sums is None or other_sums is None:

@@ -1,7 +1,7 @@
 """Read-only maps of other processes' shareable memory, for same-host readers.
 
 A same-host source whose memory is a sealed memfd (:mod:`tiersync.tiers.shareable`) names it in
-LOCAL_REPLY: ``(fd, address, nbytes)``. :class:`SharedMaps` opens ``/proc/<pid>/fd/<fd>`` (the
+LOCAL_REPLY: ``(fd, address, nbytes, offset)``. :class:`SharedMaps` opens ``/proc/<pid>/fd/<fd>`` (the
 kernel lets a process of the same user do so: a read-mode ptrace check, which Yama's
 ``ptrace_scope`` does not restrict, unlike ``process_vm_readv``'s), maps it read-only, and
 hands out views the native reader copies from. The reply is a hint from a peer,
@@ -11,22 +11,28 @@ shrinking is mapped, since a file that cannot shrink cannot make a reader's acce
 memfd, a descriptor not open) is refused and the caller reads with ``process_vm_readv``
 instead; every range is checked against the map before it is copied and every copy is
 verified against its checksum. A map stays open while its descriptor names the same file; one
-whose descriptor was reused is dropped. Each map costs the reader page tables for what it
-touched (no huge pages for shared memory on most kernels): about 2 MiB per GiB read.
+whose descriptor was reused is dropped, and so is every map of a process that exited (its
+pidfd, watched by one daemon thread: the map alone would keep a dead engine's whole KV cache
+allocated). Each map costs the reader page tables for what it touched (no huge pages for
+shared memory on most kernels): about 2 MiB per GiB read, once per process: the channels of
+a process share one :func:`process_maps`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
+import select
 import stat
 import threading
+import weakref
 
 from tiersync.net.local import Mapped
 from tiersync.tiers.shareable import NEEDED_SEALS
 
-__all__ = ["SharedMaps"]
+__all__ = ["SharedMaps", "process_maps"]
 
 _Key = tuple[int, int, int, int]  # (pid, fd, st_dev, st_ino)
 _OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
@@ -36,7 +42,7 @@ class SharedMaps:
     """The maps one reader holds (at most :attr:`LIMIT`, oldest closed first). Thread-safe;
     after :meth:`close` nothing is mapped any more (:meth:`map` answers None)."""
 
-    LIMIT = 128  # an engine's shared KV is one memfd per layer tensor: a whole model's stays mapped
+    LIMIT = 1024  # an engine's shared KV is one memfd per layer tensor: whole models stay mapped
     REFUSALS = 256  # files remembered as unmappable (then forgotten all at once)
 
     def __init__(self) -> None:
@@ -45,11 +51,14 @@ class SharedMaps:
         self._lock = threading.Lock()
         self._closed = False
 
-    def map(self, pid: int, mapping: tuple[int, int, int]) -> Mapped | None:
-        """``(view of the map, address)`` for ``pid``'s ``mapping`` = ``(fd, address, nbytes)`` as
-        a LOCAL_REPLY names it, or None when it cannot (or may not) be mapped. The view keeps
-        the map alive until it is released, whatever :meth:`close` does meanwhile."""
-        fd, address, nbytes = mapping
+    def map(self, pid: int, mapping: tuple[int, int, int, int]) -> Mapped | None:
+        """``(view of the map, address of its first byte)`` for ``pid``'s ``mapping`` = ``(fd,
+        address, nbytes, offset)`` as a LOCAL_REPLY names it, or None when it cannot (or may
+        not) be mapped. The view keeps the map alive until it is released, whatever
+        :meth:`close` does meanwhile."""
+        fd, address, nbytes, offset = mapping
+        if not 0 <= offset <= address or nbytes <= 0:
+            return None
         path = f"/proc/{pid}/fd/{fd}"
         try:
             st = os.stat(path)
@@ -61,12 +70,15 @@ class SharedMaps:
         with self._lock:
             if self._closed or key in self._refused:
                 return None
-            found = self._maps.get(key)
+            found, new = self._maps.get(key), False
             if found is None:
-                found = self._open(path, key)
+                found, new = self._open(path, key), True
                 if found is None:
                     return None
-            return (memoryview(found), address) if len(found) >= nbytes > 0 else None
+            got = (memoryview(found), address - offset) if len(found) >= offset + nbytes else None
+        if new:
+            _EXITS.watch(pid, self)
+        return got
 
     def _open(self, path: str, key: _Key) -> mmap.mmap | None:
         """Map ``path`` (lock held): drop maps of files that descriptor named before, refuse
@@ -86,6 +98,20 @@ class SharedMaps:
             _unmap(self._maps.pop(next(iter(self._maps))))
         self._maps[key] = opened
         return opened
+
+    def forget(self, pid: int) -> None:
+        """Process ``pid`` exited: drop its maps (their memory is freed once no view holds them)."""
+        with self._lock:
+            gone = [k for k in self._maps if k[0] == pid]
+            maps = [self._maps.pop(k) for k in gone]
+            self._refused = {k for k in self._refused if k[0] != pid}
+        for m in maps:
+            _unmap(m)
+
+    def count(self, pid: int) -> int:
+        """Maps of process ``pid``'s memory open now."""
+        with self._lock:
+            return sum(k[0] == pid for k in self._maps)
 
     def __len__(self) -> int:
         """Maps open now."""
@@ -128,3 +154,68 @@ def _unmap(m: mmap.mmap) -> None:
         m.close()
     except BufferError:  # a copy holds a view of it: unmapped when that view is released
         pass
+
+
+class _Exits:
+    """Tells each :class:`SharedMaps` when a process whose memory it maps exited: one daemon
+    thread polls a pidfd per process (Linux 5.3+; elsewhere maps go only as they did before)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pids: dict[int, tuple[int, weakref.WeakSet[SharedMaps]]] = {}  # pid -> (pidfd, maps)
+        self._wake: tuple[int, int] | None = None
+
+    def watch(self, pid: int, maps: SharedMaps) -> None:
+        with self._lock:
+            if pid in self._pids:
+                self._pids[pid][1].add(maps)
+                return
+            try:
+                pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                pidfd = -1
+            except (OSError, AttributeError):  # no pidfd here: maps go only as they did before
+                return
+            if pidfd >= 0:
+                self._pids[pid] = (pidfd, weakref.WeakSet([maps]))
+            if self._wake is None:
+                self._wake = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+                threading.Thread(
+                    target=self._run, args=(self._wake[0],), name="tiersync-map-exits", daemon=True
+                ).start()
+            os.write(self._wake[1], b"w")
+        if pidfd < 0:  # it exited before it was watched
+            maps.forget(pid)
+
+    def _run(self, wake: int) -> None:
+        while True:
+            poll = select.poll()
+            poll.register(wake, select.POLLIN)
+            with self._lock:
+                by_fd = {pidfd: pid for pid, (pidfd, _) in self._pids.items()}
+            for pidfd in by_fd:
+                poll.register(pidfd, select.POLLIN)
+            for fd, _ in poll.poll():
+                if fd == wake:  # the set changed
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(wake, 4096):
+                            pass
+                    continue
+                with self._lock:
+                    pidfd, owners = self._pids.pop(by_fd[fd])
+                os.close(pidfd)
+                for owner in list(owners):
+                    owner.forget(by_fd[fd])
+
+
+_EXITS = _Exits()
+_PROCESS: list[SharedMaps] = []  # the one process_maps()
+_PROCESS_LOCK = threading.Lock()
+
+
+def process_maps() -> SharedMaps:
+    """The maps this process's channels share (made on first use, never closed)."""
+    with _PROCESS_LOCK:
+        if not _PROCESS:
+            _PROCESS.append(SharedMaps())
+        return _PROCESS[0]

@@ -28,7 +28,7 @@ from tiersync.net.pull_plan import Later, local_groups, plan_pulls, writable
 from tiersync.net.samehost import local_copy, local_copy_at
 from tiersync.net.server import TcpServer
 from tiersync.net.service import PeerInfo, Service
-from tiersync.net.shared_maps import SharedMaps
+from tiersync.net.shared_maps import process_maps
 from tiersync.net.socket_io import Deadline, FramedSocket, io_errors, tune
 from tiersync.net.socket_owner import not_held
 from tiersync.net.tls import client_context
@@ -57,7 +57,7 @@ class TcpChannel(Channel):
         """What the server told about itself in the handshake (``same_host`` and its pid)."""
         self._local_failed = False
         self._owner: bool | None = None  # whether the server's pid holds this connection (checked once)
-        self._maps = SharedMaps() if framed.cfg.local_maps else None  # same-host reads: sources' shareable memory
+        self._maps = process_maps() if framed.cfg.local_maps else None  # same-host reads: sources' shareable memory
 
     def handshake(self, deadline: Deadline) -> None:
         """Run HELLO/CHALLENGE/AUTH/READY. Raises AuthError when either side lacks the token."""
@@ -275,8 +275,8 @@ class TcpChannel(Channel):
 
     @property
     def mapped_sources(self) -> int:
-        """Same-host sources whose shareable memory this channel reads through a map now."""
-        return len(self._maps) if self._maps is not None else 0
+        """Maps of this channel's server's memory open now (this process's channels share them)."""
+        return self._maps.count(self.info.pid) if self._maps is not None and self.info.pid is not None else 0
 
     def local_refused(self, exc: LocalReadError) -> None:
         """A same-host read was refused (permissions, another pid namespace): route AUTO uses
@@ -351,8 +351,6 @@ class TcpChannel(Channel):
         if not self._closed:
             self._closed = True
             self._framed.close()
-            if self._maps is not None:
-                self._maps.close()
 
     def close(self) -> None:
         """Close now; a request running in another thread fails with PeerClosedError."""

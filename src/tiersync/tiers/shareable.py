@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiersync.errors import CapacityError, UsageError
+from tiersync.tiers.huge_pages import HUGE_PAGE
 from tiersync.tiers.prefault import MADV_POPULATE_WRITE
 
 __all__ = [
@@ -46,11 +47,12 @@ SEALS = _SHRINK | _GROW | _FUTURE_WRITE | _SEAL
 @dataclass(frozen=True, slots=True)
 class SharedRegion:
     """Addresses ``[address, address + nbytes)`` of this process are file descriptor ``fd``
-    (a sealed memfd) from offset 0."""
+    (a sealed memfd) from file offset ``offset`` on."""
 
     fd: int
     address: int
     nbytes: int
+    offset: int = 0
 
     def covers(self, start: int, end: int) -> bool:
         """True when ``[start, end)`` lies inside the region."""
@@ -88,7 +90,10 @@ def share_in_place(buffer: object, argument: str = "buffer", name: str = "tiersy
     their addresses: the buffer stays the same memory for its owner (a child forked later
     shares the pages instead of copying them on write). Nothing may write the buffer meanwhile:
     each piece is copied into the memfd, then mapped over itself (``MAP_FIXED``). The partial
-    pages at either end, which other memory may share, stay as they were. Returns the region,
+    pages at either end, which other memory may share, stay as they were; so does memory that
+    is not private anonymous (a file's, or one already shared). The memfd holds the pages at
+    offsets congruent to their addresses modulo 2 MiB, so the kernel can still give them huge
+    pages (:class:`~tiersync.tiers.huge_pages.Collapser`). Returns the region,
     whose ``fd`` the caller closes once readers should stop mapping it (the memory stays); None
     where it cannot be done (no whole page, not Linux, no memfd): then nothing changed unless a
     piece's map failed midway, which leaves the pages before it backed by the memfd, same bytes.
@@ -96,22 +101,39 @@ def share_in_place(buffer: object, argument: str = "buffer", name: str = "tiersy
     view = _writable(buffer, argument)
     first, page = view.ctypes.data, mmap.PAGESIZE
     start, end = -(-first // page) * page, (first + view.nbytes) // page * page
-    if end <= start or not hasattr(os, "memfd_create"):
+    if end <= start or not hasattr(os, "memfd_create") or not _private_anonymous(start, end):
         return None
+    pad = start % HUGE_PAGE  # file offsets congruent to addresses: huge pages stay possible
     try:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError:
         return None
     try:
-        os.ftruncate(fd, end - start)
-        _map_over(fd, view[start - first : end - first], start)
+        os.ftruncate(fd, pad + end - start)
+        _map_over(fd, view[start - first : end - first], start, pad)
     except OSError:
         os.close(fd)
         return None
     if not _sealed(fd):  # readers map only a memfd that cannot shrink
         os.close(fd)
         return None
-    return SharedRegion(fd, start, end - start)
+    return SharedRegion(fd, start, end - start, pad)
+
+
+def _private_anonymous(start: int, end: int) -> bool:
+    """Every mapping of ``[start, end)`` is private anonymous memory (not a file, not memory
+    already shared with another process), as an engine's tensors are."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                path = fields[5].strip() if len(fields) > 5 else ""
+                if low < end and start < high and (fields[1][3] != "p" or (path and not path.startswith("["))):
+                    return False
+    except OSError:
+        return False
+    return True
 
 
 def share_all(buffers: Sequence[object], argument: str = "buffers") -> tuple[SharedRegion, ...]:
@@ -120,7 +142,7 @@ def share_all(buffers: Sequence[object], argument: str = "buffers") -> tuple[Sha
     first (UsageError naming ``argument[i]``)."""
     views = [_writable(b, f"{argument}[{i}]") for i, b in enumerate(buffers)]
     out: list[SharedRegion] = []
-    for view in views:
+    for view in sorted(views, key=lambda v: -v.nbytes):  # a tensor before the views inside it
         first, last = view.ctypes.data, view.ctypes.data + view.nbytes
         if any(r.address < last and first < r.address + r.nbytes for r in out):
             continue
@@ -138,10 +160,11 @@ def check_shared(shared: Iterable[SharedRegion], argument: str = "shared") -> tu
     return out
 
 
-def covering(shared: Iterable[SharedRegion], regions: np.ndarray) -> tuple[int, int, int] | None:
+def covering(shared: Iterable[SharedRegion], regions: np.ndarray) -> tuple[int, int, int, int] | None:
     """The region of ``shared`` that holds the most ``(address, length, ...)`` rows of
-    ``regions``, as LOCAL_REPLY names it (``(fd, address, nbytes)``: a reader copies the rows
-    inside it out of a map, the others with ``process_vm_readv``), or None when none holds one."""
+    ``regions``, as LOCAL_REPLY names it (``(fd, address, nbytes, offset)``: a reader copies
+    the rows inside it out of a map, the others with ``process_vm_readv``), or None when none
+    holds one."""
     if not len(regions):
         return None
     starts = regions[:, 0]
@@ -152,7 +175,7 @@ def covering(shared: Iterable[SharedRegion], regions: np.ndarray) -> tuple[int, 
         if r.address < high and low < r.address + r.nbytes:
             held = int(np.count_nonzero((starts >= r.address) & (ends <= r.address + r.nbytes)))
             best, most = (r, held) if held > most else (best, most)
-    return None if best is None else (best.fd, best.address, best.nbytes)
+    return None if best is None else (best.fd, best.address, best.nbytes, best.offset)
 
 
 def _sealed(fd: int) -> bool:
@@ -180,10 +203,10 @@ _PIECE = 64 << 20  # bytes copied and mapped at a time: the memory both hold at 
 _MAP_FIXED = 0x10  # sys/mman.h
 
 
-def _map_over(fd: int, pages: np.ndarray, start: int) -> None:
+def _map_over(fd: int, pages: np.ndarray, start: int, pad: int) -> None:
     """Copy each piece of ``pages`` (this process's memory from address ``start``, whole
-    pages) into ``fd`` at the same offset and map that part of ``fd`` over it, shared and
-    writable. An all-zero piece (a freshly zeroed KV cache) is not copied: the file's hole
+    pages) into ``fd`` at its offset plus ``pad`` and map that part of ``fd`` over it, shared
+    and writable. An all-zero piece (a freshly zeroed KV cache) is not copied: the file's hole
     reads as zeros, and its pages are allocated in place (``MADV_POPULATE_WRITE``, Linux 5.14+;
     else on first touch). OSError at the first failure."""
     import ctypes
@@ -197,11 +220,11 @@ def _map_over(fd: int, pages: np.ndarray, start: int) -> None:
         hole = not pages[off : off + n].view(np.uint64).any()  # a hole reads as zeros
         done = n if hole else 0
         while done < n:
-            wrote = os.pwrite(fd, pages[off + done : off + n].data, off + done)
+            wrote = os.pwrite(fd, pages[off + done : off + n].data, pad + off + done)
             if wrote <= 0:
                 raise OSError(5, "the memfd took no bytes")
             done += wrote
-        if libc.mmap(start + off, n, prot, flags, fd, off) != start + off:
+        if libc.mmap(start + off, n, prot, flags, fd, pad + off) != start + off:
             raise OSError(ctypes.get_errno(), "mmap over the buffer failed")
         if hole:  # resident, as the zeroed pages were: the owner's first writes do not fault
             libc.madvise(ctypes.c_void_p(start + off), ctypes.c_size_t(n), MADV_POPULATE_WRITE)

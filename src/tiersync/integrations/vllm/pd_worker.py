@@ -99,6 +99,7 @@ class PDWorker:
         self._layers = [layer_bytes(kv_caches[n], self.layout.layer_nbytes, n) for n in names]
         self._index = {n: i for i, n in enumerate(names)}
         if self.producer:
+            self._unshare()  # registered again: the old tensors' memfds go
             self._shared = self._share() if self._share_kv else ()
             self._server = KVProducer(
                 self.layout, self.rank, self._config, host=self._host, port=self._port, shared=self._shared
@@ -114,6 +115,12 @@ class PDWorker:
         total = sum(b.nbytes for b in self._layers)
         log.info("KV shared with same-host readers: %.0f of %.0f MB", sum(r.nbytes for r in shared) / 1e6, total / 1e6)
         return shared
+
+    def _unshare(self) -> None:
+        """Readers may map the tensors no more (the engine's memory stays)."""
+        for region in self._shared:
+            os.close(region.fd)
+        self._shared = ()
 
     @property
     def address(self) -> str | None:
@@ -223,6 +230,4 @@ class PDWorker:
         for side in (self._server, self._client):
             if side is not None:
                 side.close()
-        for region in self._shared:  # readers map them no more; the engine's memory stays
-            os.close(region.fd)
-        self._shared = ()
+        self._unshare()
