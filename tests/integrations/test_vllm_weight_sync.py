@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -88,7 +89,7 @@ def test_config_refuses_bad_values_naming_the_field(tmp_path):
         WeightSyncConfig.from_dict({"publishers": ["127.0.0.1:1"], "publisher": "x"})
     cfg = WeightSyncConfig.from_dict({"publishers": ["127.0.0.1:1"], "transport": "tcp"})
     assert WeightSyncConfig.from_dict(cfg.to_dict()) == cfg
-    assert cfg.receiver_config(3).label == "vllm-3"
+    assert cfg.receiver_config(3).label == f"vllm-3@{socket.gethostname()}:{os.getpid()}"  # one per worker
     with pytest.raises(UsageError, match=r"weight_sync.token"):
         WeightSyncConfig(("127.0.0.1:1",), token="short")
     assert WeightSyncConfig(("127.0.0.1:1",), token=TOKEN).receiver_config(0).token == TOKEN.encode()

@@ -8,8 +8,9 @@ import time
 import pytest
 
 from _sync_helpers import fsdp, model
+from tiersync.errors import ClosedError
 from tiersync.net.config import TcpConfig
-from tiersync.net.errors import RequestError
+from tiersync.net.errors import PeerClosedError, RequestError
 from tiersync.net.tcp import TcpTransport
 from tiersync.weights.config import PublisherConfig, TransportKind
 from tiersync.weights.ops import WEIGHTS, Ack, Register, Welcome
@@ -45,10 +46,41 @@ def test_a_connection_registers_one_sampler_and_its_end_drops_it(publisher):
         assert isinstance(_register(channel, 0, "a"), Welcome)
         with pytest.raises(RequestError, match="registered already"):
             _register(channel, 1, "b")  # before: a second sampler on the same session stayed after it ended
-        assert publisher.samplers() == {0: "a"}
+        assert publisher.samplers() == {"a": 0}
     finally:
         channel.close()
     assert _until(lambda: publisher.samplers() == {})
+
+
+def test_samplers_of_one_rank_under_other_labels_all_stay_and_a_label_registered_again_replaces(publisher):
+    """The same worker of two engines (rank 0 of each) both take part; a sampler that comes back
+    under its label replaces its old registration, whose connection is closed. Before, the
+    registry kept one sampler per rank: the second engine's worker dropped the first's."""
+    connect = TcpTransport(TcpConfig(token=TOKEN), WEIGHTS).connect
+    a, b, again = (connect(publisher.address) for _ in range(3))
+    try:
+        assert isinstance(_register(a, 0, "engine-a-0"), Welcome)
+        assert isinstance(_register(b, 0, "engine-b-0"), Welcome)
+        assert _until(lambda: publisher.samplers() == {"engine-a-0": 0, "engine-b-0": 0})
+        assert isinstance(_register(again, 0, "engine-a-0"), Welcome)
+        assert _until(lambda: _gone(a))  # the old registration's connection ends
+        assert publisher.samplers() == {"engine-a-0": 0, "engine-b-0": 0}
+        assert len(publisher._registry.live()) == 2  # white box: the old one is no target
+    finally:
+        for c in (a, b, again):
+            c.close()
+
+
+def _gone(channel) -> bool:
+    """The publisher closed ``channel``'s connection (a request on it finds it closed; a
+    connection still open answers that it registered already)."""
+    try:
+        _register(channel, 0, "probe")
+    except RequestError:
+        return False
+    except (PeerClosedError, ClosedError):
+        return True
+    return False
 
 
 def test_a_samplers_answers_are_kept_for_recent_versions_only(publisher):

@@ -268,3 +268,33 @@ def test_publisher_refuses_bad_tensors_and_layouts():
     with pytest.raises(UsageError) as exc:  # rank 0 of 37 rows split 2 ways holds 18, not 19
         WeightPublisher({"embed": g["embed"][:19]}, fsdp(2), rank=0, global_shapes={"embed": (37, 24)})
     assert exc.value.argument == "global_shapes"
+
+
+@pytest.mark.parametrize("transport", [TransportKind.SHM, TransportKind.TCP])
+def test_the_workers_of_two_engines_share_ranks_and_all_get_every_version_bitwise(transport):
+    """Two engines of the same layout (TP 2 x DP 3 each) fed by two trainer shards: each rank
+    is held by a worker of each engine, under its own label. Every worker gets every version
+    bitwise. Before, the registry kept one sampler per rank: the second engine's workers
+    replaced the first's, which then got nothing."""
+    g = model()
+    layout = tp_dp_layout(g)
+    pubs = _publishers(g, 2, segment_bytes=300)
+    addrs = tuple(p.address for p in pubs)
+    recs = [
+        WeightReceiver(layout, ReceiverConfig(addrs, rank=r, transport=transport, sampler_id=f"{engine}-{r}"))
+        for engine in ("a", "b")
+        for r in range(6)
+    ]
+    try:
+        for p in pubs:
+            p.wait_for_samplers(12, TIMEOUT)
+        for version in (1, 2):
+            results = _publish(pubs, version)
+            assert all(res.ok and len(res.outcomes) == 12 for res in results), results
+            for i, rec in enumerate(recs):
+                assert rec.receive(version).result(TIMEOUT).version == version
+                with rec.acquire(TIMEOUT) as lease:
+                    assert_bitwise(lease.tensors, g, layout, i % 6)
+        assert sorted(pubs[0].samplers()) == sorted(f"{e}-{r}" for e in "ab" for r in range(6))
+    finally:
+        _close(recs, pubs)

@@ -10,6 +10,8 @@ environment here (the CLI does that). Both carry the link's ``token`` and ``tls`
 from __future__ import annotations
 
 import enum
+import os
+import socket
 from dataclasses import dataclass, field
 
 from tiersync.errors import UsageError, check_positive_int
@@ -17,7 +19,15 @@ from tiersync.net.config import Route, TcpConfig, coerce_token, parse_address
 from tiersync.net.frames import ProtocolConfig
 from tiersync.net.tls import TlsConfig
 
-__all__ = ["MAX_SPAN_BYTES", "PublisherConfig", "ReceiveResult", "ReceiverConfig", "SyncStatus", "TransportKind"]
+__all__ = [
+    "MAX_SPAN_BYTES",
+    "PublisherConfig",
+    "ReceiveResult",
+    "ReceiverConfig",
+    "SyncStatus",
+    "TransportKind",
+    "process_label",
+]
 
 MAX_SPAN_BYTES = 64 << 20
 """Largest span one GET moves: the planner cuts chunks to ``segment_bytes``, at most this."""
@@ -160,7 +170,8 @@ class ReceiverConfig:
     ``sync_timeout_s``: deadline of one version's sync (announce to switch);
     ``lease_timeout_s``: how long a sync waits for readers to release the standby buffer;
     ``io_timeout_s``: one socket operation; ``connect_timeout_s``: one connect.
-    ``sampler_id``: a label in the publisher's results (default ``"sampler-<rank>"``).
+    ``sampler_id``: this sampler's label, unique among a publisher's samplers (a registration
+    under a label it has replaces the old one; default ``"sampler-<rank>@<host>:<pid>"``).
     ``zero_copy``: serve a tensor straight out of the trainer's shared-memory segment
     (read-only views in the lease, no copy) when this sampler's slice of it is one contiguous
     run of one SHM shard's bytes; other tensors are copied. The trainer then writes later
@@ -229,5 +240,11 @@ class ReceiverConfig:
 
     @property
     def label(self) -> str:
-        """``sampler_id`` or ``"sampler-<rank>"``."""
-        return self.sampler_id or f"sampler-{self.rank}"
+        """``sampler_id`` or ``"sampler-<rank>@<host>:<pid>"`` (:func:`process_label`)."""
+        return self.sampler_id or process_label("sampler", self.rank)
+
+
+def process_label(prefix: str, rank: int) -> str:
+    """``"<prefix>-<rank>@<host>:<pid>"``: a label no other sampler process has (the workers of
+    several engines share ranks)."""
+    return f"{prefix}-{rank}@{socket.gethostname()}:{os.getpid()}"

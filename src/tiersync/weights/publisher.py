@@ -8,8 +8,10 @@ announce version v to every registered sampler (:mod:`~tiersync.weights.sampler_
 copy each tensor D2H into the buffer and tell the shared-memory samplers it is ready (so they
 copy tensor i while i+1 is being written; a TCP sampler's GET waits for it on the trainer), then wait for every sampler's answer. The returned future's
 :class:`PublishResult` has one :class:`SamplerOutcome` per sampler; a sampler that dies or
-times out fails only its own outcome. A sampler that registers again (same rank) replaces
-its old registration and takes part from the next publish on.
+times out fails only its own outcome. A sampler that registers again (same label) replaces
+its old registration and takes part from the next publish on; samplers of one destination
+rank under other labels (the same worker of several engines) all take part, each told the
+relay of one of them per rank.
 """
 
 from __future__ import annotations
@@ -103,8 +105,8 @@ class WeightPublisher:
     def segment_path(self) -> str | None:
         return self._buffer.segment_path
 
-    def samplers(self) -> dict[int, str]:
-        """Registered, connected samplers: rank -> label."""
+    def samplers(self) -> dict[str, int]:
+        """Registered, connected samplers: label -> destination rank."""
         return self._registry.labels()
 
     def wait_for_samplers(self, count: int, timeout: float) -> None:

@@ -2,7 +2,7 @@
 
 :class:`SamplerRegistry` answers the control messages a :class:`~tiersync.weights.serving.SpanService`
 hands on (W_REGISTER -> W_WELCOME, then each sampler's one-way W_ACK and W_RELEASE), drops a
-sampler whose session ended (or that registered again under its rank) and collects the
+sampler whose session ended (or that registered again under its label) and collects the
 answers of one version into :class:`~tiersync.weights.publish_result.SamplerOutcome` s.
 It works under the publisher's condition and calls the publisher's
 :class:`~tiersync.weights.segment.SegmentPool` (None without shared memory) under it: a
@@ -57,14 +57,14 @@ class SamplerRegistry:
     ) -> None:
         self._cond, self._pool, self._host, self._rank = cond, pool, host, rank
         self._io_timeout = io_timeout_s
-        self._samplers: dict[int, Sampler] = {}
+        self._samplers: dict[str, Sampler] = {}  # by label: several engines' samplers share ranks
         self._by_session: dict[int, Sampler] = {}
         self._closed = False
 
-    def labels(self) -> dict[int, str]:
-        """Registered, connected samplers: rank -> label."""
+    def labels(self) -> dict[str, int]:
+        """Registered, connected samplers: label -> destination rank."""
         with self._cond:
-            return {r: s.label for r, s in self._samplers.items() if s.alive}
+            return {label: s.rank for label, s in self._samplers.items() if s.alive}
 
     def live(self) -> list[Sampler]:
         """The registered, connected samplers now (a version's targets)."""
@@ -122,7 +122,9 @@ class SamplerRegistry:
 
     def _register(self, session: Session, hello: Register) -> Iterator[ev.Error | Welcome]:
         """A generator: W_WELCOME is written before the sampler takes part (so no ANNOUNCE
-        overtakes it); a registration that replaces one of the same rank drops the old one."""
+        overtakes it); a registration under a label registered already (a sampler that came
+        back) drops the old one. Samplers of one rank under other labels (the workers of
+        several engines) each take part."""
         with self._cond:
             again = session.session_id in self._by_session
         if again:  # one sampler per connection
@@ -141,8 +143,8 @@ class SamplerRegistry:
         zc = got is TransportKind.SHM and hello.zero_copy
         s = Sampler(hello.label, hello.rank, session, got, hello.relay, zc=zc)
         with self._cond:
-            old = self._samplers.get(s.rank)
-            self._samplers[s.rank] = s
+            old = self._samplers.get(s.label)
+            self._samplers[s.label] = s
             self._by_session[session.session_id] = s
             self._cond.notify_all()
         if old is not None:
@@ -164,8 +166,8 @@ class SamplerRegistry:
             if not s.alive:
                 return
             s.alive = False
-            if self._samplers.get(s.rank) is s:
-                del self._samplers[s.rank]
+            if self._samplers.get(s.label) is s:
+                del self._samplers[s.label]
             self._by_session.pop(s.session.session_id, None)
             if self._pool is not None and s.zc:
                 self._pool.orphan(s)  # it may still serve from them: never rewrite those

@@ -51,7 +51,7 @@ from tiersync.errors import (
 )
 from tiersync.integrations.vllm.engine_receiver import EngineReceiver, tell_kv_connector
 from tiersync.net.config import token_from
-from tiersync.weights.config import ReceiverConfig, TransportKind
+from tiersync.weights.config import ReceiverConfig, TransportKind, process_label
 
 __all__ = ["EXTENSION", "WeightSyncConfig", "WeightSyncExtension", "join_weight_sync", "update_weights"]
 
@@ -70,8 +70,8 @@ class WeightSyncConfig:
     waits while an update reads it) or 2 (the next version lands while an update runs).
     ``apply_timeout_s``: how long an update waits for its version to land.
     ``sync_timeout_s``, ``connect_timeout_s``, ``io_timeout_s``, ``streams``, ``window``: the receiver's
-    (:class:`~tiersync.weights.ReceiverConfig`). ``sampler_id``: label in the trainer's
-    results (default ``"vllm-<rank>"``). ``token``: the trainer's shared secret (str or bytes,
+    (:class:`~tiersync.weights.ReceiverConfig`). ``sampler_id``: each worker's label in the trainer's
+    results is ``"<sampler_id>-<rank>@<host>:<pid>"`` (default ``"vllm"``; one per worker of every engine). ``token``: the trainer's shared secret (str or bytes,
     >= 16 bytes; its ``PublisherConfig.token``), or ``token_file``: a file holding it (read here, on
     the driver). Raises UsageError naming ``weight_sync.<field>``.
     """
@@ -120,7 +120,7 @@ class WeightSyncConfig:
             sync_timeout_s=self.sync_timeout_s,
             connect_timeout_s=self.connect_timeout_s,
             io_timeout_s=self.io_timeout_s,
-            sampler_id=self.sampler_id or f"vllm-{rank}",
+            sampler_id=process_label(self.sampler_id or "vllm", rank),
             token=self.token,
         )
 
