@@ -434,16 +434,17 @@ class _Holding:
         self.listener.close()
 
 
-@pytest.mark.parametrize("held", ["prefill", "decode"])
+@pytest.mark.parametrize("how", ["close", "half-close"])
 @pytest.mark.parametrize("path", [b"/v1/completions", b"/v1/chat/completions"])
-def test_a_client_that_leaves_a_non_streamed_request_ends_its_upstream_call(held, path):
-    """A non-streamed answer is written only once whole, so no write tells the router its client
-    left: the client's hangup itself ends the upstream call (vLLM then aborts the request), on
-    the first-token path and the relayed one. Before, the call ran until timeout_s (600 s)."""
+def test_a_client_that_leaves_during_the_prefill_ends_that_call(how, path):
+    """Nothing is written to a client while the prefill server computes, so no write tells the
+    router its client left: the client's hangup (a close, or a shutdown of its sending side,
+    as nginx counts it) ends the prefill call itself (vLLM then aborts the request and frees
+    its blocks), on the first-token path and the relayed one. Before, the call ran until the
+    prefill answered or timeout_s (600 s) passed."""
     holding = _Holding()
     answers = Upstream(lambda b: json.dumps({"choices": [{"token_ids": [7]}], "kv_transfer_params": PARAMS}).encode())
-    urls = (holding.url, answers.url) if held == "prefill" else (answers.url, holding.url)
-    router = Router(RouterConfig((urls[0],), (urls[1],)))
+    router = Router(RouterConfig((holding.url,), (answers.url,)))
     threading.Thread(target=router.serve_forever, daemon=True).start()
     try:
         host, port = router.address.split(":")
@@ -453,8 +454,10 @@ def test_a_client_that_leaves_a_non_streamed_request_ends_its_upstream_call(held
             b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (path, len(body), body.encode())
         )
         assert holding.asked.wait(10)  # the held upstream has the request
-        client.close()
+        client.shutdown(socket.SHUT_WR) if how == "half-close" else client.close()
         assert holding.gone.wait(10)
+        assert not answers.seen  # decode was never asked
+        client.close()
     finally:
         router.close()
         holding.close()

@@ -215,3 +215,17 @@ def test_shared_pages_can_still_be_collapsed_into_huge_pages():
     if collapsed(share=False) == 0:
         pytest.skip("this host collapses no memory into huge pages")
     assert collapsed(share=True) > 0
+
+
+def test_heap_memory_is_left_alone():
+    """Memory of the brk heap (small allocations) is not remapped: the allocator hands its
+    pages on to other objects once freed, which would then be shared pages."""
+    buf = np.zeros(64 << 10, np.uint8)  # under malloc's mmap threshold: from the heap
+    middle = buf.ctypes.data + buf.size // 2
+    with open("/proc/self/maps") as maps:
+        where = [
+            line for line in maps if int(line.split("-")[0], 16) <= middle < int(line.split()[0].split("-")[1], 16)
+        ]
+    if not where or "[heap]" not in where[0]:
+        pytest.skip("this allocation did not come from the brk heap")
+    assert share_in_place(buf) is None

@@ -1,8 +1,8 @@
 """Ending the upstream calls of a client that hung up.
 
 A non-streamed answer reaches the client only once it is whole, so nothing the router writes
-fails when the client leaves meanwhile: without a watch, the prefill and decode engines
-compute an answer nobody reads (``max_tokens`` of them). :class:`Hangups` watches the clients'
+fails when the client leaves meanwhile: without a watch, the engine computes an answer nobody
+reads (a long prompt's prefill, say). :class:`Hangups` watches the clients'
 sockets on one thread (epoll, ``EPOLLRDHUP``: the client closed or shut down its side; data it
 sends, such as a pipelined next request, is no hangup) and fires the :class:`Hangup` of each
 one that left: the upstream connections made for it through :func:`opener` are shut down, so
@@ -59,7 +59,8 @@ def _left(fd: int) -> bool:
 
 def _shut(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):  # closed meanwhile: the call is over anyway
-        sock.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the TCP connection: an SSLSocket's own
+        # shutdown would also unwrap it under the thread reading it (ValueError there)
 
 
 class Hangups:

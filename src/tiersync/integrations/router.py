@@ -30,10 +30,13 @@ its next one, must arrive within ``client_timeout_s`` (:mod:`~tiersync.integrati
 a per-recv timeout let one byte now and then hold a slot for good); writes to a client have the
 upstream timeout; at most ``max_connections`` clients are served at once (more get 503). An
 HTTP/1.0 client gets streamed answers unframed, ended by closing the connection. An upstream
-that answers no HTTP at all is a 502 too. A client that hangs up ends the upstream call it
-waits for (:mod:`~tiersync.integrations.hangup`: vLLM then aborts the request); one gone once
-the prefill answered still has decode take the prompt's KV (one token, dropped), or the
-prefill engine would hold it until its timeout.
+that answers no HTTP at all is a 502 too. A client that hangs up (closes, or shuts down its
+sending side, as nginx counts it too) while the prefill server computes ends that call
+(:mod:`~tiersync.integrations.hangup`: vLLM aborts the request and frees its blocks); one gone
+once the prefill answered still has decode take the prompt's KV (one token, dropped), or the
+prefill engine would hold it until its timeout. Decode calls are never cut (one cut before it
+pulled the KV would leave it pinned on the prefill engine): a non-streamed answer nobody waits
+for any more is computed to its end, a streamed one ends at the first write that fails.
 """
 
 from __future__ import annotations
@@ -236,7 +239,7 @@ class _Handler(BaseHTTPRequestHandler):
             if params is None:
                 log.warning("prefill %s returned no kv_transfer_params: decode computes the prompt", prefill)
             ask = {**body, "kv_transfer_params": params} if params else body
-            return router.call(decode, self.path, ask, self._hangup)
+            return router.call(decode, self.path, ask)  # never cut: it takes the prefill's KV
 
         self._relay(run)
 
@@ -252,7 +255,7 @@ class _Handler(BaseHTTPRequestHandler):
         if first is None or not isinstance(params, dict):
             log.warning("prefill %s returned no first token or kv_transfer_params: decode computes the prompt", prefill)
             ask = {**body, "kv_transfer_params": params} if isinstance(params, dict) else body
-            return self._relay(lambda: router.call(decode, self.path, ask, self._hangup))
+            return self._relay(lambda: router.call(decode, self.path, ask))
         if first.finish_reason != "length":
             if stream:
                 usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
@@ -264,7 +267,7 @@ class _Handler(BaseHTTPRequestHandler):
         if stream:
             return self._stream(decode, ask, first_token.StreamFixer(first, want_ids))
         try:
-            merged = first_token.merge(first, router.ask(decode, self.path, ask, self._hangup), want_ids)
+            merged = first_token.merge(first, router.ask(decode, self.path, ask), want_ids)
         except _Upstream as exc:
             return self._error(exc.status, str(exc))
         except ValueError as exc:
@@ -282,7 +285,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._release(decode, ask)
         try:
             try:
-                upstream = self.server.router.call(decode, self.path, ask, self._hangup)
+                upstream = self.server.router.call(decode, self.path, ask)
             except _Upstream as exc:  # the answer has begun: end it with an error event
                 self._chunk(first_token.event({"error": {"message": str(exc), "code": exc.status}}))
                 self._chunk(b"data: [DONE]\n\n")
@@ -344,8 +347,8 @@ class _Handler(BaseHTTPRequestHandler):
         except _Upstream as exc:
             return self._error(exc.status, str(exc))
         with upstream:
-            self._start(upstream.status, upstream.headers.get("Content-Type", "application/json"))
             try:
+                self._start(upstream.status, upstream.headers.get("Content-Type", "application/json"))
                 while chunk := upstream.read1(_CHUNK):
                     self._chunk(chunk)
                 self._end_chunks()
@@ -376,15 +379,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
 
     def _send(self, status: int, content_type: str, data: bytes) -> None:
-        if self._left():  # nobody to answer: its calls were ended
-            log.info("router: %s left before its answer", self.client_address[0])
+        try:
+            if self._left():  # nobody to answer: its calls were ended
+                raise ConnectionAbortedError("the client hung up")
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError as exc:
+            log.info("router: %s left before its answer: %s", self.client_address[0], exc)
             self.close_connection = True
-            return
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _error(self, status: int, message: str) -> None:
         self.close_connection = True  # the request body may be unread: never parse it as a request

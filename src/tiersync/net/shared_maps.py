@@ -81,9 +81,11 @@ class SharedMaps:
         return got
 
     def _open(self, path: str, key: _Key) -> mmap.mmap | None:
-        """Map ``path`` (lock held): drop maps of files that descriptor named before, refuse
-        (and remember) what is not a sealed memfd, keep at most LIMIT maps."""
-        for stale in [k for k in self._maps if k[:2] == key[:2]]:
+        """Map ``path`` (lock held): drop the process's maps of files its descriptors name no
+        more (closed, or reused: a map would keep a closed memfd's memory allocated while the
+        process lives on), refuse (and remember) what is not a sealed memfd, keep at most LIMIT
+        maps."""
+        for stale in [k for k in self._maps if k[0] == key[0] and (k[1] == key[1] or not _names(k))]:
             _unmap(self._maps.pop(stale))
         try:
             opened = _open_sealed(path, key)
@@ -124,6 +126,15 @@ class SharedMaps:
             maps, self._maps = list(self._maps.values()), {}
         for m in maps:
             _unmap(m)
+
+
+def _names(key: _Key) -> bool:
+    """Process ``key[0]``'s descriptor ``key[1]`` still names the file ``key`` was made for."""
+    try:
+        st = os.stat(f"/proc/{key[0]}/fd/{key[1]}")
+    except (OSError, ValueError):
+        return False
+    return (st.st_dev, st.st_ino) == key[2:]
 
 
 def _open_sealed(path: str, key: _Key) -> mmap.mmap | None:
@@ -183,7 +194,8 @@ class _Exits:
                 threading.Thread(
                     target=self._run, args=(self._wake[0],), name="tiersync-map-exits", daemon=True
                 ).start()
-            os.write(self._wake[1], b"w")
+            with contextlib.suppress(BlockingIOError):  # a full pipe: the thread wakes anyway
+                os.write(self._wake[1], b"w")
         if pidfd < 0:  # it exited before it was watched
             maps.forget(pid)
 
@@ -207,8 +219,15 @@ class _Exits:
                 for owner in list(owners):
                     owner.forget(by_fd[fd])
 
+    def forked(self) -> None:
+        """In a child after fork: no thread, no pidfds of the parent's (its maps are its own)."""
+        self._lock = threading.Lock()
+        self._pids, self._wake = {}, None
+
 
 _EXITS = _Exits()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_EXITS.forked)
 _PROCESS: list[SharedMaps] = []  # the one process_maps()
 _PROCESS_LOCK = threading.Lock()
 

@@ -122,14 +122,16 @@ def share_in_place(buffer: object, argument: str = "buffer", name: str = "tiersy
 
 def _private_anonymous(start: int, end: int) -> bool:
     """Every mapping of ``[start, end)`` is private anonymous memory (not a file, not memory
-    already shared with another process), as an engine's tensors are."""
+    already shared with another process, not the brk heap or a stack, whose pages the
+    allocator hands on to other objects), as an engine's large tensors are."""
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
                 low, high = (int(x, 16) for x in fields[0].split("-"))
                 path = fields[5].strip() if len(fields) > 5 else ""
-                if low < end and start < high and (fields[1][3] != "p" or (path and not path.startswith("["))):
+                own = not path or path.startswith("[anon:")
+                if low < end and start < high and (fields[1][3] != "p" or not own):
                     return False
     except OSError:
         return False
