@@ -89,7 +89,8 @@ def test_config_refuses_bad_values_naming_the_field(tmp_path):
         WeightSyncConfig.from_dict({"publishers": ["127.0.0.1:1"], "publisher": "x"})
     cfg = WeightSyncConfig.from_dict({"publishers": ["127.0.0.1:1"], "transport": "tcp"})
     assert WeightSyncConfig.from_dict(cfg.to_dict()) == cfg
-    assert cfg.receiver_config(3).label == f"vllm-3@{socket.gethostname()}:{os.getpid()}"  # one per worker
+    label = cfg.receiver_config(3).label  # one of its own for every worker of every engine
+    assert label.startswith(f"vllm-3@{socket.gethostname()}:{os.getpid()}-") and label != cfg.receiver_config(3).label
     with pytest.raises(UsageError, match=r"weight_sync.token"):
         WeightSyncConfig(("127.0.0.1:1",), token="short")
     assert WeightSyncConfig(("127.0.0.1:1",), token=TOKEN).receiver_config(0).token == TOKEN.encode()

@@ -53,21 +53,24 @@ def test_a_connection_registers_one_sampler_and_its_end_drops_it(publisher):
 
 
 def test_samplers_of_one_rank_under_other_labels_all_stay_and_a_label_registered_again_replaces(publisher):
-    """The same worker of two engines (rank 0 of each) both take part; a sampler that comes back
-    under its label replaces its old registration, whose connection is closed. Before, the
+    """The same worker of two engines (rank 0 of each) both take part, and so does a sampler of
+    another rank under one of their labels; a sampler that comes back under its label and rank
+    replaces its old registration, whose connection is closed. Before, the
     registry kept one sampler per rank: the second engine's worker dropped the first's."""
     connect = TcpTransport(TcpConfig(token=TOKEN), WEIGHTS).connect
-    a, b, again = (connect(publisher.address) for _ in range(3))
+    a, b, other_rank, again = (connect(publisher.address) for _ in range(4))
     try:
         assert isinstance(_register(a, 0, "engine-a-0"), Welcome)
         assert isinstance(_register(b, 0, "engine-b-0"), Welcome)
-        assert _until(lambda: publisher.samplers() == {"engine-a-0": 0, "engine-b-0": 0})
+        assert isinstance(_register(other_rank, 1, "engine-a-0"), Welcome)  # one label, another rank
+        assert _until(lambda: len(publisher._registry.live()) == 3)
+        assert sorted(publisher.samplers()) == ["engine-a-0", "engine-b-0"]  # a label listed once
         assert isinstance(_register(again, 0, "engine-a-0"), Welcome)
         assert _until(lambda: _gone(a))  # the old registration's connection ends
-        assert publisher.samplers() == {"engine-a-0": 0, "engine-b-0": 0}
-        assert len(publisher._registry.live()) == 2  # white box: the old one is no target
+        assert len(publisher._registry.live()) == 3  # white box: the old one is no target
+        assert not _gone(b) and not _gone(other_rank)
     finally:
-        for c in (a, b, again):
+        for c in (a, b, other_rank, again):
             c.close()
 
 
@@ -145,3 +148,16 @@ def test_a_manifest_too_large_to_send_fails_the_publish_not_the_samplers(tmp_pat
     finally:
         rec.close()
         pub.close()
+
+
+def test_a_label_that_is_too_long_or_not_printable_is_refused_at_the_boundary():
+    from tiersync.errors import UsageError
+    from tiersync.weights.config import ReceiverConfig
+
+    for bad in ("x" * 256, "a\nb", ""):
+        with pytest.raises(UsageError) as exc:
+            Register(1, bad, 0, "host", TransportKind.TCP)
+        assert exc.value.argument == "label"
+        with pytest.raises(UsageError) as exc:
+            ReceiverConfig(("127.0.0.1:1",), sampler_id=bad)
+        assert exc.value.argument == "sampler_id"

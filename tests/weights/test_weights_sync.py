@@ -273,18 +273,14 @@ def test_publisher_refuses_bad_tensors_and_layouts():
 @pytest.mark.parametrize("transport", [TransportKind.SHM, TransportKind.TCP])
 def test_the_workers_of_two_engines_share_ranks_and_all_get_every_version_bitwise(transport):
     """Two engines of the same layout (TP 2 x DP 3 each) fed by two trainer shards: each rank
-    is held by a worker of each engine, under its own label. Every worker gets every version
-    bitwise. Before, the registry kept one sampler per rank: the second engine's workers
+    is held by a worker of each engine, under a label of its own (the default: unique even in
+    one process). Every worker gets every version bitwise. Before, the registry kept one sampler per rank: the second engine's workers
     replaced the first's, which then got nothing."""
     g = model()
     layout = tp_dp_layout(g)
     pubs = _publishers(g, 2, segment_bytes=300)
     addrs = tuple(p.address for p in pubs)
-    recs = [
-        WeightReceiver(layout, ReceiverConfig(addrs, rank=r, transport=transport, sampler_id=f"{engine}-{r}"))
-        for engine in ("a", "b")
-        for r in range(6)
-    ]
+    recs = [WeightReceiver(layout, ReceiverConfig(addrs, rank=r, transport=transport)) for _ in "ab" for r in range(6)]
     try:
         for p in pubs:
             p.wait_for_samplers(12, TIMEOUT)
@@ -295,6 +291,6 @@ def test_the_workers_of_two_engines_share_ranks_and_all_get_every_version_bitwis
                 assert rec.receive(version).result(TIMEOUT).version == version
                 with rec.acquire(TIMEOUT) as lease:
                     assert_bitwise(lease.tensors, g, layout, i % 6)
-        assert sorted(pubs[0].samplers()) == sorted(f"{e}-{r}" for e in "ab" for r in range(6))
+        assert pubs[0].samplers() == {rec.label: i % 6 for i, rec in enumerate(recs)}  # 12 labels of their own
     finally:
         _close(recs, pubs)

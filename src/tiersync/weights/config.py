@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import os
+import secrets
 import socket
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from tiersync.net.frames import ProtocolConfig
 from tiersync.net.tls import TlsConfig
 
 __all__ = [
+    "MAX_LABEL",
     "MAX_SPAN_BYTES",
     "PublisherConfig",
     "ReceiveResult",
@@ -170,8 +172,10 @@ class ReceiverConfig:
     ``sync_timeout_s``: deadline of one version's sync (announce to switch);
     ``lease_timeout_s``: how long a sync waits for readers to release the standby buffer;
     ``io_timeout_s``: one socket operation; ``connect_timeout_s``: one connect.
-    ``sampler_id``: this sampler's label, unique among a publisher's samplers (a registration
-    under a label it has replaces the old one; default ``"sampler-<rank>@<host>:<pid>"``).
+    ``sampler_id``: this sampler's label among a publisher's samplers, at most 255 printable
+    characters (a registration under the label and rank of one it has replaces the old one:
+    a sampler that came back; default ``"sampler-<rank>@<host>:<pid>-<random>"``, new for each
+    receiver).
     ``zero_copy``: serve a tensor straight out of the trainer's shared-memory segment
     (read-only views in the lease, no copy) when this sampler's slice of it is one contiguous
     run of one SHM shard's bytes; other tensors are copied. The trainer then writes later
@@ -225,8 +229,10 @@ class ReceiverConfig:
         _check_address(self.listen, "listen")
         for name in ("sync_timeout_s", "lease_timeout_s", "io_timeout_s", "connect_timeout_s"):
             _check_seconds(getattr(self, name), name)
-        if self.sampler_id is not None and (not isinstance(self.sampler_id, str) or not self.sampler_id):
-            raise UsageError("must be a non-empty str or None", argument="sampler_id", value=self.sampler_id)
+        if self.sampler_id is not None and not _is_label(self.sampler_id):
+            raise UsageError(
+                f"must be None or 1 to {MAX_LABEL} printable characters", argument="sampler_id", value=self.sampler_id
+            )
         object.__setattr__(self, "token", _check_link(self.token, self.tls))
 
     def tcp_config(self) -> TcpConfig:
@@ -240,11 +246,22 @@ class ReceiverConfig:
 
     @property
     def label(self) -> str:
-        """``sampler_id`` or ``"sampler-<rank>@<host>:<pid>"`` (:func:`process_label`)."""
-        return self.sampler_id or process_label("sampler", self.rank)
+        """``sampler_id`` or ``"sampler-<rank>"``: the name of this sampler's connections (the
+        label it registers under is :attr:`WeightReceiver.label
+        <tiersync.weights.receiver.WeightReceiver.label>`)."""
+        return self.sampler_id or f"sampler-{self.rank}"
+
+
+MAX_LABEL = 255
+
+
+def _is_label(text: object) -> bool:
+    return isinstance(text, str) and 0 < len(text) <= MAX_LABEL and text.isprintable()
 
 
 def process_label(prefix: str, rank: int) -> str:
-    """``"<prefix>-<rank>@<host>:<pid>"``: a label no other sampler process has (the workers of
-    several engines share ranks)."""
-    return f"{prefix}-{rank}@{socket.gethostname()}:{os.getpid()}"
+    """``"<prefix>-<rank>@<host>:<pid>-<random>"``: a label no other sampler has, in another
+    engine, container (the same host name and pid) or receiver of this process (the workers of
+    several engines share ranks). At most :data:`MAX_LABEL` characters."""
+    host = "".join(c for c in socket.gethostname() if c.isprintable())[:64]
+    return f"{prefix[:128]}-{rank}@{host}:{os.getpid()}-{secrets.token_hex(4)}"

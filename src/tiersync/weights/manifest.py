@@ -63,7 +63,8 @@ class Manifest:
     ``names[i]``/``specs[i]``/``source[i]``: the i-th tensor in write order, its global spec and
     source sharding. ``offsets[i]``: its local shard's file offset in ``segment`` (None: no
     segment, TCP only); ``payload_bytes``: the segment's payload size. ``host``: the trainer's
-    :func:`host_id`. ``peers``: destination rank -> relay address of registered samplers.
+    :func:`host_id`. ``peers``: destination rank -> relay address of one registered sampler of that rank
+    (several engines' samplers share ranks).
     """
 
     version: int

@@ -100,6 +100,8 @@ class Register:
             check_text(name, getattr(self, name))
         if not isinstance(self.transport, TransportKind) or not isinstance(self.zero_copy, bool):
             raise UsageError("must be a TransportKind and a bool", argument="transport")
+        if not 0 < len(self.label) <= _MAX_RELAY or not self.label.isprintable():  # a log's and a map's key
+            raise UsageError(f"must be 1 to {_MAX_RELAY} printable characters", argument="label")
         if self.relay:  # every sampler's manifest lists it: a short ASCII host:port
             if len(self.relay) > _MAX_RELAY or not (self.relay.isascii() and self.relay.isprintable()):
                 raise UsageError(f"must be '' or an ASCII 'host:port' of at most {_MAX_RELAY} bytes", argument="relay")

@@ -34,7 +34,7 @@ from tiersync.net.server import TcpServer
 from tiersync.net.socket_io import Deadline
 from tiersync.net.tcp import TcpTransport
 from tiersync.weights.buffers import VersionedBuffers, WeightsLease
-from tiersync.weights.config import ReceiverConfig, ReceiveResult, TransportKind
+from tiersync.weights.config import ReceiverConfig, ReceiveResult, TransportKind, process_label
 from tiersync.weights.delta import ChunkKey, DeltaState, Landing, bad_chunks, direct, land_delta
 from tiersync.weights.fetch import Job, TcpPool, build_jobs
 from tiersync.weights.job_runner import JobRunner, Progress
@@ -96,7 +96,9 @@ class WeightReceiver:
             else None
         )
         relay = self._server.address if self._server is not None else ""
-        hello = Register(0, config.label, config.rank, host_id(), config.transport, relay, config.zero_copy)
+        self.label = config.sampler_id or process_label("sampler", config.rank)
+        """The label this sampler registered under (``config.sampler_id``, else one of its own)."""
+        hello = Register(0, self.label, config.rank, host_id(), config.transport, relay, config.zero_copy)
         try:
             self._links.connect(self._transport, hello)
         except BaseException:

@@ -57,14 +57,15 @@ class SamplerRegistry:
     ) -> None:
         self._cond, self._pool, self._host, self._rank = cond, pool, host, rank
         self._io_timeout = io_timeout_s
-        self._samplers: dict[str, Sampler] = {}  # by label: several engines' samplers share ranks
+        self._samplers: dict[tuple[str, int], Sampler] = {}  # by (label, rank): engines share ranks
         self._by_session: dict[int, Sampler] = {}
         self._closed = False
 
     def labels(self) -> dict[str, int]:
-        """Registered, connected samplers: label -> destination rank."""
+        """Registered, connected samplers: label -> destination rank (a label several ranks
+        share is listed once)."""
         with self._cond:
-            return {label: s.rank for label, s in self._samplers.items() if s.alive}
+            return {s.label: s.rank for s in self._samplers.values() if s.alive}
 
     def live(self) -> list[Sampler]:
         """The registered, connected samplers now (a version's targets)."""
@@ -122,9 +123,10 @@ class SamplerRegistry:
 
     def _register(self, session: Session, hello: Register) -> Iterator[ev.Error | Welcome]:
         """A generator: W_WELCOME is written before the sampler takes part (so no ANNOUNCE
-        overtakes it); a registration under a label registered already (a sampler that came
-        back) drops the old one. Samplers of one rank under other labels (the workers of
-        several engines) each take part."""
+        overtakes it); a registration under the label and rank of one registered already (a
+        sampler that came back) drops the old one, with a warning if its connection was still
+        open. Samplers of one rank under other labels (the workers of several engines) each
+        take part."""
         with self._cond:
             again = session.session_id in self._by_session
         if again:  # one sampler per connection
@@ -143,11 +145,19 @@ class SamplerRegistry:
         zc = got is TransportKind.SHM and hello.zero_copy
         s = Sampler(hello.label, hello.rank, session, got, hello.relay, zc=zc)
         with self._cond:
-            old = self._samplers.get(s.label)
-            self._samplers[s.label] = s
+            old = self._samplers.get((s.label, s.rank))
+            self._samplers[(s.label, s.rank)] = s
             self._by_session[session.session_id] = s
             self._cond.notify_all()
         if old is not None:
+            if not old.session.closed:
+                log.warning(
+                    "sampler %s (rank %d) from %s replaces the one from %s",
+                    s.label,
+                    s.rank,
+                    session.peer,
+                    old.session.peer,
+                )
             self.drop(old)
         if session.closed or self._closed:  # ended while it was being welcomed
             self.drop(s)
@@ -166,8 +176,8 @@ class SamplerRegistry:
             if not s.alive:
                 return
             s.alive = False
-            if self._samplers.get(s.label) is s:
-                del self._samplers[s.label]
+            if self._samplers.get((s.label, s.rank)) is s:
+                del self._samplers[(s.label, s.rank)]
             self._by_session.pop(s.session.session_id, None)
             if self._pool is not None and s.zc:
                 self._pool.orphan(s)  # it may still serve from them: never rewrite those

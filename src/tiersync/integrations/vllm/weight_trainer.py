@@ -46,7 +46,8 @@ class TierSyncTrainerInitInfo(TrainerInitInfo):
     a reachable host). ``token`` / ``token_file``: the shared secret every sampler must prove
     (>= 16 bytes; default ``$TIERSYNC_TOKEN``). ``transport``: what the samplers use, "auto"
     (shared memory on this host, else TCP), "shm" or "tcp". ``samplers``: how many engine
-    workers must have joined before ``trainer_init`` returns. ``timeout_s``: bound of every
+    workers (of every engine together: engines x workers each) must have joined before
+    ``trainer_init`` returns. ``timeout_s``: bound of every
     wait (join, one publish)."""
 
     backend: ClassVar[str] = "tiersync"
