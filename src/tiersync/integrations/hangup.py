@@ -124,26 +124,23 @@ class Hangups:
             poll.close()
 
 
-class _Conn(http.client.HTTPConnection):
-    def __init__(self, hangup: Hangup | None, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._hangup = hangup
+def _attaching(base: type[http.client.HTTPConnection]) -> Any:
+    """``base`` whose socket, once connected, is attached to the request's :class:`Hangup`."""
 
-    def connect(self) -> None:
-        super().connect()
-        if self._hangup is not None:
-            self._hangup.attach(self.sock)
+    class Attached(base):  # type: ignore[valid-type,misc]
+        def __init__(self, hangup: Hangup | None, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._hangup = hangup
+
+        def connect(self) -> None:
+            super().connect()
+            if self._hangup is not None:
+                self._hangup.attach(self.sock)
+
+    return Attached
 
 
-class _TlsConn(http.client.HTTPSConnection):
-    def __init__(self, hangup: Hangup | None, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._hangup = hangup
-
-    def connect(self) -> None:
-        super().connect()
-        if self._hangup is not None:
-            self._hangup.attach(self.sock)
+_Conn, _TlsConn = _attaching(http.client.HTTPConnection), _attaching(http.client.HTTPSConnection)
 
 
 class _Http(urllib.request.HTTPHandler):
