@@ -96,8 +96,10 @@ def share_in_place(buffer: object, argument: str = "buffer", name: str = "tiersy
     pages (:class:`~tiersync.tiers.huge_pages.Collapser`). Returns the region,
     whose ``fd`` the caller closes once readers should stop mapping it (the memory stays); None
     where it cannot be done (no whole page, not Linux, no memfd): then nothing changed unless a
-    piece's map failed midway, which leaves the pages before it backed by the memfd, same bytes.
-    UsageError naming ``argument`` for anything but a writable C-contiguous buffer."""
+    piece's map failed midway, which leaves the pages before it backed by the memfd, same bytes
+    (on kernels before 6.12 an ENOMEM inside ``mmap`` itself may leave that piece unmapped: call
+    it where memory is not short, as an engine's start is). UsageError naming ``argument`` for
+    anything but a writable C-contiguous buffer."""
     view = _writable(buffer, argument)
     first, page = view.ctypes.data, mmap.PAGESIZE
     start, end = -(-first // page) * page, (first + view.nbytes) // page * page
