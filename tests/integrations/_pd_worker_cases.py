@@ -108,10 +108,11 @@ def _in_memfd(address: int) -> bool:
 
 
 def shares() -> dict:
-    """share_kv: a producer's KV tensors (2.5 MB, as vLLM allocates them) are backed by memfds
-    once registered, their bytes kept; closing the worker closes the memfds."""
+    """share_kv: a producer's KV tensors (39 MB each, as vLLM allocates them: over malloc's
+    largest mmap threshold, 32 MiB, so each is memory of its own and never the heap's) are
+    backed by memfds once registered, their bytes kept; closing the worker closes the memfds."""
     big = PagedKVLayout(
-        num_layers=2, num_kv_heads=8, head_dim=128, block_size=16, num_blocks=40, dtype="float16",
+        num_layers=2, num_kv_heads=8, head_dim=128, block_size=16, num_blocks=600, dtype="float16",
         tp_size=1, order=KVOrder.HEAD_MAJOR,
     )  # fmt: skip
     out = {}

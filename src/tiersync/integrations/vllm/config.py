@@ -48,8 +48,8 @@ key                  meaning (default)
 ``share_kv``         prefill->decode, producer: back the engine's KV tensors by sealed memfds
                      once registered (same addresses, same bytes) so a decode engine on this
                      host maps them and copies at memory speed instead of through
-                     ``process_vm_readv``; any process of the same user may then read them,
-                     and they get no huge pages where shmem has none (True)
+                     ``process_vm_readv``; any process of the same user may then read them;
+                     a tensor in malloc's heap (a pool under 32 MiB a layer) stays private (True)
 ===================  =========================================================================
 """
 
