@@ -70,18 +70,17 @@ class Collapser:
         try:
             if not sys.platform.startswith("linux") or _thp_never():
                 return
-            import ctypes
+            from tiersync.tiers.madvise import madvise
 
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             for start, end in self._ranges:
                 for at in range(start, end, _PIECE):
                     if self._stop.is_set():
                         return
                     n = min(_PIECE, end - at)
-                    if libc.madvise(at, n, MADV_COLLAPSE) == 0:  # ctypes releases the GIL
+                    err = madvise(at, n, MADV_COLLAPSE)
+                    if err == 0:
                         self.collapsed += n
-                    elif ctypes.get_errno() == _EINVAL:  # this kernel or this memory never will
+                    elif err == _EINVAL:  # this kernel or this memory never will
                         log.debug("MADV_COLLAPSE refused (EINVAL) at %#x; pages left as they are", at)
                         break
         finally:

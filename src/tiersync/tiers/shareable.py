@@ -23,6 +23,7 @@ import numpy as np
 
 from tiersync.errors import CapacityError, UsageError
 from tiersync.tiers.huge_pages import HUGE_PAGE
+from tiersync.tiers.madvise import madvise
 from tiersync.tiers.prefault import MADV_POPULATE_WRITE
 
 __all__ = [
@@ -231,4 +232,4 @@ def _map_over(fd: int, pages: np.ndarray, start: int, pad: int) -> None:
         if libc.mmap(start + off, n, prot, flags, fd, pad + off) != start + off:
             raise OSError(ctypes.get_errno(), "mmap over the buffer failed")
         if hole:  # resident, as the zeroed pages were: the owner's first writes do not fault
-            libc.madvise(ctypes.c_void_p(start + off), ctypes.c_size_t(n), MADV_POPULATE_WRITE)
+            madvise(start + off, n, MADV_POPULATE_WRITE)
