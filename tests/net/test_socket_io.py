@@ -180,3 +180,60 @@ def test_a_write_to_a_socket_already_closed_is_a_peer_closed_error(path, pair):
     a.close()  # fileno() is -1 now: no descriptor to write to or to duplicate
     with pytest.raises(PeerClosedError):
         write_nonblocking(a, [b"late"], Deadline(5, "pair"))
+
+
+@pytest.mark.skipif(socket_io._wire is None, reason="the native extension is not built here")
+def test_pinned_buffers_go_by_reference_byte_exact_between_the_copied_ones():
+    """``pinned``: large buffers are vmspliced (the peer reads the sender's pages), small ones
+    around them copied, in order; a write that fills the socket goes on once the peer reads."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        b = socket.create_connection(listener.getsockname())
+        a, _ = listener.accept()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)  # far under what is written
+    a.setblocking(False)
+    data = np.random.default_rng(3).integers(0, 255, 9 << 20, dtype=np.uint8)
+    bufs = [
+        b"head",
+        memoryview(data)[: 3 << 20],
+        b"mid" * 7,
+        memoryview(data)[3 << 20 : (3 << 20) + 100],
+        data[(3 << 20) + 100 :],
+    ]
+    want = b"".join(bytes(x) for x in bufs)
+    got = bytearray()
+    reader = threading.Thread(target=lambda: _read_exactly(b, len(want), got), daemon=True)
+    reader.start()
+    try:
+        write_nonblocking(a, bufs, Deadline(20, "pair"), pinned=True)
+        reader.join(20)
+        assert bytes(got) == want
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(socket_io._wire is None, reason="the native extension is not built here")
+def test_pinned_send_all_counts_exactly_what_was_written_before_its_time_ran_out(pair):
+    """By reference too, ``sent`` is exactly the bytes the peer can read: bytes the pipe held
+    but the socket did not take are not counted (nor sent)."""
+    a, b = pair
+    data = np.random.default_rng(4).integers(0, 255, 8 << 20, dtype=np.uint8)
+    sent, err = socket_io._wire.send_all(a.fileno(), [b"h" * 10, memoryview(data)], 0.2, 64 << 10)
+    assert err == -1 and 10 < sent < 10 + data.size
+    b.setblocking(False)
+    got = bytearray()
+    while True:
+        try:
+            chunk = b.recv(1 << 20)
+        except BlockingIOError:
+            break
+        got += chunk
+    assert bytes(got) == (b"h" * 10 + data.tobytes())[:sent]
+
+
+def _read_exactly(sock: socket.socket, n: int, into: bytearray) -> None:
+    while len(into) < n:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            return
+        into += chunk

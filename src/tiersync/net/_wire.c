@@ -1,9 +1,12 @@
 /* Native fast paths of the TCP transport (tiersync.net._wire).
  *
- * send_all(fd, bufs, timeout_s) -> (sent, err)
+ * send_all(fd, bufs, timeout_s, pinned=0) -> (sent, err)
  *   Writes every byte of the buffers `bufs` (a list, gathered by sendmsg, MSG_DONTWAIT, so a
  *   blocking socket behaves as a non-blocking one) waiting for room with poll, all with the GIL
- *   released, for at most timeout_s seconds. sent: bytes written; err: 0 when all were,
+ *   released, for at most timeout_s seconds. pinned > 0: each buffer of at least that many bytes
+ *   goes by reference instead (vmsplice into a pipe, splice into the socket: the kernel holds its
+ *   pages, not a copy, until the peer has read them), so the caller must not change those
+ *   bytes until then; the smaller ones between them still go by sendmsg (MSG_MORE). sent: bytes written; err: 0 when all were,
  *   -1 when the time ran out first, else the errno of the failing sendmsg or poll. A signal
  *   runs the interpreter's handlers and the write goes on; an exception from one is raised, the
  *   socket shut down first when part of the frames went out (no frame may follow a torn one).
@@ -389,16 +392,54 @@ static void advance(gather *g, size_t n) {
     }
 }
 
+/* Pinned buffers' way to the socket: a pipe holding `queued` bytes, always the next ones of g
+ * (vmspliced from g's first vector, advanced only once spliced into the socket). */
+typedef struct {
+    size_t pinned;  /* vectors of at least this many bytes go by reference; 0: none */
+    int rd, wr;     /* the pipe, -1 until a pinned vector comes */
+    size_t queued;
+} by_ref;
+
+#define PIPE_BYTES (1 << 20)  /* asked for with F_SETPIPE_SZ; the default (64 KiB) when refused */
+
+/* Move bytes of g's first vector toward the socket: into the pipe when it is empty, then out of
+ * it; >= 0 bytes the socket took, -1 with errno set. */
+static ssize_t splice_some(int fd, gather *g, by_ref *b) {
+    if (b->rd < 0) {
+        int p[2];
+        if (pipe2(p, O_CLOEXEC | O_NONBLOCK) < 0) return -1;
+        b->rd = p[0], b->wr = p[1];
+        (void)fcntl(b->wr, F_SETPIPE_SZ, PIPE_BYTES);
+    }
+    if (!b->queued) {
+        struct iovec v = {g->iov->iov_base, g->iov->iov_len < PIPE_BYTES ? g->iov->iov_len : PIPE_BYTES};
+        ssize_t q = vmsplice(b->wr, &v, 1, SPLICE_F_NONBLOCK);
+        if (q <= 0) return q < 0 ? -1 : 0;
+        b->queued = (size_t)q;
+    }
+    unsigned flags = SPLICE_F_NONBLOCK | (b->queued < g->iov->iov_len || g->count > 1 ? SPLICE_F_MORE : 0);
+    ssize_t r = splice(b->rd, NULL, fd, NULL, b->queued, flags);
+    if (r > 0) b->queued -= (size_t)r;
+    return r;
+}
+
 /* Write every byte of g, waiting for room with poll until `end` (CLOCK_MONOTONIC seconds);
  * bytes written go to *sent; 0, SEND_DEADLINE, EINTR (a signal: the caller runs the handlers,
- * then calls again) or the errno of a failing sendmsg or poll. */
-static int send_gather(int fd, gather *g, double end, uint64_t *sent) {
+ * then calls again) or the errno of a failing sendmsg, vmsplice, splice or poll. */
+static int send_gather(int fd, gather *g, double end, uint64_t *sent, by_ref *b) {
     advance(g, 0);
     while (g->count) {
-        struct msghdr msg = {0};
-        msg.msg_iov = g->iov;
-        msg.msg_iovlen = g->count < SEND_IOV ? g->count : SEND_IOV;
-        ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        ssize_t r;
+        if (b->queued || (b->pinned && g->iov->iov_len >= b->pinned)) {  /* the pipe's bytes come first */
+            r = splice_some(fd, g, b);
+        } else {
+            size_t n = 0, most = g->count < SEND_IOV ? g->count : SEND_IOV;
+            while (n < most && !(b->pinned && g->iov[n].iov_len >= b->pinned)) n++;
+            struct msghdr msg = {0};
+            msg.msg_iov = g->iov;
+            msg.msg_iovlen = n;
+            r = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT | (n < g->count ? MSG_MORE : 0));
+        }
         if (r >= 0) {
             *sent += (uint64_t)r;
             advance(g, (size_t)r);
@@ -418,7 +459,9 @@ static PyObject *send_all(PyObject *self, PyObject *args) {
     int fd;
     PyObject *bufs;
     double timeout;
-    if (!PyArg_ParseTuple(args, "iO!d", &fd, &PyList_Type, &bufs, &timeout)) return NULL;
+    Py_ssize_t pinned = 0;
+    if (!PyArg_ParseTuple(args, "iO!d|n", &fd, &PyList_Type, &bufs, &timeout, &pinned)) return NULL;
+    by_ref b = {pinned > 0 ? (size_t)pinned : 0, -1, -1, 0};
     Py_ssize_t count = PyList_GET_SIZE(bufs);
     Py_buffer *views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
     struct iovec *iov = PyMem_Calloc((size_t)count + 1, sizeof(struct iovec));
@@ -441,7 +484,7 @@ static PyObject *send_all(PyObject *self, PyObject *args) {
     int err;
     for (;;) {
         Py_BEGIN_ALLOW_THREADS
-        err = send_gather(own, &g, end, &sent);
+        err = send_gather(own, &g, end, &sent, &b);
         Py_END_ALLOW_THREADS
         if (err != EINTR) break;
         if (PyErr_CheckSignals() < 0) {  /* a handler raised (Ctrl-C): that is the answer */
@@ -451,6 +494,7 @@ static PyObject *send_all(PyObject *self, PyObject *args) {
     }
     out = Py_BuildValue("Ki", (unsigned long long)sent, err);
 done:
+    if (b.rd >= 0) close(b.rd), close(b.wr);  /* bytes still queued in it were not sent (nor counted) */
     if (own >= 0) close(own);
     for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
     PyMem_Free(views);
@@ -475,7 +519,7 @@ static PyObject *xxh3_56_py(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"recv_many", recv_many, METH_VARARGS,
      "recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum, timeout_s) -> (done, sums, n, err)."},
-    {"send_all", send_all, METH_VARARGS, "send_all(fd, bufs, timeout_s) -> (sent, err)."},
+    {"send_all", send_all, METH_VARARGS, "send_all(fd, bufs, timeout_s, pinned=0) -> (sent, err)."},
     {"_xxh3_56", xxh3_56_py, METH_O, "Tests only: xxh3_64 of a 56-byte header prefix."},
     {NULL, NULL, 0, NULL},
 };

@@ -12,7 +12,7 @@ def recv_many(
 ) -> tuple[int, tuple[int, ...], int, int]:
     """(done, sums, n, err): see ``_wire.c``."""
 
-def send_all(fd: int, bufs: list[bytes | memoryview], timeout_s: float, /) -> tuple[int, int]:
+def send_all(fd: int, bufs: list[bytes | memoryview], timeout_s: float, pinned: int = 0, /) -> tuple[int, int]:
     """(sent, err): see ``_wire.c``."""
 
 def _xxh3_56(data: bytes | bytearray | memoryview, /) -> int: ...

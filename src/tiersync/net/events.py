@@ -232,12 +232,20 @@ class Data:
     (a stale value makes the receiver refuse the frame, BAD_CHECKSUM). On a received
     DATA it is the verified checksum, so a receiver can keep it with the bytes. Not
     compared by ``==``.
+
+    ``pinned``: the sender promises that the payload's bytes stay as they are until the peer
+    has read them, not only until the DATA was written (a trainer's version, written over only
+    after every sampler acknowledged it). A plain TCP writer then hands the kernel its pages
+    instead of a copy (:func:`~tiersync.net.socket_io.write_nonblocking`); bytes changed too
+    early reach the peer as a frame it refuses (BAD_CHECKSUM), never as other bytes. Not
+    compared by ``==``.
     """
 
     OP: ClassVar[Op] = Op.DATA
     request_id: int
     payload: bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
     payload_sum: tuple[PayloadChecksum, int] | None = field(default=None, compare=False)
+    pinned: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         check_u64("request_id", self.request_id)

@@ -64,15 +64,16 @@ class ServerSession(Session):
             bufs = self.conn.send(cast(ev.Event, event))  # an event of the session's vocabulary
         self.write(bufs, Deadline(timeout or self._config.op_timeout_s, self.peer))
 
-    def write(self, bufs: list[bytes | memoryview], deadline: Deadline) -> None:
+    def write(self, bufs: list[bytes | memoryview], deadline: Deadline, *, pinned: bool = False) -> None:
         """Write ``bufs`` whole before ``deadline``, the wait for another writer of this session
         included (one stuck on a peer that does not read must not hold every other sender past
-        its own deadline); any failure ends the session."""
+        its own deadline); any failure ends the session. ``pinned``: see
+        :func:`~tiersync.net.socket_io.write_nonblocking`."""
         try:
             if not self.wlock.acquire(timeout=deadline.remaining()):
                 raise NetTimeoutError("another write to this peer did not end in time", peer=self.peer)
             try:
-                write_nonblocking(self.sock, bufs, deadline)
+                write_nonblocking(self.sock, bufs, deadline, pinned=pinned)
             finally:
                 self.wlock.release()
         except (TierSyncError, OSError):
@@ -174,10 +175,14 @@ class Responder:
             s.write(bufs, deadline)
             bufs = []
         for answer in answers:
+            pinned = isinstance(answer, ev.Data) and answer.pinned
+            if pinned and bufs:  # what came before it goes by copy
+                s.write(bufs, deadline)
+                bufs = []
             with s.lock:
                 bufs += _encode(s.conn, cast(ev.Event, answer))  # the service answers with events
-            if streamed:  # a handler that yields may block before its next answer: send this one now
-                s.write(bufs, deadline)
+            if streamed or pinned:  # a handler that yields may block before its next answer: send this one now
+                s.write(bufs, deadline, pinned=pinned)
                 bufs = []
         return bufs
 

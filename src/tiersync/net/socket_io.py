@@ -40,6 +40,7 @@ if PayloadChecksum.TSUM64 not in SUPPORTED:  # pragma: no cover - the fallback m
 
 _IOV_MAX = 1024
 _DEADLINE = -1  # _wire.send_all's err when the time ran out
+_PINNED = 64 << 10  # pinned buffers of at least this many bytes go by reference (smaller: copied)
 _PIECE = 4 << 20  # most bytes one recv lands in a payload before the checksum reads them
 _SLACK = 0.05  # re-arm a kernel timeout once it is off by more than this share of what is left
 _TIMEVAL = struct.Struct("@ll")
@@ -68,12 +69,17 @@ class Deadline:
         return Deadline(seconds, self.peer)
 
 
-def write_nonblocking(sock: socket.socket, bufs: Sequence[bytes | memoryview], deadline: Deadline) -> None:
+def write_nonblocking(
+    sock: socket.socket, bufs: Sequence[bytes | memoryview], deadline: Deadline, *, pinned: bool = False
+) -> None:
     """Write every buffer to a non-blocking socket (plain or TLS), waiting for room with poll
-    until ``deadline``. Raises NetTimeoutError, PeerClosedError, AuthError (TLS)."""
+    until ``deadline``. ``pinned``: the large buffers' bytes stay unchanged until the peer read
+    them (:attr:`~tiersync.net.events.Data.pinned`), so on a plain socket they go by reference
+    (vmsplice and splice: no copy into the kernel). Raises NetTimeoutError, PeerClosedError,
+    AuthError (TLS)."""
     tls = isinstance(sock, ssl.SSLSocket)
     if _wire is not None and not tls:
-        return _send_native(sock, list(bufs), deadline)
+        return _send_native(sock, list(bufs), deadline, _PINNED if pinned else 0)
     views = [memoryview(b).cast("B") for b in bufs if len(b)]
     with io_errors(deadline.peer):
         while views:
@@ -86,11 +92,11 @@ def write_nonblocking(sock: socket.socket, bufs: Sequence[bytes | memoryview], d
                     deadline.remaining()  # raises once the deadline passed
 
 
-def _send_native(sock: socket.socket, bufs: list[bytes | memoryview], deadline: Deadline) -> None:
+def _send_native(sock: socket.socket, bufs: list[bytes | memoryview], deadline: Deadline, pinned: int = 0) -> None:
     """:func:`write_nonblocking` in one GIL-free call per deadline check (plain sockets)."""
     while True:
         try:
-            sent, err = _wire.send_all(sock.fileno(), bufs, deadline.remaining())
+            sent, err = _wire.send_all(sock.fileno(), bufs, deadline.remaining(), pinned)
         except OSError as exc:  # the socket was closed (EBADF) or no descriptor is left (EMFILE)
             _raise_io(exc, deadline.peer)
         if not err:

@@ -93,6 +93,7 @@ class WeightPublisher:
             control=self._registry.control,
             ended=self._registry.ended,
             summer=self._buffer.span_sum,
+            pinned=True,  # a version is written over only after every sampler acknowledged it
         )
         self._server = TcpServer(self.config.listen, service, self.config.tcp_config(f"weights-publisher-{rank}"))
 

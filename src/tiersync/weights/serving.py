@@ -61,9 +61,14 @@ def span_payload(shard: np.ndarray, span: StridedSpan) -> list[memoryview]:
     # numpy arrays export the buffer protocol; its stubs do not say so (hence the casts)
     if span.is_contiguous:
         return [memoryview(cast("Buffer", shard[span.offset : span.offset + span.row_bytes]))]
-    if span.row_count <= _ROWS_SENT_AS_IOVEC and span.row_bytes >= 64 << 10:
+    if _in_place(span):
         return [memoryview(cast("Buffer", shard[o : o + n])) for o, n in span.rows()]
     return [memoryview(cast("Buffer", np.ascontiguousarray(span_view(shard, span)).reshape(-1)))]
+
+
+def _in_place(span: StridedSpan) -> bool:
+    """Whether :func:`span_payload` sends views of the shard (not a gathered copy)."""
+    return span.is_contiguous or (span.row_count <= _ROWS_SENT_AS_IOVEC and span.row_bytes >= 64 << 10)
 
 
 class _Sums:
@@ -124,7 +129,11 @@ class _Sums:
 class SpanService(Service):
     """Answers GETs from ``provider`` (waiting at most ``timeout_s`` for the bytes); other
     messages go to ``control(session, event) -> answers``, session ends to ``ended(session)``;
-    ``summer`` knows spans' checksums without reading them (a trainer shard's version buffer)."""
+    ``summer`` knows spans' checksums without reading them (a trainer shard's version buffer).
+    ``pinned``: the provider's bytes of a version stay unchanged until every GET of it was
+    read, not only answered (a trainer shard's buffer: the next version begins once every
+    sampler acknowledged this one), so DATA of views of them is
+    :attr:`~tiersync.net.events.Data.pinned` (no copy into the kernel on plain TCP)."""
 
     vocabulary = WEIGHTS
 
@@ -135,9 +144,11 @@ class SpanService(Service):
         control: Callable[[Session, object], Iterable[object]] | None = None,
         ended: Callable[[Session], None] | None = None,
         summer: Summer | None = None,
+        pinned: bool = False,
     ) -> None:
         self._provider, self._timeout = provider, timeout_s
         self._control, self._ended, self._summer = control, ended, summer
+        self._pinned = pinned
         self._sums = _Sums()
 
     def handle(self, session: Session, event: object) -> Iterable[object]:
@@ -165,7 +176,8 @@ class SpanService(Service):
             return
         try:
             payload = span_payload(shard, get.span)
-            yield ev.Data(get.request_id, payload, self._sum(get, payload, get.span))
+            pinned = self._pinned and _in_place(get.span)  # never a gathered copy: freed once sent
+            yield ev.Data(get.request_id, payload, self._sum(get, payload, get.span), pinned=pinned)
         except ProtocolError as exc:
             yield ev.Error(get.request_id, ev.ErrorCode.BAD_REQUEST, exc.message[:512])
         finally:
