@@ -39,7 +39,7 @@ def test_composed_sums_are_the_checksums_of_the_span_bytes():
     checked = 0
     for lo, hi in spans:
         hi = hi or rng.randrange(lo + 1, n + 1)
-        got = span_sum(sums.of(1), dst, StridedSpan(lo, hi - lo))
+        got = span_sum(sums.of(1, n), dst, StridedSpan(lo, hi - lo))
         if got is not None:
             assert got == kernel.tsum64(memoryview(src[lo:hi])), (lo, hi)
             checked += 1
@@ -50,21 +50,41 @@ def test_composed_sums_are_the_checksums_of_the_span_bytes():
 
 def test_spans_it_cannot_compose_get_none():
     sums, dst, _ = _copied(3 * PIECE)
-    states = sums.of(1)
+    states = sums.of(1, 3 * PIECE)
     assert span_sum(states, dst, StridedSpan(1, 2 * PIECE)) is None  # not on a stripe
     assert span_sum(states, dst, StridedSpan(64, 1000)) is None  # no whole piece inside
     assert span_sum(states, dst, StridedSpan(0, 4096, (4,), (8192,))) is None  # strided
     assert span_sum(states, dst, StridedSpan(PIECE, 3 * PIECE)) is None  # past the tensor
-    assert span_sum(sums.of(0), dst, StridedSpan(0, PIECE)) is None  # tensor 0 never copied in
+    assert span_sum(sums.of(0, PIECE), dst, StridedSpan(0, PIECE)) is None  # tensor 0 never copied in
     sums.reset()
-    assert sums.of(1) is None
+    assert sums.of(1, 3 * PIECE) is None
+
+
+def test_a_tensor_copied_in_parts_keeps_the_sums_of_one_copy_and_answers_for_what_is_written():
+    """Parts that start on pieces append their states: the whole tensor's equal one copy's,
+    and the states of its first bytes compose the spans inside them (:meth:`PieceSums.of`)."""
+    n = 5 * PIECE + 4097
+    whole, _, src = _copied(n, seed=2)
+    sums, dst = PieceSums(2), np.zeros(n, np.uint8)
+    sums.copy_in(1, dst[: 2 * PIECE], src[: 2 * PIECE], 0)
+    assert span_sum(sums.of(1, 2 * PIECE), dst[: 2 * PIECE], StridedSpan(0, 2 * PIECE)) == kernel.tsum64(
+        memoryview(src[: 2 * PIECE])
+    )
+    sums.copy_in(1, dst[2 * PIECE :], src[2 * PIECE :], 2 * PIECE)
+    assert np.array_equal(dst, src) and sums.of(1, n) == whole.of(1, n)
+    assert span_sum(sums.of(1, 2 * PIECE), dst[: 2 * PIECE], StridedSpan(64, 2 * PIECE - 64)) == kernel.tsum64(
+        memoryview(src[64 : 2 * PIECE])
+    )  # states of more bytes than written so far are cut to them
+    sums.copy_in(0, dst[:PIECE], src[:PIECE], 0)
+    sums.copy_in(0, dst[PIECE + 64 : 2 * PIECE], src[PIECE + 64 : 2 * PIECE], PIECE + 64)  # not on a piece
+    assert sums.of(0, 2 * PIECE) is None
 
 
 def test_a_source_the_kernel_cannot_take_is_copied_without_sums():
     sums, dst = PieceSums(1), np.zeros(2 * PIECE, np.uint8)
     src = np.arange(4 * PIECE, dtype=np.uint8)[::2]  # not contiguous
     sums.copy_in(0, dst, src)
-    assert np.array_equal(dst, src) and sums.of(0) is None
+    assert np.array_equal(dst, src) and sums.of(0, 2 * PIECE) is None
 
 
 def test_publish_buffer_answers_for_the_written_tensors_of_its_version():
@@ -82,3 +102,41 @@ def test_publish_buffer_answers_for_the_written_tensors_of_its_version():
     assert buf.span_sum(7, "b", StridedSpan(0, sizes[1])) == kernel.tsum64(memoryview(data[1]))
     buf.begin(8, set(), 1.0)
     assert buf.span_sum(8, "a", whole) is None and buf.span_sum(7, "a", whole) is None
+
+
+def test_a_span_is_served_once_the_parts_it_reaches_into_are_written(monkeypatch):
+    """A GET of the first part of a large tensor is answered while a later part is still being
+    copied; one reaching into that part waits for it (not in time: refused); its sums are
+    known only for the written bytes."""
+    from tiersync.errors import RemoteError
+    from tiersync.weights.publish_buffer import PART
+
+    size = 2 * PART + 4096
+    buf = PublishBuffer(threading.Condition(), None, {"a": 0}, [0], [size], size)
+    data = np.random.default_rng(6).integers(0, 256, size, dtype=np.uint8)
+    buf.begin(3, set(), 1.0)
+    gate, real = threading.Event(), buf._sums.copy_in
+
+    def held(i, dst, src, lo=0):  # the second part waits for the test
+        if lo >= PART:
+            assert gate.wait(10)
+        real(i, dst, src, lo)
+
+    monkeypatch.setattr(buf._sums, "copy_in", held)
+    writer = threading.Thread(target=buf.write, args=(0, data), daemon=True)
+    writer.start()
+    try:
+        shard, release = buf.provide(3, "a", (0,), StridedSpan(0, PART), 10.0)
+        assert np.array_equal(shard[:PART], data[:PART])
+        release()
+        assert buf.span_sum(3, "a", StridedSpan(0, PART)) == kernel.tsum64(memoryview(data[:PART]))
+        assert buf.span_sum(3, "a", StridedSpan(0, PART + PIECE)) is None
+        with pytest.raises(RemoteError):
+            buf.provide(3, "a", (0,), StridedSpan(64, PART), 0.2)  # reaches 64 bytes into part 1
+    finally:
+        gate.set()
+        writer.join(10)
+    shard, release = buf.provide(3, "a", (0,), None, 1.0)
+    assert np.array_equal(shard, data)
+    release()
+    assert buf.span_sum(3, "a", StridedSpan(0, size)) == kernel.tsum64(memoryview(data))

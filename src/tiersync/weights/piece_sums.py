@@ -39,24 +39,29 @@ class PieceSums:
         """A new version: no tensor's sums are known."""
         self._states = [None] * len(self._states)
 
-    def copy_in(self, i: int, dst: np.ndarray, src: np.ndarray) -> None:
-        """Copy tensor ``i``'s bytes ``src`` into ``dst`` (flat uint8), keeping its pieces' sums
-        (none kept without the native checksum or for a source not C-contiguous)."""
-        if kernel.TSUM64 is None or not src.flags.c_contiguous:
+    def copy_in(self, i: int, dst: np.ndarray, src: np.ndarray, lo: int = 0) -> None:
+        """Copy bytes ``src`` of tensor ``i`` into ``dst`` (flat uint8), where they begin ``lo``
+        bytes into the tensor: 0, or where the previous part of it ended (a multiple of
+        :data:`PIECE`), keeping its pieces' sums (none kept without the native checksum, for a
+        source not C-contiguous, or when a part does not start on a piece)."""
+        known = self._states[i] if lo else b""
+        if kernel.TSUM64 is None or not src.flags.c_contiguous or known is None or lo % PIECE:
             self._states[i] = None
             np.copyto(dst, src)
             return
-        self._states[i] = kernel.copy_partials(dst, src, PIECE)
+        self._states[i] = known + kernel.copy_partials(dst, src, PIECE)
 
-    def of(self, i: int) -> bytes | None:
-        """Tensor ``i``'s pieces' partial states (for :func:`span_sum`), None when not kept."""
-        return self._states[i]
+    def of(self, i: int, nbytes: int) -> bytes | None:
+        """The partial states of the pieces of tensor ``i``'s first ``nbytes`` (all written; a
+        multiple of :data:`PIECE` or the tensor's size) for :func:`span_sum`, None when not kept."""
+        states = self._states[i]
+        return None if states is None else states[: -(-nbytes // PIECE) * kernel.PARTIAL_BYTES]
 
 
 def span_sum(states: bytes | None, flat: np.ndarray, span: StridedSpan) -> int | None:
     """tsum64 of ``span`` of a tensor whose stored bytes are ``flat`` and whose pieces' partial
-    states are ``states`` (:meth:`PieceSums.of`); None when it cannot be composed (see the
-    module)."""
+    states are ``states`` (:meth:`PieceSums.of`, taken of exactly the bytes of ``flat``: the
+    tensor, or the part of it written so far); None when it cannot be composed (see the module)."""
     lo, hi = span.offset, span.offset + span.row_bytes
     if states is None or not span.is_contiguous or lo % kernel.STRIPE or hi > flat.size:
         return None

@@ -4,12 +4,14 @@
 (``offsets``/``sizes``, as the manifest says): a ``/dev/shm`` segment of the publisher's
 :class:`~tiersync.weights.segment.SegmentPool` (same-host samplers read it in place) or
 anonymous memory. A version begins once the GETs of the old one finished, in a segment no
-zero-copy sampler still reads; tensor ``i`` is served (:meth:`provide`, the
-:class:`~tiersync.weights.serving.SpanService` provider) once it was written (a GET waiting for
-it sleeps on that tensor's event, so writing one tensor wakes only the GETs of that one), and the
-checksums of its spans are composed from sums taken while it was copied in (:meth:`span_sum`,
-:class:`~tiersync.weights.piece_sums.PieceSums`). It works under the publisher's condition,
-the lock the pool is called under.
+zero-copy sampler still reads. Tensors are written in order, each in parts of :data:`PART`
+bytes; a span of tensor ``i`` is served (:meth:`provide`, the
+:class:`~tiersync.weights.serving.SpanService` provider) once the parts it reaches into were
+written (a GET waiting for them sleeps on the event of the last one, so writing a part wakes
+only the GETs that waited for it; the first GETs of a large embedding go out after its first
+part, not after all of it), and the checksums of its spans are composed from sums taken while
+it was copied in (:meth:`span_sum`, :class:`~tiersync.weights.piece_sums.PieceSums`). It works
+under the publisher's condition, the lock the pool is called under.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ from tiersync.weights.piece_sums import PieceSums, span_sum
 from tiersync.weights.segment import SegmentPool, SegmentWriter
 from tiersync.weights.spans import StridedSpan
 
-__all__ = ["PublishBuffer"]
+__all__ = ["PART", "PublishBuffer"]
+
+PART = 4 << 20
+"""Bytes of a tensor written before the GETs of them are answered (a multiple of
+:data:`~tiersync.weights.piece_sums.PIECE`)."""
 
 
 class PublishBuffer:
@@ -44,9 +50,9 @@ class PublishBuffer:
         self._cond, self._pool, self._index = cond, pool, index
         self._offsets, self._sizes, self._payload = offsets, sizes, payload
         self._current: int | None = None  # version GETs may read
-        self._ready = 0
+        self._filled = [0] * len(sizes)  # bytes of tensor i of this version written
         self._inflight = 0
-        self._written = [threading.Event() for _ in sizes]  # this version's tensor i was written
+        self._written = self._part_events()  # [i][k]: part k of tensor i of this version was written
         self._sums = PieceSums(len(sizes))
         if pool is not None:
             self._store = self._segment_store(pool, -1, set())
@@ -58,6 +64,9 @@ class PublishBuffer:
                 raise
         else:
             self._store = np.zeros(payload, np.uint8)
+
+    def _part_events(self) -> list[list[threading.Event]]:
+        return [[threading.Event() for _ in range(max(1, -(-n // PART)))] for n in self._sizes]
 
     @property
     def segment_path(self) -> str | None:
@@ -74,11 +83,12 @@ class PublishBuffer:
         mark the new one (in a segment no zero-copy sampler still reads; ``holders`` hold it from now)."""
         end = time.monotonic() + timeout
         with self._cond:
-            self._current, self._ready = None, 0
+            self._current, self._filled = None, [0] * len(self._sizes)
             self._sums.reset()
-            for event in self._written:  # GETs waiting for the old version give up now
-                event.set()
-            self._written = [threading.Event() for _ in self._sizes]
+            for events in self._written:  # GETs waiting for the old version give up now
+                for event in events:
+                    event.set()
+            self._written = self._part_events()
             while self._inflight and time.monotonic() < end:
                 self._cond.wait(end - time.monotonic())
             if self._pool is not None:
@@ -100,13 +110,15 @@ class PublishBuffer:
                     self._pool.release(holder, version)
 
     def write(self, i: int, src: np.ndarray) -> None:
-        """Copy tensor ``i``'s bytes ``src`` in (summing its pieces on the way); GETs of it are
-        answered from now."""
-        self._sums.copy_in(i, self._store[self._offsets[i] - self._offsets[0] :][: self._sizes[i]], src)
-        with self._cond:
-            newly, self._ready = self._written[self._ready : i + 1], i + 1
-            for event in newly:  # only those not set yet (each set takes a lock and wakes waiters)
-                event.set()
+        """Copy tensor ``i``'s bytes ``src`` (flat uint8) in, part by part (summing its pieces on
+        the way); the GETs of each part are answered once it is there."""
+        dst = self._store[self._offsets[i] - self._offsets[0] :][: self._sizes[i]]
+        for k, event in enumerate(self._written[i]):
+            lo, hi = k * PART, min(self._sizes[i], (k + 1) * PART)
+            self._sums.copy_in(i, dst[lo:hi], src[lo:hi], lo)
+            with self._cond:
+                self._filled[i] = hi
+            event.set()  # wakes only the GETs waiting for this part
 
     def complete(self, version: int) -> None:
         """Every tensor of ``version`` is written (the segment's header says so)."""
@@ -114,25 +126,26 @@ class PublishBuffer:
             _current(self._pool).complete(version)
 
     def provide(
-        self, version: int, name: str, key: tuple[int, ...], span: object, timeout: float
+        self, version: int, name: str, key: tuple[int, ...], span: StridedSpan | None, timeout: float
     ) -> tuple[np.ndarray, Callable[[], None]]:
-        """GETs: tensor ``name`` of ``version`` once written (waiting at most ``timeout`` s); any
-        ``key`` and ``span`` of it (the whole tensor is written)."""
+        """GETs: tensor ``name`` of ``version`` once the bytes ``span`` reaches into were written
+        (all of them for None; waiting at most ``timeout`` s); any ``key``."""
         i = self._index.get(name)
         if i is None:
             raise UsageError(f"unknown tensor {name!r}", argument="tensor")
+        need = self._sizes[i] if span is None else min(span.extent, self._sizes[i])  # past the end: refused later
         end = time.monotonic() + timeout
         while True:
             with self._cond:
-                if self._current == version and self._ready > i:
+                if self._current == version and self._filled[i] >= need:
                     self._inflight += 1
                     break
-                written = self._written[i]
+                written = self._written[i][max(0, need - 1) // PART]
                 if self._current != version or time.monotonic() >= end:
                     raise RemoteError(
                         "version not being served (or not written in time)", version=version, current=self._current
                     )
-            written.wait(end - time.monotonic())  # set when tensor i is written or the version ends
+            written.wait(end - time.monotonic())  # set when that part is written or the version ends
         lo = self._offsets[i] - self._offsets[0]
         return self._store[lo : lo + self._sizes[i]], self._release
 
@@ -142,10 +155,10 @@ class PublishBuffer:
         :class:`~tiersync.weights.piece_sums.PieceSums` cannot compose): sum the bytes."""
         i = self._index.get(name)
         with self._cond:
-            if i is None or self._current != version or self._ready <= i:
+            if i is None or self._current != version or self._filled[i] < span.extent:
                 return None
             lo = self._offsets[i] - self._offsets[0]
-            flat, states = self._store[lo : lo + self._sizes[i]], self._sums.of(i)
+            flat, states = self._store[lo : lo + self._filled[i]], self._sums.of(i, self._filled[i])
         return span_sum(states, flat, span)
 
     def _release(self) -> None:
