@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import numpy as np
 from vllm.v1.request import RequestStatus
 
 from tiersync.disagg import KVOrder, PagedKVLayout, SourceSpec
@@ -68,6 +69,51 @@ def _finished(status: RequestStatus) -> dict:
     }
 
 
+def _drops() -> dict:
+    """A decode scheduler with a real KVDropper against a real KVProducer (its timeout 600 s:
+    only a drop ends a request in time) offered four prompts: one it computes (another prompt),
+    one that ended while it waited (never matched), one that ended after its blocks were
+    allocated but before its read was issued, and one whose read was issued. Which the prefill
+    rank freed, and what stayed pending there."""
+    from tiersync.disagg import DisaggConfig, KVDropper, KVProducer, RequestState
+
+    layout, token = _layout(), b"d" * 32
+    layers = [np.zeros(layout.layer_nbytes, np.uint8) for _ in range(layout.num_layers)]
+    producer = KVProducer(layout, 0, DisaggConfig(token=token, timeout_s=600))
+    ids = ["p-other", "p-waiting", "p-alloc", "p-read"]
+    for i, rid in enumerate(ids):
+        producer.register(rid, [3 * i, 3 * i + 1, 3 * i + 2], len(PROMPT), layers)
+    sched = PDScheduler(producer=False, layout=layout, addresses=(), dropper=KVDropper(DisaggConfig(token=token)))
+
+    def request(rid: str, prompt: list[int]) -> SimpleNamespace:
+        source = SourceSpec(layout, (producer.address,), (0, 1, 2), 3 * 128)
+        raw = {"request_id": rid, "source": source.to_dict(), "prompt": prompt_digest(PROMPT)}
+        params = {SOURCE_KEY: raw | {"prompt_tokens": len(PROMPT)}}
+        return SimpleNamespace(
+            request_id="d" + rid, prompt_token_ids=prompt, num_tokens=len(prompt), kv_transfer_params=params
+        )
+
+    other, waiting, alloc, read = (request(rid, PROMPT + [7]) for rid in ids)
+    other.prompt_token_ids = [1] + PROMPT[1:] + [7]
+    matched = [sched.num_new_matched_tokens(r, 0) for r in (other, alloc, read)]
+    sched.after_alloc(alloc, list(range(10)), 300)
+    sched.after_alloc(read, list(range(10, 20)), 300)
+    sched.finished(alloc)  # aborted between its allocation and the step that issues reads
+    issued = [j.req_id for j in sched.build_meta(_output([], {})).reads]
+    for r in (other, waiting, read):
+        sched.finished(r)
+    flushed = sched.dropper.flush(20)
+    failed = producer.poll().failed_sending
+    out = {
+        "matched": [list(m) for m in matched], "issued": issued, "flushed": flushed,
+        "confirmed": sched.dropper.confirmed, "freed": sorted(failed),
+        "read_pending": producer.state("p-read") is RequestState.PENDING,
+    }  # fmt: skip
+    sched.close()
+    producer.close()
+    return out
+
+
 def _output(new: list, scheduled: dict) -> SimpleNamespace:
     cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
     return SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens=scheduled, scheduled_cached_reqs=cached)
@@ -96,6 +142,7 @@ CASES = {
     "finished_length_capped": _finished(RequestStatus.FINISHED_LENGTH_CAPPED),
     "finished_stopped": _finished(RequestStatus.FINISHED_STOPPED),
     "finished_aborted": _finished(RequestStatus.FINISHED_ABORTED),
+    "drops": _drops(),
 }
 
 if __name__ == "__main__":

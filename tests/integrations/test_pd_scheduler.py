@@ -67,3 +67,15 @@ def test_a_prompt_that_ended_otherwise_frees_its_blocks_and_the_workers_stop_ser
     assert got["sends"] == [["p-1", [4, 5, 6]]]
     assert got["hold"] is False and got["params"] is None
     assert got["aborts"] == ["p-1"] and got["aborts_later"] == []  # told once, in the next step
+
+
+def test_a_decode_engine_tells_the_prefill_what_it_will_not_read_and_nothing_else(answers):
+    """A prompt the decode engine computes itself, or one that ended before its read was issued,
+    is freed at the prefill rank at once (KV_DROP over a real connection with the token), not
+    after ``load_timeout_s``; a prompt whose read was issued stays served."""
+    got = answers["drops"]
+    assert got["matched"] == [[0, False], [300, True], [300, True]]
+    assert got["issued"] == ["dp-read"]
+    assert got["flushed"] is True
+    assert got["freed"] == ["p-alloc", "p-other", "p-waiting"] and got["confirmed"] == 3
+    assert got["read_pending"] is True

@@ -7,12 +7,16 @@ The prefill engine doubles as the monolithic reference: a request without
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 from _vllm_engine import CHUNK, PROMPT_LEN, require_vllm
 from tiersync.bench.engine_server import start
 from tiersync.bench.serve_engine import make_prompt, vllm_python
 from tiersync.bench.tiny_llama import write_tiny_llama
+from tiersync.disagg import DisaggConfig, KVConsumer, RequestState, SourceSpec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 BLOCK = 128
@@ -86,6 +90,22 @@ def test_decode_given_another_prompt_loads_nothing(cluster):
     out = cluster["decode"].generate(other + first["tokens"], 8, first["kv_transfer_params"])
     assert out["cached_tokens"] == 0  # the digest of the prefill's prompt differs: a miss, not its KV
     assert out["tokens"] == mono["tokens"]
+    # the decode engine told the prefill engine (KV_DROP) it will not read that KV: it is served no
+    # more, long before load_timeout_s (120 s); a prompt nobody dropped is still served
+    assert _read_at_prefill(first["kv_transfer_params"]) is RequestState.FAILED
+    kept = cluster["prefill"].generate(make_prompt(PROMPT_LEN, 14, 4096), 1, {"do_remote_decode": True})
+    assert _read_at_prefill(kept["kv_transfer_params"]) is RequestState.DONE
+
+
+def _read_at_prefill(params: dict) -> RequestState:
+    """Read a prefilled prompt's KV from the prefill engine as a decode rank would."""
+    raw = params["tiersync_source"]
+    source = SourceSpec.from_dict(raw["source"])
+    blocks = len(source.block_ids)
+    layout = dataclasses.replace(source.layout, num_blocks=blocks)
+    landing = [np.zeros(layout.layer_nbytes, np.uint8) for _ in range(layout.num_layers)]
+    with KVConsumer(layout, 0, DisaggConfig(timeout_s=30)) as consumer:
+        return consumer.start_read(raw["request_id"], source, list(range(blocks)), landing).wait(60)
 
 
 def test_prefill_killed_before_the_pull_decode_recomputes(cluster):

@@ -8,6 +8,8 @@
 - :mod:`~tiersync.disagg.producer`: :class:`KVProducer` (prefill rank: register, layer_ready, poll).
 - :mod:`~tiersync.disagg.consumer`: :class:`KVConsumer`, :class:`SourceSpec` (decode rank:
   start_read, poll); :mod:`~tiersync.disagg.read_handle`: :class:`ReadHandle` (wait_layer).
+- :mod:`~tiersync.disagg.dropper`: :class:`KVDropper` (a decode scheduler: tell prefill ranks
+  a request will not be read, so they free its blocks now).
 - :mod:`~tiersync.disagg.ops`, :mod:`~tiersync.disagg.link`: the prefill -> decode operations
   on the one tiersync wire stack (:mod:`tiersync.net`: frames, token + TLS handshake, server,
   connection pool, same-host reads) and the reader's side of one link.
@@ -17,6 +19,7 @@ Imports numpy and xxhash, never torch or JAX; ``import tiersync`` does not impor
 
 from tiersync.disagg.config import DisaggConfig, FinishedRequests, RequestState
 from tiersync.disagg.consumer import KVConsumer, ReadHandle, SourceSpec
+from tiersync.disagg.dropper import KVDropper
 from tiersync.disagg.geometry import KVOrder, PagedKVLayout
 from tiersync.disagg.producer import KVProducer
 from tiersync.disagg.reshard import ReshardPlan, ReshardPlanner, Route, Transfer, plan_reshard
@@ -26,6 +29,7 @@ __all__ = [
     "DisaggConfig",
     "FinishedRequests",
     "KVConsumer",
+    "KVDropper",
     "KVOrder",
     "KVProducer",
     "PagedKVLayout",

@@ -12,6 +12,12 @@ KVProducer` (server), pulls each layer's route bytes, and says it is done::
       or, same host, KV_PULL_LOCAL{...}  -> LOCAL_REPLY (where those bytes are, checksummed)
     KV_DONE                              -> COMMIT_REPLY (COMMITTED: the producer counted it)
 
+A decode engine's scheduler that will not read a request (aborted before its read began, or
+computing the prompt itself) says so, on a connection of its own::
+
+    KV_DROP{kv_request}                  -> COMMIT_REPLY (COMMITTED: it was pending and is
+                                                          failed now: its blocks are freed)
+
 One request at a time per connection; a connection serves many requests one after the
 other (the consumer pools them). ``read`` is the JSON of a
 :class:`~tiersync.disagg.messages.ReadRequest`, bounded and validated on receipt.
@@ -23,7 +29,7 @@ import enum
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tiersync.disagg.messages import ReadRequest, parse_read
+from tiersync.disagg.messages import MAX_REQUEST_ID, ReadRequest, check_request_id, parse_read
 from tiersync.errors import UsageError
 from tiersync.net import events as ev
 from tiersync.net.codec import MetaReader, MetaWriter
@@ -32,7 +38,7 @@ from tiersync.net.fields import check_u32, check_u64
 from tiersync.net.frames import ProtocolConfig
 from tiersync.net.vocab import Vocabulary
 
-__all__ = ["KV", "KvDone", "KvLayer", "KvNext", "KvOp", "KvOpen", "KvOpened", "KvPull", "KvPullLocal"]
+__all__ = ["KV", "KvDone", "KvDrop", "KvLayer", "KvNext", "KvOp", "KvOpen", "KvOpened", "KvPull", "KvPullLocal"]
 
 
 class KvOp(enum.IntEnum):
@@ -45,6 +51,7 @@ class KvOp(enum.IntEnum):
     KV_PULL = 36
     KV_PULL_LOCAL = 37
     KV_DONE = 38
+    KV_DROP = 39
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +207,29 @@ class KvDone:
         return cls(rid)
 
 
+@dataclass(frozen=True, slots=True)
+class KvDrop:
+    """No decode rank will read request ``kv_request``: stop serving it (answer: COMMIT_REPLY)."""
+
+    OP: ClassVar[KvOp] = KvOp.KV_DROP
+    request_id: int
+    kv_request: str
+
+    def __post_init__(self) -> None:
+        check_u64("request_id", self.request_id)
+        check_request_id(self.kv_request, "kv_request")
+
+    def meta(self) -> bytes:
+        return MetaWriter().text(self.kv_request).getvalue()
+
+    @classmethod
+    def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> KvDrop:
+        try:
+            return cls(rid, r.text(4 * MAX_REQUEST_ID))
+        except UsageError as exc:
+            raise ProtocolError(f"bad KV_DROP: {exc}", fault=ProtocolFault.MALFORMED) from None
+
+
 KV = Vocabulary(
     "kv",
     {
@@ -208,6 +238,7 @@ KV = Vocabulary(
         KvPull: (ev.Data,),
         KvPullLocal: (ev.LocalReply,),
         KvDone: (ev.CommitReply,),
+        KvDrop: (ev.CommitReply,),
     },
     include=(ev.CORE,),
 )

@@ -11,14 +11,13 @@ One :class:`KVProducer` per prefill rank. Typical use from an engine connector::
 
 Decode ranks connect (token, TLS: :class:`~tiersync.net.server.TcpServer`), open the request
 with their layout and block ids (KV_OPEN, :mod:`tiersync.disagg.ops`); the producer plans
-(:mod:`tiersync.disagg.reshard`), then answers KV_NEXT with each layer as soon as it is ready
-(in ready order), KV_PULL with that layer's route bytes (views of the host buffer sent
-without a copy, or gathered when the route is many small spans), KV_PULL_LOCAL (same host)
-with where those bytes are, and KV_DONE with whether the reader was counted. The request is DONE when every destination rank that
-reads from this rank acknowledged; it is FAILED when ``config.timeout_s`` after
-:meth:`register` passes first (an expired send is never reported as done), when a reader
-fails or disconnects, or on :meth:`abort`. Unknown requests are refused (ERROR
-``unknown_request``): register before the decode side can learn of the request.
+(:mod:`tiersync.disagg.reshard`), then answers KV_NEXT with each layer as soon as it is ready,
+KV_PULL with its route bytes (views of the host buffer, or gathered when the route is many
+small spans), KV_PULL_LOCAL (same host) with where they are, and KV_DONE with whether the
+reader was counted. The request is DONE when every destination rank that reads from this
+rank acknowledged; FAILED when ``config.timeout_s`` after :meth:`register` passes first,
+when a reader fails or disconnects, on :meth:`abort`, or on a decode scheduler's KV_DROP.
+Unknown requests are refused (ERROR ``unknown_request``): register before a decode side learns of one.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from tiersync.disagg.config import DisaggConfig, FinishedRequests, RequestState,
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.disagg.layer_reads import LayerReads, Outgoing, Refused, Route
 from tiersync.disagg.messages import ReadRequest, check_request_id
-from tiersync.disagg.ops import KV, KvDone, KvLayer, KvNext, KvOpen, KvOpened, KvPull, KvPullLocal
+from tiersync.disagg.ops import KV, KvDone, KvDrop, KvLayer, KvNext, KvOpen, KvOpened, KvPull, KvPullLocal
 from tiersync.disagg.reshard import ReshardPlanner, block_table, default_planner
 from tiersync.disagg.spanio import byte_view
 from tiersync.errors import ClosedError, UsageError, check_positive_int
@@ -46,6 +45,7 @@ from tiersync.tiers.shareable import SharedRegion, check_shared
 __all__ = ["KVProducer"]
 
 _FORGET_AFTER = 4096  # final request ids remembered so a late layer_ready is a no-op
+_DROPPED = {True: (ev.CommitStatus.COMMITTED, ""), False: (ev.CommitStatus.FAILED, "unknown or already final request")}
 Code = ev.ErrorCode
 
 
@@ -130,13 +130,12 @@ class KVProducer(Service):
         self._sums.submit(req, layer)
         return True
 
-    def abort(self, request_id: str) -> None:
-        """Stop serving the request; it is reported FAILED by the next :meth:`poll`. No-op for an
-        unknown or finished request."""
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Stop serving the request; it is reported FAILED by the next :meth:`poll`. False (and
+        nothing done) for an unknown or finished request."""
         with self._cond:
             req = self._requests.get(request_id)
-        if req is not None:
-            self._fail(req, "aborted")
+        return req is not None and self._fail(req, reason)
 
     def settle(self, request_id: str) -> None:
         """Finish now what :meth:`layer_ready` left to the producer's thread for the request:
@@ -218,18 +217,19 @@ class KVProducer(Service):
         self._cond.notify_all()
         return socks
 
-    def _fail(self, req: Outgoing, reason: str) -> None:
-        """FAILED; its readers' sessions are closed *before* it becomes visible to poll, so a
-        buffer the caller reuses after the report is never sent."""
+    def _fail(self, req: Outgoing, reason: str) -> bool:
+        """FAILED (False: it already was final); its readers' sessions are closed *before* it
+        becomes visible to poll, so a buffer the caller reuses after the report is never sent."""
         with self._cond:
             socks = self._finish(req, RequestState.FAILED, reason)
         if socks is None:
-            return
+            return False
         for session in socks:
             session.close()
         with self._cond:
             self._unreported.append((req.request_id, RequestState.FAILED))
         self._progress.set()
+        return True
 
     def _ack(self, req: Outgoing, dst_rank: int) -> bool:
         """Count reader ``dst_rank``; False when the request is no longer pending (not counted)."""
@@ -268,6 +268,9 @@ class KVProducer(Service):
     def _answer(self, session: Session, event: object) -> object:
         if isinstance(event, KvOpen):
             return self._open(session, event)
+        if isinstance(event, KvDrop):  # a decode scheduler: no reader will come, free the blocks now
+            ok = self.abort(event.kv_request, f"dropped by {session.peer}: no decode rank will read it")
+            return ev.CommitReply(event.request_id, *_DROPPED[ok])
         route = self._route_of(session)
         if isinstance(event, KvNext):
             return self._next(route, event)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tiersync.disagg.config import DisaggConfig
+from tiersync.disagg.dropper import KVDropper
 from tiersync.disagg.geometry import KVOrder, PagedKVLayout
 from tiersync.errors import UsageError
 from tiersync.integrations.vllm.config import ConnectorConfig
@@ -49,9 +50,11 @@ def build_pd(
     if producer and cfg.pd_port == 0:
         raise UsageError("a producer needs a fixed port", argument="kv_connector_extra_config.pd_port")
     addresses = tuple(f"{cfg.pd_host}:{cfg.pd_port + r}" for r in range(layout.tp_size))
-    if scheduler:
-        return PDScheduler(producer=producer, layout=layout, addresses=addresses)
     dcfg = DisaggConfig(timeout_s=cfg.load_timeout_s, token=cfg.pd_token, route=cfg.pd_route)
+    if scheduler:  # a decode scheduler tells prefill ranks what it will not read
+        return PDScheduler(
+            producer=producer, layout=layout, addresses=addresses, dropper=None if producer else KVDropper(dcfg)
+        )
     rank = vllm_config.parallel_config.rank
     return PDWorker(
         producer=producer,

@@ -28,6 +28,10 @@ What the decode engine loads depends on the prompt the router sends it:
 A failed pull is reported as load errors, so the decode engine recomputes. The prefill engine
 keeps a prompt's blocks for a decode engine only when the prompt stopped at its token budget;
 one that ended otherwise (EOS or a stop string first, aborted) frees them (:meth:`finished`).
+A decode engine that will not read a prompt it was offered (it computes it, as above, or the
+request ended before its read began: aborted while it waited) tells the prefill engine's
+ranks at once (``drop``: :class:`~tiersync.disagg.dropper.KVDropper`), so they free its
+blocks then, not after ``load_timeout_s``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from tiersync.disagg.consumer import SourceSpec
+from tiersync.disagg.dropper import KVDropper
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.errors import UsageError
 from tiersync.integrations.vllm.metadata import PDMeta, ReadJob, SendJob
@@ -72,13 +77,17 @@ class _Req:
     start: int = 0
     remote_id: str = ""
     warned: bool = False
+    dropped: bool = False
 
 
 class PDScheduler:
-    """One role: ``producer`` (prefill) or ``consumer`` (decode)."""
+    """One role: ``producer`` (prefill) or ``consumer`` (decode). ``dropper``: how a consumer
+    tells prefill ranks it will not read a request (closed by :meth:`close`)."""
 
-    def __init__(self, *, producer: bool, layout: PagedKVLayout, addresses: tuple[str, ...]) -> None:
-        self.producer, self.layout, self.addresses = producer, layout, addresses
+    def __init__(
+        self, *, producer: bool, layout: PagedKVLayout, addresses: tuple[str, ...], dropper: KVDropper | None = None
+    ) -> None:
+        self.producer, self.layout, self.addresses, self.dropper = producer, layout, addresses, dropper
         self.block_size = layout.block_size
         self._reqs: dict[str, _Req] = {}
         self._aborts: list[str] = []  # producer: served, then finished with no decode to come
@@ -93,21 +102,39 @@ class PDScheduler:
         """Producer: 0. Consumer: the prompt tokens the prefill engine offers past
         ``num_computed_tokens`` (see the module docstring), loaded asynchronously."""
         r = self._reqs.setdefault(request.request_id, _Req(request))
-        if self.producer or r.read is not None or r.sent:
+        if self.producer or r.read is not None or r.sent or r.dropped:
             return 0, False
-        raw = self._params(request).get(SOURCE_KEY)
-        if not isinstance(raw, dict) or not isinstance(raw.get("request_id"), str):
+        offered = self._offered(request)
+        if offered is None:
             return 0, False
-        try:
-            source = SourceSpec.from_dict(raw.get("source"))
-        except UsageError:
-            return 0, False  # a malformed description is a miss, not a crash
+        raw, source = offered
         usable = self._usable(r, source, raw.get("prompt"), raw.get("prompt_tokens"))
         start = num_computed_tokens // self.block_size * self.block_size
-        if usable <= start:
+        if usable <= start:  # computed here: the prefill engine need not keep it
+            self._dropped(r, raw["request_id"], source)
             return 0, False
         r.pending_source, r.start, r.remote_id = source, start // self.block_size, raw["request_id"]
         return usable - start, True
+
+    def _offered(self, request: Any) -> tuple[dict, SourceSpec] | None:
+        """The prefill's description of ``request``'s KV and where it is; None when none is
+        offered (or it is malformed: a miss, not a crash)."""
+        raw = self._params(request).get(SOURCE_KEY)
+        if not isinstance(raw, dict) or not isinstance(raw.get("request_id"), str):
+            return None
+        try:
+            return raw, SourceSpec.from_dict(raw.get("source"))
+        except UsageError:
+            return None
+
+    def _dropped(self, r: _Req, remote_id: str, source: SourceSpec) -> None:
+        """Tell the prefill ranks once that ``r``'s prompt will not be read from them."""
+        if self.dropper is not None and not r.dropped:
+            try:
+                self.dropper.drop(remote_id, tuple(source.addresses))
+            except UsageError as exc:  # an id the wire cannot carry: its timeout frees it
+                log.warning("request %s: the prefill cannot be told it is not read: %s", r.request.request_id, exc)
+        r.dropped = True
 
     def _usable(self, r: _Req, source: SourceSpec, digest: Any, n: Any) -> int:
         """How many of the source's prompt tokens (``n``) this request can load (module docstring)."""
@@ -179,8 +206,13 @@ class PDScheduler:
         meta.sends.append(SendJob(rid, tuple(r.block_ids[:blocks]), blocks * self.block_size))
         r.sent = True
 
+    def close(self) -> None:
+        if self.dropper is not None:
+            self.dropper.close()
+
     def finished(self, request: Any) -> tuple[bool, dict | None]:
         """Producer: keep the blocks until the decode side has read them; return where it reads.
+        Consumer: (False, None); a prompt it was offered and never began to read is dropped.
 
         Only a prompt that stopped at its token budget (``max_tokens``, as a router asks it)
         has a decode to come. One that ended otherwise (EOS or a stop string as its first token:
@@ -188,7 +220,12 @@ class PDScheduler:
         connector does, and the workers stop serving them at the next step, before any forward
         can write to them: otherwise they stay pinned until ``load_timeout_s``."""
         r = self._reqs.pop(request.request_id, None)
-        if not self.producer or r is None or not r.sent:
+        if not self.producer:
+            offered = self._offered(request) if r is None or not (r.sent or r.dropped) else None
+            if offered is not None:  # ended before its read was issued: no decode rank will read it
+                self._dropped(r or _Req(request), offered[0]["request_id"], offered[1])
+            return False, None
+        if r is None or not r.sent:
             return False, None
         if getattr(getattr(request, "status", None), "name", None) != "FINISHED_LENGTH_CAPPED":
             self._aborts.append(request.request_id)

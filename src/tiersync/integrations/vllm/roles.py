@@ -205,6 +205,9 @@ class PDSchedulerRole(ConnectorRole):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.sched.finished(request)
 
+    def shutdown(self) -> None:
+        self.sched.close()
+
 
 class _PDWorkerRole(ConnectorRole):
     def __init__(self, worker: PDWorker) -> None:

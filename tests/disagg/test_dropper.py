@@ -1,0 +1,121 @@
+"""KVDropper and KV_DROP: a decode scheduler tells prefill ranks (a real process, real sockets)
+that a request will not be read; they free it at once, and only what the token allows."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from contextlib import closing
+
+import pytest
+
+from _procs import ProducerProcess
+from tiersync.disagg import DisaggConfig, KVDropper, KVOrder, PagedKVLayout
+from tiersync.disagg import dropper as dropper_mod
+from tiersync.disagg.ops import KvDrop
+from tiersync.errors import UsageError
+from tiersync.net.codec import MetaReader, MetaWriter
+from tiersync.net.errors import ProtocolError, ProtocolFault
+from tiersync.net.frames import ProtocolConfig
+
+TOKEN = b"d" * 32
+LAYOUT = PagedKVLayout(
+    num_layers=2, num_kv_heads=4, head_dim=8, block_size=16, num_blocks=16, dtype="float16", tp_size=2,
+    order=KVOrder.KV_MAJOR,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    """Two prefill ranks whose requests only a drop can end in time (timeout 600 s)."""
+    p = ProducerProcess(LAYOUT, range(2), token=TOKEN, timeout_s=600)
+    yield p
+    p.stop()
+
+
+def _closed_port() -> str:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_dropped_request_is_freed_at_every_rank_at_once(prefill):
+    prefill.register("r-drop", [1, 2], 20)
+    with closing(KVDropper(DisaggConfig(token=TOKEN))) as d:
+        d.drop("r-drop", prefill.addresses)
+        assert d.flush(20)
+        assert d.confirmed == 2
+        assert prefill.wait_final("r-drop", timeout=10) == ["failed", "failed"]
+        d.drop("r-drop", prefill.addresses)  # already final there: answered, not confirmed
+        d.drop("never-registered", prefill.addresses)
+        assert d.flush(20) and d.confirmed == 2
+
+
+def test_an_unreachable_rank_does_not_keep_the_others_from_being_told(prefill):
+    prefill.register("r-dead", [3], 10)
+    with closing(KVDropper(DisaggConfig(token=TOKEN, connect_timeout_s=2))) as d:
+        d.drop("r-dead", (_closed_port(), *prefill.addresses))
+        assert d.flush(30) and d.confirmed == 2
+    assert prefill.wait_final("r-dead", timeout=10) == ["failed", "failed"]
+
+
+def test_a_peer_without_the_token_drops_nothing(prefill, caplog):
+    prefill.register("r-kept", [4], 10)
+    with (
+        caplog.at_level(logging.INFO, logger="tiersync.disagg.dropper"),
+        closing(KVDropper(DisaggConfig(token=b"x" * 32))) as d,
+    ):
+        d.drop("r-kept", prefill.addresses)
+        assert d.flush(20) and d.confirmed == 0
+    assert "could not drop r-kept" in caplog.text
+    with closing(KVDropper(DisaggConfig(token=TOKEN))) as d:  # it was still pending: now it goes
+        d.drop("r-kept", prefill.addresses)
+        assert d.flush(20) and d.confirmed == 2
+
+
+def test_bad_arguments_name_themselves_and_queue_nothing():
+    with closing(KVDropper(DisaggConfig(token=TOKEN))) as d:
+        for kv_request in ("", "x" * 257, 5):
+            with pytest.raises(UsageError) as info:
+                d.drop(kv_request, ("127.0.0.1:1",))
+            assert info.value.argument == "kv_request"
+        for addresses in ("127.0.0.1:1", [""], [None]):
+            with pytest.raises(UsageError) as info:
+                d.drop("r", addresses)
+            assert info.value.argument == "addresses"
+        assert d.flush(5) and d.confirmed == 0
+    with pytest.raises(UsageError) as info:
+        KVDropper(config={"token": TOKEN})  # type: ignore[arg-type]
+    assert info.value.argument == "config"
+
+
+def test_at_most_max_pending_drops_wait(monkeypatch, caplog):
+    """A rank that accepts and never answers holds the thread (up to its timeouts); meanwhile
+    drops past the cap are not queued (logged once), and close does not wait for them."""
+    monkeypatch.setattr(dropper_mod, "MAX_PENDING", 2)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never speaks
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        d = KVDropper(DisaggConfig(token=TOKEN, connect_timeout_s=3))
+        try:
+            d.drop("first", (address,))  # taken by the thread: it waits in the handshake
+            with caplog.at_level(logging.WARNING, logger="tiersync.disagg.dropper"):
+                for i in range(5):
+                    d.drop(f"r{i}", (address,))
+            assert d._queue.qsize() <= 2
+            assert caplog.text.count("wait to be sent") == 1
+        finally:
+            closer = threading.Thread(target=d.close)
+            closer.start()
+            closer.join(30)
+            assert not closer.is_alive()
+        d.drop("after-close", (address,))  # a no-op
+        assert d._queue.qsize() <= 1
+
+
+def test_kv_drop_meta_is_bounded_and_checked():
+    cfg = ProtocolConfig()
+    assert KvDrop.parse(7, MetaReader(KvDrop(7, "req-1").meta()), cfg) == KvDrop(7, "req-1")
+    for bad in (MetaWriter().text("").getvalue(), MetaWriter().blob(b"\xff\xfe").getvalue()):
+        with pytest.raises(ProtocolError) as info:
+            KvDrop.parse(7, MetaReader(bad), cfg)
+        assert info.value.fault is ProtocolFault.MALFORMED
