@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tiersync.disagg import DisaggConfig, KVConsumer, KVOrder, PagedKVLayout, SourceSpec
+from tiersync.errors import UsageError
 from tiersync.integrations.vllm.metadata import ReadJob, SendJob
 from tiersync.integrations.vllm.pd_worker import PDWorker
 
@@ -124,11 +125,18 @@ def shares() -> dict:
             share_kv=share,
         )  # fmt: skip
         worker.register(caches)
+        address = worker.address
+        try:
+            worker.register(caches)  # vLLM registers once: a second set is refused, the first kept
+            again = "accepted"
+        except UsageError as exc:
+            again = f"{exc.argument}, same address: {worker.address == address}"
         fds = [r.fd for r in worker._shared]
         memfd = [_in_memfd(c.data_ptr() + c.nbytes // 2) for c in caches.values()]
         kept = all(torch.equal(a, b) for a, b in zip(caches.values(), before))
         worker.close()
         out[str(share)] = {"fds": len(fds), "memfd": memfd, "kept": kept, "closed": [_closed(fd) for fd in fds]}
+        out[str(share)]["again"] = again
     return out
 
 

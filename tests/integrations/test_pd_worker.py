@@ -40,5 +40,6 @@ def test_a_producer_shares_its_kv_tensors_and_closes_their_memfds(answers):
     registered, every byte kept; the memfds are closed when the worker closes. share_kv=False
     leaves the tensors private."""
     got = answers["shares"]
-    assert got["True"] == {"fds": 2, "memfd": [True, True], "kept": True, "closed": [True] * 2}
-    assert got["False"] == {"fds": 0, "memfd": [False, False], "kept": True, "closed": []}
+    again = "kv_caches, same address: True"  # a second registration is refused, the first kept
+    assert got["True"] == {"fds": 2, "memfd": [True, True], "kept": True, "closed": [True] * 2, "again": again}
+    assert got["False"] == {"fds": 0, "memfd": [False, False], "kept": True, "closed": [], "again": again}

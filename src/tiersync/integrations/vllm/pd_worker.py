@@ -91,6 +91,10 @@ class PDWorker:
         self._dropped: set[str] = set()  # producer: dropped this step, never reported to vLLM
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
+        """Serve (producer) or land into (consumer) vLLM's KV tensors, once: a second call is
+        refused (UsageError naming ``kv_caches``), the first registration kept."""
+        if self._layers:  # vLLM registers once; another set would leave a server on the old one
+            raise UsageError("already registered", argument="kv_caches")
         names = list(kv_caches)
         if len(names) != self.layout.num_layers:
             raise UsageError(
@@ -99,7 +103,6 @@ class PDWorker:
         self._layers = [layer_bytes(kv_caches[n], self.layout.layer_nbytes, n) for n in names]
         self._index = {n: i for i, n in enumerate(names)}
         if self.producer:
-            self._unshare()  # registered again: the old tensors' memfds go
             self._shared = self._share() if self._share_kv else ()
             self._server = KVProducer(
                 self.layout, self.rank, self._config, host=self._host, port=self._port, shared=self._shared
