@@ -36,3 +36,17 @@ def test_the_flags_bound_bodies_and_clients(router):
         assert sock.recv(64).startswith(b"HTTP/1.1 413")
     with socket.create_connection(router, timeout=20) as sock:
         assert sock.recv(64) in (b"", b"HTTP/1.1 408")  # closed (or told) without a byte from us
+
+
+@pytest.mark.parametrize("ca", ["/nonexistent/ca.pem", __file__])
+def test_an_unusable_upstream_ca_is_refused_naming_the_flag(ca):
+    """``--upstream-ca`` that is no file, or holds no certificate: exit 2, the flag named, no traceback."""
+    command = ["router", "--prefill", "https://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "0"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tiersync.cli", *command, "--upstream-ca", ca],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "--upstream-ca" in proc.stderr and "Traceback" not in proc.stderr

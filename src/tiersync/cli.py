@@ -155,6 +155,7 @@ def _add_router(sub: Any) -> None:
     r.add_argument("--max-body", type=_size, default="64MiB", help="largest request accepted (default 64MiB)")
     r.add_argument("--max-bodies", type=_size, default="256MiB", help="request bytes held at once (default 256MiB)")
     r.add_argument("--max-connections", type=_count, default=256, help="clients served at once (default 256)")
+    r.add_argument("--upstream-ca", help="PEM file of the CAs that verify https:// upstreams (default: the system's)")
     r.set_defaults(func=cmd_router)
 
 

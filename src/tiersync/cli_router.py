@@ -24,6 +24,7 @@ def run_router(args: argparse.Namespace) -> int:
         max_body=parse_size(args.max_body),
         max_bodies=parse_size(args.max_bodies),
         max_connections=args.max_connections,
+        upstream_ca=args.upstream_ca,
     )
     stop = stop_on_sigterm()
     with starting(args):

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from net._certs import make_pki
 from net._peer import wait_until
 from tiersync.errors import UsageError
 from tiersync.integrations.router import Router, RouterConfig
@@ -23,9 +25,10 @@ PARAMS = {"tiersync_source": {"request_id": "p-1", "source": {"addresses": ["127
 
 
 class Upstream:
-    """An HTTP server on loopback recording each (path, JSON body); ``answer`` makes the reply."""
+    """An HTTP server on loopback recording each (path, JSON body); ``answer`` makes the reply;
+    ``tls``: (cert, key) of an HTTPS server."""
 
-    def __init__(self, answer) -> None:
+    def __init__(self, answer, tls: tuple[str, str] | None = None) -> None:
         self.seen: list[tuple[str, dict]] = []
         upstream = self
 
@@ -43,12 +46,25 @@ class Upstream:
                 pass
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        if tls is not None:
+            self.http.socket = _server_tls(tls).wrap_socket(self.http.socket, server_side=True)
+        self.url = f"http{'s' if tls else ''}://127.0.0.1:{self.http.server_address[1]}"
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
     def close(self) -> None:
         self.http.shutdown()
         self.http.server_close()
+
+
+def _server_tls(tls: tuple[str, str]) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(*tls)
+    return ctx
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_pki(tmp_path_factory.mktemp("pki"), "upstream")
 
 
 @pytest.fixture
@@ -406,6 +422,9 @@ def test_config_names_the_bad_argument():
         (dict(prefill=("http://a",), decode=("http://x",), client_timeout_s=0), "client_timeout_s"),
         (dict(prefill=("http://a",), decode=("http://x",), max_bodies=0), "max_bodies"),
         (dict(prefill=("http://a",), decode=("http://x",), max_body=2 << 20, max_bodies=1 << 20), "max_body"),
+        (dict(prefill=("https://a",), decode=("http://x",), upstream_ca="/nonexistent/ca.pem"), "upstream_ca"),
+        (dict(prefill=("https://a",), decode=("http://x",), upstream_ca=__file__), "upstream_ca"),  # no PEM
+        (dict(prefill=("https://a",), decode=("http://x",), upstream_ca=""), "upstream_ca"),
     ):
         with pytest.raises(UsageError) as ei:
             RouterConfig(**kwargs)
@@ -414,37 +433,49 @@ def test_config_names_the_bad_argument():
 
 class _Holding:
     """An upstream that reads a request and never answers; ``gone`` is set once the router
-    closes or shuts down its connection (as vLLM's server sees its client leave)."""
+    closes or shuts down its connection (as vLLM's server sees its client leave); ``tls``:
+    (cert, key) of an HTTPS server."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: tuple[str, str] | None = None) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.url = f"http{'s' if tls else ''}://127.0.0.1:{self.listener.getsockname()[1]}"
+        self._tls = None if tls is None else _server_tls(tls)
         self.asked, self.gone = threading.Event(), threading.Event()
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
         conn, _ = self.listener.accept()
+        conn.settimeout(60)
+        if self._tls is not None:
+            conn = self._tls.wrap_socket(conn, server_side=True)
         with conn:
-            conn.settimeout(60)
-            while conn.recv(65536):
-                self.asked.set()
+            try:
+                while conn.recv(65536):
+                    self.asked.set()
+            except (ssl.SSLError, OSError):  # a TLS stream cut below TLS, as the router does
+                pass
             self.gone.set()
 
     def close(self) -> None:
         self.listener.close()
 
 
+@pytest.mark.parametrize("scheme", ["http", "https"])
 @pytest.mark.parametrize("how", ["close", "half-close"])
 @pytest.mark.parametrize("path", [b"/v1/completions", b"/v1/chat/completions"])
-def test_a_client_that_leaves_during_the_prefill_ends_that_call(how, path):
+def test_a_client_that_leaves_during_the_prefill_ends_that_call(how, path, scheme, pki):
     """Nothing is written to a client while the prefill server computes, so no write tells the
     router its client left: the client's hangup (a close, or a shutdown of its sending side,
     as nginx counts it) ends the prefill call itself (vLLM then aborts the request and frees
     its blocks), on the first-token path and the relayed one. Before, the call ran until the
-    prefill answered or timeout_s (600 s) passed."""
-    holding = _Holding()
-    answers = Upstream(lambda b: json.dumps({"choices": [{"token_ids": [7]}], "kv_transfer_params": PARAMS}).encode())
-    router = Router(RouterConfig((holding.url,), (answers.url,)))
+    prefill answered or timeout_s (600 s) passed. Over HTTPS too (``upstream_ca``): the socket
+    below TLS is cut."""
+    tls = pki["upstream"] if scheme == "https" else None
+    holding = _Holding(tls)
+    answers = Upstream(
+        lambda b: json.dumps({"choices": [{"token_ids": [7]}], "kv_transfer_params": PARAMS}).encode(), tls
+    )
+    router = Router(RouterConfig((holding.url,), (answers.url,), upstream_ca=pki["ca"]))
     threading.Thread(target=router.serve_forever, daemon=True).start()
     try:
         host, port = router.address.split(":")
@@ -462,3 +493,21 @@ def test_a_client_that_leaves_during_the_prefill_ends_that_call(how, path):
         router.close()
         holding.close()
         answers.close()
+
+
+def test_https_upstreams_are_verified_with_upstream_ca(pki):
+    """``upstream_ca`` verifies https:// prefill and decode servers: the request goes through;
+    without it (the system's CAs) the same servers are refused, a 502 naming the prefill."""
+    prefill = Upstream(lambda b: json.dumps({"kv_transfer_params": PARAMS}).encode(), pki["upstream"])
+    decode = Upstream(lambda b: json.dumps({"choices": [{"token_ids": [7]}]}).encode(), pki["upstream"])
+    routers = [Router(RouterConfig((prefill.url,), (decode.url,), upstream_ca=ca)) for ca in (pki["ca"], None)]
+    for router in routers:
+        threading.Thread(target=router.serve_forever, daemon=True).start()
+    try:
+        out = _post(routers[0].address, b'{"prompt": [1, 2], "max_tokens": 3}')
+        assert out.startswith(b"HTTP/1.1 200") and decode.seen[0][1]["kv_transfer_params"] == PARAMS
+        out = _post(routers[1].address, b'{"prompt": [1, 2], "max_tokens": 3}')
+        assert out.startswith(b"HTTP/1.1 502") and prefill.url.encode() in out and len(decode.seen) == 1
+    finally:
+        for thing in (*routers, prefill, decode):
+            thing.close()

@@ -17,6 +17,7 @@ import functools
 import http.client
 import select
 import socket
+import ssl
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -154,7 +155,8 @@ class _Https(urllib.request.HTTPSHandler):
         return self.do_open(conn, req, context=self._context)  # type: ignore[arg-type,attr-defined]
 
 
-def opener() -> urllib.request.OpenerDirector:
+def opener(context: ssl.SSLContext | None = None) -> urllib.request.OpenerDirector:
     """urllib's opener (proxies from the environment and all), whose connections for a
-    request with a ``hangup`` attribute are attached to that :class:`Hangup`."""
-    return urllib.request.build_opener(_Http(), _Https())
+    request with a ``hangup`` attribute are attached to that :class:`Hangup`; ``context``
+    verifies ``https://`` servers (None: the system's CAs)."""
+    return urllib.request.build_opener(_Http(), _Https(context=context))

@@ -84,7 +84,7 @@ class Router:
         self._prefill, self._decode = itertools.cycle(config.prefill), itertools.cycle(config.decode)
         self._turn = threading.Lock()
         self._held, self._held_lock = 0, threading.Lock()  # request body bytes being served
-        self.hangups, self._opener = Hangups(), opener()
+        self.hangups, self._opener = Hangups(), opener(config.upstream_context())
         self._http = _HTTPServer((host, port), _Handler)
         self._http.router = self
         self._http.slots = threading.BoundedSemaphore(config.max_connections)
