@@ -51,12 +51,43 @@ def test_a_dropped_request_is_freed_at_every_rank_at_once(prefill):
         assert d.flush(20) and d.confirmed == 2
 
 
-def test_an_unreachable_rank_does_not_keep_the_others_from_being_told(prefill):
+def test_an_unreachable_rank_does_not_keep_the_others_from_being_told(prefill, caplog):
+    """Nor does an address no resolver takes (the thread goes on); a rank that failed is not
+    tried again for BACKOFF_S."""
     prefill.register("r-dead", [3], 10)
-    with closing(KVDropper(DisaggConfig(token=TOKEN, connect_timeout_s=2))) as d:
-        d.drop("r-dead", (_closed_port(), *prefill.addresses))
-        assert d.flush(30) and d.confirmed == 2
-    assert prefill.wait_final("r-dead", timeout=10) == ["failed", "failed"]
+    prefill.register("r-dead2", [5], 10)
+    dead = _closed_port()
+    with (
+        caplog.at_level(logging.INFO, logger="tiersync.disagg.dropper"),
+        closing(KVDropper(DisaggConfig(token=TOKEN, connect_timeout_s=2))) as d,
+    ):
+        d.drop("r-dead", ("a" * 64 + ":1", dead, *prefill.addresses))
+        d.drop("r-dead2", (dead, *prefill.addresses))
+        assert d.flush(30) and d.confirmed == 4
+    assert prefill.wait_final("r-dead", timeout=10) == ["failed", "failed"]  # r-dead2: confirmed by both
+    assert caplog.text.count(f"at {dead}") == 1  # the second drop did not try it again
+
+
+def test_a_request_a_reader_joined_is_not_dropped(prefill):
+    """A drop that comes while a decode rank reads the request (a router that sent the same
+    KV params to two decode requests, one aborted) is refused: the read still completes."""
+    import numpy as np
+
+    from tiersync.disagg import KVConsumer, RequestState, SourceSpec
+
+    prefill.register("r-read", [6, 7], 20)
+    landing = [np.zeros(LAYOUT.layer_nbytes, np.uint8) for _ in range(LAYOUT.num_layers)]
+    with (
+        KVConsumer(LAYOUT, 0, DisaggConfig(token=TOKEN)) as consumer,
+        closing(KVDropper(DisaggConfig(token=TOKEN))) as d,
+    ):
+        handle = consumer.start_read("r-read", SourceSpec(LAYOUT, prefill.addresses, [6, 7], 20), [0, 1], landing)
+        assert prefill.ready("r-read", [0]) == [[True], [True]]
+        assert handle.wait_layer(0, timeout=20)  # the reader joined rank 0 and has a layer
+        d.drop("r-read", prefill.addresses[:1])  # rank 0: the one this reader reads from
+        assert d.flush(20) and d.confirmed == 0
+        assert prefill.ready("r-read", [1]) == [[True], [True]]
+        assert handle.wait(20) is RequestState.DONE
 
 
 def test_a_peer_without_the_token_drops_nothing(prefill, caplog):
@@ -75,11 +106,11 @@ def test_a_peer_without_the_token_drops_nothing(prefill, caplog):
 
 def test_bad_arguments_name_themselves_and_queue_nothing():
     with closing(KVDropper(DisaggConfig(token=TOKEN))) as d:
-        for kv_request in ("", "x" * 257, 5):
+        for kv_request in ("", "x" * 257, 5, "\ud800"):
             with pytest.raises(UsageError) as info:
                 d.drop(kv_request, ("127.0.0.1:1",))
             assert info.value.argument == "kv_request"
-        for addresses in ("127.0.0.1:1", [""], [None]):
+        for addresses in ("127.0.0.1:1", [""], [None], ()):
             with pytest.raises(UsageError) as info:
                 d.drop("r", addresses)
             assert info.value.argument == "addresses"
@@ -103,6 +134,7 @@ def test_at_most_max_pending_drops_wait(monkeypatch, caplog):
                     d.drop(f"r{i}", (address,))
             assert d._queue.qsize() <= 2
             assert caplog.text.count("wait to be sent") == 1
+            assert d.flush(0.1) is False  # the first drop still holds the thread
         finally:
             closer = threading.Thread(target=d.close)
             closer.start()

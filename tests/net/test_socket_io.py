@@ -182,23 +182,23 @@ def test_a_write_to_a_socket_already_closed_is_a_peer_closed_error(path, pair):
         write_nonblocking(a, [b"late"], Deadline(5, "pair"))
 
 
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        b = socket.create_connection(listener.getsockname())
+        a, _ = listener.accept()
+    a.setblocking(False)
+    return a, b
+
+
 @pytest.mark.skipif(socket_io._wire is None, reason="the native extension is not built here")
 def test_pinned_buffers_go_by_reference_byte_exact_between_the_copied_ones():
     """``pinned``: large buffers are vmspliced (the peer reads the sender's pages), small ones
     around them copied, in order; a write that fills the socket goes on once the peer reads."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        b = socket.create_connection(listener.getsockname())
-        a, _ = listener.accept()
+    a, b = _tcp_pair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)  # far under what is written
-    a.setblocking(False)
     data = np.random.default_rng(3).integers(0, 255, 9 << 20, dtype=np.uint8)
-    bufs = [
-        b"head",
-        memoryview(data)[: 3 << 20],
-        b"mid" * 7,
-        memoryview(data)[3 << 20 : (3 << 20) + 100],
-        data[(3 << 20) + 100 :],
-    ]
+    cut = (3 << 20) + 100
+    bufs = [b"head", memoryview(data)[: 3 << 20], b"mid" * 7, memoryview(data)[3 << 20 : cut], data[cut:]]
     want = b"".join(bytes(x) for x in bufs)
     got = bytearray()
     reader = threading.Thread(target=lambda: _read_exactly(b, len(want), got), daemon=True)
@@ -213,22 +213,64 @@ def test_pinned_buffers_go_by_reference_byte_exact_between_the_copied_ones():
 
 
 @pytest.mark.skipif(socket_io._wire is None, reason="the native extension is not built here")
-def test_pinned_send_all_counts_exactly_what_was_written_before_its_time_ran_out(pair):
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_pinned_buffer_is_read_from_the_senders_pages(pinned):
+    """What proves the reference: bytes changed after the write returned, before the peer read,
+    reach the peer in the pinned buffer (its pages) and not in the small copied one; without
+    ``pinned`` the peer reads the bytes as written."""
+    a, b = _tcp_pair()
+    small, large = bytearray(b"s" * 100), np.full(192 << 10, 1, np.uint8)  # queued whole, unread
+    try:
+        write_nonblocking(a, [small, large], Deadline(10, "pair"), pinned=pinned)
+        small[:], large[:] = b"S" * 100, 2
+        got = bytearray()
+        _read_exactly(b, 100 + large.size, got)
+        assert bytes(got[:100]) == b"s" * 100
+        assert set(got[100:]) == ({2} if pinned else {1})
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(socket_io._wire is None, reason="the native extension is not built here")
+def test_pinned_send_all_counts_exactly_what_was_written_before_its_time_ran_out():
     """By reference too, ``sent`` is exactly the bytes the peer can read: bytes the pipe held
     but the socket did not take are not counted (nor sent)."""
-    a, b = pair
+    a, b = _tcp_pair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
     data = np.random.default_rng(4).integers(0, 255, 8 << 20, dtype=np.uint8)
-    sent, err = socket_io._wire.send_all(a.fileno(), [b"h" * 10, memoryview(data)], 0.2, 64 << 10)
-    assert err == -1 and 10 < sent < 10 + data.size
-    b.setblocking(False)
-    got = bytearray()
-    while True:
-        try:
-            chunk = b.recv(1 << 20)
-        except BlockingIOError:
-            break
-        got += chunk
-    assert bytes(got) == (b"h" * 10 + data.tobytes())[:sent]
+    try:
+        sent, err = socket_io._wire.send_all(a.fileno(), [b"h" * 10, memoryview(data)], 0.2, 64 << 10)
+        assert err == -1 and 10 < sent < 10 + data.size
+        b.setblocking(False)
+        got = bytearray()
+        while True:
+            try:
+                chunk = b.recv(1 << 20)
+            except BlockingIOError:
+                break
+            got += chunk
+        assert bytes(got) == (b"h" * 10 + data.tobytes())[:sent]
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(socket_io._wire is None, reason="the native extension is not built here")
+def test_a_blocking_socket_gets_copies_not_references():
+    """A splice into a blocking socket would wait past the deadline: there ``pinned`` is ignored."""
+    a, b = _tcp_pair()
+    a.setblocking(True)
+    large = np.full(192 << 10, 1, np.uint8)
+    try:
+        assert socket_io._wire.send_all(a.fileno(), [large], 10.0, 64 << 10) == (large.size, 0)
+        large[:] = 2
+        got = bytearray()
+        _read_exactly(b, large.size, got)
+        assert set(got) == {1}
+    finally:
+        a.close()
+        b.close()
 
 
 def _read_exactly(sock: socket.socket, n: int, into: bytearray) -> None:

@@ -133,6 +133,14 @@ def test_a_span_is_served_once_the_parts_it_reaches_into_are_written(monkeypatch
         assert buf.span_sum(3, "a", StridedSpan(0, PART + PIECE)) is None
         with pytest.raises(RemoteError):
             buf.provide(3, "a", (0,), StridedSpan(64, PART), 0.2)  # reaches 64 bytes into part 1
+        woken: list[float] = []
+        waiter = threading.Thread(target=lambda: woken.append(_provided(buf, StridedSpan(64, PART))), daemon=True)
+        waiter.start()
+        waiter.join(0.3)
+        assert not woken  # it waits for part 1
+        gate.set()  # part 1 is written: the waiting GET is answered, long before its 30 s
+        waiter.join(10)
+        assert woken and woken[0] < 10
     finally:
         gate.set()
         writer.join(10)
@@ -140,3 +148,13 @@ def test_a_span_is_served_once_the_parts_it_reaches_into_are_written(monkeypatch
     assert np.array_equal(shard, data)
     release()
     assert buf.span_sum(3, "a", StridedSpan(0, size)) == kernel.tsum64(memoryview(data))
+
+
+def _provided(buf: PublishBuffer, span: StridedSpan) -> float:
+    """Seconds until ``buf`` provides ``span`` of tensor "a" of version 3 (waiting at most 30 s)."""
+    import time
+
+    t0 = time.monotonic()
+    _, release = buf.provide(3, "a", (0,), span, 30.0)
+    release()
+    return time.monotonic() - t0

@@ -299,7 +299,7 @@ def test_a_pinned_answer_changed_before_it_was_read_is_refused_never_taken(pinne
 
     if pinned and _wire is None:
         pytest.skip("the native extension is not built here")
-    shard = np.random.default_rng(5).integers(0, 255, 4 << 20, dtype=np.uint8)
+    shard = np.random.default_rng(5).integers(0, 255, 256 << 10, dtype=np.uint8)  # queued whole, unread
     before, written = shard.copy(), threading.Event()
 
     def release() -> None:  # runs once the answer was written: the sampler has not read it yet
@@ -320,6 +320,32 @@ def test_a_pinned_answer_changed_before_it_was_read_is_refused_never_taken(pinne
         else:
             answer = channel.next_answer(rid, timeout=10)
             assert isinstance(answer, ev.Data) and bytes(answer.payload) == before.tobytes()
+    finally:
+        channel.close()
+        server.close()
+
+
+def test_a_get_whose_version_moved_on_while_it_was_summed_is_refused():
+    """The checksum of a span no write-time sum covers is taken from its bytes: when the next
+    version began meanwhile (and may be writing over them), the GET is refused, never answered
+    with bytes and a sum of a mix of two versions."""
+    from tiersync.net.config import TcpConfig
+    from tiersync.net.errors import RequestError
+    from tiersync.net.tcp import TcpTransport
+    from tiersync.weights.serving import SpanService
+
+    shard, current = np.arange(4096, dtype=np.uint8), [1]
+    service = SpanService(lambda *_: (shard, lambda: None), 5.0, serving=lambda v: v == current[0])
+    transport = TcpTransport(TcpConfig(token=b"k" * 32), WEIGHTS)
+    server = transport.serve("127.0.0.1:0", service)
+    channel = transport.connect(server.address)
+    try:
+        got = channel.request(Get(channel.new_request_id(), 1, "w", (0,), StridedSpan(0, 4096)), timeout=10)
+        assert bytes(got.payload) == shard.tobytes()
+        current[0] = 2
+        with pytest.raises(RequestError) as info:
+            channel.request(Get(channel.new_request_id(), 1, "w", (0,), StridedSpan(0, 4096)), timeout=10)
+        assert info.value.code is ev.ErrorCode.NOT_FOUND
     finally:
         channel.close()
         server.close()

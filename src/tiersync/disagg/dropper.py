@@ -8,10 +8,13 @@ until its ``timeout_s`` (vLLM's ``load_timeout_s``, 120 s): under load, the bloc
 abandoned request. :class:`KVDropper` tells them, off the scheduler's thread: one thread sends
 KV_DROP to every prefill rank of the request over pooled connections that prove this side's
 token (and TLS, as :class:`~tiersync.disagg.consumer.KVConsumer`'s reads do), each within
-``config.connect_timeout_s`` + ``config.io_timeout_s``. A rank that cannot be reached, refuses,
-or no longer knows the request (it was read or timed out meanwhile) is logged and skipped: its
-timeout frees the blocks as before. At most :data:`MAX_PENDING` drops wait to be sent; more
-are not sent (logged once): a drop is an optimisation, never needed for correctness.
+``config.connect_timeout_s`` + ``config.io_timeout_s`` (a pooled connection the rank closed
+meanwhile is tried once more, on a new one). A rank that cannot be reached, refuses, or no
+longer knows the request (read, being read, or timed out meanwhile) is logged and skipped, and
+one that failed is not tried again for :data:`BACKOFF_S` (a rank that stopped answering must
+not hold up the drops of the others): its timeout frees the blocks as before. At most
+:data:`MAX_PENDING` drops wait to be sent; more are not sent (logged each time the queue
+fills): a drop is an optimisation, never needed for correctness.
 """
 
 from __future__ import annotations
@@ -19,14 +22,15 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from typing import cast
 
 from tiersync.disagg.config import DisaggConfig
-from tiersync.disagg.messages import check_request_id
 from tiersync.disagg.ops import KV, KvDrop
 from tiersync.errors import TierSyncError, UsageError
 from tiersync.net import events as ev
+from tiersync.net.errors import PeerClosedError
 from tiersync.net.tcp import TcpChannel, TcpTransport
 from tiersync.net.transport import ChannelPool
 
@@ -36,6 +40,9 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING = 4096
 """Drops waiting to be sent, at most."""
+
+BACKOFF_S = 30.0
+"""How long a prefill rank that failed a drop is not tried again."""
 
 _Item = tuple[str, tuple[str, ...]] | threading.Event | None  # a drop, a flush marker, stop
 
@@ -50,8 +57,9 @@ class KVDropper:
         self._pool = ChannelPool(TcpTransport(self.config.tcp_config(server=False), KV))
         self._queue: queue.Queue[_Item] = queue.Queue()  # bounded by drop()
         self._lock = threading.Lock()
-        self._confirmed = 0
+        self._pending = self._confirmed = 0
         self._overflowed = self._closed = False
+        self._failed: dict[str, float] = {}  # address -> when it may be tried again (sender thread only)
         self._thread = threading.Thread(target=self._run, name="tiersync-kv-drop", daemon=True)
         self._thread.start()
 
@@ -65,18 +73,20 @@ class KVDropper:
         """Tell the prefill ranks at ``addresses`` that request ``kv_request`` (their id of it)
         will not be read. Raises UsageError naming ``kv_request`` or ``addresses``; after
         :meth:`close`, or with :data:`MAX_PENDING` drops waiting, the drop is not sent."""
-        check_request_id(kv_request, "kv_request")
-        if isinstance(addresses, (str, bytes)) or not all(isinstance(a, str) and a for a in addresses):
+        KvDrop(0, kv_request)  # the id as the wire carries it (UsageError naming kv_request)
+        targets = () if isinstance(addresses, (str, bytes)) else tuple(addresses)
+        if not targets or not all(isinstance(a, str) and a for a in targets):
             raise UsageError("must be a sequence of host:port strings", argument="addresses")
         with self._lock:
             if self._closed:
                 return
-            if self._queue.qsize() >= MAX_PENDING:
+            if self._pending >= MAX_PENDING:
                 if not self._overflowed:
                     log.warning("%d KV drops wait to be sent: later ones are not sent", MAX_PENDING)
                 self._overflowed = True
                 return
-            self._queue.put_nowait((kv_request, tuple(addresses)))
+            self._pending += 1
+            self._queue.put_nowait((kv_request, targets))
 
     def flush(self, timeout: float) -> bool:
         """Wait until every drop asked for so far was sent (or given up); False after ``timeout`` s."""
@@ -88,12 +98,13 @@ class KVDropper:
         return done.wait(timeout)
 
     def close(self) -> None:
-        """Stop (drops not yet sent are not sent) and close the connections. Idempotent."""
+        """Stop (drops not yet sent are not sent) and close the connections, waiting at most
+        ``config.connect_timeout_s`` for a drop being sent. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        while True:  # what waits will not be sent: make room for the stop marker
+        while True:  # what waits will not be sent
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
@@ -101,8 +112,8 @@ class KVDropper:
             if isinstance(item, threading.Event):
                 item.set()
         self._queue.put(None)
-        self._thread.join(timeout=2 * (self.config.connect_timeout_s + self.config.io_timeout_s))
-        self._pool.close()
+        self._thread.join(timeout=self.config.connect_timeout_s)
+        self._pool.close()  # a drop still being sent fails on its closed channel
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -111,21 +122,36 @@ class KVDropper:
                 continue
             kv_request, addresses = item
             for address in addresses:
-                self._send(kv_request, address)
+                if self._closed:
+                    break
+                try:
+                    self._send(kv_request, address)
+                except Exception:  # e.g. an address getaddrinfo cannot encode: the thread must not end
+                    log.exception("dropping %s at %s failed", kv_request, address)
+            with self._lock:
+                self._pending -= 1
+                self._overflowed = self._overflowed and self._pending > 0
 
     def _send(self, kv_request: str, address: str) -> None:
-        for attempt in (1, 2):  # a pooled connection the rank closed meanwhile fails once
+        now = time.monotonic()
+        if self._failed.get(address, 0.0) > now:
+            return
+        for attempt in (1, 2):
+            reused = self._pool.idle_count(address) > 0
             try:
                 with self._pool.acquire(address) as pooled:
                     channel = cast(TcpChannel, pooled)  # the pool connects with a TcpTransport
-                    reply = channel.request(
-                        KvDrop(channel.new_request_id(), kv_request), timeout=self.config.io_timeout_s
-                    )
+                    req = KvDrop(channel.new_request_id(), kv_request)
+                    reply = channel.request(req, timeout=self.config.io_timeout_s)
                 break
             except (TierSyncError, OSError) as exc:
-                if attempt == 2 or self._closed:
-                    log.info("could not drop %s at %s (its timeout frees it there): %s", kv_request, address, exc)
-                    return
+                if attempt == 1 and reused and isinstance(exc, PeerClosedError) and not self._closed:
+                    continue  # the rank closed the pooled connection meanwhile: once more, on a new one
+                log.info("could not drop %s at %s (its timeout frees it there): %s", kv_request, address, exc)
+                self._failed = {a: t for a, t in self._failed.items() if t > now}  # bounded: recent failures
+                self._failed[address] = now + BACKOFF_S
+                return
+        self._failed.pop(address, None)
         if isinstance(reply, ev.CommitReply) and reply.status is ev.CommitStatus.COMMITTED:
             with self._lock:
                 self._confirmed += 1

@@ -218,6 +218,10 @@ class KvDrop:
     def __post_init__(self) -> None:
         check_u64("request_id", self.request_id)
         check_request_id(self.kv_request, "kv_request")
+        try:
+            self.kv_request.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("must be encodable as UTF-8", argument="kv_request") from None
 
     def meta(self) -> bytes:
         return MetaWriter().text(self.kv_request).getvalue()

@@ -45,7 +45,7 @@ from tiersync.tiers.shareable import SharedRegion, check_shared
 __all__ = ["KVProducer"]
 
 _FORGET_AFTER = 4096  # final request ids remembered so a late layer_ready is a no-op
-_DROPPED = {True: (ev.CommitStatus.COMMITTED, ""), False: (ev.CommitStatus.FAILED, "unknown or already final request")}
+_DROPPED = {True: (ev.CommitStatus.COMMITTED, ""), False: (ev.CommitStatus.FAILED, "unknown, final or being read")}
 Code = ev.ErrorCode
 
 
@@ -130,12 +130,13 @@ class KVProducer(Service):
         self._sums.submit(req, layer)
         return True
 
-    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+    def abort(self, request_id: str, reason: str = "aborted", *, unread: bool = False) -> bool:
         """Stop serving the request; it is reported FAILED by the next :meth:`poll`. False (and
-        nothing done) for an unknown or finished request."""
+        nothing done) for an unknown or finished request, and with ``unread`` one a reader joined."""
         with self._cond:
             req = self._requests.get(request_id)
-        return req is not None and self._fail(req, reason)
+            joined = req is not None and bool(req.sessions or req.acked)
+        return req is not None and not (unread and joined) and self._fail(req, reason)
 
     def settle(self, request_id: str) -> None:
         """Finish now what :meth:`layer_ready` left to the producer's thread for the request:
@@ -176,9 +177,8 @@ class KVProducer(Service):
         return FinishedRequests(done_sending=done, failed_sending=frozenset(i for i, s in items) - done)
 
     def wait_progress(self, timeout: float) -> bool:
-        """Block (GIL released) until a request became final that :meth:`poll` has not yet
-        reported (True at once if one already did), or ``timeout`` seconds pass (False).
-        Deadlines are only enforced by :meth:`poll`; call it after waiting."""
+        """Block until a request became final that :meth:`poll` has not reported yet (True at once
+        if one did), or ``timeout`` s pass (False). Only :meth:`poll` enforces deadlines: call it next."""
         return self._progress.wait(timeout)
 
     def close(self) -> None:
@@ -269,7 +269,7 @@ class KVProducer(Service):
         if isinstance(event, KvOpen):
             return self._open(session, event)
         if isinstance(event, KvDrop):  # a decode scheduler: no reader will come, free the blocks now
-            ok = self.abort(event.kv_request, f"dropped by {session.peer}: no decode rank will read it")
+            ok = self.abort(event.kv_request, f"dropped by {session.peer}: no decode rank will read it", unread=True)
             return ev.CommitReply(event.request_id, *_DROPPED[ok])
         route = self._route_of(session)
         if isinstance(event, KvNext):

@@ -3,11 +3,15 @@
  * send_all(fd, bufs, timeout_s, pinned=0) -> (sent, err)
  *   Writes every byte of the buffers `bufs` (a list, gathered by sendmsg, MSG_DONTWAIT, so a
  *   blocking socket behaves as a non-blocking one) waiting for room with poll, all with the GIL
- *   released, for at most timeout_s seconds. pinned > 0: each buffer of at least that many bytes
- *   goes by reference instead (vmsplice into a pipe, splice into the socket: the kernel holds its
- *   pages, not a copy, until the peer has read them), so the caller must not change those
- *   bytes until then; the smaller ones between them still go by sendmsg (MSG_MORE). sent: bytes written; err: 0 when all were,
- *   -1 when the time ran out first, else the errno of the failing sendmsg or poll. A signal
+ *   released, for at most timeout_s seconds. pinned > 0 on a non-blocking socket: each buffer of
+ *   at least that many bytes goes by reference instead (vmsplice into a pipe, splice into the
+ *   socket: the kernel holds its pages, not a copy, until the peer has read them), so the
+ *   caller must not change those bytes until then; the smaller ones between them still go by
+ *   sendmsg (MSG_MORE). Where no pipe of at least PIPE_MIN bytes can be had (the user's pipe
+ *   pages spent, no descriptor left), or a blocking socket (a splice into it would wait past
+ *   the deadline), the rest goes by sendmsg. SIGPIPE is blocked meanwhile (a splice cannot say
+ *   MSG_NOSIGNAL) and one it raised is taken back. sent: bytes written; err: 0 when all were,
+ *   -1 when the time ran out first, else the errno of the failing sendmsg, splice or poll. A signal
  *   runs the interpreter's handlers and the write goes on; an exception from one is raised, the
  *   socket shut down first when part of the frames went out (no frame may follow a torn one).
  *   Both calls work on a duplicate of fd, so a close of fd by another thread while they run
@@ -58,6 +62,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <unistd.h>
 #include <time.h>
 #include <sys/socket.h>
@@ -400,21 +406,24 @@ typedef struct {
     size_t queued;
 } by_ref;
 
-#define PIPE_BYTES (1 << 20)  /* asked for with F_SETPIPE_SZ; the default (64 KiB) when refused */
+#define PIPE_BYTES (1 << 20)  /* asked for with F_SETPIPE_SZ */
+#define PIPE_MIN (64 << 10)    /* a smaller pipe (the user's pipe pages spent) is not worth a splice */
 
 /* Move bytes of g's first vector toward the socket: into the pipe when it is empty, then out of
- * it; >= 0 bytes the socket took, -1 with errno set. */
+ * it; >= 0 bytes the socket took, -1 with errno set. Without a usable pipe, b->pinned becomes 0
+ * and 0 is returned (the caller sends the rest by sendmsg). */
 static ssize_t splice_some(int fd, gather *g, by_ref *b) {
     if (b->rd < 0) {
         int p[2];
-        if (pipe2(p, O_CLOEXEC | O_NONBLOCK) < 0) return -1;
+        if (pipe2(p, O_CLOEXEC | O_NONBLOCK) < 0) return b->pinned = 0, 0;
         b->rd = p[0], b->wr = p[1];
         (void)fcntl(b->wr, F_SETPIPE_SZ, PIPE_BYTES);
+        if (fcntl(b->wr, F_GETPIPE_SZ) < PIPE_MIN) return b->pinned = 0, 0;
     }
     if (!b->queued) {
         struct iovec v = {g->iov->iov_base, g->iov->iov_len < PIPE_BYTES ? g->iov->iov_len : PIPE_BYTES};
         ssize_t q = vmsplice(b->wr, &v, 1, SPLICE_F_NONBLOCK);
-        if (q <= 0) return q < 0 ? -1 : 0;
+        if (q <= 0) return b->pinned = 0, 0;  /* no memory to pin the pages: copy them instead */
         b->queued = (size_t)q;
     }
     unsigned flags = SPLICE_F_NONBLOCK | (b->queued < g->iov->iov_len || g->count > 1 ? SPLICE_F_MORE : 0);
@@ -455,13 +464,31 @@ static int send_gather(int fd, gather *g, double end, uint64_t *sent, by_ref *b)
     return 0;
 }
 
+/* send_gather with SIGPIPE blocked in this thread (a splice into a socket the peer closed raises
+ * it: no MSG_NOSIGNAL there); one raised meanwhile, and not pending before, is taken back. */
+static int send_quietly(int fd, gather *g, double end, uint64_t *sent, by_ref *b) {
+    sigset_t pipe_only, old, before;
+    sigemptyset(&pipe_only);
+    sigaddset(&pipe_only, SIGPIPE);
+    if (pthread_sigmask(SIG_BLOCK, &pipe_only, &old) != 0) return send_gather(fd, g, end, sent, b);
+    sigpending(&before);
+    int err = send_gather(fd, g, end, sent, b);
+    if (err == EPIPE && !sigismember(&before, SIGPIPE)) {
+        struct timespec now = {0, 0};
+        (void)sigtimedwait(&pipe_only, NULL, &now);
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return err;
+}
+
 static PyObject *send_all(PyObject *self, PyObject *args) {
     int fd;
     PyObject *bufs;
     double timeout;
     Py_ssize_t pinned = 0;
     if (!PyArg_ParseTuple(args, "iO!d|n", &fd, &PyList_Type, &bufs, &timeout, &pinned)) return NULL;
-    by_ref b = {pinned > 0 ? (size_t)pinned : 0, -1, -1, 0};
+    int nonblocking = pinned > 0 && fcntl(fd, F_GETFL) >= 0 && (fcntl(fd, F_GETFL) & O_NONBLOCK);
+    by_ref b = {nonblocking ? (size_t)pinned : 0, -1, -1, 0};
     Py_ssize_t count = PyList_GET_SIZE(bufs);
     Py_buffer *views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
     struct iovec *iov = PyMem_Calloc((size_t)count + 1, sizeof(struct iovec));
@@ -484,7 +511,7 @@ static PyObject *send_all(PyObject *self, PyObject *args) {
     int err;
     for (;;) {
         Py_BEGIN_ALLOW_THREADS
-        err = send_gather(own, &g, end, &sent, &b);
+        err = b.pinned ? send_quietly(own, &g, end, &sent, &b) : send_gather(own, &g, end, &sent, &b);
         Py_END_ALLOW_THREADS
         if (err != EINTR) break;
         if (PyErr_CheckSignals() < 0) {  /* a handler raised (Ctrl-C): that is the answer */

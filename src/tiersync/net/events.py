@@ -235,8 +235,8 @@ class Data:
 
     ``pinned``: the sender promises that the payload's bytes stay as they are until the peer
     has read them, not only until the DATA was written (a trainer's version, written over only
-    after every sampler acknowledged it). A plain TCP writer then hands the kernel its pages
-    instead of a copy (:func:`~tiersync.net.socket_io.write_nonblocking`); bytes changed too
+    after every sampler acknowledged it). A server session's writer on plain TCP then hands the
+    kernel its pages instead of a copy (:func:`~tiersync.net.socket_io.write_nonblocking`); bytes changed too
     early reach the peer as a frame it refuses (BAD_CHECKSUM), never as other bytes. Not
     compared by ``==``.
     """

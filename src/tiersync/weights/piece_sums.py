@@ -45,7 +45,8 @@ class PieceSums:
         :data:`PIECE`), keeping its pieces' sums (none kept without the native checksum, for a
         source not C-contiguous, or when a part does not start on a piece)."""
         known = self._states[i] if lo else b""
-        if kernel.TSUM64 is None or not src.flags.c_contiguous or known is None or lo % PIECE:
+        whole = lo % PIECE == 0 and known is not None and len(known) == lo // PIECE * kernel.PARTIAL_BYTES
+        if known is None or kernel.TSUM64 is None or not src.flags.c_contiguous or not whole:
             self._states[i] = None
             np.copyto(dst, src)
             return

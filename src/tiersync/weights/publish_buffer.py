@@ -79,8 +79,10 @@ class PublishBuffer:
         return seg.region(self._offsets[0], self._payload) if self._payload else np.zeros(0, np.uint8)
 
     def begin(self, version: int, holders: set[object], timeout: float) -> None:
-        """Refuse GETs of the old version, let the running ones finish (at most ``timeout`` s),
-        mark the new one (in a segment no zero-copy sampler still reads; ``holders`` hold it from now)."""
+        """Refuse GETs of the old version, let the running ones be answered (at most ``timeout``
+        s; a pinned answer is read later: a sampler still reading the old version then refuses
+        the bytes that changed), mark the new one (in a segment no zero-copy sampler still
+        reads; ``holders`` hold it from now)."""
         end = time.monotonic() + timeout
         with self._cond:
             self._current, self._filled = None, [0] * len(self._sizes)
@@ -148,6 +150,11 @@ class PublishBuffer:
             written.wait(end - time.monotonic())  # set when that part is written or the version ends
         lo = self._offsets[i] - self._offsets[0]
         return self._store[lo : lo + self._sizes[i]], self._release
+
+    def serving(self, version: int) -> bool:
+        """Whether GETs of ``version`` are answered (no later version has begun)."""
+        with self._cond:
+            return self._current == version
 
     def span_sum(self, version: int, name: str, span: StridedSpan) -> int | None:
         """tsum64 of ``span`` of tensor ``name`` of ``version`` from the sums taken while it was

@@ -93,7 +93,8 @@ class WeightPublisher:
             control=self._registry.control,
             ended=self._registry.ended,
             summer=self._buffer.span_sum,
-            pinned=True,  # a version is written over only after every sampler acknowledged it
+            pinned=True,  # a version is written over once every sampler acknowledged it, timed out or left
+            serving=self._buffer.serving,
         )
         self._server = TcpServer(self.config.listen, service, self.config.tcp_config(f"weights-publisher-{rank}"))
 

@@ -38,7 +38,8 @@ Provider = Callable[[int, str, tuple[int, ...], StridedSpan | None, float], tupl
 """``(version, tensor, key, span, timeout_s) -> (flat uint8 local shard, release)`` once that
 tensor (chunk ``key`` of it, for a relay, which serves only the ``span`` it landed that chunk
 in; None for a W_SUMS) of that version is there; ``release()`` runs once the answer was
-written (the bytes must not change before). Raises a TierSyncError to refuse."""
+written (the bytes must not change before; a pinned answer's bytes are read later still: see
+:class:`SpanService`). Raises a TierSyncError to refuse."""
 
 Summer = Callable[[int, str, StridedSpan], "int | None"]
 """``(version, tensor, span) -> tsum64 of the span's bytes``, or None when not known (the span
@@ -130,10 +131,13 @@ class SpanService(Service):
     """Answers GETs from ``provider`` (waiting at most ``timeout_s`` for the bytes); other
     messages go to ``control(session, event) -> answers``, session ends to ``ended(session)``;
     ``summer`` knows spans' checksums without reading them (a trainer shard's version buffer).
-    ``pinned``: the provider's bytes of a version stay unchanged until every GET of it was
-    read, not only answered (a trainer shard's buffer: the next version begins once every
-    sampler acknowledged this one), so DATA of views of them is
-    :attr:`~tiersync.net.events.Data.pinned` (no copy into the kernel on plain TCP)."""
+    ``pinned``: the provider's bytes of a version stay unchanged until its GETs were read, not
+    only answered (a trainer shard's buffer: the next version begins once every sampler
+    acknowledged this one, timed out or left; one still reading then refuses what changed,
+    BAD_CHECKSUM), so DATA of views of them is :attr:`~tiersync.net.events.Data.pinned` (no
+    copy into the kernel on plain TCP). ``serving(version)``: whether the provider still serves
+    ``version``; a GET is refused when it no longer does once its checksum was taken (from
+    bytes the next version may have begun to overwrite)."""
 
     vocabulary = WEIGHTS
 
@@ -145,10 +149,11 @@ class SpanService(Service):
         ended: Callable[[Session], None] | None = None,
         summer: Summer | None = None,
         pinned: bool = False,
+        serving: Callable[[int], bool] | None = None,
     ) -> None:
         self._provider, self._timeout = provider, timeout_s
         self._control, self._ended, self._summer = control, ended, summer
-        self._pinned = pinned
+        self._pinned, self._serving = pinned, serving
         self._sums = _Sums()
 
     def handle(self, session: Session, event: object) -> Iterable[object]:
@@ -177,7 +182,11 @@ class SpanService(Service):
         try:
             payload = span_payload(shard, get.span)
             pinned = self._pinned and _in_place(get.span)  # never a gathered copy: freed once sent
-            yield ev.Data(get.request_id, payload, self._sum(get, payload, get.span), pinned=pinned)
+            checksum = self._sum(get, payload, get.span)
+            if self._serving is not None and not self._serving(get.version):
+                yield ev.Error(get.request_id, ev.ErrorCode.NOT_FOUND, "the version moved on while it was summed")
+                return
+            yield ev.Data(get.request_id, payload, checksum, pinned=pinned)
         except ProtocolError as exc:
             yield ev.Error(get.request_id, ev.ErrorCode.BAD_REQUEST, exc.message[:512])
         finally:
