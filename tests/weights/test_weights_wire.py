@@ -332,20 +332,25 @@ def test_a_get_whose_version_moved_on_while_it_was_summed_is_refused():
     from tiersync.net.config import TcpConfig
     from tiersync.net.errors import RequestError
     from tiersync.net.tcp import TcpTransport
+    from tiersync.weights.ops import Sums, SumsReply
     from tiersync.weights.serving import SpanService
 
     shard, current = np.arange(4096, dtype=np.uint8), [1]
-    service = SpanService(lambda *_: (shard, lambda: None), 5.0, serving=lambda v: v == current[0])
+    control = lambda _session, _event: []  # noqa: E731 - a trainer shard's: W_SUMS is answered
+    service = SpanService(lambda *_: (shard, lambda: None), 5.0, control, serving=lambda v: v == current[0])
     transport = TcpTransport(TcpConfig(token=b"k" * 32), WEIGHTS)
     server = transport.serve("127.0.0.1:0", service)
     channel = transport.connect(server.address)
     try:
         got = channel.request(Get(channel.new_request_id(), 1, "w", (0,), StridedSpan(0, 4096)), timeout=10)
         assert bytes(got.payload) == shard.tobytes()
+        span = (StridedSpan(0, 4096),)
+        assert isinstance(channel.request(Sums(channel.new_request_id(), 1, "w", span), timeout=10), SumsReply)
         current[0] = 2
-        with pytest.raises(RequestError) as info:
-            channel.request(Get(channel.new_request_id(), 1, "w", (0,), StridedSpan(0, 4096)), timeout=10)
-        assert info.value.code is ev.ErrorCode.NOT_FOUND
+        for req in (Get(channel.new_request_id(), 1, "w", (0,), span[0]), Sums(channel.new_request_id(), 1, "w", span)):
+            with pytest.raises(RequestError) as info:
+                channel.request(req, timeout=10)
+            assert info.value.code is ev.ErrorCode.NOT_FOUND
     finally:
         channel.close()
         server.close()

@@ -13,8 +13,8 @@ meanwhile is tried once more, on a new one). A rank that cannot be reached, refu
 longer knows the request (read, being read, or timed out meanwhile) is logged and skipped, and
 one that failed is not tried again for :data:`BACKOFF_S` (a rank that stopped answering must
 not hold up the drops of the others): its timeout frees the blocks as before. At most
-:data:`MAX_PENDING` drops wait to be sent; more are not sent (logged each time the queue
-fills): a drop is an optimisation, never needed for correctness.
+:data:`MAX_PENDING` drops wait to be sent; more are not sent (logged once until the queue
+empties): a drop is an optimisation, never needed for correctness.
 """
 
 from __future__ import annotations
@@ -98,8 +98,9 @@ class KVDropper:
         return done.wait(timeout)
 
     def close(self) -> None:
-        """Stop (drops not yet sent are not sent) and close the connections, waiting at most
-        ``config.connect_timeout_s`` for a drop being sent. Idempotent."""
+        """Stop (drops not yet sent are not sent) and close the idle connections, waiting at most
+        ``config.connect_timeout_s`` for a drop being sent (one still going ends within its
+        ``io_timeout_s`` on its own: the thread is a daemon). Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -113,7 +114,7 @@ class KVDropper:
                 item.set()
         self._queue.put(None)
         self._thread.join(timeout=self.config.connect_timeout_s)
-        self._pool.close()  # a drop still being sent fails on its closed channel
+        self._pool.close()  # the channel of a drop still being sent is closed when it ends
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -128,6 +129,7 @@ class KVDropper:
                     self._send(kv_request, address)
                 except Exception:  # e.g. an address getaddrinfo cannot encode: the thread must not end
                     log.exception("dropping %s at %s failed", kv_request, address)
+                    self._failed[address] = time.monotonic() + BACKOFF_S
             with self._lock:
                 self._pending -= 1
                 self._overflowed = self._overflowed and self._pending > 0

@@ -135,8 +135,7 @@ class KVProducer(Service):
         nothing done) for an unknown or finished request, and with ``unread`` one a reader joined."""
         with self._cond:
             req = self._requests.get(request_id)
-            joined = req is not None and bool(req.sessions or req.acked)
-        return req is not None and not (unread and joined) and self._fail(req, reason)
+        return req is not None and self._fail(req, reason, unread)
 
     def settle(self, request_id: str) -> None:
         """Finish now what :meth:`layer_ready` left to the producer's thread for the request:
@@ -217,11 +216,12 @@ class KVProducer(Service):
         self._cond.notify_all()
         return socks
 
-    def _fail(self, req: Outgoing, reason: str) -> bool:
-        """FAILED (False: it already was final); its readers' sessions are closed *before* it
-        becomes visible to poll, so a buffer the caller reuses after the report is never sent."""
+    def _fail(self, req: Outgoing, reason: str, unread: bool = False) -> bool:
+        """FAILED (False: it already was final, or ``unread`` and a reader joined it); its readers'
+        sessions are closed *before* it becomes visible to poll, so a buffer reused after the
+        report is never sent."""
         with self._cond:
-            socks = self._finish(req, RequestState.FAILED, reason)
+            socks = None if unread and req.joined else self._finish(req, RequestState.FAILED, reason)
         if socks is None:
             return False
         for session in socks:

@@ -404,6 +404,7 @@ typedef struct {
     size_t pinned;  /* vectors of at least this many bytes go by reference; 0: none */
     int rd, wr;     /* the pipe, -1 until a pinned vector comes */
     size_t queued;
+    int broke;      /* a splice failed with EPIPE (and raised SIGPIPE) */
 } by_ref;
 
 #define PIPE_BYTES (1 << 20)  /* asked for with F_SETPIPE_SZ */
@@ -429,6 +430,7 @@ static ssize_t splice_some(int fd, gather *g, by_ref *b) {
     unsigned flags = SPLICE_F_NONBLOCK | (b->queued < g->iov->iov_len || g->count > 1 ? SPLICE_F_MORE : 0);
     ssize_t r = splice(b->rd, NULL, fd, NULL, b->queued, flags);
     if (r > 0) b->queued -= (size_t)r;
+    if (r < 0 && errno == EPIPE) b->broke = 1;
     return r;
 }
 
@@ -465,7 +467,7 @@ static int send_gather(int fd, gather *g, double end, uint64_t *sent, by_ref *b)
 }
 
 /* send_gather with SIGPIPE blocked in this thread (a splice into a socket the peer closed raises
- * it: no MSG_NOSIGNAL there); one raised meanwhile, and not pending before, is taken back. */
+ * it: no MSG_NOSIGNAL there); the one a splice raised, if none was pending before, is taken back. */
 static int send_quietly(int fd, gather *g, double end, uint64_t *sent, by_ref *b) {
     sigset_t pipe_only, old, before;
     sigemptyset(&pipe_only);
@@ -473,7 +475,7 @@ static int send_quietly(int fd, gather *g, double end, uint64_t *sent, by_ref *b
     if (pthread_sigmask(SIG_BLOCK, &pipe_only, &old) != 0) return send_gather(fd, g, end, sent, b);
     sigpending(&before);
     int err = send_gather(fd, g, end, sent, b);
-    if (err == EPIPE && !sigismember(&before, SIGPIPE)) {
+    if (b->broke && !sigismember(&before, SIGPIPE)) {
         struct timespec now = {0, 0};
         (void)sigtimedwait(&pipe_only, NULL, &now);
     }
@@ -488,7 +490,7 @@ static PyObject *send_all(PyObject *self, PyObject *args) {
     Py_ssize_t pinned = 0;
     if (!PyArg_ParseTuple(args, "iO!d|n", &fd, &PyList_Type, &bufs, &timeout, &pinned)) return NULL;
     int nonblocking = pinned > 0 && fcntl(fd, F_GETFL) >= 0 && (fcntl(fd, F_GETFL) & O_NONBLOCK);
-    by_ref b = {nonblocking ? (size_t)pinned : 0, -1, -1, 0};
+    by_ref b = {nonblocking ? (size_t)pinned : 0, -1, -1, 0, 0};
     Py_ssize_t count = PyList_GET_SIZE(bufs);
     Py_buffer *views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
     struct iovec *iov = PyMem_Calloc((size_t)count + 1, sizeof(struct iovec));

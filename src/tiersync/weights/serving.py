@@ -208,6 +208,9 @@ class SpanService(Service):
                 )
                 return
             sums = [self._sum(req, span_payload(shard, s), s) for s in req.spans]
+            if self._serving is not None and not self._serving(req.version):  # as in _get
+                yield ev.Error(req.request_id, ev.ErrorCode.NOT_FOUND, "the version moved on while it was summed")
+                return
             yield SumsReply(req.request_id, int(sums[0][0]), tuple(v for _, v in sums))
         except ProtocolError as exc:
             yield ev.Error(req.request_id, ev.ErrorCode.BAD_REQUEST, exc.message[:512])
