@@ -202,7 +202,7 @@ def test_pinned_buffers_go_by_reference_byte_exact_between_the_copied_ones():
     bufs = [b"head", memoryview(data)[: 3 << 20], b"mid" * 7, memoryview(data)[3 << 20 : cut], data[cut:]]
     want = b"".join(bytes(x) for x in bufs)
     got = bytearray()
-    reader = threading.Thread(target=lambda: _read_exactly(b, len(want), got), daemon=True)
+    reader = threading.Thread(target=lambda: _read_all(b, len(want), got), daemon=True)
     reader.start()
     try:
         write_nonblocking(a, bufs, Deadline(20, "pair"), pinned=True)
@@ -241,7 +241,7 @@ def test_a_pinned_buffer_is_read_from_the_senders_pages(pinned):
         write_nonblocking(a, [small, large], Deadline(10, "pair"), pinned=pinned)
         small[:], large[:] = b"S" * 100, 2
         got = bytearray()
-        _read_exactly(b, 100 + large.size, got)
+        _read_all(b, 100 + large.size, got)
         assert bytes(got[:100]) == b"s" * 100
         assert set(got[100:]) == ({2} if pinned else {1})
     finally:
@@ -261,7 +261,7 @@ def test_pinned_send_all_counts_exactly_what_was_written_before_its_time_ran_out
         assert err == -1 and 10 < sent < 10 + data.size
         got = bytearray()
         b.settimeout(10)
-        _read_exactly(b, sent, got)  # what the send queue still held arrives too
+        _read_all(b, sent, got)  # what the send queue still held arrives too
         b.settimeout(0.5)
         with pytest.raises(TimeoutError):  # and nothing more
             got += b.recv(1 << 20)
@@ -281,16 +281,8 @@ def test_a_blocking_socket_gets_copies_not_references():
         assert socket_io._wire.send_all(a.fileno(), [large], 10.0, 64 << 10) == (large.size, 0)
         large[:] = 2
         got = bytearray()
-        _read_exactly(b, large.size, got)
+        _read_all(b, large.size, got)
         assert set(got) == {1}
     finally:
         a.close()
         b.close()
-
-
-def _read_exactly(sock: socket.socket, n: int, into: bytearray) -> None:
-    while len(into) < n:
-        chunk = sock.recv(1 << 20)
-        if not chunk:
-            return
-        into += chunk
