@@ -34,7 +34,7 @@ from tiersync.net.errors import PeerClosedError
 from tiersync.net.tcp import TcpChannel, TcpTransport
 from tiersync.net.transport import ChannelPool
 
-__all__ = ["MAX_PENDING", "KVDropper"]
+__all__ = ["BACKOFF_S", "MAX_PENDING", "KVDropper"]
 
 log = logging.getLogger(__name__)
 

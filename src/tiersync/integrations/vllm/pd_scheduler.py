@@ -30,7 +30,7 @@ keeps a prompt's blocks for a decode engine only when the prompt stopped at its 
 one that ended otherwise (EOS or a stop string first, aborted) frees them (:meth:`finished`).
 A decode engine that will not read a prompt it was offered (it computes it, as above, or the
 request ended before its read began: aborted while it waited) tells the prefill engine's
-ranks at once (``drop``: :class:`~tiersync.disagg.dropper.KVDropper`), so they free its
+ranks at once (``dropper``: :class:`~tiersync.disagg.dropper.KVDropper`), so they free its
 blocks then, not after ``load_timeout_s``.
 """
 
