@@ -445,7 +445,8 @@ static int send_gather(int fd, gather *g, double end, uint64_t *sent, by_ref *b)
             r = splice_some(fd, g, b);
         } else {
             size_t n = 0, most = g->count < SEND_IOV ? g->count : SEND_IOV;
-            while (n < most && !(b->pinned && g->iov[n].iov_len >= b->pinned)) n++;
+            if (!b->pinned) n = most;  /* every vector is copied: no scan for the next pinned one */
+            while (n < most && g->iov[n].iov_len < b->pinned) n++;
             struct msghdr msg = {0};
             msg.msg_iov = g->iov;
             msg.msg_iovlen = n;
@@ -489,7 +490,8 @@ static PyObject *send_all(PyObject *self, PyObject *args) {
     double timeout;
     Py_ssize_t pinned = 0;
     if (!PyArg_ParseTuple(args, "iO!d|n", &fd, &PyList_Type, &bufs, &timeout, &pinned)) return NULL;
-    int nonblocking = pinned > 0 && fcntl(fd, F_GETFL) >= 0 && (fcntl(fd, F_GETFL) & O_NONBLOCK);
+    int fl = pinned > 0 ? fcntl(fd, F_GETFL) : -1;
+    int nonblocking = fl >= 0 && (fl & O_NONBLOCK);
     by_ref b = {nonblocking ? (size_t)pinned : 0, -1, -1, 0, 0};
     Py_ssize_t count = PyList_GET_SIZE(bufs);
     Py_buffer *views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
