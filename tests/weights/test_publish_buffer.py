@@ -6,6 +6,7 @@ waiting on that count)."""
 from __future__ import annotations
 
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -116,29 +117,48 @@ def test_only_the_last_release_wakes_waiters_and_begin_waits_for_it() -> None:
 
 
 class _CountedEvent(threading.Event):
+    made = 0
     sets = 0
+
+    def __init__(self) -> None:
+        _CountedEvent.made += 1
+        super().__init__()
 
     def set(self) -> None:
         _CountedEvent.sets += 1
         super().set()
 
 
-def test_each_tensor_s_event_is_set_once_per_version(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Writing tensor i sets only the events not set yet: n writes are n sets, not n*(n+1)/2
-    (each set takes the event's lock and wakes its waiters; a version has hundreds of tensors)."""
-    monkeypatch.setattr(threading, "Event", _CountedEvent)
-    sizes = [16] * 10
+def test_events_are_made_only_for_parts_a_get_waits_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A version whose parts nobody waits for makes no events (a 100 GB shard has 25k parts of
+    4 MiB); a GET waiting for part 1 of a tensor makes one, set once when that part is written
+    (each set takes the event's lock and wakes its waiters)."""
+    from tiersync.weights import publish_buffer
+
+    PART = publish_buffer.PART
+    monkeypatch.setattr(publish_buffer, "threading", types.SimpleNamespace(Event=_CountedEvent))  # its events only
+    sizes = [16] * 10 + [2 * PART]
     buf = PublishBuffer(
-        threading.Condition(), None, {f"t{i}": i for i in range(10)}, [16 * i for i in range(10)], sizes, sum(sizes)
+        threading.Condition(), None, {f"t{i}": i for i in range(11)}, [16 * i for i in range(11)], sizes, sum(sizes)
     )
     buf.begin(1, set(), 5)
-    _CountedEvent.sets = 0
     for i in range(10):
         buf.write(i, np.full(16, i, np.uint8))
-    assert _CountedEvent.sets == 10
+    assert (_CountedEvent.made, _CountedEvent.sets) == (0, 0)
     view, release = buf.provide(1, "t9", (), None, 5)
     assert bytes(view) == bytes([9]) * 16
     release()
+    got: dict[str, object] = {}
+    t = threading.Thread(target=_get, args=(buf, 1, "t10", got))
+    t.start()
+    while _CountedEvent.made == 0:  # the GET of all of t10 waits for its part 1
+        t.join(0.01)
+    buf.write(10, np.full(2 * PART, 7, np.uint8))
+    t.join(10)
+    assert got["t10"] == bytes([7]) * (2 * PART) and (_CountedEvent.made, _CountedEvent.sets) == (1, 1)
+    got["release:t10"]()  # type: ignore[operator]
+    buf.begin(2, set(), 5)
+    assert (_CountedEvent.made, _CountedEvent.sets) == (1, 1)  # begin sets only events still waited on
 
 
 def test_a_version_refused_for_no_room_leaves_no_segment_held(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,8 +7,9 @@ anonymous memory. A version begins once the GETs of the old one finished, in a s
 zero-copy sampler still reads. Tensors are written in order, each in parts of :data:`PART`
 bytes; a span of tensor ``i`` is served (:meth:`provide`, the
 :class:`~tiersync.weights.serving.SpanService` provider) once the parts it reaches into were
-written (a GET waiting for them sleeps on the event of the last one, so writing a part wakes
-only the GETs that waited for it; the first GETs of a large embedding go out after its first
+written (a GET waiting for them sleeps on an event of the last one, made when the first GET
+waits for that part: writing a part wakes only the GETs that waited for it, and a version
+makes no events when nothing waits; the first GETs of a large embedding go out after its first
 part, not after all of it), and the checksums of its spans are composed from sums taken while
 it was copied in (:meth:`span_sum`, :class:`~tiersync.weights.piece_sums.PieceSums`). It works
 under the publisher's condition, the lock the pool is called under.
@@ -52,7 +53,7 @@ class PublishBuffer:
         self._current: int | None = None  # version GETs may read
         self._filled = [0] * len(sizes)  # bytes of tensor i of this version written
         self._inflight = 0
-        self._written = self._part_events()  # [i][k]: part k of tensor i of this version was written
+        self._waits: dict[tuple[int, int], threading.Event] = {}  # (i, k): GETs waiting for part k of tensor i
         self._sums = PieceSums(len(sizes))
         if pool is not None:
             self._store = self._segment_store(pool, -1, set())
@@ -64,9 +65,6 @@ class PublishBuffer:
                 raise
         else:
             self._store = np.zeros(payload, np.uint8)
-
-    def _part_events(self) -> list[list[threading.Event]]:
-        return [[threading.Event() for _ in range(max(1, -(-n // PART)))] for n in self._sizes]
 
     @property
     def segment_path(self) -> str | None:
@@ -87,10 +85,9 @@ class PublishBuffer:
         with self._cond:
             self._current, self._filled = None, [0] * len(self._sizes)
             self._sums.reset()
-            for events in self._written:  # GETs waiting for the old version give up now
-                for event in events:
-                    event.set()
-            self._written = self._part_events()
+            for event in self._waits.values():  # GETs waiting for the old version give up now
+                event.set()
+            self._waits = {}
             while self._inflight and time.monotonic() < end:
                 self._cond.wait(end - time.monotonic())
             if self._pool is not None:
@@ -115,12 +112,14 @@ class PublishBuffer:
         """Copy tensor ``i``'s bytes ``src`` (flat uint8) in, part by part (summing its pieces on
         the way); the GETs of each part are answered once it is there."""
         dst = self._store[self._offsets[i] - self._offsets[0] :][: self._sizes[i]]
-        for k, event in enumerate(self._written[i]):
+        for k in range(max(1, -(-self._sizes[i] // PART))):
             lo, hi = k * PART, min(self._sizes[i], (k + 1) * PART)
             self._sums.copy_in(i, dst[lo:hi], src[lo:hi], lo)
             with self._cond:
                 self._filled[i] = hi
-            event.set()  # wakes only the GETs waiting for this part
+                event = self._waits.pop((i, k), None)
+            if event is not None:
+                event.set()  # wakes only the GETs waiting for this part
 
     def complete(self, version: int) -> None:
         """Every tensor of ``version`` is written (the segment's header says so)."""
@@ -142,11 +141,12 @@ class PublishBuffer:
                 if self._current == version and self._filled[i] >= need:
                     self._inflight += 1
                     break
-                written = self._written[i][max(0, need - 1) // PART]
                 if self._current != version or time.monotonic() >= end:
                     raise RemoteError(
                         "version not being served (or not written in time)", version=version, current=self._current
                     )
+                part = (i, max(0, need - 1) // PART)
+                written = self._waits.get(part) or self._waits.setdefault(part, threading.Event())
             written.wait(end - time.monotonic())  # set when that part is written or the version ends
         lo = self._offsets[i] - self._offsets[0]
         return self._store[lo : lo + self._sizes[i]], self._release
