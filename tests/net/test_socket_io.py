@@ -286,3 +286,39 @@ def test_a_blocking_socket_gets_copies_not_references():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.skipif(socket_io._wire is None, reason="the native extension is not built here")
+def test_pinned_bytes_copied_for_want_of_a_pipe_still_arrive_and_are_logged_once(caplog, monkeypatch):
+    """With no descriptor left for the pipe, pinned buffers are copied: every byte arrives as it
+    was written, ``copied_instead`` counts the call, and one warning says so (not one per send)."""
+    import resource
+
+    monkeypatch.setattr(socket_io, "_copies_noted", [False])
+    a, b = _tcp_pair()
+    large = np.full(192 << 10, 1, np.uint8)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    spare: list[int] = []
+    before = socket_io._wire.copied_instead()
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64, hard))
+        with contextlib.suppress(OSError):
+            while len(spare) < 4096:
+                spare.append(os.dup(0))
+        os.close(spare.pop())  # one left: send_all's own hold on the socket takes it, the pipe gets none
+        with caplog.at_level("WARNING", logger="tiersync.net.socket_io"):
+            for _ in range(2):
+                write_nonblocking(a, [large], Deadline(10, "pair"), pinned=True)
+                large[:] = 2  # copied: the peer reads what was written
+                got = bytearray()
+                _read_all(b, large.size, got)
+                assert set(got) == {1}
+                large[:] = 1
+        assert socket_io._wire.copied_instead() == before + 2
+        assert len(caplog.records) == 1 and "pipe-user-pages-soft" in caplog.records[0].message
+    finally:
+        for fd in spare:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        a.close()
+        b.close()

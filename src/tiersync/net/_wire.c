@@ -9,7 +9,8 @@
  *   caller must not change those bytes until then; the smaller ones between them still go by
  *   sendmsg (MSG_MORE). Where no pipe of at least PIPE_MIN bytes can be had (the user's pipe
  *   pages spent, no descriptor left), or a blocking socket (a splice into it would wait past
- *   the deadline), the rest goes by sendmsg. SIGPIPE is blocked meanwhile (a splice cannot say
+ *   the deadline), the rest goes by sendmsg (copied_instead() counts the calls that wanted a pipe
+ *   and had none, for socket_io's one warning). SIGPIPE is blocked meanwhile (a splice cannot say
  *   MSG_NOSIGNAL) and one it raised is taken back. sent: bytes written; err: 0 when all were,
  *   -1 when the time ran out first, else the errno of the failing sendmsg, splice or poll. A signal
  *   runs the interpreter's handlers and the write goes on; an exception from one is raised, the
@@ -410,21 +411,28 @@ typedef struct {
 #define PIPE_BYTES (1 << 20)  /* asked for with F_SETPIPE_SZ */
 #define PIPE_MIN (64 << 10)    /* a smaller pipe (the user's pipe pages spent) is not worth a splice */
 
+static unsigned long long copied_instead = 0;  /* send_all calls whose pinned bytes were copied after all */
+
+static ssize_t by_copy(by_ref *b) {  /* no pipe or no pinning: the rest goes by sendmsg */
+    __atomic_add_fetch(&copied_instead, 1, __ATOMIC_RELAXED);
+    return b->pinned = 0, 0;
+}
+
 /* Move bytes of g's first vector toward the socket: into the pipe when it is empty, then out of
  * it; >= 0 bytes the socket took, -1 with errno set. Without a usable pipe, b->pinned becomes 0
  * and 0 is returned (the caller sends the rest by sendmsg). */
 static ssize_t splice_some(int fd, gather *g, by_ref *b) {
     if (b->rd < 0) {
         int p[2];
-        if (pipe2(p, O_CLOEXEC | O_NONBLOCK) < 0) return b->pinned = 0, 0;
+        if (pipe2(p, O_CLOEXEC | O_NONBLOCK) < 0) return by_copy(b);
         b->rd = p[0], b->wr = p[1];
         (void)fcntl(b->wr, F_SETPIPE_SZ, PIPE_BYTES);
-        if (fcntl(b->wr, F_GETPIPE_SZ) < PIPE_MIN) return b->pinned = 0, 0;
+        if (fcntl(b->wr, F_GETPIPE_SZ) < PIPE_MIN) return by_copy(b);
     }
     if (!b->queued) {
         struct iovec v = {g->iov->iov_base, g->iov->iov_len < PIPE_BYTES ? g->iov->iov_len : PIPE_BYTES};
         ssize_t q = vmsplice(b->wr, &v, 1, SPLICE_F_NONBLOCK);
-        if (q <= 0) return b->pinned = 0, 0;  /* no memory to pin the pages: copy them instead */
+        if (q <= 0) return by_copy(b);  /* no memory to pin the pages: copy them instead */
         b->queued = (size_t)q;
     }
     unsigned flags = SPLICE_F_NONBLOCK | (b->queued < g->iov->iov_len || g->count > 1 ? SPLICE_F_MORE : 0);
@@ -534,6 +542,10 @@ done:
 }
 
 /* Tests: xxh3_64 of exactly 56 bytes, to compare with the xxhash package. */
+static PyObject *copied_instead_py(PyObject *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&copied_instead, __ATOMIC_RELAXED));
+}
+
 static PyObject *xxh3_56_py(PyObject *self, PyObject *arg) {
     Py_buffer v;
     if (PyObject_GetBuffer(arg, &v, PyBUF_C_CONTIGUOUS) < 0) return NULL;
@@ -551,6 +563,8 @@ static PyMethodDef methods[] = {
     {"recv_many", recv_many, METH_VARARGS,
      "recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum, timeout_s) -> (done, sums, n, err)."},
     {"send_all", send_all, METH_VARARGS, "send_all(fd, bufs, timeout_s, pinned=0) -> (sent, err)."},
+    {"copied_instead", copied_instead_py, METH_NOARGS,
+     "copied_instead() -> int: send_all calls (this process) whose pinned bytes were copied (no pipe)."},
     {"_xxh3_56", xxh3_56_py, METH_O, "Tests only: xxh3_64 of a 56-byte header prefix."},
     {NULL, NULL, 0, NULL},
 };

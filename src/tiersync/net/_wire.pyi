@@ -15,4 +15,7 @@ def recv_many(
 def send_all(fd: int, bufs: list[bytes | memoryview], timeout_s: float, pinned: int = 0, /) -> tuple[int, int]:
     """(sent, err): see ``_wire.c``."""
 
+def copied_instead() -> int:
+    """``send_all`` calls in this process whose pinned bytes were copied after all (no pipe)."""
+
 def _xxh3_56(data: bytes | bytearray | memoryview, /) -> int: ...

@@ -7,6 +7,7 @@ blocking call, and socket errors become the RemoteError family, naming the peer.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -37,6 +38,8 @@ except ImportError:  # pragma: no cover - depends on the build
     _wire = None  # type: ignore[assignment]  # an optional compiled module: mypy cannot type it "or None"
 if PayloadChecksum.TSUM64 not in SUPPORTED:  # pragma: no cover - the fallback must verify what it accepts
     _wire = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
 
 _IOV_MAX = 1024
 _DEADLINE = -1  # _wire.send_all's err when the time ran out
@@ -79,7 +82,10 @@ def write_nonblocking(
     AuthError (TLS)."""
     tls = isinstance(sock, ssl.SSLSocket)
     if _wire is not None and not tls:
-        return _send_native(sock, list(bufs), deadline, _PINNED if pinned else 0)
+        _send_native(sock, list(bufs), deadline, _PINNED if pinned else 0)
+        if pinned:
+            _note_copies()
+        return
     views = [memoryview(b).cast("B") for b in bufs if len(b)]
     with io_errors(deadline.peer):
         while views:
@@ -105,6 +111,21 @@ def _send_native(sock: socket.socket, bufs: list[bytes | memoryview], deadline: 
             _raise_io(OSError(err, os.strerror(err)), deadline.peer)
         rest: list[bytes | memoryview] = [*consume(byte_views(bufs), sent)]  # the deadline decides next turn
         bufs = rest
+
+
+_copies_noted = [False]
+
+
+def _note_copies() -> None:
+    """Log once per process that pinned bytes were copied after all (the process, or the user
+    it runs as, has no pipe pages or descriptors left: ``fs.pipe-user-pages-soft``, ``ulimit
+    -n``): sends still work, at the CPU cost of a copy."""
+    if not _copies_noted[0] and _wire.copied_instead():
+        _copies_noted[0] = True
+        log.warning(
+            "pinned sends are being copied: no pipe of 64 KiB could be had (fs.pipe-user-pages-soft "
+            "spent by this user, or no file descriptor left); they still go out, with one more copy"
+        )
 
 
 def peer_ip(sock: socket.socket) -> str:
