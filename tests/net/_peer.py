@@ -15,14 +15,14 @@ from collections import deque
 TOKEN = "store-node-test-token-0123456789"
 
 
-def run_block_server(config, blocks, address_q, stop, clock_rate: float = 1.0) -> None:
-    """Serve ``blocks`` with ``config`` on 127.0.0.1:0; report the address; wait for ``stop``.
+def run_block_server(config, blocks, address_q, stop, clock_rate: float = 1.0, address: str = "127.0.0.1:0") -> None:
+    """Serve ``blocks`` with ``config`` on ``address``; report the address; wait for ``stop``.
     ``clock_rate``: how much faster than real time the server's lease clock runs."""
     from tiersync.net.source import MemoryBlockSource
     from tiersync.net.tcp import TcpTransport
 
     source = MemoryBlockSource(blocks, clock=lambda: time.monotonic() * clock_rate)
-    server = TcpTransport(config).serve("127.0.0.1:0", source)
+    server = TcpTransport(config).serve(address, source)
     address_q.put(server.address)
     stop.wait(60)
     server.close()

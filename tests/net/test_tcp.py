@@ -30,9 +30,9 @@ CTX = multiprocessing.get_context("spawn")
 
 
 @contextmanager
-def server_process(config: TcpConfig):
+def server_process(config: TcpConfig, address: str = "127.0.0.1:0"):
     address_q, stop = CTX.Queue(), CTX.Event()
-    proc = CTX.Process(target=run_block_server, args=(config, BLOCKS, address_q, stop), daemon=True)
+    proc = CTX.Process(target=run_block_server, args=(config, BLOCKS, address_q, stop, 1.0, address), daemon=True)
     proc.start()
     try:
         yield address_q.get(timeout=30)
@@ -84,9 +84,52 @@ def test_striped_pull_over_several_streams_and_pool_reuse(peer):
     with pool.acquire(peer) as channel:
         assert not channel.closed
         assert channel.request(ev.Ping(channel.new_request_id(), 9)).token == 9
-    assert first in pool._idle[peer]
+    assert first in [c for _, c in pool._idle[peer]]
     pool.close()
     assert first.closed
+
+
+def test_a_pooled_channel_whose_server_restarted_is_not_handed_out_again():
+    """A server restarted on the same port hung up the pool's idle channels: the next acquire
+    closes them and connects anew, so no request fails on a dead connection."""
+    pool = ChannelPool(TcpTransport(TcpConfig(token=TOKEN)))
+    with server_process(TcpConfig(token=TOKEN)) as address:
+        with pool.acquire(address) as first, pool.acquire(address) as second:
+            assert first.request(ev.Ping(first.new_request_id(), 1)).token == 1
+        assert pool.idle_count(address) == 2
+    with server_process(TcpConfig(token=TOKEN), address) as again:
+        assert again == address
+        with pool.acquire(address) as channel:
+            assert channel not in (first, second)
+            assert channel.request(ev.Ping(channel.new_request_id(), 2)).token == 2
+        assert first.closed and second.closed and pool.idle_count(address) == 1
+    pool.close()
+
+
+def test_channels_idle_past_max_idle_s_are_closed_and_their_peer_forgotten(peer, monkeypatch):
+    """An idle channel older than ``max_idle_s`` is not handed out; once the pool is used again
+    (for any peer) the peers idle that long are closed and forgotten."""
+    import time as time_module
+
+    from tiersync.net import transport
+
+    now = [time_module.monotonic()]
+    monkeypatch.setattr(transport.time, "monotonic", lambda: now[0])
+    pool = ChannelPool(TcpTransport(TcpConfig(token=TOKEN)), max_idle_s=10.0)
+    with pool.acquire(peer) as old:
+        pass
+    now[0] += 11
+    with pool.acquire(peer) as channel:
+        assert channel is not old and old.closed
+    assert pool.idle_count(peer) == 1 and pool.peers() == 1
+    now[0] += 11
+    with server_process(TcpConfig(token=TOKEN)) as other:
+        with pool.acquire(other):
+            pass
+        assert channel.closed and pool.idle_count(peer) == 0 and pool.peers() == 1
+        pool.close()
+    with pytest.raises(UsageError, match="max_idle_s"):
+        ChannelPool(TcpTransport(TcpConfig(token=TOKEN)), max_idle_s=0)
 
 
 def test_missing_key_and_bad_range_answers(peer):
@@ -194,6 +237,22 @@ def test_mutual_tls_with_token_across_processes(pki):
             TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"], rcert, rkey))).connect(address)
         with pytest.raises(AuthError):  # client does not trust the server's CA
             TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["rogue_ca"], ccert, ckey))).connect(address)
+
+
+def test_a_pooled_tls_channel_is_handed_out_again_and_a_stale_one_is_not(pki):
+    """Over TLS, an idle channel the server did not close is reused (records the peer sent
+    after the handshake are no stray bytes); once the server is gone it is not."""
+    cert, key = pki["server"]
+    pool = ChannelPool(TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"]))))
+    with server_process(TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"], cert, key))) as address:
+        for token in (1, 2):
+            with pool.acquire(address) as channel:
+                assert channel.request(ev.Ping(channel.new_request_id(), token)).token == token
+            if token == 1:
+                first = channel
+        assert channel is first and not first.closed
+    assert not first.reusable()  # the server process is gone
+    pool.close()
 
 
 def _pull_every_block(transport, server, blocks):

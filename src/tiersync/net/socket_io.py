@@ -178,6 +178,23 @@ class FramedSocket:
         if not self._tls:
             sock.settimeout(None)
 
+    def quiet(self) -> bool:
+        """Whether nothing is there to read and the peer has not hung up (an idle connection
+        whose peer restarted, timed it out or sent stray bytes is not handed out again)."""
+        poller = select.poll()
+        try:
+            poller.register(self.sock, select.POLLIN | select.POLLPRI)  # POLLHUP and POLLERR come anyway
+            if not poller.poll(0) and not (self._tls and cast(ssl.SSLSocket, self.sock).pending()):
+                return True
+            if self._tls:  # TLS records alone (a late session ticket) are no bytes of the peer's
+                self.sock.settimeout(0)  # the next operation arms its own timeout
+                self.sock.recv(1)
+        except ssl.SSLWantReadError:
+            return True
+        except (OSError, ValueError):  # closed under us, reset, or a TLS alert
+            pass
+        return False
+
     def _arm(self, which: int, deadline: Deadline) -> None:
         """Bound the next blocking call by the deadline (raises NetTimeoutError when it passed)."""
         left = deadline.remaining()

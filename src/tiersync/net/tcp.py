@@ -86,7 +86,7 @@ class TcpChannel(Channel):
                 self._framed.send_buffers(bufs, deadline)
             except BaseException as exc:  # only a refusal before any event was encoded keeps the channel
                 if bufs or not isinstance(exc, UsageError):
-                    self._shut()
+                    self.close()
                 raise
 
     def receive(self, *, timeout: float | None = None) -> object:
@@ -97,10 +97,10 @@ class TcpChannel(Channel):
             try:
                 event = self._framed.read(Deadline(timeout if timeout is not None else 1e9, self.peer))
             except _BROKEN:
-                self._shut()
+                self.close()
                 raise
             if isinstance(event, (ev.ConnectionClosed, ev.Error)):
-                self._shut()
+                self.close()
                 why = getattr(event, "message", "") or "peer closed the connection"
                 raise PeerClosedError(why, peer=self.peer)
             return event
@@ -130,7 +130,7 @@ class TcpChannel(Channel):
             except RequestError:
                 raise  # the server's ERROR answer: the channel stays usable
             except BaseException:  # a wire error, or anything between a request and its answer
-                self._shut()  # (a signal handler's exception mid-frame): no torn frame, no stray answer
+                self.close()  # (a signal handler's exception mid-frame): no torn frame, no stray answer
                 raise
 
     def pull_many(
@@ -189,7 +189,7 @@ class TcpChannel(Channel):
                     if len(pending) <= window - half:
                         self._send_pulls(todo, window - len(pending), pending, later, deadline.within(idle))
             except BaseException:
-                self._shut()
+                self.close()
                 raise
 
     def _receive_some(
@@ -256,7 +256,7 @@ class TcpChannel(Channel):
                 refused = refusal(exc, self.peer)
                 if refused is None:
                     if asked[i + 1 :]:  # answers still in flight nobody would read
-                        self._shut()
+                        self.close()
                     raise
                 for rid in asked[i + 1 :]:  # answers still in flight (refused too, or not)
                     with contextlib.suppress(RequestError):
@@ -323,7 +323,7 @@ class TcpChannel(Channel):
             try:
                 return self._answer(request_id, Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer))
             except _BROKEN:
-                self._shut()
+                self.close()
                 raise
 
     def _answer(self, request_id: int, deadline: Deadline, *, data: bool = False) -> object:
@@ -347,18 +347,19 @@ class TcpChannel(Channel):
         if self._closed:
             raise ClosedError("channel closed", peer=self.peer)
 
-    def _shut(self) -> None:
+    def close(self) -> None:
+        """Close now; a request running in another thread fails with PeerClosedError."""
         if not self._closed:
             self._closed = True
             self._framed.close()
 
-    def close(self) -> None:
-        """Close now; a request running in another thread fails with PeerClosedError."""
-        self._shut()
-
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def reusable(self) -> bool:
+        """Open, and the peer neither sent anything nor hung up while it sat idle in a pool."""
+        return not self._closed and self._framed.quiet()
 
 
 class TcpTransport(Transport):

@@ -9,6 +9,7 @@ transfer across several streams.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +70,10 @@ class Channel(ABC):
     def closed(self) -> bool:
         """True once closed (by us or because the connection broke)."""
 
+    def reusable(self) -> bool:
+        """Whether a pool may hand this idle channel out again (by default: not closed)."""
+        return not self.closed
+
 
 class Server(ABC):
     address: str
@@ -89,16 +94,22 @@ class Transport(ABC):
 
 
 class ChannelPool:
-    """Idle channels per peer, at most ``max_idle_per_peer`` kept. Thread-safe."""
+    """Idle channels per peer, at most ``max_idle_per_peer`` kept, each at most ``max_idle_s``
+    seconds: an older one, or one whose peer hung up or spoke meanwhile
+    (:meth:`Channel.reusable`), is closed instead of handed out, so a peer that restarted
+    costs no failed request, and peers not used for ``max_idle_s`` are forgotten. Thread-safe."""
 
-    def __init__(self, transport: Transport, max_idle_per_peer: int = 8) -> None:
+    def __init__(self, transport: Transport, max_idle_per_peer: int = 8, max_idle_s: float = 60.0) -> None:
         if max_idle_per_peer < 1:
             raise UsageError("must be >= 1", argument="max_idle_per_peer")
+        if not max_idle_s > 0:
+            raise UsageError("must be > 0", argument="max_idle_s", value=max_idle_s)
         self._transport = transport
-        self._max = max_idle_per_peer
-        self._idle: dict[str, list[Channel]] = {}
+        self._max, self._max_idle_s = max_idle_per_peer, max_idle_s
+        self._idle: dict[str, list[tuple[float, Channel]]] = {}  # (when given back, channel), oldest first
         self._lock = threading.Lock()
         self._closed = False
+        self._swept = time.monotonic()
 
     @contextmanager
     def acquire(self, address: str) -> Iterator[Channel]:
@@ -112,35 +123,64 @@ class ChannelPool:
         self._give(address, channel)
 
     def _take(self, address: str) -> Channel | None:
+        stale: list[Channel] = []
+        found = None
         with self._lock:
             if self._closed:
                 raise ClosedError("channel pool closed")
             idle = self._idle.get(address, [])
-            while idle:
-                channel = idle.pop()
-                if not channel.closed:
-                    return channel
-        return None
+            fresh = time.monotonic() - self._max_idle_s
+            while idle and found is None:
+                given, channel = idle.pop()
+                if given >= fresh and channel.reusable():
+                    found = channel
+                else:
+                    stale.append(channel)
+            if not idle:
+                self._idle.pop(address, None)
+        for channel in stale:
+            channel.close()
+        return found
 
     def _give(self, address: str, channel: Channel) -> None:
+        now = time.monotonic()
         with self._lock:
-            idle = self._idle.setdefault(address, [])
-            if self._closed or channel.closed or len(idle) >= self._max:
-                keep = False
+            idle = self._idle.get(address, [])
+            keep = not (self._closed or channel.closed or len(idle) >= self._max)
+            if keep:
+                self._idle[address] = idle
+                idle.append((now, channel))
+            old = self._sweep(now) if now - self._swept > self._max_idle_s / 4 else []
+        for stale in old if keep else [*old, channel]:
+            stale.close()
+
+    def _sweep(self, now: float) -> list[Channel]:
+        """Take out every channel idle longer than ``max_idle_s`` (under the lock) and forget
+        peers left with none."""
+        self._swept, old = now, []
+        for address in list(self._idle):
+            idle = self._idle[address]
+            cut = sum(1 for given, _ in idle if given < now - self._max_idle_s)
+            old += [channel for _, channel in idle[:cut]]
+            if cut == len(idle):
+                del self._idle[address]
             else:
-                idle.append(channel)
-                keep = True
-        if not keep:
-            channel.close()
+                del idle[:cut]
+        return old
 
     def idle_count(self, address: str) -> int:
         with self._lock:
             return len(self._idle.get(address, []))
 
+    def peers(self) -> int:
+        """How many peers the pool holds idle channels to."""
+        with self._lock:
+            return len(self._idle)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            channels = [c for idle in self._idle.values() for c in idle]
+            channels = [c for idle in self._idle.values() for _, c in idle]
             self._idle.clear()
         for channel in channels:
             channel.close()
