@@ -10,10 +10,11 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-def producer_main(layout_dict, ranks, config_kwargs, conn, share=False) -> None:
+def producer_main(layout_dict, ranks, config_kwargs, conn, share=False, ports=None) -> None:
     """Commands: ("register", rid, ids, ntok, seed), ("ready", rid, layers), ("poll",), ("stop",).
     ``share``: each rank serves one pool per layer backed by memfds (``share_all``, as the vLLM
-    connector's producer does), every request's KV copied into it (one request at a time)."""
+    connector's producer does), every request's KV copied into it (one request at a time).
+    ``ports``: each rank's port (default: any free one)."""
     import numpy as np
 
     from _kvsim import global_kv, shard
@@ -23,7 +24,11 @@ def producer_main(layout_dict, ranks, config_kwargs, conn, share=False) -> None:
     layout = PagedKVLayout.from_dict(layout_dict)
     pools = {r: [np.zeros(layout.layer_nbytes, np.uint8) for _ in range(layout.num_layers)] for r in ranks}
     shared = {r: share_all(pools[r]) if share else () for r in ranks}
-    producers = [KVProducer(layout, r, DisaggConfig(**config_kwargs), shared=shared[r]) for r in ranks]
+    ports = ports or [0] * len(ranks)
+    producers = [
+        KVProducer(layout, r, DisaggConfig(**config_kwargs), shared=shared[r], port=port)
+        for r, port in zip(ranks, ports)
+    ]
     conn.send([p.address for p in producers])
     buffers = {}
     while True:
@@ -54,11 +59,11 @@ def producer_main(layout_dict, ranks, config_kwargs, conn, share=False) -> None:
 class ProducerProcess:
     """Spawned prefill process; ``addresses`` of its ranks; methods mirror the commands."""
 
-    def __init__(self, layout, ranks, share=False, **config_kwargs) -> None:
+    def __init__(self, layout, ranks, share=False, ports=None, **config_kwargs) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=producer_main, args=(layout.to_dict(), list(ranks), config_kwargs, child, share), daemon=True
+            target=producer_main, args=(layout.to_dict(), list(ranks), config_kwargs, child, share, ports), daemon=True
         )
         self.proc.start()
         if not self.conn.poll(60):

@@ -162,6 +162,27 @@ def test_resharded_transfer_byte_exact(procs, a, b, bs_a, bs_b, heads):
     assert all(c.poll().done_receiving == {"q"} for c in consumers)
 
 
+def test_a_prefill_restarted_on_the_same_ports_is_read_at_once(procs):
+    """The consumer's pooled connections to a prefill that restarted were hung up: the next read
+    connects anew instead of failing on them."""
+    src = _layout(1)
+    first = procs(src, token=TOKEN)
+    ports = [int(a.rsplit(":", 1)[1]) for a in first.addresses]
+    with KVConsumer(src, 0, DisaggConfig(token=TOKEN)) as consumer:
+        for run, prod in enumerate((first, None)):
+            if prod is None:
+                first.stop()
+                prod = procs(src, ports=ports, token=TOKEN)
+                assert prod.addresses == first.addresses
+            rid = f"r{run}"
+            prod.register(rid, [0, 1, 2], 40, seed=run)
+            prod.ready(rid, range(src.num_layers))
+            landing = _landing(src)
+            handle = consumer.start_read(rid, SourceSpec(src, prod.addresses, [0, 1, 2], 40), [3, 4, 5], landing)
+            assert handle.wait(20) is RequestState.DONE, handle.error
+            np.testing.assert_array_equal(unshard(src, [landing], [3, 4, 5], 40), global_kv(src, 40, run))
+
+
 def test_producer_sigkilled_mid_transfer(procs):
     src = _layout(1, layers=6)
     prod = procs(src)
