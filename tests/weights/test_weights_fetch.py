@@ -80,6 +80,28 @@ def test_pipelined_gets_land_byte_exact_in_order(server, window):
         pool.close()
 
 
+def test_an_idle_channel_to_a_restarted_sender_is_replaced_not_used():
+    """The sender restarted on the same port while the pool's channel sat idle: the next batch
+    opens a new channel instead of failing on the one the old sender hung up."""
+
+    def serve(at: str):
+        return TcpTransport(TcpConfig(token=TOKEN), WEIGHTS).serve(at, SpanService(_provider, 5.0))
+
+    srv = serve("127.0.0.1:0")
+    address, pool, dst = srv.address, TcpPool(1, TcpConfig(token=TOKEN), 5.0), np.zeros(1 << 20, np.uint8)
+    jobs, landed = _jobs(srv.address), []
+    try:
+        pool.get_many(address, 1, jobs, {"w": dst}, 4, landed.append, 10.0)
+        srv.close()
+        srv = serve(address)
+        dst[:] = 0
+        pool.get_many(address, 2, jobs, {"w": dst}, 4, landed.append, 10.0)
+        assert landed == jobs + jobs and np.array_equal(dst, _expected(jobs))
+    finally:
+        pool.close()
+        srv.close()
+
+
 @pytest.mark.parametrize("at", [0, 3, 4])
 def test_a_refused_get_fails_the_batch_and_nothing_after_it_lands(server, at):
     pool = TcpPool(1, TcpConfig(token=TOKEN), 5.0)

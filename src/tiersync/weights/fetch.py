@@ -146,9 +146,14 @@ class TcpPool:
                 self._count[address] = self._count.get(address, 0) + 1
         if not opening:
             try:
-                return idle.get(timeout=max(0.0, end - time.monotonic()))
+                channel = idle.get(timeout=max(0.0, end - time.monotonic()))
             except queue.Empty:
                 raise RemoteError("no data connection became free", peer=address) from None
+            if channel.reusable():
+                return channel
+            channel.close()  # the peer restarted or hung up while it sat idle: open another
+            self._give(address, channel)
+            return self._take(address, end)
         try:
             channel = self._transport.connect(address, timeout=max(0.001, end - time.monotonic()))
         except BaseException:
