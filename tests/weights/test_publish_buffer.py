@@ -187,3 +187,40 @@ def test_a_version_refused_for_no_room_leaves_no_segment_held(tmp_path, monkeypa
             assert pool.held() == 1  # version 1's, by the sampler; not the refused one's
     finally:
         buf.close()
+
+
+class _Sampler:
+    def __init__(self) -> None:
+        self.alive = True
+
+
+def test_a_holder_dropped_while_begin_waits_holds_no_segment(tmp_path) -> None:
+    """A zero-copy sampler dropped while begin() waited for the old version's GETs was already
+    orphaned (nothing of the new version to retire): begin must not record it as a holder of the
+    new segment, or that segment would be held, and kept in /dev/shm, for good."""
+    from tiersync.weights.segment import SEGMENT_PREFIX, SegmentPool, tensor_offsets
+
+    offsets, payload = tensor_offsets([4096])
+    cond = threading.Condition()
+    pool = SegmentPool(str(tmp_path / f"{SEGMENT_PREFIX}test"), payload)
+    buf = PublishBuffer(cond, pool, {"w": 0}, offsets, [4096], payload)
+    gone, stays = _Sampler(), _Sampler()
+    try:
+        buf.begin(1, {gone, stays}, 5.0)
+        buf.write(0, np.ones(4096, np.uint8))
+        _, release = buf.provide(1, "w", (), None, 0.0)  # a GET of version 1 still running
+        began = threading.Thread(target=buf.begin, args=(2, {gone, stays}, 30.0))
+        began.start()  # waits for the running GET
+        with cond:
+            gone.alive = False  # what SamplerRegistry.drop does under the same lock
+            pool.orphan(gone)
+            pool.release(gone, 1)
+            pool.release(stays, 1)
+        release()
+        began.join(10)
+        assert not began.is_alive()
+        with cond:
+            pool.release(stays, 2)
+        assert pool.held() == 0  # with the dropped sampler recorded: 1, for good
+    finally:
+        buf.close()

@@ -126,3 +126,27 @@ def test_a_segment_without_room_is_refused_before_any_write(tmp_path):
     )
     assert run.returncode == 0, (run.returncode, run.stderr[-2000:])  # -7 was the SIGBUS
     assert run.stdout.split() == ["refused", "True", "[]"]
+
+
+def test_a_holder_gone_mid_publish_leaves_the_current_segment_readable_until_the_next(tmp_path):
+    """A zero-copy sampler of the version being published went away: the segment is retired
+    (never written again) but stays on disk while that version is written and announced, so
+    other same-host samplers still open it; the next version's take() removes it."""
+    from tiersync.weights.segment import SegmentReader
+
+    pool = SegmentPool(str(tmp_path / f"{SEGMENT_PREFIX}{os.getpid()}-0-t"), 8192)
+    gone, other = object(), object()
+    try:
+        first = pool.take(1, {gone})
+        first.begin(1)
+        current = pool.take(2, {gone, other})  # version 1's is still held: a second segment
+        current.begin(2)
+        assert current is not first
+        pool.orphan(gone)
+        assert not os.path.exists(first.path)  # not current: gone at once
+        SegmentReader(current.path, 8192).close()  # still announced and opened by others
+        nxt = pool.take(3, set())
+        assert nxt is not current and not os.path.exists(current.path)  # retired: never rewritten
+    finally:
+        pool.close()
+    assert not os.listdir(tmp_path)

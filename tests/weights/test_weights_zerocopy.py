@@ -139,8 +139,11 @@ def test_a_zero_copy_sampler_that_goes_away_retires_its_segment():
         deadline = time.monotonic() + TIMEOUT
         while pubs[0].samplers() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not os.path.exists(first)  # retired: unlinked, never rewritten
-        assert_bitwise(lease.tensors, g, dest, 0)
+        assert os.path.exists(first)  # retired, but still the current version's: others may open it
+        g1 = {name: a.copy() for name, a in g.items()}
+        _publish(pubs, g, 2)
+        assert not os.path.exists(first) and pubs[0].segment_path != first  # never rewritten
+        assert_bitwise(lease.tensors, g1, dest, 0)  # the gone sampler's mapping still holds version 1
         lease.release()
     finally:
         for x in (*recs, *pubs):

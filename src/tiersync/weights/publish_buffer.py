@@ -80,7 +80,8 @@ class PublishBuffer:
         """Refuse GETs of the old version, let the running ones be answered (at most ``timeout``
         s; a pinned answer is read later: a sampler still reading the old version then refuses
         the bytes that changed), mark the new one (in a segment no zero-copy sampler still
-        reads; ``holders`` hold it from now)."""
+        reads; ``holders`` still ``alive`` then hold it from now: one dropped while this waited
+        would never release it)."""
         end = time.monotonic() + timeout
         with self._cond:
             self._current, self._filled = None, [0] * len(self._sizes)
@@ -91,7 +92,8 @@ class PublishBuffer:
             while self._inflight and time.monotonic() < end:
                 self._cond.wait(end - time.monotonic())
             if self._pool is not None:
-                self._store = self._segment_store(self._pool, version, holders)
+                live = {h for h in holders if getattr(h, "alive", True)}
+                self._store = self._segment_store(self._pool, version, live)
                 _current(self._pool).begin(version)
             self._current = version
         if self._pool is not None:  # a new segment's pages, outside the lock: seconds for gigabytes

@@ -276,7 +276,8 @@ class SegmentPool:
     they say they released it: :meth:`take` never hands out a held segment (nor the one
     just published), it makes a new one instead. A holder that goes away without releasing
     (:meth:`orphan`) retires its segments: they are unlinked and never written again (its
-    mappings keep the pages alive). Not thread-safe: the publisher calls it under its lock.
+    mappings keep the pages alive); the one being published stays on disk until the next
+    :meth:`take`, as other samplers still open it. Not thread-safe: the publisher calls it under its lock.
     """
 
     def __init__(self, prefix: str, payload_bytes: int) -> None:
@@ -295,7 +296,7 @@ class SegmentPool:
         if self.current is not None and not self._holders[id(self.current)]:
             seg = self.current  # nobody serves from it: rewrite in place (one segment, as before)
         if self.current is not None and self.current not in self._segments:
-            self.current.close()  # retired while current: its last writer mapping goes now
+            self._forget(self.current)  # retired while current: its last writer mapping goes now
         if seg is None:
             seg = SegmentWriter(f"{self.prefix}-{self._made}", self.payload_bytes)
             self._made += 1
@@ -316,12 +317,14 @@ class SegmentPool:
         for s in [s for s in self._segments if holder in self._holders[id(s)]]:
             self._segments.remove(s)
             self._holders[id(s)] = {("retired", holder)}
-            try:
-                os.unlink(s.path)
-            except FileNotFoundError:
-                pass
-            if s is not self.current:
-                s.close()
+            if s is not self.current:  # the current one is still written and announced: the next
+                self._forget(s)  # take() or close() unmaps and unlinks it
+
+    def _forget(self, s: SegmentWriter) -> None:
+        """Unmap and unlink retired segment ``s`` and drop what was kept about it."""
+        s.close()
+        self._holders.pop(id(s), None)
+        self._version.pop(id(s), None)
 
     def held(self) -> int:
         """Segments some holder still reads (for tests and stats)."""
