@@ -1,10 +1,12 @@
-"""tiersync.net.responder.ServerSession: one session's writers over a real socket pair."""
+"""tiersync.net.responder: one session's writers over a real socket pair, and a turn's deadlines over a real server."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
 import threading
+
+import pytest
 
 from tiersync.errors import TierSyncError
 from tiersync.net import events as ev
@@ -61,3 +63,38 @@ def _until(predicate, timeout: float = 10.0) -> bool:
             return True
         done.wait(0.01)
     return predicate()
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_each_pipelined_request_gets_op_timeout_s_of_its_own(streamed):
+    """A handler may wait before answering (a trainer's GET waits for its tensor to be written):
+    four pipelined requests that each wait 0.4 s with op_timeout_s 1 s are all answered. One
+    deadline for the whole turn ran out at the third, and the session was closed."""
+    from tiersync.net.service import Service
+    from tiersync.net.tcp import TcpTransport
+
+    never = threading.Event()
+
+    class Waits(Service):
+        vocabulary = Vocabulary("waits", {}, include=(ev.CORE,))
+
+        def handle(self, session, event):
+            if streamed:
+                return self._yields(event)
+            never.wait(0.4)
+            return [ev.Pong(event.request_id, event.token)]
+
+        def _yields(self, event):
+            never.wait(0.4)
+            yield ev.Pong(event.request_id, event.token)
+
+    transport = TcpTransport(TcpConfig(op_timeout_s=1.0), Waits.vocabulary)
+    server = transport.serve("127.0.0.1:0", Waits())
+    try:
+        ch = TcpTransport(TcpConfig(op_timeout_s=30.0), Waits.vocabulary).connect(server.address)
+        pings = [ev.Ping(ch.new_request_id(), token) for token in range(4)]
+        ch.send_many(pings)
+        assert [ch.next_answer(p.request_id, timeout=30).token for p in pings] == [0, 1, 2, 3]
+        ch.close()
+    finally:
+        server.close()

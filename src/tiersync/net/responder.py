@@ -131,8 +131,8 @@ class Responder:
         """Answer ``event`` and up to ``_BATCH`` requests buffered behind it, in one send; the
         next buffered event (batch full) or None (nothing buffered)."""
         bufs: list[bytes | memoryview] = []
-        deadline = Deadline(self.config.op_timeout_s, s.peer)
-        for _ in range(_BATCH):
+        for _ in range(_BATCH):  # each request's answer gets op_timeout_s from when it was asked for:
+            deadline = Deadline(self.config.op_timeout_s, s.peer)  # a handler may wait (a GET for its tensor)
             bufs = self._answer(s, event, bufs, deadline)
             try:
                 with s.lock:
@@ -182,7 +182,7 @@ class Responder:
             with s.lock:
                 bufs += _encode(s.conn, cast(ev.Event, answer))  # the service answers with events
             if streamed or pinned:  # a handler that yields may block before its next answer: send this one now
-                s.write(bufs, deadline, pinned=pinned)
+                s.write(bufs, Deadline(self.config.op_timeout_s, s.peer) if streamed else deadline, pinned=pinned)
                 bufs = []
         return bufs
 
