@@ -322,3 +322,29 @@ def test_pinned_bytes_copied_for_want_of_a_pipe_still_arrive_and_are_logged_once
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         a.close()
         b.close()
+
+
+@pytest.mark.skipif(socket_io._wire is None, reason="the native extension is not built here")
+def test_the_native_calls_read_the_sockets_number_themselves():
+    """``send_all`` and ``recv_many`` take the socket object and duplicate its descriptor as they
+    read it (no window in which another thread's close and accept could hand that number to a
+    new connection); a closed socket is EBADF, not a write to whatever holds number -1."""
+    import errno
+
+    a, b = _tcp_pair()
+    try:
+        assert socket_io._wire.send_all(a, [b"hello"], 5.0) == (5, 0)
+        got = bytearray()
+        _read_all(b, 5, got)
+        assert bytes(got) == b"hello"
+        a.close()
+        for call in (
+            lambda: socket_io._wire.send_all(a, [b"x"], 1.0),
+            lambda: socket_io._wire.recv_many(a, memoryview(bytearray(64)), [bytearray(8)], [1], 64, 0, 1.0),
+        ):
+            with pytest.raises(OSError) as info:
+                call()
+            assert info.value.errno == errno.EBADF
+    finally:
+        a.close()
+        b.close()

@@ -1,6 +1,6 @@
 /* Native fast paths of the TCP transport (tiersync.net._wire).
  *
- * send_all(fd, bufs, timeout_s, pinned=0) -> (sent, err)
+ * send_all(sock, bufs, timeout_s, pinned=0) -> (sent, err)
  *   Writes every byte of the buffers `bufs` (a list, gathered by sendmsg, MSG_DONTWAIT, so a
  *   blocking socket behaves as a non-blocking one) waiting for room with poll, all with the GIL
  *   released, for at most timeout_s seconds. pinned > 0 on a non-blocking socket: each buffer of
@@ -15,10 +15,11 @@
  *   -1 when the time ran out first, else the errno of the failing sendmsg, splice or poll. A signal
  *   runs the interpreter's handlers and the write goes on; an exception from one is raised, the
  *   socket shut down first when part of the frames went out (no frame may follow a torn one).
- *   Both calls work on a duplicate of fd, so a close of fd by another thread while they run
+ *   Both calls take the socket object (or a descriptor number) and duplicate its descriptor
+ *   as they read it, under the GIL, so a close by another thread, before or while they run,
  *   never lets them read or write a socket that got its number.
  *
- * recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum, timeout_s) -> (done, sums, n, err)
+ * recv_many(sock, header, dests, request_ids, max_payload, empty_meta_sum, timeout_s) -> (done, sums, n, err)
  *   Receives consecutive frames, the i-th expected to be the DATA answer to request_ids[i]
  *   landing in dests[i] (the per-frame steps below), all in one call with the GIL released.
  *   dests[i] is one writable buffer, or a list of them filled in order (a vectored pull: the
@@ -298,25 +299,44 @@ static int get_dests(PyObject *dests, PyObject *rids, dest_set *d, recv_job *job
     return 0;
 }
 
-/* A duplicate of `fd` held for a GIL-free call: a close of `fd` by another thread while the call
- * runs cannot hand its number to a new socket under us (a shutdown still ends our calls). */
-static int hold_fd(int fd) {
-    int held = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+/* A duplicate of `sock`'s descriptor (a socket object, or a number) held for a GIL-free call: a
+ * close by another thread while the call runs cannot hand its number to a new socket under us (a
+ * shutdown still ends our calls). The number is read and duplicated under the GIL in one step:
+ * read in Python first, another thread could close it and accept a new connection under that
+ * number before the call began, and the call would then read or write the wrong peer. */
+static int hold_fd(PyObject *sock) {
+    PyObject *num = PyLong_Check(sock) ? Py_NewRef(sock) : PyObject_CallMethod(sock, "fileno", NULL);
+    if (num == NULL) return -1;
+    long fd = PyLong_AsLong(num);
+    Py_DECREF(num);
+    if (fd == -1 && PyErr_Occurred()) return -1;
+    if (fd < 0 || fd > INT_MAX) {  /* a closed socket's fileno() is -1 */
+        errno = EBADF;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    int held = fcntl((int)fd, F_DUPFD_CLOEXEC, 0);
     if (held < 0) PyErr_SetFromErrno(PyExc_OSError);
     return held;
 }
 
 static PyObject *recv_many(PyObject *self, PyObject *args) {
-    int fd;
+    PyObject *sock;
     Py_buffer hv;
     PyObject *dests, *rids;
     unsigned long long max_payload, empty_meta;
     double timeout_s;
-    if (!PyArg_ParseTuple(args, "iw*O!O!KKd", &fd, &hv, &PyList_Type, &dests, &PyList_Type, &rids, &max_payload,
+    if (!PyArg_ParseTuple(args, "Ow*O!O!KKd", &sock, &hv, &PyList_Type, &dests, &PyList_Type, &rids, &max_payload,
                           &empty_meta, &timeout_s)) return NULL;
+    int own = hold_fd(sock);  /* first: nothing below runs Python code, but keep the window shut */
+    if (own < 0) {
+        PyBuffer_Release(&hv);
+        return NULL;
+    }
     uint64_t end_ns = timeout_s > 0 && timeout_s < 1e9 ? now_ns() + (uint64_t)(timeout_s * 1e9) : 0;
     Py_ssize_t count = PyList_GET_SIZE(dests);
     if (hv.len != HDR || count < 1 || count > MAX_FRAMES || PyList_GET_SIZE(rids) != count) {
+        close(own);
         PyBuffer_Release(&hv);
         PyErr_SetString(PyExc_ValueError, "header must be 64 writable bytes; 1..64 dests, one request id each");
         return NULL;
@@ -325,24 +345,18 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
     memset(jobs, 0, sizeof jobs);
     dest_set d = {NULL, NULL, 0};
     if (get_dests(dests, rids, &d, jobs, count) < 0) {
+        close(own);
         release_dests(&d);
         PyBuffer_Release(&hv);
         return NULL;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        jobs[i].fd = fd;
+        jobs[i].fd = own;
         jobs[i].hdr = hv.buf;
         jobs[i].max_payload = max_payload;
         jobs[i].empty_meta = empty_meta;
         jobs[i].end_ns = end_ns;
     }
-    int own = hold_fd(fd);
-    if (own < 0) {
-        release_dests(&d);
-        PyBuffer_Release(&hv);
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < count; i++) jobs[i].fd = own;
     size_t done;
     Py_BEGIN_ALLOW_THREADS
     done = run_jobs(jobs, (size_t)count);
@@ -493,12 +507,13 @@ static int send_quietly(int fd, gather *g, double end, uint64_t *sent, by_ref *b
 }
 
 static PyObject *send_all(PyObject *self, PyObject *args) {
-    int fd;
-    PyObject *bufs;
+    PyObject *sock, *bufs;
     double timeout;
     Py_ssize_t pinned = 0;
-    if (!PyArg_ParseTuple(args, "iO!d|n", &fd, &PyList_Type, &bufs, &timeout, &pinned)) return NULL;
-    int fl = pinned > 0 ? fcntl(fd, F_GETFL) : -1;
+    if (!PyArg_ParseTuple(args, "OO!d|n", &sock, &PyList_Type, &bufs, &timeout, &pinned)) return NULL;
+    int own = hold_fd(sock);
+    if (own < 0) return NULL;
+    int fl = pinned > 0 ? fcntl(own, F_GETFL) : -1;
     int nonblocking = fl >= 0 && (fl & O_NONBLOCK);
     by_ref b = {nonblocking ? (size_t)pinned : 0, -1, -1, 0, 0};
     Py_ssize_t count = PyList_GET_SIZE(bufs);
@@ -506,7 +521,6 @@ static PyObject *send_all(PyObject *self, PyObject *args) {
     struct iovec *iov = PyMem_Calloc((size_t)count + 1, sizeof(struct iovec));
     Py_ssize_t held = 0;
     PyObject *out = NULL;
-    int own = -1;
     if (views == NULL || iov == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -516,7 +530,6 @@ static PyObject *send_all(PyObject *self, PyObject *args) {
         iov[held].iov_base = views[held].buf;
         iov[held].iov_len = (size_t)views[held].len;
     }
-    if ((own = hold_fd(fd)) < 0) goto done;
     gather g = {iov, (size_t)count};
     uint64_t sent = 0;
     double end = now_s() + timeout;
@@ -561,8 +574,8 @@ static PyObject *xxh3_56_py(PyObject *self, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"recv_many", recv_many, METH_VARARGS,
-     "recv_many(fd, header, dests, request_ids, max_payload, empty_meta_sum, timeout_s) -> (done, sums, n, err)."},
-    {"send_all", send_all, METH_VARARGS, "send_all(fd, bufs, timeout_s, pinned=0) -> (sent, err)."},
+     "recv_many(sock, header, dests, request_ids, max_payload, empty_meta_sum, timeout_s) -> (done, sums, n, err)."},
+    {"send_all", send_all, METH_VARARGS, "send_all(sock, bufs, timeout_s, pinned=0) -> (sent, err)."},
     {"copied_instead", copied_instead_py, METH_NOARGS,
      "copied_instead() -> int: send_all calls (this process) whose pinned bytes were copied (no pipe)."},
     {"_xxh3_56", xxh3_56_py, METH_O, "Tests only: xxh3_64 of a 56-byte header prefix."},

@@ -1,7 +1,9 @@
 """Types of the native send and receive paths (``_wire.c``)."""
 
+import socket
+
 def recv_many(
-    fd: int,
+    sock: socket.socket | int,
     header: memoryview,
     dests: list[memoryview | list[memoryview]],
     request_ids: list[int],
@@ -12,7 +14,9 @@ def recv_many(
 ) -> tuple[int, tuple[int, ...], int, int]:
     """(done, sums, n, err): see ``_wire.c``."""
 
-def send_all(fd: int, bufs: list[bytes | memoryview], timeout_s: float, pinned: int = 0, /) -> tuple[int, int]:
+def send_all(
+    sock: socket.socket | int, bufs: list[bytes | memoryview], timeout_s: float, pinned: int = 0, /
+) -> tuple[int, int]:
     """(sent, err): see ``_wire.c``."""
 
 def copied_instead() -> int:

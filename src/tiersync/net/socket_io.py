@@ -102,7 +102,7 @@ def _send_native(sock: socket.socket, bufs: list[bytes | memoryview], deadline: 
     """:func:`write_nonblocking` in one GIL-free call per deadline check (plain sockets)."""
     while True:
         try:
-            sent, err = _wire.send_all(sock.fileno(), bufs, deadline.remaining(), pinned)
+            sent, err = _wire.send_all(sock, bufs, deadline.remaining(), pinned)  # its number read by the call
         except OSError as exc:  # the socket was closed (EBADF) or no descriptor is left (EMFILE)
             _raise_io(exc, deadline.peer)
         if not err:
@@ -265,9 +265,11 @@ class FramedSocket:
             while len(out) < len(request_ids) and (dests := conn.data_fast_targets(request_ids[len(out) :])):
                 self._arm(socket.SO_RCVTIMEO, deadline)
                 rids = list(request_ids[len(out) : len(out) + len(dests)])
-                fd, limit, left = self.sock.fileno(), conn.config.max_frame_size, deadline.remaining()
+                sock, limit, left = self.sock, conn.config.max_frame_size, deadline.remaining()
                 try:  # stops starting reads at the deadline: the parser then takes what landed
-                    done, sums, n, err = _wire.recv_many(fd, self._hview, dests, rids, limit, EMPTY_META_CHECKSUM, left)
+                    done, sums, n, err = _wire.recv_many(
+                        sock, self._hview, dests, rids, limit, EMPTY_META_CHECKSUM, left
+                    )
                 except (BlockingIOError, InterruptedError):
                     continue
                 out += [conn.data_fast_received(rid, value) for rid, value in zip(rids, sums)]
