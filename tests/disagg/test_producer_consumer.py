@@ -292,3 +292,49 @@ def test_landing_never_written_after_failure(procs):
     assert all(np.array_equal(a, b) for a, b in zip(landing, snapshot))
     assert not any(layer.any() for layer in landing[1:])
     assert consumer.poll().failed_receiving == {"c"}
+
+
+def test_a_gathered_pull_that_outlives_its_session_leaves_no_staging_buffer(monkeypatch):
+    """A pull still being prepared when its request is failed (poll's deadline, abort): the
+    session is closed and forgotten meanwhile, so the gather buffer the pull then takes must not
+    be kept under that session's id (up to the frame size, for the producer's lifetime)."""
+    import threading
+
+    from tiersync.disagg import layer_reads
+    from tiersync.net.config import Route
+
+    src = _layout(1, order=KVOrder.HEAD_MAJOR)  # many small spans per pull: gathered
+    dst = _layout(1)
+    hit, go, staged = threading.Event(), threading.Event(), threading.Event()
+    spans, staging_of = layer_reads.LayerReads.spans, layer_reads.LayerReads._staging_of
+
+    def held_spans(self, *args):
+        hit.set()
+        go.wait(20)
+        return spans(self, *args)
+
+    def noted_staging_of(self, *args):
+        try:
+            return staging_of(self, *args)
+        finally:
+            staged.set()
+
+    monkeypatch.setattr(layer_reads.LayerReads, "spans", held_spans)
+    monkeypatch.setattr(layer_reads.LayerReads, "_staging_of", noted_staging_of)
+    layers = [np.random.default_rng(layer).integers(0, 255, src.layer_nbytes, dtype=np.uint8) for layer in range(4)]
+    with (
+        KVProducer(src, 0, DisaggConfig(token=TOKEN)) as prod,
+        KVConsumer(dst, 0, DisaggConfig(token=TOKEN, route=Route.TCP)) as consumer,
+    ):
+        prod.register("r", list(range(8)), 128, layers)
+        for layer in range(4):
+            prod.layer_ready("r", layer)
+        handle = consumer.start_read(
+            "r", SourceSpec(src, [prod.address], list(range(8)), 128), list(range(8, 16)), _landing(dst)
+        )
+        assert hit.wait(20)
+        assert prod.abort("r", "timed out")
+        go.set()
+        assert handle.wait(20) is RequestState.FAILED
+        assert staged.wait(20)
+        assert prod._reads._staging == {}

@@ -121,12 +121,15 @@ class LayerReads:
 
     def _staging_of(self, session: Session, nbytes: int, slot: int) -> np.ndarray:
         """The session's gather buffer ``slot``, at least ``nbytes`` (grown on demand, bounded
-        by the frame size)."""
+        by the frame size); kept only while the session is open (it is marked closed before
+        :meth:`forget` runs, so a pull that outlived its session leaves nothing behind)."""
         key = (session.session_id, slot)
         with self._lock:
             buf = self._staging.get(key)
             if buf is None or buf.size < nbytes:
-                buf = self._staging[key] = np.empty(nbytes, np.uint8)
+                buf = np.empty(nbytes, np.uint8)
+                if not session.closed:
+                    self._staging[key] = buf
             return buf[:nbytes]
 
     def pull_local(self, session: Session, route: Route, event: KvPullLocal) -> ev.LocalReply:
