@@ -72,10 +72,10 @@ def _finished(status: RequestStatus) -> dict:
 
 def _drops() -> dict:
     """A decode scheduler with a real KVDropper against a real KVProducer (its timeout 600 s:
-    only a drop ends a request in time) offered five prompts: one it computes (another prompt),
+    only a drop ends a request in time) offered six prompts: one it computes (another prompt),
     one its prefix cache holds (asked twice), one that ended while it waited (never matched),
-    one that ended after its blocks were allocated but before its read was issued, and one
-    whose read was issued. What it asked to drop, which the prefill rank freed, and what
+    one that ended after its blocks were allocated but before its read was issued, one whose
+    read was issued, and one vLLM allocated with no external tokens after all (it computes it). What it asked to drop, which the prefill rank freed, and what
     stayed pending there."""
     from tiersync.disagg import DisaggConfig, KVDropper, KVProducer, RequestState
 
@@ -89,7 +89,7 @@ def _drops() -> dict:
     layout, token = _layout(), b"d" * 32
     layers = [np.zeros(layout.layer_nbytes, np.uint8) for _ in range(layout.num_layers)]
     producer = KVProducer(layout, 0, DisaggConfig(token=token, timeout_s=600))
-    ids = ["p-other", "p-waiting", "p-alloc", "p-read", "p-cached"]
+    ids = ["p-other", "p-waiting", "p-alloc", "p-read", "p-cached", "p-zero"]
     for i, rid in enumerate(ids):
         producer.register(rid, [3 * i, 3 * i + 1, 3 * i + 2], len(PROMPT), layers)
     sched = PDScheduler(producer=False, layout=layout, addresses=(), dropper=Counting(DisaggConfig(token=token)))
@@ -102,15 +102,16 @@ def _drops() -> dict:
             request_id="d" + rid, prompt_token_ids=prompt, num_tokens=len(prompt), kv_transfer_params=params
         )
 
-    other, waiting, alloc, read, cached = (request(rid, PROMPT + [7]) for rid in ids)
+    other, waiting, alloc, read, cached, zero = (request(rid, PROMPT + [7]) for rid in ids)
     other.prompt_token_ids = [1] + PROMPT[1:] + [7]
-    matched = [sched.num_new_matched_tokens(r, 0) for r in (other, alloc, read)]
+    matched = [sched.num_new_matched_tokens(r, 0) for r in (other, alloc, read, zero)]
     matched += [sched.num_new_matched_tokens(cached, 384) for _ in range(2)]  # its own 3 blocks
     sched.after_alloc(alloc, list(range(10)), 300)
     sched.after_alloc(read, list(range(10, 20)), 300)
+    sched.after_alloc(zero, list(range(20, 30)), 0)  # vLLM's own cache covers it: computed
     sched.finished(alloc)  # aborted between its allocation and the step that issues reads
     issued = [j.req_id for j in sched.build_meta(_output([], {})).reads]
-    for r in (other, waiting, read, cached):
+    for r in (other, waiting, read, cached, zero):
         sched.finished(r)
     flushed = sched.dropper.flush(20)
     failed = producer.poll().failed_sending

@@ -74,9 +74,9 @@ def test_a_decode_engine_tells_the_prefill_what_it_will_not_read_and_nothing_els
     it), or one that ended before its read was issued, is freed at the prefill rank at once (KV_DROP over a real connection with the token), not
     after ``load_timeout_s``; a prompt whose read was issued stays served."""
     got = answers["drops"]
-    assert got["matched"] == [[0, False], [300, True], [300, True], [0, False], [0, False]]
+    assert got["matched"] == [[0, False], [300, True], [300, True], [300, True], [0, False], [0, False]]
     assert got["issued"] == ["dp-read"]
-    assert got["asked"] == ["p-other", "p-cached", "p-alloc", "p-waiting"]  # each once
+    assert got["asked"] == ["p-other", "p-cached", "p-zero", "p-alloc", "p-waiting"]  # each once, p-zero at once
     assert got["flushed"] is True
-    assert got["freed"] == ["p-alloc", "p-cached", "p-other", "p-waiting"] and got["confirmed"] == 4
+    assert got["freed"] == ["p-alloc", "p-cached", "p-other", "p-waiting", "p-zero"] and got["confirmed"] == 5
     assert got["read_pending"] is True

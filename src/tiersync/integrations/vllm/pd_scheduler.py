@@ -155,7 +155,11 @@ class PDScheduler:
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         r = self._reqs.get(request.request_id)
-        if r is None or r.pending_source is None or num_external_tokens <= 0:
+        if r is None or r.pending_source is None:
+            return
+        if num_external_tokens <= 0:  # vLLM computes it after all (its own prefix cache covers it)
+            self._dropped(r, r.remote_id, r.pending_source)
+            r.pending_source = None
             return
         src, first = r.pending_source, r.start
         blocks = -(-(first * self.block_size + num_external_tokens) // self.block_size)  # whole blocks
