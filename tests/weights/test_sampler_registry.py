@@ -12,7 +12,7 @@ from tiersync.errors import ClosedError
 from tiersync.net.config import TcpConfig
 from tiersync.net.errors import PeerClosedError, RequestError
 from tiersync.net.tcp import TcpTransport
-from tiersync.weights.config import PublisherConfig, TransportKind
+from tiersync.weights.config import PublisherConfig, SyncStatus, TransportKind
 from tiersync.weights.ops import WEIGHTS, Ack, Register, Welcome
 from tiersync.weights.publisher import WeightPublisher
 from tiersync.weights.sampler_registry import _KEPT_ACKS
@@ -161,3 +161,29 @@ def test_a_label_that_is_too_long_or_not_printable_is_refused_at_the_boundary():
         with pytest.raises(UsageError) as exc:
             ReceiverConfig(("127.0.0.1:1",), sampler_id=bad)
         assert exc.value.argument == "sampler_id"
+
+
+def test_close_ends_a_publish_waiting_for_a_silent_sampler_and_cancels_the_queued_ones():
+    """A sampler that registered and never answers: close() does not wait out the running
+    publish's publish_timeout_s (nor run the queued ones); the running one's result says the
+    sampler did not answer, the queued one is cancelled, and a publish after close is refused."""
+    import threading
+    from concurrent.futures import CancelledError
+
+    pub = WeightPublisher(model(3), fsdp(1), config=PublisherConfig(token=TOKEN, shm=False, publish_timeout_s=600))
+    channel = TcpTransport(TcpConfig(token=TOKEN), WEIGHTS).connect(pub.address)
+    try:
+        assert isinstance(_register(channel, 0, "silent"), Welcome)
+        running, queued = pub.publish(1), pub.publish(2)
+        closer = threading.Thread(target=pub.close)
+        closer.start()
+        closer.join(60)  # before: 600 s per publish
+        assert not closer.is_alive()
+        assert [(o.sampler, o.status) for o in running.result(10).outcomes] == [("silent", SyncStatus.TIMEOUT)]
+        with pytest.raises(CancelledError):
+            queued.result(10)
+        with pytest.raises(ClosedError):
+            pub.publish(3)
+    finally:
+        channel.close()
+        pub.close()

@@ -138,7 +138,7 @@ class WeightPublisher:
             self._last_version = version
             if replace:
                 self._tensors.update(replace)
-        return self._worker.submit(self._run, version)
+            return self._worker.submit(self._run, version)  # under the lock: close() shuts it after
 
     def _check_replacement(self, tensors: Mapping[str, Any] | None) -> dict[str, Any]:
         if tensors is None:
@@ -195,13 +195,15 @@ class WeightPublisher:
         )
 
     def close(self) -> None:
-        """Stop serving, drop the samplers, unlink the segment; idempotent."""
+        """Stop serving, drop the samplers, unlink the segment; idempotent. A publish running
+        stops waiting for answers (its result says who had not answered); the queued ones are
+        cancelled."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
             samplers = self._registry.stop()
-        self._worker.shutdown(wait=True)
+        self._worker.shutdown(wait=True, cancel_futures=True)
         self._server.close()
         for s in samplers:
             self._registry.drop(s)

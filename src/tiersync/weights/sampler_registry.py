@@ -92,10 +92,11 @@ class SamplerRegistry:
             self.drop(s)
 
     def collect(self, version: int, targets: list[Sampler], timeout: float) -> tuple[SamplerOutcome, ...]:
-        """Every target's outcome for ``version``, once each answered or went away (at most ``timeout`` s)."""
+        """Every target's outcome for ``version``, once each answered or went away (at most
+        ``timeout`` s; at once when the registry stops: the publisher is closing)."""
         end = time.monotonic() + timeout
         with self._cond:
-            while any(s.alive and version not in s.acks for s in targets):
+            while not self._closed and any(s.alive and version not in s.acks for s in targets):
                 left = end - time.monotonic()
                 if left <= 0:
                     break
