@@ -462,3 +462,21 @@ def test_a_channel_a_failed_read_took_to_close_is_not_given_back_to_the_pool(pro
         assert handle._attach(taken)
         handle._fail(RemoteError("another source failed", peer="p"))
         assert taken.closed and handle._detach(taken) is False
+
+
+def test_a_read_whose_thread_cannot_start_fails_and_is_reported(monkeypatch):
+    """No thread left to be had (``can't start new thread``): start_read still returns its
+    handle, the read is FAILED and poll reports it, so the engine frees its blocks. Before, the
+    RuntimeError left the read counted as pulling, never reported."""
+    from tiersync.disagg import consumer as consumer_module
+
+    class NoThread(threading.Thread):
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(consumer_module.threading, "Thread", NoThread)
+    landing = [np.zeros(LAYOUT.layer_nbytes, np.uint8) for _ in range(LAYOUT.num_layers)]
+    with KVConsumer(LAYOUT, 0, DisaggConfig()) as consumer:
+        handle = consumer.start_read("r", SourceSpec(LAYOUT, ["127.0.0.1:1"], [0, 1], 8), [2, 3], landing)
+        assert handle.wait(5) is RequestState.FAILED and "reader thread" in str(handle.error)
+        assert consumer.poll().failed_receiving == {"r"}

@@ -185,9 +185,17 @@ class KVConsumer:
                 source.layout,
                 notify_only=src_rank in notify,
             )
-            threading.Thread(
-                target=self._pull, args=(handle, source.addresses[src_rank], read), daemon=True, name="tiersync-kv-recv"
-            ).start()
+            try:
+                threading.Thread(
+                    target=self._pull,
+                    args=(handle, source.addresses[src_rank], read),
+                    daemon=True,
+                    name="tiersync-kv-recv",
+                ).start()
+            except RuntimeError as exc:  # no thread to be had: the read fails, and poll reports it
+                handle._fail(RemoteError(f"cannot start a reader thread: {exc}", peer=source.addresses[src_rank]))
+                handle._stop()
+                break
         return handle
 
     def poll(self) -> FinishedRequests:
