@@ -304,7 +304,7 @@ def test_pinned_bytes_copied_for_want_of_a_pipe_still_arrive_and_are_logged_once
         resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64, hard))
         with contextlib.suppress(OSError):
             while len(spare) < 4096:
-                spare.append(os.dup(0))
+                spare.append(os.dup(b.fileno()))
         os.close(spare.pop())  # one left: send_all's own hold on the socket takes it, the pipe gets none
         with caplog.at_level("WARNING", logger="tiersync.net.socket_io"):
             for _ in range(2):

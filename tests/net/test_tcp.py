@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import types
 from contextlib import contextmanager
 
 import pytest
@@ -114,7 +115,7 @@ def test_channels_idle_past_max_idle_s_are_closed_and_their_peer_forgotten(peer,
     from tiersync.net import transport
 
     now = [time_module.monotonic()]
-    monkeypatch.setattr(transport.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(transport, "time", types.SimpleNamespace(monotonic=lambda: now[0]))  # the pool's clock only
     pool = ChannelPool(TcpTransport(TcpConfig(token=TOKEN)), max_idle_s=10.0)
     with pool.acquire(peer) as old:
         pass

@@ -137,6 +137,8 @@ def test_events_are_made_only_for_parts_a_get_waits_for(monkeypatch: pytest.Monk
 
     PART = publish_buffer.PART
     monkeypatch.setattr(publish_buffer, "threading", types.SimpleNamespace(Event=_CountedEvent))  # its events only
+    monkeypatch.setattr(_CountedEvent, "made", 0)
+    monkeypatch.setattr(_CountedEvent, "sets", 0)
     sizes = [16] * 10 + [2 * PART]
     buf = PublishBuffer(
         threading.Condition(), None, {f"t{i}": i for i in range(11)}, [16 * i for i in range(11)], sizes, sum(sizes)
@@ -151,7 +153,7 @@ def test_events_are_made_only_for_parts_a_get_waits_for(monkeypatch: pytest.Monk
     got: dict[str, object] = {}
     t = threading.Thread(target=_get, args=(buf, 1, "t10", got))
     t.start()
-    while _CountedEvent.made == 0:  # the GET of all of t10 waits for its part 1
+    while _CountedEvent.made == 0 and t.is_alive():  # the GET of all of t10 waits for its part 1
         t.join(0.01)
     buf.write(10, np.full(2 * PART, 7, np.uint8))
     t.join(10)

@@ -13,7 +13,7 @@ from tiersync.net.config import TcpConfig
 from tiersync.net.errors import PeerClosedError, RequestError
 from tiersync.net.tcp import TcpTransport
 from tiersync.weights.config import PublisherConfig, SyncStatus, TransportKind
-from tiersync.weights.ops import WEIGHTS, Ack, Register, Welcome
+from tiersync.weights.ops import WEIGHTS, Ack, Announce, Register, Welcome
 from tiersync.weights.publisher import WeightPublisher
 from tiersync.weights.sampler_registry import _KEPT_ACKS
 
@@ -175,6 +175,8 @@ def test_close_ends_a_publish_waiting_for_a_silent_sampler_and_cancels_the_queue
     try:
         assert isinstance(_register(channel, 0, "silent"), Welcome)
         running, queued = pub.publish(1), pub.publish(2)
+        announced = channel.receive(timeout=30)  # publish 1 runs (else close would cancel it too)
+        assert isinstance(announced, Announce) and announced.manifest.version == 1
         closer = threading.Thread(target=pub.close)
         closer.start()
         closer.join(60)  # before: 600 s per publish

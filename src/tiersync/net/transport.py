@@ -143,14 +143,16 @@ class ChannelPool:
         return found
 
     def _give(self, address: str, channel: Channel) -> None:
-        now = time.monotonic()
         with self._lock:
+            now = time.monotonic()  # under the lock: each peer's list stays oldest first
+            old = self._sweep(now) if now - self._swept > self._max_idle_s / 4 else []
             idle = self._idle.get(address, [])
+            while len(idle) >= self._max and idle[0][0] < now - self._max_idle_s:  # stale ones make room
+                old.append(idle.pop(0)[1])
             keep = not (self._closed or channel.closed or len(idle) >= self._max)
             if keep:
                 self._idle[address] = idle
                 idle.append((now, channel))
-            old = self._sweep(now) if now - self._swept > self._max_idle_s / 4 else []
         for stale in old if keep else [*old, channel]:
             stale.close()
 

@@ -123,7 +123,8 @@ class WeightPublisher:
         new JAX arrays; None re-reads the registered ones (updated in place by training).
         Publishes run one at a time in call order. The future fails only for a local error
         (the trainer's tensors could not be read, a manifest over ``max_meta_bytes``: no sampler
-        is dropped for it); sampler failures are in the result.
+        is dropped for it), or is cancelled when :meth:`close` came before it began; sampler
+        failures are in the result.
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise UsageError("must be an int >= 0", argument="version", value=version)
