@@ -185,18 +185,21 @@ class KVConsumer:
                 source.layout,
                 notify_only=src_rank in notify,
             )
-            try:
-                threading.Thread(
-                    target=self._pull,
-                    args=(handle, source.addresses[src_rank], read),
-                    daemon=True,
-                    name="tiersync-kv-recv",
-                ).start()
-            except RuntimeError as exc:  # no thread to be had: the read fails, and poll reports it
-                handle._fail(RemoteError(f"cannot start a reader thread: {exc}", peer=source.addresses[src_rank]))
-                handle._stop()
+            if not self._spawn(handle, source.addresses[src_rank], read):
                 break
         return handle
+
+    def _spawn(self, handle: ReadHandle, address: str, read: ReadRequest) -> bool:
+        """Start the thread that pulls ``read``; without one to be had the read fails (poll
+        reports it) and False is returned."""
+        try:
+            name = "tiersync-kv-recv"
+            threading.Thread(target=self._pull, args=(handle, address, read), daemon=True, name=name).start()
+        except RuntimeError as exc:
+            handle._fail(RemoteError(f"cannot start a reader thread: {exc}", peer=address))
+            handle._stop()
+            return False
+        return True
 
     def poll(self) -> FinishedRequests:
         """Fail overdue reads, then report (once) every read that became DONE or FAILED."""
