@@ -13,7 +13,7 @@ import logging
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from typing import cast
 
 from tiersync.errors import ClosedError, TierSyncError, UsageError
@@ -174,16 +174,20 @@ class Responder:
         if streamed and bufs:  # its body has not run yet and may wait: earlier answers go out first
             s.write(bufs, deadline)
             bufs = []
-        for answer in answers:
-            pinned = isinstance(answer, ev.Data) and answer.pinned
-            if pinned and bufs:  # what came before it goes by copy
-                s.write(bufs, deadline)
-                bufs = []
-            with s.lock:
-                bufs += _encode(s.conn, cast(ev.Event, answer))  # the service answers with events
-            if streamed or pinned:  # a handler that yields may block before its next answer: send this one now
-                s.write(bufs, Deadline(self.config.op_timeout_s, s.peer) if streamed else deadline, pinned=pinned)
-                bufs = []
+        try:
+            for answer in answers:
+                pinned = isinstance(answer, ev.Data) and answer.pinned
+                if pinned and bufs:  # what came before it goes by copy
+                    s.write(bufs, deadline)
+                    bufs = []
+                with s.lock:
+                    bufs += _encode(s.conn, cast(ev.Event, answer))  # the service answers with events
+                if streamed or pinned:  # a handler that yields may block before its next answer: send this one now
+                    s.write(bufs, Deadline(self.config.op_timeout_s, s.peer) if streamed else deadline, pinned=pinned)
+                    bufs = []
+        finally:
+            if streamed:  # a write failed: the handler's cleanup runs now, not when the traceback goes
+                cast(Generator[object, None, None], answers).close()
         return bufs
 
     def _answers(self, s: ServerSession, event: object) -> Iterable[object]:

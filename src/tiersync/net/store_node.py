@@ -1,26 +1,17 @@
 """Store node: a host-only process lending its DRAM (a HostArena) to remote readers and writers.
 
-Remote READ: READ_LEASE validates and pins every key (all-or-nothing; TTL clamped
-to [30, 600] s), PULL serves ranges of pinned blocks, RELEASE unpins and answers
-COMMITTED only when the lease was still held; expired leases are unpinned lazily.
-
-Remote WRITE ("the destination pulls"): the writer serves its blocks on its own
-listener and OFFERs the keys under a lease on that source; the OFFER carries the
-writer's port (``source``), and the node dials only the IP the writer's connection comes
-from (an OFFER naming another host is answered ERROR(BAD_REQUEST) saying so). The node
-answers ALL_EXIST, PARTIAL_EXIST (the overlap), ACCEPT or REFUSED (not enough FREE blocks:
-the node never evicts for a remote; a block larger than the node's blocks; keys already
-landing). After ACCEPT/PARTIAL_EXIST it pulls into landing blocks, releases the
-writer's lease and inserts all-or-nothing: COMMITTED, or FAILED with every
-landing block freed.
-
-Stored blocks stay locked in the allocator (nothing is evictable); a lease adds
-one lock per block. With a registry (``main(registry=...)``) the node registers,
-heartbeats and advertises the keys it holds (:mod:`tiersync.net.registry.agent`);
-with ``main(kv_events=...)`` it publishes them as vLLM KV events for routers
-(:mod:`tiersync.net.kv_events`). ``on_stored`` and every :meth:`StoreNode.add_listener`
-are called with new keys before COMMITTED is answered.
-:class:`StoreNodeClient` is the other side.
+Remote READ: READ_LEASE pins every key (all-or-nothing; TTL clamped to [30, 600] s), PULL
+serves ranges of pinned blocks, RELEASE unpins and answers COMMITTED only when the lease was
+still held; expired leases are unpinned lazily. Remote WRITE ("the destination pulls"): the
+writer OFFERs keys under a lease on its own listener (``source``: its port; the node dials only
+the IP the writer's connection comes from, an OFFER naming another host is ERROR(BAD_REQUEST)).
+It answers ALL_EXIST, PARTIAL_EXIST (the overlap), ACCEPT or REFUSED (too few FREE blocks: it
+never evicts for a remote; a block too large; keys landing), pulls into landing blocks, releases
+the lease and inserts all-or-nothing: COMMITTED, or FAILED with every landing block freed (freed
+too when the reply cannot be written).
+Stored blocks stay locked; a lease adds one lock per block. ``main(registry=)`` advertises the
+keys (:mod:`~tiersync.net.registry.agent`), ``main(kv_events=)`` as vLLM KV events; listeners get
+new keys before COMMITTED. :class:`StoreNodeClient` is the other side.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -211,7 +202,7 @@ class StoreNode(BlockService):
         """
         return _guarded(self._offer(req, session.peer if session is not None else None), req.request_id)
 
-    def _offer(self, req: so.Offer, peer: str | None) -> Iterator[object]:
+    def _offer(self, req: so.Offer, peer: str | None) -> Generator[object, None, None]:
         try:
             writer = writer_address(req.source, peer)
         except BlockError as exc:
@@ -219,26 +210,36 @@ class StoreNode(BlockService):
             yield ev.Error(req.request_id, exc.code, str(exc))
             return
         reply, new, blocks = self._admit(req, writer)
-        yield reply
-        if not new:
-            return
+        landing = bool(new)  # blocks taken and keys landing, until published or freed
         try:
-            self._pull_from(writer, req.lease_id, new, blocks)
-            sums = [self._sum_stored(key, self.arena.block(b)[:size]) for (key, size), b in zip(new, blocks)]
-        except Exception as exc:  # noqa: BLE001 - any failure: free the landing blocks, answer FAILED
-            log.info("offer %d from %s failed: %s", req.request_id, writer, exc)
+            yield reply  # GeneratorExit here (the reply could not be written): freed below
+            if not new:
+                return
+            try:
+                self._pull_from(writer, req.lease_id, new, blocks)
+                sums = [self._sum_stored(key, self.arena.block(b)[:size]) for (key, size), b in zip(new, blocks)]
+            except Exception as exc:  # noqa: BLE001 - any failure: free the landing blocks, answer FAILED
+                log.info("offer %d from %s failed: %s", req.request_id, writer, exc)
+                landing = self._unland(new, blocks)
+                yield ev.CommitReply(req.request_id, ev.CommitStatus.FAILED, str(exc)[:512])
+                return
             with self._lock:
-                self.arena.free(blocks)
+                self.arena.publish(blocks, [k for k, _ in new])
+                self._index.update({k: (b, s, c) for (k, s), b, c in zip(new, blocks, sums)})
                 self._landing.difference_update(k for k, _ in new)
-            yield ev.CommitReply(req.request_id, ev.CommitStatus.FAILED, str(exc)[:512])
-            return
-        with self._lock:
-            self.arena.publish(blocks, [k for k, _ in new])
-            self._index.update({k: (b, s, c) for (k, s), b, c in zip(new, blocks, sums)})
-            self._landing.difference_update(k for k, _ in new)
+                landing = False
+        finally:
+            if landing:
+                self._unland(new, blocks)
         for listener in self._listeners:
             listener([k for k, _ in new])
         yield ev.CommitReply(req.request_id, ev.CommitStatus.COMMITTED)
+
+    def _unland(self, new: list[tuple[bytes, int]], blocks: list[int]) -> bool:
+        with self._lock:  # an OFFER's landing blocks and keys freed
+            self.arena.free(blocks)
+            self._landing.difference_update(k for k, _ in new)
+        return False  # nothing is landing any more
 
     def _sum_stored(self, key: bytes, view: memoryview) -> int:
         """A landed block's checksum; with TSUM64 its partial state is kept from the same pass,
@@ -316,13 +317,16 @@ class StoreNodeServer(TcpServer):
         super().__init__(address, node, node.config)
 
 
-def _guarded(answers: Iterator[object], request_id: int) -> Iterator[object]:
+def _guarded(answers: Generator[object, None, None], request_id: int) -> Iterator[object]:
     """An OFFER's answers; an unexpected error becomes ERROR (before the reply) or FAILED (after)."""
     sent = False
     try:
         for answer in answers:
             sent = True
             yield answer
+    except GeneratorExit:  # our answer could not be written: the offer's own cleanup runs now
+        answers.close()
+        raise
     except Exception as exc:
         log.exception("offer handler failed")
         if sent:
