@@ -2,27 +2,147 @@
 
 from __future__ import annotations
 
+import glob
+import json
+import os
+import signal
 import time
 
+import numpy as np
 import pytest
 
+from _lines import LineChild
+from _sync_helpers import digests, fsdp
 from tiersync.errors import RemoteError
+from tiersync.net.errors import RequestError
 from tiersync.net.socket_io import Deadline
+from tiersync.net.tcp import TcpTransport
+from tiersync.weights.config import PublisherConfig, ReceiverConfig, TransportKind
 from tiersync.weights.links import TrainerLinks
+from tiersync.weights.ops import WEIGHTS, Get
+from tiersync.weights.publisher import WeightPublisher
+from tiersync.weights.receiver import WeightReceiver
+from tiersync.weights.segment import SEGMENT_PREFIX
+from tiersync.weights.spans import StridedSpan
+
+TOKEN = "restart-test-token-0123456789"
 
 
 def test_a_version_superseded_while_queued_fails_at_once_instead_of_at_the_sync_deadline():
     """Shards announce in order, and a shard keeps only its last manifests: a sampler that fell
     behind and asks for a version a shard announced later ones than, but no longer has, is told
     so at once (it used to wait the whole sync timeout for each such version)."""
-    links = TrainerLinks(["127.0.0.1:1", "127.0.0.1:2"], 1.0, lambda version: None)
-    shards = links._shards  # no trainer here: stand for what two shards announced
-    for shard, versions in zip(shards, ((6, 7, 8, 9, 10), (6, 7, 8))):
-        shard.alive = True
-        shard.manifests = dict.fromkeys(versions)
+    links = _links(((6, 7, 8, 9, 10), (6, 7, 8)))
     t0 = time.monotonic()
     with pytest.raises(RemoteError, match="superseded"):
-        links.manifests(3, Deadline(30.0, "sync"))
+        links.manifests(0, 3, Deadline(30.0, "sync"))
     assert time.monotonic() - t0 < 5  # not the 30 s deadline
     with pytest.raises(Exception, match="timed out"):  # 9: shard 1 has not announced it yet, so wait
-        links.manifests(9, Deadline(0.3, "sync"))
+        links.manifests(0, 9, Deadline(0.3, "sync"))
+
+
+def _links(announced: tuple[tuple[int, ...], ...]) -> TrainerLinks:
+    links = TrainerLinks(["127.0.0.1:1", "127.0.0.1:2"], 1.0, lambda epoch, version: None)
+    for shard, versions in zip(links._shards, announced):  # no trainer here: stand for what shards announced
+        shard.alive, shard.incarnation = True, 0xA1
+        shard.manifests = dict.fromkeys(versions)
+    return links
+
+
+def test_a_version_announced_before_a_shard_restarted_fails_at_once_and_a_coming_one_is_waited_for():
+    """Once a shard came back as another process (epoch 1), a version announced in epoch 0 that
+    it lacks will never be complete: it fails at once. A version of epoch 1 that a shard still
+    down since epoch 0 lacks is waited for (that shard is coming back too), not failed because
+    its old link is down; one that a shard of epoch 1 lacks when it died again fails at once."""
+    links = _links(((5, 6), (5,)))
+    shard0, shard1 = links._shards
+    shard1.incarnation, shard1.since, shard1.manifests = 0xB2, 1, {}
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError, match="restarted"):
+        links.manifests(0, 6, Deadline(30.0, "sync"))
+    assert time.monotonic() - t0 < 5
+    shard0.alive = False  # shard 0 died too and has not registered again yet
+    shard1.manifests = dict.fromkeys((1,))
+    with pytest.raises(Exception, match="timed out"):  # not "went away": shard 0 may come back
+        links.manifests(1, 1, Deadline(0.3, "sync"))
+    shard0.since = 1  # ... and once it is back in epoch 1 but died again before announcing
+    with pytest.raises(RemoteError, match="went away"):
+        links.manifests(1, 1, Deadline(30.0, "sync"))
+
+
+class _Trainer(LineChild):
+    """A trainer shard process (``_trainer_child.py``) driven over stdin."""
+
+    def __init__(self, listen: str, seed: int, shm: bool) -> None:
+        super().__init__("_trainer_child.py", [listen, str(seed), "shm" if shm else "tcp", TOKEN], 60, stdin=True)
+        self.address = self.expect("READY").split()[1]
+
+    def command(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def publish(self, version: int) -> dict[str, int]:
+        self.command(f"publish {version}")
+        _, got, ok, blob = self.expect("PUBLISHED").split(" ", 3)
+        assert (int(got), ok) == (version, "1")
+        return {k: int(v) for k, v in json.loads(blob).items()}
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(60)
+        for path in glob.glob(f"/dev/shm/{SEGMENT_PREFIX}{self.proc.pid}-*"):  # what SIGKILL left
+            os.unlink(path)
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_a_sampler_follows_a_trainer_restarted_on_its_address_and_syncs_its_numbers_again(shm):
+    """The trainer process is SIGKILLed after version 2 and a new one (another model: a restart
+    from a checkpoint) listens on the same address. The sampler registers again by itself and
+    syncs the new process's version 1, bitwise, although it synced a version 1 before; until
+    then it keeps serving the old version 2."""
+    first = _Trainer("127.0.0.1:0", 10, shm)
+    second = None
+    rec = WeightReceiver(fsdp(1), ReceiverConfig((first.address,), token=TOKEN))
+    try:
+        first.command("wait 1")
+        first.expect("SAMPLERS")
+        first.publish(1)
+        want = first.publish(2)
+        assert rec.receive(2).result(60).version == 2
+        first.kill()
+        second = _Trainer(first.address, 500, shm)
+        second.command("wait 1")
+        second.expect("SAMPLERS")  # the sampler came back on its own
+        with rec.acquire(10) as lease:
+            assert (lease.version, digests(lease.tensors)) == (2, want)
+        want = second.publish(1)
+        result = rec.receive(1).result(60)
+        with rec.acquire(10) as lease:
+            assert (result.version, lease.version, digests(lease.tensors)) == (1, 1, want)
+        assert rec.transports() == (TransportKind.SHM if shm else TransportKind.TCP,)
+    finally:
+        rec.close()
+        for t in (first, second):
+            if t is not None and t.proc.poll() is None:
+                t.kill()
+
+
+def test_a_get_naming_another_incarnation_is_refused():
+    """A GET names the incarnation of the trainer process whose manifest the sampler read: a
+    process restarted on the same address (which numbers its versions again, with other
+    bytes) refuses it instead of serving its own bytes under the old manifest."""
+    g = {"w": np.arange(4096, dtype=np.float32)}
+    pub = WeightPublisher(g, fsdp(1), config=PublisherConfig(shm=False, token=TOKEN, publish_timeout_s=5))
+    channel = TcpTransport(ReceiverConfig((pub.address,), token=TOKEN).tcp_config(), WEIGHTS).connect(pub.address)
+    try:
+        assert pub.publish(1).result(30).ok
+        span = StridedSpan(0, 4096 * 4, (), ())
+        into = bytearray(4096 * 4)
+        channel.request(Get(channel.new_request_id(), 1, "w", (0,), span, pub.incarnation), timeout=10, into=into)
+        assert bytes(into) == g["w"].tobytes()
+        with pytest.raises(RequestError, match="restarted"):
+            channel.request(Get(channel.new_request_id(), 1, "w", (0,), span, pub.incarnation ^ 1), timeout=10)
+    finally:
+        channel.close()
+        pub.close()

@@ -10,8 +10,9 @@ single-buffer sync leaves no weights (acquire waits for the next good version).
 
 A commit may also pass *views* (zero-copy: read-only arrays over a version's shared-memory
 segment) that stand in for some of the set's own arrays. Once such a version is neither
-active nor leased, ``on_release(version)`` is called (outside the lock): from then on this
-sampler reads nothing of it, and the trainer may rewrite its segment.
+active nor leased, ``on_release(epoch, version)`` is called (outside the lock): from then on
+this sampler reads nothing of it, and the trainer may rewrite its segment (``epoch``: what the
+commit named, see :mod:`~tiersync.weights.links`).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class VersionedBuffers:
         self,
         count: int,
         allocator: Callable[[tuple[int, ...], str], np.ndarray] = allocate,
-        on_release: Callable[[int], None] | None = None,
+        on_release: Callable[[int, int], None] | None = None,
     ) -> None:
         if count not in (1, 2):
             raise UsageError("must be 1 or 2", argument="buffers", value=count)
@@ -90,8 +91,8 @@ class VersionedBuffers:
         self._cond = threading.Condition()
         self._on_release = on_release
         self._views: list[dict[str, np.ndarray]] = [{} for _ in range(count)]
-        self._held: list[int | None] = [None] * count  # version whose views set i serves
-        self._unheld: list[int] = []  # versions to report to on_release (outside the lock)
+        self._held: list[tuple[int, int] | None] = [None] * count  # (epoch, version) set i's views serve
+        self._unheld: list[tuple[int, int]] = []  # to report to on_release (outside the lock)
 
     def ensure(self, specs: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
         """Allocate the sets for ``specs`` (name -> local shape, dtype) on first use; later calls
@@ -158,16 +159,17 @@ class VersionedBuffers:
         self._fire()
         return out
 
-    def commit(self, index: int, version: int, views: Mapping[str, np.ndarray] | None = None) -> None:
+    def commit(self, index: int, version: int, views: Mapping[str, np.ndarray] | None = None, epoch: int = 0) -> None:
         """Make set ``index`` (filled by the sync) the active version, atomically. ``views``:
-        name -> array (the set's shape and dtype) read instead of the set's own array."""
+        name -> array (the set's shape and dtype) read instead of the set's own array; ``epoch``
+        is passed on to ``on_release``."""
         with self._cond:
             if self._writing != index:
                 raise UsageError("commit of a set that is not being written", argument="index", value=index)
             self._version[index] = version
             self._active, self._writing = index, None
             if views:
-                self._views[index], self._held[index] = dict(views), version
+                self._views[index], self._held[index] = dict(views), (epoch, version)
             for other in range(self._count):
                 if other != index and not self._readers[other]:
                     self._drop_views(other)
@@ -184,8 +186,8 @@ class VersionedBuffers:
         with self._cond:
             versions, self._unheld = self._unheld, []
         if self._on_release is not None:
-            for v in versions:
-                self._on_release(v)
+            for epoch, v in versions:
+                self._on_release(epoch, v)
 
     def abort(self, index: int) -> None:
         """Drop a failed sync of set ``index``; the active version (if any) stays."""

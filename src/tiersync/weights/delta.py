@@ -120,7 +120,9 @@ class DeltaState:
 
         def ask(batch: tuple[int, str, list[Job]]) -> tuple[list[Job], SumsReply]:
             origin, tensor, group = batch
-            return group, self._pool.sums(addresses[origin], version, tensor, tuple(_origin_span(j) for j in group))
+            spans = tuple(_origin_span(j) for j in group)
+            incarnation = group[0].sources[-1].incarnation  # the last source is the trainer shard itself
+            return group, self._pool.sums(addresses[origin], version, incarnation, tensor, spans)
 
         with ThreadPoolExecutor(min(16, max(1, len(batches))), thread_name_prefix="sums") as pool:
             replies = list(pool.map(ask, batches))

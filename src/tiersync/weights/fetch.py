@@ -47,12 +47,14 @@ _ROWS_IN_PLACE = 256  # a strided destination of at most this many rows is recei
 
 @dataclass(frozen=True, slots=True)
 class Source:
-    """Where one chunk can be read: ``via`` SHM (``rank`` = trainer shard) or TCP (``address``)."""
+    """Where one chunk can be read: ``via`` SHM (``rank`` = trainer shard) or TCP (``address``);
+    ``incarnation``: the trainer shard's (what its GETs name), 0 for a relay."""
 
     via: TransportKind
     span: StridedSpan
     rank: int = -1
     address: str = ""
+    incarnation: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +82,11 @@ def build_jobs(
     transports: Mapping[int, TransportKind],
     publishers: Mapping[int, str],
     peers: Mapping[int, str],
+    incarnations: Mapping[int, int],
 ) -> list[Job]:
-    """The jobs of destination ``rank``. ``transports``/``publishers``: per trainer shard, how it is
-    reached and its address; ``peers``: relay addresses of the other samplers."""
+    """The jobs of destination ``rank``. ``transports``/``publishers``/``incarnations``: per
+    trainer shard, how it is reached, its address and the incarnation its manifest names;
+    ``peers``: relay addresses of the other samplers."""
     roots: dict[tuple[str, Box], Transfer] = {}
     for t in plan.transfers:
         if t.kind is TransferKind.PUSH:
@@ -92,9 +96,9 @@ def build_jobs(
         root = roots[(t.tensor, t.global_box)]
         src = root.src_rank
         if transports[src] is TransportKind.SHM:
-            sources: tuple[Source, ...] = (Source(TransportKind.SHM, root.src_span, rank=src),)
+            sources: tuple[Source, ...] = (Source(TransportKind.SHM, root.src_span, src, "", incarnations[src]),)
         else:
-            direct = Source(TransportKind.TCP, root.src_span, address=publishers[src])
+            direct = Source(TransportKind.TCP, root.src_span, address=publishers[src], incarnation=incarnations[src])
             sources = (direct,)
             if t.kind is TransferKind.RELAY and t.src_rank in peers:
                 sources = (Source(TransportKind.TCP, t.src_span, address=peers[t.src_rank]), direct)
@@ -211,7 +215,8 @@ class TcpPool:
         def requests() -> Iterator[tuple[Get, object]]:  # staging buffers made as requests go out
             for job in jobs:
                 into, strided = _landing(bufs[job.tensor], job.dst_span)
-                get = Get(channel.new_request_id(), version, job.tensor, job.key, job.sources[0].span)
+                src = job.sources[0]
+                get = Get(channel.new_request_id(), version, job.tensor, job.key, src.span, src.incarnation)
                 of[get.request_id] = (job, strided, into)
                 yield get, into
 
@@ -229,14 +234,18 @@ class TcpPool:
         finally:
             self._give(address, channel)
 
-    def sums(self, address: str, version: int, tensor: str, spans: tuple[StridedSpan, ...]) -> SumsReply:
-        """W_SUMS to the trainer shard at ``address``: the checksums of ``spans`` of ``tensor``.
-        Raises RemoteError (refused, e.g. the shard moved on) or ProtocolError."""
+    def sums(
+        self, address: str, version: int, incarnation: int, tensor: str, spans: tuple[StridedSpan, ...]
+    ) -> SumsReply:
+        """W_SUMS to the trainer shard at ``address`` (of ``incarnation``): the checksums of
+        ``spans`` of ``tensor``. Raises RemoteError (refused, e.g. the shard moved on or
+        restarted) or ProtocolError."""
         end = time.monotonic() + self._io_s
         channel = self._take(address, end)
         try:
             reply = channel.request(
-                Sums(channel.new_request_id(), version, tensor, spans), timeout=max(0.001, end - time.monotonic())
+                Sums(channel.new_request_id(), version, tensor, spans, incarnation),
+                timeout=max(0.001, end - time.monotonic()),
             )
         except RequestError as exc:
             raise RemoteError(f"W_SUMS refused: {exc.message}", peer=address) from None

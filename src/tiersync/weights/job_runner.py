@@ -158,7 +158,7 @@ class JobRunner:
                 if src.via is TransportKind.SHM:
                     m = manifests[src.rank]
                     assert m.segment is not None  # TrainerLinks.manifests refused an SHM shard without one
-                    self._links.wait_ready(src.rank, version, job.index, deadline)
+                    self._links.wait_ready(src.rank, src.incarnation, version, job.index, deadline)
                     nbytes = int(np.prod(shard_boxes(m.specs[job.index].shape, m.source[job.index])[src.rank].shape))
                     shm_copy(
                         self._links.reader(src.rank, m.segment),
@@ -183,7 +183,8 @@ class JobRunner:
     def await_views(self, version: int, jobs: list[Job], deadline: Deadline) -> None:
         """Zero-copy jobs: wait until their tensors are written, count them as landed."""
         for job in jobs:
-            self._links.wait_ready(job.sources[0].rank, version, job.index, deadline)
+            src = job.sources[0]
+            self._links.wait_ready(src.rank, src.incarnation, version, job.index, deadline)
             self._relay.landed([job])
             with self._lock:
                 self._stats["shm"] += job.nbytes

@@ -4,6 +4,15 @@
 shard, reads their control channels (ANNOUNCE, READY) and waits on what they announced: every
 shard's manifest of a version, tensor ``i`` of it written. It sends the sampler's one-way
 answers (ACK, RELEASE) and maps the shared-memory segments it reads.
+
+A link that ends (the trainer shard died or restarted) is registered again, retrying with
+backoff until the receiver closes. Each trainer process has its own incarnation (in its
+W_WELCOME and manifests; the sampler's GETs name it, see :mod:`~tiersync.weights.ops`). A
+restarted shard reuses version numbers with other bytes, so versions are announced as
+``(epoch, version)``: the epoch counts the shards that came back as another incarnation. What
+a shard announced before it restarted is forgotten; a version announced before a shard
+restarted fails at once when that shard lacks it (its new incarnation's comes anew), and ACKs
+and RELEASEs go only to the shards that announced what they are about.
 """
 
 from __future__ import annotations
@@ -25,43 +34,33 @@ __all__ = ["ShardLink", "TrainerLinks"]
 
 log = logging.getLogger(__name__)
 
+_BACKOFF_S = (0.1, 5.0)  # first and longest wait between attempts to register again
+
 
 class ShardLink:
-    """The control channel to one trainer shard and what it announced."""
+    """The control channel to one trainer shard and what its current incarnation announced."""
 
     def __init__(self, rank: int, address: str) -> None:
         self.rank, self.address = rank, address
         self.channel: TcpChannel | None = None
         self.transport = TransportKind.TCP
+        self.incarnation = 0  # 0 until registered
+        self.since = 0  # the epoch this incarnation registered in
         self.manifests: dict[int, Manifest] = {}
         self.ready: dict[int, int] = {}
         self.alive = False
         self.readers: dict[str, SegmentReader] = {}  # segment path -> mapping (latest last)
 
-    def register(self, transport: TcpTransport, hello: Register, timeout: float) -> None:
-        """Connect, send ``hello`` (its request id is replaced) and take the W_WELCOME: the
-        transport granted. AuthError (token/TLS refused), UsageError (transport refused),
-        RemoteError (unreachable) or ProtocolError."""
-        try:
-            channel = self.channel = transport.connect(self.address)
-        except AuthError as exc:
-            raise AuthError(
-                f"trainer shard {self.rank} refused the link ({exc.message}); ReceiverConfig.token "
-                "and tls must match its PublisherConfig",
-                peer=self.address,
-            ) from None
-        hello = Register(
-            channel.new_request_id(), hello.label, hello.rank, hello.host, hello.transport, hello.relay, hello.zero_copy
-        )
-        try:
-            welcome = channel.request(hello, timeout=timeout)
-        except RequestError as exc:
-            raise UsageError(f"trainer shard {self.rank} refused: {exc.message}", argument="transport") from None
-        if not isinstance(welcome, Welcome) or welcome.source_rank != self.rank:
-            raise ProtocolError(
-                "expected W_WELCOME from this source rank", fault=ProtocolFault.UNEXPECTED, peer=self.address
-            )
-        self.transport, self.alive = welcome.transport, True
+    def adopt(self, channel: TcpChannel, welcome: Welcome, epoch: int) -> bool:
+        """Registered (again) over ``channel`` in ``epoch``; True when as a new incarnation
+        (what the one before announced is forgotten)."""
+        restarted = welcome.incarnation != self.incarnation and self.incarnation != 0
+        if welcome.incarnation != self.incarnation:
+            self.incarnation, self.since = welcome.incarnation, epoch + restarted
+            self.manifests.clear()
+            self.ready.clear()
+        self.channel, self.transport, self.alive = channel, welcome.transport, True
+        return restarted
 
     def send(self, event: object, timeout: float) -> None:
         """Send one-way message ``event`` (thread-safe); a failure is logged: the control reader
@@ -74,16 +73,47 @@ class ShardLink:
             log.log(log_level(exc), "%s to trainer shard %s failed: %s", type(event).__name__, self.rank, exc)
 
 
+def register(shard: ShardLink, transport: TcpTransport, hello: Register, timeout: float) -> tuple[TcpChannel, Welcome]:
+    """Connect to ``shard``, send ``hello`` (its request id is replaced) and take the W_WELCOME:
+    the transport granted, the incarnation. AuthError (token/TLS refused), UsageError
+    (transport refused), RemoteError (unreachable) or ProtocolError."""
+    try:
+        channel = transport.connect(shard.address)
+    except AuthError as exc:
+        raise AuthError(
+            f"trainer shard {shard.rank} refused the link ({exc.message}); ReceiverConfig.token "
+            "and tls must match its PublisherConfig",
+            peer=shard.address,
+        ) from None
+    hello = Register(
+        channel.new_request_id(), hello.label, hello.rank, hello.host, hello.transport, hello.relay, hello.zero_copy
+    )
+    try:
+        welcome = channel.request(hello, timeout=timeout)
+        if not isinstance(welcome, Welcome) or welcome.source_rank != shard.rank:
+            raise ProtocolError(
+                "expected W_WELCOME from this source rank", fault=ProtocolFault.UNEXPECTED, peer=shard.address
+            )
+    except RequestError as exc:
+        channel.close()
+        raise UsageError(f"trainer shard {shard.rank} refused: {exc.message}", argument="transport") from None
+    except BaseException:
+        channel.close()
+        raise
+    return channel, welcome
+
+
 class TrainerLinks:
     """One :class:`ShardLink` per address of ``publishers`` (index = source rank).
-    ``announced(version)`` is called (under this object's lock) for every manifest a shard
-    announces; sends time out after ``io_timeout_s``."""
+    ``announced(epoch, version)`` is called for every manifest a shard announces; sends time
+    out after ``io_timeout_s``."""
 
-    def __init__(self, publishers: list[str], io_timeout_s: float, announced: Callable[[int], None]) -> None:
+    def __init__(self, publishers: list[str], io_timeout_s: float, announced: Callable[[int, int], None]) -> None:
         self._shards = [ShardLink(r, a) for r, a in enumerate(publishers)]
         self._io_timeout, self._announced = io_timeout_s, announced
         self._cond = threading.Condition()
         self._closed = False
+        self._epoch = 0  # shards that came back as another incarnation
 
     def transports(self) -> tuple[TransportKind, ...]:
         """Per trainer shard, the transport it granted (SHM or TCP)."""
@@ -96,15 +126,43 @@ class TrainerLinks:
         return {s.rank: s.address for s in self._shards}
 
     def connect(self, transport: TcpTransport, hello: Register) -> None:
-        """Register with every trainer shard (see :meth:`ShardLink.register`), then read its control channel."""
+        """Register with every trainer shard (see :func:`register`), then follow its control channel."""
         for shard in self._shards:
-            shard.register(transport, hello, self._io_timeout)
+            channel, welcome = register(shard, transport, hello, self._io_timeout)
+            with self._cond:
+                shard.adopt(channel, welcome, self._epoch)
             name = f"ctl-{shard.rank}"
-            threading.Thread(target=self._read_control, args=(shard,), daemon=True, name=name).start()
+            threading.Thread(target=self._follow, args=(shard, transport, hello), daemon=True, name=name).start()
 
-    def _read_control(self, shard: ShardLink) -> None:
-        channel = shard.channel
-        assert channel is not None  # connect starts this reader once register connected the link
+    def _follow(self, shard: ShardLink, transport: TcpTransport, hello: Register) -> None:
+        """Read the shard's control channel; once it ends, register again (backing off) and go
+        on reading, until the links stop."""
+        wait = _BACKOFF_S[0]
+        while True:
+            channel = shard.channel
+            assert channel is not None  # adopt set it before this thread started or looped
+            self._read_control(shard, channel)
+            while True:
+                with self._cond:
+                    if self._cond.wait_for(lambda: self._closed, wait):
+                        return
+                try:
+                    got = register(shard, transport, hello, self._io_timeout)
+                except TierSyncError as exc:
+                    log.log(log_level(exc), "trainer shard %s: registering again failed: %s", shard.rank, exc)
+                    wait = min(_BACKOFF_S[1], wait * 2)
+                    continue
+                with self._cond:
+                    if self._closed:
+                        got[0].close()
+                        return
+                    self._epoch += shard.adopt(*got, self._epoch)
+                    self._cond.notify_all()
+                log.info("trainer shard %s registered again (incarnation %x)", shard.rank, shard.incarnation)
+                wait = _BACKOFF_S[0]
+                break
+
+    def _read_control(self, shard: ShardLink, channel: TcpChannel) -> None:
         try:
             while True:
                 event = channel.receive()
@@ -129,30 +187,29 @@ class TrainerLinks:
             self._cond.notify_all()
 
     def _announce(self, shard: ShardLink, m: Manifest) -> None:
-        if m.source_rank != shard.rank:
-            raise ProtocolError("manifest of another source rank", fault=ProtocolFault.MALFORMED, peer=shard.address)
+        if m.source_rank != shard.rank or m.incarnation != shard.incarnation:
+            raise ProtocolError(
+                "manifest of another source rank or incarnation", fault=ProtocolFault.MALFORMED, peer=shard.address
+            )
         with self._cond:
             shard.manifests[m.version] = m
             for old in [v for v in shard.manifests if v < m.version - 4]:
                 shard.manifests.pop(old, None)
                 shard.ready.pop(old, None)
             self._cond.notify_all()
+            epoch = self._epoch
         # outside the links' lock: the version queue's lock is held while futures' callbacks run,
         # and a callback may close the receiver (which takes this lock): no lock-order inversion.
         # One reader thread per shard calls this, so each shard's versions queue in order.
-        self._announced(m.version)
+        self._announced(epoch, m.version)
 
-    def manifests(self, version: int, deadline: Deadline) -> list[Manifest]:
-        """Every shard's manifest of ``version`` (by source rank), once all announced it; the
-        segments of the shared-memory ones mapped."""
+    def manifests(self, epoch: int, version: int, deadline: Deadline) -> list[Manifest]:
+        """Every shard's manifest of ``version`` announced in ``epoch`` (by source rank), once all
+        announced it; the segments of the shared-memory ones mapped. A shard that is down while
+        others came back as new incarnations is waited for (until ``deadline``)."""
         with self._cond:
             while not all(version in s.manifests for s in self._shards):
-                if any(not s.alive for s in self._shards if version not in s.manifests) or self._closed:
-                    raise RemoteError("a trainer shard went away before announcing", version=version)
-                if any(version not in s.manifests and max(s.manifests, default=-1) > version for s in self._shards):
-                    # shards announce in order: a later version without this one means its
-                    # manifest was dropped (more than 4 behind) and will never come
-                    raise RemoteError("superseded: a trainer shard announced later versions only", version=version)
+                self._check_coming(epoch, version)
                 self._cond.wait(deadline.remaining())
             manifests = [s.manifests[version] for s in self._shards]
         if any(not m.same_model(manifests[0]) or m.source_ranks != len(self._shards) for m in manifests):
@@ -165,6 +222,21 @@ class TrainerLinks:
                     s.readers.pop(old).close()
         return manifests
 
+    def _check_coming(self, epoch: int, version: int) -> None:
+        """RemoteError unless every shard that lacks ``version`` may still announce it as the
+        version announced in ``epoch`` (under the lock)."""
+        if self._closed:
+            raise RemoteError("receiver closed", version=version)
+        for s in self._shards:
+            if version in s.manifests:
+                continue
+            if s.since > epoch or (not s.alive and s.since == epoch):  # restarted since, or died
+                raise RemoteError("a trainer shard went away (or restarted) before announcing", version=version)
+            if s.alive and max(s.manifests, default=-1) > version:  # a dead one is coming back as another
+                # shards announce in order: a later version without this one means its
+                # manifest was dropped (more than 4 behind) and will never come
+                raise RemoteError("superseded: a trainer shard announced later versions only", version=version)
+
     def readers(self, manifests: list[Manifest]) -> dict[int, SegmentReader]:
         """Source rank -> the mapped segment of its manifest, for the shared-memory shards."""
         return {
@@ -176,26 +248,31 @@ class TrainerLinks:
     def reader(self, rank: int, segment: str) -> SegmentReader:
         return self._shards[rank].readers[segment]
 
-    def wait_ready(self, rank: int, version: int, index: int, deadline: Deadline) -> None:
-        """Block until shard ``rank`` wrote tensor ``index`` of ``version``."""
+    def wait_ready(self, rank: int, incarnation: int, version: int, index: int, deadline: Deadline) -> None:
+        """Block until shard ``rank`` (still ``incarnation``) wrote tensor ``index`` of ``version``."""
         shard = self._shards[rank]
         with self._cond:
-            while shard.ready.get(version, 0) <= index:
-                if not shard.alive or self._closed:
+            while shard.ready.get(version, 0) <= index or shard.incarnation != incarnation:
+                if not shard.alive or self._closed or shard.incarnation != incarnation:
                     raise RemoteError("trainer shard went away mid-version", peer=shard.address, version=version)
                 self._cond.wait(deadline.remaining())
 
-    def release(self, version: int) -> None:
-        """Tell every shared-memory shard this sampler no longer reads ``version``."""
-        for s in self._shards:
-            if s.alive and s.transport is TransportKind.SHM:
+    def release(self, epoch: int, version: int) -> None:
+        """Tell every shared-memory shard not restarted since ``epoch`` this sampler no longer
+        reads ``version``."""
+        for s in self._live(epoch):
+            if s.transport is TransportKind.SHM:
                 s.send(Release(version), self._io_timeout)
 
-    def answer(self, ack: Ack) -> None:
-        """Send ``ack`` to every shard that announced its version."""
-        for s in self._shards:
-            if s.alive and ack.version in s.manifests:
+    def answer(self, epoch: int, ack: Ack) -> None:
+        """Send ``ack`` to every shard not restarted since ``epoch`` that announced its version."""
+        for s in self._live(epoch):
+            if ack.version in s.manifests:
                 s.send(ack, self._io_timeout)
+
+    def _live(self, epoch: int) -> list[ShardLink]:
+        with self._cond:
+            return [s for s in self._shards if s.alive and s.since <= epoch]
 
     def stop(self) -> None:
         """Wake every wait: they fail from now on."""

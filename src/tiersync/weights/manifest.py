@@ -64,7 +64,9 @@ class Manifest:
     source sharding. ``offsets[i]``: its local shard's file offset in ``segment`` (None: no
     segment, TCP only); ``payload_bytes``: the segment's payload size. ``host``: the trainer's
     :func:`host_id`. ``peers``: destination rank -> relay address of one registered sampler of that rank
-    (several engines' samplers share ranks).
+    (several engines' samplers share ranks). ``incarnation``: the publishing process's random id
+    (a trainer restarted on the same address republishes version numbers with other bytes: its
+    GETs carry the incarnation they read, and another process refuses them).
     """
 
     version: int
@@ -79,6 +81,7 @@ class Manifest:
     host: str
     options: PlanOptions
     peers: dict[int, str]
+    incarnation: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -94,6 +97,7 @@ class Manifest:
             "fanout": self.options.fanout,
             "segment_bytes": self.options.segment_bytes,
             "peers": {str(k): v for k, v in self.peers.items()},
+            "incarnation": self.incarnation,
         }
 
     @classmethod
@@ -114,6 +118,7 @@ class Manifest:
                 host=str(obj["host"]),
                 options=PlanOptions(int(obj["fanout"]), obj["segment_bytes"]),
                 peers={int(k): str(v) for k, v in obj["peers"].items()},
+                incarnation=_u64(obj["incarnation"]),
             )
         except ProtocolError:
             raise
@@ -133,6 +138,12 @@ class Manifest:
             other.options,
             other.source_ranks,
         )
+
+
+def _u64(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+        raise ValueError(f"not a u64: {value!r}")
+    return value
 
 
 def destination_layout(destination: Sharding | Mapping[str, Sharding], m: Manifest) -> Mapping[str, Sharding]:

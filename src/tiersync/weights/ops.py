@@ -3,7 +3,7 @@
 A sampler opens a control connection to every trainer shard (:class:`~tiersync.weights.
 publisher.WeightPublisher`) and registers; the shard then pushes each version to it::
 
-    W_REGISTER{label, rank, host, transport, relay, zero_copy} -> W_WELCOME{transport, source_rank}
+    W_REGISTER{label, rank, host, transport, relay, zero_copy} -> W_WELCOME{transport, source_rank, inc}
                                                                   (or ERROR: refused)
     <- W_ANNOUNCE{manifest}     one-way: version v is being written (JSON, bounded)
     <- W_READY{v, count}        one-way: the first ``count`` tensors of v are complete (to
@@ -13,9 +13,13 @@ publisher.WeightPublisher`) and registers; the shard then pushes each version to
 
 Data connections (to a trainer shard, or to a relaying sampler) only ask for spans::
 
-    W_GET{v, tensor, key, span} -> DATA (the span's bytes in C order) or ERROR
-    W_SUMS{v, tensor, spans} -> W_SUMS_REPLY{algo, sums}   (trainer shards only: the payload
-                                checksum of each span of v; what delta syncs compare)
+    W_GET{v, inc, tensor, key, span} -> DATA (the span's bytes in C order) or ERROR
+    W_SUMS{v, inc, tensor, spans} -> W_SUMS_REPLY{algo, sums}   (trainer shards only: the
+                                payload checksum of each span of v; what delta syncs compare)
+
+``inc``: the incarnation of the trainer shard whose manifest the sampler read; a trainer shard
+restarted on the same address (another incarnation, version numbers reused with other bytes)
+refuses it.
 
 Every frame is checksummed and bounded by the stack (token, TLS and deadlines:
 ``PublisherConfig.tcp_config`` / ``ReceiverConfig.tcp_config``); each field is validated on
@@ -120,25 +124,27 @@ class Register:
 
 @dataclass(frozen=True, slots=True)
 class Welcome:
-    """Answer to W_REGISTER: accepted as source rank ``source_rank``, bytes via ``transport``."""
+    """Answer to W_REGISTER: accepted as source rank ``source_rank``, bytes via ``transport``,
+    by the trainer process ``incarnation`` (what its manifests name)."""
 
     OP: ClassVar[WeightsOp] = WeightsOp.W_WELCOME
     request_id: int
     transport: TransportKind
     source_rank: int
+    incarnation: int = 0
 
     def __post_init__(self) -> None:
-        check_u64("request_id", self.request_id)
-        check_u64("source_rank", self.source_rank)
+        for name in ("request_id", "source_rank", "incarnation"):
+            check_u64(name, getattr(self, name))
         if self.transport not in (TransportKind.SHM, TransportKind.TCP):
             raise UsageError("must be SHM or TCP", argument="transport", value=self.transport)
 
     def meta(self) -> bytes:
-        return MetaWriter().text(self.transport.value).u64(self.source_rank).getvalue()
+        return MetaWriter().text(self.transport.value).u64(self.source_rank).u64(self.incarnation).getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Welcome:
-        return cls(rid, TransportKind(r.text(cfg.max_string)), r.u64())
+        return cls(rid, TransportKind(r.text(cfg.max_string)), r.u64(), r.u64())
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +239,9 @@ class Release:
 @dataclass(frozen=True, slots=True)
 class Get:
     """The bytes of ``span`` (of this holder's local shard of ``tensor``, version ``version``)
-    in C order; ``key``: the chunk's global box start (what a relay looks it up by)."""
+    in C order; ``key``: the chunk's global box start (what a relay looks it up by);
+    ``incarnation``: the trainer shard's, from the manifest the sampler read (a trainer shard
+    refuses another one's; a relay ignores it)."""
 
     OP: ClassVar[WeightsOp] = WeightsOp.W_GET
     request_id: int
@@ -241,9 +249,10 @@ class Get:
     tensor: str
     key: tuple[int, ...]
     span: StridedSpan
+    incarnation: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("request_id", "version"):
+        for name in ("request_id", "version", "incarnation"):
             check_u64(name, getattr(self, name))
         check_text("tensor", self.tensor)
         check_u64s("key", self.key)
@@ -252,12 +261,13 @@ class Get:
         _check_span(self.span)
 
     def meta(self) -> bytes:
-        return _write_span(MetaWriter().u64(self.version).text(self.tensor).u64s(self.key), self.span).getvalue()
+        w = MetaWriter().u64(self.version).u64(self.incarnation).text(self.tensor).u64s(self.key)
+        return _write_span(w, self.span).getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Get:
-        version, tensor, key = r.u64(), r.text(cfg.max_string), r.u64s(_MAX_DIMS)
-        return cls(rid, version, tensor, key, _read_span(r))
+        version, incarnation, tensor, key = r.u64(), r.u64(), r.text(cfg.max_string), r.u64s(_MAX_DIMS)
+        return cls(rid, version, tensor, key, _read_span(r), incarnation)
 
 
 _MAX_RELAY = 255
@@ -286,16 +296,18 @@ def _read_span(r: MetaReader) -> StridedSpan:
 @dataclass(frozen=True, slots=True)
 class Sums:
     """Sampler -> trainer shard: the payload checksums of ``spans`` of its local shard of
-    ``tensor``, version ``version`` (answered once that tensor is written)."""
+    ``tensor``, version ``version`` (answered once that tensor is written); ``incarnation`` as
+    in :class:`Get`."""
 
     OP: ClassVar[WeightsOp] = WeightsOp.W_SUMS
     request_id: int
     version: int
     tensor: str
     spans: tuple[StridedSpan, ...]
+    incarnation: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("request_id", "version"):
+        for name in ("request_id", "version", "incarnation"):
             check_u64(name, getattr(self, name))
         check_text("tensor", self.tensor)
         if not isinstance(self.spans, tuple) or not 0 < len(self.spans) <= _MAX_SPANS:
@@ -304,17 +316,17 @@ class Sums:
             _check_span(s)
 
     def meta(self) -> bytes:
-        w = MetaWriter().u64(self.version).text(self.tensor).u32(len(self.spans))
+        w = MetaWriter().u64(self.version).u64(self.incarnation).text(self.tensor).u32(len(self.spans))
         for s in self.spans:
             _write_span(w, s)
         return w.getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> Sums:
-        version, tensor, n = r.u64(), r.text(cfg.max_string), r.u32()
+        version, incarnation, tensor, n = r.u64(), r.u64(), r.text(cfg.max_string), r.u32()
         if not 0 < n <= _MAX_SPANS:
             raise ValueError(f"a W_SUMS names 1..{_MAX_SPANS} spans, not {n}")
-        return cls(rid, version, tensor, tuple(_read_span(r) for _ in range(n)))
+        return cls(rid, version, tensor, tuple(_read_span(r) for _ in range(n)), incarnation)
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,8 @@ class WeightPublisher:
         self._offsets, payload = tensor_offsets(self._local)
         self.nbytes = sum(self._local)
         self._host = host_id()
+        self.incarnation = secrets.randbits(63) + 1
+        """This publisher's random id, in every manifest: GETs naming another are refused."""
         self._payload = payload
         self._pool: SegmentPool | None = None
         if self.config.shm:
@@ -83,7 +85,9 @@ class WeightPublisher:
         self._cond = threading.Condition()  # the buffer's, the registry's and the pool's lock
         index = {n: i for i, n in enumerate(self._names)}
         self._buffer = PublishBuffer(self._cond, self._pool, index, self._offsets, self._local, payload)
-        self._registry = SamplerRegistry(self._cond, self._pool, self._host, rank, self.config.io_timeout_s)
+        self._registry = SamplerRegistry(
+            self._cond, self._pool, self._host, rank, self.config.io_timeout_s, self.incarnation
+        )
         self._last_version: int | None = None
         self._closed = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"publish-{rank}")
@@ -95,6 +99,7 @@ class WeightPublisher:
             summer=self._buffer.span_sum,
             pinned=True,  # a version is written over once every sampler acknowledged it, timed out or left
             serving=self._buffer.serving,
+            incarnation=self.incarnation,
         )
         self._server = TcpServer(self.config.listen, service, self.config.tcp_config(f"weights-publisher-{rank}"))
 
@@ -193,6 +198,7 @@ class WeightPublisher:
             self._host,
             opts,
             {s.rank: s.relay for s in targets if s.relay},
+            self.incarnation,
         )
 
     def close(self) -> None:

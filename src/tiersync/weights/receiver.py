@@ -81,6 +81,7 @@ class WeightReceiver:
         self.config, self._destination = config, destination
         self._buffers = VersionedBuffers(config.buffers, allocator or allocate, on_release=self._released)
         self._versions = VersionQueue()
+        self._synced: tuple[tuple[int, tuple[int, ...]], ReceiveResult] | None = None  # (version, incarnations)
         self._links = TrainerLinks(list(config.publishers), config.io_timeout_s, self._versions.announced)
         self._relay = RelayChunks()
         tcp = config.tcp_config()
@@ -134,21 +135,25 @@ class WeightReceiver:
     # -- one version -----------------------------------------------------------
     def _sync_loop(self) -> None:
         while True:
-            version = self._versions.next()
-            if version is None:
+            got = self._versions.next()
+            if got is None:
                 return
+            epoch, version = got
             t0 = time.perf_counter()
             try:
-                result = self._sync(version, t0)
+                result = self._sync(epoch, version, t0)
             except BaseException as exc:  # noqa: BLE001 - reported to the trainer and the waiters
                 log.info("sync of version %s failed: %s", version, exc)
-                self._finish(version, None, exc, time.perf_counter() - t0)
+                self._finish(epoch, version, None, exc, time.perf_counter() - t0)
             else:
-                self._finish(version, result, None, result.seconds)
+                self._finish(epoch, version, result, None, result.seconds)
 
-    def _sync(self, version: int, t0: float) -> ReceiveResult:
+    def _sync(self, epoch: int, version: int, t0: float) -> ReceiveResult:
         deadline = Deadline(self.config.sync_timeout_s, "sync")
-        manifests = self._links.manifests(version, deadline)
+        manifests = self._links.manifests(epoch, version, deadline)
+        key = (version, tuple(m.incarnation for m in manifests))
+        if self._synced is not None and self._synced[0] == key and self._buffers.version == version:
+            return self._synced[1]  # announced again by a shard that came back before it was synced
         jobs, local = self._jobs(manifests)
         readers = self._links.readers(manifests)
         views = zero_copy_views(jobs, manifests, readers, local) if self.config.zero_copy else {}
@@ -160,18 +165,20 @@ class WeightReceiver:
             self._runner.await_views(version, [j for j in jobs if j.tensor in views], deadline)
             if any(not r.still_version(version) for r in readers.values()):
                 raise IntegrityError("the trainer moved on while this sampler was reading", version=version)
-            self._buffers.commit(index, version, views)
+            self._buffers.commit(index, version, views, epoch)
         except BaseException:
             self._relay.drop()
             self._buffers.abort(index)
-            self._released(version)
+            self._released(epoch, version)
             raise
         if not views:
-            self._released(version)
+            self._released(epoch, version)
         nbytes = sum(j.nbytes for j in jobs)
-        return ReceiveResult(
+        result = ReceiveResult(
             version, nbytes, time.perf_counter() - t0, self.transports(), landing.moved, landing.copied
         )
+        self._synced = (key, result)
+        return result
 
     def _jobs(self, manifests: list[Manifest]) -> tuple[list[Job], dict[str, tuple[tuple[int, ...], str]]]:
         """This rank's jobs of the version of ``manifests`` and its local (shape, dtype) per
@@ -184,8 +191,15 @@ class WeightReceiver:
         local = {n: shard_boxes(s.shape, plan.destination[n])[self.config.rank].shape for n, s in specs.items()}
         self._buffers.ensure({n: (local[n], specs[n].dtype) for n in m0.names})
         peers = {r: a for r, a in m0.peers.items() if r != self.config.rank}
+        incarnations = {m.source_rank: m.incarnation for m in manifests}
         jobs = build_jobs(
-            plan, self.config.rank, m0.index(), self._links.transport_map(), self._links.addresses(), peers
+            plan,
+            self.config.rank,
+            m0.index(),
+            self._links.transport_map(),
+            self._links.addresses(),
+            peers,
+            incarnations,
         )
         return jobs, {n: (local[n], specs[n].dtype) for n in m0.names}
 
@@ -245,12 +259,20 @@ class WeightReceiver:
             self._runner.run(version, [direct(j) for j in bad], manifests, bufs, deadline)
         return bad
 
-    def _released(self, version: int) -> None:
-        """Tell every trainer shard this sampler no longer reads ``version`` (zero-copy only)."""
+    def _released(self, epoch: int, version: int) -> None:
+        """Tell the trainer shards that announced ``version`` in ``epoch`` (not restarted since)
+        this sampler no longer reads it (zero-copy only)."""
         if self.config.zero_copy:
-            self._links.release(version)
+            self._links.release(epoch, version)
 
-    def _finish(self, version: int, result: ReceiveResult | None, error: BaseException | None, seconds: float) -> None:
+    def _finish(
+        self,
+        epoch: int,
+        version: int,
+        result: ReceiveResult | None,
+        error: BaseException | None,
+        seconds: float,
+    ) -> None:
         ack = Ack(
             version,
             error is None,
@@ -258,7 +280,7 @@ class WeightReceiver:
             "" if error is None else str(error)[:512],
             0 if result is None else result.moved,
         )
-        self._links.answer(ack)
+        self._links.answer(epoch, ack)
         self._versions.settle(version, result, error)
 
     def close(self) -> None:

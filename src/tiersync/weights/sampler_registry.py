@@ -53,9 +53,16 @@ class SamplerRegistry:
     out after ``io_timeout_s``."""
 
     def __init__(
-        self, cond: threading.Condition, pool: SegmentPool | None, host: str, rank: int, io_timeout_s: float
+        self,
+        cond: threading.Condition,
+        pool: SegmentPool | None,
+        host: str,
+        rank: int,
+        io_timeout_s: float,
+        incarnation: int = 0,
     ) -> None:
         self._cond, self._pool, self._host, self._rank = cond, pool, host, rank
+        self._incarnation = incarnation
         self._io_timeout = io_timeout_s
         self._samplers: dict[tuple[str, int], Sampler] = {}  # by (label, rank): engines share ranks
         self._by_session: dict[int, Sampler] = {}
@@ -142,7 +149,7 @@ class SamplerRegistry:
             )
             return
         got = TransportKind.SHM if shm_ok and hello.transport is not TransportKind.TCP else TransportKind.TCP
-        yield Welcome(hello.request_id, got, self._rank)
+        yield Welcome(hello.request_id, got, self._rank, self._incarnation)
         zc = got is TransportKind.SHM and hello.zero_copy
         s = Sampler(hello.label, hello.rank, session, got, hello.relay, zc=zc)
         with self._cond:

@@ -137,7 +137,8 @@ class SpanService(Service):
     BAD_CHECKSUM), so DATA of views of them is :attr:`~tiersync.net.events.Data.pinned` (no
     copy into the kernel on plain TCP). ``serving(version)``: whether the provider still serves
     ``version``; a GET is refused when it no longer does once its checksum was taken (from
-    bytes the next version may have begun to overwrite)."""
+    bytes the next version may have begun to overwrite). ``incarnation``: a trainer shard's;
+    a GET or W_SUMS naming another is refused (None: a relay, which serves any)."""
 
     vocabulary = WEIGHTS
 
@@ -150,13 +151,17 @@ class SpanService(Service):
         summer: Summer | None = None,
         pinned: bool = False,
         serving: Callable[[int], bool] | None = None,
+        incarnation: int | None = None,
     ) -> None:
-        self._provider, self._timeout = provider, timeout_s
+        self._provider, self._timeout, self._incarnation = provider, timeout_s, incarnation
         self._control, self._ended, self._summer = control, ended, summer
         self._pinned, self._serving = pinned, serving
         self._sums = _Sums()
 
     def handle(self, session: Session, event: object) -> Iterable[object]:
+        if isinstance(event, (Get, Sums)) and self._incarnation not in (None, event.incarnation):
+            text = f"this trainer shard restarted: incarnation {self._incarnation:x}, not {event.incarnation:x}"
+            return [ev.Error(event.request_id, ev.ErrorCode.NOT_FOUND, text)]
         if isinstance(event, Get):
             return self._get(event)
         if isinstance(event, Sums) and self._control is not None:  # trainer shards only

@@ -3,6 +3,10 @@
 :class:`VersionQueue` hands the sync loop each announced version once; :meth:`VersionQueue.receive`
 is :meth:`~tiersync.weights.receiver.WeightReceiver.receive`: a future resolved once that
 version or a later one is active, failed when that version's sync failed (or the receiver closed).
+A version is ``(epoch, version)`` (:mod:`~tiersync.weights.links`: the epoch grows when a trainer
+shard comes back as another process): a restarted trainer announces numbers again, and each is
+synced; once one is announced, :meth:`VersionQueue.receive` compares numbers with the new
+numbering only (the failures and the active version of the one before are forgotten).
 """
 
 from __future__ import annotations
@@ -20,28 +24,34 @@ __all__ = ["VersionQueue"]
 KEPT_FAILURES = 64  # failed versions remembered for receive(); an older one waits for a later version
 KEPT_QUEUED = 4096  # announced versions remembered so a version is synced once (any shard may announce it)
 
+Version = tuple[int, int]  # (epoch, version number)
+
 
 class VersionQueue:
     """The versions announced, synced and failed, and who waits on which."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()  # a future's callback may call receive()
-        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._queued: set[int] = set()
+        self._queue: queue.SimpleQueue[Version | None] = queue.SimpleQueue()
+        self._queued: dict[Version, None] = {}  # in announce order
+        self._epoch = 0  # of the latest version announced
         self._waiters: dict[int, list[Future[ReceiveResult]]] = {}
         self._failed: dict[int, BaseException] = {}
         self._last: ReceiveResult | None = None
         self._closed = False
 
-    def announced(self, version: int) -> None:
-        """A trainer shard announced ``version``: queue it for the sync loop (once)."""
+    def announced(self, epoch: int, version: int) -> None:
+        """A trainer shard announced ``version`` in ``epoch``: queue it for the sync loop (once)."""
         with self._lock:
-            if version not in self._queued:
-                self._queued.add(version)
-                self._queue.put(version)
+            if (epoch, version) not in self._queued:
+                if epoch != self._epoch:  # another numbering: its failures and its last version
+                    self._failed.clear()
+                    self._last, self._epoch = None, epoch
+                self._queued[(epoch, version)] = None
+                self._queue.put((epoch, version))
 
-    def next(self) -> int | None:
-        """The next version to sync (blocking); None once stopped."""
+    def next(self) -> Version | None:
+        """The next (epoch, version) to sync (blocking); None once stopped."""
         version = self._queue.get()
         return None if version is None or self._closed else version
 
@@ -75,7 +85,7 @@ class VersionQueue:
                     del self._failed[min(self._failed)]
                 done = self._waiters.pop(version, [])
             if len(self._queued) > 2 * KEPT_QUEUED:  # forget all but the latest announced
-                self._queued = set(sorted(self._queued)[-KEPT_QUEUED:])
+                self._queued = dict.fromkeys(list(self._queued)[-KEPT_QUEUED:])
         for f in done:  # outside the lock: a callback may call receive() or close() the receiver
             if result is not None:
                 f.set_result(result)
