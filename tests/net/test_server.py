@@ -7,6 +7,7 @@ RSS and descriptors through /proc.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import resource
@@ -222,6 +223,61 @@ def test_accept_out_of_descriptors_backs_off_and_recovers():
         assert _read_block(address, b"E" * 16, len(data)) == data
         assert proc.poll() is None
     finally:
+        _stop(proc)
+
+
+def test_a_session_open_before_the_descriptors_ran_out_is_still_answered():
+    """The node's native writes hold the socket by a duplicate descriptor; with none left (a
+    flood of plain connections filled the table) an answer used to end the session (and its
+    leases) with EMFILE. It now goes out by the socket's own number: the reader open before
+    the flood pulls its leased block during the flood, byte-exact."""
+    proc, address = _start(cap=10_000, nofile=48)
+    host, port = address.rsplit(":", 1)
+    data = os.urandom(64 << 10)
+    try:
+        _write_block(address, b"F" * 16, data)
+        channel = TcpTransport(TcpConfig(token=TOKEN)).connect(address)
+        lease = channel.request(so.ReadLease(channel.new_request_id(), (b"F" * 16,)))
+        got = bytearray(len(data))
+        channel.request(so.Pull(channel.new_request_id(), lease.lease_id, b"F" * 16, 0, len(data)), into=got)
+        socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(120)]  # past 48 fds
+        assert _until(lambda: _fds(proc.pid) >= 46, 10)
+        got = bytearray(len(data))
+        pull = so.Pull(channel.new_request_id(), lease.lease_id, b"F" * 16, 0, len(data))
+        channel.request(pull, into=got, timeout=10)
+        assert got == data
+        for s in socks:
+            s.close()
+        channel.close()
+    finally:
+        _stop(proc)
+
+
+def test_a_reader_with_no_descriptor_left_still_reads_and_writes():
+    """The reader's own process is out of descriptors (its native calls cannot hold the socket
+    by a duplicate): its requests and the DATA it reads go by the socket's own number, byte-exact."""
+    proc, address = _start(cap=100)
+    data = os.urandom(256 << 10)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    spare: list[int] = []
+    try:
+        _write_block(address, b"G" * 16, data)
+        channel = TcpTransport(TcpConfig(token=TOKEN)).connect(address)
+        lease = channel.request(so.ReadLease(channel.new_request_id(), (b"G" * 16,)))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64, hard))
+        with contextlib.suppress(OSError):
+            while len(spare) < 4096:
+                spare.append(os.dup(0))
+        got = bytearray(len(data))
+        view = memoryview(got)
+        items = [(b"G" * 16, off, view[off : off + (64 << 10)]) for off in range(0, len(data), 64 << 10)]
+        channel.pull_many(lease.lease_id, items, window=4, timeout=10)
+        assert got == data
+        channel.close()
+    finally:
+        for fd in spare:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         _stop(proc)
 
 

@@ -7,6 +7,7 @@ blocking call, and socket errors become the RemoteError family, naming the peer.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import select
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _IOV_MAX = 1024
 _DEADLINE = -1  # _wire.send_all's err when the time ran out
+_NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)  # the native calls could not hold the socket's descriptor
 _PINNED = 64 << 10  # pinned buffers of at least this many bytes go by reference (smaller: copied)
 _PIECE = 4 << 20  # most bytes one recv lands in a payload before the checksum reads them
 _SLACK = 0.05  # re-arm a kernel timeout once it is off by more than this share of what is left
@@ -82,10 +84,12 @@ def write_nonblocking(
     AuthError (TLS)."""
     tls = isinstance(sock, ssl.SSLSocket)
     if _wire is not None and not tls:
-        _send_native(sock, list(bufs), deadline, _PINNED if pinned else 0)
+        left = _send_native(sock, list(bufs), deadline, _PINNED if pinned else 0)
         if pinned:
             _note_copies()
-        return
+        if left is None:
+            return
+        bufs = left  # no descriptor to hold: the rest goes by the socket's own number
     views = [memoryview(b).cast("B") for b in bufs if len(b)]
     with io_errors(deadline.peer):
         while views:
@@ -98,15 +102,21 @@ def write_nonblocking(
                     deadline.remaining()  # raises once the deadline passed
 
 
-def _send_native(sock: socket.socket, bufs: list[bytes | memoryview], deadline: Deadline, pinned: int = 0) -> None:
-    """:func:`write_nonblocking` in one GIL-free call per deadline check (plain sockets)."""
+def _send_native(
+    sock: socket.socket, bufs: list[bytes | memoryview], deadline: Deadline, pinned: int = 0
+) -> list[bytes | memoryview] | None:
+    """:func:`write_nonblocking` in one GIL-free call per deadline check (plain sockets); None
+    once sent, or what is left when the process has no descriptor to hold the socket by (the
+    call's first step: a flood of connections must not end the sessions already open)."""
     while True:
         try:
             sent, err = _wire.send_all(sock, bufs, deadline.remaining(), pinned)  # its number read by the call
         except OSError as exc:  # the socket was closed (EBADF) or no descriptor is left (EMFILE)
+            if exc.errno in _NO_DESCRIPTOR:
+                return bufs
             _raise_io(exc, deadline.peer)
         if not err:
-            return
+            return None
         if err != _DEADLINE:  # a TCP ETIMEDOUT is the peer's failure, not our deadline
             _raise_io(OSError(err, os.strerror(err)), deadline.peer)
         rest: list[bytes | memoryview] = [*consume(byte_views(bufs), sent)]  # the deadline decides next turn
@@ -215,7 +225,10 @@ class FramedSocket:
     def send_buffers(self, bufs: Sequence[bytes | memoryview], deadline: Deadline) -> None:
         """Write encoded frames (``Connection.send`` output, possibly several concatenated)."""
         if _wire is not None and not self._tls:  # MSG_DONTWAIT and poll: no kernel timeout to arm
-            return _send_native(self.sock, list(bufs), deadline)
+            left = _send_native(self.sock, list(bufs), deadline)
+            if left is None:
+                return
+            bufs = left  # no descriptor to hold: the rest by the socket's own number
         views = cast("list[memoryview]", [b for b in bufs if len(b)])  # headers are bytes: consume slices them alike
         try:
             while views:
@@ -272,6 +285,10 @@ class FramedSocket:
                     )
                 except (BlockingIOError, InterruptedError):
                     continue
+                except OSError as exc:
+                    if exc.errno in _NO_DESCRIPTOR:  # nothing read: the parser reads by the socket's number
+                        break
+                    raise
                 out += [conn.data_fast_received(rid, value) for rid, value in zip(rids, sums)]
                 if done < len(dests) and not err:
                     conn.scatter_received(self._hview, n)  # n == 0: end of stream
