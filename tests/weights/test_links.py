@@ -24,6 +24,7 @@ from tiersync.weights.publisher import WeightPublisher
 from tiersync.weights.receiver import WeightReceiver
 from tiersync.weights.segment import SEGMENT_PREFIX
 from tiersync.weights.spans import StridedSpan
+from tiersync.weights.version_queue import Announced
 
 TOKEN = "restart-test-token-0123456789"
 
@@ -35,46 +36,56 @@ def test_a_version_superseded_while_queued_fails_at_once_instead_of_at_the_sync_
     links = _links(((6, 7, 8, 9, 10), (6, 7, 8)))
     t0 = time.monotonic()
     with pytest.raises(RemoteError, match="superseded"):
-        links.manifests(0, 3, Deadline(30.0, "sync"))
+        links.manifests(_now(links, 3), Deadline(30.0, "sync"))
     assert time.monotonic() - t0 < 5  # not the 30 s deadline
     with pytest.raises(Exception, match="timed out"):  # 9: shard 1 has not announced it yet, so wait
-        links.manifests(0, 9, Deadline(0.3, "sync"))
+        links.manifests(_now(links, 9), Deadline(0.3, "sync"))
 
 
 def _links(announced: tuple[tuple[int, ...], ...]) -> TrainerLinks:
-    links = TrainerLinks(["127.0.0.1:1", "127.0.0.1:2"], 1.0, lambda epoch, version: None)
+    links = TrainerLinks(["127.0.0.1:1", "127.0.0.1:2"], 1.0, lambda got: None)
     for shard, versions in zip(links._shards, announced):  # no trainer here: stand for what shards announced
-        shard.alive, shard.incarnation = True, 0xA1
+        shard.alive, shard.incarnation, shard.registration = True, 0xA1, 1
         shard.manifests = dict.fromkeys(versions)
     return links
 
 
-def test_a_version_announced_before_a_shard_restarted_fails_at_once_and_a_coming_one_is_waited_for():
-    """Once a shard came back as another process (epoch 1), a version announced in epoch 0 that
-    it lacks will never be complete: it fails at once. A version of epoch 1 that a shard still
-    down since epoch 0 lacks is waited for (that shard is coming back too), not failed because
-    its old link is down; one that a shard of epoch 1 lacks when it died again fails at once."""
+def _now(links: TrainerLinks, version: int) -> Announced:
+    """``version`` as announced with the shards as they are now."""
+    return Announced(version, 0, tuple(s.state() for s in links._shards))
+
+
+def test_a_shard_up_when_a_version_was_announced_fails_it_once_gone_and_a_shard_down_is_waited_for():
+    """A version announced while a shard was up is never complete once that shard died or
+    registered again without announcing it (a restarted process announces anew; a version in
+    flight is not announced again): it fails at once. A version announced while a shard was down
+    is waited for: the shard may come back (a whole trainer restarting, shard by shard)."""
     links = _links(((5, 6), (5,)))
     shard0, shard1 = links._shards
-    shard1.incarnation, shard1.since, shard1.manifests = 0xB2, 1, {}
+    before = _now(links, 6)
+    shard1.incarnation, shard1.registration, shard1.manifests = 0xB2, 2, {}  # restarted
     t0 = time.monotonic()
     with pytest.raises(RemoteError, match="restarted"):
-        links.manifests(0, 6, Deadline(30.0, "sync"))
+        links.manifests(before, Deadline(30.0, "sync"))
     assert time.monotonic() - t0 < 5
-    shard0.alive = False  # shard 0 died too and has not registered again yet
+    shard0.alive, shard0.manifests = False, {}  # shard 0 died too and has not registered again yet
     shard1.manifests = dict.fromkeys((1,))
+    new = _now(links, 1)
     with pytest.raises(Exception, match="timed out"):  # not "went away": shard 0 may come back
-        links.manifests(1, 1, Deadline(0.3, "sync"))
-    shard0.since = 1  # ... and once it is back in epoch 1 but died again before announcing
+        links.manifests(new, Deadline(0.3, "sync"))
+    shard0.alive, shard0.incarnation, shard0.registration = True, 0xB3, 2
+    links._check_coming(new)  # back as another process, 1 not announced yet: still awaited
+    shard1.registration, shard1.manifests = 3, {}  # shard 1's link dropped and it registered again
     with pytest.raises(RemoteError, match="went away"):
-        links.manifests(1, 1, Deadline(30.0, "sync"))
+        links.manifests(Announced(2, 0, (None, (0xB2, 2))), Deadline(30.0, "sync"))
 
 
 class _Trainer(LineChild):
     """A trainer shard process (``_trainer_child.py``) driven over stdin."""
 
-    def __init__(self, listen: str, seed: int, shm: bool) -> None:
-        super().__init__("_trainer_child.py", [listen, str(seed), "shm" if shm else "tcp", TOKEN], 60, stdin=True)
+    def __init__(self, listen: str, seed: int, shm: bool, rank: int = 0, count: int = 1) -> None:
+        args = [listen, str(seed), "shm" if shm else "tcp", TOKEN, str(rank), str(count)]
+        super().__init__("_trainer_child.py", args, 60, stdin=True)
         self.address = self.expect("READY").split()[1]
 
     def command(self, line: str) -> None:
@@ -84,6 +95,9 @@ class _Trainer(LineChild):
 
     def publish(self, version: int) -> dict[str, int]:
         self.command(f"publish {version}")
+        return self.published(version)
+
+    def published(self, version: int) -> dict[str, int]:
         _, got, ok, blob = self.expect("PUBLISHED").split(" ", 3)
         assert (int(got), ok) == (version, "1")
         return {k: int(v) for k, v in json.loads(blob).items()}
@@ -125,6 +139,41 @@ def test_a_sampler_follows_a_trainer_restarted_on_its_address_and_syncs_its_numb
         rec.close()
         for t in (first, second):
             if t is not None and t.proc.poll() is None:
+                t.kill()
+
+
+def test_a_whole_two_shard_trainer_restarted_shard_by_shard_is_followed_without_a_failed_version():
+    """Both trainer shards are SIGKILLed and come back one after the other on their addresses
+    (another model). The first one back announces version 1 while the other is still down:
+    the sampler waits for the second (it may come back, and does) instead of failing version 1,
+    so both shards' publishes of it succeed and the sampler holds the new model bitwise."""
+    old = [_Trainer("127.0.0.1:0", 10, False, r, 2) for r in range(2)]
+    new: list[_Trainer] = []
+    rec = WeightReceiver(fsdp(1), ReceiverConfig(tuple(t.address for t in old), token=TOKEN))
+    try:
+        for t in old:
+            t.command("wait 1")
+            t.expect("SAMPLERS")
+        for t in old:
+            t.command("publish 1")
+        assert old[0].published(1) == old[1].published(1)
+        assert rec.receive(1).result(60).version == 1
+        for t in old:
+            t.kill()
+        for t in old:  # shard 0 is back and publishes before shard 1 even started
+            new.append(_Trainer(t.address, 700, False, len(new), 2))
+            new[-1].command("wait 1")
+            new[-1].expect("SAMPLERS")
+            new[-1].command("publish 1")
+        want = new[0].published(1)  # ok: the sampler's answer to shard 0 was no failure
+        assert new[1].published(1) == want
+        assert rec.receive(1).result(60).version == 1
+        with rec.acquire(10) as lease:
+            assert digests(lease.tensors) == want
+    finally:
+        rec.close()
+        for t in old + new:
+            if t.proc.poll() is None:
                 t.kill()
 
 

@@ -10,9 +10,9 @@ single-buffer sync leaves no weights (acquire waits for the next good version).
 
 A commit may also pass *views* (zero-copy: read-only arrays over a version's shared-memory
 segment) that stand in for some of the set's own arrays. Once such a version is neither
-active nor leased, ``on_release(epoch, version)`` is called (outside the lock): from then on
-this sampler reads nothing of it, and the trainer may rewrite its segment (``epoch``: what the
-commit named, see :mod:`~tiersync.weights.links`).
+active nor leased, ``on_release(source, version)`` is called (outside the lock): from then on
+this sampler reads nothing of it, and the trainer may rewrite its segment (``source``: what
+the commit named, the trainer incarnations the views are of).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class VersionedBuffers:
         self,
         count: int,
         allocator: Callable[[tuple[int, ...], str], np.ndarray] = allocate,
-        on_release: Callable[[int, int], None] | None = None,
+        on_release: Callable[[tuple[int, ...], int], None] | None = None,
     ) -> None:
         if count not in (1, 2):
             raise UsageError("must be 1 or 2", argument="buffers", value=count)
@@ -91,8 +91,8 @@ class VersionedBuffers:
         self._cond = threading.Condition()
         self._on_release = on_release
         self._views: list[dict[str, np.ndarray]] = [{} for _ in range(count)]
-        self._held: list[tuple[int, int] | None] = [None] * count  # (epoch, version) set i's views serve
-        self._unheld: list[tuple[int, int]] = []  # to report to on_release (outside the lock)
+        self._held: list[tuple[tuple[int, ...], int] | None] = [None] * count  # (source, version) of set i's views
+        self._unheld: list[tuple[tuple[int, ...], int]] = []  # to report to on_release (outside the lock)
 
     def ensure(self, specs: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
         """Allocate the sets for ``specs`` (name -> local shape, dtype) on first use; later calls
@@ -159,9 +159,11 @@ class VersionedBuffers:
         self._fire()
         return out
 
-    def commit(self, index: int, version: int, views: Mapping[str, np.ndarray] | None = None, epoch: int = 0) -> None:
+    def commit(
+        self, index: int, version: int, views: Mapping[str, np.ndarray] | None = None, source: tuple[int, ...] = ()
+    ) -> None:
         """Make set ``index`` (filled by the sync) the active version, atomically. ``views``:
-        name -> array (the set's shape and dtype) read instead of the set's own array; ``epoch``
+        name -> array (the set's shape and dtype) read instead of the set's own array; ``source``
         is passed on to ``on_release``."""
         with self._cond:
             if self._writing != index:
@@ -169,7 +171,7 @@ class VersionedBuffers:
             self._version[index] = version
             self._active, self._writing = index, None
             if views:
-                self._views[index], self._held[index] = dict(views), (epoch, version)
+                self._views[index], self._held[index] = dict(views), (source, version)
             for other in range(self._count):
                 if other != index and not self._readers[other]:
                     self._drop_views(other)
@@ -186,8 +188,8 @@ class VersionedBuffers:
         with self._cond:
             versions, self._unheld = self._unheld, []
         if self._on_release is not None:
-            for epoch, v in versions:
-                self._on_release(epoch, v)
+            for source, v in versions:
+                self._on_release(source, v)
 
     def abort(self, index: int) -> None:
         """Drop a failed sync of set ``index``; the active version (if any) stays."""

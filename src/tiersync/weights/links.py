@@ -7,12 +7,14 @@ answers (ACK, RELEASE) and maps the shared-memory segments it reads.
 
 A link that ends (the trainer shard died or restarted) is registered again, retrying with
 backoff until the receiver closes. Each trainer process has its own incarnation (in its
-W_WELCOME and manifests; the sampler's GETs name it, see :mod:`~tiersync.weights.ops`). A
-restarted shard reuses version numbers with other bytes, so versions are announced as
-``(epoch, version)``: the epoch counts the shards that came back as another incarnation. What
-a shard announced before it restarted is forgotten; a version announced before a shard
-restarted fails at once when that shard lacks it (its new incarnation's comes anew), and ACKs
-and RELEASEs go only to the shards that announced what they are about.
+W_WELCOME and manifests; the sampler's GETs name it, see :mod:`~tiersync.weights.ops`), and a
+restarted shard reuses version numbers with other bytes. So a version is queued as
+:class:`~tiersync.weights.version_queue.Announced`: with each shard's incarnation and
+registration at that moment. What a link announced is forgotten when it registers again; a
+version that a shard lacks fails at once when that shard was up when the version was announced
+and has since died or registered again (what its next registration announces is queued anew),
+and is waited for when that shard was down then (it may come back and announce it). ACKs and
+RELEASEs go only to the incarnations whose manifests they are about.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tiersync.weights.config import TransportKind
 from tiersync.weights.manifest import Manifest
 from tiersync.weights.ops import Ack, Announce, Ready, Register, Release, Welcome
 from tiersync.weights.segment import SegmentReader
+from tiersync.weights.version_queue import Announced
 
 __all__ = ["ShardLink", "TrainerLinks"]
 
@@ -45,32 +48,34 @@ class ShardLink:
         self.channel: TcpChannel | None = None
         self.transport = TransportKind.TCP
         self.incarnation = 0  # 0 until registered
-        self.since = 0  # the epoch this incarnation registered in
+        self.registration = 0  # registrations so far
         self.manifests: dict[int, Manifest] = {}
         self.ready: dict[int, int] = {}
         self.alive = False
         self.readers: dict[str, SegmentReader] = {}  # segment path -> mapping (latest last)
 
-    def adopt(self, channel: TcpChannel, welcome: Welcome, epoch: int) -> bool:
-        """Registered (again) over ``channel`` in ``epoch``; True when as a new incarnation
-        (what the one before announced is forgotten)."""
+    def adopt(self, channel: TcpChannel, welcome: Welcome) -> bool:
+        """Registered (again) over ``channel``: what the last registration announced is forgotten
+        (a version in flight then is not announced again); True when as a new incarnation."""
         restarted = welcome.incarnation != self.incarnation and self.incarnation != 0
-        if welcome.incarnation != self.incarnation:
-            self.incarnation, self.since = welcome.incarnation, epoch + restarted
-            self.manifests.clear()
-            self.ready.clear()
+        self.incarnation, self.registration = welcome.incarnation, self.registration + 1
+        self.manifests.clear()
+        self.ready.clear()
         self.channel, self.transport, self.alive = channel, welcome.transport, True
         return restarted
 
-    def send(self, event: object, timeout: float) -> None:
-        """Send one-way message ``event`` (thread-safe); a failure is logged: the control reader
-        notices the lost link."""
-        channel = self.channel
-        assert channel is not None  # sent to live links only: register connected them
-        try:
-            channel.send(event, timeout=timeout)
-        except TierSyncError as exc:
-            log.log(log_level(exc), "%s to trainer shard %s failed: %s", type(event).__name__, self.rank, exc)
+    def state(self) -> tuple[int, int] | None:
+        """``(incarnation, registration)`` while the link is up, else None."""
+        return (self.incarnation, self.registration) if self.alive else None
+
+
+def _send(rank: int, channel: TcpChannel, event: object, timeout: float) -> None:
+    """Send one-way message ``event`` to trainer shard ``rank`` (thread-safe); a failure is
+    logged: the control reader notices the lost link."""
+    try:
+        channel.send(event, timeout=timeout)
+    except TierSyncError as exc:
+        log.log(log_level(exc), "%s to trainer shard %s failed: %s", type(event).__name__, rank, exc)
 
 
 def register(shard: ShardLink, transport: TcpTransport, hello: Register, timeout: float) -> tuple[TcpChannel, Welcome]:
@@ -105,10 +110,10 @@ def register(shard: ShardLink, transport: TcpTransport, hello: Register, timeout
 
 class TrainerLinks:
     """One :class:`ShardLink` per address of ``publishers`` (index = source rank).
-    ``announced(epoch, version)`` is called for every manifest a shard announces; sends time
-    out after ``io_timeout_s``."""
+    ``announced(Announced)`` is called for every manifest a shard announces; sends time out
+    after ``io_timeout_s``."""
 
-    def __init__(self, publishers: list[str], io_timeout_s: float, announced: Callable[[int, int], None]) -> None:
+    def __init__(self, publishers: list[str], io_timeout_s: float, announced: Callable[[Announced], None]) -> None:
         self._shards = [ShardLink(r, a) for r, a in enumerate(publishers)]
         self._io_timeout, self._announced = io_timeout_s, announced
         self._cond = threading.Condition()
@@ -130,7 +135,7 @@ class TrainerLinks:
         for shard in self._shards:
             channel, welcome = register(shard, transport, hello, self._io_timeout)
             with self._cond:
-                shard.adopt(channel, welcome, self._epoch)
+                shard.adopt(channel, welcome)
             name = f"ctl-{shard.rank}"
             threading.Thread(target=self._follow, args=(shard, transport, hello), daemon=True, name=name).start()
 
@@ -156,7 +161,7 @@ class TrainerLinks:
                     if self._closed:
                         got[0].close()
                         return
-                    self._epoch += shard.adopt(*got, self._epoch)
+                    self._epoch += shard.adopt(*got)
                     self._cond.notify_all()
                 log.info("trainer shard %s registered again (incarnation %x)", shard.rank, shard.incarnation)
                 wait = _BACKOFF_S[0]
@@ -197,19 +202,20 @@ class TrainerLinks:
                 shard.manifests.pop(old, None)
                 shard.ready.pop(old, None)
             self._cond.notify_all()
-            epoch = self._epoch
+            got = Announced(m.version, self._epoch, tuple(s.state() for s in self._shards))
         # outside the links' lock: the version queue's lock is held while futures' callbacks run,
         # and a callback may close the receiver (which takes this lock): no lock-order inversion.
         # One reader thread per shard calls this, so each shard's versions queue in order.
-        self._announced(epoch, m.version)
+        self._announced(got)
 
-    def manifests(self, epoch: int, version: int, deadline: Deadline) -> list[Manifest]:
-        """Every shard's manifest of ``version`` announced in ``epoch`` (by source rank), once all
-        announced it; the segments of the shared-memory ones mapped. A shard that is down while
-        others came back as new incarnations is waited for (until ``deadline``)."""
+    def manifests(self, got: Announced, deadline: Deadline) -> list[Manifest]:
+        """Every shard's manifest of version ``got.version`` (by source rank), once all announced
+        it; the segments of the shared-memory ones mapped. A shard down when it was announced is
+        waited for (until ``deadline``): it may come back and announce it."""
+        version = got.version
         with self._cond:
-            while not all(version in s.manifests for s in self._shards):
-                self._check_coming(epoch, version)
+            while not all(_has(s, then, version) for s, then in zip(self._shards, got.shards)):
+                self._check_coming(got)
                 self._cond.wait(deadline.remaining())
             manifests = [s.manifests[version] for s in self._shards]
         if any(not m.same_model(manifests[0]) or m.source_ranks != len(self._shards) for m in manifests):
@@ -222,17 +228,18 @@ class TrainerLinks:
                     s.readers.pop(old).close()
         return manifests
 
-    def _check_coming(self, epoch: int, version: int) -> None:
-        """RemoteError unless every shard that lacks ``version`` may still announce it as the
-        version announced in ``epoch`` (under the lock)."""
+    def _check_coming(self, got: Announced) -> None:
+        """RemoteError unless every shard that lacks version ``got.version`` may still announce
+        it (under the lock)."""
+        version = got.version
         if self._closed:
             raise RemoteError("receiver closed", version=version)
-        for s in self._shards:
-            if version in s.manifests:
+        for s, then in zip(self._shards, got.shards):
+            if _has(s, then, version):
                 continue
-            if s.since > epoch or (not s.alive and s.since == epoch):  # restarted since, or died
+            if then is not None and s.state() != then:  # up then; died or registered again since
                 raise RemoteError("a trainer shard went away (or restarted) before announcing", version=version)
-            if s.alive and max(s.manifests, default=-1) > version:  # a dead one is coming back as another
+            if s.alive and max(s.manifests, default=-1) > version:
                 # shards announce in order: a later version without this one means its
                 # manifest was dropped (more than 4 behind) and will never come
                 raise RemoteError("superseded: a trainer shard announced later versions only", version=version)
@@ -249,30 +256,41 @@ class TrainerLinks:
         return self._shards[rank].readers[segment]
 
     def wait_ready(self, rank: int, incarnation: int, version: int, index: int, deadline: Deadline) -> None:
-        """Block until shard ``rank`` (still ``incarnation``) wrote tensor ``index`` of ``version``."""
+        """Block until shard ``rank`` wrote tensor ``index`` of ``version``, as announced on its
+        current registration by ``incarnation`` (a READY of another is about another segment)."""
         shard = self._shards[rank]
         with self._cond:
-            while shard.ready.get(version, 0) <= index or shard.incarnation != incarnation:
-                if not shard.alive or self._closed or shard.incarnation != incarnation:
+            while True:
+                if self._closed or (shard.incarnation, version in shard.manifests) != (incarnation, True):
+                    raise RemoteError("trainer shard restarted mid-version", peer=shard.address, version=version)
+                if shard.ready.get(version, 0) > index:
+                    return
+                if not shard.alive:
                     raise RemoteError("trainer shard went away mid-version", peer=shard.address, version=version)
                 self._cond.wait(deadline.remaining())
 
-    def release(self, epoch: int, version: int) -> None:
-        """Tell every shared-memory shard not restarted since ``epoch`` this sampler no longer
+    def release(self, incarnations: tuple[int, ...], version: int) -> None:
+        """Tell every shared-memory shard still of ``incarnations[rank]`` this sampler no longer
         reads ``version``."""
-        for s in self._live(epoch):
-            if s.transport is TransportKind.SHM:
-                s.send(Release(version), self._io_timeout)
-
-    def answer(self, epoch: int, ack: Ack) -> None:
-        """Send ``ack`` to every shard not restarted since ``epoch`` that announced its version."""
-        for s in self._live(epoch):
-            if ack.version in s.manifests:
-                s.send(ack, self._io_timeout)
-
-    def _live(self, epoch: int) -> list[ShardLink]:
         with self._cond:
-            return [s for s in self._shards if s.alive and s.since <= epoch]
+            to = [(s.rank, c) for s, c in self._of(incarnations) if s.transport is TransportKind.SHM]
+        for rank, channel in to:
+            _send(rank, channel, Release(version), self._io_timeout)
+
+    def answer(self, incarnations: tuple[int, ...], ack: Ack) -> None:
+        """Send ``ack`` to every shard still of ``incarnations[rank]`` that announced its version."""
+        with self._cond:
+            to = [(s.rank, c) for s, c in self._of(incarnations) if ack.version in s.manifests]
+        for rank, channel in to:
+            _send(rank, channel, ack, self._io_timeout)
+
+    def _of(self, incarnations: tuple[int, ...]) -> list[tuple[ShardLink, TcpChannel]]:
+        """The live shards whose incarnation is ``incarnations[rank]``, with their channels (under the lock)."""
+        return [
+            (s, s.channel)
+            for s, i in zip(self._shards, incarnations)
+            if s.alive and s.channel is not None and s.incarnation == i != 0
+        ]
 
     def stop(self) -> None:
         """Wake every wait: they fail from now on."""
@@ -287,6 +305,14 @@ class TrainerLinks:
                 s.channel.close()  # wakes the control reader blocked in receive
             for r in s.readers.values():
                 r.close()
+
+
+def _has(shard: ShardLink, then: tuple[int, int] | None, version: int) -> bool:
+    """Whether ``shard`` announced ``version`` on the registration it had then (``then``), or,
+    when it was down then, on one it has registered since and is still up on."""
+    if version not in shard.manifests:
+        return False
+    return shard.alive if then is None else (shard.incarnation, shard.registration) == then
 
 
 def _segment(shard: ShardLink, m: Manifest) -> str:

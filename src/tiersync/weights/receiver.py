@@ -46,7 +46,7 @@ from tiersync.weights.relay_chunks import RelayChunks
 from tiersync.weights.serving import SpanService
 from tiersync.weights.sharding import Sharding, shard_boxes
 from tiersync.weights.tensors import allocate
-from tiersync.weights.version_queue import VersionQueue
+from tiersync.weights.version_queue import Announced, VersionQueue
 from tiersync.weights.zerocopy import zero_copy_views
 
 __all__ = ["ReceiveResult", "WeightReceiver"]
@@ -82,6 +82,7 @@ class WeightReceiver:
         self._buffers = VersionedBuffers(config.buffers, allocator or allocate, on_release=self._released)
         self._versions = VersionQueue()
         self._synced: tuple[tuple[int, tuple[int, ...]], ReceiveResult] | None = None  # (version, incarnations)
+        self._used: tuple[int, ...] = ()  # the incarnations the version being synced is of
         self._links = TrainerLinks(list(config.publishers), config.io_timeout_s, self._versions.announced)
         self._relay = RelayChunks()
         tcp = config.tcp_config()
@@ -138,20 +139,21 @@ class WeightReceiver:
             got = self._versions.next()
             if got is None:
                 return
-            epoch, version = got
             t0 = time.perf_counter()
+            self._used = got.incarnations()  # whom the answer is for: the manifests' incarnations once read
             try:
-                result = self._sync(epoch, version, t0)
+                result = self._sync(got, t0)
             except BaseException as exc:  # noqa: BLE001 - reported to the trainer and the waiters
-                log.info("sync of version %s failed: %s", version, exc)
-                self._finish(epoch, version, None, exc, time.perf_counter() - t0)
+                log.info("sync of version %s failed: %s", got.version, exc)
+                self._finish(got, None, exc, time.perf_counter() - t0)
             else:
-                self._finish(epoch, version, result, None, result.seconds)
+                self._finish(got, result, None, result.seconds)
 
-    def _sync(self, epoch: int, version: int, t0: float) -> ReceiveResult:
-        deadline = Deadline(self.config.sync_timeout_s, "sync")
-        manifests = self._links.manifests(epoch, version, deadline)
-        key = (version, tuple(m.incarnation for m in manifests))
+    def _sync(self, got: Announced, t0: float) -> ReceiveResult:
+        deadline, version = Deadline(self.config.sync_timeout_s, "sync"), got.version
+        manifests = self._links.manifests(got, deadline)
+        used = self._used = tuple(m.incarnation for m in manifests)
+        key = (version, used)
         if self._synced is not None and self._synced[0] == key and self._buffers.version == version:
             return self._synced[1]  # announced again by a shard that came back before it was synced
         jobs, local = self._jobs(manifests)
@@ -165,14 +167,14 @@ class WeightReceiver:
             self._runner.await_views(version, [j for j in jobs if j.tensor in views], deadline)
             if any(not r.still_version(version) for r in readers.values()):
                 raise IntegrityError("the trainer moved on while this sampler was reading", version=version)
-            self._buffers.commit(index, version, views, epoch)
+            self._buffers.commit(index, version, views, used)
         except BaseException:
             self._relay.drop()
             self._buffers.abort(index)
-            self._released(epoch, version)
+            self._released(used, version)
             raise
         if not views:
-            self._released(epoch, version)
+            self._released(used, version)
         nbytes = sum(j.nbytes for j in jobs)
         result = ReceiveResult(
             version, nbytes, time.perf_counter() - t0, self.transports(), landing.moved, landing.copied
@@ -259,29 +261,24 @@ class WeightReceiver:
             self._runner.run(version, [direct(j) for j in bad], manifests, bufs, deadline)
         return bad
 
-    def _released(self, epoch: int, version: int) -> None:
-        """Tell the trainer shards that announced ``version`` in ``epoch`` (not restarted since)
-        this sampler no longer reads it (zero-copy only)."""
+    def _released(self, incarnations: tuple[int, ...], version: int) -> None:
+        """Tell the trainer shards (still of ``incarnations``) this sampler no longer reads
+        ``version`` (zero-copy only)."""
         if self.config.zero_copy:
-            self._links.release(epoch, version)
+            self._links.release(incarnations, version)
 
     def _finish(
-        self,
-        epoch: int,
-        version: int,
-        result: ReceiveResult | None,
-        error: BaseException | None,
-        seconds: float,
+        self, got: Announced, result: ReceiveResult | None, error: BaseException | None, seconds: float
     ) -> None:
         ack = Ack(
-            version,
+            got.version,
             error is None,
             max(0.0, seconds),
             "" if error is None else str(error)[:512],
             0 if result is None else result.moved,
         )
-        self._links.answer(epoch, ack)
-        self._versions.settle(version, result, error)
+        self._links.answer(self._used, ack)
+        self._versions.settle(got.version, result, error, got.epoch)
 
     def close(self) -> None:
         """Disconnect from the trainer, stop relaying; leases already taken stay readable."""

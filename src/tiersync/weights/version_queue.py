@@ -3,10 +3,11 @@
 :class:`VersionQueue` hands the sync loop each announced version once; :meth:`VersionQueue.receive`
 is :meth:`~tiersync.weights.receiver.WeightReceiver.receive`: a future resolved once that
 version or a later one is active, failed when that version's sync failed (or the receiver closed).
-A version is ``(epoch, version)`` (:mod:`~tiersync.weights.links`: the epoch grows when a trainer
-shard comes back as another process): a restarted trainer announces numbers again, and each is
-synced; once one is announced, :meth:`VersionQueue.receive` compares numbers with the new
-numbering only (the failures and the active version of the one before are forgotten).
+A version is :class:`Announced`: its number and what the trainer shards were when it was
+announced. A restarted trainer announces numbers again, and each is synced; once one of a later
+epoch (:mod:`~tiersync.weights.links`) is announced, :meth:`VersionQueue.receive` compares
+numbers with the new numbering only (the failures and the active version of the one before are
+forgotten, and what versions of an earlier epoch settle later is not reported).
 """
 
 from __future__ import annotations
@@ -15,16 +16,30 @@ import copy
 import queue
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from tiersync.errors import ClosedError, UsageError
 from tiersync.weights.config import ReceiveResult
 
-__all__ = ["VersionQueue"]
+__all__ = ["Announced", "VersionQueue"]
 
 KEPT_FAILURES = 64  # failed versions remembered for receive(); an older one waits for a later version
 KEPT_QUEUED = 4096  # announced versions remembered so a version is synced once (any shard may announce it)
 
-Version = tuple[int, int]  # (epoch, version number)
+
+@dataclass(frozen=True, slots=True)
+class Announced:
+    """Version ``version``, as a trainer shard announced it in ``epoch`` (how many times a shard
+    came back as another process, as this sampler saw it). ``shards[r]``: trainer shard ``r``'s
+    ``(incarnation, registration)`` then, None when its link was down."""
+
+    version: int
+    epoch: int
+    shards: tuple[tuple[int, int] | None, ...]
+
+    def incarnations(self) -> tuple[int, ...]:
+        """Per shard, its incarnation when this was announced (0: down then)."""
+        return tuple(0 if s is None else s[0] for s in self.shards)
 
 
 class VersionQueue:
@@ -32,26 +47,27 @@ class VersionQueue:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()  # a future's callback may call receive()
-        self._queue: queue.SimpleQueue[Version | None] = queue.SimpleQueue()
-        self._queued: dict[Version, None] = {}  # in announce order
+        self._queue: queue.SimpleQueue[Announced | None] = queue.SimpleQueue()
+        self._queued: dict[tuple[int, tuple[tuple[int, int] | None, ...]], None] = {}  # in announce order
         self._epoch = 0  # of the latest version announced
         self._waiters: dict[int, list[Future[ReceiveResult]]] = {}
         self._failed: dict[int, BaseException] = {}
         self._last: ReceiveResult | None = None
         self._closed = False
 
-    def announced(self, epoch: int, version: int) -> None:
-        """A trainer shard announced ``version`` in ``epoch``: queue it for the sync loop (once)."""
+    def announced(self, got: Announced) -> None:
+        """A trainer shard announced ``got``: queue it for the sync loop (once per version and
+        state of the shards: every shard announces each version)."""
         with self._lock:
-            if (epoch, version) not in self._queued:
-                if epoch != self._epoch:  # another numbering: its failures and its last version
+            if (got.version, got.shards) not in self._queued:
+                if got.epoch > self._epoch:  # another numbering: its failures and its last version
                     self._failed.clear()
-                    self._last, self._epoch = None, epoch
-                self._queued[(epoch, version)] = None
-                self._queue.put((epoch, version))
+                    self._last, self._epoch = None, got.epoch
+                self._queued[(got.version, got.shards)] = None
+                self._queue.put(got)
 
-    def next(self) -> Version | None:
-        """The next (epoch, version) to sync (blocking); None once stopped."""
+    def next(self) -> Announced | None:
+        """The next announced version to sync (blocking); None once stopped."""
         version = self._queue.get()
         return None if version is None or self._closed else version
 
@@ -72,9 +88,12 @@ class VersionQueue:
                 self._waiters.setdefault(version, []).append(fut)
         return fut
 
-    def settle(self, version: int, result: ReceiveResult | None, error: BaseException | None) -> None:
-        """Version ``version`` is active (``result``) or failed (``error``): resolve its waiters."""
+    def settle(self, version: int, result: ReceiveResult | None, error: BaseException | None, epoch: int = 0) -> None:
+        """Version ``version`` (announced in ``epoch``) is active (``result``) or failed
+        (``error``): resolve its waiters; nothing when a later epoch numbers versions anew."""
         with self._lock:
+            if epoch < self._epoch:
+                return
             if result is not None:
                 self._last = result
                 done = [f for v in [v for v in self._waiters if v <= version] for f in self._waiters.pop(v)]
