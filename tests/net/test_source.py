@@ -164,3 +164,31 @@ def test_only_a_server_with_private_memory_lets_same_host_readers_trace_it(kind,
         server.close()
         if closing is not None:
             closing.close()
+
+
+def test_a_closed_sessions_leases_are_each_released_even_when_one_release_fails(monkeypatch):
+    """A session ends holding two leases and releasing the first one raises: the second is
+    released all the same (it stayed pinned until its TTL, counted against the caps)."""
+    from tiersync.net.source import MemoryBlockSource
+
+    class Peer:  # what the service reads of a session (a server session, here without a socket)
+        peer, closed = "127.0.0.1:1", False
+
+    source = MemoryBlockSource({KEY: b"x" * 4096})
+    session = Peer()
+    for rid in (1, 2):
+        reply = source.handle(session, so.ReadLease(rid, (KEY,)))
+        assert [r.status for r in reply] == [so.LeaseStatus.GRANTED]
+    assert source.session_leases() == 2
+    real, failed = source.release, []
+
+    def release(lease_id: int) -> bool:
+        if not failed:
+            failed.append(lease_id)
+            raise OSError(24, "Too many open files")
+        return real(lease_id)
+
+    monkeypatch.setattr(source, "release", release)
+    source.closed(session)
+    assert len(failed) == 1 and source.session_leases() == 0
+    assert len(source._leases) == 1  # only the one whose release raised waits for its TTL

@@ -20,6 +20,7 @@ every lease it still holds is released, so a reader killed mid-read pins nothing
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -231,8 +232,11 @@ class BlockService(Service):
     def closed(self, session: Session) -> None:
         with self._held_lock:
             leases = self._held.pop(session, set())
-        for lease_id in leases:
-            self.release(lease_id)
+        for lease_id in leases:  # each on its own: one that fails does not keep the others pinned
+            try:
+                self.release(lease_id)
+            except Exception:  # logged; its TTL still ends it
+                logging.getLogger(__name__).exception("releasing lease %x of a closed session failed", lease_id)
 
     def session_leases(self) -> int:
         """Leases held by open sessions (tests, metrics)."""
