@@ -98,3 +98,42 @@ def test_each_pipelined_request_gets_op_timeout_s_of_its_own(streamed):
         ch.close()
     finally:
         server.close()
+
+
+def test_a_session_ended_by_another_thread_keeps_its_socket_until_the_worker_hands_it_back():
+    """Another thread ends a session (a failed Session.send, a service's close) while a worker
+    still answers on it: the server closes the socket only once the worker handed the session
+    back. Closed at once, its number could go to the next accepted connection while the worker
+    still reads or writes by it (another peer's bytes read, or this session's answers written
+    to a stranger)."""
+    from tiersync.net.service import Service
+    from tiersync.net.tcp import TcpTransport
+
+    inside, leave = threading.Event(), threading.Event()
+    held: list[ServerSession] = []
+
+    class Blocks(Service):
+        vocabulary = Vocabulary("blocks", {}, include=(ev.CORE,))
+
+        def handle(self, session, event):
+            held.append(session)
+            inside.set()
+            leave.wait(30)
+            return [ev.Pong(event.request_id, event.token)]
+
+    server = TcpTransport(TcpConfig(), Blocks.vocabulary).serve("127.0.0.1:0", Blocks())
+    try:
+        ch = TcpTransport(TcpConfig(), Blocks.vocabulary).connect(server.address)
+        ch.send(ev.Ping(ch.new_request_id(), 1))
+        assert inside.wait(30)
+        session = held[0]
+        session.close()  # another thread ends it while the worker is inside the handler
+        for _ in range(3):  # give the loop turns to (wrongly) close the socket
+            TcpTransport(TcpConfig(), Blocks.vocabulary).connect(server.address).close()
+        assert session.closed and session.sock.fileno() != -1  # still the worker's
+        leave.set()
+        assert _until(lambda: session.sock.fileno() == -1)  # handed back: closed
+        ch.close()
+    finally:
+        leave.set()
+        server.close()

@@ -3,7 +3,9 @@
 A :class:`ServerSession` is one accepted connection; the :class:`Responder` runs the service's
 handler for a session's request on a worker, answers the requests a pipelining peer buffered
 behind it in the same turn (one send), reads on without waiting while bytes are already there,
-then hands the session back (``rearm``) or ends it (``end``).
+then ends it (``end``) when it failed and hands it back (``rearm``) in any case: the server
+closes a session's socket only once no worker uses it (its number must not go to a new
+connection while a worker may still read by it).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class ServerSession(Session):
         self.wlock = threading.Lock()  # writes to the socket
         self.tls_pending = isinstance(sock, ssl.SSLSocket)
         self.registered = False  # in the selector (loop thread only)
+        self.busy = False  # a worker uses the socket (loop thread only: set on hand-out, cleared on hand-back)
         self.opened = False
         self._closed = False
 
@@ -119,13 +122,10 @@ class Responder:
         except (TierSyncError, OSError) as exc:
             log.debug("session %s ended: %s", s.peer, exc)
             self._end(s)
-            return
         except Exception:  # a bug (or a peer's input no parser foresaw): this session ends, not the server
             log.exception("session %s ended by an unexpected error", s.peer)
             self._end(s)
-            return
-        if not s.closed:
-            self._rearm(s)
+        self._rearm(s)  # handed back: the loop reads it again, or closes its socket once it ended
 
     def _turn(self, s: ServerSession, event: object) -> object | None:
         """Answer ``event`` and up to ``_BATCH`` requests buffered behind it, in one send; the

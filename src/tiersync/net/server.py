@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _ACCEPT_PAUSE_S = 0.1
 _ACCEPT_BURST = 256
+_WRITE_ENDS_S = 1.0  # most the loop waits for a write under way on a socket it closes (shut down: it fails)
 
 
 class TcpServer(Server):
@@ -225,6 +226,7 @@ class TcpServer(Server):
                 self._handshake_step(s, event)
                 continue
             self._unregister(s)
+            s.busy = True  # the worker reads and writes the socket until it hands it back
             self._workers.submit(self._responder.work, s, event)
             return
 
@@ -288,8 +290,13 @@ class TcpServer(Server):
             if s is None:
                 continue
             if action == "close":
+                if not s.busy:  # else the worker's hand-back releases it
+                    self._release_socket(s)
+            elif s.closed:  # a worker handed back a session that ended
+                s.busy = False
                 self._release_socket(s)
-            elif not s.closed:
+            else:
+                s.busy = False
                 self._register(s)
                 self._guarded(self._advance, s)  # bytes may have arrived while the worker ran
 
@@ -314,20 +321,29 @@ class TcpServer(Server):
             s.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        if threading.current_thread() is self._thread:
-            self._release_socket(s)
-        else:
+        if threading.current_thread() is not self._thread:
             self._wake("close", s)
+        elif not s.busy:
+            self._release_socket(s)
 
     def _release_socket(self, s: ServerSession) -> None:
+        """Close the socket once no worker uses it and no write is under way (its number must not
+        go to a new connection while another thread may still read or write by it)."""
         self._unregister(s)
         self._sessions.discard(s)
-        s.sock.close()
+        held = s.wlock.acquire(timeout=_WRITE_ENDS_S)  # shut down: a write under way fails at once
+        try:
+            s.sock.close()
+        finally:
+            if held:
+                s.wlock.release()
 
     def _shutdown(self) -> None:
         for s in list(self._sessions):
             self._end(s)
         self._run_todo()
+        for s in list(self._sessions):  # still with a worker, which was shut out (SHUT_RDWR)
+            self._release_socket(s)
         for obj in (self._listener, self._wake_r, self._wake_w):
             obj.close()
         self._sel.close()
