@@ -191,3 +191,38 @@ def test_a_publisher_the_program_never_closed_leaves_no_segment(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "tiersync-weights-" in out.stdout  # it was there while the program ran
     assert not [n for n in os.listdir(tmp_path) if n.startswith("tiersync-weights-")]
+
+
+def test_samplers_that_stopped_reading_cost_a_publish_one_io_timeout_not_one_each():
+    """Four registered samplers stop reading their control channels. Once their socket buffers
+    are full, the publish whose ANNOUNCE no longer fits drops them after io_timeout_s, all four
+    at once: its ANNOUNCEs go out in parallel (one after the other, that publish took four
+    times io_timeout_s, and K such samplers K times)."""
+    import time
+
+    from tiersync.net.config import TcpConfig
+    from tiersync.net.tcp import TcpTransport
+    from tiersync.weights.ops import WEIGHTS, Register
+
+    io_s = 2.0
+    g = {f"layer.{i}.weight": np.zeros(1, np.float32) for i in range(30_000)}  # ANNOUNCEs of about 3 MB
+    config = PublisherConfig(shm=False, io_timeout_s=io_s, publish_timeout_s=0.2)
+    pub = WeightPublisher(g, fsdp(1), config=config)
+    stuck = [TcpTransport(TcpConfig(rcvbuf=4096), WEIGHTS).connect(pub.address) for _ in range(4)]
+    try:
+        for k, ch in enumerate(stuck):
+            ch.request(Register(ch.new_request_id(), f"stuck-{k}", 0, "elsewhere", TransportKind.TCP), timeout=10)
+        pub.wait_for_samplers(4, 10)
+        for version in range(1, 40):  # until the buffers are full (their size is the kernel's)
+            t0 = time.monotonic()
+            result = pub.publish(version).result(120)
+            took = time.monotonic() - t0
+            if any(o.status is SyncStatus.DISCONNECTED for o in result.outcomes):
+                break
+        assert [o.status for o in result.outcomes] == [SyncStatus.DISCONNECTED] * 4
+        assert io_s <= took < 2.5 * io_s  # one after the other: >= 4 * io_s
+        assert pub.samplers() == {}
+    finally:
+        for ch in stuck:
+            ch.close()
+        pub.close()

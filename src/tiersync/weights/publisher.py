@@ -43,6 +43,8 @@ from tiersync.weights.validate import validate_source
 
 __all__ = ["PublishResult", "SamplerOutcome", "WeightPublisher"]
 
+_ANNOUNCERS = 16  # ANNOUNCEs sent at once
+
 
 class WeightPublisher:
     """Publishes ``tensors`` (this shard's local tensors, in write order) as source rank ``rank``.
@@ -91,6 +93,9 @@ class WeightPublisher:
         self._last_version: int | None = None
         self._closed = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"publish-{rank}")
+        # ANNOUNCEs go out in parallel: a sampler that stopped reading its control channel costs
+        # a publish io_timeout_s once (then it is dropped), not io_timeout_s per such sampler
+        self._announcer = ThreadPoolExecutor(_ANNOUNCERS, thread_name_prefix=f"announce-{rank}")
         service = SpanService(
             self._buffer.provide,
             self.config.io_timeout_s,
@@ -171,8 +176,7 @@ class WeightPublisher:
         if len(announce.meta()) > self.config.max_meta_bytes:  # this side's limit: no sampler's fault
             self._buffer.abandon(version, holders)
             raise UsageError(f"the manifest of version {version} exceeds max_meta_bytes", argument="max_meta_bytes")
-        for s in targets:
-            self._registry.send(s, announce)
+        list(self._announcer.map(lambda s: self._registry.send(s, announce), targets))
         shm = [s for s in targets if s.transport is TransportKind.SHM]  # TCP GETs wait in provide
         for i, name in enumerate(self._names):
             self._buffer.write(i, host_bytes(self._tensors[name], name))
@@ -211,6 +215,7 @@ class WeightPublisher:
             self._closed = True
             samplers = self._registry.stop()
         self._worker.shutdown(wait=True, cancel_futures=True)
+        self._announcer.shutdown(wait=True)
         self._server.close()
         for s in samplers:
             self._registry.drop(s)
