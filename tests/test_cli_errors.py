@@ -80,6 +80,7 @@ def test_port_out_of_range_names_port(command, host_flag):
     [
         (["registry", "--port", "0", "--store-ttl-s", "-1"], "--store-ttl-s", "heartbeat_interval_s"),
         (["registry", "--port", "0", "--block-ttl-s", "0"], "--block-ttl-s", "block_ttl_s"),
+        (["registry", "--port", "0", "--block-ttl-s", "600"], "--block-ttl-s", "block_ttl_s"),
         (["registry", "--port", "0", "--token-file", "/nonexistent/token"], "--token-file", ": token:"),
         (["store-node", "--capacity", "banana", "--port", "0"], "--capacity", ": size:"),
         (["store-node", "--capacity", "4MiB", "--block-size", "0", "--port", "0"], "--block-size", ": size:"),

@@ -230,7 +230,7 @@ def test_redis_sweep_drops_dead_store_records_and_publish_drops_dead_owners(redi
         clock.now += CFG.block_ttl_s  # a's ownership entries ran out too
         reg.register_store(StoreInfo("a", "127.0.0.1:7001", 100, "g1"))
         reg.publish("a", keys(1))  # touches key 0: its dead owners go (b's entry ran out too)
-        assert reg._redis.zrange(reg._blk + keys(1)[0], 0, -1) == [b"a"]
+        assert reg._redis.zrange(reg._blk + keys(1)[0], 0, -1) == [bytes(8) + b"a"]  # incarnation 0, then the id
         assert reg.lookup(keys(2)) == [("a",), ()]
     finally:
         reg.close()
@@ -254,3 +254,50 @@ def test_a_password_in_the_redis_url_is_never_shown(url, shown):
     from tiersync.net.registry.redis_backend import shown_url
 
     assert shown_url(url) == shown
+
+
+def test_a_store_restarted_under_its_id_is_not_reported_with_what_it_held_before(registry):
+    """A store node restarted on the same id (its host:port by default) comes back empty: what
+    the process before published is not reported as this one's (a lookup named it as the owner
+    of blocks it no longer had, for up to block_ttl_s); what it publishes now is."""
+    reg, _ = registry
+    ks = keys(4)
+    reg.register_store(StoreInfo("a", "127.0.0.1:7001", 100, "g1", incarnation=11))
+    reg.publish("a", ks)
+    assert reg.lookup(ks) == [("a",)] * 4
+    reg.register_store(StoreInfo("a", "127.0.0.1:7001", 100, "g1", incarnation=11))  # a re-registration: kept
+    assert reg.heartbeat("a", 90) and reg.lookup(ks) == [("a",)] * 4
+    reg.register_store(StoreInfo("a", "127.0.0.1:7001", 100, "g1", incarnation=22))  # restarted
+    assert reg.lookup(ks) == [()] * 4
+    assert reg.heartbeat("a", 80) and reg.get_store("a").incarnation == 22
+    reg.publish("a", ks[:2])
+    assert reg.lookup(ks) == [("a",), ("a",), (), ()]
+    reg.unpublish("a", ks[:1])
+    assert reg.lookup(ks) == [(), ("a",), (), ()]
+
+
+def test_a_redis_heartbeat_does_not_bring_back_a_store_removed_while_it_ran(redis_url):
+    """A heartbeat read the record, then wrote it back refreshed: a remove_store in between (a
+    node closing while its last heartbeat was slow) was undone, and the gone node stayed live
+    for store_ttl_s. The heartbeat is one step now."""
+    from tiersync.net.registry.redis_backend import RedisRegistry
+
+    reg = RedisRegistry(redis_url, _with_prefix(f"t{uuid.uuid4().hex}:"), Clock())
+    try:
+        reg.register_store(StoreInfo("a", "127.0.0.1:7001", 100, "g1", incarnation=5))
+        reg.publish("a", keys(2))
+        real, calls = reg._call, []
+
+        def call(fn, *args):
+            out = real(fn, *args)
+            calls.append(fn)
+            if len(calls) == 1:  # the heartbeat's first step is done: the node is removed now
+                real(reg._redis.hdel, reg._stores_key, "a")
+            return out
+
+        reg._call = call
+        reg.heartbeat("a", 50)
+        reg._call = real
+        assert reg.get_store("a") is None and reg.lookup(keys(2)) == [(), ()]
+    finally:
+        reg.close()

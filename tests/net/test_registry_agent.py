@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import threading
 
 import pytest
 
@@ -185,6 +186,34 @@ def test_store_node_process_registers_directly_in_redis(tmp_path):
         redis.kill()
 
 
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not on PATH")
+def test_a_store_node_killed_and_started_again_under_its_id_is_not_the_owner_of_its_old_blocks(tmp_path):
+    """A store node SIGKILLed (no remove_store) and started again under the same id holds
+    nothing: lookups stop naming it for the blocks of the process before at once, not after
+    block_ttl_s; the blocks the new process stores are reported."""
+    from tiersync.net.registry.redis_backend import RedisRegistry
+
+    redis = RedisProc(str(tmp_path))
+    nodes: list[StoreNodeProc] = []
+    reg = RedisRegistry(redis.url, RegistryConfig(rpc_timeout_s=1.0))
+    try:
+        nodes.append(StoreNodeProc("1MiB", block=4096, registry=redis.url, heartbeat_s=0.2, store_id="node-k"))
+        StoreNodeClient(nodes[0].address, token=TOKEN.encode(), timeout=10).offer_and_push(KEYS[:2], [b"z"] * 2)
+        assert reg.lookup(KEYS[:2]) == [("node-k",)] * 2
+        nodes[0].signal(signal.SIGKILL)
+        nodes[0].proc.wait(15)
+        nodes.append(StoreNodeProc("1MiB", block=4096, registry=redis.url, heartbeat_s=0.2, store_id="node-k"))
+        assert reg.get_store("node-k").address == nodes[1].address
+        assert reg.lookup(KEYS[:2]) == [(), ()]
+        StoreNodeClient(nodes[1].address, token=TOKEN.encode(), timeout=10).offer_and_push(KEYS[1:2], [b"w"])
+        assert reg.lookup(KEYS[:2]) == [(), ("node-k",)]
+    finally:
+        for node in nodes:
+            node.kill()
+        reg.close()
+        redis.kill()
+
+
 def test_a_store_node_on_redis_directly_sweeps_expired_store_records(tmp_path):
     """With ``--registry redis://`` there is no registry process to sweep: the record of every
     store id ever used (a pod's hostname each restart) stayed in the hash, read by each lookup."""
@@ -256,3 +285,31 @@ def test_a_registry_process_with_a_token_takes_only_nodes_that_prove_it(tmp_path
         reg.close()
         outsider.close()
         registry.kill()
+
+
+def test_a_key_stored_while_a_full_publish_runs_is_advertised():
+    """The node commits a block while the agent's full register + publish runs (a snapshot of
+    what it held was taken before): that block is advertised by the next beat. The full publish
+    used to clear the mark its announcement left, so the block stayed unknown to lookups until
+    the next full re-publish (republish_interval_s, 30 min)."""
+    held, new = [bytes([1]) * 16], bytes([2]) * 16
+    gate, inside = threading.Event(), threading.Event()
+
+    class SlowFirstPublish(MemoryRegistry):
+        def publish(self, store_id, keys):
+            if not gate.is_set():
+                inside.set()
+                gate.wait(30)
+            super().publish(store_id, keys)
+
+    reg = SlowFirstPublish()
+    agent = StoreAgent(reg, AgentConfig("s", "127.0.0.1:1"), free_blocks=lambda: 5, held_keys=lambda: list(held))
+    first = threading.Thread(target=agent.beat)
+    first.start()
+    assert inside.wait(30)  # the full publish of the snapshot [held[0]] is under way
+    held.append(new)
+    agent.announce([new])  # not healthy yet: only marked for the next full publish
+    gate.set()
+    first.join(30)
+    agent.beat()
+    assert reg.lookup([held[0], new]) == [("s",), ("s",)]

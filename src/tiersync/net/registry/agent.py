@@ -21,6 +21,7 @@ retried at the next heartbeat). Rules:
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +33,10 @@ from tiersync.net.registry.base import Registry, StoreInfo
 
 log = logging.getLogger(__name__)
 
+REPUBLISH_S = 1800.0
+"""How often an agent re-publishes every key it holds, by default: a registry's block TTL must
+be longer (else held blocks drop out of lookups until the next re-publish)."""
+
 
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
@@ -42,7 +47,7 @@ class AgentConfig:
     address: str
     pool_group: str = ""
     heartbeat_interval_s: float = 300.0
-    republish_interval_s: float = 1800.0
+    republish_interval_s: float = REPUBLISH_S
 
     def __post_init__(self) -> None:
         StoreInfo(self.store_id, self.address, 0, self.pool_group)  # validates the record fields
@@ -76,6 +81,9 @@ class StoreAgent:
         self._dirty = True  # a full register + publish is due
         self._last_full = 0.0
         self.registrations = 0
+        self.incarnation = secrets.randbits(63) + 1
+        """This agent's random id in the store record: the entries an earlier process of the same
+        store id published are not reported as this one's."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -120,10 +128,13 @@ class StoreAgent:
 
     def _register_all(self) -> None:
         cfg = self.config
-        self.registry.register_store(StoreInfo(cfg.store_id, cfg.address, self._free(), cfg.pool_group, self._capacity))
+        info = StoreInfo(cfg.store_id, cfg.address, self._free(), cfg.pool_group, self._capacity, self.incarnation)
+        with self._lock:  # before the snapshot: a key stored meanwhile that announce defers marks it again
+            self._dirty = False
+        self.registry.register_store(info)
         self.registry.publish(cfg.store_id, list(self._held()))
         with self._lock:
-            self._dirty, self._healthy, self._last_full = False, True, self._clock()
+            self._healthy, self._last_full = True, self._clock()
             self.registrations += 1
 
     def _set_health(self, ok: bool) -> bool:

@@ -55,13 +55,16 @@ class RegistryConfig:
 @dataclass(frozen=True, slots=True)
 class StoreInfo:
     """A store node: where it listens, how many free blocks it has (of ``capacity_blocks``;
-    0: not reported), its pool group."""
+    0: not reported), its pool group. ``incarnation``: the node process's random id; a node
+    restarted under the same id (empty) is not reported as the owner of what the process
+    before it published."""
 
     store_id: str
     address: str
     free_blocks: int
     pool_group: str = ""
     capacity_blocks: int = 0
+    incarnation: int = 0
 
     def __post_init__(self) -> None:  # lengths in UTF-8 bytes, as the wire bounds them
         if not isinstance(self.store_id, str) or not self.store_id or len(self.store_id.encode()) > 256:
@@ -74,6 +77,12 @@ class StoreInfo:
             raise UsageError("must be a str (<= 256 bytes in UTF-8)", argument="pool_group")
         if not isinstance(self.capacity_blocks, int) or self.capacity_blocks < 0:
             raise UsageError("must be an int >= 0", argument="capacity_blocks")
+        if (
+            isinstance(self.incarnation, bool)
+            or not isinstance(self.incarnation, int)
+            or not 0 <= self.incarnation < 1 << 64
+        ):
+            raise UsageError("must be an int in [0, 2**64)", argument="incarnation")
 
 
 def check_keys(keys: Sequence[bytes]) -> None:
@@ -102,7 +111,8 @@ class Registry(ABC):
 
     @abstractmethod
     def register_store(self, info: StoreInfo) -> None:
-        """Add or replace a store record; counts as a heartbeat."""
+        """Add or replace a store record; counts as a heartbeat. Another ``incarnation`` than
+        the record's: what the store published before is no longer reported."""
 
     @abstractmethod
     def heartbeat(self, store_id: str, free_blocks: int) -> bool:
@@ -126,7 +136,8 @@ class Registry(ABC):
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> list[tuple[str, ...]]:
-        """Live owners per key, in input order; ``()`` means none known."""
+        """Live owners per key, in input order (entries published by a store's current
+        incarnation only); ``()`` means none known."""
 
     @abstractmethod
     def placement_targets(self, pool_group: str, count: int, exclude: Sequence[str] = ()) -> list[StoreInfo]:

@@ -17,7 +17,7 @@ class MemoryRegistry(Registry):
         self.config = config or RegistryConfig()
         self._clock = clock
         self._stores: dict[str, tuple[StoreInfo, float]] = {}  # id -> (info, expires_at)
-        self._owners: dict[bytes, dict[str, float]] = {}  # key -> {store id: expires_at}
+        self._owners: dict[bytes, dict[str, tuple[float, int]]] = {}  # key -> {store id: (expires_at, incarnation)}
         self._lock = threading.Lock()
 
     def register_store(self, info: StoreInfo) -> None:
@@ -54,7 +54,7 @@ class MemoryRegistry(Registry):
             if entry is None or entry[1] <= now:
                 return
             for key in keys:
-                self._owners.setdefault(key, {})[store_id] = expires
+                self._owners.setdefault(key, {})[store_id] = (expires, entry[0].incarnation)
 
     def unpublish(self, store_id: str, keys: Sequence[bytes]) -> None:
         check_keys(keys)
@@ -70,12 +70,12 @@ class MemoryRegistry(Registry):
         now = self._clock()
         get = self._owners.get
         with self._lock:
-            live = {sid for sid, (_, exp) in self._stores.items() if exp > now}
+            live = {sid: info.incarnation for sid, (info, exp) in self._stores.items() if exp > now}
             out = []
             for key in keys:
                 owners = get(key)
                 if owners:
-                    out.append(tuple(s for s, exp in owners.items() if exp > now and s in live))
+                    out.append(tuple(s for s, (exp, inc) in owners.items() if exp > now and live.get(s, -1) == inc))
                 else:
                     out.append(())
         return out
@@ -93,7 +93,7 @@ class MemoryRegistry(Registry):
         with self._lock:
             for key in list(self._owners):
                 owners = self._owners[key]
-                for sid in [s for s, exp in owners.items() if exp <= now]:
+                for sid in [s for s, (exp, _) in owners.items() if exp <= now]:
                     del owners[sid]
                     dropped += 1
                 if not owners:

@@ -74,10 +74,11 @@ def dec_store_keys(data: bytes) -> tuple[str, tuple[bytes, ...]]:
 
 def _write_info(w: MetaWriter, info: StoreInfo) -> None:
     w.text(info.store_id).text(info.address).u64(info.free_blocks).text(info.pool_group).u64(info.capacity_blocks)
+    w.u64(info.incarnation)
 
 
 def _read_info(r: MetaReader) -> StoreInfo:
-    return StoreInfo(r.text(MAX_TEXT), r.text(MAX_TEXT), r.u64(), r.text(MAX_TEXT), r.u64())
+    return StoreInfo(r.text(MAX_TEXT), r.text(MAX_TEXT), r.u64(), r.text(MAX_TEXT), r.u64(), r.u64())
 
 
 def enc_infos(infos: Sequence[StoreInfo]) -> bytes:

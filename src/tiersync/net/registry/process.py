@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tiersync.errors import TierSyncError
+from tiersync.errors import TierSyncError, UsageError
 from tiersync.net.registry.base import Registry, RegistryConfig
 from tiersync.net.registry.redis_backend import shown_url
 
@@ -51,8 +51,13 @@ def main(
     ``tls``: serve only over TLS (:func:`serve_registry`). With ``token`` every call must prove it (``token_source``, e.g. "$TIERSYNC_TOKEN", is named
     in that line); without one any peer that reaches the port may register stores and publish
     blocks (logged as a warning)."""
+    from tiersync.net.registry.agent import REPUBLISH_S
     from tiersync.net.registry.grpc_service import serve_registry
 
+    if isinstance(block_ttl_s, (int, float)) and 0 < block_ttl_s <= REPUBLISH_S:
+        raise UsageError(
+            f"must exceed {REPUBLISH_S:g} s: store nodes re-publish what they hold that often", argument="block_ttl_s"
+        )
     config = RegistryConfig(
         heartbeat_interval_s=min(heartbeat_interval_s, store_ttl_s), store_ttl_s=store_ttl_s, block_ttl_s=block_ttl_s
     )

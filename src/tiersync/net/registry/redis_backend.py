@@ -2,8 +2,9 @@
 
 Data model (prefix ``config.key_prefix``)::
 
-    <p>stores            hash  store id -> JSON {address, free_blocks, pool_group, expires_at}
-    <p>blk:<16 raw bytes> zset  store id -> expires_at
+    <p>stores            hash  store id -> JSON {address, free_blocks, pool_group, expires_at,
+                               incarnation (hex)}
+    <p>blk:<16 raw bytes> zset  incarnation (8 bytes, big-endian) + store id -> expires_at
 
 Expiry times come from ``clock`` (wall-clock seconds by default, shared by all
 processes using the same Redis). Ownership keys also get a Redis PEXPIRE of
@@ -17,7 +18,6 @@ count (``failures``) and answer ``()`` per key / ``[]`` (a shorter answer).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import re
@@ -29,6 +29,11 @@ from tiersync.net.registry.base import Registry, RegistryConfig, StoreInfo, chec
 from tiersync.net.registry.errors import RegistryUnavailableError
 
 log = logging.getLogger(__name__)
+
+
+def _member(info: StoreInfo) -> bytes:
+    """A store's member of a block's owner set: its incarnation, then its id."""
+    return info.incarnation.to_bytes(8, "big") + info.store_id.encode()
 
 
 def shown_url(url: str) -> str:
@@ -65,6 +70,21 @@ end
 return dropped
 """
 
+# A heartbeat in one step: refreshes KEYS[1][ARGV[1]] (free_blocks ARGV[3], expires_at ARGV[4])
+# only while its record is there and live at ARGV[2] (a remove_store in between is not undone).
+_HEARTBEAT = """
+local blob = redis.call('HGET', KEYS[1], ARGV[1])
+if not blob then return 0 end
+local ok, rec = pcall(cjson.decode, blob)
+if not ok or type(rec) ~= 'table' then return 0 end
+local at = tonumber(rec['expires_at'])
+if at == nil or at <= tonumber(ARGV[2]) then return 0 end
+rec['free_blocks'] = tonumber(ARGV[3])
+rec['expires_at'] = tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(rec))
+return 1
+"""
+
 
 class RedisRegistry(Registry):
     """:class:`Registry` over Redis at ``url`` (e.g. ``redis://127.0.0.1:6379/0``)."""
@@ -83,6 +103,7 @@ class RedisRegistry(Registry):
         p = self.config.key_prefix.encode()
         self._stores_key, self._blk, self._once = p + b"stores", p + b"blk:", p + b"once:"
         self._sweep = self._redis.register_script(_SWEEP)
+        self._heartbeat = self._redis.register_script(_HEARTBEAT)
 
     def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
         try:
@@ -98,12 +119,16 @@ class RedisRegistry(Registry):
                 "pool_group": info.pool_group,
                 "capacity_blocks": info.capacity_blocks,
                 "expires_at": expires_at,
+                "incarnation": f"{info.incarnation:x}",  # a string: Lua's numbers are doubles
             }
         )
 
     @staticmethod
     def _info(store_id: str, rec: dict[str, Any]) -> StoreInfo:
-        return StoreInfo(store_id, rec["address"], rec["free_blocks"], rec["pool_group"], rec.get("capacity_blocks", 0))
+        incarnation = int(rec.get("incarnation", "0"), 16)
+        return StoreInfo(
+            store_id, rec["address"], rec["free_blocks"], rec["pool_group"], rec.get("capacity_blocks", 0), incarnation
+        )
 
     def _parsed(self, sid: str, blob: bytes | str) -> tuple[StoreInfo, float] | None:
         """A store's record and its expiry, or None for a record that does not parse (Redis is
@@ -130,11 +155,9 @@ class RedisRegistry(Registry):
         self._call(self._redis.hset, self._stores_key, info.store_id, record)
 
     def heartbeat(self, store_id: str, free_blocks: int) -> bool:
-        info = self.get_store(store_id)
-        if info is None:
-            return False
-        self.register_store(dataclasses.replace(info, free_blocks=free_blocks))
-        return True
+        now = self._clock()
+        args = [store_id, repr(now), int(free_blocks), repr(now + self.config.store_ttl_s)]
+        return bool(self._call(self._heartbeat, [self._stores_key], args))
 
     def remove_store(self, store_id: str) -> None:
         self._call(self._redis.hdel, self._stores_key, store_id)
@@ -147,13 +170,14 @@ class RedisRegistry(Registry):
     def publish(self, store_id: str, keys: Sequence[bytes]) -> None:
         """As the memory registry: keys of a store that is not registered and live are ignored."""
         check_keys(keys)
-        if self.get_store(store_id) is None:
+        info = self.get_store(store_id)
+        if info is None:
             return
-        now = self._clock()
+        now, member = self._clock(), _member(info)
         expires, ttl_ms = now + self.config.block_ttl_s, int(self.config.block_ttl_s * 1000)
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
-            pipe.zadd(self._blk + key, {store_id: expires})
+            pipe.zadd(self._blk + key, {member: expires})
             pipe.zremrangebyscore(self._blk + key, "-inf", repr(now))  # owners whose entry ran out
             pipe.pexpire(self._blk + key, ttl_ms)
         self._call(pipe.execute)
@@ -166,10 +190,14 @@ class RedisRegistry(Registry):
         return int(self._call(self._sweep, [self._stores_key], [repr(self._clock())]))
 
     def unpublish(self, store_id: str, keys: Sequence[bytes]) -> None:
+        """The current incarnation's entries (those of an earlier one are not reported, and run out)."""
         check_keys(keys)
+        info = self.get_store(store_id)
+        if info is None:
+            return
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
-            pipe.zrem(self._blk + key, store_id)
+            pipe.zrem(self._blk + key, _member(info))
         self._call(pipe.execute)
 
     def lookup(self, keys: Sequence[bytes]) -> list[tuple[str, ...]]:
@@ -186,11 +214,10 @@ class RedisRegistry(Registry):
             self._degraded("lookup", exc)
             return [()] * len(keys)
         names = {sid.decode(errors="replace"): blob for sid, blob in results[0].items()}
-        live = {sid for sid, blob in names.items() if (p := self._parsed(sid, blob)) is not None and p[1] > now}
-        out = []
-        for members in results[1:]:
-            out.append(tuple(m.decode() for m in members if m.decode() in live))
-        return out
+        live = {
+            _member(p[0]) for sid, blob in names.items() if (p := self._parsed(sid, blob)) is not None and p[1] > now
+        }
+        return [tuple(m[8:].decode() for m in members if m in live) for members in results[1:]]
 
     def placement_targets(self, pool_group: str, count: int, exclude: Sequence[str] = ()) -> list[StoreInfo]:
         try:
