@@ -90,6 +90,27 @@ def test_invalidate_turns_hits_into_misses_and_frees_the_slot():
     assert m.lookup([k(1)]) == 0 and m.lookup([k(2)]) == 0
 
 
+def test_an_invalidated_key_a_load_still_reads_keeps_its_slot_until_released():
+    """A request's load of K from disk is under way (K pinned, its slot being filled) when
+    another request's host hit on K fails and the worker reports it bad: K stops being a hit,
+    but its slot is not handed to the next store while the first load still reads or writes
+    it (that store's block and K's bytes would mix: a wrong load, or K's bytes on disk under
+    another key). It is free once the load released K; a held one once its disk write ended."""
+    m = OffloadManager(OffloadConfig(num_slots=2, storage=True))
+    m.add_storage([k(1)])
+    load = m.prepare_load([k(1)])
+    m.invalidate([k(1)])
+    assert m.residency(k(1)) == Residency.STORAGE and m.num_parked_slots == 1  # a disk hit only
+    store = m.prepare_store([k(2), k(3)])
+    assert store.keys == (k(2),) and load.slots[0] not in store.slots  # the other slot only
+    m.release(load.keys)
+    assert m.num_parked_slots == 0 and m.num_free_slots == 1
+    m.invalidate([k(2)])  # held for its disk write
+    assert m.num_parked_slots == 1 and m.prepare_store([k(4)]).slots == (load.slots[0],)
+    m.storage_done([], failed=[k(2)])
+    assert m.num_parked_slots == 0 and m.num_free_slots == 1
+
+
 def test_disk_hit_without_a_slot_shortens_the_load():
     m = OffloadManager(OffloadConfig(num_slots=1, storage=True))
     m.add_storage([k(1), k(2)])
@@ -124,8 +145,9 @@ ops = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, slots=st.integers(1, 5), storage=st.booleans())
 def test_slots_are_never_shared_and_pins_keep_hosts(ops, slots, storage):
-    """Invariant: every slot is free or holds exactly one host-resident key; a pinned key
-    keeps its host copy and its slot; free + used == num_slots."""
+    """Invariant: every slot is free, parked (an invalidated key's, still pinned or held) or
+    holds exactly one host-resident key; free + parked + used == num_slots; a parked slot is
+    nobody's host copy."""
     m = OffloadManager(OffloadConfig(num_slots=slots, storage=storage))
     pinned: list[bytes] = []
     slot_of: dict[bytes, int] = {}
@@ -148,7 +170,8 @@ def test_slots_are_never_shared_and_pins_keep_hosts(ops, slots, storage):
             m.invalidate(keys, storage=bool(ids[0] % 2))
         hosts = {key: slot_of[key] for key in slot_of if m.residency(key) & Residency.HOST}
         assert len(set(hosts.values())) == len(hosts)
-        assert len(hosts) + m.num_free_slots == slots
+        assert len(hosts) + m.num_free_slots + m.num_parked_slots == slots
+        assert not {s for v in m._parked.values() for s in v} & set(hosts.values())
         for key in pinned:
             assert m.pins(key) >= 1
 

@@ -98,6 +98,7 @@ class OffloadManager:
         self.config = config
         self._index = PinIndex(POLICIES[config.policy](), POLICIES[config.policy]())
         self._free = list(range(config.num_slots - 1, -1, -1))
+        self._parked: dict[bytes, list[int]] = {}  # slots of invalidated keys still pinned or held
         self._changes: list[TierChange] = []
         self.evictions = 0
 
@@ -110,6 +111,11 @@ class OffloadManager:
     @property
     def num_free_slots(self) -> int:
         return len(self._free)
+
+    @property
+    def num_parked_slots(self) -> int:
+        """Slots of invalidated keys that a load or a disk write still uses: free once it ends."""
+        return sum(len(v) for v in self._parked.values())
 
     def residency(self, key: bytes) -> Residency:
         e = self._index.get(key)
@@ -160,6 +166,7 @@ class OffloadManager:
         """Drop one pin per key (all-or-nothing; :class:`UsageError` for an unpinned key)."""
         check_keys(keys, nbytes=KEY_NBYTES)
         self._index.unpin(keys)
+        self._unpark(keys)
 
     # -- stores -------------------------------------------------------------------
     def prepare_store(self, keys: Sequence[bytes]) -> StoreSpec:
@@ -200,6 +207,7 @@ class OffloadManager:
                 self._index.mark(e, Residency.STORAGE, True)
                 self._note(k, Residency.STORAGE, True)
             self._index.unhold([e])
+            self._unpark([k])
 
     def add_storage(self, keys: Iterable[bytes]) -> int:
         """Record disk copies found by a directory scan; returns how many were new."""
@@ -215,13 +223,18 @@ class OffloadManager:
     def invalidate(self, keys: Iterable[bytes], *, storage: bool = False) -> None:
         """The worker found ``keys`` missing or corrupt in their slot (and on disk when
         ``storage``): they stop being hits. Pins and holds are kept (the entry becomes
-        a tombstone until they are dropped)."""
+        a tombstone until they are dropped), and so is the slot of a pinned or held key: a
+        load or disk write still under way uses it, and it is free once that ended."""
         for k in keys:
             e = self._index.get(k)
             if e is None:
                 continue
             if e.residency & Residency.HOST:
-                self._free_slot(self._index.clear(e, Residency.HOST))
+                slot = self._index.clear(e, Residency.HOST)
+                if slot is not None and (e.pins or e.busy):
+                    self._parked.setdefault(k, []).append(slot)
+                else:
+                    self._free_slot(slot)
                 self._note(k, Residency.HOST, False)
             if storage and e.residency & Residency.STORAGE:
                 self._index.clear(e, Residency.STORAGE)
@@ -250,3 +263,10 @@ class OffloadManager:
     def _free_slot(self, slot: int | None) -> None:
         if slot is not None:
             self._free.append(slot)
+
+    def _unpark(self, keys: Iterable[bytes]) -> None:
+        """Free the parked slots of ``keys`` no longer pinned nor held."""
+        for k in keys:
+            e = self._index.get(k)
+            if k in self._parked and (e is None or not (e.pins or e.busy)):
+                self._free.extend(self._parked.pop(k))
