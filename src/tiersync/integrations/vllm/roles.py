@@ -165,7 +165,8 @@ class OffloadWorkerRole(ConnectorRole):
 
     def wait_for_save(self, meta: object) -> None:
         # saves go in here, whole steps at once: a CPU "device" copy is one memcpy per block
-        self.worker.run_saves(_expect(meta, StepMeta).saves)
+        step = _expect(meta, StepMeta)
+        self.worker.run_saves(step.saves, step.generation)
 
     def weights_updated(self) -> None:
         self.worker.weights_updated()

@@ -8,6 +8,7 @@ recomputes those tokens: wrong bytes are never loaded.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -26,6 +27,8 @@ from tiersync.transfer.engine import TransferConfig, TransferEngine
 from tiersync.transfer.future import TransferFuture
 
 __all__ = ["OffloadWorker", "block_major"]
+
+log = logging.getLogger(__name__)
 
 YIELD_S = 0.002
 
@@ -69,6 +72,9 @@ class OffloadWorker:
         self._load: TransferFuture | None = None
         self._load_blocks: list[int] = []
         self._load_errors: set[int] = set()  # under _lock, as _loaded: the loader thread adds to both
+        self._sync_loads: dict[str, tuple[int, ...]] = {}  # this step's loads before the forward, by request
+        self._tainted: set[str] = set()  # requests whose saves last step were computed on a failed load
+        self._late: dict[int, Any] = {}  # slot -> a disk read into it that outlived its timeout (under _lock)
         self._loaded: set[str] = set()
         self._running = 0  # background loads submitted and not yet reported
         self._load_ended = threading.Event()
@@ -108,6 +114,7 @@ class OffloadWorker:
         and post one host->engine copy for all of them, waited layer by layer. Jobs planned
         under an older weights ``generation`` are refused: every block a load error."""
         self._load, self._load_blocks = None, []
+        self._sync_loads = {job.req_id: job.device_blocks for job in jobs if not job.background}
         if generation < self.generation:
             return self._refuse(jobs)
         runs, t0 = [], time.perf_counter()
@@ -155,7 +162,11 @@ class OffloadWorker:
             if runs:
                 load = self._engine.h2d(runs)
                 self._count_load(t0, len(runs), load)
-                load.result(self._timeout)
+                try:
+                    load.result(self._timeout)
+                except TimeoutError:
+                    _wait_out(load)
+                    raise
         except (TierSyncError, TimeoutError, OSError):
             with self._lock:
                 self._load_errors.update(job.device_blocks)
@@ -205,22 +216,35 @@ class OffloadWorker:
     def _read_disk(self, keys: list[bytes], slots: list[int]) -> None:
         for s in slots:
             self._slot_key[s] = None
-        if self._storage is None:
-            bad = set(keys)
-        else:
-            try:
-                status = self._storage.read(keys, [self._arena.block(s) for s in slots]).result(self._timeout)
-            except (TierSyncError, OSError, TimeoutError):
-                status = [ReadStatus.UNREADABLE] * len(keys)
-            bad = set()
-            for k, s, st in zip(keys, slots, status):
-                if st is ReadStatus.OK:
-                    self._slot_key[s] = k
-                else:
-                    bad.add(k)
+        late = self._late_slots()  # a read there would race one still writing: not read, a host miss
+        todo = [(k, s) for k, s in zip(keys, slots) if s not in late]
+        status = self._read_into(todo) if self._storage is not None else [ReadStatus.UNREADABLE] * len(todo)
+        bad = set()
+        for (k, s), st in zip(todo, status):
+            if st is ReadStatus.OK:
+                self._slot_key[s] = k
+            else:
+                bad.add(k)
         with self._lock:
             self._report.bad_disk.update(bad)
-            self._stats.add("load_bytes_disk", (len(keys) - len(bad)) * self._arena.block_nbytes)
+            self._report.bad_slots.update(k for k, s in zip(keys, slots) if s in late)
+            self._stats.add("load_bytes_disk", (len(todo) - len(bad)) * self._arena.block_nbytes)
+
+    def _read_into(self, todo: list[tuple[bytes, int]]) -> list[ReadStatus]:
+        """Read each key into its slot from disk; a read past the timeout is UNREADABLE, and
+        its slots are not used until it ended (it still writes into them)."""
+        if not todo:
+            return []
+        assert self._storage is not None  # _read_disk reads only with a storage tier
+        read = self._storage.read([k for k, _ in todo], [self._arena.block(s) for _, s in todo])
+        try:
+            return list(read.result(self._timeout))
+        except TimeoutError:
+            with self._lock:
+                self._late.update((s, read) for _, s in todo)
+        except (TierSyncError, OSError):
+            pass
+        return [ReadStatus.UNREADABLE] * len(todo)
 
     def wait_layer(self, name: str) -> None:
         """Block until ``name``'s KV of this step's loads is in place. A failed or late
@@ -231,7 +255,9 @@ class OffloadWorker:
             return
         try:
             f.wait_layer(idx, timeout=self._timeout)
-        except (TierSyncError, TimeoutError, OSError):
+        except (TierSyncError, TimeoutError, OSError) as exc:
+            if isinstance(exc, TimeoutError):
+                _wait_out(f)
             with self._lock:
                 self._load_errors.update(self._load_blocks)
             self._load = None
@@ -243,11 +269,28 @@ class OffloadWorker:
         return out
 
     # -- saves ----------------------------------------------------------------------
-    def run_saves(self, jobs: Sequence[SaveJob]) -> None:
+    def run_saves(self, jobs: Sequence[SaveJob], generation: int = 0) -> None:
         """Copy this step's new full blocks to their slots (synchronously: the engine may
-        reuse the blocks after this returns), then start their disk writes."""
+        reuse the blocks after this returns), then start their disk writes. Refused (their
+        keys reported bad, so they are misses) are the saves of a step planned under older
+        weights (KV of the new weights under the old weights' keys, on disk for an engine
+        restarted on the old checkpoint), and those of a request whose load before the forward
+        failed, this step or the one before (blocks computed attending to blocks that never
+        loaded: vLLM recomputes the request, but these were cached already)."""
         if self._load is not None:  # the forward is over: every layer has been waited
             self._load = None
+        with self._lock:
+            failed = {r for r, blocks in self._sync_loads.items() if self._load_errors.intersection(blocks)}
+        self._sync_loads, tainted, self._tainted = {}, failed | self._tainted, failed
+        late = self._late_slots()  # a save there would race a disk read still writing
+        refused = [
+            j
+            for j in jobs
+            if generation < self.generation or j.req_id in tainted or any(s in late for s in j.spec.slots)
+        ]
+        if refused:
+            self._refuse_saves(refused)
+            jobs = [j for j in jobs if j not in refused]
         runs = [(dev, slot, 1) for job in jobs for dev, slot in zip(job.device_blocks, job.spec.slots)]
         if not runs:
             return
@@ -270,6 +313,24 @@ class OffloadWorker:
                 self._slot_key[s] = k
             if job.spec.to_storage:
                 self._write_disk(job)
+
+    def _late_slots(self) -> set[int]:
+        """Slots a disk read that outlived its timeout still writes into (those that ended are
+        forgotten)."""
+        with self._lock:
+            for s in [s for s, f in self._late.items() if f.done()]:
+                del self._late[s]
+            return set(self._late)
+
+    def _refuse_saves(self, jobs: Sequence[SaveJob]) -> None:
+        """Save nothing of ``jobs``: their slots hold no key, their keys are reported bad (and
+        their disk writes failed, which ends the scheduler's holds)."""
+        for job in jobs:
+            for s in job.spec.slots:
+                self._slot_key[s] = None
+        with self._lock:
+            self._report.bad_slots.update(k for job in jobs for k in job.spec.keys)
+            self._report.stored_failed.update(k for job in jobs if job.spec.to_storage for k in job.spec.keys)
 
     def _write_disk(self, job: SaveJob) -> None:
         keys = list(job.spec.keys)
@@ -306,3 +367,11 @@ class OffloadWorker:
             if closer is not None:
                 closer.close()
         self._storage = self._engine = self._arena = None
+
+
+def _wait_out(copy: TransferFuture) -> None:
+    """Wait for a host -> engine copy that outlived its timeout to end (no timeout): its request
+    is then reported failed, and vLLM hands its blocks to other requests, which a copy still
+    writing would overwrite."""
+    log.warning("a host -> engine copy outlived its timeout; waiting for it to end")
+    copy.exception()
