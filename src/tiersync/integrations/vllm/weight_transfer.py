@@ -19,8 +19,9 @@ host buffer until the reload is final, so no later version can mix into it.
 KV of the old weights: ``finish_weight_update`` tells the tiersync KV connector, when the
 engine runs one (``kv_both``), that the weights changed: its keys follow the new weights from
 then on, and a load the scheduler planned before it learned of the change is refused (vLLM
-recomputes those blocks). The scheduler hears of it with the next step's report and moves to
-new keys then (blocks saved in that one step are abandoned: correct, not reused). vLLM's own
+recomputes those blocks), and so are the saves of a step planned before it (KV of the new
+weights under the old weights' keys: on disk, an engine restarted on the old checkpoint would
+load it). The scheduler hears of it with the next step's report and moves to new keys then. vLLM's own
 prefix cache is the scheduler's: the trainer side resets it, and the connector's namespace,
 after ``finish_weight_update`` (``reset_prefix_cache``).
 """
