@@ -259,8 +259,9 @@ def test_a_password_in_the_redis_url_is_never_shown(url, shown):
 def test_a_store_restarted_under_its_id_is_not_reported_with_what_it_held_before(registry):
     """A store node restarted on the same id (its host:port by default) comes back empty: what
     the process before published is not reported as this one's (a lookup named it as the owner
-    of blocks it no longer had, for up to block_ttl_s); what it publishes now is."""
-    reg, _ = registry
+    of blocks it no longer had, for up to block_ttl_s); what it publishes now is. An unpublish
+    while the record ran out still removes the entries (they came back with it before)."""
+    reg, clock = registry
     ks = keys(4)
     reg.register_store(StoreInfo("a", "127.0.0.1:7001", 100, "g1", incarnation=11))
     reg.publish("a", ks)
@@ -274,6 +275,10 @@ def test_a_store_restarted_under_its_id_is_not_reported_with_what_it_held_before
     assert reg.lookup(ks) == [("a",), ("a",), (), ()]
     reg.unpublish("a", ks[:1])
     assert reg.lookup(ks) == [(), ("a",), (), ()]
+    clock.now += CFG.store_ttl_s + 1  # the record ran out (a stalled node): its entries are still its own
+    reg.unpublish("a", ks[1:2])
+    reg.register_store(StoreInfo("a", "127.0.0.1:7001", 100, "g1", incarnation=22))  # back, same process
+    assert reg.lookup(ks) == [()] * 4
 
 
 def test_a_redis_heartbeat_does_not_bring_back_a_store_removed_while_it_ran(redis_url):

@@ -174,6 +174,7 @@ def test_close_ends_a_publish_waiting_for_a_silent_sampler_and_cancels_the_queue
     channel = TcpTransport(TcpConfig(token=TOKEN), WEIGHTS).connect(pub.address)
     try:
         assert isinstance(_register(channel, 0, "silent"), Welcome)
+        pub.wait_for_samplers(1, 30)  # it takes part once its W_WELCOME was written
         running, queued = pub.publish(1), pub.publish(2)
         announced = channel.receive(timeout=30)  # publish 1 runs (else close would cancel it too)
         assert isinstance(announced, Announce) and announced.manifest.version == 1

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tiersync.errors import ClosedError
+from tiersync.errors import ClosedError, RemoteError
 from tiersync.weights.config import ReceiveResult
 from tiersync.weights.version_queue import Announced, VersionQueue
 
@@ -115,6 +115,7 @@ def test_a_restarted_trainer_numbers_its_versions_again_and_each_is_synced():
     q = VersionQueue()
     for v in (1, 2, 3):
         q.announced(_at(v))
+    before = q.receive(9)  # waits on the old numbering, which the restart ends
     q.settle(2, _result(2), None)
     q.settle(3, None, RuntimeError("trainer died"))
     assert isinstance(q.receive(3).exception(0), RuntimeError) and q.receive(1).result(0).version == 2
@@ -122,6 +123,7 @@ def test_a_restarted_trainer_numbers_its_versions_again_and_each_is_synced():
     for v in (2, 3, 3):
         q.announced(_at(v, 1, new))
     q.announced(_at(4, 0))  # a reader thread that read the epoch before the restart: no step back
+    assert isinstance(before.exception(0), RemoteError) and "restarted" in str(before.exception(0))
     assert not q.receive(1).done()  # the new numbering's 1 or later: not the old 2
     assert [q.next() for _ in range(6)] == [_at(1), _at(2), _at(3), _at(2, 1, new), _at(3, 1, new), _at(4, 0)]
     waiting = q.receive(3)  # the new incarnation's 3 is coming: not the old one's failure

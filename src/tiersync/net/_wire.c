@@ -80,7 +80,7 @@
 #define HDR 64
 #define OP_DATA 21
 #define ALGO_TSUM64 1
-#define VERSION 6  /* tiersync.net.frames.VERSION: a test checks they agree (_wire.VERSION) */
+#define VERSION 7  /* tiersync.net.frames.VERSION: a test checks they agree (_wire.VERSION) */
 
 /* The first 64 bytes of XXH3's default secret (kSecret): all the 33..64-byte path reads. */
 static const unsigned char XXH_SECRET[64] = {

@@ -43,10 +43,11 @@ from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.transfer import kernel
 
 MAGIC = b"TSYN"
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 # 2: payload checksum negotiation; 3: service vocabularies, host identity in HELLO/READY; 4: LOCAL_REPLY
 # mapping; 5: each end's max_frame_size in HELLO/READY; 6: LOCAL_REPLY's mapping has a file offset
-# and may hold only some of the regions
+# and may hold only some of the regions; 7: weight sync's W_WELCOME, W_GET and W_SUMS carry the
+# trainer's incarnation
 HEADER_SIZE = 64
 _HEADER = struct.Struct("<4sHHIQIQQQB7sQ")
 _RESERVED = bytes(7)

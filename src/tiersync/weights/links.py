@@ -157,6 +157,10 @@ class TrainerLinks:
                     log.log(log_level(exc), "trainer shard %s: registering again failed: %s", shard.rank, exc)
                     wait = min(_BACKOFF_S[1], wait * 2)
                     continue
+                except Exception:  # what no path foresaw (a socket option refused): tried again all the same
+                    log.exception("trainer shard %s: registering again failed", shard.rank)
+                    wait = min(_BACKOFF_S[1], wait * 2)
+                    continue
                 with self._cond:
                     if self._closed:
                         got[0].close()

@@ -7,7 +7,8 @@ A version is :class:`Announced`: its number and what the trainer shards were whe
 announced. A restarted trainer announces numbers again, and each is synced; once one of a later
 epoch (:mod:`~tiersync.weights.links`) is announced, :meth:`VersionQueue.receive` compares
 numbers with the new numbering only (the failures and the active version of the one before are
-forgotten, and what versions of an earlier epoch settle later is not reported).
+forgotten, a future still waiting on the old numbering fails with RemoteError, and what versions
+of an earlier epoch settle later is not reported).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from tiersync.errors import ClosedError, UsageError
+from tiersync.errors import ClosedError, RemoteError, UsageError
 from tiersync.weights.config import ReceiveResult
 
 __all__ = ["Announced", "VersionQueue"]
@@ -58,13 +59,18 @@ class VersionQueue:
     def announced(self, got: Announced) -> None:
         """A trainer shard announced ``got``: queue it for the sync loop (once per version and
         state of the shards: every shard announces each version)."""
+        stale: list[Future[ReceiveResult]] = []
         with self._lock:
             if (got.version, got.shards) not in self._queued:
-                if got.epoch > self._epoch:  # another numbering: its failures and its last version
+                if got.epoch > self._epoch:  # another numbering: its failures, its last version, its waiters
                     self._failed.clear()
                     self._last, self._epoch = None, got.epoch
+                    stale = [f for waiting in self._waiters.values() for f in waiting]
+                    self._waiters.clear()
                 self._queued[(got.version, got.shards)] = None
                 self._queue.put(got)
+        for f in stale:  # outside the lock, as in settle
+            f.set_exception(RemoteError("a trainer shard restarted: its versions are numbered anew"))
 
     def next(self) -> Announced | None:
         """The next announced version to sync (blocking); None once stopped."""

@@ -298,9 +298,12 @@ class OffloadWorker:
             for s in job.spec.slots:
                 self._slot_key[s] = None
         t0 = time.perf_counter()
+        copy = self._engine.d2h(runs)
         try:
-            self._engine.d2h(runs).result(self._timeout)
-        except (TierSyncError, TimeoutError, OSError):
+            copy.result(self._timeout)
+        except (TierSyncError, TimeoutError, OSError) as exc:
+            if isinstance(exc, TimeoutError):
+                _wait_out(copy)  # the slots go back to the scheduler: nothing may write them after
             with self._lock:
                 self._report.bad_slots.update(k for job in jobs for k in job.spec.keys)
                 self._report.stored_failed.update(k for job in jobs if job.spec.to_storage for k in job.spec.keys)
@@ -370,8 +373,8 @@ class OffloadWorker:
 
 
 def _wait_out(copy: TransferFuture) -> None:
-    """Wait for a host -> engine copy that outlived its timeout to end (no timeout): its request
-    is then reported failed, and vLLM hands its blocks to other requests, which a copy still
+    """Wait for a copy between host slots and the engine's blocks that outlived its timeout to
+    end (no timeout): its failure then frees blocks or slots to others, which a copy still
     writing would overwrite."""
-    log.warning("a host -> engine copy outlived its timeout; waiting for it to end")
+    log.warning("a %s copy outlived its timeout; waiting for it to end", copy.direction.value)
     copy.exception()

@@ -192,12 +192,13 @@ class RedisRegistry(Registry):
     def unpublish(self, store_id: str, keys: Sequence[bytes]) -> None:
         """The current incarnation's entries (those of an earlier one are not reported, and run out)."""
         check_keys(keys)
-        info = self.get_store(store_id)
-        if info is None:
+        blob = self._call(self._redis.hget, self._stores_key, store_id)
+        parsed = None if blob is None else self._parsed(store_id, blob)  # expired or not: its entries
+        if parsed is None:
             return
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
-            pipe.zrem(self._blk + key, _member(info))
+            pipe.zrem(self._blk + key, _member(parsed[0]))
         self._call(pipe.execute)
 
     def lookup(self, keys: Sequence[bytes]) -> list[tuple[str, ...]]:
