@@ -137,3 +137,26 @@ def test_a_session_ended_by_another_thread_keeps_its_socket_until_the_worker_han
     finally:
         leave.set()
         server.close()
+
+
+@pytest.mark.parametrize(
+    ("mode", "ip", "expected"),
+    [
+        ("AUTO", "127.0.0.1", False),  # this kernel's loopback: copied (the reader's copy costs the host more)
+        ("AUTO", "::1", False),
+        ("AUTO", "192.0.2.7", True),  # TEST-NET-1: another host's address, by reference
+        ("ALWAYS", "127.0.0.1", True),
+        ("NEVER", "192.0.2.7", False),
+    ],
+)
+def test_pinned_data_goes_by_reference_only_to_peers_off_this_hosts_loopback_unless_forced(mode, ip, expected):
+    from tiersync.net.config import ByReference
+    from tiersync.net.responder import by_reference
+
+    assert by_reference(ByReference[mode], ip) is expected
+
+
+def test_the_by_reference_setting_is_validated_naming_it():
+    with pytest.raises(TierSyncError) as info:
+        TcpConfig(by_reference="always")
+    assert "by_reference" in str(info.value)

@@ -286,18 +286,22 @@ def test_a_w_sums_may_not_ask_the_trainer_to_read_more_than_the_tensor():
         server.close()
 
 
-@pytest.mark.parametrize("pinned", [True, False])
-def test_a_pinned_answer_changed_before_it_was_read_is_refused_never_taken(pinned):
-    """A trainer's DATA goes by reference (``SpanService(pinned=True)``): the sampler reads the
-    trainer's pages when it reads the socket. Bytes changed after the answer was written but
-    before it was read reach the sampler as a frame it refuses (BAD_CHECKSUM: the sum was taken
-    of the bytes as they were), never as other bytes; copied (not pinned), the old bytes arrive."""
-    from tiersync.net.config import TcpConfig
+@pytest.mark.parametrize(
+    ("pinned", "mode", "by_reference"),
+    [(True, "ALWAYS", True), (False, "ALWAYS", False), (True, "AUTO", False), (True, "NEVER", False)],
+)
+def test_a_pinned_answer_changed_before_it_was_read_is_refused_never_taken(pinned, mode, by_reference):
+    """A trainer's DATA goes by reference (``SpanService(pinned=True)``, ``ByReference.ALWAYS``):
+    the sampler reads the trainer's pages when it reads the socket. Bytes changed after the
+    answer was written but before it was read reach the sampler as a frame it refuses
+    (BAD_CHECKSUM: the sum was taken of the bytes as they were), never as other bytes; copied
+    (not pinned; ``NEVER``; ``AUTO`` to this peer on the loopback), the old bytes arrive."""
+    from tiersync.net.config import ByReference, TcpConfig
     from tiersync.net.socket_io import _wire
     from tiersync.net.tcp import TcpTransport
     from tiersync.weights.serving import SpanService
 
-    if pinned and _wire is None:
+    if by_reference and _wire is None:
         pytest.skip("the native extension is not built here")
     shard = np.random.default_rng(5).integers(0, 255, 256 << 10, dtype=np.uint8)  # queued whole, unread
     before, written = shard.copy(), threading.Event()
@@ -306,14 +310,14 @@ def test_a_pinned_answer_changed_before_it_was_read_is_refused_never_taken(pinne
         shard[:] = 7
         written.set()
 
-    transport = TcpTransport(TcpConfig(token=b"k" * 32), WEIGHTS)
+    transport = TcpTransport(TcpConfig(token=b"k" * 32, by_reference=ByReference[mode]), WEIGHTS)
     server = transport.serve("127.0.0.1:0", SpanService(lambda *_: (shard, release), 5.0, pinned=pinned))
     channel = transport.connect(server.address)
     try:
         rid = channel.new_request_id()
         channel.send(Get(rid, 1, "w", (0,), StridedSpan(0, shard.size)))
         assert written.wait(10)
-        if pinned:
+        if by_reference:
             with pytest.raises(ProtocolError) as info:
                 channel.next_answer(rid, timeout=10)
             assert info.value.fault is ProtocolFault.BAD_CHECKSUM

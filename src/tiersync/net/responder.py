@@ -20,18 +20,24 @@ from typing import cast
 
 from tiersync.errors import ClosedError, TierSyncError, UsageError
 from tiersync.net import events as ev
-from tiersync.net.config import TcpConfig
+from tiersync.net.config import ByReference, TcpConfig
 from tiersync.net.errors import NetTimeoutError, ProtocolError
 from tiersync.net.handshake import ServerHandshake
+from tiersync.net.local import local_address
 from tiersync.net.protocol import NEED_DATA, Connection, Role
 from tiersync.net.service import PeerInfo, Service, Session
 from tiersync.net.socket_io import Deadline, peer_ip, write_nonblocking
 from tiersync.net.vocab import Vocabulary
 
-__all__ = ["Responder", "ServerSession"]
+__all__ = ["Responder", "ServerSession", "by_reference"]
 
 log = logging.getLogger(__name__)
 _BATCH = 16  # most buffered requests answered in one turn (one send)
+
+
+def by_reference(mode: ByReference, peer_ip: str) -> bool:
+    """Whether pinned DATA to a peer at ``peer_ip`` goes by reference (see :class:`ByReference`)."""
+    return mode is ByReference.ALWAYS or (mode is ByReference.AUTO and not local_address(peer_ip))
 
 
 class ServerSession(Session):
@@ -57,6 +63,7 @@ class ServerSession(Session):
         self.tls_pending = isinstance(sock, ssl.SSLSocket)
         self.registered = False  # in the selector (loop thread only)
         self.busy = False  # a worker uses the socket (loop thread only: set on hand-out, cleared on hand-back)
+        self._by_reference: bool | None = None  # known at the first pinned write
         self.opened = False
         self._closed = False
 
@@ -76,12 +83,18 @@ class ServerSession(Session):
             if not self.wlock.acquire(timeout=deadline.remaining()):
                 raise NetTimeoutError("another write to this peer did not end in time", peer=self.peer)
             try:
-                write_nonblocking(self.sock, bufs, deadline, pinned=pinned)
+                write_nonblocking(self.sock, bufs, deadline, pinned=pinned and self._pinned_by_reference())
             finally:
                 self.wlock.release()
         except (TierSyncError, OSError):
             self.close()
             raise
+
+    def _pinned_by_reference(self) -> bool:
+        """Whether this session's pinned DATA goes by reference (:class:`ByReference`)."""
+        if self._by_reference is None:
+            self._by_reference = by_reference(self._config.by_reference, self.hs.peer_ip)
+        return self._by_reference
 
     def close(self) -> None:
         self._end(self)
