@@ -24,6 +24,7 @@ from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError
 from tiersync.net.frames import EMPTY_META_CHECKSUM, HEADER_SIZE, SUPPORTED, PayloadChecksum
 from tiersync.net.pieces import byte_views
 from tiersync.net.protocol import NEED_DATA, Connection
+from tiersync.net.socket_users import SocketUsers, in_use
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -185,6 +186,7 @@ class FramedSocket:
         self._hview = memoryview(bytearray(HEADER_SIZE))
         self._tls = isinstance(sock, ssl.SSLSocket)
         self._armed = {socket.SO_RCVTIMEO: 0.0, socket.SO_SNDTIMEO: 0.0}
+        self._users = SocketUsers(sock, peer)
         if not self._tls:
             sock.settimeout(None)
 
@@ -222,6 +224,7 @@ class FramedSocket:
             bufs = self.conn.send(event)
         self.send_buffers(bufs, deadline)
 
+    @in_use
     def send_buffers(self, bufs: Sequence[bytes | memoryview], deadline: Deadline) -> None:
         """Write encoded frames (``Connection.send`` output, possibly several concatenated)."""
         if _wire is not None and not self._tls:  # MSG_DONTWAIT and poll: no kernel timeout to arm
@@ -245,6 +248,7 @@ class FramedSocket:
         except OSError as exc:
             _raise_io(exc, self.peer)
 
+    @in_use
     def read(self, deadline: Deadline) -> object:
         """Next event (or ConnectionClosed); receives payloads into registered sinks."""
         conn = self.conn
@@ -264,6 +268,7 @@ class FramedSocket:
         except OSError as exc:
             _raise_io(exc, self.peer)
 
+    @in_use
     def read_data(self, request_ids: Sequence[int], deadline: Deadline) -> list[object]:
         """The next events where the next frames should be the DATA answers to ``request_ids``, in
         order: at least one event, at most one per id. With the native receiver (plain TCP) one
@@ -327,11 +332,9 @@ class FramedSocket:
         conn.receive_data(view[:n] if n else b"")
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        """Shut the socket down now (a read or write under way in another thread fails with
+        PeerClosedError); its number is freed once no call uses it."""
+        self._users.close()
 
 
 def _raise_io(exc: OSError, peer: str) -> NoReturn:
