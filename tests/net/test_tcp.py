@@ -19,10 +19,10 @@ from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.errors import AuthError, NetTimeoutError, PeerClosedError, RequestError
 from tiersync.net.frames import SUPPORTED, PayloadChecksum
+from tiersync.net.pool import ChannelPool
 from tiersync.net.source import MemoryBlockSource
 from tiersync.net.tcp import TcpConfig, TcpTransport
 from tiersync.net.tls import TlsConfig
-from tiersync.net.transport import ChannelPool, pull_striped, split_ranges
 
 TOKEN = b"t" * 32
 BIG, SMALL = b"B" * 16, b"S" * 16
@@ -76,9 +76,8 @@ def test_striped_pull_over_several_streams_and_pool_reuse(peer):
         lease = channel.request(so.ReadLease(channel.new_request_id(), (BIG,)))
     first = channel
     dest = bytearray(len(BLOCKS[BIG]))
-    pull_striped(pool, peer, lease.lease_id, BIG, memoryview(dest), streams=4, min_chunk=1 << 20)
+    _pull_striped(pool, peer, lease.lease_id, memoryview(dest), 4)
     assert dest == BLOCKS[BIG]
-    assert len(split_ranges(len(dest), 4, 1 << 20)) == 4
     # Four parts ran on pooled channels; a part that starts after another finished
     # reuses its channel, so 1..4 distinct channels, all returned to the pool.
     assert 1 <= pool.idle_count(peer) <= 4
@@ -112,10 +111,10 @@ def test_channels_idle_past_max_idle_s_are_closed_and_their_peer_forgotten(peer,
     (for any peer) the peers idle that long are closed and forgotten."""
     import time as time_module
 
-    from tiersync.net import transport
+    from tiersync.net import pool as pool_module
 
     now = [time_module.monotonic()]
-    monkeypatch.setattr(transport, "time", types.SimpleNamespace(monotonic=lambda: now[0]))  # the pool's clock only
+    monkeypatch.setattr(pool_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))  # the pool's clock only
     pool = ChannelPool(TcpTransport(TcpConfig(token=TOKEN)), max_idle_s=10.0)
     with pool.acquire(peer) as old:
         pass
@@ -194,12 +193,6 @@ def test_garbage_from_one_client_does_not_hurt_others():
         channel.close()
     finally:
         server.close()
-
-
-def test_split_ranges_cover_exactly():
-    assert split_ranges(10, 3, min_chunk=1) == [(0, 4), (4, 4), (8, 2)]
-    assert split_ranges(5, 8, min_chunk=4) == [(0, 3), (3, 2)]
-    assert split_ranges(0, 4) == [(0, 0)]
 
 
 @pytest.fixture(scope="module")
@@ -333,9 +326,25 @@ def test_neither_end_is_sent_a_frame_larger_than_it_accepts(capped):
         ch.close()
         pool, striped = ChannelPool(TcpTransport(client)), bytearray(len(BLOCKS[BIG]))
         lease = _lease_big(pool, address)
-        pull_striped(pool, address, lease, BIG, memoryview(striped), streams=2)  # two 3 MiB parts
+        _pull_striped(pool, address, lease, memoryview(striped), 2)  # two 3 MiB parts
         assert striped == BLOCKS[BIG]
         pool.close()
+
+
+def _pull_striped(pool: ChannelPool, address: str, lease: int, dest: memoryview, parts: int) -> None:
+    """Block BIG into ``dest`` in ``parts`` equal ranges, each on a pooled channel of its own thread."""
+    step = -(-len(dest) // parts)
+
+    def one(offset: int) -> None:
+        with pool.acquire(address) as channel:
+            channel.pull_many(lease, [(BIG, offset, dest[offset : offset + step])])
+
+    threads = [threading.Thread(target=one, args=(o,)) for o in range(0, len(dest), step)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
 
 
 def _lease_big(pool: ChannelPool, address: str) -> int:

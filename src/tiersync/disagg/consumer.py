@@ -11,7 +11,7 @@ One :class:`KVConsumer` per decode rank. Typical use from an engine connector::
     status = consumer.poll()             # done_receiving / failed_receiving
 
 The consumer plans (:mod:`tiersync.disagg.reshard`) which prefill ranks feed this rank, takes
-a pooled connection to each such rank (:class:`~tiersync.net.transport.ChannelPool`: token,
+a pooled connection to each such rank (:class:`~tiersync.net.pool.ChannelPool`: token,
 TLS, one handshake per connection, not per request), opens the request (KV_OPEN), asks for
 each layer as it becomes ready (KV_NEXT), pulls its route bytes with several pulls in flight
 (KV_PULL, each answer scattered in place into the destination blocks of ``host_layers``)
@@ -49,8 +49,8 @@ from tiersync.disagg.spanio import byte_view
 from tiersync.errors import ClosedError, RemoteError, TierSyncError, UsageError, check_positive_int
 from tiersync.net.config import parse_address
 from tiersync.net.errors import NetTimeoutError, PeerClosedError, log_level
+from tiersync.net.pool import ChannelPool
 from tiersync.net.tcp import TcpChannel, TcpTransport
-from tiersync.net.transport import ChannelPool
 
 log = logging.getLogger(__name__)
 

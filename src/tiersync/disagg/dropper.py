@@ -31,8 +31,8 @@ from tiersync.disagg.ops import KV, KvDrop
 from tiersync.errors import TierSyncError, UsageError
 from tiersync.net import events as ev
 from tiersync.net.errors import PeerClosedError
+from tiersync.net.pool import ChannelPool
 from tiersync.net.tcp import TcpChannel, TcpTransport
-from tiersync.net.transport import ChannelPool
 
 __all__ = ["BACKOFF_S", "MAX_PENDING", "KVDropper"]
 

@@ -8,7 +8,7 @@ trainer shard and a RELAY a GET from the relaying sampler, falling back to the t
 shard when the relay fails. Jobs are ordered by (stage, tensor write order) so a chunk is
 consumed in the order it is produced and no relay waits on a later stage.
 :class:`TcpPool` keeps up to ``streams`` authenticated data channels per address
-(:class:`~tiersync.net.tcp.TcpChannel`); a GET's DATA lands straight in the sampler's buffer
+(:class:`~tiersync.net.tcp.TcpChannel` s in the one :class:`~tiersync.net.pool.ChannelPool`); a GET's DATA lands straight in the sampler's buffer
 (the rows of a strided destination span too, when they are few), checksum verified. Chunks
 with one source go out pipelined, a window of GETs in flight per channel (:meth:`TcpPool.get_many`).
 """
@@ -16,8 +16,6 @@ with one source go out pipelined, a window of GETs in flight per channel (:meth:
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ import numpy as np
 from tiersync.errors import RemoteError, TierSyncError, UsageError
 from tiersync.net.config import TcpConfig
 from tiersync.net.errors import RequestError
+from tiersync.net.pool import ChannelPool
 from tiersync.net.tcp import TcpChannel, TcpTransport
 from tiersync.weights.config import TransportKind
 from tiersync.weights.executor import span_view
@@ -129,52 +128,12 @@ def shm_copy(
 
 
 class TcpPool:
-    """Data channels per address, at most ``streams`` open; thread-safe."""
+    """Data channels per address, at most ``streams`` open (a
+    :class:`~tiersync.net.pool.ChannelPool` with that cap); thread-safe."""
 
     def __init__(self, streams: int, config: TcpConfig, io_timeout_s: float) -> None:
-        self._streams, self._io_s = streams, io_timeout_s
-        self._transport = TcpTransport(config, WEIGHTS)
-        self._idle: dict[str, queue.SimpleQueue[TcpChannel]] = {}
-        self._count: dict[str, int] = {}
-        self._all: set[TcpChannel] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def _take(self, address: str, end: float) -> TcpChannel:
-        with self._lock:
-            if self._closed:
-                raise RemoteError("pool closed", peer=address)
-            idle = self._idle.setdefault(address, queue.SimpleQueue())
-            opening = self._count.get(address, 0) < self._streams and idle.empty()
-            if opening:
-                self._count[address] = self._count.get(address, 0) + 1
-        if not opening:
-            try:
-                channel = idle.get(timeout=max(0.0, end - time.monotonic()))
-            except queue.Empty:
-                raise RemoteError("no data connection became free", peer=address) from None
-            if channel.reusable():
-                return channel
-            channel.close()  # the peer restarted or hung up while it sat idle: open another
-            self._give(address, channel)
-            return self._take(address, end)
-        try:
-            channel = self._transport.connect(address, timeout=max(0.001, end - time.monotonic()))
-        except BaseException:
-            with self._lock:
-                self._count[address] -= 1
-            raise
-        with self._lock:
-            self._all.add(channel)
-        return channel
-
-    def _give(self, address: str, channel: TcpChannel) -> None:
-        if not channel.closed:  # an ERROR answer leaves it usable; a broken link closed it
-            self._idle[address].put(channel)
-            return
-        with self._lock:
-            self._count[address] -= 1
-            self._all.discard(channel)
+        self._io_s = io_timeout_s
+        self._pool = ChannelPool(TcpTransport(config, WEIGHTS), max_idle_per_peer=streams, max_open_per_peer=streams)
 
     def get(
         self, address: str, version: int, job: Job, src: Source, dst: np.ndarray, timeout: float | None = None
@@ -209,7 +168,23 @@ class TcpPool:
         Raises like :meth:`get` (an exception from ``landed`` too); the jobs
         not reported landed may hold some of their bytes or none."""
         end = time.monotonic() + timeout
-        channel = self._take(address, min(end, time.monotonic() + self._io_s))
+        with self._pool.acquire(address, min(timeout, self._io_s)) as pooled:
+            channel = cast(TcpChannel, pooled)
+            try:
+                self._pipeline(channel, version, jobs, bufs, window, landed, max(0.001, end - time.monotonic()))
+            except RequestError as exc:
+                raise RemoteError(f"GET refused: {exc.message}", peer=address) from None
+
+    def _pipeline(
+        self,
+        channel: TcpChannel,
+        version: int,
+        jobs: Iterable[Job],
+        bufs: Mapping[str, np.ndarray],
+        window: int,
+        landed: Callable[[Job], None],
+        timeout: float,
+    ) -> None:
         of: dict[int, tuple[Job, np.ndarray | None, object]] = {}
 
         def requests() -> Iterator[tuple[Get, object]]:  # staging buffers made as requests go out
@@ -226,13 +201,7 @@ class TcpPool:
                 np.copyto(strided, np.frombuffer(cast(memoryview, into), np.uint8).reshape(strided.shape))
             landed(job)
 
-        try:
-            left = max(0.001, end - time.monotonic())
-            channel.pipeline(requests(), window=window, timeout=left, idle=self._io_s, landed=done)
-        except RequestError as exc:
-            raise RemoteError(f"GET refused: {exc.message}", peer=address) from None
-        finally:
-            self._give(address, channel)
+        channel.pipeline(requests(), window=window, timeout=timeout, idle=self._io_s, landed=done)
 
     def sums(
         self, address: str, version: int, incarnation: int, tensor: str, spans: tuple[StridedSpan, ...]
@@ -241,26 +210,21 @@ class TcpPool:
         ``spans`` of ``tensor``. Raises RemoteError (refused, e.g. the shard moved on or
         restarted) or ProtocolError."""
         end = time.monotonic() + self._io_s
-        channel = self._take(address, end)
         try:
-            reply = channel.request(
-                Sums(channel.new_request_id(), version, tensor, spans, incarnation),
-                timeout=max(0.001, end - time.monotonic()),
-            )
+            with self._pool.acquire(address, self._io_s) as channel:
+                reply = channel.request(
+                    Sums(channel.new_request_id(), version, tensor, spans, incarnation),
+                    timeout=max(0.001, end - time.monotonic()),
+                )
         except RequestError as exc:
             raise RemoteError(f"W_SUMS refused: {exc.message}", peer=address) from None
-        finally:
-            self._give(address, channel)
         if not isinstance(reply, SumsReply) or len(reply.sums) != len(spans):
             raise RemoteError("W_SUMS answered with the wrong number of checksums", peer=address)
         return reply
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            channels, self._all = list(self._all), set()
-        for c in channels:
-            c.close()
+        """Close every channel, a GET under way too (it fails at once)."""
+        self._pool.close(abort=True)
 
 
 def _landing(dst: np.ndarray, span: StridedSpan) -> tuple[object, np.ndarray | None]:

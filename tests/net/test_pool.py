@@ -1,0 +1,132 @@
+"""tiersync.net.pool: the one client connection pool, with a cap on the channels open to a peer
+(the samplers' streams), against a real block server process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+
+import pytest
+
+from _peer import TOKEN, run_block_server
+from tiersync.errors import ClosedError, RemoteError, UsageError
+from tiersync.net import events as ev
+from tiersync.net import store_ops as so
+from tiersync.net.config import TcpConfig
+from tiersync.net.errors import PeerClosedError, RequestError
+from tiersync.net.pool import ChannelPool
+from tiersync.net.tcp import TcpTransport
+
+CTX = multiprocessing.get_context("spawn")
+
+
+@pytest.fixture(scope="module")
+def peer():
+    address_q, stop = CTX.Queue(), CTX.Event()
+    proc = CTX.Process(target=run_block_server, args=(TcpConfig(token=TOKEN), {b"K" * 16: b"v" * 64}, address_q, stop))
+    proc.start()
+    try:
+        yield address_q.get(timeout=30)
+    finally:
+        stop.set()
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _pool(cap: int | None = 2) -> ChannelPool:
+    return ChannelPool(TcpTransport(TcpConfig(token=TOKEN)), max_idle_per_peer=4, max_open_per_peer=cap)
+
+
+def _ping(channel, token: int = 1) -> int:
+    return channel.request(ev.Ping(channel.new_request_id(), token)).token
+
+
+def test_at_the_cap_an_acquire_waits_for_a_channel_to_come_back_and_gets_that_one(peer):
+    pool = _pool(2)
+    got: list[object] = []
+    with pool.acquire(peer) as first, pool.acquire(peer) as second:
+        with pytest.raises(RemoteError, match="no connection became free"), pool.acquire(peer, timeout=0.2):
+            pass
+        waiter = threading.Thread(target=lambda: got.append(_take_one(pool, peer)))
+        waiter.start()
+        assert _waiting(pool)
+    waiter.join(10)
+    assert got and got[0] in (first, second) and pool.idle_count(peer) == 2
+    pool.close()
+
+
+def _waiting(pool: ChannelPool, timeout: float = 10.0) -> bool:
+    """Whether a caller came to wait on the pool's condition (a freed channel) within ``timeout``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with pool._lock:
+            if pool._freed._waiters:  # type: ignore[attr-defined]
+                return True
+        time.sleep(0.01)
+    return False
+
+
+def _take_one(pool: ChannelPool, peer: str) -> object:
+    with pool.acquire(peer, timeout=10) as channel:
+        assert _ping(channel, 5) == 5
+        return channel
+
+
+def test_a_channel_that_broke_frees_its_place_under_the_cap(peer):
+    pool = _pool(1)
+    with pytest.raises(KeyError), pool.acquire(peer) as broken:
+        raise KeyError("the caller failed between a request and its answer")
+    assert broken.closed and pool.idle_count(peer) == 0
+    with pool.acquire(peer, timeout=5) as channel:  # not waiting on the closed one
+        assert channel is not broken and _ping(channel) == 1
+    pool.close()
+
+
+def test_a_refused_request_keeps_the_channel_whole_answers_came_back_on(peer):
+    pool = _pool(1)
+    with pytest.raises(RequestError), pool.acquire(peer) as refused:
+        refused.request(so.Pull(refused.new_request_id(), 999, b"K" * 16, 0, 4))  # no such lease
+    with pool.acquire(peer, timeout=5) as again:
+        assert again is refused and _ping(again) == 1
+    pool.close()
+
+
+def test_a_connect_that_fails_frees_its_place():
+    pool = ChannelPool(TcpTransport(TcpConfig(token=TOKEN, connect_timeout_s=1)), max_open_per_peer=1)
+    with pytest.raises(RemoteError), pool.acquire("127.0.0.1:1", timeout=2):  # nothing listens on port 1
+        pass
+    with pytest.raises(RemoteError) as info, pool.acquire("127.0.0.1:1", timeout=2):
+        pass
+    assert "no connection became free" not in str(info.value)  # it tried to connect again
+    pool.close()
+
+
+def test_closing_with_abort_ends_lent_channels_and_refuses_new_ones(peer):
+    pool = _pool(2)
+    with pytest.raises((PeerClosedError, ClosedError)), pool.acquire(peer) as lent:
+        pool.close(abort=True)
+        assert lent.closed
+        _ping(lent)
+    with pytest.raises(ClosedError), pool.acquire(peer):
+        pass
+
+
+def test_without_abort_a_lent_channel_is_closed_when_it_comes_back(peer):
+    pool = _pool(None)
+    with pool.acquire(peer) as lent:
+        pool.close()
+        assert not lent.closed and _ping(lent) == 1
+    assert lent.closed
+
+
+def test_its_settings_are_checked_naming_them():
+    transport = TcpTransport(TcpConfig(token=TOKEN))
+    for kwargs, name in (
+        ({"max_open_per_peer": 0}, "max_open_per_peer"),
+        ({"max_idle_per_peer": True}, "max_idle_per_peer"),
+        ({"max_idle_s": 0}, "max_idle_s"),
+    ):
+        with pytest.raises(UsageError, match=name):
+            ChannelPool(transport, **kwargs)
