@@ -9,36 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 
-
-def free_port() -> int:
-    """A port nothing listens on now, below the kernel's ephemeral range: the server binds it
-    later, and a port of that range may meanwhile go to an outgoing connection of the engines
-    (then the server fails with "Address already in use")."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for port in random.Random().sample(range(max(1024, low - 8000), low), min(256, max(1, low - 1024))):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # every one taken: any port the kernel gives
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tiersync.bench.engine_server import free_port
 
 
 class OpenAIServer:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import re
-import socket
 import subprocess
 import time
 import urllib.error
@@ -15,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tiersync.bench.engine_server import Server, post
+from tiersync.bench.engine_server import Server, free_port, post
 from tiersync.bench.serve_engine import DEFAULT_VENV, engine_env, spawn, vllm_python
 
 PROMPT_LEN = 6000  # > CHUNK: chunked prefill in every mode
@@ -42,27 +40,6 @@ def run_cases(script: str) -> dict:
 
 def run_engine(spec: dict, timeout: float = 900) -> list[dict]:
     return spawn({"prompt_len": PROMPT_LEN, "chunk": CHUNK, "max_tokens": 24, **spec}, timeout=timeout)
-
-
-def free_port() -> int:
-    """A port nothing listens on now, below the kernel's ephemeral range: the server binds it
-    later, and a port of that range may meanwhile go to an outgoing connection of the engines
-    (then the server fails with "Address already in use")."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for port in random.Random().sample(range(max(1024, low - 8000), low), min(256, max(1, low - 1024))):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # every one taken: any port the kernel gives
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -5,12 +5,13 @@ from __future__ import annotations
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
+
+from tiersync.bench.engine_server import free_port
 
 TOKEN = "store-node-test-token-0123456789"
 
@@ -26,12 +27,6 @@ def run_block_server(config, blocks, address_q, stop, clock_rate: float = 1.0, a
     address_q.put(server.address)
     stop.wait(60)
     server.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05) -> bool:
