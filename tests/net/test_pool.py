@@ -84,13 +84,34 @@ def test_a_channel_that_broke_frees_its_place_under_the_cap(peer):
     pool.close()
 
 
-def test_a_refused_request_keeps_the_channel_whole_answers_came_back_on(peer):
+def test_a_refused_request_among_others_in_flight_closes_the_channel(peer):
+    """A refusal may leave the answers of requests sent with it on the way (or already read):
+    a channel handed out again would give its next user those answers."""
     pool = _pool(1)
     with pytest.raises(RequestError), pool.acquire(peer) as refused:
-        refused.request(so.Pull(refused.new_request_id(), 999, b"K" * 16, 0, 4))  # no such lease
+        refused.send_many([so.Pull(1, 999, b"K" * 16, 0, 4), ev.Ping(2, 7)])  # no such lease
+        refused.next_answer(1, timeout=5)
+    assert refused.closed
     with pool.acquire(peer, timeout=5) as again:
-        assert again is refused and _ping(again) == 1
+        assert again is not refused and _ping(again) == 1
     pool.close()
+
+
+def test_a_pool_closed_while_a_channel_connected_closes_that_one_too(peer, monkeypatch):
+    pool = _pool(2)
+    real = pool._transport.connect
+    opened: list[object] = []
+
+    def connect_then_close(address, timeout=None):
+        channel = real(address, timeout=timeout)
+        opened.append(channel)
+        pool.close(abort=True)  # it closes between the connect and the hand-out
+        return channel
+
+    monkeypatch.setattr(pool._transport, "connect", connect_then_close)
+    with pytest.raises(ClosedError), pool.acquire(peer, timeout=5):
+        pass
+    assert opened and opened[0].closed
 
 
 def test_a_connect_that_fails_frees_its_place():

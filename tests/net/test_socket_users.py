@@ -93,3 +93,54 @@ def _read(framed: FramedSocket) -> object:
         return framed.read(Deadline(20, "pair"))
     except PeerClosedError as exc:
         return exc
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_channel_closed_from_another_thread_fails_its_blocked_reader_as_closed(tls, tmp_path):
+    """The reader waiting for an answer gets PeerClosedError (over TLS too: the shutdown keeps
+    the TLS state until the last user closes the socket, so no record bytes reach the parser
+    and no "unwrapped SSL socket" ValueError escapes)."""
+    from tiersync.net.tcp import TcpTransport
+    from tiersync.net.tls import TlsConfig
+
+    client, server_cfg = TcpConfig(token=b"t" * 32), TcpConfig(token=b"t" * 32)
+    if tls:
+        pytest.importorskip("cryptography")
+        from _certs import make_ca, make_leaf
+
+        ca = make_ca(tmp_path)
+        cert, key = make_leaf(tmp_path, ca, "server")
+        client = TcpConfig(token=b"t" * 32, tls=TlsConfig(ca[2]))
+        server_cfg = TcpConfig(token=b"t" * 32, tls=TlsConfig(ca[2], cert, key))
+    from tiersync.net.source import MemoryBlockSource
+
+    server = TcpTransport(server_cfg).serve("127.0.0.1:0", MemoryBlockSource({}))
+    channel = TcpTransport(client).connect(server.address)
+    outcome: list[BaseException] = []
+
+    def wait_for_an_answer() -> None:
+        try:
+            channel.next_answer(99, timeout=20)  # nothing was asked: it waits
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            outcome.append(exc)
+
+    reader = threading.Thread(target=wait_for_an_answer)
+    try:
+        reader.start()
+        assert _until(channel._rlock.locked)
+        channel.close()
+        reader.join(10)
+        assert not reader.is_alive() and len(outcome) == 1
+        assert isinstance(outcome[0], PeerClosedError), repr(outcome[0])
+    finally:
+        channel.close()
+        server.close()
+
+
+def _until(predicate, timeout: float = 10.0) -> bool:
+    end = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return True
+        end.wait(0.01)
+    return False

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tiersync.errors import ClosedError, RemoteError, UsageError, check_positive_int
-from tiersync.net.errors import RequestError
 from tiersync.net.transport import Channel, Transport
 
 __all__ = ["ChannelPool"]
@@ -51,52 +50,72 @@ class ChannelPool:
 
     @contextmanager
     def acquire(self, address: str, timeout: float | None = None) -> Iterator[Channel]:
-        """A channel to ``address``, returned to the pool afterwards unless it broke: an
-        exception other than a refused request (RequestError: the answer came whole) closes it.
+        """A channel to ``address``, returned to the pool afterwards unless it broke: any
+        exception closes it (even a refused request may leave answers of others in flight).
         ``timeout``: the most seconds to wait for a free channel under the cap and to connect
         (None: the transport's connect timeout, and no limit on the wait). Raises RemoteError
         when none became free in time, ClosedError once the pool is closed."""
         channel = self._take(address, timeout)
         try:
             yield channel
-        except RequestError:
-            self._give(address, channel)
-            raise
         except BaseException:
-            channel.close()
-            self._give(address, channel)
+            try:
+                channel.close()
+            finally:
+                self._give(address, channel)
             raise
         self._give(address, channel)
 
     def _take(self, address: str, timeout: float | None) -> Channel:
         end = None if timeout is None else time.monotonic() + timeout
         stale: list[Channel] = []
-        with self._lock:
-            while True:
-                if self._closed:
-                    raise ClosedError("channel pool closed", peer=address)
-                found = self._fresh(address, stale)
-                if found is not None or self._cap is None or self._open.get(address, 0) < self._cap:
-                    break
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    raise RemoteError("no connection became free", peer=address, open=self._cap)
-                self._freed.wait(left)
-            if found is None:
+        try:
+            with self._lock:
+                found = self._idle_or_place(address, end, stale)
+        finally:
+            for channel in stale:
+                channel.close()
+        return found if found is not None else self._connect(address, end)
+
+    def _idle_or_place(self, address: str, end: float | None, stale: list[Channel]) -> Channel | None:
+        """Under the lock: a fresh idle channel (lent now), or None with a place counted for a
+        new one; waits at the cap until ``end``."""
+        while True:
+            if self._closed:
+                raise ClosedError("channel pool closed", peer=address)
+            found = self._fresh(address, stale)
+            if found is not None:
+                self._lent.add(found)
+                return found
+            if self._cap is None or self._open.get(address, 0) < self._cap:
                 self._open[address] = self._open.get(address, 0) + 1
-        for channel in stale:
-            channel.close()
-        if found is None:
-            try:
-                left = None if end is None else max(0.001, end - time.monotonic())
-                found = self._transport.connect(address, timeout=left)
-            except BaseException:
-                with self._lock:
-                    self._forget(address, 1)
-                raise
+                return None
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                raise RemoteError("no connection became free", peer=address, open=self._cap)
+            self._freed.wait(left)
+
+    def _connect(self, address: str, end: float | None) -> Channel:
+        """A new channel in the place counted for it (given up when the connect fails or the
+        pool closed meanwhile)."""
+        try:
+            channel = self._transport.connect(
+                address, timeout=None if end is None else max(0.001, end - time.monotonic())
+            )
+        except BaseException:
+            with self._lock:
+                self._forget(address, 1)
+            raise
         with self._lock:
-            self._lent.add(found)
-        return found
+            closed = self._closed  # closed (maybe aborting) while it connected
+            if closed:
+                self._forget(address, 1)
+            else:
+                self._lent.add(channel)
+        if closed:
+            channel.close()
+            raise ClosedError("channel pool closed", peer=address)
+        return channel
 
     def _fresh(self, address: str, stale: list[Channel]) -> Channel | None:
         """The newest idle channel to ``address`` that may be handed out (under the lock); the

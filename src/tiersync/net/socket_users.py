@@ -9,6 +9,7 @@ closes it.
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 from collections.abc import Callable
@@ -45,8 +46,8 @@ class SocketUsers:
             if self._closing:
                 return
             self._closing, idle = True, not self._count
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+        try:  # the plain socket's shutdown: a TLS socket keeps its state until it is closed
+            socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
         except OSError:
             pass
         if idle:
@@ -65,6 +66,7 @@ T = TypeVar("T", bound=_HasUsers)
 def in_use(method: Callable[Concatenate[T, P], R]) -> Callable[Concatenate[T, P], R]:
     """Run ``method`` of an object as one of its ``_users`` (a :class:`SocketUsers`)."""
 
+    @functools.wraps(method)
     def run(self: T, /, *args: P.args, **kwargs: P.kwargs) -> R:
         with self._users:
             return method(self, *args, **kwargs)

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Job", "Source", "TcpPool", "build_jobs", "shm_copy"]
 
+_IDLE_S = 3600.0  # an idle data channel is reconnected after this long
 _ROWS_IN_PLACE = 256  # a strided destination of at most this many rows is received row by row
 
 
@@ -133,7 +134,9 @@ class TcpPool:
 
     def __init__(self, streams: int, config: TcpConfig, io_timeout_s: float) -> None:
         self._io_s = io_timeout_s
-        self._pool = ChannelPool(TcpTransport(config, WEIGHTS), max_idle_per_peer=streams, max_open_per_peer=streams)
+        self._pool = ChannelPool(  # kept between syncs (minutes apart in RL): a dead peer's go by keepalive
+            TcpTransport(config, WEIGHTS), max_idle_per_peer=streams, max_idle_s=_IDLE_S, max_open_per_peer=streams
+        )
 
     def get(
         self, address: str, version: int, job: Job, src: Source, dst: np.ndarray, timeout: float | None = None
@@ -142,8 +145,8 @@ class TcpPool:
         (:meth:`get_many` of that one chunk from ``src``, within ``io_timeout_s`` or ``timeout``
         where that is shorter).
 
-        Raises RemoteError (refused, closed, timed out; AuthError: the token or TLS check
-        failed) or ProtocolError (bad bytes).
+        Raises RemoteError (refused, timed out; AuthError: the token or TLS check failed),
+        ProtocolError (bad bytes) or ClosedError (the pool was closed).
         """
         one = dataclasses.replace(job, sources=(src,))
         limit = self._io_s if timeout is None else min(self._io_s, timeout)
