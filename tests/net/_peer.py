@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import queue
 import shutil
 import signal
@@ -27,6 +29,22 @@ def run_block_server(config, blocks, address_q, stop, clock_rate: float = 1.0, a
     address_q.put(server.address)
     stop.wait(60)
     server.close()
+
+
+@contextlib.contextmanager
+def block_server(config, blocks, address: str = "127.0.0.1:0"):
+    """:func:`run_block_server` in a spawned process for the ``with`` block; its address."""
+    ctx = multiprocessing.get_context("spawn")
+    address_q, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=run_block_server, args=(config, blocks, address_q, stop, 1.0, address), daemon=True)
+    proc.start()
+    try:
+        yield address_q.get(timeout=30)
+    finally:
+        stop.set()
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
 
 
 def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05) -> bool:

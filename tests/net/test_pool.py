@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 import time
 
 import pytest
 
-from _peer import TOKEN, run_block_server
+from _peer import TOKEN, block_server
 from tiersync.errors import ClosedError, RemoteError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
@@ -18,21 +17,11 @@ from tiersync.net.errors import PeerClosedError, RequestError
 from tiersync.net.pool import ChannelPool
 from tiersync.net.tcp import TcpTransport
 
-CTX = multiprocessing.get_context("spawn")
-
 
 @pytest.fixture(scope="module")
 def peer():
-    address_q, stop = CTX.Queue(), CTX.Event()
-    proc = CTX.Process(target=run_block_server, args=(TcpConfig(token=TOKEN), {b"K" * 16: b"v" * 64}, address_q, stop))
-    proc.start()
-    try:
-        yield address_q.get(timeout=30)
-    finally:
-        stop.set()
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
+    with block_server(TcpConfig(token=TOKEN), {b"K" * 16: b"v" * 64}) as address:
+        yield address
 
 
 def _pool(cap: int | None = 2) -> ChannelPool:

@@ -9,11 +9,10 @@ import subprocess
 import sys
 import threading
 import types
-from contextlib import contextmanager
 
 import pytest
 
-from _peer import run_block_server
+from _peer import block_server
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
@@ -30,18 +29,8 @@ BLOCKS = {BIG: os.urandom(6 << 20), SMALL: b"hello world"}
 CTX = multiprocessing.get_context("spawn")
 
 
-@contextmanager
 def server_process(config: TcpConfig, address: str = "127.0.0.1:0"):
-    address_q, stop = CTX.Queue(), CTX.Event()
-    proc = CTX.Process(target=run_block_server, args=(config, BLOCKS, address_q, stop, 1.0, address), daemon=True)
-    proc.start()
-    try:
-        yield address_q.get(timeout=30)
-    finally:
-        stop.set()
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
+    return block_server(config, BLOCKS, address)
 
 
 @pytest.fixture(scope="module")

@@ -172,39 +172,28 @@ class TcpPool:
         not reported landed may hold some of their bytes or none."""
         end = time.monotonic() + timeout
         with self._pool.acquire(address, min(timeout, self._io_s)) as pooled:
-            channel = cast(TcpChannel, pooled)
+            channel = cast(TcpChannel, pooled)  # the pool connects with a TcpTransport
+            of: dict[int, tuple[Job, np.ndarray | None, object]] = {}
+
+            def requests() -> Iterator[tuple[Get, object]]:  # staging buffers made as requests go out
+                for job in jobs:
+                    into, strided = _landing(bufs[job.tensor], job.dst_span)
+                    src = job.sources[0]
+                    get = Get(channel.new_request_id(), version, job.tensor, job.key, src.span, src.incarnation)
+                    of[get.request_id] = (job, strided, into)
+                    yield get, into
+
+            def done(request_id: int, _answer: object) -> None:
+                job, strided, into = of.pop(request_id)
+                if strided is not None:
+                    np.copyto(strided, np.frombuffer(cast(memoryview, into), np.uint8).reshape(strided.shape))
+                landed(job)
+
             try:
-                self._pipeline(channel, version, jobs, bufs, window, landed, max(0.001, end - time.monotonic()))
+                left = max(0.001, end - time.monotonic())
+                channel.pipeline(requests(), window=window, timeout=left, idle=self._io_s, landed=done)
             except RequestError as exc:
                 raise RemoteError(f"GET refused: {exc.message}", peer=address) from None
-
-    def _pipeline(
-        self,
-        channel: TcpChannel,
-        version: int,
-        jobs: Iterable[Job],
-        bufs: Mapping[str, np.ndarray],
-        window: int,
-        landed: Callable[[Job], None],
-        timeout: float,
-    ) -> None:
-        of: dict[int, tuple[Job, np.ndarray | None, object]] = {}
-
-        def requests() -> Iterator[tuple[Get, object]]:  # staging buffers made as requests go out
-            for job in jobs:
-                into, strided = _landing(bufs[job.tensor], job.dst_span)
-                src = job.sources[0]
-                get = Get(channel.new_request_id(), version, job.tensor, job.key, src.span, src.incarnation)
-                of[get.request_id] = (job, strided, into)
-                yield get, into
-
-        def done(request_id: int, _answer: object) -> None:
-            job, strided, into = of.pop(request_id)
-            if strided is not None:
-                np.copyto(strided, np.frombuffer(cast(memoryview, into), np.uint8).reshape(strided.shape))
-            landed(job)
-
-        channel.pipeline(requests(), window=window, timeout=timeout, idle=self._io_s, landed=done)
 
     def sums(
         self, address: str, version: int, incarnation: int, tensor: str, spans: tuple[StridedSpan, ...]
