@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import socket
 import subprocess
@@ -26,7 +25,6 @@ from tiersync.net.tls import TlsConfig
 TOKEN = b"t" * 32
 BIG, SMALL = b"B" * 16, b"S" * 16
 BLOCKS = {BIG: os.urandom(6 << 20), SMALL: b"hello world"}
-CTX = multiprocessing.get_context("spawn")
 
 
 def server_process(config: TcpConfig, address: str = "127.0.0.1:0"):
