@@ -113,14 +113,37 @@ def test_a_connect_that_fails_frees_its_place():
     pool.close()
 
 
-def test_closing_with_abort_ends_lent_channels_and_refuses_new_ones(peer):
+def test_closing_with_abort_wakes_a_lent_channels_blocked_read_and_refuses_new_ones(peer):
     pool = _pool(2)
-    with pytest.raises((PeerClosedError, ClosedError)), pool.acquire(peer) as lent:
+    outcome: list[BaseException] = []
+    with pool.acquire(peer) as lent:
+
+        def wait_for_an_answer() -> None:
+            try:
+                lent.next_answer(99, timeout=20)  # nothing was asked: it waits
+            except BaseException as exc:  # noqa: BLE001 - the test inspects it
+                outcome.append(exc)
+
+        reader = threading.Thread(target=wait_for_an_answer)
+        reader.start()
+        assert _until(lambda: lent._framed._users._count > 0)  # inside its read
+        started = time.monotonic()
         pool.close(abort=True)
+        reader.join(10)
+        assert not reader.is_alive() and time.monotonic() - started < 10
+        assert len(outcome) == 1 and isinstance(outcome[0], PeerClosedError), repr(outcome)
         assert lent.closed
-        _ping(lent)
     with pytest.raises(ClosedError), pool.acquire(peer):
         pass
+
+
+def _until(predicate, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def test_without_abort_a_lent_channel_is_closed_when_it_comes_back(peer):

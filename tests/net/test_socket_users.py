@@ -31,6 +31,7 @@ def test_closed_while_in_use_it_is_shut_down_at_once_and_closed_by_the_last_user
         with users:
             users.close()
             assert a.fileno() != -1  # shut down, not closed: calls still use its number
+            b.settimeout(5)
             assert b.recv(1) == b""  # the peer saw the shutdown at once
         assert a.fileno() != -1
     assert a.fileno() == -1
@@ -127,7 +128,7 @@ def test_a_channel_closed_from_another_thread_fails_its_blocked_reader_as_closed
     reader = threading.Thread(target=wait_for_an_answer)
     try:
         reader.start()
-        assert _until(channel._rlock.locked)
+        assert _until(lambda: channel._framed._users._count > 0)  # inside its read: past the open check
         channel.close()
         reader.join(10)
         assert not reader.is_alive() and len(outcome) == 1

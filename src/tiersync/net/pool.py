@@ -187,10 +187,13 @@ class ChannelPool:
 
     def close(self, *, abort: bool = False) -> None:
         """Close the idle channels and refuse new ones; a lent channel is closed when it comes
-        back, or now with ``abort`` (its request then fails with PeerClosedError)."""
+        back, or now with ``abort`` (its request then fails with PeerClosedError, or ClosedError
+        where it had not begun)."""
         with self._lock:
             self._closed = True
             channels = [c for idle in self._idle.values() for _, c in idle] + (list(self._lent) if abort else [])
+            for address, idle in self._idle.items():
+                self._forget(address, len(idle))
             self._idle.clear()
             self._freed.notify_all()
         for channel in channels:

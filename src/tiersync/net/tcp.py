@@ -231,6 +231,7 @@ class TcpChannel(Channel):
         if route is Route.TCP or self._local_failed or not self.info.same_host:
             return False
         if self._owner is None:  # a pid on the peer's word could name any process of this user
+            self._check_open()  # closed meanwhile: no socket left to ask about (not a refusal)
             self._owner = (refused := not_held(self.info.pid, self._framed.sock, self.peer)) is None
             if refused is not None:
                 self.local_refused(refused)
