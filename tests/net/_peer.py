@@ -47,6 +47,23 @@ def block_server(config, blocks, address: str = "127.0.0.1:0"):
             proc.kill()
 
 
+def blocked_reader(channel) -> tuple[threading.Thread, list[BaseException]]:
+    """A thread waiting on ``channel`` for an answer to a request never sent, started and seen
+    inside its read (past the channel's open check); what it raised lands in the list."""
+    outcome: list[BaseException] = []
+
+    def wait_for_an_answer() -> None:
+        try:
+            channel.next_answer(99, timeout=20)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            outcome.append(exc)
+
+    reader = threading.Thread(target=wait_for_an_answer, daemon=True)
+    reader.start()
+    assert wait_until(lambda: channel._framed._users._count > 0, interval=0.005)
+    return reader, outcome
+
+
 def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05) -> bool:
     """Poll ``predicate`` until it is true (True) or ``timeout`` passes (False)."""
     end = time.monotonic() + timeout

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from _peer import TOKEN, block_server
+from _peer import TOKEN, block_server, blocked_reader
 from tiersync.errors import ClosedError, RemoteError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
@@ -115,18 +115,8 @@ def test_a_connect_that_fails_frees_its_place():
 
 def test_closing_with_abort_wakes_a_lent_channels_blocked_read_and_refuses_new_ones(peer):
     pool = _pool(2)
-    outcome: list[BaseException] = []
     with pool.acquire(peer) as lent:
-
-        def wait_for_an_answer() -> None:
-            try:
-                lent.next_answer(99, timeout=20)  # nothing was asked: it waits
-            except BaseException as exc:  # noqa: BLE001 - the test inspects it
-                outcome.append(exc)
-
-        reader = threading.Thread(target=wait_for_an_answer)
-        reader.start()
-        assert _until(lambda: lent._framed._users._count > 0)  # inside its read
+        reader, outcome = blocked_reader(lent)
         started = time.monotonic()
         pool.close(abort=True)
         reader.join(10)
@@ -135,15 +125,6 @@ def test_closing_with_abort_wakes_a_lent_channels_blocked_read_and_refuses_new_o
         assert lent.closed
     with pytest.raises(ClosedError), pool.acquire(peer):
         pass
-
-
-def _until(predicate, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_without_abort_a_lent_channel_is_closed_when_it_comes_back(peer):

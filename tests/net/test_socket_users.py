@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from _peer import blocked_reader
 from tiersync.net import socket_io
 from tiersync.net.config import TcpConfig
 from tiersync.net.errors import PeerClosedError
@@ -117,18 +118,8 @@ def test_a_channel_closed_from_another_thread_fails_its_blocked_reader_as_closed
 
     server = TcpTransport(server_cfg).serve("127.0.0.1:0", MemoryBlockSource({}))
     channel = TcpTransport(client).connect(server.address)
-    outcome: list[BaseException] = []
-
-    def wait_for_an_answer() -> None:
-        try:
-            channel.next_answer(99, timeout=20)  # nothing was asked: it waits
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            outcome.append(exc)
-
-    reader = threading.Thread(target=wait_for_an_answer)
     try:
-        reader.start()
-        assert _until(lambda: channel._framed._users._count > 0)  # inside its read: past the open check
+        reader, outcome = blocked_reader(channel)
         channel.close()
         reader.join(10)
         assert not reader.is_alive() and len(outcome) == 1
@@ -136,12 +127,3 @@ def test_a_channel_closed_from_another_thread_fails_its_blocked_reader_as_closed
     finally:
         channel.close()
         server.close()
-
-
-def _until(predicate, timeout: float = 10.0) -> bool:
-    end = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return True
-        end.wait(0.01)
-    return False
