@@ -104,6 +104,12 @@ def _get_meta(counts=(2,), strides=(10,), row=3, key=(0,)) -> bytes:
         (Announce, MetaWriter().blob(b"[" * 100_000).getvalue()),  # JSON nested past the recursion limit
         (Announce, MetaWriter().json({**_manifest().to_json(), "peers": []}).getvalue()),  # peers not a map
         (Announce, MetaWriter().json({**_manifest().to_json(), "version": float("inf")}).getvalue()),
+        (  # 4 MiB in 1-byte chunks: a sampler would plan for minutes
+            Announce,
+            MetaWriter()
+            .json({**_manifest().to_json(), "tensors": [["w", [1 << 20, 4], "uint8"]], "segment_bytes": 1})
+            .getvalue(),
+        ),
     ],
 )
 def test_hostile_metadata_is_malformed_on_the_wire(cls, meta):

@@ -150,6 +150,27 @@ def test_a_zero_copy_sampler_that_goes_away_retires_its_segment():
             x.close()
 
 
+def test_a_zero_copy_sync_that_fails_before_it_lands_releases_the_trainers_segment():
+    """Version 2 fails at once (the one buffer set is leased past ``lease_timeout_s``): the
+    sampler tells the trainer it holds nothing of it, so once version 3 is active only version
+    3's segment is held (before: version 2's stayed held until the sampler left, and every
+    later version took another segment of /dev/shm)."""
+    g = model(3)
+    pubs, recs, _ = _setup(g, samplers=1, buffers=1, lease_timeout_s=0.5)
+    try:
+        _publish(pubs, g, 1)
+        lease = recs[0].acquire(TIMEOUT)
+        res = pubs[0].publish(2, shards_of(g, fsdp(1), 0)).result(TIMEOUT)
+        assert not res.ok  # the sampler could not begin writing: its only set is leased
+        lease.release()
+        _publish(pubs, g, 3)
+        recs[0].receive(3).result(TIMEOUT)
+        _wait_held(pubs[0], 1)
+    finally:
+        for x in (*recs, *pubs):
+            x.close()
+
+
 def test_zero_copy_is_validated():
     with pytest.raises(UsageError) as exc:
         ReceiverConfig(("h:1",), zero_copy=1)

@@ -105,7 +105,7 @@ class Manifest:
         """Decode; ProtocolError (MALFORMED) on anything missing or ill-typed."""
         try:
             tensors = obj["tensors"]
-            return cls(
+            m = cls(
                 version=int(obj["version"]),
                 source_rank=int(obj["source_rank"]),
                 source_ranks=int(obj["source_ranks"]),
@@ -120,6 +120,8 @@ class Manifest:
                 peers={int(k): str(v) for k, v in obj["peers"].items()},
                 incarnation=_u64(obj["incarnation"]),
             )
+            _check_chunks(m)
+            return m
         except ProtocolError:
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as exc:
@@ -138,6 +140,19 @@ class Manifest:
             other.options,
             other.source_ranks,
         )
+
+
+MAX_CHUNKS = 1 << 18
+"""Most chunks a manifest may cut its tensors into (each costs the sampler's planner tens of
+microseconds and a job): a trainer's ``segment_bytes`` of a few bytes must not make a sampler
+plan for hours. 2^18 chunks of the default 16 MiB are 4 TiB."""
+
+
+def _check_chunks(m: Manifest) -> None:
+    seg = m.options.segment_bytes
+    chunks = sum(-(-spec.nbytes // seg) if seg else 1 for spec in m.specs)
+    if chunks > MAX_CHUNKS:
+        raise ValueError(f"its tensors would be cut into {chunks} chunks (at most {MAX_CHUNKS})")
 
 
 def _u64(value: object) -> int:

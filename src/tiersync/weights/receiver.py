@@ -156,10 +156,14 @@ class WeightReceiver:
         key = (version, used)
         if self._synced is not None and self._synced[0] == key and self._buffers.version == version:
             return self._synced[1]  # announced again by a shard that came back before it was synced
-        jobs, local = self._jobs(manifests)
-        readers = self._links.readers(manifests)
-        views = zero_copy_views(jobs, manifests, readers, local) if self.config.zero_copy else {}
-        index, bufs = self._buffers.begin_write(self.config.lease_timeout_s)
+        try:  # the trainer counts this sampler a holder of the version until told otherwise
+            jobs, local = self._jobs(manifests)
+            readers = self._links.readers(manifests)
+            views = zero_copy_views(jobs, manifests, readers, local) if self.config.zero_copy else {}
+            index, bufs = self._buffers.begin_write(self.config.lease_timeout_s)
+        except BaseException:
+            self._released(used, version)
+            raise
         here = self._delta.begin(index)
         try:
             self._relay.begin(version, {**bufs, **views})
