@@ -176,6 +176,30 @@ def test_receiver_to_a_dead_trainer_fails_cleanly():
         WeightReceiver(Sharding.replicated(Mesh((1,), ("dp",))), ReceiverConfig((address,), connect_timeout_s=2))
 
 
+def test_a_receiver_whose_close_fails_midway_still_ends_every_wait(monkeypatch):
+    """A step of ``close`` that raises (it raced a sync mapping a segment) still fails the
+    futures of versions not received and wakes lease waiters (before: they waited for ever,
+    and a second ``close`` returned at once)."""
+    pub = WeightPublisher(_model(1), fsdp(1))
+    rec = WeightReceiver(Sharding.replicated(Mesh((1,), ("dp",))), ReceiverConfig((pub.address,)))
+    try:
+        waiting = rec.receive(5)
+
+        def fails() -> None:
+            raise RuntimeError("dictionary changed size during iteration")
+
+        monkeypatch.setattr(rec._links, "close", fails)
+        with pytest.raises(RuntimeError):
+            rec.close()
+        assert waiting.exception(10) is not None  # failed, not left pending
+        with pytest.raises(tiersync.errors.ClosedError):
+            rec.acquire(1)
+    finally:
+        monkeypatch.undo()
+        rec._links.close()
+        pub.close()
+
+
 def test_a_publisher_the_program_never_closed_leaves_no_segment(tmp_path):
     """The README's snippet never calls close(): the interpreter's exit removes the segment
     name (it once stayed in /dev/shm, listed as unusable, one per run)."""

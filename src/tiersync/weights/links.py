@@ -224,12 +224,15 @@ class TrainerLinks:
             manifests = [s.manifests[version] for s in self._shards]
         if any(not m.same_model(manifests[0]) or m.source_ranks != len(self._shards) for m in manifests):
             raise UsageError("trainer shards disagree on the model (or their number)", argument="publishers")
-        for s, m in zip(self._shards, manifests):
-            segment = _segment(s, m) if s.transport is TransportKind.SHM else None
-            if segment is not None and segment not in s.readers:
-                s.readers[segment] = SegmentReader(segment, m.payload_bytes)
-                for old in list(s.readers)[:-4]:  # a zero-copy lease keeps its mapping alive
-                    s.readers.pop(old).close()
+        with self._cond:  # close() unmaps the readers under it: none is added once it has
+            if self._closed:
+                raise RemoteError("receiver closed", version=version)
+            for s, m in zip(self._shards, manifests):
+                segment = _segment(s, m) if s.transport is TransportKind.SHM else None
+                if segment is not None and segment not in s.readers:
+                    s.readers[segment] = SegmentReader(segment, m.payload_bytes)
+                    for old in list(s.readers)[:-4]:  # a zero-copy lease keeps its mapping alive
+                        s.readers.pop(old).close()
         return manifests
 
     def _check_coming(self, got: Announced) -> None:
@@ -303,12 +306,16 @@ class TrainerLinks:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Close the control channels (their readers end) and unmap the segments."""
-        for s in self._shards:
-            if s.channel is not None:
-                s.channel.close()  # wakes the control reader blocked in receive
-            for r in s.readers.values():
-                r.close()
+        """Close the control channels (their readers end) and unmap the segments (after
+        :meth:`stop`: no sync maps another one meanwhile)."""
+        self.stop()
+        with self._cond:
+            readers = [r for s in self._shards for r in s.readers.values()]
+            channels = [s.channel for s in self._shards if s.channel is not None]
+        for channel in channels:
+            channel.close()  # wakes the control reader blocked in receive
+        for r in readers:
+            r.close()
 
 
 def _has(shard: ShardLink, then: tuple[int, int] | None, version: int) -> bool:

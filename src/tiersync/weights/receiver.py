@@ -288,13 +288,17 @@ class WeightReceiver:
         """Disconnect from the trainer, stop relaying; leases already taken stay readable."""
         if not self._versions.stop():
             return
-        self._links.stop()
-        if self._server is not None:
-            self._server.close()
-        self._pool.close()
-        self._links.close()
-        self._buffers.close()
-        self._versions.close()
+        try:
+            self._links.stop()
+            if self._server is not None:
+                self._server.close()
+            self._pool.close()
+            self._links.close()
+        finally:  # whatever failed above, no waiter is left waiting
+            try:
+                self._buffers.close()
+            finally:
+                self._versions.close()
 
     def __enter__(self) -> WeightReceiver:
         return self
