@@ -352,14 +352,19 @@ class _Staller(_Liar):
         yield self.answer(event)
 
 
-@pytest.mark.parametrize("route", ["tcp", "local"])
-def test_a_producer_that_stops_answering_pulls_fails_the_read_after_io_timeout(route):
+_STALLED = {
+    "KvPull": lambda e: ev.Data(e.request_id, bytes(e.length)),
+    "KvPullLocal": lambda e: _local_reply(e, None),
+    "KvDone": lambda e: ev.CommitReply(e.request_id, ev.CommitStatus.COMMITTED),
+}
+
+
+@pytest.mark.parametrize(("route", "op"), [("tcp", "KvPull"), ("local", "KvPullLocal"), ("tcp", "KvDone")])
+def test_a_producer_that_stops_answering_pulls_fails_the_read_after_io_timeout(route, op):
+    """Every step of a read, the last KV_DONE too (before: that one waited the read's whole
+    deadline), fails after ``io_timeout_s`` when the producer stops answering it."""
     release = threading.Event()
-    op, answer = (
-        ("KvPull", lambda e: ev.Data(e.request_id, bytes(e.length)))
-        if route == "tcp"
-        else ("KvPullLocal", lambda e: _local_reply(e, None))
-    )
+    answer = _STALLED[op]
     server = TcpServer("127.0.0.1:0", _Staller(op, answer, release))
     consumer = KVConsumer(LAYOUT, 0, DisaggConfig(timeout_s=60, io_timeout_s=0.5, route=route))
     try:

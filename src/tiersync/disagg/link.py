@@ -87,7 +87,9 @@ def pull_route(
         done = (0, [])
     if total:
         _layers_tcp(channel, done, num_layers, route, total, deadline, config, buffer, landed)
-    reply = channel.request(KvDone(channel.new_request_id()), timeout=_left(deadline, channel))
+    reply = channel.request(
+        KvDone(channel.new_request_id()), timeout=min(_left(deadline, channel), config.io_timeout_s)
+    )
     if not isinstance(reply, ev.CommitReply) or reply.status is not ev.CommitStatus.COMMITTED:
         raise RemoteError(f"producer did not count this read: {getattr(reply, 'message', '')}", peer=channel.peer)
 
