@@ -1,4 +1,4 @@
-"""tiersync.net.pool: the one client connection pool, with a cap on the channels open to a peer
+"""tiersync.net.pool (the ChannelPool): the one client connection pool, with a cap on the channels open to a peer
 (the samplers' streams), against a real block server process."""
 
 from __future__ import annotations
