@@ -19,7 +19,7 @@ from tiersync.net.socket_io import Deadline
 from tiersync.net.tcp import TcpTransport
 from tiersync.weights.config import PublisherConfig, ReceiverConfig, TransportKind
 from tiersync.weights.links import TrainerLinks
-from tiersync.weights.ops import WEIGHTS, Get
+from tiersync.weights.ops import WEIGHTS, Get, Ready
 from tiersync.weights.publisher import WeightPublisher
 from tiersync.weights.receiver import WeightReceiver
 from tiersync.weights.segment import SEGMENT_PREFIX
@@ -194,4 +194,32 @@ def test_a_get_naming_another_incarnation_is_refused():
             channel.request(Get(channel.new_request_id(), 1, "w", (0,), span, pub.incarnation ^ 1), timeout=10)
     finally:
         channel.close()
+        pub.close()
+
+
+def test_a_ready_for_a_version_never_announced_ends_the_link_and_the_sampler_registers_again():
+    """READYs come only for the versions a registration announced, so the sampler keeps one
+    count per announced version. A trainer sending READYs for versions it never announced (or
+    counting past a version's tensors) is refused as malformed: the link ends, the sampler
+    registers again, keeps no such count, and still syncs the next version bitwise."""
+    g = {"w": np.arange(4096, dtype=np.float32), "b": np.ones(64, np.float32)}
+    pub = WeightPublisher(g, fsdp(1), config=PublisherConfig(token=TOKEN, publish_timeout_s=30))
+    rec = WeightReceiver(fsdp(1), ReceiverConfig((pub.address,), token=TOKEN))
+    links, shard = rec._links, rec._links._shards[0]
+    try:
+        pub.wait_for_samplers(1, 30)
+        assert pub.publish(1).result(60).ok and rec.receive(1).result(60).version == 1
+        for bad, registration in ((Ready(10_000 + k, 1) for k in range(100)), 2), ((Ready(1, 3),), 3):
+            for event in bad:
+                for s in pub._registry.live():
+                    pub._registry.send(s, event)
+            with links._cond:  # the link ended on the first one and registered again
+                assert links._cond.wait_for(lambda n=registration: shard.alive and shard.registration >= n, 30)
+                assert all(v < 10_000 for v in shard.ready) and shard.ready.get(1, 0) <= len(g)
+            pub.wait_for_samplers(1, 30)
+        assert pub.publish(2).result(60).ok and rec.receive(2).result(60).version == 2
+        with rec.acquire(10) as lease:
+            assert lease.version == 2 and digests(lease.tensors) == digests(g)
+    finally:
+        rec.close()
         pub.close()

@@ -178,9 +178,7 @@ class TrainerLinks:
                 if isinstance(event, Announce):
                     self._announce(shard, event.manifest)
                 elif isinstance(event, Ready):
-                    with self._cond:
-                        shard.ready[event.version] = event.count
-                        self._cond.notify_all()
+                    self._ready(shard, event)
                 else:
                     raise ProtocolError(
                         f"unexpected {type(event).__name__}", fault=ProtocolFault.UNEXPECTED, peer=shard.address
@@ -193,6 +191,21 @@ class TrainerLinks:
             channel.close()
         with self._cond:
             shard.alive = False
+            self._cond.notify_all()
+
+    def _ready(self, shard: ShardLink, event: Ready) -> None:
+        """Tensors ``[0, count)`` of an announced version are in the shard's segment; a READY
+        for a version this registration did not announce, or counting past its tensors, is
+        malformed (one kept per announced version, so a hostile trainer cannot grow the map)."""
+        with self._cond:
+            m = shard.manifests.get(event.version)
+            if m is None or event.count > len(m.names):
+                raise ProtocolError(
+                    "READY for a version not announced, or past its tensors",
+                    fault=ProtocolFault.MALFORMED,
+                    peer=shard.address,
+                )
+            shard.ready[event.version] = max(event.count, shard.ready.get(event.version, 0))
             self._cond.notify_all()
 
     def _announce(self, shard: ShardLink, m: Manifest) -> None:
