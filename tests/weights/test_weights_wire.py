@@ -243,6 +243,30 @@ def test_span_sums_are_computed_once_for_receivers_asking_at_once(monkeypatch):
     assert len(calls) == 3
 
 
+def test_span_sums_are_kept_per_trainer_incarnation(monkeypatch):
+    """A relay serves every shard of a trainer (one incarnation each) and, after a restart, a
+    trainer that numbers its versions again with other bytes: a sum is never answered for the
+    bytes of another incarnation's same-numbered version, and alternating shards keep theirs."""
+    from tiersync.weights import serving
+
+    calls = []
+    real = serving.sum_of
+    monkeypatch.setattr(serving, "sum_of", lambda algo, parts: calls.append(1) or real(algo, parts))
+    sums, span = serving._Sums(), StridedSpan(0, 4096)
+    old, new = np.arange(4096, dtype=np.uint8), np.arange(4096, dtype=np.uint8)[::-1].copy()
+    want = {id(b): (serving.SUPPORTED[0], real(serving.SUPPORTED[0], span_payload(b, span))) for b in (old, new)}
+    assert sums.of(Get(1, 2, "w", (0,), span, 0xA), span_payload(old, span)) == want[id(old)]
+    assert (
+        sums.of(Get(2, 2, "w", (0,), span, 0xB), span_payload(new, span)) == want[id(new)]
+    )  # restarted: version 2 again
+    for rid in range(3, 7):  # both stay known: the old process's shard and the new one's
+        inc, data = (0xA, old) if rid % 2 else (0xB, new)
+        assert sums.of(Get(rid, 2, "w", (0,), span, inc), span_payload(data, span)) == want[id(data)]
+    assert len(calls) == 2
+    sums.of(Get(7, 3, "w", (0,), span, 0xB), span_payload(new, span))  # 0xB moved on; 0xA's sum stays
+    assert sums.of(Get(8, 2, "w", (0,), span, 0xA), span_payload(old, span)) == want[id(old)] and len(calls) == 3
+
+
 def test_a_span_whose_sum_failed_is_not_left_busy(monkeypatch):
     from tiersync.weights import serving
 

@@ -49,7 +49,8 @@ _ROWS_SENT_AS_IOVEC = 256  # strided spans of at most this many rows of >= 64 Ki
 _MAX_SUMS = 1 << 16  # cached span checksums (one version's chunks)
 _WAIT_S = 30.0  # most a GET waits for another's sum of its span before summing it itself
 
-_Key = tuple[int, str, StridedSpan]  # (version, tensor, span): one cached checksum
+_MAX_INCARNATIONS = 1 << 10  # trainer processes (shards, restarts) whose newest version's sums are kept
+_Key = tuple[int, int, str, StridedSpan]  # (incarnation, version, tensor, span): one cached checksum
 
 
 def span_payload(shard: np.ndarray, span: StridedSpan) -> list[memoryview]:
@@ -76,15 +77,17 @@ class _Sums:
     """Payload checksums of the newest version's spans, computed once for every receiver that
     GETs the span (replicated samplers ask for the same ones, usually at the same moment: a
     GET for a span being summed waits for that sum instead of summing it again). Sound because
-    a version's bytes never change while it is served and versions only grow. The stack sends
-    a known sum only when it is of the connection's algorithm (this build's first choice:
-    almost always)."""
+    a version's bytes never change while it is served and each trainer process's versions only
+    grow: sums are kept per trainer incarnation (a relay serves the versions of every shard of
+    a trainer, and a restarted trainer numbers its versions again, with other bytes), for its
+    newest version. The stack sends a known sum only when it is of the connection's algorithm
+    (this build's first choice: almost always)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sums: dict[_Key, int] = {}
         self._busy: dict[_Key, threading.Event] = {}  # being summed -> set when known
-        self._version = -1
+        self._newest: dict[int, int] = {}  # incarnation -> the version whose sums are kept
 
     def of(
         self, get: Get | Sums, payload: list[memoryview], span: StridedSpan | None = None
@@ -93,10 +96,10 @@ class _Sums:
             if not isinstance(get, Get):
                 raise UsageError("the checksum of a W_SUMS span needs that span", argument="span")
             span = get.span
-        key, algo = (get.version, get.tensor, span), SUPPORTED[0]
+        key, algo = (get.incarnation, get.version, get.tensor, span), SUPPORTED[0]
         with self._lock:
             known, busy = self._sums.get(key), self._busy.get(key)
-            mine = known is None and busy is None and get.version >= self._version
+            mine = known is None and busy is None and get.version >= self._newest.get(get.incarnation, -1)
             if mine:
                 busy = self._busy[key] = threading.Event()
         if known is not None:
@@ -110,18 +113,23 @@ class _Sums:
             value = sum_of(algo, payload)
         except BaseException:
             if mine:  # waiters wake even when summing failed (they then sum it themselves)
-                self._keep(key, get.version, None)
+                self._keep(key, None)
             raise
         if mine:
-            self._keep(key, get.version, value)
+            self._keep(key, value)
         return algo, value
 
-    def _keep(self, key: _Key, version: int, value: int | None) -> None:
+    def _keep(self, key: _Key, value: int | None) -> None:
+        incarnation, version = key[0], key[1]
         with self._lock:
-            if version > self._version or len(self._sums) >= _MAX_SUMS:
+            if len(self._sums) >= _MAX_SUMS or len(self._newest) >= _MAX_INCARNATIONS:
                 self._sums.clear()
-                self._version = max(version, self._version)
-            if version == self._version and value is not None:
+                self._newest.clear()
+            newest = self._newest.get(incarnation, -1)
+            if version > newest:  # that trainer process moved on: its older sums go
+                self._sums = {k: v for k, v in self._sums.items() if k[0] != incarnation}
+                self._newest[incarnation] = newest = version
+            if version == newest and value is not None:
                 self._sums[key] = value
             busy = self._busy.pop(key)
         busy.set()
