@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -111,6 +112,23 @@ def test_a_connect_that_fails_frees_its_place():
         pass
     assert "no connection became free" not in str(info.value)  # it tried to connect again
     pool.close()
+
+
+def test_a_connect_is_bounded_by_its_own_timeout_inside_a_longer_wait():
+    """A caller may wait its whole deadline for a channel under the cap, while a peer that
+    accepts and never answers the handshake is given up after ``connect_timeout``."""
+    mute = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog), never speaks
+    address = f"127.0.0.1:{mute.getsockname()[1]}"
+    pool = ChannelPool(TcpTransport(TcpConfig(token=TOKEN, connect_timeout_s=60)), max_open_per_peer=1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError), pool.acquire(address, timeout=60, connect_timeout=0.5):
+            pass
+        assert time.monotonic() - t0 < 10  # the connect's bound, not the wait's 60 s
+        assert pool._open.get(address) is None  # its place under the cap was given back
+    finally:
+        pool.close()
+        mute.close()
 
 
 def test_closing_with_abort_wakes_a_lent_channels_blocked_read_and_refuses_new_ones(peer):

@@ -142,6 +142,42 @@ def test_a_sender_that_stops_answering_fails_the_batch_after_io_timeout(server):
         pool.close()
 
 
+def test_a_get_waits_its_whole_timeout_for_a_stream_others_hold_not_only_io_timeout(server):
+    """A fallback GET to a trainer shard whose streams the pipelines hold waits for one to come
+    back until the sync's deadline, not only ``io_timeout_s`` (each step of the GET itself still
+    has that bound): a relay dying during a slow publish no longer fails the sync."""
+    pool = TcpPool(1, TcpConfig(token=TOKEN), 0.5)  # one stream, io_timeout_s 0.5
+    job, dst, done, errors = _jobs(server)[0], np.zeros(1 << 20, np.uint8), threading.Event(), []
+    release, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with pool._pool.acquire(server, 5):  # the stream a pipeline holds
+            held.set()
+            release.wait(30)
+
+    def fallback() -> None:
+        try:
+            pool.get(server, 1, job, job.sources[0], dst, timeout=30)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        done.set()
+
+    holder, getter = threading.Thread(target=hold), threading.Thread(target=fallback)
+    holder.start()
+    assert held.wait(10)
+    getter.start()
+    try:
+        assert not done.wait(1.5), errors  # three times io_timeout_s: still waiting, not failed
+        release.set()
+        assert done.wait(30) and not errors
+        assert np.array_equal(dst[:65536], SHARD[:65536])
+    finally:
+        release.set()
+        holder.join(10)
+        getter.join(10)
+        pool.close()
+
+
 def test_a_peer_without_the_token_is_refused(server):
     pool = TcpPool(1, TcpConfig(token=b"x" * 32), 5.0)
     try:

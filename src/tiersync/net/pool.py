@@ -49,13 +49,17 @@ class ChannelPool:
         self._swept = time.monotonic()
 
     @contextmanager
-    def acquire(self, address: str, timeout: float | None = None) -> Iterator[Channel]:
+    def acquire(
+        self, address: str, timeout: float | None = None, connect_timeout: float | None = None
+    ) -> Iterator[Channel]:
         """A channel to ``address``, returned to the pool afterwards unless it broke: any
         exception closes it (even a refused request may leave answers of others in flight).
         ``timeout``: the most seconds to wait for a free channel under the cap and to connect
-        (None: the transport's connect timeout, and no limit on the wait). Raises RemoteError
-        when none became free in time, ClosedError once the pool is closed."""
-        channel = self._take(address, timeout)
+        (None: the transport's connect timeout, and no limit on the wait); ``connect_timeout``
+        also bounds the connect alone (a caller may wait its whole deadline for a channel others
+        hold while a peer that does not answer is given up sooner). Raises RemoteError when none
+        became free in time, ClosedError once the pool is closed."""
+        channel = self._take(address, timeout, connect_timeout)
         try:
             yield channel
         except BaseException:
@@ -66,7 +70,7 @@ class ChannelPool:
             raise
         self._give(address, channel)
 
-    def _take(self, address: str, timeout: float | None) -> Channel:
+    def _take(self, address: str, timeout: float | None, connect_timeout: float | None) -> Channel:
         end = None if timeout is None else time.monotonic() + timeout
         stale: list[Channel] = []
         try:
@@ -75,7 +79,12 @@ class ChannelPool:
         finally:
             for channel in stale:
                 channel.close()
-        return found if found is not None else self._connect(address, end)
+        if found is not None:
+            return found
+        if connect_timeout is not None:
+            connect_end = time.monotonic() + connect_timeout
+            end = connect_end if end is None else min(end, connect_end)
+        return self._connect(address, end)
 
     def _idle_or_place(self, address: str, end: float | None, stale: list[Channel]) -> Channel | None:
         """Under the lock: a fresh idle channel (lent now), or None with a place counted for a

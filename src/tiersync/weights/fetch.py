@@ -142,14 +142,15 @@ class TcpPool:
         self, address: str, version: int, job: Job, src: Source, dst: np.ndarray, timeout: float | None = None
     ) -> None:
         """GET ``src.span`` of ``job.tensor`` at ``address`` into ``job.dst_span`` of ``dst``
-        (:meth:`get_many` of that one chunk from ``src``, within ``io_timeout_s`` or ``timeout``
-        where that is shorter).
+        (:meth:`get_many` of that one chunk from ``src``, within ``timeout``, or ``io_timeout_s``
+        for None: waiting for a free channel may take that long, each step of the GET at most
+        ``io_timeout_s``).
 
         Raises RemoteError (refused, timed out; AuthError: the token or TLS check failed),
         ProtocolError (bad bytes) or ClosedError (the pool was closed).
         """
         one = dataclasses.replace(job, sources=(src,))
-        limit = self._io_s if timeout is None else min(self._io_s, timeout)
+        limit = self._io_s if timeout is None else timeout
         self.get_many(address, version, [one], {job.tensor: dst}, 1, lambda _job: None, limit)
 
     def get_many(
@@ -165,13 +166,14 @@ class TcpPool:
         """GET ``jobs`` (each from its one source, at ``address``; taken from the iterable as
         requests go out) on one channel, ``window`` in flight: the sender answers the next while
         one lands, and consecutive answers land in one native call. ``landed(job)`` runs once a
-        job's bytes are verified and in place, in order. ``timeout`` covers the batch, getting a
-        channel included; each step of it (a send, the next answers) also has ``io_timeout_s``,
-        so a sender that stops answering with its socket open fails the batch after that long.
+        job's bytes are verified and in place, in order. ``timeout`` covers the batch, the wait
+        for a free channel (the streams of other batches hold) included; each step of it (a
+        connect, a send, the next answers) also has ``io_timeout_s``, so a sender that stops
+        answering with its socket open fails the batch after that long.
         Raises like :meth:`get` (an exception from ``landed`` too); the jobs
         not reported landed may hold some of their bytes or none."""
         end = time.monotonic() + timeout
-        with self._pool.acquire(address, min(timeout, self._io_s)) as pooled:
+        with self._pool.acquire(address, timeout, connect_timeout=self._io_s) as pooled:
             channel = cast(TcpChannel, pooled)  # the pool connects with a TcpTransport
             of: dict[int, tuple[Job, np.ndarray | None, object]] = {}
 
