@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -35,6 +36,30 @@ def test_outage_shortens_lookup_answers_and_never_raises():
         client.publish("a", KEYS[:1])
     assert info.value.peer == server.address
     client.close()
+
+
+def test_a_registry_of_another_message_version_is_named_as_such_and_lookups_degrade():
+    """The schema version is in the service name: a server of another version (here the
+    unversioned name of earlier releases) never parses this client's bytes; the client says
+    why, and lookups degrade as on an outage."""
+    seen: list[bytes] = []
+    old = grpc.server(ThreadPoolExecutor(max_workers=2))
+    handlers = {
+        n: grpc.unary_unary_rpc_method_handler(lambda req, ctx: seen.append(req) or b"") for n in ("Lookup", "Publish")
+    }
+    old.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("tiersync.Registry", handlers),))
+    address = f"127.0.0.1:{old.add_insecure_port('127.0.0.1:0')}"
+    old.start()
+    client = RegistryClient(address, FAST)
+    try:
+        with pytest.raises(RegistryUnavailableError, match="another tiersync version") as info:
+            client.publish("a", KEYS[:1])
+        assert SERVICE in str(info.value) and info.value.peer == address
+        assert client.lookup(KEYS[:3]) == [()] * 3 and client.failures == 1
+        assert not seen  # the old server never read a byte of it
+    finally:
+        client.close()
+        old.stop(None)
 
 
 def test_malformed_message_is_invalid_argument():

@@ -1,9 +1,12 @@
 """gRPC control plane for the registry (``grpcio`` imported here only).
 
-The service ``tiersync.Registry`` is defined with grpcio's generic handlers and
-bytes messages encoded by :mod:`tiersync.net.registry.messages`, so there is no
-protoc/codegen step and no generated files to keep in sync; the schema lives
-in one small Python module shared by client and server.
+The service ``tiersync.registry.v1.Registry`` is defined with grpcio's generic handlers
+and bytes messages encoded by :mod:`tiersync.net.registry.messages`, so there is no
+protoc/codegen step and no generated files to keep in sync; the schema lives in one small
+Python module shared by client and server. The version is in the service's name
+(:data:`SERVICE`): a client and a server of message schemas that differ never read each
+other's bytes; the client's calls fail UNIMPLEMENTED, reported as a registry that speaks
+another version (a change to a message takes a new version).
 
 :class:`RegistryClient` implements :class:`Registry`. On an outage
 ``lookup`` and ``placement_targets`` never raise: they log, count
@@ -33,7 +36,8 @@ from tiersync.net.registry.errors import RegistryUnavailableError
 from tiersync.net.tls import TlsConfig
 
 log = logging.getLogger(__name__)
-SERVICE = "tiersync.Registry"
+SERVICE = "tiersync.registry.v1.Registry"
+"""The gRPC service name: the version of the messages' schema is part of it."""
 _CHANGES = frozenset({"Publish", "Unpublish", "RegisterStore", "RemoveStore", "Heartbeat"})  # calls that change state
 
 
@@ -221,6 +225,11 @@ class RegistryClient(Registry):
             if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
                 raise AuthError(
                     f"the registry refused this client's token: {exc.details()}", peer=self.address
+                ) from exc
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                raise RegistryUnavailableError(
+                    f"the registry does not serve {SERVICE}/{name}: it runs another tiersync version",
+                    peer=self.address,
                 ) from exc
             raise RegistryUnavailableError(
                 f"registry call {name} failed: {exc.code().name}", peer=self.address
