@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from contextlib import closing
 
 import pytest
@@ -121,7 +122,7 @@ def test_bad_arguments_name_themselves_and_queue_nothing():
 
 
 def test_at_most_max_pending_drops_wait(monkeypatch, caplog):
-    """A rank that accepts and never answers holds the thread (up to its timeouts); meanwhile
+    """A rank that accepts and never answers holds a sender (up to its timeouts); meanwhile
     drops past the cap are not queued (logged once), and close does not wait for them."""
     monkeypatch.setattr(dropper_mod, "MAX_PENDING", 2)
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never speaks
@@ -132,16 +133,68 @@ def test_at_most_max_pending_drops_wait(monkeypatch, caplog):
             with caplog.at_level(logging.WARNING, logger="tiersync.disagg.dropper"):
                 for i in range(5):
                     d.drop(f"r{i}", (address,))
-            assert d._queue.qsize() <= 2
+            assert len(d._open) == 2  # the first (being sent) and r0
             assert caplog.text.count("wait to be sent") == 1
-            assert d.flush(0.1) is False  # the first drop still holds the thread
+            assert d.flush(0.1) is False  # the first drop still holds its sender
         finally:
             closer = threading.Thread(target=d.close)
             closer.start()
             closer.join(30)
             assert not closer.is_alive()
         d.drop("after-close", (address,))  # a no-op
-        assert d._queue.qsize() <= 1
+        assert not d._open
+
+
+def _until(condition, within: float) -> bool:
+    """Whether ``condition()`` holds within ``within`` seconds (checked every few ms)."""
+    end = time.monotonic() + within
+    while not condition():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.005)  # re-checking a counter of the dropper's threads, not timing them
+    return True
+
+
+def test_a_rank_that_accepts_and_never_answers_does_not_delay_the_drops_to_the_others(prefill):
+    """Each drop names a rank that accepts and never answers (a plain listening socket: each
+    attempt there waits out the 5 s connect timeout) before the two healthy ranks. Before, the
+    one sender waited there first, so the healthy ranks were told 5 s late (and again after
+    each BACKOFF_S); now that rank holds one sender, and the drops to the others are confirmed
+    within 1.5 s, round after round while it hangs."""
+    bound_s = 1.5
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never speaks
+        hanging = f"127.0.0.1:{silent.getsockname()[1]}"
+        d = KVDropper(DisaggConfig(token=TOKEN, connect_timeout_s=5, io_timeout_s=5))
+        try:
+            for round_ in range(3):
+                ids = [f"r-hang-{round_}-{i}" for i in range(2)]
+                for rid in ids:
+                    prefill.register(rid, [9], 10)
+                for rid in ids:
+                    d.drop(rid, (hanging, *prefill.addresses))
+                want = 4 * (round_ + 1)
+                assert _until(lambda want=want: d.confirmed >= want, bound_s), (
+                    f"round {round_}: {d.confirmed} of {want}"
+                )
+            assert d.flush(0.1) is False  # the hanging rank still holds its sender
+        finally:
+            silent.close()  # resets the connection the sender waits on
+            d.close()
+
+
+def test_a_failing_rank_waits_twice_as_long_each_time_up_to_a_cap_and_afresh_once_it_answers(prefill):
+    healthy = prefill.addresses[0]
+    with closing(KVDropper(DisaggConfig(token=TOKEN))) as d:
+        waits = [d._backoff(healthy) for _ in range(6)]
+        assert waits == [30.0, 60.0, 120.0, 240.0, 480.0, 480.0] and dropper_mod.BACKOFF_MAX_S == 480.0
+        prefill.register("r-backoff", [10], 10)
+        d.drop("r-backoff", (healthy,))  # within its wait: not tried
+        assert d.flush(20) and d.confirmed == 0
+        d._failed[healthy] = (time.monotonic() - 1, 480.0)  # its wait is over: tried, and it answers
+        prefill.register("r-backoff2", [10], 10)
+        d.drop("r-backoff2", (healthy,))
+        assert d.flush(20) and d.confirmed == 1
+        assert d._backoff(healthy) == 30.0  # its next failure backs off as a first one
 
 
 def test_kv_drop_meta_is_bounded_and_checked():

@@ -3,27 +3,33 @@
 A decode engine's scheduler learns of a prefilled request from its ``kv_transfer_params`` and
 may never read it: the request was aborted while it waited (its client went away), or the
 engine computes the prompt itself (another prompt or inputs, another block size, or its own
-prefix cache already holds it). Unless told, each prefill rank keeps the request's blocks
-until its ``timeout_s`` (vLLM's ``load_timeout_s``, 120 s): under load, the blocks of every
-abandoned request. :class:`KVDropper` tells them, off the scheduler's thread: one thread sends
-KV_DROP to every prefill rank of the request over pooled connections that prove this side's
-token (and TLS, as :class:`~tiersync.disagg.consumer.KVConsumer`'s reads do), each within
-``config.connect_timeout_s`` + ``config.io_timeout_s`` (a pooled connection the rank closed
-meanwhile is tried once more, on a new one). A rank that cannot be reached, refuses, or no
-longer knows the request (read, being read, or timed out meanwhile) is logged and skipped, and
-one that failed is not tried again for :data:`BACKOFF_S` (a rank that stopped answering must
-not hold up the drops of the others): its timeout frees the blocks as before. At most
-:data:`MAX_PENDING` drops wait to be sent; more are not sent (logged once until the queue
-empties): a drop is an optimisation, never needed for correctness.
+prefix cache already holds it). A decode rank's read may also fail before it reached, or
+finished with, every prefill rank of the request (:class:`~tiersync.disagg.consumer.KVConsumer`).
+Unless told, each prefill rank keeps the request's blocks until its ``timeout_s`` (vLLM's
+``load_timeout_s``, 120 s): under load, the blocks of every abandoned request.
+:class:`KVDropper` tells them, off the caller's thread: :data:`SENDERS` threads send KV_DROP
+over pooled connections that prove this side's token (and TLS, as the consumer's reads do),
+each within ``config.connect_timeout_s`` + ``config.io_timeout_s`` (a pooled connection the
+rank closed meanwhile is tried once more, on a new one). Each rank's drops wait in a lane of
+their own, sent in order by one sender at a time: a rank that accepts and never answers holds
+one sender, never the drops to the other ranks (unless :data:`SENDERS` ranks hang at once).
+A rank that cannot be reached, refuses, or no longer knows the request (read, being read, or
+timed out meanwhile) is logged and skipped; one that failed is not tried again for
+:data:`BACKOFF_S`, doubled at each further failure up to :data:`BACKOFF_MAX_S` and reset by a
+success (a rank that keeps hanging costs a sender and a connection ever more rarely): its
+timeout frees the blocks as before. At most :data:`MAX_PENDING` drops wait to be sent (a drop
+waits until each of its ranks was told or given up); more are not sent (logged once until
+none waits): a drop is an optimisation, never needed for correctness.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 from tiersync.disagg.config import DisaggConfig
@@ -34,7 +40,7 @@ from tiersync.net.errors import PeerClosedError
 from tiersync.net.pool import ChannelPool
 from tiersync.net.tcp import TcpChannel, TcpTransport
 
-__all__ = ["BACKOFF_S", "MAX_PENDING", "KVDropper"]
+__all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "MAX_PENDING", "SENDERS", "KVDropper"]
 
 log = logging.getLogger(__name__)
 
@@ -42,26 +48,50 @@ MAX_PENDING = 4096
 """Drops waiting to be sent, at most."""
 
 BACKOFF_S = 30.0
-"""How long a prefill rank that failed a drop is not tried again."""
+"""How long a prefill rank that failed a drop is not tried again (after its first failure)."""
 
-_Item = tuple[str, tuple[str, ...]] | threading.Event | None  # a drop, a flush marker, stop
+BACKOFF_MAX_S = 480.0
+"""... doubled at each consecutive failure, up to this."""
+
+SENDERS = 4
+"""Threads sending drops: ranks served at once (each rank by one of them at a time)."""
+
+
+@dataclass(eq=False, slots=True)
+class _Drop:
+    """One :meth:`KVDropper.drop`: its request, and how many of its ranks are still to be told."""
+
+    kv_request: str
+    left: int
 
 
 class KVDropper:
-    """Sends KV_DROPs on its own thread; :meth:`drop` never blocks. Close with :meth:`close`."""
+    """Sends KV_DROPs on its own threads; :meth:`drop` never blocks. Close with :meth:`close`."""
 
     def __init__(self, config: DisaggConfig | None = None) -> None:
         self.config = config if config is not None else DisaggConfig()
         if not isinstance(self.config, DisaggConfig):
             raise UsageError("must be a DisaggConfig", argument="config")
         self._pool = ChannelPool(TcpTransport(self.config.tcp_config(server=False), KV))
-        self._queue: queue.Queue[_Item] = queue.Queue()  # bounded by drop()
         self._lock = threading.Lock()
-        self._pending = self._confirmed = 0
+        self._work = threading.Condition(self._lock)  # senders wait here for a lane
+        self._settled = threading.Condition(self._lock)  # flush waits here for drops to be done
+        self._lanes: dict[str, collections.deque[_Drop]] = {}  # address -> drops waiting for it
+        self._ready: collections.deque[str] = collections.deque()  # lanes waiting for a sender
+        self._busy: set[str] = set()  # lanes a sender serves now (drops coming meanwhile wait)
+        self._open: dict[_Drop, None] = {}  # drops not yet told or given up everywhere, oldest first
+        self._confirmed = 0
         self._overflowed = self._closed = False
-        self._failed: dict[str, float] = {}  # address -> when it may be tried again (sender thread only)
-        self._thread = threading.Thread(target=self._run, name="tiersync-kv-drop", daemon=True)
-        self._thread.start()
+        self._failed: dict[str, tuple[float, float]] = {}  # address -> (when it may be tried again, wait)
+        self._threads: list[threading.Thread] = []
+        try:
+            for _ in range(SENDERS):
+                thread = threading.Thread(target=self._run, name="tiersync-kv-drop", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        except RuntimeError:  # no thread to be had: nothing of this dropper is left running
+            self.close()
+            raise
 
     @property
     def confirmed(self) -> int:
@@ -77,67 +107,109 @@ class KVDropper:
         targets = () if isinstance(addresses, (str, bytes)) else tuple(addresses)
         if not targets or not all(isinstance(a, str) and a for a in targets):
             raise UsageError("must be a sequence of host:port strings", argument="addresses")
+        ranks = tuple(dict.fromkeys(targets))  # a rank named twice is told once
         with self._lock:
             if self._closed:
                 return
-            if self._pending >= MAX_PENDING:
+            if len(self._open) >= MAX_PENDING:
                 if not self._overflowed:
                     log.warning("%d KV drops wait to be sent: later ones are not sent", MAX_PENDING)
                 self._overflowed = True
                 return
-            self._pending += 1
-            self._queue.put_nowait((kv_request, targets))
+            drop = _Drop(kv_request, len(ranks))
+            self._open[drop] = None
+            fresh = 0
+            for address in ranks:
+                if address not in self._lanes and address not in self._busy:
+                    self._ready.append(address)
+                    fresh += 1
+                self._lanes.setdefault(address, collections.deque()).append(drop)
+            self._work.notify(fresh)
 
     def flush(self, timeout: float) -> bool:
         """Wait until every drop asked for so far was sent (or given up); False after ``timeout`` s."""
-        done = threading.Event()
         with self._lock:
             if self._closed:
-                return not self._thread.is_alive()
-            self._queue.put_nowait(done)  # set once the thread reaches it
-        return done.wait(timeout)
+                return not any(t.is_alive() for t in self._threads)
+            waiting = list(self._open)
+
+            def sent() -> bool:
+                while waiting and waiting[-1] not in self._open:
+                    waiting.pop()
+                return not waiting
+
+            return self._settled.wait_for(sent, timeout)
 
     def close(self) -> None:
         """Stop (drops not yet sent are not sent) and close the idle connections, waiting at most
-        ``config.connect_timeout_s`` for a drop being sent (one still going ends within its
-        ``io_timeout_s`` on its own: the thread is a daemon). Idempotent."""
+        ``config.connect_timeout_s`` in all for drops being sent (one still going ends within its
+        ``io_timeout_s`` on its own: the senders are daemons). Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        while True:  # what waits will not be sent
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, threading.Event):
-                item.set()
-        self._queue.put(None)
-        self._thread.join(timeout=self.config.connect_timeout_s)
+            self._lanes.clear()  # what waits will not be sent
+            self._ready.clear()
+            self._open.clear()
+            self._work.notify_all()
+            self._settled.notify_all()
+        end = time.monotonic() + self.config.connect_timeout_s
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, end - time.monotonic()))
         self._pool.close()  # the channel of a drop still being sent is closed when it ends
 
+    # -- the senders ---------------------------------------------------------------------------
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            kv_request, addresses = item
-            for address in addresses:
-                if self._closed:
-                    break
-                try:
-                    self._send(kv_request, address)
-                except Exception:  # e.g. an address getaddrinfo cannot encode: the thread must not end
-                    log.exception("dropping %s at %s failed", kv_request, address)
-                    self._failed[address] = time.monotonic() + BACKOFF_S
+        while (lane := self._take()) is not None:
+            address, drops = lane
+            for drop in drops:
+                if not self._closed:
+                    try:
+                        self._send(drop.kv_request, address)
+                    except Exception:  # e.g. an address getaddrinfo cannot encode: the sender must not end
+                        log.exception("dropping %s at %s failed", drop.kv_request, address)
+                        self._backoff(address)
+                self._told(drop)
             with self._lock:
-                self._pending -= 1
-                self._overflowed = self._overflowed and self._pending > 0
+                self._busy.discard(address)
+                if address in self._lanes:  # more came while it was served: its turn again
+                    self._ready.append(address)
+                    self._work.notify()
+
+    def _take(self) -> tuple[str, list[_Drop]] | None:
+        """A lane no other sender serves and the drops waiting in it; None once closed."""
+        with self._lock:
+            self._work.wait_for(lambda: self._closed or bool(self._ready))
+            if self._closed:
+                return None
+            address = self._ready.popleft()
+            self._busy.add(address)
+            return address, list(self._lanes.pop(address))
+
+    def _told(self, drop: _Drop) -> None:
+        """One rank of ``drop`` was told (or given up); the drop is done once all of them were."""
+        with self._lock:
+            drop.left -= 1
+            if drop.left <= 0 and drop in self._open:
+                del self._open[drop]
+                self._overflowed = self._overflowed and bool(self._open)
+                self._settled.notify_all()
+
+    def _backoff(self, address: str) -> float:
+        """``address`` failed: the seconds it is not tried again (doubling while it keeps failing)."""
+        with self._lock:
+            now = time.monotonic()
+            # bounded: ranks that failed lately (one whose wait ended BACKOFF_MAX_S ago starts afresh)
+            self._failed = {a: (t, w) for a, (t, w) in self._failed.items() if t + BACKOFF_MAX_S > now}
+            last = self._failed.get(address)
+            wait = BACKOFF_S if last is None else min(2 * last[1], BACKOFF_MAX_S)
+            self._failed[address] = (now + wait, wait)
+            return wait
 
     def _send(self, kv_request: str, address: str) -> None:
-        now = time.monotonic()
-        if self._failed.get(address, 0.0) > now:
-            return
+        with self._lock:
+            if self._failed.get(address, (0.0, 0.0))[0] > time.monotonic():
+                return  # failed lately: its timeout frees the request there
         for attempt in (1, 2):
             reused = self._pool.idle_count(address) > 0
             try:
@@ -149,13 +221,13 @@ class KVDropper:
             except (TierSyncError, OSError) as exc:
                 if attempt == 1 and reused and isinstance(exc, PeerClosedError) and not self._closed:
                     continue  # the rank closed the pooled connection meanwhile: once more, on a new one
+                wait = self._backoff(address)
                 log.info("could not drop %s at %s (its timeout frees it there): %s", kv_request, address, exc)
-                self._failed = {a: t for a, t in self._failed.items() if t > now}  # bounded: recent failures
-                self._failed[address] = now + BACKOFF_S
+                log.debug("not trying %s again for %.0f s", address, wait)
                 return
-        self._failed.pop(address, None)
-        if isinstance(reply, ev.CommitReply) and reply.status is ev.CommitStatus.COMMITTED:
-            with self._lock:
-                self._confirmed += 1
-        else:
+        committed = isinstance(reply, ev.CommitReply) and reply.status is ev.CommitStatus.COMMITTED
+        with self._lock:
+            self._failed.pop(address, None)  # it answers again: a later failure backs off afresh
+            self._confirmed += committed
+        if not committed:
             log.debug("%s at %s: not dropped (%s)", kv_request, address, getattr(reply, "message", reply))
