@@ -8,8 +8,8 @@
 - :mod:`~tiersync.disagg.producer`: :class:`KVProducer` (prefill rank: register, layer_ready, poll).
 - :mod:`~tiersync.disagg.consumer`: :class:`KVConsumer`, :class:`SourceSpec` (decode rank:
   start_read, poll); :mod:`~tiersync.disagg.read_handle`: :class:`ReadHandle` (wait_layer).
-- :mod:`~tiersync.disagg.dropper`: :class:`KVDropper` (a decode scheduler: tell prefill ranks
-  a request will not be read, so they free its blocks now).
+- :mod:`~tiersync.disagg.dropper`: :class:`KVDropper` (a decode scheduler, or a consumer whose
+  read failed: tell prefill ranks a request will not be read, so they free its blocks now).
 - :mod:`~tiersync.disagg.ops`, :mod:`~tiersync.disagg.link`: the prefill -> decode operations
   on the one tiersync wire stack (:mod:`tiersync.net`: frames, token + TLS handshake, server,
   connection pool, same-host reads) and the reader's side of one link.

@@ -22,7 +22,12 @@ verified. Decode rank 0 also notifies prefill ranks nobody reads from (unused re
 they can finish. A request is FAILED when ``config.timeout_s`` passes, a producer refuses,
 disconnects or dies, or a frame is bad; a FAILED read may have written part of its
 destination blocks (never reported as arrived), and :meth:`KVConsumer.poll` reports it only
-once no thread can write them any more.
+once no thread can write them any more. A read that fails (or is abandoned:
+:meth:`KVConsumer.close`) tells the prefill ranks it reads or notifies that neither counted
+nor refused it to drop the request (KV_DROP, sent off-thread by a
+:class:`~tiersync.disagg.dropper.KVDropper`): a rank it never reached (the first one refused,
+or died, while it connected to the others) would otherwise hold the request's blocks until
+its ``timeout_s``. A rank that refused it keeps the request as it was, for another reader.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import numpy as np
 
 from tiersync.disagg.blocksums import region_unit
 from tiersync.disagg.config import DisaggConfig, FinishedRequests, RequestState, check_side
+from tiersync.disagg.dropper import KVDropper
 from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.disagg.link import pull_route
 from tiersync.disagg.messages import ReadRequest, check_request_id
@@ -48,7 +54,7 @@ from tiersync.disagg.reshard import ReshardPlanner, block_table, default_planner
 from tiersync.disagg.spanio import byte_view
 from tiersync.errors import ClosedError, RemoteError, TierSyncError, UsageError, check_positive_int
 from tiersync.net.config import parse_address
-from tiersync.net.errors import NetTimeoutError, PeerClosedError, log_level
+from tiersync.net.errors import NetTimeoutError, PeerClosedError, RequestError, log_level
 from tiersync.net.pool import ChannelPool
 from tiersync.net.tcp import TcpChannel, TcpTransport
 
@@ -135,6 +141,8 @@ class KVConsumer:
         self._progress = threading.Event()  # set when a read became final since the last poll
         self._closed = False
         self._pool = ChannelPool(TcpTransport(self.config.tcp_config(server=False), KV))
+        self._dropper: KVDropper | None = None  # made at the first failed read with ranks to tell
+        self._dropper_closed = False
 
     def start_read(
         self,
@@ -162,8 +170,17 @@ class KVConsumer:
         plan = self._planner.plan(source.layout, self.layout, source.block_ids, dst_block_ids, source.num_tokens)
         sources = plan.sources_of(self.rank)
         dst_ids = tuple(block_table(dst_block_ids, self.layout, source.num_tokens, "dst_block_ids").tolist())
+        notify = plan.idle_sources() if self.rank == 0 else ()
+        ranks, addresses = sources + notify, source.addresses
         handle = ReadHandle(
-            request_id, plan, sources, views, time.monotonic() + self.config.timeout_s, on_layer, self._progress
+            request_id,
+            plan,
+            sources,
+            views,
+            time.monotonic() + self.config.timeout_s,
+            on_layer,
+            self._progress,
+            on_fail=lambda h: self._tell_unread(h, ranks, addresses),
         )
         with self._lock:
             if self._closed:
@@ -171,8 +188,7 @@ class KVConsumer:
             if request_id in self._reads:
                 raise UsageError("already being read", argument="request_id", value=request_id)
             self._reads[request_id] = handle
-        notify = plan.idle_sources() if self.rank == 0 else ()
-        for src_rank in sources + notify:
+        for src_rank in ranks:
             handle._start()
             read = ReadRequest(
                 request_id,
@@ -231,7 +247,8 @@ class KVConsumer:
             return self._reads.get(request_id)
 
     def close(self) -> None:
-        """Fail every pending read and refuse new ones. Idempotent."""
+        """Fail every pending read and refuse new ones; the drops of failed reads (theirs too)
+        are given ``config.connect_timeout_s`` to go out. Idempotent."""
         with self._lock:
             self._closed = True
             reads = list(self._reads.values())
@@ -240,6 +257,38 @@ class KVConsumer:
         for h in reads:  # their channels are closed: the threads end at once
             h._quiet(timeout=5.0)
         self._pool.close()
+        with self._lock:
+            dropper, self._dropper, self._dropper_closed = self._dropper, None, True
+        if dropper is not None:  # the drops of the reads just failed go out first, for a while
+            dropper.flush(self.config.connect_timeout_s)
+            dropper.close()
+
+    def _tell_unread(self, handle: ReadHandle, ranks: tuple[int, ...], addresses: tuple[str, ...]) -> None:
+        """``handle`` failed: tell the prefill ranks of ``ranks`` that neither counted nor
+        refused it to drop the request now. A rank the read joined also fails it as the read's
+        connection closes, and refuses the drop, as does one that no longer knows the request:
+        both harmless. A rank no other decode rank joined yet frees it for them too: their reads
+        are of no use any more, since the engine recomputes a request whose load failed on any
+        rank."""
+        unsettled = handle._unsettled(ranks)
+        dropper = self._drop_sender() if unsettled else None
+        if dropper is None:
+            return
+        try:
+            dropper.drop(handle.request_id, tuple(addresses[r] for r in unsettled))
+        except UsageError as exc:  # an id the wire cannot carry: their timeout frees it
+            log.warning("cannot tell the prefill ranks to drop %s: %s", handle.request_id, exc)
+
+    def _drop_sender(self) -> KVDropper | None:
+        """The dropper (started at first need: most consumers never fail a read); None once
+        closed, or when no thread is to be had (the prefill ranks' timeout frees the request)."""
+        with self._lock:
+            if self._dropper is None and not self._dropper_closed:
+                try:
+                    self._dropper = KVDropper(self.config)
+                except RuntimeError as exc:
+                    log.warning("cannot start sending KV drops: %s", exc)
+            return self._dropper
 
     def __enter__(self) -> KVConsumer:
         return self
@@ -267,13 +316,14 @@ class KVConsumer:
                         handle._landed,
                         src_unit=region_unit(handle.plan.src),
                     )
-                    if not read.notify_only:
-                        handle._counted()
+                    handle._counted(read.src_rank, notify_only=read.notify_only)
                 finally:
                     if not handle._detach(channel):  # the read failed meanwhile and closes it: so do we,
                         channel.close()  # before the pool takes it back
         except (TierSyncError, OSError) as exc:
             log.log(log_level(exc), "read of %s from %s failed: %s", handle.request_id, address, exc)
+            if isinstance(exc, RequestError):  # an ERROR answer: that rank needs no drop
+                handle._refused(read.src_rank)
             if not read.notify_only:
                 err = exc if isinstance(exc, TierSyncError) else RemoteError(str(exc), peer=address)
                 handle._fail(err)

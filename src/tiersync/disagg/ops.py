@@ -13,7 +13,8 @@ KVProducer` (server), pulls each layer's route bytes, and says it is done::
     KV_DONE                              -> COMMIT_REPLY (COMMITTED: the producer counted it)
 
 A decode engine's scheduler that will not read a request (aborted before its read began, or
-computing the prompt itself) says so, on a connection of its own::
+computing the prompt itself), or a decode rank whose read of it failed before it was done with
+every prefill rank, says so, on a connection of its own::
 
     KV_DROP{kv_request}                  -> COMMIT_REPLY (COMMITTED: it was pending and is
                                                           failed now: its blocks are freed)

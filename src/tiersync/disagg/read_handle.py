@@ -6,9 +6,12 @@ rank, drive it through its underscore methods: register while they may write the
 buffers (``_start``/``_stop``), attach their connection (closed when the read fails), take
 a layer's landing buffer (``_buffer``, refused once the read is final), report each
 verified part of a layer (``_landed``: the layer *arrives* once every source delivered
-it) and each source's KV_DONE (``_counted``: DONE once every layer arrived and every
-source counted the read), or fail it (``_fail``). ``_quiet`` says when no pulling thread
-can write its buffers any more (only then does the consumer report it final).
+it) and each prefill rank's KV_DONE (``_counted``: DONE once every layer arrived and every
+source counted the read), note a rank's refusal (``_refused``), or fail it (``_fail``, which
+hands the handle to ``on_fail``: the consumer tells the prefill ranks that neither counted nor
+refused the read, ``_unsettled``, to free the request).
+``_quiet`` says when no pulling thread can write its buffers any more (only then does the
+consumer report it final).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tiersync.net.tcp import TcpChannel
 __all__ = ["LayerCallback", "ReadHandle"]
 
 LayerCallback = Callable[[str, int], None]
+FailCallback = Callable[["ReadHandle"], None]
 
 
 class ReadHandle(Completion[None]):
@@ -49,10 +53,13 @@ class ReadHandle(Completion[None]):
         deadline: float,
         on_layer: LayerCallback | None,
         progress: threading.Event | None = None,
+        on_fail: FailCallback | None = None,
     ) -> None:
         super().__init__()
         self.request_id, self.plan, self.sources = request_id, plan, sources
         self._progress = progress  # set once this read becomes final
+        self._on_fail = on_fail  # runs once, when the read failed (after its connections closed)
+        self._settled_at: set[int] = set()  # prefill ranks that counted or refused this read
         self.deadline = deadline
         self._views, self._on_layer = views, on_layer
         self._counts = [0] * plan.num_layers
@@ -157,10 +164,14 @@ class ReadHandle(Completion[None]):
         with self._cond:
             return self._cond.wait_for(lambda: self._pulling == 0, timeout)
 
-    def _counted(self) -> None:
-        """One source counted this reader (KV_DONE COMMITTED: it kept its buffers until every
-        byte was sent). DONE once every layer arrived and every source counted the read."""
+    def _counted(self, src_rank: int, *, notify_only: bool = False) -> None:
+        """Prefill rank ``src_rank`` counted this reader (KV_DONE COMMITTED: it kept its buffers
+        until every byte was sent; a ``notify_only`` rank sent none). DONE once every layer
+        arrived and every source counted the read."""
         with self._cond:
+            self._settled_at.add(src_rank)
+            if notify_only:
+                return
             self._commits += 1
             if self.state is not RequestState.PENDING or self._commits < len(self.sources):
                 return
@@ -169,14 +180,31 @@ class ReadHandle(Completion[None]):
         if self._progress is not None:
             self._progress.set()
 
+    def _refused(self, src_rank: int) -> None:
+        """Prefill rank ``src_rank`` answered one of this read's requests with an ERROR: it
+        needs no drop (a refused KV_OPEN leaves the request there as it was, for another
+        reader; one already final there is freed; a read it joined fails there as its
+        connection closes)."""
+        with self._cond:
+            self._settled_at.add(src_rank)
+
+    def _unsettled(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        """Those of ``ranks`` that neither counted nor refused this read (not reached, cut
+        off, or not answering)."""
+        with self._cond:
+            return tuple(r for r in ranks if r not in self._settled_at)
+
     def _fail(self, error: BaseException) -> bool:
-        """FAILED (once): close every connection of the request. True when this call failed it."""
+        """FAILED (once): close every connection of the request (a prefill rank the read joined
+        fails it when its connection ends), then run ``on_fail``. True when this call failed it."""
         with self._cond:  # re-entrant: the state and the channels change together
             if not super()._fail(error):
                 return False
             channels, self._channels = list(self._channels), set()
         for channel in channels:
             channel.close()
+        if self._on_fail is not None:
+            self._on_fail(self)
         if self._progress is not None:
             self._progress.set()
         return True
