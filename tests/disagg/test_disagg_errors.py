@@ -20,7 +20,7 @@ from tiersync.disagg import (
     SourceSpec,
 )
 from tiersync.disagg.ops import KV, KvDone, KvLayer, KvNext, KvOpen, KvOpened, KvPull
-from tiersync.disagg.reshard import default_planner
+from tiersync.disagg.reshard import default_planner, route_digest
 from tiersync.errors import ClosedError, UsageError
 from tiersync.net import events as ev
 from tiersync.net.errors import NetTimeoutError, PeerClosedError, ProtocolError, RequestError
@@ -159,7 +159,8 @@ def _poll_until(producer, request_id, timeout=20.0):
     raise AssertionError(f"{request_id} never reported")
 
 
-ROUTE_BYTES = default_planner().plan(LAYOUT, LAYOUT, (0, 1), (0, 1), 8).route_nbytes(0, 0)
+ROUTE = default_planner().plan(LAYOUT, LAYOUT, (0, 1), (0, 1), 8).route_spans(0, 0)
+ROUTE_BYTES, ROUTE_DIGEST = int(ROUTE[:, 2].sum()), route_digest(ROUTE)
 
 
 class _Liar(Service):
@@ -175,7 +176,7 @@ class _Liar(Service):
         if name in self.lies:
             return [self.lies[name](event)]
         if isinstance(event, KvOpen):
-            return [KvOpened(event.request_id, ROUTE_BYTES)]
+            return [KvOpened(event.request_id, ROUTE_BYTES, ROUTE_DIGEST)]
         if isinstance(event, KvNext):
             return [KvLayer(event.request_id, event.n)]
         if isinstance(event, KvPull):
@@ -215,7 +216,8 @@ def _garbage_server():
     "lies",
     [
         None,  # garbage instead of a handshake
-        {"KvOpen": lambda e: KvOpened(e.request_id, 7)},  # a route size that does not fit the plan
+        {"KvOpen": lambda e: KvOpened(e.request_id, 7, ROUTE_DIGEST)},  # a route size that does not fit the plan
+        {"KvOpen": lambda e: KvOpened(e.request_id, ROUTE_BYTES, ROUTE_DIGEST ^ 1)},  # its size, other spans
         {"KvNext": lambda e: KvLayer(e.request_id, 9)},  # layer out of range
         {"KvNext": lambda e: KvLayer(e.request_id, 0)},  # the same layer twice
         {"KvPull": lambda e: ev.Data(e.request_id, b"1234567")},  # a DATA of the wrong size
@@ -253,7 +255,12 @@ def test_uncounted_done_fails_the_read():
 
 def _raw_reader(producer, read):
     channel = TcpTransport(TcpConfig(), KV).connect(producer.address)
-    assert channel.request(KvOpen(channel.new_request_id(), read)) == KvOpened(1, ROUTE_BYTES // 2)
+    plan = default_planner().plan(
+        read.src_layout, read.dst_layout, read.src_block_ids, read.dst_block_ids, read.num_tokens
+    )
+    spans = plan.route_spans(read.src_rank, read.dst_rank)
+    assert int(spans[:, 2].sum()) == ROUTE_BYTES // 2
+    assert channel.request(KvOpen(channel.new_request_id(), read)) == KvOpened(1, ROUTE_BYTES // 2, route_digest(spans))
     return channel
 
 

@@ -55,7 +55,7 @@ def test_every_op_round_trips():
     read = ReadRequest("r", 0, 1, LAYOUT, (3, 4), (1, 2), 20, LAYOUT)
     for event in (
         KvOpen(5, read),
-        KvOpened(5, 123),
+        KvOpened(5, 123, (1 << 64) - 1),
         KvNext(6, 2),
         KvLayer(6, 1),
         KvPull(7, 2, 10, 99),

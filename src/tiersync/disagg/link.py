@@ -24,6 +24,7 @@ from tiersync.disagg.config import DisaggConfig
 from tiersync.disagg.layer_reads import ZERO_COPY_AVG
 from tiersync.disagg.messages import ReadRequest
 from tiersync.disagg.ops import KvDone, KvLayer, KvNext, KvOpen, KvOpened, KvPull, KvPullLocal
+from tiersync.disagg.reshard import route_digest
 from tiersync.disagg.spanio import route_slice, scatter
 from tiersync.errors import RemoteError
 from tiersync.net import events as ev
@@ -50,6 +51,7 @@ class _Route:
     src: np.ndarray
     dst: np.ndarray
     lengths: np.ndarray
+    digest: int  # of the rows, as KV_OPENED must carry it
 
     def dests(self, buf: np.ndarray, offset: int, size: int) -> list[memoryview]:
         """Views of ``buf`` (the destination layer) that receive route bytes ``[offset, offset+size)``."""
@@ -75,7 +77,7 @@ def pull_route(
     (no staging copy); ``landed(layer)`` runs once they all arrived and were verified. Raises
     RemoteError subclasses (ProtocolError when the producer's answers do not fit the plan); a
     failed pull may have written part of a layer's destination spans."""
-    route = _Route(spans[:, 0], spans[:, 1], spans[:, 2])
+    route = _Route(spans[:, 0], spans[:, 1], spans[:, 2], route_digest(spans))
     total = int(route.lengths.sum()) if not read.notify_only else 0
     opening = KvOpen(channel.new_request_id(), read)
     if total and channel.local_route():  # KV_OPEN goes out ahead of the first pulls: no round trip of its own
@@ -83,7 +85,7 @@ def pull_route(
         idle = config.io_timeout_s
         done = _copy_local(channel, opening, num_layers, route, total, piece, deadline, idle, buffer, landed)
     else:
-        _opened(channel, channel.request(opening, timeout=_left(deadline, channel)), total)
+        _opened(channel, channel.request(opening, timeout=_left(deadline, channel)), total, route.digest)
         done = (0, [])
     if total:
         _layers_tcp(channel, done, num_layers, route, total, deadline, config, buffer, landed)
@@ -94,8 +96,10 @@ def pull_route(
         raise RemoteError(f"producer did not count this read: {getattr(reply, 'message', '')}", peer=channel.peer)
 
 
-def _opened(channel: TcpChannel, answer: object, total: int) -> None:
-    if not isinstance(answer, KvOpened) or answer.route_bytes != total:
+def _opened(channel: TcpChannel, answer: object, total: int, digest: int) -> None:
+    """KV_OPENED must name this side's route: its bytes and its rows' digest (a producer that
+    planned other spans of the same total would have its bytes land in other places)."""
+    if not isinstance(answer, KvOpened) or (answer.route_bytes, answer.route_digest) != (total, digest):
         raise ProtocolError(
             "KV_OPENED does not match the plan", fault=ProtocolFault.MALFORMED, peer=channel.peer, expected=total
         )
@@ -206,7 +210,7 @@ def _copy_local(
             channel.local_refused(refused)
             return n, asks.told
         if n < 0:
-            _opened(channel, answer, total)
+            _opened(channel, answer, total, route.digest)
         elif piece is None:
             _told(channel, answer, asks.told, num_layers)
         else:

@@ -3,7 +3,7 @@
 A decode rank (client) opens a request on a prefill rank's :class:`~tiersync.disagg.producer.
 KVProducer` (server), pulls each layer's route bytes, and says it is done::
 
-    KV_OPEN{read}                        -> KV_OPENED{route_bytes}  (the reader joined)
+    KV_OPEN{read}                        -> KV_OPENED{route_bytes, route_digest}  (the reader joined)
     per layer:
       KV_NEXT{n}                         -> KV_LAYER{layer}  (the n-th layer to become ready;
                                                               waits until it is)
@@ -78,22 +78,25 @@ class KvOpen:
 
 @dataclass(frozen=True, slots=True)
 class KvOpened:
-    """The reader joined; each layer's route is ``route_bytes`` long (both sides planned it)."""
+    """The reader joined; each layer's route is ``route_bytes`` long, its span rows digested to
+    ``route_digest`` (:func:`~tiersync.disagg.reshard.route_digest`: both sides planned it, and
+    the reader checks that they planned the same)."""
 
     OP: ClassVar[KvOp] = KvOp.KV_OPENED
     request_id: int
     route_bytes: int
+    route_digest: int
 
     def __post_init__(self) -> None:
-        check_u64("request_id", self.request_id)
-        check_u64("route_bytes", self.route_bytes)
+        for name in ("request_id", "route_bytes", "route_digest"):
+            check_u64(name, getattr(self, name))
 
     def meta(self) -> bytes:
-        return MetaWriter().u64(self.route_bytes).getvalue()
+        return MetaWriter().u64(self.route_bytes).u64(self.route_digest).getvalue()
 
     @classmethod
     def parse(cls, rid: int, r: MetaReader, cfg: ProtocolConfig) -> KvOpened:
-        return cls(rid, r.u64())
+        return cls(rid, r.u64(), r.u64())
 
 
 @dataclass(frozen=True, slots=True)

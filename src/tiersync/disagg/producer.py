@@ -33,7 +33,7 @@ from tiersync.disagg.geometry import PagedKVLayout
 from tiersync.disagg.layer_reads import LayerReads, Outgoing, Refused, Route
 from tiersync.disagg.messages import ReadRequest, check_request_id
 from tiersync.disagg.ops import KV, KvDone, KvDrop, KvLayer, KvNext, KvOpen, KvOpened, KvPull, KvPullLocal
-from tiersync.disagg.reshard import ReshardPlanner, block_table, default_planner
+from tiersync.disagg.reshard import ReshardPlanner, block_table, default_planner, route_digest
 from tiersync.disagg.spanio import byte_view
 from tiersync.errors import ClosedError, UsageError, check_positive_int
 from tiersync.net import events as ev
@@ -331,7 +331,7 @@ class KVProducer(Service):
         with self._cond:
             self._join(req, read, plan.readers_of(self.rank) or (0,), session)
             self._routes[session.session_id] = route
-        return KvOpened(event.request_id, int(route.lengths.sum()))
+        return KvOpened(event.request_id, int(route.lengths.sum()), route_digest(spans))
 
     def _join(self, req: Outgoing, read: ReadRequest, expected: tuple[int, ...], session: Session) -> None:
         """Join the reader, all or nothing: a refused one changes nothing of ``req``."""

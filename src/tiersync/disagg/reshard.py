@@ -17,6 +17,7 @@ heads of which destination rank) depend only on the two layouts and are cached p
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -330,3 +331,13 @@ def plan_reshard(
 ) -> ReshardPlan:
     """:meth:`ReshardPlanner.plan` on the default planner."""
     return _DEFAULT.plan(src, dst, src_block_ids, dst_block_ids, num_tokens)
+
+
+def route_digest(rows: np.ndarray) -> int:
+    """A 64-bit digest of a route's ``[src_offset, dst_offset, nbytes]`` rows
+    (:meth:`ReshardPlan.route_spans`, in order). Both ends of a read plan the route from the
+    same KV_OPEN and compare digests (KV_OPENED): a reader and a producer that planned it
+    differently (another tiersync version, a planner bug) never move bytes to places the
+    other did not plan, even where their byte totals agree."""
+    data = np.ascontiguousarray(rows, dtype="<i8").tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
