@@ -338,3 +338,35 @@ def test_a_gathered_pull_that_outlives_its_session_leaves_no_staging_buffer(monk
         assert handle.wait(20) is RequestState.FAILED
         assert staged.wait(20)
         assert prod._reads._staging == {}
+
+
+def test_gather_buffers_of_finished_reads_do_not_stay_with_idle_pooled_connections():
+    """A decode engine keeps its connections to a prefill rank open and idle between reads. The
+    gather buffers of a read (up to a frame each) go, at its KV_DONE, to at most two spares the
+    next reads take, not stay with its connection: four reads at once on four connections, then
+    the producer holds no session's buffer and at most two spares; the bytes are exact."""
+    from tiersync.net.config import Route
+
+    src, dst = _layout(1, order=KVOrder.HEAD_MAJOR), _layout(1)  # many small spans per pull: gathered
+    layers = [np.random.default_rng(layer).integers(0, 255, src.layer_nbytes, dtype=np.uint8) for layer in range(4)]
+    with (
+        KVProducer(src, 0, DisaggConfig(token=TOKEN)) as prod,
+        KVConsumer(dst, 0, DisaggConfig(token=TOKEN, route=Route.TCP)) as consumer,
+    ):
+        for round_ in range(2):  # the second round's reads take the spares
+            names = [f"g{round_}-{i}" for i in range(4)]
+            for name in names:
+                prod.register(name, list(range(8)), 128, layers)
+            landings = [_landing(dst) for _ in names]
+            handles = [
+                consumer.start_read(n, SourceSpec(src, [prod.address], list(range(8)), 128), list(range(8)), land)
+                for n, land in zip(names, landings)
+            ]
+            for layer in range(4):
+                for name in names:
+                    prod.layer_ready(name, layer)
+            assert [h.wait(30) for h in handles] == [RequestState.DONE] * 4
+            want = unshard(src, [layers], list(range(8)), 128)
+            for land in landings:
+                np.testing.assert_array_equal(unshard(dst, [land], list(range(8)), 128), want)
+            assert prod._reads._staging == {} and 1 <= len(prod._reads._spare) <= 2

@@ -33,6 +33,7 @@ __all__ = ["LayerReads", "Outgoing", "Refused", "Route"]
 
 _ZERO_COPY_SPANS = 256  # pulls of at most this many spans (or of large ones) go out as views
 ZERO_COPY_AVG = 16 << 10  # ... spans this large on average; smaller ones are gathered into staging
+_SPARE = 2  # staging buffers kept for the next reads once theirs ended (each up to a frame)
 Code = ev.ErrorCode
 
 
@@ -86,12 +87,18 @@ class LayerReads:
         self.sums = BlockSums(layout, config.local_threads)
         self._lock = threading.Lock()
         self._staging: dict[tuple[int, int], np.ndarray] = {}  # (session id, slot) -> gather buffer
+        self._spare: list[np.ndarray] = []  # gather buffers of reads that ended, at most _SPARE
 
-    def forget(self, session: Session) -> None:
-        """The session ended: drop its staging buffers."""
+    def forget(self, session: Session, *, reuse: bool = False) -> None:
+        """The session's read ended: drop its staging buffers, or with ``reuse`` (its KV_DONE:
+        every answer before it was written) keep them as spares the next reads take. A decode
+        engine's pool keeps connections idle: their buffers must not stay with them. Those of
+        a connection that closed are never reused: a pull of it may still be gathering."""
         with self._lock:
             for slot in (0, 1):
-                self._staging.pop((session.session_id, slot), None)
+                buf = self._staging.pop((session.session_id, slot), None)
+                if buf is not None and reuse:
+                    self._spare = sorted([*self._spare, buf], key=len, reverse=True)[:_SPARE]
 
     def spans(self, route: Route, n: int, offset: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The ``n``-th ready layer's host buffer and the spans of the pull in it."""
@@ -126,6 +133,8 @@ class LayerReads:
         key = (session.session_id, slot)
         with self._lock:
             buf = self._staging.get(key)
+            if buf is None and self._spare:
+                buf = self._spare.pop(0)  # the largest
             if buf is None or buf.size < nbytes:
                 buf = np.empty(nbytes, np.uint8)
                 if not session.closed:

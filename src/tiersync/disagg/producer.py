@@ -14,9 +14,9 @@ with their layout and block ids (KV_OPEN, :mod:`tiersync.disagg.ops`); the produ
 (:mod:`tiersync.disagg.reshard`), then answers KV_NEXT with each layer as soon as it is ready,
 KV_PULL with its route bytes (views of the host buffer, or gathered when the route is many
 small spans), KV_PULL_LOCAL (same host) with where they are, and KV_DONE with whether the
-reader was counted. The request is DONE when every destination rank that reads from this
-rank acknowledged; FAILED when ``config.timeout_s`` after :meth:`register` passes first,
-when a reader fails or disconnects, on :meth:`abort`, or on a decode scheduler's KV_DROP.
+reader was counted. The request is DONE when every destination rank that reads from this rank
+acknowledged; FAILED when ``config.timeout_s`` after :meth:`register` passes first, when a reader
+fails or disconnects, on :meth:`abort`, or on a KV_DROP (a decode scheduler's or a failed read's).
 Unknown requests are refused (ERROR ``unknown_request``): register before a decode side learns of one.
 """
 
@@ -255,8 +255,7 @@ class KVProducer(Service):
                 return self._reads.pull(session, event, self._route_of)
             answer = self._answer(session, event)
         except Refused as exc:
-            rid = cast(ev.Request, event).request_id  # a request of the KV vocabulary (the server parsed it)
-            answer = ev.Error(rid, exc.code, str(exc)[:512])
+            answer = ev.Error(cast(ev.Request, event).request_id, exc.code, str(exc)[:512])  # a parsed KV request
         return [answer]
 
     def _waiting(self, session: Session, event: KvNext) -> Iterator[object]:
@@ -369,6 +368,7 @@ class KVProducer(Service):
         with self._cond:
             self._routes.pop(session.session_id, None)
             route.req.sessions.discard(session)
+        self._reads.forget(session, reuse=True)
         route.counted = self._ack(route.req, route.dst_rank)
         if route.counted:
             return ev.CommitReply(event.request_id, ev.CommitStatus.COMMITTED)
