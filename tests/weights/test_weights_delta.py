@@ -188,6 +188,35 @@ def test_a_lying_relay_is_caught_by_the_trainers_checksums_with_delta_off(monkey
             x.close()
 
 
+def test_relays_serve_a_restarted_trainers_reused_version_numbers_without_stale_sums():
+    """A trainer restarted on its address numbers its versions again, with other bytes. Each
+    relay keyed the checksums it sums per trainer incarnation (its GETs name the one the
+    manifest named): the new process's version 1 goes through the relays like the old one's,
+    every chunk once, none refused for a stale sum and fetched again from the trainer."""
+    g = _model()
+    total = sum(a.nbytes for a in g.values())
+    pub, recs = _in_process(g, 3, 1, 32 * ROW, transport=TransportKind.TCP, delta=False)
+    try:
+        assert pub.publish(1).result(TIMEOUT).ok
+        assert [r.receive(1).result(TIMEOUT).moved for r in recs] == [total] * 3
+        relayed = sum(r.stats()["relay"] for r in recs)
+        address = pub.address
+        pub.close()
+        g = {k: -a for k, a in g.items()}  # the checkpoint the new process starts from
+        config = PublisherConfig(shm=False, segment_bytes=32 * ROW, fanout=1, listen=address)
+        pub = WeightPublisher(g, fsdp(1), config=config)
+        pub.wait_for_samplers(3, TIMEOUT)  # they register again on their own
+        assert pub.publish(1).result(TIMEOUT).ok
+        assert [r.receive(1).result(TIMEOUT).moved for r in recs] == [total] * 3  # nothing fetched twice
+        for r in recs:
+            with r.acquire(TIMEOUT) as lease:
+                assert lease.version == 1 and digests(lease.tensors) == digests(g)
+        assert sum(r.stats()["relay"] for r in recs) > relayed  # the relays served the new version
+    finally:
+        for x in (*recs, pub):
+            x.close()
+
+
 def test_delta_off_moves_every_byte_and_is_validated():
     g = _model()
     total = sum(a.nbytes for a in g.values())

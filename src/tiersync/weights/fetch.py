@@ -48,7 +48,8 @@ _ROWS_IN_PLACE = 256  # a strided destination of at most this many rows is recei
 @dataclass(frozen=True, slots=True)
 class Source:
     """Where one chunk can be read: ``via`` SHM (``rank`` = trainer shard) or TCP (``address``);
-    ``incarnation``: the trainer shard's (what its GETs name), 0 for a relay."""
+    ``incarnation``: the trainer shard's whose bytes it is (what its GETs name: a trainer shard
+    refuses another one's; a relay keys its cached checksums by it)."""
 
     via: TransportKind
     span: StridedSpan
@@ -101,7 +102,8 @@ def build_jobs(
             direct = Source(TransportKind.TCP, root.src_span, address=publishers[src], incarnation=incarnations[src])
             sources = (direct,)
             if t.kind is TransferKind.RELAY and t.src_rank in peers:
-                sources = (Source(TransportKind.TCP, t.src_span, address=peers[t.src_rank]), direct)
+                relay = Source(TransportKind.TCP, t.src_span, address=peers[t.src_rank], incarnation=incarnations[src])
+                sources = (relay, direct)
         jobs.append(
             Job(
                 t.tensor,
