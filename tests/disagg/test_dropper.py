@@ -197,6 +197,18 @@ def test_a_failing_rank_waits_twice_as_long_each_time_up_to_a_cap_and_afresh_onc
         assert d._backoff(healthy) == 30.0  # its next failure backs off as a first one
 
 
+def test_the_failures_remembered_are_bounded_and_each_is_forgotten_once():
+    """Addresses come from requests: however many ranks fail, at most MAX_FAILED are
+    remembered, those that failed longest ago going first (in O(1) each, under the lock)."""
+    with closing(KVDropper(DisaggConfig(token=TOKEN))) as d:
+        n = dropper_mod.MAX_FAILED + 100
+        for i in range(n):
+            d._backoff(f"10.0.{i // 256}.{i % 256}:9")
+        assert len(d._failed) == dropper_mod.MAX_FAILED
+        assert next(iter(d._failed)) == "10.0.0.100:9" and f"10.0.{(n - 1) // 256}.{(n - 1) % 256}:9" in d._failed
+        assert d._backoff("10.0.0.100:9") == 60.0  # still remembered: its second failure
+
+
 def test_kv_drop_meta_is_bounded_and_checked():
     cfg = ProtocolConfig()
     assert KvDrop.parse(7, MetaReader(KvDrop(7, "req-1").meta()), cfg) == KvDrop(7, "req-1")

@@ -40,7 +40,7 @@ from tiersync.net.errors import PeerClosedError
 from tiersync.net.pool import ChannelPool
 from tiersync.net.tcp import TcpChannel, TcpTransport
 
-__all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "MAX_PENDING", "SENDERS", "KVDropper"]
+__all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "MAX_FAILED", "MAX_PENDING", "SENDERS", "KVDropper"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,9 @@ BACKOFF_S = 30.0
 
 BACKOFF_MAX_S = 480.0
 """... doubled at each consecutive failure, up to this."""
+
+MAX_FAILED = 4096
+"""Prefill ranks whose failures are remembered (for their backoff), at most."""
 
 SENDERS = 4
 """Threads sending drops: ranks served at once (each rank by one of them at a time)."""
@@ -82,7 +85,8 @@ class KVDropper:
         self._open: dict[_Drop, None] = {}  # drops not yet told or given up everywhere, oldest first
         self._confirmed = 0
         self._overflowed = self._closed = False
-        self._failed: dict[str, tuple[float, float]] = {}  # address -> (when it may be tried again, wait)
+        # address -> (when it may be tried again, wait), in the order of their last failure
+        self._failed: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
         self._threads: list[threading.Thread] = []
         try:
             for _ in range(SENDERS):
@@ -199,11 +203,13 @@ class KVDropper:
         """``address`` failed: the seconds it is not tried again (doubling while it keeps failing)."""
         with self._lock:
             now = time.monotonic()
-            # bounded: ranks that failed lately (one whose wait ended BACKOFF_MAX_S ago starts afresh)
-            self._failed = {a: (t, w) for a, (t, w) in self._failed.items() if t + BACKOFF_MAX_S > now}
-            last = self._failed.get(address)
-            wait = BACKOFF_S if last is None else min(2 * last[1], BACKOFF_MAX_S)
+            last = self._failed.pop(address, None)
+            # one whose wait ended BACKOFF_MAX_S ago starts afresh
+            wait = BACKOFF_S if last is None or last[0] + BACKOFF_MAX_S <= now else min(2 * last[1], BACKOFF_MAX_S)
             self._failed[address] = (now + wait, wait)
+            # bounded (addresses come from requests): those that failed longest ago go first, each once
+            while len(self._failed) > MAX_FAILED or next(iter(self._failed.values()))[0] + 2 * BACKOFF_MAX_S <= now:
+                self._failed.popitem(last=False)
             return wait
 
     def _send(self, kv_request: str, address: str) -> None:
