@@ -281,12 +281,12 @@ class KVConsumer:
 
     def _drop_sender(self) -> KVDropper | None:
         """The dropper (started at first need: most consumers never fail a read); None once
-        closed, or when no thread is to be had (the prefill ranks' timeout frees the request)."""
+        closed, or when it cannot be started (the prefill ranks' timeout frees the request)."""
         with self._lock:
             if self._dropper is None and not self._dropper_closed:
                 try:
                     self._dropper = KVDropper(self.config)
-                except RuntimeError as exc:
+                except Exception as exc:  # noqa: BLE001 - no thread, a TLS file gone: drops are an optimisation
                     log.warning("cannot start sending KV drops: %s", exc)
             return self._dropper
 
