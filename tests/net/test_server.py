@@ -24,7 +24,7 @@ import pytest
 from tiersync.net import store_ops as so
 from tiersync.net.codec import MetaReader, MetaWriter
 from tiersync.net.errors import AuthError, PeerClosedError, RequestError
-from tiersync.net.events import CORE, Pong
+from tiersync.net.events import CORE, Ping, Pong
 from tiersync.net.service import Service
 from tiersync.net.store_node import StoreNodeClient
 from tiersync.net.tcp import TcpConfig, TcpTransport
@@ -224,6 +224,54 @@ def test_accept_out_of_descriptors_backs_off_and_recovers():
         assert proc.poll() is None
     finally:
         _stop(proc)
+
+
+def test_silent_peers_filling_a_descriptor_table_smaller_than_the_cap_do_not_keep_a_client_out():
+    """The node's descriptor table (48) is far below its connection cap (10,000): silent peers
+    that fill it used to keep every new client in the listen backlog until their handshake
+    deadlines (5 s) passed. Out of descriptors, the node now ends the oldest connection still in
+    its handshake for the next one, as at the cap: a client gets in while they stay open and
+    reconnect, and stores and reads its block byte-exact."""
+    proc, address = _start(cap=10_000, nofile=48)
+    host, port = address.rsplit(":", 1)
+    stop, silent = threading.Event(), []
+
+    def flood() -> None:  # keeps about 120 silent connections open, reopening those the node ended
+        while not stop.is_set():
+            silent[:] = [s for s in silent if s.fileno() != -1 and not _hung_up(s)]
+            while len(silent) < 120:
+                s = socket.socket()
+                s.setblocking(False)
+                s.connect_ex((host, int(port)))
+                silent.append(s)
+            stop.wait(0.02)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    try:
+        flooder.start()
+        assert _until(lambda: _fds(proc.pid) >= 46, 10)
+        data = os.urandom(64 << 10)
+        channel = TcpTransport(TcpConfig(token=TOKEN, connect_timeout_s=2.0)).connect(address, timeout=2.0)
+        assert channel.request(Ping(channel.new_request_id(), 7), timeout=2).token == 7
+        channel.close()
+        _write_block(address, b"G" * 16, data)
+        assert _read_block(address, b"G" * 16, len(data)) == data
+        assert proc.poll() is None
+    finally:
+        stop.set()
+        flooder.join(10)
+        for s in silent:
+            s.close()
+        _stop(proc)
+
+
+def _hung_up(s: socket.socket) -> bool:
+    try:
+        return s.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def test_a_session_open_before_the_descriptors_ran_out_is_still_answered():

@@ -45,6 +45,13 @@ __all__ = ["TcpServer"]
 
 log = logging.getLogger(__name__)
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# accept(2): a connection that failed before it was taken, or the network errors Linux passes on
+_RETRY_ERRNOS = tuple(
+    getattr(errno, name)
+    for name in ("ECONNABORTED", "EPROTO", "EPERM", "ENETDOWN", "ENOPROTOOPT", "EHOSTDOWN", "ENONET",
+                 "EHOSTUNREACH", "EOPNOTSUPP", "ENETUNREACH")
+    if hasattr(errno, name)
+)  # fmt: skip
 _ACCEPT_PAUSE_S = 0.1
 _ACCEPT_BURST = 256
 _WRITE_ENDS_S = 1.0  # most the loop waits for a write under way on a socket it closes (shut down: it fails)
@@ -120,9 +127,13 @@ class TcpServer(Server):
             except BlockingIOError:
                 return
             except OSError as exc:
+                # out of descriptors below the cap (a table smaller than max_connections): a
+                # connection still in its handshake makes room, as at the cap, else wait a moment
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._evict_pending():
+                    continue
                 if exc.errno in _FD_ERRNOS:
                     return self._pause_accepting(exc)
-                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                if exc.errno in _RETRY_ERRNOS:
                     continue
                 raise
             self._admit(sock, f"{addr[0]}:{addr[1]}")
@@ -255,9 +266,10 @@ class TcpServer(Server):
         self._end(s)
 
     def _evict_pending(self) -> bool:
-        """At the cap: end the oldest connection still in its handshake to make room (a flood of
-        silent peers then mostly cycles among itself: a real client, through its handshake in
-        milliseconds, is rarely the oldest); False when every connection is past it."""
+        """At the cap, or out of descriptors: end the oldest connection still in its handshake
+        to make room (its socket closes now: handshakes run on this thread); a flood of silent
+        peers then mostly cycles among itself: a real client, through its handshake in
+        milliseconds, is rarely the oldest. False when every connection is past it."""
         while self._deadlines:
             _, _, s = heapq.heappop(self._deadlines)
             if not s.closed and not s.hs.done:
