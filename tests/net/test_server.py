@@ -230,11 +230,14 @@ def test_silent_peers_filling_a_descriptor_table_smaller_than_the_cap_do_not_kee
     """The node's descriptor table (48) is far below its connection cap (10,000): silent peers
     that fill it used to keep every new client in the listen backlog until their handshake
     deadlines (5 s) passed. Out of descriptors, the node now ends the oldest connection still in
-    its handshake for the next one, as at the cap: a client gets in while they stay open and
-    reconnect, and stores and reads its block byte-exact."""
+    its handshake for the next one (none in its first 0.25 s): a client gets in while they stay
+    open and reconnect, and pulls its block byte-exact over the socket (a write, for which the
+    node connects to the writer, and a same-host read need descriptors of their own)."""
     proc, address = _start(cap=10_000, nofile=48)
     host, port = address.rsplit(":", 1)
     stop, silent = threading.Event(), []
+    data = os.urandom(64 << 10)
+    _write_block(address, b"G" * 16, data)
 
     def flood() -> None:  # keeps about 120 silent connections open, reopening those the node ended
         while not stop.is_set():
@@ -250,12 +253,13 @@ def test_silent_peers_filling_a_descriptor_table_smaller_than_the_cap_do_not_kee
     try:
         flooder.start()
         assert _until(lambda: _fds(proc.pid) >= 46, 10)
-        data = os.urandom(64 << 10)
         channel = TcpTransport(TcpConfig(token=TOKEN, connect_timeout_s=2.0)).connect(address, timeout=2.0)
         assert channel.request(Ping(channel.new_request_id(), 7), timeout=2).token == 7
+        lease = channel.request(so.ReadLease(channel.new_request_id(), (b"G" * 16,)), timeout=5)
+        got = bytearray(len(data))
+        channel.request(so.Pull(channel.new_request_id(), lease.lease_id, b"G" * 16, 0, len(data)), into=got, timeout=5)
+        assert got == data
         channel.close()
-        _write_block(address, b"G" * 16, data)
-        assert _read_block(address, b"G" * 16, len(data)) == data
         assert proc.poll() is None
     finally:
         stop.set()

@@ -54,6 +54,7 @@ _RETRY_ERRNOS = tuple(
 )  # fmt: skip
 _ACCEPT_PAUSE_S = 0.1
 _ACCEPT_BURST = 256
+_GRACE_S = 0.25  # out of descriptors, a connection in its handshake is not ended for the next before this age
 _WRITE_ENDS_S = 1.0  # most the loop waits for a write under way on a socket it closes (shut down: it fails)
 
 
@@ -129,7 +130,7 @@ class TcpServer(Server):
             except OSError as exc:
                 # out of descriptors below the cap (a table smaller than max_connections): a
                 # connection still in its handshake makes room, as at the cap, else wait a moment
-                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._evict_pending():
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._evict_pending(_GRACE_S):
                     continue
                 if exc.errno in _FD_ERRNOS:
                     return self._pause_accepting(exc)
@@ -265,15 +266,21 @@ class TcpServer(Server):
         log.log(level, "tiersync server %s refused %s: %s (%d refused so far)", self.address, s.peer, why, self.refused)
         self._end(s)
 
-    def _evict_pending(self) -> bool:
+    def _evict_pending(self, grace_s: float = 0.0) -> bool:
         """At the cap, or out of descriptors: end the oldest connection still in its handshake
         to make room (its socket closes now: handshakes run on this thread); a flood of silent
         peers then mostly cycles among itself: a real client, through its handshake in
-        milliseconds, is rarely the oldest. False when every connection is past it."""
+        milliseconds, is rarely the oldest. None younger than ``grace_s`` is ended (out of
+        descriptors, where the next peer waits in the backlog meanwhile, not refused: else a
+        burst of accepts could end a client accepted in that burst). False when none is left."""
+        young = time.monotonic() + self.config.connect_timeout_s - min(grace_s, self.config.connect_timeout_s / 2)
         while self._deadlines:
-            _, _, s = heapq.heappop(self._deadlines)
-            if not s.closed and not s.hs.done:
-                log.debug("handshake from %s ended for a newer connection (at the cap)", s.peer)
+            deadline, _, s = self._deadlines[0]
+            if not (s.closed or s.hs.done) and deadline > young:
+                return False
+            heapq.heappop(self._deadlines)
+            if not (s.closed or s.hs.done):
+                log.debug("handshake from %s ended for a newer connection (no room)", s.peer)
                 self._end(s)
                 return True
         return False
