@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 import threading
 
@@ -160,3 +161,50 @@ def test_the_by_reference_setting_is_validated_naming_it():
     with pytest.raises(TierSyncError) as info:
         TcpConfig(by_reference="always")
     assert "by_reference" in str(info.value)
+
+
+def test_peers_that_keep_sending_do_not_keep_the_workers_from_another_session():
+    """Two workers, two peers pipelining PINGs as fast as they can (reading their answers off
+    the socket): a worker reads on for a session only so many turns, then hands it back to the
+    loop, so a third session's PING is answered while they go on (it waited for them to stop)."""
+    from tiersync.net.server import TcpServer
+    from tiersync.net.source import MemoryBlockSource
+    from tiersync.net.tcp import TcpTransport
+
+    cfg = TcpConfig(token=b"responder-test-token-0123", workers=2)
+    server, stop, threads = TcpServer("127.0.0.1:0", MemoryBlockSource({}), cfg), threading.Event(), []
+    flooding = threading.Barrier(3)
+
+    def flood() -> None:
+        channel = TcpTransport(cfg).connect(server.address, timeout=5)
+        drain = threading.Thread(target=_drain, args=(channel._framed.sock, stop))  # answers read raw, fast
+        drain.start()
+        threads.append(drain)
+        with contextlib.suppress(TierSyncError, OSError):
+            for n in itertools.count():
+                if stop.is_set():
+                    break
+                channel.send_many([ev.Ping(channel.new_request_id(), 1) for _ in range(2000)], timeout=10)
+                if n == 4:  # well under way
+                    flooding.wait(10)
+        channel.close()
+
+    try:
+        threads += [threading.Thread(target=flood) for _ in range(2)]
+        for t in threads[:2]:
+            t.start()
+        victim = TcpTransport(cfg).connect(server.address, timeout=5)
+        flooding.wait(10)
+        assert victim.request(ev.Ping(victim.new_request_id(), 9), timeout=5).token == 9
+        victim.close()
+    finally:
+        stop.set()
+        server.close()
+        for t in list(threads):
+            t.join(10)
+
+
+def _drain(sock: socket.socket, stop: threading.Event) -> None:
+    with contextlib.suppress(OSError):
+        while not stop.is_set() and sock.recv(1 << 20):
+            pass

@@ -33,6 +33,8 @@ __all__ = ["Responder", "ServerSession", "by_reference"]
 
 log = logging.getLogger(__name__)
 _BATCH = 16  # most buffered requests answered in one turn (one send)
+_TURNS = 16  # turns a worker reads on for one session, then hands it back: a peer that keeps sending
+# waits behind the other sessions' turns instead of keeping the worker for as long as it sends
 
 
 def by_reference(mode: ByReference, peer_ip: str) -> bool:
@@ -128,9 +130,10 @@ class Responder:
     def work(self, s: ServerSession, event: object) -> None:
         """Answer ``event`` and what follows it on ``s`` (a pool worker runs this)."""
         try:
+            turns = 0
             while event is not None and not s.closed:
-                event = self._turn(s, event)
-                if event is None:  # a pipelining peer's next requests are often in flight already
+                event, turns = self._turn(s, event), turns + 1
+                if event is None and turns < _TURNS:  # a pipelining peer's next requests are often here already
                     event = self._more(s)
         except (TierSyncError, OSError) as exc:
             log.debug("session %s ended: %s", s.peer, exc)
