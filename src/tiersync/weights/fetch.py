@@ -8,8 +8,9 @@ trainer shard and a RELAY a GET from the relaying sampler, falling back to the t
 shard when the relay fails. Jobs are ordered by (stage, tensor write order) so a chunk is
 consumed in the order it is produced and no relay waits on a later stage.
 :class:`TcpPool` keeps up to ``streams`` authenticated data channels per address
-(:class:`~tiersync.net.tcp.TcpChannel` s in the one :class:`~tiersync.net.pool.ChannelPool`); a GET's DATA lands straight in the sampler's buffer
-(the rows of a strided destination span too, when they are few), checksum verified. Chunks
+(:class:`~tiersync.net.tcp.TcpChannel` s in the one :class:`~tiersync.net.pool.ChannelPool`);
+a GET's DATA lands straight in the sampler's buffer (the rows of a strided destination span
+too, when they are few), checksum verified. Chunks
 with one source go out pipelined, a window of GETs in flight per channel (:meth:`TcpPool.get_many`).
 """
 
