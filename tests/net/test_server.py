@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import pytest
 
+from tiersync.errors import RemoteError
 from tiersync.net import store_ops as so
 from tiersync.net.codec import MetaReader, MetaWriter
 from tiersync.net.errors import AuthError, PeerClosedError, RequestError
@@ -260,6 +261,52 @@ def test_silent_peers_filling_a_descriptor_table_smaller_than_the_cap_do_not_kee
         channel.request(so.Pull(channel.new_request_id(), lease.lease_id, b"G" * 16, 0, len(data)), into=got, timeout=5)
         assert got == data
         channel.close()
+        assert proc.poll() is None
+    finally:
+        stop.set()
+        flooder.join(10)
+        for s in silent:
+            s.close()
+        _stop(proc)
+
+
+def test_out_of_descriptors_a_same_host_read_releases_and_a_failed_write_loses_no_block():
+    """During the flood of the test above, a same-host read (its lease released at the end) is
+    answered byte-exact: the release used to fail INTERNAL (the allocator's first ``np.unique``
+    imports numpy.ma, a file to open), leaving the blocks pinned until the lease's TTL. A write
+    then may fail (the node dials the writer: a descriptor it may not get), but its landing
+    blocks and keys are freed: after the flood, that key is written and the node's 16 blocks
+    all take a write."""
+    proc, address = _start(cap=10_000, nofile=48)
+    host, port = address.rsplit(":", 1)
+    stop, silent = threading.Event(), []
+    data = os.urandom(64 << 10)
+    _write_block(address, b"G" * 16, data)
+
+    def flood() -> None:
+        while not stop.is_set():
+            silent[:] = [s for s in silent if s.fileno() != -1 and not _hung_up(s)]
+            while len(silent) < 120:
+                s = socket.socket()
+                s.setblocking(False)
+                s.connect_ex((host, int(port)))
+                silent.append(s)
+            stop.wait(0.02)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    try:
+        flooder.start()
+        assert _until(lambda: _fds(proc.pid) >= 46, 10)
+        assert _read_block(address, b"G" * 16, len(data)) == data  # the release is COMMITTED, or it raises
+        with contextlib.suppress(RemoteError):
+            _write_block(address, b"W" * 16, data)
+        stop.set()
+        flooder.join(10)
+        for s in silent:
+            s.close()
+        for i in range(15):  # every block but G's: none may still be landing or leaked
+            _write_block(address, b"W" * 15 + bytes([i]) if i else b"W" * 16, os.urandom(1 << 20))
+        assert _read_block(address, b"G" * 16, len(data)) == data
         assert proc.poll() is None
     finally:
         stop.set()

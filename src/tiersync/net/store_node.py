@@ -236,9 +236,9 @@ class StoreNode(BlockService):
         yield ev.CommitReply(req.request_id, ev.CommitStatus.COMMITTED)
 
     def _unland(self, new: list[tuple[bytes, int]], blocks: list[int]) -> bool:
-        with self._lock:  # an OFFER's landing blocks and keys freed
-            self.arena.free(blocks)
+        with self._lock:  # an OFFER's landing blocks and keys freed (the keys first: even if freeing fails)
             self._landing.difference_update(k for k, _ in new)
+            self.arena.free(blocks)
         return False  # nothing is landing any more
 
     def _sum_stored(self, key: bytes, view: memoryview) -> int:

@@ -122,7 +122,7 @@ class BlockAllocator:
             if bad.any():
                 raise UsageError("block is not locked", argument="blocks", block=int(ids[np.argmax(bad)]))
             np.subtract.at(self._locks, ids, 1)
-            for b in np.unique(ids).tolist():
+            for b in sorted(set(ids.tolist())):  # not np.unique: its first call imports numpy.ma (opens files)
                 if self._locks[b] == 0:
                     self._state[b] = BlockState.CACHED
                     self._policy.add(b)
@@ -182,6 +182,6 @@ class BlockAllocator:
         if ids.size and ((ids < 0) | (ids >= self.num_blocks)).any():
             bad = ids[(ids < 0) | (ids >= self.num_blocks)][0]
             raise UsageError("block id out of range", argument=argument, block=int(bad), num_blocks=self.num_blocks)
-        if unique and len(np.unique(ids)) != len(ids):
+        if unique and len(set(ids.tolist())) != len(ids):
             raise UsageError("block named twice", argument=argument)
         return ids
