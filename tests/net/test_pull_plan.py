@@ -99,11 +99,21 @@ def test_local_groups_grow_to_a_bound_by_bytes_and_keys():
     """Groups double from LOCAL_FIRST bytes up to LOCAL_GROUP, never over ``max_keys`` items,
     every item once, in order."""
     items = _items([MiB] * 70)
-    groups = list(local_groups(items, max_keys=16))
+    groups = list(local_groups(items, max_keys=16, max_frame=64 * MiB))
     assert [len(g) for g in groups] == [2, 4, 8, 16, 16, 16, 8] and [x for g in groups for x in g] == items
-    groups = list(local_groups(_items([MiB] * 200), max_keys=4096))
+    groups = list(local_groups(_items([MiB] * 200), max_keys=4096, max_frame=64 * MiB))
     sizes = [len(g) * MiB for g in groups]
     assert sizes[0] == LOCAL_FIRST and sizes[:6] == [LOCAL_FIRST << i for i in range(5)] + [LOCAL_GROUP]
     assert max(sizes) == LOCAL_GROUP and sum(sizes) == 200 * MiB
-    big = list(local_groups(_items([LOCAL_GROUP // 2] * 5), max_keys=100))
+    big = list(local_groups(_items([LOCAL_GROUP // 2] * 5), max_keys=100, max_frame=64 * MiB))
     assert [len(g) for g in big] == [1, 1, 1, 1, 1]
+
+
+def test_local_groups_of_several_items_stay_within_a_frame():
+    """A group of several items never passes ``max_frame`` (what a server allows a PULL_LOCAL of
+    several ranges); an item larger than that goes alone."""
+    items = _items([MiB, 100 * MiB, MiB, 3 * MiB, 3 * MiB, 3 * MiB])
+    groups = list(local_groups(items, max_keys=4096, max_frame=4 * MiB))
+    assert [x for g in groups for x in g] == items
+    assert all(len(g) == 1 or sum(len(v) for _, _, v in g) <= 4 * MiB for g in groups)
+    assert [len(g) for g in groups] == [1, 1, 2, 1, 1]

@@ -131,6 +131,36 @@ def test_a_pull_larger_than_the_peers_frames_is_refused_before_any_block_is_read
         server.close()
 
 
+def test_a_pull_local_of_many_ranges_past_a_frame_is_refused_before_any_range_is_summed():
+    """Each range of a PULL_LOCAL that is not a whole block is summed for the answer: 4096
+    ranges of one 1 MiB block (a 131 KB request) made the server sum 4 GiB. Several ranges past
+    the frame both ends accept are now refused BAD_REQUEST with nothing read; one range (at
+    most its block) and several within a frame are answered."""
+    from tiersync.net.source import MemoryBlockSource
+
+    class Counting(MemoryBlockSource):
+        reads = 0
+
+        def views(self, lease_id, items):
+            Counting.reads += 1
+            return super().views(lease_id, items)
+
+    server = TcpTransport(TcpConfig(token=TOKEN)).serve("127.0.0.1:0", Counting({KEY: bytes(1 << 20)}))
+    ch = TcpTransport(TcpConfig(token=TOKEN)).connect(server.address)
+    try:
+        assert ch.info.same_host and ch.info.max_frame == 64 << 20
+        lease = ch.request(so.ReadLease(ch.new_request_id(), (KEY,))).lease_id
+        with pytest.raises(RequestError, match="max_frame_size") as info:
+            ch.request(so.PullLocal(ch.new_request_id(), lease, ((KEY, 1, (1 << 20) - 1),) * 4096))
+        assert info.value.code is ev.ErrorCode.BAD_REQUEST and Counting.reads == 0 and not ch.closed
+        one = ch.request(so.PullLocal(ch.new_request_id(), lease, ((KEY, 1, (1 << 20) - 1),)))
+        many = ch.request(so.PullLocal(ch.new_request_id(), lease, ((KEY, 1, (1 << 20) - 1),) * 64))
+        assert isinstance(one, ev.LocalReply) and isinstance(many, ev.LocalReply) and Counting.reads == 2
+    finally:
+        ch.close()
+        server.close()
+
+
 @pytest.mark.parametrize("kind", ["store-node", "memory"])
 def test_only_a_server_with_private_memory_lets_same_host_readers_trace_it(kind, monkeypatch):
     """prctl(PR_SET_PTRACER_ANY) lets every same-uid process trace the server where Yama asks:

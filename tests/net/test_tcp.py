@@ -288,8 +288,8 @@ def test_pull_many_groups_stay_within_a_lowered_max_frame_size():
 
 @pytest.mark.parametrize("capped", ["server", "client"])
 def test_neither_end_is_sent_a_frame_larger_than_it_accepts(capped):
-    """The handshake tells each end the other's max_frame_size. pull_many keeps every answer
-    within the smaller of the two (the 6 MiB block in 1 MiB parts), byte-exact; a single PULL
+    """The handshake tells each end the other's max_frame_size (PeerInfo keeps the lesser).
+    pull_many keeps every answer within it (the 6 MiB block in 1 MiB parts), byte-exact; a single PULL
     over it is answered ERROR naming the frame size (the server does not send a frame the
     client would refuse, nor refuse one it was asked for), and the channel keeps working."""
     from tiersync.net.frames import ProtocolConfig
@@ -300,7 +300,7 @@ def test_neither_end_is_sent_a_frame_larger_than_it_accepts(capped):
     client = TcpConfig(token=TOKEN, route=Route.TCP, **({"protocol": mib} if capped == "client" else {}))
     with server_process(server) as address:
         ch = TcpTransport(client).connect(address)
-        assert ch.info.max_frame == server.protocol.max_frame_size
+        assert ch.info.max_frame == 1 << 20  # the lesser of the two ends' max_frame_size
         lease = ch.request(so.ReadLease(ch.new_request_id(), (BIG, SMALL))).lease_id
         for _ in range(2):  # the refused PULL in between leaves the channel usable
             big, small = bytearray(len(BLOCKS[BIG])), bytearray(11)

@@ -49,7 +49,7 @@ def client_handshake(framed: FramedSocket, token: bytes | None, node_id: str, de
     framed.write(ev.Auth(auth.client_proof(token, nonce, challenge.nonce)), deadline)
     ready = _expect(framed, ev.Ready, deadline)
     same = same_host(ready.host, peer_ip(framed.sock))  # the pid it names: checked before a same-host read
-    return PeerInfo("", ready.host, ready.pid, same, ready.max_frame)
+    return PeerInfo("", ready.host, ready.pid, same, min(ready.max_frame or limit, limit))
 
 
 def _expect(framed: FramedSocket, kind: type[_E], deadline: Deadline) -> _E:
@@ -92,8 +92,9 @@ class ServerHandshake:
             return self._refuse("bad token proof")
         self.done = True
         same = same_host(hello.host, self.peer_ip)
-        self.info = PeerInfo(hello.node_id, hello.host, hello.pid, same, hello.max_frame)
-        return self.conn.send(ev.Ready(self.session_id, host_identity(), os.getpid(), self.conn.config.max_frame_size))
+        limit = self.conn.config.max_frame_size
+        self.info = PeerInfo(hello.node_id, hello.host, hello.pid, same, min(hello.max_frame or limit, limit))
+        return self.conn.send(ev.Ready(self.session_id, host_identity(), os.getpid(), limit))
 
     def _challenge(self, hello: ev.Hello) -> list[bytes | memoryview]:
         try:

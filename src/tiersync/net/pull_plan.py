@@ -101,13 +101,17 @@ def _group(lease_id: int, group: list[Item], new_id: Callable[[], int]) -> Pull:
     return so.PullMany(new_id(), lease_id, items), [v for _, _, v in group]
 
 
-def local_groups(items: list[Item], max_keys: int) -> Iterator[list[Item]]:
+def local_groups(items: list[Item], max_keys: int, max_frame: int) -> Iterator[list[Item]]:
     """Consecutive items (at most ``max_keys`` per group) in groups of about LOCAL_FIRST bytes,
     then twice that, up to LOCAL_GROUP: the server looks up a small first group quickly, and
-    each next lookup overlaps the copy of the group before it."""
+    each next lookup overlaps the copy of the group before it. A group of several items never
+    passes ``max_frame`` bytes (what a server allows a PULL_LOCAL of several ranges)."""
     group: list[Item] = []
     size, target = 0, LOCAL_FIRST
     for item in items:
+        if group and size + len(item[2]) > max_frame:
+            yield group
+            group, size, target = [], 0, min(2 * target, LOCAL_GROUP)
         group.append(item)
         size += len(item[2])
         if size >= target or len(group) == max_keys:

@@ -31,7 +31,8 @@ class PeerInfo:
     """What the handshake told about the other end: its ``node_id``, its host identity and pid
     (:func:`tiersync.net.local.host_identity`), whether it runs on this host (``same_host``:
     same identity, so its memory can be read with ``process_vm_readv``), and the largest frame
-    it accepts (``max_frame``, its ``max_frame_size``; 0: not stated)."""
+    both ends accept (``max_frame``: the lesser ``max_frame_size``, this end's where the peer
+    stated none; 0 only in a PeerInfo made by hand)."""
 
     node_id: str
     host: str

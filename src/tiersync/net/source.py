@@ -76,9 +76,11 @@ _TOO_MANY_LEASES = f"this connection holds {MAX_SESSION_LEASES} leases: release 
 
 def _fits(session: Session, event: object) -> None:
     """BlockError(BAD_REQUEST) for a PULL or PULL_MANY whose answer the peer could not take in
-    one frame: refused before any block is read or summed for it."""
+    one frame, or a PULL_LOCAL of several ranges that together pass a frame (each range that is
+    not a whole block is summed for the answer: a few bytes of request naming one block's bytes
+    thousands of times): refused before any block is read or summed for it."""
     asked = event.length if isinstance(event, so.Pull) else None
-    if isinstance(event, so.PullMany):
+    if isinstance(event, so.PullMany) or (isinstance(event, so.PullLocal) and len(event.items) > 1):
         asked = sum(n for _, _, n in event.items)
     limit = session.info.max_frame
     if asked is not None and limit and asked > limit:

@@ -244,7 +244,7 @@ class TcpChannel(Channel):
         refused read route AUTO falls back to TCP for good, route LOCAL raises."""
         checked = [(key, offset, writable(dest)) for key, offset, dest in items]
         deadline = Deadline(timeout or self._framed.cfg.op_timeout_s, self.peer)
-        groups = list(local_groups(checked, self._framed.cfg.protocol.max_keys))
+        groups = list(local_groups(checked, self._framed.cfg.protocol.max_keys, self._framed.conn.frame_limit))
         asked: list[int] = []
         for i, group in enumerate(groups):
             while len(asked) < min(i + 2, len(groups)):
