@@ -220,6 +220,28 @@ def test_mutual_tls_with_token_across_processes(pki):
             TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["rogue_ca"], ccert, ckey))).connect(address)
 
 
+def test_a_tls_connection_over_the_cap_is_closed_not_answered_in_plaintext(pki):
+    """Over its connection cap a TLS server used to write its plaintext refusal into the
+    client's TLS handshake, which the client read as a TLS failure (AuthError: "wrong version
+    number", as if the TLS settings were wrong, and final for callers that do not retry
+    those). It now closes the connection: PeerClosedError, and the server goes on serving."""
+    cert, key = pki["server"]
+    cfg = TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"], cert, key), max_connections=1)
+    server = TcpTransport(cfg).serve("127.0.0.1:0", MemoryBlockSource({}))
+    client = TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"])))
+    first = client.connect(server.address)
+    try:
+        for _ in range(3):
+            with pytest.raises(PeerClosedError) as info:
+                client.connect(server.address, timeout=5)
+            assert not isinstance(info.value, AuthError)
+        assert first.request(ev.Ping(first.new_request_id(), 5)).token == 5
+        assert server.refused == 3
+    finally:
+        first.close()
+        server.close()
+
+
 def test_a_pooled_tls_channel_is_handed_out_again_and_a_stale_one_is_not(pki):
     """Over TLS, an idle channel the server did not close is reused (records the peer sent
     after the handshake are no stray bytes); once the server is gone it is not."""

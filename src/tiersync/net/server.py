@@ -155,7 +155,7 @@ class TcpServer(Server):
     def _admit(self, sock: socket.socket, peer: str) -> None:
         if len(self._sessions) >= self.config.max_connections and not self._evict_pending():
             self.refused += 1
-            return _refuse_over_cap(sock, self.config.max_connections)
+            return _refuse_over_cap(sock, self.config.max_connections, tls=self._tls is not None)
         self._fd_logged = False
         try:
             sock.setblocking(False)
@@ -377,9 +377,12 @@ class TcpServer(Server):
         self._workers.shutdown(wait=False, cancel_futures=True)
 
 
-def _refuse_over_cap(sock: socket.socket, cap: int) -> None:
-    """Tell a connection over the cap why, then close it (best effort, never blocks)."""
+def _refuse_over_cap(sock: socket.socket, cap: int, tls: bool) -> None:
+    """Tell a connection over the cap why, then close it (best effort, never blocks). A TLS
+    client is only closed on: plaintext in its handshake reads as a TLS failure."""
     try:
+        if tls:
+            return
         sock.setblocking(False)
         conn = Connection(Role.SERVER)
         frame = b"".join(
