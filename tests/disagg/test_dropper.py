@@ -123,18 +123,19 @@ def test_bad_arguments_name_themselves_and_queue_nothing():
 
 def test_at_most_max_pending_drops_wait(monkeypatch, caplog):
     """A rank that accepts and never answers holds a sender (up to its timeouts); meanwhile
-    drops past the cap are not queued (logged once), and close does not wait for them."""
+    drops to it past the cap are not queued (logged once), and close does not wait for them."""
     monkeypatch.setattr(dropper_mod, "MAX_PENDING", 2)
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never speaks
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         d = KVDropper(DisaggConfig(token=TOKEN, connect_timeout_s=3))
         try:
             d.drop("first", (address,))  # taken by the thread: it waits in the handshake
+            assert _until(lambda: address in d._busy, 5)
             with caplog.at_level(logging.WARNING, logger="tiersync.disagg.dropper"):
                 for i in range(5):
                     d.drop(f"r{i}", (address,))
-            assert len(d._open) == 2  # the first (being sent) and r0
-            assert caplog.text.count("wait to be sent") == 1
+            assert len(d._open) == 3 and d._waiting == 2  # the first (being sent), r0 and r1
+            assert caplog.text.count("are not sent") == 1
             assert d.flush(0.1) is False  # the first drop still holds its sender
         finally:
             closer = threading.Thread(target=d.close)
@@ -143,6 +144,30 @@ def test_at_most_max_pending_drops_wait(monkeypatch, caplog):
             assert not closer.is_alive()
         d.drop("after-close", (address,))  # a no-op
         assert not d._open
+
+
+def test_a_hanging_ranks_full_lane_does_not_keep_drops_from_the_others(prefill, monkeypatch):
+    """Drops wait per rank: a rank that accepts and never answers, named in every drop, fills
+    its own lane (MAX_PENDING, 2 here) while its sender waits; the drops go on to the healthy
+    ranks named with it. Before, a drop counted against the one cap until its slowest rank was
+    told, so once two drops waited for it the healthy ranks were not told either."""
+    monkeypatch.setattr(dropper_mod, "MAX_PENDING", 2)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never speaks
+        hanging = f"127.0.0.1:{silent.getsockname()[1]}"
+        d = KVDropper(DisaggConfig(token=TOKEN, connect_timeout_s=20, io_timeout_s=20))
+        try:
+            d.drop("r-lane-first", (hanging,))  # holds the sender of the hanging rank's lane
+            assert _until(lambda: hanging in d._busy, 5)
+            ids = [f"r-lane-{i}" for i in range(6)]
+            for rid in ids:
+                prefill.register(rid, [11], 10)
+            for i, rid in enumerate(ids):  # each confirmed by the healthy ranks before the next
+                d.drop(rid, (hanging, *prefill.addresses))
+                assert _until(lambda i=i: d.confirmed >= 2 * (i + 1), 10), f"{d.confirmed} of {2 * (i + 1)}"
+            assert len(d._lanes[hanging]) == 2
+        finally:
+            silent.close()
+            d.close()
 
 
 def _until(condition, within: float) -> bool:

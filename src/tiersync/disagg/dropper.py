@@ -17,9 +17,10 @@ A rank that cannot be reached, refuses, or no longer knows the request (read, be
 timed out meanwhile) is logged and skipped; one that failed is not tried again for
 :data:`BACKOFF_S`, doubled at each further failure up to :data:`BACKOFF_MAX_S` and reset by a
 success (a rank that keeps hanging costs a sender and a connection ever more rarely): its
-timeout frees the blocks as before. At most :data:`MAX_PENDING` drops wait to be sent (a drop
-waits until each of its ranks was told or given up); more are not sent (logged once until
-none waits): a drop is an optimisation, never needed for correctness.
+timeout frees the blocks as before. At most :data:`MAX_PENDING` drops wait to be sent to one
+rank, and :data:`MAX_WAITING` to all of them together; a rank whose lane is full is not sent
+more (logged once until no drop waits), the others still are: a rank that hangs holds its own
+lane, never the drops to the others. A drop is an optimisation, never needed for correctness.
 """
 
 from __future__ import annotations
@@ -40,12 +41,15 @@ from tiersync.net.errors import PeerClosedError
 from tiersync.net.pool import ChannelPool
 from tiersync.net.tcp import TcpChannel, TcpTransport
 
-__all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "MAX_FAILED", "MAX_PENDING", "SENDERS", "KVDropper"]
+__all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "MAX_FAILED", "MAX_PENDING", "MAX_WAITING", "SENDERS", "KVDropper"]
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 4096
-"""Drops waiting to be sent, at most."""
+"""Drops waiting to be sent to one prefill rank, at most."""
+
+MAX_WAITING = 1 << 16
+"""Drops waiting to be sent, counted rank by rank, to all prefill ranks together, at most."""
 
 BACKOFF_S = 30.0
 """How long a prefill rank that failed a drop is not tried again (after its first failure)."""
@@ -83,6 +87,7 @@ class KVDropper:
         self._ready: collections.deque[str] = collections.deque()  # lanes waiting for a sender
         self._busy: set[str] = set()  # lanes a sender serves now (drops coming meanwhile wait)
         self._open: dict[_Drop, None] = {}  # drops not yet told or given up everywhere, oldest first
+        self._waiting = 0  # drops in the lanes, rank by rank
         self._confirmed = 0
         self._overflowed = self._closed = False
         # address -> (when it may be tried again, wait), in the order of their last failure
@@ -106,7 +111,8 @@ class KVDropper:
     def drop(self, kv_request: str, addresses: Sequence[str]) -> None:
         """Tell the prefill ranks at ``addresses`` that request ``kv_request`` (their id of it)
         will not be read. Raises UsageError naming ``kv_request`` or ``addresses``; after
-        :meth:`close`, or with :data:`MAX_PENDING` drops waiting, the drop is not sent."""
+        :meth:`close` the drop is not sent; not to a rank with :data:`MAX_PENDING` drops waiting
+        (nor to any with :data:`MAX_WAITING` waiting in all)."""
         KvDrop(0, kv_request)  # the id as the wire carries it (UsageError naming kv_request)
         targets = () if isinstance(addresses, (str, bytes)) else tuple(addresses)
         if not targets or not all(isinstance(a, str) and a for a in targets):
@@ -115,19 +121,24 @@ class KVDropper:
         with self._lock:
             if self._closed:
                 return
-            if len(self._open) >= MAX_PENDING:
-                if not self._overflowed:
-                    log.warning("%d KV drops wait to be sent: later ones are not sent", MAX_PENDING)
-                self._overflowed = True
-                return
-            drop = _Drop(kv_request, len(ranks))
-            self._open[drop] = None
-            fresh = 0
+            drop, fresh = _Drop(kv_request, 0), 0
             for address in ranks:
-                if address not in self._lanes and address not in self._busy:
-                    self._ready.append(address)
-                    fresh += 1
-                self._lanes.setdefault(address, collections.deque()).append(drop)
+                lane = self._lanes.get(address)
+                if self._waiting >= MAX_WAITING or (lane is not None and len(lane) >= MAX_PENDING):
+                    if not self._overflowed:
+                        log.warning("KV drops to %s past %d waiting are not sent", address, MAX_PENDING)
+                    self._overflowed = True
+                    continue
+                if lane is None:
+                    lane = self._lanes[address] = collections.deque()
+                    if address not in self._busy:
+                        self._ready.append(address)
+                        fresh += 1
+                lane.append(drop)
+                drop.left += 1
+                self._waiting += 1
+            if drop.left:
+                self._open[drop] = None
             self._work.notify(fresh)
 
     def flush(self, timeout: float) -> bool:
@@ -153,6 +164,7 @@ class KVDropper:
                 return
             self._closed = True
             self._lanes.clear()  # what waits will not be sent
+            self._waiting = 0
             self._ready.clear()
             self._open.clear()
             self._work.notify_all()
@@ -188,7 +200,9 @@ class KVDropper:
                 return None
             address = self._ready.popleft()
             self._busy.add(address)
-            return address, list(self._lanes.pop(address))
+            drops = list(self._lanes.pop(address))
+            self._waiting -= len(drops)
+            return address, drops
 
     def _told(self, drop: _Drop) -> None:
         """One rank of ``drop`` was told (or given up); the drop is done once all of them were."""
