@@ -69,7 +69,7 @@ class ProducerProcess:
         if not self.conn.poll(60):
             raise RuntimeError("producer child did not start")
         self.addresses = self.conn.recv()
-        self._done: dict[int, tuple[set, set]] = {}
+        self._finals: dict[str, dict[int, str]] = {}  # request -> rank -> "done"/"failed", not yet waited for
 
     def _call(self, *cmd):
         self.conn.send(cmd)
@@ -84,19 +84,20 @@ class ProducerProcess:
         return self._call("ready", rid, list(layers))
 
     def wait_final(self, rid, timeout=30.0):
-        """Poll until every rank reported ``rid``; returns the per-rank "done"/"failed"."""
-        seen: dict[int, str] = {}
+        """Poll until every rank reported ``rid``; returns the per-rank "done"/"failed". A poll
+        drains the ranks' reports: those of other requests are kept for their own wait_final."""
         end = time.monotonic() + timeout
-        while time.monotonic() < end:
+        while True:
             for i, (done, failed) in enumerate(self._call("poll")):
-                if rid in done:
-                    seen[i] = "done"
-                if rid in failed:
-                    seen[i] = "failed"
+                for other in done | failed:
+                    self._finals.setdefault(other, {})[i] = "done" if other in done else "failed"
+            seen = self._finals.get(rid, {})
             if len(seen) == len(self.addresses):
+                del self._finals[rid]
                 return [seen[i] for i in range(len(self.addresses))]
+            if time.monotonic() >= end:
+                raise AssertionError(f"producer never finished {rid}: {seen}")
             time.sleep(0.05)  # polling the child's status, not synchronising on time
-        raise AssertionError(f"producer never finished {rid}: {seen}")
 
     def kill(self):
         self.proc.kill()
