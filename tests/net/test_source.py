@@ -222,3 +222,32 @@ def test_a_closed_sessions_leases_are_each_released_even_when_one_release_fails(
     source.closed(session)
     assert len(failed) == 1 and source.session_leases() == 0
     assert len(source._leases) == 1  # only the one whose release raised waits for its TTL
+
+
+def test_keys_under_lease_are_bounded_over_every_connection(monkeypatch):
+    """Each connection may hold MAX_SESSION_LEASES leases, but connections add up: past
+    MAX_LEASED_KEYS (3 here) keys under lease, a lease is refused CAPACITY whichever connection
+    asks; a release, or the end of a lease's TTL, makes room again."""
+    from tiersync.net import source as source_mod
+    from tiersync.net.source import MemoryBlockSource
+
+    monkeypatch.setattr(source_mod, "MAX_LEASED_KEYS", 3)
+    now = [0.0]
+    keys = (b"a" * 16, b"b" * 16)
+    source = MemoryBlockSource(dict.fromkeys(keys, b"x" * 64), clock=lambda: now[0])
+    server = TcpTransport(TcpConfig(token=TOKEN)).serve("127.0.0.1:0", source)
+    one, two = (TcpTransport(TcpConfig(token=TOKEN)).connect(server.address) for _ in range(2))
+    try:
+        held = one.request(so.ReadLease(one.new_request_id(), keys, 30)).lease_id
+        with pytest.raises(RequestError) as info:
+            two.request(so.ReadLease(two.new_request_id(), keys, 30))
+        assert info.value.code is ev.ErrorCode.CAPACITY and not two.closed
+        assert one.request(so.Release(one.new_request_id(), held)).status is ev.CommitStatus.COMMITTED
+        assert two.request(so.ReadLease(two.new_request_id(), keys, 30)).status is so.LeaseStatus.GRANTED
+        now[0] = 31.0  # that lease's TTL ended: forgotten at the cap
+        assert one.request(so.ReadLease(one.new_request_id(), keys, 30)).status is so.LeaseStatus.GRANTED
+        assert source.active_leases == 1
+    finally:
+        one.close()
+        two.close()
+        server.close()

@@ -68,6 +68,9 @@ def clamp_ttl(ttl_s: int) -> int:
     return min(max(ttl_s, LEASE_TTL_MIN_S), LEASE_TTL_MAX_S)
 
 
+MAX_LEASED_KEYS = 1 << 20
+"""Keys under lease at once, over every connection, in a block server (each lease holds its keys)."""
+
 MAX_SESSION_LEASES = 1024
 """Leases one connection may hold at once (each pins up to 4096 blocks until released, its TTL
 or the connection's end): a reader needs a few; more are refused CAPACITY."""
@@ -266,16 +269,26 @@ class MemoryBlockSource(BlockService):
         self._sums: dict[bytes, tuple[PayloadChecksum, int]] = {}
         self._rows: dict[bytes, tuple[int, int, int]] = {}  # key -> a whole block's regions() row
         self._leases: dict[int, tuple[float, frozenset[bytes]]] = {}
+        self._leased = 0  # keys of self._leases
         self._lock = threading.Lock()
 
     def lease(self, req: so.ReadLease) -> so.LeaseReply:
+        """Hold the keys (all or nothing); BlockError(CAPACITY) past MAX_LEASED_KEYS under lease
+        (leases past their TTL are forgotten first)."""
         missing = tuple(k for k in req.keys if k not in self._blocks)
         if missing:
             return so.LeaseReply(req.request_id, so.LeaseStatus.MISSING, missing=missing)
-        ttl = clamp_ttl(req.ttl_s)
+        ttl, keys = clamp_ttl(req.ttl_s), frozenset(req.keys)
         with self._lock:
+            if self._leased + len(keys) > MAX_LEASED_KEYS:
+                now = self._clock()
+                for ended in [i for i, (end, _) in self._leases.items() if end <= now]:
+                    self._leased -= len(self._leases.pop(ended)[1])
+            if self._leased + len(keys) > MAX_LEASED_KEYS:
+                raise BlockError(ev.ErrorCode.CAPACITY, f"{self._leased} keys are under lease here")
             lease_id = new_lease_id(self._leases)
-            self._leases[lease_id] = (self._clock() + ttl, frozenset(req.keys))
+            self._leases[lease_id] = (self._clock() + ttl, keys)
+            self._leased += len(keys)
         sizes = tuple(len(self._blocks[k]) for k in req.keys)
         return so.LeaseReply(req.request_id, so.LeaseStatus.GRANTED, lease_id, ttl, sizes)
 
@@ -337,7 +350,7 @@ class MemoryBlockSource(BlockService):
     def release(self, lease_id: int) -> bool:
         held = self._held_keys(lease_id) is not None
         with self._lock:
-            self._leases.pop(lease_id, None)
+            self._leased -= len(self._leases.pop(lease_id, (0.0, frozenset()))[1])
         return held
 
     @property

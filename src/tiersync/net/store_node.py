@@ -33,7 +33,7 @@ from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 from tiersync.net.offer_source import writer_address
 from tiersync.net.server import TcpServer
 from tiersync.net.service import Session
-from tiersync.net.source import BlockError, BlockService, clamp_ttl, new_lease_id
+from tiersync.net.source import MAX_LEASED_KEYS, BlockError, BlockService, clamp_ttl, new_lease_id
 from tiersync.net.tcp import Deadline, TcpConfig, TcpTransport, parse_address
 from tiersync.tiers.host import HostArena, HostArenaConfig
 
@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 PULL_CHUNK = 16 << 20
 MIN_BLOCK_NBYTES = 1 << 10  # a smaller block costs more in bookkeeping than it holds (KV blocks are >= 16 KiB)
 PULL_WINDOW = 8
-MAX_LEASED_KEYS = 1 << 20  # keys under lease at once, over every connection (each lease pins its blocks)
 
 
 def _arena(num_blocks: int, block_nbytes: int) -> HostArena:
