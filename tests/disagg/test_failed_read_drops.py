@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 
 from tiersync.disagg import DisaggConfig, KVConsumer, KVOrder, KVProducer, PagedKVLayout, RequestState, SourceSpec
+from tiersync.disagg.ops import KV
+from tiersync.net.service import Service
+from tiersync.net.tcp import TcpTransport
 
 SRC = PagedKVLayout(
     num_layers=2, num_kv_heads=4, head_dim=8, block_size=16, num_blocks=16, dtype="float16", tp_size=2,
@@ -122,3 +125,40 @@ def test_a_read_that_succeeds_tells_no_rank_anything():
             )
             assert handle.wait(20) is RequestState.DONE, handle.error
             assert consumer._dropper is None  # no drop sender was even started
+
+
+class _Unanswering(Service):
+    """A prefill rank that takes a KV_DROP and never answers it (its handler waits for ``gate``)."""
+
+    vocabulary = KV
+
+    def __init__(self) -> None:
+        self.gate, self.asked = threading.Event(), threading.Event()
+
+    def handle(self, session, event):
+        self.asked.set()
+        self.gate.wait(30)
+        return []
+
+
+def test_closing_a_consumer_gives_hanging_drops_connect_timeout_in_all():
+    """A failed read's drop to a rank that takes it and never answers holds a sender for the
+    drop's ``io_timeout_s`` (10 s). close() gives the drops ``connect_timeout_s`` (1 s) in all;
+    it used to wait that long for them to be sent and then as long again for the dropper to
+    stop (2 s)."""
+    config = DisaggConfig(token=TOKEN, connect_timeout_s=1.0, io_timeout_s=10.0)
+    rank = _Unanswering()
+    server = TcpTransport(config.tcp_config(server=True), KV).serve("127.0.0.1:0", rank)
+    consumer = KVConsumer(DST, 0, config)
+    try:
+        dropper = consumer._drop_sender()
+        assert dropper is not None
+        dropper.drop("r-close", (server.address,))
+        assert rank.asked.wait(10)
+        t0 = time.monotonic()
+        consumer.close()
+        took = time.monotonic() - t0
+        assert 0.8 < took < 1.5, took  # the drop had its 1 s, and no more
+    finally:
+        rank.gate.set()
+        server.close()

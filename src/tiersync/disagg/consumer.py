@@ -248,7 +248,7 @@ class KVConsumer:
 
     def close(self) -> None:
         """Fail every pending read and refuse new ones; the drops of failed reads (theirs too)
-        are given ``config.connect_timeout_s`` to go out. Idempotent."""
+        are given ``config.connect_timeout_s`` in all to go out. Idempotent."""
         with self._lock:
             self._closed = True
             reads = list(self._reads.values())
@@ -260,8 +260,9 @@ class KVConsumer:
         with self._lock:
             dropper, self._dropper, self._dropper_closed = self._dropper, None, True
         if dropper is not None:  # the drops of the reads just failed go out first, for a while
+            end = time.monotonic() + self.config.connect_timeout_s
             dropper.flush(self.config.connect_timeout_s)
-            dropper.close()
+            dropper.close(timeout=max(0.0, end - time.monotonic()))
 
     def _tell_unread(self, handle: ReadHandle, ranks: tuple[int, ...], addresses: tuple[str, ...]) -> None:
         """``handle`` failed: tell the prefill ranks of ``ranks`` that neither counted nor

@@ -155,10 +155,11 @@ class KVDropper:
 
             return self._settled.wait_for(sent, timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Stop (drops not yet sent are not sent) and close the idle connections, waiting at most
-        ``config.connect_timeout_s`` in all for drops being sent (one still going ends within its
-        ``io_timeout_s`` on its own: the senders are daemons). Idempotent."""
+        ``timeout`` s (default ``config.connect_timeout_s``) in all for drops being sent (one
+        still going ends within its ``io_timeout_s`` on its own: the senders are daemons).
+        Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -169,7 +170,7 @@ class KVDropper:
             self._open.clear()
             self._work.notify_all()
             self._settled.notify_all()
-        end = time.monotonic() + self.config.connect_timeout_s
+        end = time.monotonic() + (self.config.connect_timeout_s if timeout is None else timeout)
         for thread in self._threads:
             thread.join(timeout=max(0.0, end - time.monotonic()))
         self._pool.close()  # the channel of a drop still being sent is closed when it ends
