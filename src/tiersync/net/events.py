@@ -3,7 +3,8 @@
 The core vocabulary (:data:`CORE`: handshake, ERROR, PING/PONG, DATA) that every service
 speaks, and the responses services share (LOCAL_REPLY, COMMIT_REPLY); each service defines its
 own operations on top (the block store's: :mod:`tiersync.net.store_ops`). Each event knows
-its :class:`~tiersync.net.frames.Op`, how to encode its metadata and how to parse it back. Constructing an event with bad fields raises
+its :class:`~tiersync.net.frames.Op`, how to encode its metadata and how to parse it back.
+Constructing an event with bad fields raises
 :class:`UsageError`; parsing bad metadata from a peer raises
 :class:`~tiersync.net.errors.ProtocolError` (MALFORMED) instead.
 Enum fields travel as u8; their values are wire format — never renumber.

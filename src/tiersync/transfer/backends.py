@@ -4,7 +4,8 @@ A backend copies a :class:`~tiersync.transfer.spans.BlockCopy` (block offsets on
 one region pattern) between a pool's storage and the host arena, and ``synchronize`` waits for
 what it started. Subclasses implement only :meth:`CopyBackend._copy` (and ``_synchronize`` when
 their copies are asynchronous, as a CUDA stream or a PJRT transfer would be); the base checks the
-spans (a :class:`BlockCopy` is checked when it is made), counts calls and bytes, and turns a backend's failure into a :class:`TransferFailed`
+spans (a :class:`BlockCopy` is checked when it is made), counts calls and bytes, and turns a
+backend's failure into a :class:`TransferFailed`
 naming the backend.
 
 Two backends exist, both for host-addressable (``Device.CPU``) pools: ``native`` (the C

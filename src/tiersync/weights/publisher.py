@@ -6,7 +6,8 @@ It owns the shard's named tensors (numpy, torch or JAX; any device) and one vers
 anonymous memory. :meth:`WeightPublisher.publish` runs, in order on one worker thread:
 announce version v to every registered sampler (:mod:`~tiersync.weights.sampler_registry`),
 copy each tensor D2H into the buffer and tell the shared-memory samplers it is ready (so they
-copy tensor i while i+1 is being written; a TCP sampler's GET waits for it on the trainer), then wait for every sampler's answer. The returned future's
+copy tensor i while i+1 is being written; a TCP sampler's GET waits for it on the trainer), then
+wait for every sampler's answer. The returned future's
 :class:`PublishResult` has one :class:`SamplerOutcome` per sampler; a sampler that dies or
 times out fails only its own outcome. A sampler that registers again (same label) replaces
 its old registration and takes part from the next publish on; samplers of one destination
