@@ -135,7 +135,7 @@ def test_at_most_max_pending_drops_wait(monkeypatch, caplog):
                 for i in range(5):
                     d.drop(f"r{i}", (address,))
             assert len(d._open) == 3 and d._waiting == 2  # the first (being sent), r0 and r1
-            assert caplog.text.count("are not sent") == 1
+            assert caplog.text.count("2 KV drops wait to be sent to 127.0.0.1") == 1
             assert d.flush(0.1) is False  # the first drop still holds its sender
         finally:
             closer = threading.Thread(target=d.close)
@@ -168,6 +168,28 @@ def test_a_hanging_ranks_full_lane_does_not_keep_drops_from_the_others(prefill, 
         finally:
             silent.close()
             d.close()
+
+
+def test_at_most_max_waiting_drops_wait_over_every_rank(monkeypatch, caplog):
+    """Ranks that hang hold all SENDERS senders; drops to other ranks wait in their lanes, at
+    most MAX_WAITING (3 here) of them in all: the next is not queued (logged once, naming the
+    overall cap), whichever rank it is for."""
+    silent = [socket.create_server(("127.0.0.1", 0)) for _ in range(dropper_mod.SENDERS)]
+    d = KVDropper(DisaggConfig(token=TOKEN, connect_timeout_s=5))
+    try:
+        for i, s in enumerate(silent):  # each holds a sender in its handshake
+            d.drop(f"hold-{i}", (f"127.0.0.1:{s.getsockname()[1]}",))
+        assert _until(lambda: len(d._busy) == dropper_mod.SENDERS, 5)
+        monkeypatch.setattr(dropper_mod, "MAX_WAITING", 3)  # now: the holding drops waited a moment too
+        with caplog.at_level(logging.WARNING, logger="tiersync.disagg.dropper"):
+            for i in range(5):
+                d.drop(f"wait-{i}", (f"127.0.0.1:{i + 1}",))  # five other ranks
+        assert d._waiting == 3 and sorted(d._lanes) == [f"127.0.0.1:{i + 1}" for i in range(3)]
+        assert caplog.text.count("3 KV drops wait to be sent: more are not sent") == 1
+    finally:
+        for s in silent:
+            s.close()
+        d.close()
 
 
 def _until(condition, within: float) -> bool:

@@ -222,9 +222,10 @@ def test_mutual_tls_with_token_across_processes(pki):
 
 def test_a_tls_connection_over_the_cap_is_closed_not_answered_in_plaintext(pki):
     """Over its connection cap a TLS server used to write its plaintext refusal into the
-    client's TLS handshake, which the client read as a TLS failure (AuthError: "wrong version
-    number", as if the TLS settings were wrong, and final for callers that do not retry
-    those). It now closes the connection: PeerClosedError, and the server goes on serving."""
+    client's TLS handshake, which the client read as "wrong version number". It now closes
+    the connection, and the client's AuthError names both likely causes (a peer that does not
+    speak TLS, far more common, stays an AuthError: final for the callers that branch on it);
+    the server goes on serving."""
     cert, key = pki["server"]
     cfg = TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"], cert, key), max_connections=1)
     server = TcpTransport(cfg).serve("127.0.0.1:0", MemoryBlockSource({}))
@@ -232,13 +233,26 @@ def test_a_tls_connection_over_the_cap_is_closed_not_answered_in_plaintext(pki):
     first = client.connect(server.address)
     try:
         for _ in range(3):
-            with pytest.raises(PeerClosedError) as info:
+            with pytest.raises((AuthError, PeerClosedError)) as info:  # EOF, or a reset
                 client.connect(server.address, timeout=5)
-            assert not isinstance(info.value, AuthError)
+            assert "version number" not in str(info.value)
         assert first.request(ev.Ping(first.new_request_id(), 5)).token == 5
         assert server.refused == 3
     finally:
         first.close()
+        server.close()
+
+
+def test_a_tls_client_of_a_plaintext_server_gets_an_auth_error(pki):
+    """The server closes on the TLS ClientHello (not a frame): the client's error is an
+    AuthError (a setting to fix, which callers such as a weights sampler report and stop on),
+    not a PeerClosedError they would retry quietly."""
+    server = TcpTransport(TcpConfig(token=TOKEN)).serve("127.0.0.1:0", MemoryBlockSource({}))
+    try:
+        for _ in range(3):
+            with pytest.raises(AuthError, match="TLS"):
+                TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"]))).connect(server.address, timeout=5)
+    finally:
         server.close()
 
 

@@ -49,7 +49,8 @@ MAX_PENDING = 4096
 """Drops waiting to be sent to one prefill rank, at most."""
 
 MAX_WAITING = 1 << 16
-"""Drops waiting to be sent, counted rank by rank, to all prefill ranks together, at most."""
+"""Drops waiting to be sent, counted rank by rank, to all prefill ranks together, at most (not
+counting those a sender took: at most :data:`SENDERS` lanes of :data:`MAX_PENDING`)."""
 
 BACKOFF_S = 30.0
 """How long a prefill rank that failed a drop is not tried again (after its first failure)."""
@@ -125,9 +126,7 @@ class KVDropper:
             for address in ranks:
                 lane = self._lanes.get(address)
                 if self._waiting >= MAX_WAITING or (lane is not None and len(lane) >= MAX_PENDING):
-                    if not self._overflowed:
-                        log.warning("KV drops to %s past %d waiting are not sent", address, MAX_PENDING)
-                    self._overflowed = True
+                    self._full(address)
                     continue
                 if lane is None:
                     lane = self._lanes[address] = collections.deque()
@@ -140,6 +139,15 @@ class KVDropper:
             if drop.left:
                 self._open[drop] = None
             self._work.notify(fresh)
+
+    def _full(self, address: str) -> None:
+        """A drop to ``address`` is not queued (its lane, or all of them, full); logged once
+        until no drop waits. Called with the lock held."""
+        if not self._overflowed:
+            everywhere = self._waiting >= MAX_WAITING
+            most, to = (MAX_WAITING, "") if everywhere else (MAX_PENDING, f" to {address}")
+            log.warning("%d KV drops wait to be sent%s: more are not sent", most, to)
+        self._overflowed = True
 
     def flush(self, timeout: float) -> bool:
         """Wait until every drop asked for so far was sent (or given up); False after ``timeout`` s."""

@@ -341,8 +341,9 @@ def _raise_io(exc: OSError, peer: str) -> NoReturn:
     """Raise the RemoteError family member for socket error ``exc``, naming ``peer``."""
     if isinstance(exc, socket.timeout):
         raise NetTimeoutError("socket operation timed out", peer=peer) from exc
-    if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):  # closed, e.g. by a server over its cap
-        raise PeerClosedError(f"connection closed in TLS: {exc}", peer=peer) from exc
+    if isinstance(exc, ssl.SSLEOFError):  # an AuthError still: far more often a peer not speaking TLS
+        why = "the peer closed the TLS connection: does it speak TLS? is it over its connection cap?"
+        raise AuthError(why, peer=peer) from exc
     if isinstance(exc, ssl.SSLError):
         raise AuthError(f"TLS failure: {exc.reason or exc}", peer=peer) from exc
     raise PeerClosedError(f"connection failed: {exc}", peer=peer) from exc

@@ -79,15 +79,19 @@ _TOO_MANY_LEASES = f"this connection holds {MAX_SESSION_LEASES} leases: release 
 
 def _fits(session: Session, event: object) -> None:
     """BlockError(BAD_REQUEST) for a PULL or PULL_MANY whose answer the peer could not take in
-    one frame, or a PULL_LOCAL of several ranges that together pass a frame (each range that is
-    not a whole block is summed for the answer: a few bytes of request naming one block's bytes
-    thousands of times): refused before any block is read or summed for it."""
+    one frame; BlockError(UNSUPPORTED) for a PULL_LOCAL of several ranges that together pass a
+    frame (each range that is not a whole block is summed for the answer: a few bytes of
+    request naming one block's bytes thousands of times; a reader on route AUTO that groups its
+    ranges otherwise, as before 2026-12-07, reads over TCP instead): refused before any block
+    is read or summed for it."""
     asked = event.length if isinstance(event, so.Pull) else None
-    if isinstance(event, so.PullMany) or (isinstance(event, so.PullLocal) and len(event.items) > 1):
-        asked = sum(n for _, _, n in event.items)
+    local = isinstance(event, so.PullLocal) and len(event.items) > 1
+    if isinstance(event, so.PullMany) or local:
+        asked = sum(n for _, _, n in cast(so.PullMany, event).items)
     limit = session.info.max_frame
     if asked is not None and limit and asked > limit:
-        raise BlockError(ev.ErrorCode.BAD_REQUEST, f"asks {asked} bytes: more than the max_frame_size {limit}")
+        code = ev.ErrorCode.UNSUPPORTED if local else ev.ErrorCode.BAD_REQUEST
+        raise BlockError(code, f"asks {asked} bytes: more than the max_frame_size {limit}")
 
 
 class BlockError(Exception):
