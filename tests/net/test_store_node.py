@@ -201,6 +201,38 @@ def test_failed_pull_frees_landing_blocks():
         node.close()
 
 
+def test_a_failed_write_whose_blocks_cannot_be_freed_still_lets_its_keys_be_written_again(monkeypatch):
+    """Freeing a failed write's landing blocks raised (as the allocator's first np.unique did out
+    of descriptors): its keys used to stay "landing", every later write of them REFUSED until a
+    restart. They are freed first now: the same keys are written and read back (the blocks that
+    could not be freed are lost, as before)."""
+    node = StoreNode(1 << 20, BLOCK)
+    server = StoreNodeServer("127.0.0.1:0", node)
+    real_free, calls = node.arena.free, []
+
+    def free_once(blocks):
+        calls.append(blocks)
+        raise OSError(24, "Too many open files")
+        return real_free(blocks)
+
+    monkeypatch.setattr(node.arena, "free", free_once)
+    try:
+        c = StoreNodeClient(server.address, timeout=5.0)
+        c._on_pull = lambda pull: (_ for _ in ()).throw(KeyError("writer lost the block"))
+        with pytest.raises(RemoteError):
+            c.offer_and_push(_keys(2), _bufs(2))
+        assert calls  # every attempt to free them failed
+        monkeypatch.setattr(node.arena, "free", real_free)
+        data = _bufs(2)
+        StoreNodeClient(server.address, timeout=5.0).offer_and_push(_keys(2), data)
+        out = [bytearray(len(b)) for b in data]
+        StoreNodeClient(server.address, timeout=5.0).read(_keys(2), out)
+        assert [bytes(o) for o in out] == data
+    finally:
+        server.close()
+        node.close()
+
+
 def test_a_same_host_reader_copies_out_of_a_map_of_the_node_s_arena(node):
     """A store node's arena is shareable: a same-host reader's PULL_LOCAL answer names the
     node's sealed memfd, the reader maps it (one map, kept across reads and channels: the
