@@ -270,13 +270,14 @@ def test_silent_peers_filling_a_descriptor_table_smaller_than_the_cap_do_not_kee
         _stop(proc)
 
 
-def test_out_of_descriptors_a_same_host_read_releases_and_a_failed_write_loses_no_block():
+def test_out_of_descriptors_a_same_host_read_releases_and_a_write_is_stored():
     """During the flood of the test above, a same-host read (its lease released at the end) is
     answered byte-exact: the release used to fail INTERNAL (the allocator's first ``np.unique``
     imports numpy.ma, a file to open), leaving the blocks pinned until the lease's TTL. A write
-    then may fail (the node dials the writer: a descriptor it may not get), but its landing
-    blocks and keys are freed: after the flood, that key is written and the node's 16 blocks
-    all take a write."""
+    is stored too: the node dials the writer with the descriptor it keeps in reserve (it used
+    to fail EMFILE). A write that still fails (its spare not yet taken back) frees its landing
+    blocks and keys: after the flood, that key is written and the node's 16 blocks all take a
+    write."""
     proc, address = _start(cap=10_000, nofile=48)
     host, port = address.rsplit(":", 1)
     stop, silent = threading.Event(), []
@@ -298,13 +299,15 @@ def test_out_of_descriptors_a_same_host_read_releases_and_a_failed_write_loses_n
         flooder.start()
         assert _until(lambda: _fds(proc.pid) >= 46, 10)
         assert _read_block(address, b"G" * 16, len(data)) == data  # the release is COMMITTED, or it raises
-        with contextlib.suppress(RemoteError):
+        _write_block(address, b"V" * 16, data)  # the node dials us with its spare descriptor
+        assert _read_block(address, b"V" * 16, len(data)) == data
+        with contextlib.suppress(RemoteError):  # a second dial at once may find no descriptor
             _write_block(address, b"W" * 16, data)
         stop.set()
         flooder.join(10)
         for s in silent:
             s.close()
-        for i in range(15):  # every block but G's: none may still be landing or leaked
+        for i in range(14):  # every block but G's and V's: none may still be landing or leaked
             _write_block(address, b"W" * 15 + bytes([i]) if i else b"W" * 16, os.urandom(1 << 20))
         assert _read_block(address, b"G" * 16, len(data)) == data
         assert proc.poll() is None

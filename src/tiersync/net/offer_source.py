@@ -1,22 +1,49 @@
-"""Where a store node pulls an OFFER's blocks from: the IP the writer connects from.
+"""Where and how a store node pulls an OFFER's blocks: from the IP the writer connects from.
 
 A writer serves its blocks on a listener of its own and names it in the OFFER ("host:port").
 The node dials only the IP it sees the writer's connection come from, so an authenticated
-writer cannot make the node connect anywhere else (its scanner, its relay).
+writer cannot make the node connect anywhere else (its scanner, its relay); it dials with a
+descriptor it keeps in reserve when connections fill its table (:mod:`~tiersync.net.spare_fd`).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+from typing import cast
 
+from tiersync.errors import RemoteError
 from tiersync.net import events as ev
-from tiersync.net.config import parse_address
+from tiersync.net import store_ops as so
+from tiersync.net.config import TcpConfig, parse_address
+from tiersync.net.pull_plan import Item
+from tiersync.net.socket_io import Deadline
 from tiersync.net.source import BlockError
+from tiersync.net.spare_fd import SpareDescriptor
+from tiersync.net.tcp import TcpTransport
 
-__all__ = ["writer_address"]
+__all__ = ["pull_offer", "writer_address"]
 
 log = logging.getLogger(__name__)
+
+PULL_WINDOW = 8  # pulls in flight from a writer
+
+
+def pull_offer(
+    config: TcpConfig, spare: SpareDescriptor, writer: str, lease_id: int, items: list[Item], timeout_s: float
+) -> None:
+    """Pull ``items`` ((key, offset, destination)) from the writer at ``writer`` under its lease
+    ``lease_id`` within ``timeout_s``, then release the lease: RemoteError when it ended first.
+    The dial gives up ``spare`` when no descriptor is free."""
+    deadline = Deadline(timeout_s, writer)
+    channel = spare.call(lambda: TcpTransport(config).connect(writer, timeout=deadline.remaining()))
+    try:
+        channel.pull_many(lease_id, items, window=PULL_WINDOW, timeout=deadline.remaining())
+        done = channel.request(so.Release(channel.new_request_id(), lease_id), timeout=deadline.remaining())
+        if cast(ev.CommitReply, done).status is not ev.CommitStatus.COMMITTED:
+            raise RemoteError("writer's lease was lost before the pull finished", peer=writer)
+    finally:
+        channel.close()
 
 
 def writer_address(source: str, peer: str | None) -> str:

@@ -1,17 +1,16 @@
 """Store node: a host-only process lending its DRAM (a HostArena) to remote readers and writers.
 
-Remote READ: READ_LEASE pins every key (all-or-nothing; TTL clamped to [30, 600] s), PULL
-serves ranges of pinned blocks, RELEASE unpins and answers COMMITTED only when the lease was
-still held; expired leases are unpinned lazily. Remote WRITE ("the destination pulls"): the
-writer OFFERs keys under a lease on its own listener (``source``: its port; the node dials only
-the IP the writer's connection comes from, an OFFER naming another host is ERROR(BAD_REQUEST)).
-It answers ALL_EXIST, PARTIAL_EXIST (the overlap), ACCEPT or REFUSED (too few FREE blocks: it
-never evicts for a remote; a block too large; keys landing), pulls into landing blocks, releases
-the lease and inserts all-or-nothing: COMMITTED, or FAILED with every landing block freed (freed
-too when the reply cannot be written).
-Stored blocks stay locked; a lease adds one lock per block. ``main(registry=)`` advertises the
-keys (:mod:`~tiersync.net.registry.agent`), ``main(kv_events=)`` as vLLM KV events; listeners get
-new keys before COMMITTED. :class:`StoreNodeClient` is the other side.
+Remote READ: READ_LEASE pins every key (all-or-nothing; TTL clamped to [30, 600] s), PULL serves ranges of
+pinned blocks, RELEASE unpins and answers COMMITTED only when the lease was still held; expired leases are
+unpinned lazily. Remote WRITE ("the destination pulls"): the writer OFFERs keys under a lease on its own
+listener (``source``: its port; the node dials only the IP the writer's connection comes from, with a
+descriptor it keeps in reserve for that; an OFFER naming another host is ERROR(BAD_REQUEST)). It answers
+ALL_EXIST, PARTIAL_EXIST (the overlap), ACCEPT or REFUSED (too few FREE blocks: it never evicts for a remote;
+a block too large; keys landing), pulls into landing blocks, releases the lease and inserts all-or-nothing:
+COMMITTED, or FAILED with every landing block freed (freed too when the reply cannot be written). Stored
+blocks stay locked; a lease adds one lock per block. ``main(registry=)`` advertises the keys
+(:mod:`~tiersync.net.registry.agent`), ``main(kv_events=)`` as vLLM KV events; listeners get new keys before
+COMMITTED. :class:`StoreNodeClient` is the other side.
 """
 
 from __future__ import annotations
@@ -22,19 +21,20 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tiersync.errors import CapacityError, RemoteError, UsageError
+from tiersync.errors import CapacityError, UsageError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
-from tiersync.net.offer_source import writer_address
+from tiersync.net.offer_source import pull_offer, writer_address
 from tiersync.net.server import TcpServer
 from tiersync.net.service import Session
 from tiersync.net.source import MAX_LEASED_KEYS, BlockError, BlockService, clamp_ttl, new_lease_id
-from tiersync.net.tcp import Deadline, TcpConfig, TcpTransport, parse_address
+from tiersync.net.spare_fd import SpareDescriptor
+from tiersync.net.tcp import TcpConfig, parse_address
 from tiersync.tiers.host import HostArena, HostArenaConfig
 
 if TYPE_CHECKING:
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 PULL_CHUNK = 16 << 20
 MIN_BLOCK_NBYTES = 1 << 10  # a smaller block costs more in bookkeeping than it holds (KV blocks are >= 16 KiB)
-PULL_WINDOW = 8
 
 
 def _arena(num_blocks: int, block_nbytes: int) -> HostArena:
@@ -87,6 +86,7 @@ class StoreNode(BlockService):
         self._ends: list[tuple[float, int]] = []  # (end, lease id) of every lease granted, soonest first
         self._leased_keys = 0
         self._lock = threading.Lock()
+        self._spare = SpareDescriptor()  # to dial writers while connections fill the descriptor table
 
     @property
     def private_memory(self) -> bool:
@@ -263,21 +263,12 @@ class StoreNode(BlockService):
         return so.OfferReply(req.request_id, status, existing), new, blocks
 
     def _pull_from(self, writer: str, lease_id: int, new: list[tuple[bytes, int]], blocks: list[int]) -> None:
-        deadline = Deadline(self._pull_timeout, writer)
-        channel = TcpTransport(self.config).connect(writer, timeout=deadline.remaining())
-        try:
-            items = [
-                (key, off, self.arena.block(b)[off : off + min(PULL_CHUNK, size - off)])
-                for (key, size), b in zip(new, blocks)
-                for off in range(0, size, PULL_CHUNK)
-            ]
-            channel.pull_many(lease_id, items, window=PULL_WINDOW, timeout=deadline.remaining())
-            release = so.Release(channel.new_request_id(), lease_id)
-            done = cast(ev.CommitReply, channel.request(release, timeout=deadline.remaining()))
-            if done.status is not ev.CommitStatus.COMMITTED:
-                raise RemoteError("writer's lease was lost before the pull finished", peer=writer)
-        finally:
-            channel.close()
+        items = [
+            (key, off, self.arena.block(b)[off : off + min(PULL_CHUNK, size - off)])
+            for (key, size), b in zip(new, blocks)
+            for off in range(0, size, PULL_CHUNK)
+        ]
+        pull_offer(self.config, self._spare, writer, lease_id, items, self._pull_timeout)
 
     def add_listener(self, fn: Callable[[list[bytes]], None]) -> None:
         """Call ``fn(keys)`` with the keys of every committed write, before COMMITTED is sent
@@ -305,6 +296,7 @@ class StoreNode(BlockService):
         return self.arena.allocator.num_free
 
     def close(self) -> None:
+        self._spare.close()
         self.arena.close()
 
 
