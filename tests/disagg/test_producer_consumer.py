@@ -340,18 +340,21 @@ def test_a_gathered_pull_that_outlives_its_session_leaves_no_staging_buffer(monk
         assert prod._reads._staging == {}
 
 
-def test_gather_buffers_of_finished_reads_do_not_stay_with_idle_pooled_connections():
+@pytest.mark.parametrize("route", ["tcp", "local"])
+def test_gather_buffers_of_finished_reads_do_not_stay_with_idle_pooled_connections(route):
     """A decode engine keeps its connections to a prefill rank open and idle between reads. The
     gather buffers of a read (up to a frame each) go, at its KV_DONE, to at most two spares the
     next reads take, not stay with its connection: four reads at once on four connections, then
-    the producer holds no session's buffer and at most two spares; the bytes are exact."""
+    the producer holds no session's buffer and at most two spares; the bytes are exact. On the
+    same host the reader copies a gathered pull out of the buffer after the answer was sent: a
+    spare taken for it used to be dropped at once (its memory freed under the reader)."""
     from tiersync.net.config import Route
 
     src, dst = _layout(1, order=KVOrder.HEAD_MAJOR), _layout(1)  # many small spans per pull: gathered
     layers = [np.random.default_rng(layer).integers(0, 255, src.layer_nbytes, dtype=np.uint8) for layer in range(4)]
     with (
         KVProducer(src, 0, DisaggConfig(token=TOKEN)) as prod,
-        KVConsumer(dst, 0, DisaggConfig(token=TOKEN, route=Route.TCP)) as consumer,
+        KVConsumer(dst, 0, DisaggConfig(token=TOKEN, route=Route(route))) as consumer,
     ):
         for round_ in range(2):  # the second round's reads take the spares
             names = [f"g{round_}-{i}" for i in range(4)]

@@ -128,8 +128,10 @@ class LayerReads:
 
     def _staging_of(self, session: Session, nbytes: int, slot: int) -> np.ndarray:
         """The session's gather buffer ``slot``, at least ``nbytes`` (grown on demand, bounded
-        by the frame size); kept only while the session is open (it is marked closed before
-        :meth:`forget` runs, so a pull that outlived its session leaves nothing behind)."""
+        by the frame size; a spare when there is one); kept while the session is open, spare or
+        new (a same-host reader copies out of it after the answer went: only the slot's next
+        pull may reuse it). It is marked closed before :meth:`forget` runs, so a pull that
+        outlived its session leaves nothing behind."""
         key = (session.session_id, slot)
         with self._lock:
             buf = self._staging.get(key)
@@ -137,8 +139,8 @@ class LayerReads:
                 buf = self._spare.pop(0)  # the largest
             if buf is None or buf.size < nbytes:
                 buf = np.empty(nbytes, np.uint8)
-                if not session.closed:
-                    self._staging[key] = buf
+            if not session.closed:
+                self._staging[key] = buf
             return buf[:nbytes]
 
     def pull_local(self, session: Session, route: Route, event: KvPullLocal) -> ev.LocalReply:
