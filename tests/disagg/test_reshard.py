@@ -42,6 +42,12 @@ def check_roundtrip(src, dst, num_tokens, seed=0):
     src_ranks = shard(src, kv, sids, fill=0xAB)
     dst_ranks = [[np.zeros(dst.layer_nbytes, np.uint8) for _ in range(dst.num_layers)] for _ in range(dst.tp_size)]
     plan = plan_reshard(src, dst, sids, dids, num_tokens)
+    planner = ReshardPlanner()
+    for s in range(src.tp_size):  # one route planned alone (a prefill rank's KV_OPEN) is the plan's
+        for d in range(dst.tp_size):
+            spans, readers = planner.route(src, dst, sids, dids, num_tokens, (s, d))
+            np.testing.assert_array_equal(spans, plan.route_spans(s, d))
+            assert readers == plan.readers_of(s)
     apply_plan(plan, src_ranks, dst_ranks)
     np.testing.assert_array_equal(unshard(dst, dst_ranks, dids, num_tokens), kv)
     mask = expected_mask(dst, dids, num_tokens)
@@ -229,3 +235,30 @@ def test_import_tiersync_stays_cheap():
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
         == "False"
     )
+
+
+def test_one_route_costs_what_that_route_moves_whatever_layout_the_reader_names():
+    """A reader's KV_OPEN names its own layout: TP 256 with 1-token blocks makes the whole plan of
+    a 4096-token request about a million spans (K and V of each token, for each destination
+    rank) from this prefill rank; the route the reader reads is a 256th of them. The prefill rank
+    plans only that route, in a 20th of the memory or less."""
+    import tracemalloc
+
+    src = _layout(1, 16, 256, KVOrder.HEAD_MAJOR)
+    dst = _layout(256, 1, 4096, KVOrder.HEAD_MAJOR)
+    rng = np.random.default_rng(3)
+    sids, dids = _table(rng, 256, 256), _table(rng, 4096, 4096)
+    planner = ReshardPlanner()
+    tracemalloc.start()
+    try:
+        spans, readers = planner.route(src, dst, sids, dids, 4096, (0, 5))
+        one = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        whole = planner.plan(src, dst, sids, dids, 4096)
+        all_routes = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert readers == tuple(range(256))
+    np.testing.assert_array_equal(spans, whole.route_spans(0, 5))
+    assert whole.spans.shape[0] > 200 * spans.shape[0] > 200 * 4000
+    assert 20 * one < all_routes, (one, all_routes)

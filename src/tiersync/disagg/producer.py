@@ -321,14 +321,14 @@ class KVProducer(Service):
         if blocks is None or blocks[0] * self.layout.block_size + read.num_tokens > req.num_tokens:
             raise Refused(Code.BAD_REQUEST, "mismatch: num_tokens or source block ids differ from the registration")
         _check_reader(self.layout, read)  # before any planning: the reader's layout comes off the wire
-        try:
-            plan = self._planner.plan(self.layout, read.dst_layout, blocks[1], read.dst_block_ids, read.num_tokens)
+        try:  # this reader's route only: what it costs is bounded by the request, not by its layout
+            ranks, ids = (self.rank, read.dst_rank), read.dst_block_ids
+            spans, readers = self._planner.route(self.layout, read.dst_layout, blocks[1], ids, read.num_tokens, ranks)
         except UsageError as exc:
             raise Refused(Code.BAD_REQUEST, exc.message) from None
-        spans = plan.route_spans(self.rank, read.dst_rank)
         route = Route(req, read.dst_rank, spans[:, 0].copy(), spans[:, 2].copy())
         with self._cond:
-            self._join(req, read, plan.readers_of(self.rank) or (0,), session)
+            self._join(req, read, readers or (0,), session)
             self._routes[session.session_id] = route
         return KvOpened(event.request_id, int(route.lengths.sum()), route_digest(spans))
 

@@ -240,7 +240,7 @@ def _build_plan(
 ) -> ReshardPlan:
     src_table = block_table(src_ids, src, num_tokens, "src_block_ids")
     dst_table = block_table(dst_ids, dst, num_tokens, "dst_block_ids")
-    if np.unique(dst_table).size != dst_table.size:
+    if len(set(dst_table.reshape(-1).tolist())) != dst_table.size:  # not np.unique: it imports numpy.ma
         raise UsageError("destination block ids must be distinct", argument="dst_block_ids")
     parts = [_route_spans(r, src, dst, src_table, dst_table, num_tokens) for r in routes]
     spans = np.concatenate(parts) if parts else np.zeros((0, 5), dtype=np.int64)
@@ -293,6 +293,26 @@ class ReshardPlanner:
         if src_ids is None or dst_ids is None:
             return build()  # odd input: _build_plan raises the precise error
         return self._cached(self._plans, (src, dst, (src_ids, dst_ids), num_tokens), self._limits[1], build)
+
+    def route(
+        self,
+        src: PagedKVLayout,
+        dst: PagedKVLayout,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        num_tokens: int,
+        ranks: tuple[int, int],
+    ) -> tuple[np.ndarray, tuple[int, ...]]:
+        """What source rank ``ranks[0]`` sends destination rank ``ranks[1]``: the rows
+        :meth:`ReshardPlan.route_spans` gives, and the destination ranks that read from that
+        source rank. Only that route is planned (not cached): a prefill rank asked by a reader
+        pays for the reader's own route, whatever layout the reader names. Raises as
+        :meth:`plan`."""
+        check_positive_int(num_tokens, "num_tokens")
+        routes = self.routes(src, dst)
+        mine = tuple(r for r in routes if (r.src_rank, r.dst_rank) == ranks)
+        plan = _build_plan(src, dst, mine, src_block_ids, dst_block_ids, num_tokens)
+        return plan.route_spans(*ranks), tuple(sorted({r.dst_rank for r in routes if r.src_rank == ranks[0]}))
 
     def _cached(self, cache: OrderedDict[_K, _V], key: _K, limit: int, build: Callable[[], _V]) -> _V:
         with self._lock:
