@@ -220,6 +220,45 @@ def test_mutual_tls_with_token_across_processes(pki):
             TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["rogue_ca"], ccert, ckey))).connect(address)
 
 
+def test_a_tls_session_ended_from_another_thread_keeps_its_tls_state(pki):
+    """``SSLSocket.shutdown`` drops the TLS object before it shuts the socket, and an SSLSocket
+    without one sends plaintext: a worker answering while another thread ended the session
+    could put KV or weight bytes on the wire unencrypted. The server shuts the plain socket
+    instead; the session's TLS state stays until the socket is closed."""
+    import threading as _threading
+
+    from tiersync.net.service import Service
+
+    opened, ended = _threading.Event(), _threading.Event()
+    sessions = []
+
+    class Keep(Service):
+        vocabulary = MemoryBlockSource({}).vocabulary
+
+        def handle(self, session, event):
+            return [ev.Pong(event.request_id, event.token)]
+
+        def opened(self, session):
+            sessions.append(session)
+            opened.set()
+
+        def closed(self, session):
+            ended.set()
+
+    cert, key = pki["server"]
+    server = TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"], cert, key))).serve("127.0.0.1:0", Keep())
+    client = TcpTransport(TcpConfig(token=TOKEN, tls=TlsConfig(pki["ca"]))).connect(server.address)
+    try:
+        assert client.request(ev.Ping(client.new_request_id(), 3)).token == 3 and opened.wait(5)
+        session = sessions[0]
+        session.close()  # from this thread, not the server's
+        assert ended.wait(5)
+        assert session.sock._sslobj is not None  # what SSLSocket.send checks before it writes plaintext
+    finally:
+        client.close()
+        server.close()
+
+
 def test_a_tls_connection_over_the_cap_is_closed_not_answered_in_plaintext(pki):
     """Over its connection cap a TLS server used to write its plaintext refusal into the
     client's TLS handshake, which the client read as "wrong version number". It now closes

@@ -336,8 +336,8 @@ class TcpServer(Server):
                 self.service.closed(s)
             except Exception:
                 log.exception("service failed to release a session")
-        try:
-            s.sock.shutdown(socket.SHUT_RDWR)
+        try:  # the plain socket's: SSLSocket.shutdown drops its TLS state first, and a worker's
+            socket.socket.shutdown(s.sock, socket.SHUT_RDWR)  # send racing it would go out in plaintext
         except OSError:
             pass
         if threading.current_thread() is not self._thread:
