@@ -77,6 +77,7 @@ def test_placed_follows_region_lengths_or_refuses_a_straddle():
 class _Req:
     def __init__(self, ids, views):
         self.block_ids, self.views, self.sums = tuple(ids), views, {}
+        self.state = RequestState.PENDING
 
 
 @needs_native
@@ -149,6 +150,29 @@ def test_a_layer_is_summed_once_whether_the_thread_or_a_pull_gets_there_first(mo
     assert sorted(calls) == sorted(v.ctypes.data for v in views)  # each layer once
     for view, known in zip(views, got):
         assert known.values.tolist() == [tsum64(view[o : o + sums.unit]) for o in known.offsets.tolist()]
+
+
+@needs_native
+def test_the_thread_skips_the_layers_of_requests_no_longer_pending(monkeypatch):
+    """A layer queued for summing ahead whose request was read, dropped or timed out meanwhile
+    is skipped: its buffers may already hold another request's KV (the engine reuses its
+    blocks), and summing them would take a core from live transfers for nothing."""
+    from tiersync.disagg import blocksums
+
+    layout = _layout(KVOrder.HEAD_MAJOR)
+    views = [np.ones(layout.layer_nbytes, np.uint8) for _ in range(3)]
+    calls = []
+    real = blocksums.local.sum_ranges
+    monkeypatch.setattr(blocksums.local, "sum_ranges", lambda v, *a: calls.append(v.ctypes.data) or real(v, *a))
+    sums = BlockSums(layout, threads=1)
+    done, live = _Req([3, 4], views), _Req([5, 6], views)
+    done.state = RequestState.DONE
+    sums.enable()
+    for layer in range(3):
+        sums.submit(done, layer)
+    sums.submit(live, 0)
+    sums.close()  # sums what is queued, then ends
+    assert done.sums == {} and list(live.sums) == [0] and len(calls) == 1
 
 
 @needs_native

@@ -27,6 +27,7 @@ from typing import Protocol, cast
 
 import numpy as np
 
+from tiersync.disagg.config import RequestState
 from tiersync.disagg.geometry import KVOrder, PagedKVLayout
 from tiersync.net import local
 from tiersync.transfer import kernel
@@ -54,6 +55,9 @@ class _Request(Protocol):
 
     @property
     def sums(self) -> dict[int, LayerSums]: ...
+
+    @property
+    def state(self) -> RequestState: ...
 
 
 class BlockSums:
@@ -116,6 +120,8 @@ class BlockSums:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
+            if job[0].state is not RequestState.PENDING:  # read, dropped or timed out: its buffers may be reused
+                continue
             try:
                 self._sum_once(*job)
             except Exception:  # that layer is summed when pulled; the thread goes on
