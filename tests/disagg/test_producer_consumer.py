@@ -373,3 +373,31 @@ def test_gather_buffers_of_finished_reads_do_not_stay_with_idle_pooled_connectio
             for land in landings:
                 np.testing.assert_array_equal(unshard(dst, [land], list(range(8)), 128), want)
             assert prod._reads._staging == {} and 1 <= len(prod._reads._spare) <= 2
+
+
+def test_a_prefill_rank_lets_same_host_readers_trace_it_only_once_one_reads(monkeypatch):
+    """prctl(PR_SET_PTRACER_ANY) (what process_vm_readv needs where Yama asks) widens who may
+    trace the prefill engine: it used to be set at the start of any same-host session (a drop,
+    a TCP read). It is set at the first same-host pull; a read over TCP leaves it alone."""
+    from tiersync.net import local
+    from tiersync.net.config import Route
+
+    asked: list[bool] = []
+    monkeypatch.setattr(local, "allow_readers", lambda: asked.append(True))
+    src = dst = _layout(1)
+    layers = [np.random.default_rng(layer).integers(0, 255, src.layer_nbytes, dtype=np.uint8) for layer in range(4)]
+    with KVProducer(src, 0, DisaggConfig(token=TOKEN)) as prod:
+        for route in ("tcp", "local"):
+            prod.register(route, list(range(4)), 64, layers)
+            for layer in range(4):
+                prod.layer_ready(route, layer)
+            land = _landing(dst)
+            with KVConsumer(dst, 0, DisaggConfig(token=TOKEN, route=Route(route))) as consumer:
+                handle = consumer.start_read(
+                    route, SourceSpec(src, [prod.address], list(range(4)), 64), [4, 5, 6, 7], land
+                )
+                assert handle.wait(30) is RequestState.DONE, handle.error
+            np.testing.assert_array_equal(
+                unshard(dst, [land], [4, 5, 6, 7], 64), unshard(src, [layers], list(range(4)), 64)
+            )
+            assert bool(asked) is (route == "local"), (route, asked)

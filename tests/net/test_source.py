@@ -167,15 +167,15 @@ def test_a_pull_local_of_many_ranges_past_a_frame_is_refused_before_any_range_is
 @pytest.mark.parametrize("kind", ["store-node", "memory"])
 def test_only_a_server_with_private_memory_lets_same_host_readers_trace_it(kind, monkeypatch):
     """prctl(PR_SET_PTRACER_ANY) lets every same-uid process trace the server where Yama asks:
-    only worth it for memory readers copy with process_vm_readv. A store node's shareable arena
-    is mapped instead, so its same-host sessions leave it as it was; a source of private
-    blocks still asks."""
+    only worth it for memory readers copy with process_vm_readv, and only once one does. A
+    same-host session that reads nothing (a PING) leaves every server as it was; a PULL_LOCAL
+    of a store node's shareable arena too (it is mapped instead); one of a source of private
+    blocks asks."""
     from tiersync.net import local
     from tiersync.net.source import MemoryBlockSource
     from tiersync.net.store_node import StoreNode, StoreNodeServer
 
     asked: list[bool] = []
-    monkeypatch.setattr(local, "allow_readers", lambda: asked.append(True))
     if kind == "store-node":
         node = StoreNode(1 << 20, 4096, config=TcpConfig(token=TOKEN))
         if not node.shared:
@@ -188,9 +188,17 @@ def test_only_a_server_with_private_memory_lets_same_host_readers_trace_it(kind,
             None,
         )
     try:
+        if kind == "store-node":  # the node reads the writer (this process) on the same host
+            from tiersync.net.store_node import StoreNodeClient
+
+            StoreNodeClient(server.address, token=TOKEN).offer_and_push([KEY], [b"x"])
+        monkeypatch.setattr(local, "allow_readers", lambda: asked.append(True))
         ch = TcpTransport(TcpConfig(token=TOKEN)).connect(server.address)
         assert ch.info.same_host
         assert ch.request(ev.Ping(ch.new_request_id())) is not None  # the session is open on the server
+        assert asked == []
+        lease = ch.request(so.ReadLease(ch.new_request_id(), (KEY,))).lease_id
+        assert isinstance(ch.request(so.PullLocal(ch.new_request_id(), lease, ((KEY, 0, 1),))), ev.LocalReply)
         ch.close()
         assert asked == ([] if kind == "store-node" else [True])
     finally:

@@ -149,6 +149,7 @@ class LayerReads:
         ``process_vm_readv``, and verifies); many small spans are gathered first."""
         if not session.info.same_host:
             raise Refused(Code.UNSUPPORTED, "KV_PULL_LOCAL from another host")
+        local.allow_readers()  # at the first same-host read, not at any same-host session's start
         view, offs, lens = self.spans(route, event.n, event.offset, event.length)
         algo = SUPPORTED[0]
         if not (lens.size <= _ZERO_COPY_SPANS or event.length // lens.size >= ZERO_COPY_AVG):

@@ -37,7 +37,6 @@ from tiersync.disagg.reshard import ReshardPlanner, block_table, default_planner
 from tiersync.disagg.spanio import byte_view
 from tiersync.errors import ClosedError, UsageError, check_positive_int
 from tiersync.net import events as ev
-from tiersync.net import local
 from tiersync.net.server import TcpServer
 from tiersync.net.service import Service, Session
 from tiersync.tiers.shareable import SharedRegion, check_shared
@@ -280,8 +279,6 @@ class KVProducer(Service):
         raise Refused(Code.UNSUPPORTED, f"{type(event).__name__} is not a prefill -> decode request")
 
     def opened(self, session: Session) -> None:
-        if session.info.same_host:
-            local.allow_readers()
         self._sums.enable()  # from now on each ready layer is summed ahead of its pulls
 
     def closed(self, session: Session) -> None:

@@ -224,17 +224,15 @@ class BlockService(Service):
     def _local(self, session: Session, req: so.PullLocal) -> ev.LocalReply:
         if not session.info.same_host:
             raise BlockError(ev.ErrorCode.UNSUPPORTED, "PULL_LOCAL from another host")
+        if self.private_memory:  # the reader copies with process_vm_readv, which Yama may refuse
+            local.allow_readers()
         regions = self.regions(req.lease_id, req.items)
         return ev.LocalReply(req.request_id, os.getpid(), SUPPORTED[0], regions, covering(self.shared, regions))
 
-    def opened(self, session: Session) -> None:
-        if session.info.same_host and self.private_memory:
-            local.allow_readers()
-
     @property
     def private_memory(self) -> bool:
-        """Whether same-host readers may need ``process_vm_readv`` of this process (then a
-        same-host session lets same-uid processes trace it where Yama asks for that): True
+        """Whether same-host readers may need ``process_vm_readv`` of this process (then its
+        first PULL_LOCAL lets same-uid processes trace it where Yama asks for that): True
         unless every block lies in :attr:`shared` memory, which readers map instead."""
         return True
 
