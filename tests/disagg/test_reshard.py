@@ -262,3 +262,57 @@ def test_one_route_costs_what_that_route_moves_whatever_layout_the_reader_names(
     np.testing.assert_array_equal(spans, whole.route_spans(0, 5))
     assert whole.spans.shape[0] > 200 * spans.shape[0] > 200 * 4000
     assert 20 * one < all_routes, (one, all_routes)
+
+
+def _per_token_spans(src, dst, sids, dids, num_tokens):
+    """The plan's spans as tiersync computed them before 2026-12-07: a span per token, K/V and
+    head (or the route's heads together where contiguous on both sides), then coalesced."""
+    from tiersync.disagg.reshard import coalesce
+
+    rows = []
+    t = np.arange(num_tokens, dtype=np.int64)
+
+    def offsets(layout, table, kv, head):
+        block = np.asarray(table[: layout.blocks_needed(num_tokens)], np.int64)[t // layout.block_size]
+        return (
+            layout.kv_base(kv)
+            + block * layout.block_stride()
+            + (t % layout.block_size) * layout.token_stride()
+            + head * layout.head_stride()
+        )
+
+    for r in ReshardPlanner().routes(src, dst):
+        joint = src.head_stride() == src.head_nbytes and dst.head_stride() == dst.head_nbytes
+        heads = [0] if joint else range(r.nheads)
+        parts = [
+            (offsets(src, sids, kv, r.src_head + j), offsets(dst, dids, kv, r.dst_head + j))
+            for kv in (0, 1)
+            for j in heads
+        ]
+        s, d = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        width = r.nheads * src.head_nbytes if joint else src.head_nbytes
+        spans = coalesce(s, d, np.full(s.size, width, np.int64))
+        rows.append(
+            np.column_stack(
+                [np.full(len(spans), r.src_rank), spans[:, 0], np.full(len(spans), r.dst_rank), spans[:, 1:]]
+            )
+        )
+    out = np.concatenate(rows)
+    return out[np.lexsort((out[:, 1], out[:, 0], out[:, 2]))]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_spans_planned_a_run_of_tokens_at_a_time_are_those_of_a_token_at_a_time(data):
+    """Pieces contiguous across tokens are planned a run of tokens at a time (12 ms became under
+    1 ms for a 6000-token head-major request); once coalesced the spans (and so the digest a
+    producer and a reader of another tiersync version compare) are exactly as before."""
+    heads = data.draw(st.sampled_from([1, 2, 4, 8]))
+    a, b = data.draw(st.sampled_from([1, 2, 4, 8])), data.draw(st.sampled_from([1, 2, 4, 8]))
+    src = _layout(a, data.draw(st.sampled_from([1, 3, 4, 16])), 48, data.draw(st.sampled_from(ORDERS)), heads=heads)
+    dst = _layout(b, data.draw(st.sampled_from([1, 2, 6, 16])), 48, data.draw(st.sampled_from(ORDERS)), heads=heads)
+    num_tokens = data.draw(st.integers(1, 40))
+    rng = np.random.default_rng(data.draw(st.integers(0, 1000)))
+    sids, dids = _table(rng, 48, src.blocks_needed(num_tokens)), _table(rng, 48, dst.blocks_needed(num_tokens))
+    plan = ReshardPlanner().plan(src, dst, sids, dids, num_tokens)
+    np.testing.assert_array_equal(plan.spans, _per_token_spans(src, dst, sids, dids, num_tokens))

@@ -26,7 +26,7 @@ from typing import NamedTuple, TypeVar
 
 import numpy as np
 
-from tiersync.disagg.geometry import PagedKVLayout
+from tiersync.disagg.geometry import KVOrder, PagedKVLayout
 from tiersync.errors import UsageError, check_positive_int
 
 __all__ = [
@@ -137,20 +137,51 @@ def block_table(ids: object, layout: PagedKVLayout, num_tokens: int, argument: s
     return arr
 
 
-def _token_offsets(layout: PagedKVLayout, table: np.ndarray, num_tokens: int, kv: int, head: int) -> np.ndarray:
-    t = np.arange(num_tokens, dtype=np.int64)
-    return (
-        layout.kv_base(kv)
-        + table[t // layout.block_size] * layout.block_stride()
-        + (t % layout.block_size) * layout.token_stride()
-        + head * layout.head_stride()
+def _slot_offsets(layout: PagedKVLayout, table: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Where token ``t``'s slot starts (K, head 0 terms aside): its block's and its slot's offset."""
+    out: np.ndarray = (
+        table[t // layout.block_size] * layout.block_stride() + (t % layout.block_size) * layout.token_stride()
     )
+    return out
+
+
+def _runs(src: PagedKVLayout, dst: PagedKVLayout, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first token, length) of the runs of tokens in one block on each side: cut wherever
+    either side's blocks end."""
+    cuts = np.concatenate([np.arange(0, num_tokens, src.block_size), np.arange(0, num_tokens, dst.block_size)])
+    cuts.sort()
+    starts = cuts[np.r_[True, cuts[1:] != cuts[:-1]]]
+    return starts, np.diff(np.append(starts, num_tokens))
+
+
+def _pieces(route: Route, src: PagedKVLayout, dst: PagedKVLayout) -> list[tuple[int, int, int]]:
+    """(source offset, destination offset, bytes) of each piece of one token the route moves:
+    a head's K and V together when both sides are head-major (they are back to back there);
+    else K and V apart, all the route's heads in one piece when they are contiguous on both
+    sides, else one piece per head."""
+    hn = src.head_nbytes
+    kvs: tuple[int, ...] = (0, 1)  # K and V apart
+    if src.order is KVOrder.HEAD_MAJOR and dst.order is KVOrder.HEAD_MAJOR:
+        heads, kvs, width = range(route.nheads), (0,), 2 * hn  # K, and V with it
+    elif src.head_stride() == hn and dst.head_stride() == hn:
+        heads, width = range(1), route.nheads * hn
+    else:
+        heads, width = range(route.nheads), hn
+    return [
+        (
+            src.kv_base(kv) + (route.src_head + j) * src.head_stride(),
+            dst.kv_base(kv) + (route.dst_head + j) * dst.head_stride(),
+            width,
+        )
+        for kv in kvs
+        for j in heads
+    ]
 
 
 def coalesce(src_off: np.ndarray, dst_off: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     """Merge spans (sorted by source offset here) adjacent on both sides; returns (n, 3) int64
     ``[src_off, dst_off, nbytes]``."""
-    order = np.argsort(src_off, kind="stable")
+    order = np.argsort(src_off)  # no two spans of a route start at one source byte
     s, d, n = src_off[order], dst_off[order], nbytes[order]
     if s.size == 0:
         return np.zeros((0, 3), dtype=np.int64)
@@ -166,18 +197,20 @@ def coalesce(src_off: np.ndarray, dst_off: np.ndarray, nbytes: np.ndarray) -> np
 def _route_spans(
     route: Route, src: PagedKVLayout, dst: PagedKVLayout, src_table: np.ndarray, dst_table: np.ndarray, num_tokens: int
 ) -> np.ndarray:
-    parts_s, parts_d = [], []
-    # one span per token covers the route's heads when they are contiguous on both sides;
-    # otherwise (a head-major side) one span per token and head
-    joint = src.head_stride() == src.head_nbytes and dst.head_stride() == dst.head_nbytes
-    heads = [0] if joint else range(route.nheads)
-    for kv in (0, 1):
-        for j in heads:
-            parts_s.append(_token_offsets(src, src_table, num_tokens, kv, route.src_head + j))
-            parts_d.append(_token_offsets(dst, dst_table, num_tokens, kv, route.dst_head + j))
-    s, d = np.concatenate(parts_s), np.concatenate(parts_d)
-    width = route.nheads * src.head_nbytes if joint else src.head_nbytes
-    spans = coalesce(s, d, np.full(s.size, width, dtype=np.int64))
+    """The route's spans, coalesced. A piece whose tokens follow each other on both sides (its
+    width is the token stride of both) is taken a run of tokens at a time, else a token at a
+    time: the same spans either way once coalesced, from far fewer rows (a 6000-token
+    head-major request: 3000 rows instead of 96000)."""
+    starts, lens = _runs(src, dst, num_tokens)
+    tokens = np.arange(num_tokens, dtype=np.int64)
+    parts_s, parts_d, parts_n = [], [], []
+    for s_off, d_off, width in _pieces(route, src, dst):
+        by_run = src.token_stride() == width == dst.token_stride()
+        t = starts if by_run else tokens
+        parts_s.append(_slot_offsets(src, src_table, t) + s_off)
+        parts_d.append(_slot_offsets(dst, dst_table, t) + d_off)
+        parts_n.append(lens * width if by_run else np.full(num_tokens, width, np.int64))
+    spans = coalesce(np.concatenate(parts_s), np.concatenate(parts_d), np.concatenate(parts_n))
     ranks = np.empty((spans.shape[0], 5), dtype=np.int64)
     ranks[:, SRC_RANK], ranks[:, DST_RANK] = route.src_rank, route.dst_rank
     ranks[:, SRC_OFF], ranks[:, DST_OFF], ranks[:, NBYTES] = spans[:, 0], spans[:, 1], spans[:, 2]
