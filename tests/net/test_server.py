@@ -234,26 +234,7 @@ def test_silent_peers_filling_a_descriptor_table_smaller_than_the_cap_do_not_kee
     its handshake for the next one (none in its first 0.25 s): a client gets in while they stay
     open and reconnect, and pulls its block byte-exact over the socket (a write, for which the
     node connects to the writer, and a same-host read need descriptors of their own)."""
-    proc, address = _start(cap=10_000, nofile=48)
-    host, port = address.rsplit(":", 1)
-    stop, silent = threading.Event(), []
-    data = os.urandom(64 << 10)
-    _write_block(address, b"G" * 16, data)
-
-    def flood() -> None:  # keeps about 120 silent connections open, reopening those the node ended
-        while not stop.is_set():
-            silent[:] = [s for s in silent if s.fileno() != -1 and not _hung_up(s)]
-            while len(silent) < 120:
-                s = socket.socket()
-                s.setblocking(False)
-                s.connect_ex((host, int(port)))
-                silent.append(s)
-            stop.wait(0.02)
-
-    flooder = threading.Thread(target=flood, daemon=True)
-    try:
-        flooder.start()
-        assert _until(lambda: _fds(proc.pid) >= 46, 10)
+    with _flooded_node() as (proc, address, data, _):
         channel = TcpTransport(TcpConfig(token=TOKEN, connect_timeout_s=2.0)).connect(address, timeout=2.0)
         assert channel.request(Ping(channel.new_request_id(), 7), timeout=2).token == 7
         lease = channel.request(so.ReadLease(channel.new_request_id(), (b"G" * 16,)), timeout=5)
@@ -262,12 +243,6 @@ def test_silent_peers_filling_a_descriptor_table_smaller_than_the_cap_do_not_kee
         assert got == data
         channel.close()
         assert proc.poll() is None
-    finally:
-        stop.set()
-        flooder.join(10)
-        for s in silent:
-            s.close()
-        _stop(proc)
 
 
 def test_out_of_descriptors_a_same_host_read_releases_and_a_write_is_stored():
@@ -278,45 +253,55 @@ def test_out_of_descriptors_a_same_host_read_releases_and_a_write_is_stored():
     to fail EMFILE). A write that still fails (its spare not yet taken back) frees its landing
     blocks and keys: after the flood, that key is written and the node's 16 blocks all take a
     write."""
-    proc, address = _start(cap=10_000, nofile=48)
-    host, port = address.rsplit(":", 1)
-    stop, silent = threading.Event(), []
-    data = os.urandom(64 << 10)
-    _write_block(address, b"G" * 16, data)
-
-    def flood() -> None:
-        while not stop.is_set():
-            silent[:] = [s for s in silent if s.fileno() != -1 and not _hung_up(s)]
-            while len(silent) < 120:
-                s = socket.socket()
-                s.setblocking(False)
-                s.connect_ex((host, int(port)))
-                silent.append(s)
-            stop.wait(0.02)
-
-    flooder = threading.Thread(target=flood, daemon=True)
-    try:
-        flooder.start()
-        assert _until(lambda: _fds(proc.pid) >= 46, 10)
+    with _flooded_node() as (proc, address, data, end_flood):
         assert _read_block(address, b"G" * 16, len(data)) == data  # the release is COMMITTED, or it raises
         _write_block(address, b"V" * 16, data)  # the node dials us with its spare descriptor
         assert _read_block(address, b"V" * 16, len(data)) == data
         with contextlib.suppress(RemoteError):  # a second dial at once may find no descriptor
             _write_block(address, b"W" * 16, data)
-        stop.set()
-        flooder.join(10)
-        for s in silent:
-            s.close()
+        end_flood()
         for i in range(14):  # every block but G's and V's: none may still be landing or leaked
             _write_block(address, b"W" * 15 + bytes([i]) if i else b"W" * 16, os.urandom(1 << 20))
         assert _read_block(address, b"G" * 16, len(data)) == data
         assert proc.poll() is None
-    finally:
+
+
+@contextlib.contextmanager
+def _flooded_node():
+    """A node with 48 descriptors holding block G (64 KiB), its table kept full by about 120
+    silent peers: yields (process, address, G's bytes, a function that ends the flood)."""
+    proc, address = _start(cap=10_000, nofile=48)
+    host, port = address.rsplit(":", 1)
+    stop, silent = threading.Event(), []
+    data = os.urandom(64 << 10)
+    _write_block(address, b"G" * 16, data)
+    flooder = threading.Thread(target=_flood, args=(host, int(port), stop, silent), daemon=True)
+
+    def end_flood() -> None:
         stop.set()
         flooder.join(10)
         for s in silent:
             s.close()
+
+    try:
+        flooder.start()
+        assert _until(lambda: _fds(proc.pid) >= 46, 10)
+        yield proc, address, data, end_flood
+    finally:
+        end_flood()
         _stop(proc)
+
+
+def _flood(host: str, port: int, stop: threading.Event, silent: list[socket.socket]) -> None:
+    """Keep about 120 silent connections open until ``stop``, reopening those the node ended."""
+    while not stop.is_set():
+        silent[:] = [s for s in silent if s.fileno() != -1 and not _hung_up(s)]
+        while len(silent) < 120:
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex((host, port))
+            silent.append(s)
+        stop.wait(0.02)
 
 
 def _hung_up(s: socket.socket) -> bool:
