@@ -10,8 +10,7 @@ Each component has a table in the file and a prefix in the environment (:data:`S
 read from the environment (other ``TIERSYNC_*`` variables are not settings of it, and are left
 alone). In the file, a table other than these, or a key of the component's table that is not
 one of its settings, is refused by name (a typo must not be ignored). The file is TOML
-(:mod:`tomllib`), or YAML when its name ends in
-``.yaml``/``.yml`` and PyYAML is installed.
+(:mod:`tomllib`), or YAML when its name ends in ``.yaml``/``.yml`` and PyYAML is installed.
 
 This module merges and records origins; the component converts and validates the values,
 naming the origin recorded here. It imports nothing from tiersync but :mod:`tiersync.errors`.

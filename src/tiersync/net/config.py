@@ -110,8 +110,8 @@ class TcpConfig:
     shareable memory (a sealed memfd), else with ``process_vm_readv`` (False: always the
     latter). ``source_ip``: a client connects from this local IP (None: the kernel picks).
     ``by_reference``: see :class:`ByReference`. ``keepalive_s``: a connection whose peer stopped
-    answering at all (its host lost power, a
-    partition) is closed after about this long without traffic, by TCP keepalive probes (0:
+    answering at all (its host lost power, a partition) is closed after about this long without
+    traffic, by TCP keepalive probes (0:
     none); without them an idle session of a dead peer held its slot and buffers for good.
     Raises UsageError naming the field.
     """

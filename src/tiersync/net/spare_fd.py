@@ -35,9 +35,13 @@ class SpareDescriptor:
     def call(self, open_one: Callable[[], _T]) -> _T:
         """``open_one()``; when it fails for lack of a descriptor (EMFILE or ENFILE, raised or the
         cause of what it raised), once more with the spare given up for it. Such second tries
-        run one at a time."""
-        with self._lock:
-            self._refill()
+        run one at a time (a first try never waits for them: the spare is taken back only when
+        no second try holds it)."""
+        if self._fd is None and self._lock.acquire(blocking=False):
+            try:
+                self._refill()
+            finally:
+                self._lock.release()
         try:
             return open_one()
         except Exception as exc:

@@ -5,8 +5,7 @@ one region pattern) between a pool's storage and the host arena, and ``synchroni
 what it started. Subclasses implement only :meth:`CopyBackend._copy` (and ``_synchronize`` when
 their copies are asynchronous, as a CUDA stream or a PJRT transfer would be); the base checks the
 spans (a :class:`BlockCopy` is checked when it is made), counts calls and bytes, and turns a
-backend's failure into a :class:`TransferFailed`
-naming the backend.
+backend's failure into a :class:`TransferFailed` naming the backend.
 
 Two backends exist, both for host-addressable (``Device.CPU``) pools: ``native`` (the C
 kernel: one loop over blocks and regions, GIL released, non-temporal stores for large spans) and

@@ -72,8 +72,8 @@ class WeightSyncConfig:
     ``sync_timeout_s``, ``connect_timeout_s``, ``io_timeout_s``, ``streams``, ``window``: the receiver's
     (:class:`~tiersync.weights.ReceiverConfig`). ``sampler_id``: each worker's label in the trainer's
     results is ``"<sampler_id>-<rank>@<host>:<pid>"`` (default ``"vllm"``; one per worker of every
-    engine). ``token``: the trainer's shared secret (str or bytes,
-    >= 16 bytes; its ``PublisherConfig.token``), or ``token_file``: a file holding it (read here, on
+    engine). ``token``: the trainer's shared secret (str or bytes, >= 16 bytes; its
+    ``PublisherConfig.token``), or ``token_file``: a file holding it (read here, on
     the driver). Raises UsageError naming ``weight_sync.<field>``.
     """
 
