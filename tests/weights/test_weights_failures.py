@@ -244,7 +244,7 @@ def test_samplers_that_stopped_reading_cost_a_publish_one_io_timeout_not_one_eac
             if any(o.status is SyncStatus.DISCONNECTED for o in result.outcomes):
                 break
         assert [o.status for o in result.outcomes] == [SyncStatus.DISCONNECTED] * 4
-        assert io_s <= took < 2.5 * io_s  # one after the other: >= 4 * io_s
+        assert io_s <= took < 3.5 * io_s  # one after the other: >= 4 * io_s (CI once took 2.5 * io_s at once)
         assert pub.samplers() == {}
     finally:
         for ch in stuck:
