@@ -10,7 +10,9 @@ with every layer ready and lets the producer finish what a ready layer starts (t
 it answers a same-host reader with, :meth:`~tiersync.disagg.KVProducer.settle`: a prefill
 engine's forward overlaps them, and a decode engine reads after the prefill answered). This
 process's :class:`~tiersync.disagg.KVConsumer` then reads it whole into its own pool
-(``start_read`` .. DONE, every payload checksummed, landed in the request's blocks).
+(``start_read`` .. DONE, every payload checksummed, landed in the request's blocks). Every
+timed request has block tables of its own on both sides, as a served request has: no plan
+either side made for an earlier request serves it.
 
 Rows, each against a baseline timed in the same run, interleaved:
 
@@ -109,12 +111,13 @@ def route_spans(mode: str, seed: int, dst_ids: list[int]) -> np.ndarray:
 
 # -- the prefill process -------------------------------------------------------------------
 def _prefill(mode: str, seed: int, dst_ids: list[int], conn: Any) -> None:
-    """Commands over ``conn``: ("register", rid) -> "ok"; ("stop",). Also serves the raw
-    baseline: each connection's b"go" is answered with every layer's route bytes."""
+    """Commands over ``conn``: ("register", rid, table_seed) -> "ok" (the request's blocks are
+    ``block_ids(mode, table_seed)``); ("stop",). Also serves the raw baseline: each connection's
+    b"go" is answered with every layer's route bytes."""
     from tiersync.disagg import DisaggConfig, KVProducer
     from tiersync.disagg.spanio import gather
 
-    lay, ids = layout(mode), block_ids(mode, seed)
+    lay = layout(mode)
     layers, shared, memory = engine_layers(mode, source_layers(mode, seed), share=True)
     spans = route_spans(mode, seed, dst_ids)
     raw = [gather(layer, spans[:, 0], spans[:, 2]) for layer in layers]
@@ -130,7 +133,7 @@ def _prefill(mode: str, seed: int, dst_ids: list[int], conn: Any) -> None:
         if cmd[0] == "stop":
             producer.close()
             return
-        producer.register(cmd[1], ids, TOKENS[mode], layers)
+        producer.register(cmd[1], block_ids(mode, cmd[2]), TOKENS[mode], layers)
         for layer in range(lay.num_layers):
             producer.layer_ready(cmd[1], layer)
         producer.settle(cmd[1])  # the sums a prefill's forward would have overlapped
@@ -160,10 +163,11 @@ class _Link:
         self.landing, _, self.memory = engine_layers(mode)
         self.n = 0
 
-    def prepare(self) -> str:
+    def prepare(self, seed: int) -> str:
+        """Register a request whose blocks in the prefill pool are ``block_ids(mode, seed)``."""
         self.n += 1
         rid = f"{self.route}-{self.n}"
-        self.conn.send(("register", rid))
+        self.conn.send(("register", rid, seed))
         if from_child(self.conn, self.proc, "prefill", 120) != "ok":
             raise RoundTripError("the prefill process did not register the request")
         return rid
@@ -209,7 +213,7 @@ def _expected(mode: str, seed: int, dst_ids: list[int]) -> list[np.ndarray]:
 def _check(link: _Link, config: BenchConfig, dst_ids: list[int], expected: list[np.ndarray]) -> None:
     for buf in link.landing:
         buf[:] = 0
-    link.run(link.prepare(), config.seed, dst_ids)
+    link.run(link.prepare(config.seed), config.seed, dst_ids)
     if config.inject_corruption:
         link.landing[0][link.landing[0].size // 2] ^= 0xFF
     bad = [i for i, (got, want) in enumerate(zip(link.landing, expected)) if not np.array_equal(got, want)]
@@ -217,14 +221,18 @@ def _check(link: _Link, config: BenchConfig, dst_ids: list[int], expected: list[
         raise RoundTripError(f"pd-link-{link.route}: landed KV differs from the producer's", layers=bad)
 
 
-def _time(config: BenchConfig, link: _Link, baseline: Any, dst_ids: list[int], bar: Any) -> tuple[list, list]:
+def _time(config: BenchConfig, link: _Link, baseline: Any, bar: Any) -> tuple[list, list]:
+    """Interleaved timings; each request of ours has new block tables on both sides (seeds no
+    other request of the run uses), so each pays the planning a served request pays."""
     ours, base = [], []
     for it in range(config.n_warmups + config.n_iterations):
-        rid = link.prepare()  # registering is the prefill engine's work, not the link's
+        src_seed = config.seed + 1000 + it
+        dst_ids = block_ids(config.mode, config.seed + 100_000 + it)
+        rid = link.prepare(src_seed)  # registering is the prefill engine's work, not the link's
         order = [0, 1] if it % 2 == 0 else [1, 0]
         for which in order:
             t0 = time.perf_counter()
-            link.run(rid, config.seed, dst_ids) if which == 0 else baseline()
+            link.run(rid, src_seed, dst_ids) if which == 0 else baseline()
             dt = time.perf_counter() - t0
             if it >= config.n_warmups:
                 (ours if which == 0 else base).append(dt)
@@ -248,7 +256,7 @@ def _case(
             src = np.random.default_rng(config.seed).integers(0, 256, nbytes, dtype=np.uint8)
             dst = np.empty_like(src)
             baseline, name, detail = (lambda: np.copyto(dst, src)), "memcpy", "one-thread np.copyto, one buffer"
-        ours, base = _time(config, link, baseline, dst_ids, bar)
+        ours, base = _time(config, link, baseline, bar)
     finally:
         link.consumer.close()
     return row(
@@ -265,6 +273,7 @@ def _case(
         baseline_detail=detail,
         server="separate process (spawn)",
         roundtrip="ok",
+        block_tables="new on both sides for every request",
         payload_checksum="every DATA frame / every same-host region",
     )
 
