@@ -63,6 +63,11 @@ class Outgoing:
     acked: set[int] = field(default_factory=set)
     sessions: set[Session] = field(default_factory=set)
     sums: dict[int, LayerSums] = field(default_factory=dict)  # layer -> its block regions' sums and states
+    waiters: list[Callable[[], object]] = field(default_factory=list)  # parked KV_NEXTs' wakes (producer's lock)
+
+    def waits_for(self, n: int) -> bool:
+        """Whether a reader's ``n``-th layer is not ready yet in a request still pending."""
+        return self.state is RequestState.PENDING and len(self.ready) <= n
 
 
 @dataclass(eq=False)

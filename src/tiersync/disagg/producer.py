@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 from tiersync.disagg.config import DisaggConfig, FinishedRequests, RequestState, check_side
@@ -38,7 +38,7 @@ from tiersync.disagg.spanio import byte_view
 from tiersync.errors import ClosedError, UsageError, check_positive_int
 from tiersync.net import events as ev
 from tiersync.net.server import TcpServer
-from tiersync.net.service import Service, Session
+from tiersync.net.service import Park, Service, Session
 from tiersync.tiers.shareable import SharedRegion, check_shared
 
 __all__ = ["KVProducer"]
@@ -71,7 +71,7 @@ class KVProducer(Service):
         self.config = check_side(layout, rank, config)
         self.layout, self.rank = layout, rank
         self._planner = planner or default_planner()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._requests: dict[str, Outgoing] = {}
         self._final: OrderedDict[str, RequestState] = OrderedDict()
         self._unreported: list[tuple[str, RequestState]] = []
@@ -101,7 +101,7 @@ class KVProducer(Service):
             raise UsageError("needs one host buffer per layer", argument="layers", expected=self.layout.num_layers)
         n = self.layout.layer_nbytes
         views = [byte_view(b, n, writable=False, argument=f"layers[{i}]") for i, b in enumerate(layers)]
-        with self._cond:
+        with self._lock:
             if request_id in self._requests or request_id in self._final:
                 raise UsageError("already registered", argument="request_id", value=request_id)
             self._requests[request_id] = Outgoing(
@@ -114,7 +114,7 @@ class KVProducer(Service):
         UsageError naming ``request_id`` (never registered) or ``layer`` (out of range)."""
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.layout.num_layers:
             raise UsageError("must be in [0, num_layers)", argument="layer", value=layer)
-        with self._cond:
+        with self._lock:
             req = self._requests.get(request_id)
             if req is None:
                 if request_id in self._final:
@@ -125,14 +125,16 @@ class KVProducer(Service):
             if layer in req.ready:
                 return True
             req.ready.append(layer)
-            self._cond.notify_all()
+            waiters, req.waiters = req.waiters, []
+        for wake in waiters:  # parked KV_NEXTs
+            wake()
         self._sums.submit(req, layer)
         return True
 
     def abort(self, request_id: str, reason: str = "aborted", *, unread: bool = False) -> bool:
         """Stop serving the request; it is reported FAILED by the next :meth:`poll`. False (and
         nothing done) for an unknown or finished request, and with ``unread`` one a reader joined."""
-        with self._cond:
+        with self._lock:
             req = self._requests.get(request_id)
         return req is not None and self._fail(req, reason, unread)
 
@@ -144,7 +146,7 @@ class KVProducer(Service):
         meanwhile. A benchmark does, so a read it times starts from an idle producer, as a
         decode engine's read does after the prefill answered. Raises UsageError naming
         ``request_id`` (never registered)."""
-        with self._cond:
+        with self._lock:
             req = self._requests.get(request_id)
             if req is None and request_id not in self._final:
                 raise UsageError("not registered", argument="request_id", value=request_id)
@@ -156,7 +158,7 @@ class KVProducer(Service):
 
     def state(self, request_id: str) -> RequestState | None:
         """The request's state, or None when unknown (never registered, or reported and forgotten)."""
-        with self._cond:
+        with self._lock:
             req = self._requests.get(request_id)
             return req.state if req is not None else self._final.get(request_id)
 
@@ -164,11 +166,11 @@ class KVProducer(Service):
         """Expire overdue requests (FAILED), then report every request that became final since
         the last poll, once: ``done_sending`` (every reader acknowledged) and ``failed_sending``."""
         now = time.monotonic()
-        with self._cond:
+        with self._lock:
             overdue = [r for r in self._requests.values() if r.state is RequestState.PENDING and now >= r.deadline]
         for req in overdue:
             self._fail(req, "timed out")
-        with self._cond:
+        with self._lock:
             self._progress.clear()
             items, self._unreported = self._unreported, []
         done = frozenset(i for i, s in items if s is RequestState.DONE)
@@ -184,7 +186,7 @@ class KVProducer(Service):
         if self._closed.is_set():
             return
         self._closed.set()
-        with self._cond:
+        with self._lock:
             pending = list(self._requests.values())
         for req in pending:
             self._fail(req, "producer closed")
@@ -212,27 +214,29 @@ class KVProducer(Service):
         while len(self._final) > _FORGET_AFTER:
             self._final.popitem(last=False)
         socks, req.sessions = list(req.sessions), set()
-        self._cond.notify_all()
+        for wake in req.waiters:  # parked KV_NEXTs answer it ended (each just hands its session to the pool)
+            wake()
+        req.waiters = []
         return socks
 
     def _fail(self, req: Outgoing, reason: str, unread: bool = False) -> bool:
         """FAILED (False: it already was final, or ``unread`` and a reader joined it); its readers'
         sessions are closed *before* it becomes visible to poll, so a buffer reused after the
         report is never sent."""
-        with self._cond:
+        with self._lock:
             socks = None if unread and req.joined else self._finish(req, RequestState.FAILED, reason)
         if socks is None:
             return False
         for session in socks:
             session.close()
-        with self._cond:
+        with self._lock:
             self._unreported.append((req.request_id, RequestState.FAILED))
         self._progress.set()
         return True
 
     def _ack(self, req: Outgoing, dst_rank: int) -> bool:
         """Count reader ``dst_rank``; False when the request is no longer pending (not counted)."""
-        with self._cond:
+        with self._lock:
             if req.state is not RequestState.PENDING or time.monotonic() >= req.deadline:
                 return False
             req.acked.add(dst_rank)
@@ -243,25 +247,17 @@ class KVProducer(Service):
             return True
 
     # -- serving (a Service on the one TcpServer: handle runs on its worker pool) --------------
-    def handle(self, session: Session, event: object) -> Iterable[object]:
+    def handle(self, session: Session, event: object) -> Iterable[object] | Park:
         """Answer one request of a reader's session (see :mod:`tiersync.disagg.ops`). A gathered
         pull is yielded, so the server writes it before this session's next pull reuses the
-        staging buffer."""
-        if isinstance(event, KvNext):  # may wait for its layer: answers before it are sent first
-            return self._waiting(session, event)
+        staging buffer. A KV_NEXT whose layer is not ready parks the session (no worker waits)."""
         try:
             if isinstance(event, KvPull):
                 return self._reads.pull(session, event, self._route_of)
             answer = self._answer(session, event)
         except Refused as exc:
             answer = ev.Error(cast(ev.Request, event).request_id, exc.code, str(exc)[:512])  # a parsed KV request
-        return [answer]
-
-    def _waiting(self, session: Session, event: KvNext) -> Iterator[object]:
-        try:
-            yield self._answer(session, event)
-        except Refused as exc:
-            yield ev.Error(event.request_id, exc.code, str(exc)[:512])
+        return answer if isinstance(answer, Park) else [answer]
 
     def _answer(self, session: Session, event: object) -> object:
         if isinstance(event, KvOpen):
@@ -283,7 +279,7 @@ class KVProducer(Service):
 
     def closed(self, session: Session) -> None:
         """A reader's connection ended: a request it joined and did not finish fails."""
-        with self._cond:
+        with self._lock:
             route = self._routes.pop(session.session_id, None)
             if route is not None:
                 route.req.sessions.discard(session)
@@ -292,7 +288,7 @@ class KVProducer(Service):
             self._fail(route.req, f"reader {session.peer} disconnected before it was done")
 
     def _route_of(self, session: Session) -> Route:
-        with self._cond:
+        with self._lock:
             route = self._routes.get(session.session_id)
         if route is None:
             raise Refused(Code.BAD_REQUEST, "no request is open on this connection (KV_OPEN first)")
@@ -303,14 +299,14 @@ class KVProducer(Service):
     def _open(self, session: Session, event: KvOpen) -> KvOpened:
         """Check a KV_OPEN against the registration; join the reader. Raises Refused."""
         read = event.read
-        with self._cond:
+        with self._lock:
             if session.session_id in self._routes:
                 raise Refused(Code.BAD_REQUEST, "a request is already open on this connection")
         if read.src_rank != self.rank:
             raise Refused(Code.BAD_REQUEST, f"wrong rank: this is rank {self.rank}, not {read.src_rank}")
         if read.src_layout != self.layout:  # its plan would put our bytes where our layout does not
             raise Refused(Code.BAD_REQUEST, "mismatch: the reader planned with another layout of this prefill engine")
-        with self._cond:
+        with self._lock:
             req = self._requests.get(read.request_id)
         if req is None:
             raise Refused(Code.NOT_FOUND, f"unknown request {read.request_id!r}: not registered or already final")
@@ -324,7 +320,7 @@ class KVProducer(Service):
         except UsageError as exc:
             raise Refused(Code.BAD_REQUEST, exc.message) from None
         route = Route(req, read.dst_rank, spans[:, 0].copy(), spans[:, 2].copy())
-        with self._cond:
+        with self._lock:
             self._join(req, read, readers or (0,), session)
             self._routes[session.session_id] = route
         return KvOpened(event.request_id, int(route.lengths.sum()), route_digest(spans))
@@ -344,25 +340,31 @@ class KVProducer(Service):
         req.joined.add(read.dst_rank)
         req.sessions.add(session)
 
-    def _next(self, route: Route, event: KvNext) -> KvLayer:
-        """The ``n``-th ready layer, waiting (on this pool worker) until it is ready."""
+    def _next(self, route: Route, event: KvNext) -> KvLayer | Park:
+        """The ``n``-th ready layer; Park until then (asked again when a layer is ready, the
+        request ends or its deadline passes)."""
         if event.n != len(route.told) or event.n >= self.layout.num_layers:
             raise Refused(Code.BAD_REQUEST, f"KV_NEXT {event.n} out of order (expected {len(route.told)})")
         req = route.req
-        with self._cond:
-            while req.state is RequestState.PENDING and len(req.ready) <= event.n:
-                left = req.deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(min(left, 1.0))
+        with self._lock:
+            if req.waits_for(event.n) and time.monotonic() < req.deadline:
+                return Park(lambda wake: self._watch(req, event.n, wake), req.deadline)
             if req.state is not RequestState.PENDING or len(req.ready) <= event.n:
                 raise Refused(Code.LEASE_EXPIRED, "request timed out or was aborted")
             layer = req.ready[event.n]
         route.told.append(layer)
         return KvLayer(event.request_id, layer)
 
+    def _watch(self, req: Outgoing, n: int, wake: Callable[[], object]) -> None:
+        """``wake()`` once the ``n``-th layer is ready or the request ended (at once if it is)."""
+        with self._lock:
+            if req.waits_for(n):
+                req.waiters.append(wake)
+                return
+        wake()
+
     def _done(self, session: Session, route: Route, event: KvDone) -> ev.CommitReply:
-        with self._cond:
+        with self._lock:
             self._routes.pop(session.session_id, None)
             route.req.sessions.discard(session)
         self._reads.forget(session, reuse=True)

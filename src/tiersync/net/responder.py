@@ -5,7 +5,9 @@ handler for a session's request on a worker, answers the requests a pipelining p
 behind it in the same turn (one send), reads on without waiting while bytes are already there,
 then ends it (``end``) when it failed and hands it back (``rearm``) in any case: the server
 closes a session's socket only once no worker uses it (its number must not go to a new
-connection while a worker may still read by it).
+connection while a worker may still read by it). A request the handler answers
+:class:`~tiersync.net.service.Park` parks the session (:mod:`tiersync.net.parking`), neither
+handed back nor on a worker, until it is resumed on a worker with that request.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from tiersync.net.config import ByReference, TcpConfig
 from tiersync.net.errors import NetTimeoutError, ProtocolError
 from tiersync.net.handshake import ServerHandshake
 from tiersync.net.local import local_address
+from tiersync.net.parking import ParkedSessions
 from tiersync.net.protocol import NEED_DATA, Connection, Role
-from tiersync.net.service import PeerInfo, Service, Session
+from tiersync.net.service import Park, PeerInfo, Service, Session
 from tiersync.net.socket_io import Deadline, peer_ip, write_nonblocking
 from tiersync.net.vocab import Vocabulary
 
@@ -35,6 +38,7 @@ log = logging.getLogger(__name__)
 _BATCH = 16  # most buffered requests answered in one turn (one send)
 _TURNS = 16  # turns a worker reads on for one session, then hands it back: a peer that keeps sending
 # waits behind the other sessions' turns instead of keeping the worker for as long as it sends
+_PARKED = object()  # a turn's end: the session was parked (not handed back)
 
 
 def by_reference(mode: ByReference, peer_ip: str) -> bool:
@@ -124,8 +128,11 @@ class Responder:
         *,
         end: Callable[[ServerSession], None],
         rearm: Callable[[ServerSession], None],
+        submit: Callable[..., object],
     ) -> None:
+        """``submit(fn, *args)`` runs ``fn(*args)`` on a pool worker (a parked session's resumption)."""
         self.service, self.config, self._end, self._rearm = service, config, end, rearm
+        self.parked: ParkedSessions[ServerSession] = ParkedSessions(lambda s, event: submit(self.work, s, event))
 
     def work(self, s: ServerSession, event: object) -> None:
         """Answer ``event`` and what follows it on ``s`` (a pool worker runs this)."""
@@ -133,6 +140,8 @@ class Responder:
             turns = 0
             while event is not None and not s.closed:
                 event, turns = self._turn(s, event), turns + 1
+                if event is _PARKED:  # another worker answers it when it is resumed
+                    return
                 if event is None and turns < _TURNS:  # a pipelining peer's next requests are often here already
                     event = self._more(s)
         except (TierSyncError, OSError) as exc:
@@ -149,7 +158,11 @@ class Responder:
         bufs: list[bytes | memoryview] = []
         for _ in range(_BATCH):  # each request's answer gets op_timeout_s from when it was asked for:
             deadline = Deadline(self.config.op_timeout_s, s.peer)  # a handler may wait (a GET for its tensor)
-            bufs = self._answer(s, event, bufs, deadline)
+            answered = self._answer(s, event, bufs, deadline)
+            if isinstance(answered, Park):  # the answers before it were written
+                self.parked.park(s, event, answered)
+                return _PARKED
+            bufs = answered
             try:
                 with s.lock:
                     event = s.conn.next_event()
@@ -184,8 +197,11 @@ class Responder:
 
     def _answer(
         self, s: ServerSession, event: object, bufs: list[bytes | memoryview], deadline: Deadline
-    ) -> list[bytes | memoryview]:
+    ) -> list[bytes | memoryview] | Park:
         answers = self._answers(s, event)
+        if isinstance(answers, Park):
+            s.write(bufs, deadline)
+            return answers
         streamed = inspect.isgenerator(answers)
         if streamed and bufs:  # its body has not run yet and may wait: earlier answers go out first
             s.write(bufs, deadline)
@@ -206,10 +222,10 @@ class Responder:
                 cast(Generator[object, None, None], answers).close()
         return bufs
 
-    def _answers(self, s: ServerSession, event: object) -> Iterable[object]:
+    def _answers(self, s: ServerSession, event: object) -> Iterable[object] | Park:
         try:
             answers = self.service.handle(s, event)
-            return answers if inspect.isgenerator(answers) else list(answers or ())
+            return answers if isinstance(answers, Park) or inspect.isgenerator(answers) else list(answers or ())
         except TierSyncError as exc:
             code = ev.ErrorCode.BAD_REQUEST if isinstance(exc, ValueError) else ev.ErrorCode.INTERNAL
             return [ev.Error(getattr(event, "request_id", 0), code, exc.message[:512])] if _answerable(event) else []

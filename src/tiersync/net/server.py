@@ -80,7 +80,8 @@ class TcpServer(Server):
         self._ids = itertools.count(1)
         self._rbuf = memoryview(bytearray(max(self.config.recv_chunk, 64 << 10)))
         self._workers = ThreadPoolExecutor(self.config.workers, thread_name_prefix=f"tiersync-serve-{port}")
-        self._responder = Responder(self.service, self.config, end=self._end, rearm=lambda s: self._wake("rearm", s))
+        rearm, submit = (lambda s: self._wake("rearm", s)), self._workers.submit
+        self._responder = Responder(self.service, self.config, end=self._end, rearm=rearm, submit=submit)
         self._paused_until = 0.0
         self._fd_logged = False
         self._stop = threading.Event()
@@ -287,6 +288,7 @@ class TcpServer(Server):
 
     def _expire(self) -> None:
         now = time.monotonic()
+        self._responder.parked.expire(now)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, s = heapq.heappop(self._deadlines)
             if not s.closed and not s.hs.done:
@@ -340,6 +342,8 @@ class TcpServer(Server):
             socket.socket.shutdown(s.sock, socket.SHUT_RDWR)  # send racing it would go out in plaintext
         except OSError:
             pass
+        if self._responder.parked.resume(s):  # a worker finds it ended and hands it back
+            return
         if threading.current_thread() is not self._thread:
             self._wake("close", s)
         elif not s.busy:

@@ -4,10 +4,11 @@ The server (:class:`~tiersync.net.server.TcpServer`) owns sockets, the handshake
 connection cap and the worker pool; a service owns only its operations:
 
 - :meth:`Service.handle` is called on a pool worker with each request (or one-way message)
-  of a session, in arrival order per session, and yields the answers (it may block, e.g.
-  until a layer is ready: the pool is bounded, ``TcpConfig.workers``). An exception becomes
-  an ERROR answer (UsageError-like ``ValueError`` -> BAD_REQUEST, else INTERNAL); the
-  session stays open.
+  of a session, in arrival order per session, and yields the answers. A request it cannot
+  answer yet it answers :class:`Park` rather than blocking a worker of the bounded pool
+  (``TcpConfig.workers``) for as long as it waits: see :mod:`tiersync.net.parking`. An
+  exception becomes an ERROR answer (UsageError-like ``ValueError`` -> BAD_REQUEST, else
+  INTERNAL); the session stays open.
 - :meth:`Service.opened` / :meth:`Service.closed` bracket a session's life: ``closed`` runs
   exactly once for every opened session, however it ended (peer closed, protocol error,
   deadline, server close), so a service releases the leases and pins a session held there.
@@ -18,12 +19,12 @@ connection cap and the worker pool; a service owns only its operations:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tiersync.net.vocab import Vocabulary
 
-__all__ = ["PeerInfo", "Service", "Session"]
+__all__ = ["Park", "PeerInfo", "Service", "Session"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,18 @@ class PeerInfo:
     pid: int
     same_host: bool
     max_frame: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Park:
+    """:meth:`Service.handle`'s answer to a request it cannot answer yet: the server keeps the
+    session, without a worker, and asks the handler again with the same request once ``watch``'s
+    callback runs, ``deadline`` (``time.monotonic()``) passes, or the session ends.
+    ``watch(wake)`` must arrange for ``wake()`` to be called (from any thread; at once if the
+    answer may already be there) when the answer may be ready; later calls are ignored."""
+
+    watch: Callable[[Callable[[], object]], None]
+    deadline: float
 
 
 class Session(ABC):
@@ -70,8 +83,9 @@ class Service(ABC):
     vocabulary: Vocabulary
 
     @abstractmethod
-    def handle(self, session: Session, event: object) -> Iterable[object]:
-        """The answers to request ``event`` in order (none for a one-way message)."""
+    def handle(self, session: Session, event: object) -> Iterable[object] | Park:
+        """The answers to request ``event`` in order (none for a one-way message), or
+        :class:`Park` (not yet)."""
 
     def opened(self, session: Session) -> None:  # noqa: B027 - a default hook, overridden when needed
         """A session finished its handshake."""

@@ -1,0 +1,87 @@
+"""Sessions whose request waits for something, without a worker: a handler's :class:`Park`.
+
+A handler that cannot answer a request yet (a prefill rank's KV_NEXT for a layer still being
+computed) answers :class:`~tiersync.net.service.Park` instead of blocking a pool worker for as
+long as it waits: a few readers asking early would otherwise hold every worker, and every
+other reader of the server would wait behind them. :class:`ParkedSessions` keeps such a
+session, with its request, out of both the pool and the selector (its later requests wait
+behind the parked one, answered in order), and hands it back to a worker (``resume``) with the
+same request once, whichever comes first:
+
+- the service's wake callback runs (``Park.watch`` gave it one; a late call from an older park
+  of the same session is ignored: each park has its own token),
+- the park's deadline passes (:meth:`ParkedSessions.expire`, from the server's loop, which
+  runs at least once a second: the handler then answers that it timed out),
+- the session ends (:meth:`ParkedSessions.resume` without a token: the worker finds it closed
+  and hands it back, so the server closes its socket).
+
+The handler is asked again from the start: it answers, or parks again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from tiersync.net.service import Park
+
+__all__ = ["ParkedSessions"]
+
+S = TypeVar("S")
+
+
+class ParkedSessions(Generic[S]):
+    """Parked sessions; ``resume(session, request)`` hands one back to a worker."""
+
+    def __init__(self, resume: Callable[[S, object], object]) -> None:
+        self._resume = resume
+        self._lock = threading.Lock()
+        self._parked: dict[S, tuple[int, object]] = {}  # session -> (token, request)
+        self._deadlines: list[tuple[float, int, S]] = []  # (deadline, token, session); stale ones skipped
+        self._tokens = itertools.count(1)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._parked)
+
+    def park(self, session: S, request: object, park: Park) -> None:
+        """Keep ``session`` until ``park`` wakes it, its deadline passes or the session ends.
+        A ``watch`` that raises leaves it not parked (the caller then ends the session)."""
+        token = next(self._tokens)
+        with self._lock:
+            self._parked[session] = (token, request)
+            heapq.heappush(self._deadlines, (park.deadline, token, session))
+        try:
+            park.watch(lambda: self.resume(session, token))
+        except BaseException:
+            with self._lock:
+                if self._parked.get(session, (0,))[0] == token:
+                    del self._parked[session]
+            raise
+
+    def resume(self, session: S, token: int | None = None) -> bool:
+        """Hand ``session`` back with its request, once; ``token``: only if it is still that
+        park's (None: whichever). False when it was not parked (then nothing is done)."""
+        with self._lock:
+            held = self._parked.get(session)
+            if held is None or token not in (None, held[0]):
+                return False
+            del self._parked[session]
+        try:
+            self._resume(session, held[1])
+        except RuntimeError:  # the pool was shut down: the server is closing and releases the socket
+            pass
+        return True
+
+    def expire(self, now: float) -> None:
+        """Resume every session whose park's deadline is ``now`` or earlier."""
+        due = []
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, token, session = heapq.heappop(self._deadlines)
+                due.append((session, token))
+        for session, token in due:
+            self.resume(session, token)
