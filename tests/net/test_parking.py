@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -78,12 +77,25 @@ def test_a_watch_that_raises_leaves_the_session_not_parked():
     assert len(parked) == 0 and parked.resume("s") is False
 
 
-def test_a_session_resumed_after_the_pool_shut_down_is_let_go():
-    pool = ThreadPoolExecutor(1)
-    pool.shutdown()
-    parked = ParkedSessions(lambda s, request: pool.submit(print, s))
-    parked.park("s", None, Park(_Watch(), time.monotonic() + 60))
-    assert parked.resume("s") is True and len(parked) == 0
+def test_a_watch_that_raises_after_it_woke_the_session_leaves_it_to_the_resumed_worker():
+    resumed: list = []
+    parked = ParkedSessions(lambda s, request: resumed.append(s))
+
+    def wakes_then_fails(wake) -> None:
+        wake()
+        raise RuntimeError("a service bug after the wake")
+
+    parked.park("s", None, Park(wakes_then_fails, time.monotonic() + 60))  # logged, not raised
+    assert resumed == ["s"] and len(parked) == 0
+
+
+def test_deadline_entries_of_parks_woken_early_are_swept():
+    parked = ParkedSessions(lambda s, request: None)
+    for i in range(1000):
+        watch = _Watch()
+        parked.park(i % 3, None, Park(watch, time.monotonic() + 600))
+        watch.fire()
+    assert len(parked) == 0 and len(parked._deadlines) <= 64 + 1
 
 
 class _Gated(Service):
@@ -98,6 +110,9 @@ class _Gated(Service):
         self.closed_sessions: list = []
 
     def handle(self, session, event):
+        if isinstance(event, ev.Ping) and event.token == 7:  # ends its own session, then parks
+            session.close()
+            return Park(lambda wake: None, time.monotonic() + 600)
         if not (isinstance(event, ev.Ping) and event.token == 0):
             return [ev.Pong(event.request_id, event.token)]
         deadline = self.first.setdefault((session.session_id, event.request_id), time.monotonic() + self.park_s)
@@ -189,6 +204,37 @@ def test_a_session_ended_while_parked_is_released_once():
     finally:
         for ch in channels:
             ch.close()
+
+
+def test_a_session_ended_before_its_request_parked_is_released():
+    service = _Gated()
+    server = TcpTransport(TcpConfig(workers=2), service.vocabulary).serve("127.0.0.1:0", service)
+    ch = TcpTransport(TcpConfig(), service.vocabulary).connect(server.address)
+    try:
+        ch.send(ev.Ping(ch.new_request_id(), 7))
+        assert _until(lambda: len(service.closed_sessions) == 1)
+        assert _until(lambda: server.connections == 0)  # else parked with a closed socket until its deadline
+        assert len(server._responder.parked) == 0
+    finally:
+        ch.close()
+        server.close()
+
+
+def test_a_parked_session_no_worker_can_take_is_ended_and_released():
+    """Woken when its pool can take no more work (here shut down; a thread that cannot start
+    alike): the session ends and its socket is released, not left on no worker and in no selector."""
+    service = _Gated()
+    server = TcpTransport(TcpConfig(workers=2), service.vocabulary).serve("127.0.0.1:0", service)
+    ch = TcpTransport(TcpConfig(), service.vocabulary).connect(server.address)
+    try:
+        ch.send(ev.Ping(ch.new_request_id(), 0))
+        assert _until(lambda: len(server._responder.parked) == 1)
+        server._workers.shutdown(wait=True)
+        service.open_gate()
+        assert _until(lambda: server.connections == 0) and len(service.closed_sessions) == 1
+    finally:
+        ch.close()
+        server.close()
 
 
 def _until(predicate, timeout: float = 10.0) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -30,11 +31,15 @@ from tiersync.net.service import Park
 
 __all__ = ["ParkedSessions"]
 
+log = logging.getLogger(__name__)
+_SLACK = 64  # deadline entries of parks already woken kept before the heap is swept
+
 S = TypeVar("S")
 
 
 class ParkedSessions(Generic[S]):
-    """Parked sessions; ``resume(session, request)`` hands one back to a worker."""
+    """Parked sessions; ``resume(session, request)`` hands one back to a worker (it must not
+    raise: where no worker can take it, it ends the session and hands it back to the server)."""
 
     def __init__(self, resume: Callable[[S, object], object]) -> None:
         self._resume = resume
@@ -49,18 +54,26 @@ class ParkedSessions(Generic[S]):
 
     def park(self, session: S, request: object, park: Park) -> None:
         """Keep ``session`` until ``park`` wakes it, its deadline passes or the session ends.
-        A ``watch`` that raises leaves it not parked (the caller then ends the session)."""
+        A ``watch`` that raises before it woke the session leaves it not parked and raises (the
+        caller then ends the session); one that raises after is logged (the session is another
+        worker's by then)."""
         token = next(self._tokens)
         with self._lock:
             self._parked[session] = (token, request)
             heapq.heappush(self._deadlines, (park.deadline, token, session))
+            if len(self._deadlines) > 2 * len(self._parked) + _SLACK:  # parks woken long before their deadline
+                self._deadlines = [e for e in self._deadlines if self._parked.get(e[2], (0,))[0] == e[1]]
+                heapq.heapify(self._deadlines)
         try:
             park.watch(lambda: self.resume(session, token))
-        except BaseException:
+        except Exception:
             with self._lock:
-                if self._parked.get(session, (0,))[0] == token:
+                mine = self._parked.get(session, (0,))[0] == token
+                if mine:
                     del self._parked[session]
-            raise
+            if mine:
+                raise
+            log.exception("a service's watch failed after it woke its session")
 
     def resume(self, session: S, token: int | None = None) -> bool:
         """Hand ``session`` back with its request, once; ``token``: only if it is still that
@@ -70,10 +83,7 @@ class ParkedSessions(Generic[S]):
             if held is None or token not in (None, held[0]):
                 return False
             del self._parked[session]
-        try:
-            self._resume(session, held[1])
-        except RuntimeError:  # the pool was shut down: the server is closing and releases the socket
-            pass
+        self._resume(session, held[1])
         return True
 
     def expire(self, now: float) -> None:

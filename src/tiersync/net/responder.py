@@ -131,8 +131,16 @@ class Responder:
         submit: Callable[..., object],
     ) -> None:
         """``submit(fn, *args)`` runs ``fn(*args)`` on a pool worker (a parked session's resumption)."""
-        self.service, self.config, self._end, self._rearm = service, config, end, rearm
-        self.parked: ParkedSessions[ServerSession] = ParkedSessions(lambda s, event: submit(self.work, s, event))
+        self.service, self.config, self._end, self._rearm, self._submit = service, config, end, rearm, submit
+        self.parked: ParkedSessions[ServerSession] = ParkedSessions(self._resumed)
+
+    def _resumed(self, s: ServerSession, event: object) -> None:
+        """A parked session back to a worker; with none to take it, ended and handed back."""
+        try:
+            self._submit(self.work, s, event)
+        except RuntimeError:  # the pool shut down (the server closes), or no thread could start
+            self._end(s)
+            self._rearm(s)
 
     def work(self, s: ServerSession, event: object) -> None:
         """Answer ``event`` and what follows it on ``s`` (a pool worker runs this)."""
@@ -161,6 +169,8 @@ class Responder:
             answered = self._answer(s, event, bufs, deadline)
             if isinstance(answered, Park):  # the answers before it were written
                 self.parked.park(s, event, answered)
+                if s.closed:  # ended before it was parked: _end found nothing to resume
+                    self.parked.resume(s)
                 return _PARKED
             bufs = answered
             try:
