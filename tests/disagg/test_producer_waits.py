@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 
-from tiersync.disagg import DisaggConfig, KVOrder, KVProducer, PagedKVLayout
+from tiersync.disagg import DisaggConfig, KVOrder, KVProducer, PagedKVLayout, RequestState
 from tiersync.disagg.messages import ReadRequest
 from tiersync.disagg.ops import KV, KvLayer, KvNext, KvOpen, KvOpened
 from tiersync.net.errors import RequestError
@@ -79,6 +79,19 @@ def test_a_reader_waiting_for_a_layer_of_an_aborted_request_is_told_at_once():
         finally:
             ch.close()
         assert _until(lambda: len(producer._server._responder.parked) == 0)
+
+
+def test_a_reader_that_hangs_up_while_waiting_for_a_layer_fails_the_request_at_once():
+    """Not at the request's deadline (60 s): the prefill engine frees its blocks now."""
+    src = np.arange(LAYOUT.layer_nbytes, dtype=np.uint8)
+    with KVProducer(LAYOUT, 0, DisaggConfig(token=TOKEN, timeout_s=60)) as producer:
+        producer.register("left", [0], 4, [src, src])
+        ch = _reader(producer, "left")
+        ch.send(KvNext(ch.new_request_id(), 0))
+        assert _until(lambda: len(producer._server._responder.parked) == 1)
+        ch.close()
+        assert _until(lambda: producer.state("left") is RequestState.FAILED)
+        assert producer.poll().failed_sending == {"left"}
 
 
 def _until(predicate, timeout: float = 10.0) -> bool:

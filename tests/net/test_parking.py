@@ -237,6 +237,39 @@ def test_a_parked_session_no_worker_can_take_is_ended_and_released():
         server.close()
 
 
+def test_a_parked_session_whose_peer_hangs_up_ends_before_its_deadline():
+    service = _Gated(park_s=600)
+    server = TcpTransport(TcpConfig(workers=2), service.vocabulary).serve("127.0.0.1:0", service)
+    try:
+        ch = TcpTransport(TcpConfig(), service.vocabulary).connect(server.address)
+        ch.send(ev.Ping(ch.new_request_id(), 0))
+        assert _until(lambda: len(server._responder.parked) == 1)
+        ch.close()
+        assert _until(lambda: len(service.closed_sessions) == 1 and server.connections == 0)
+        assert len(server._responder.parked) == 0
+    finally:
+        server.close()
+
+
+def test_requests_sent_to_a_parked_session_wait_for_it_and_are_answered_in_order():
+    service = _Gated()
+    server = TcpTransport(TcpConfig(workers=2), service.vocabulary).serve("127.0.0.1:0", service)
+    ch = TcpTransport(TcpConfig(), service.vocabulary).connect(server.address)
+    try:
+        first = ev.Ping(ch.new_request_id(), 0)
+        ch.send(first)
+        assert _until(lambda: len(server._responder.parked) == 1)
+        later = [ev.Ping(ch.new_request_id(), token) for token in (1, 2)]
+        ch.send_many(later)  # arrive while it is parked: the watch sees them and leaves them be
+        assert not _until(lambda: len(server._responder.parked) == 0, timeout=0.5)
+        service.open_gate()
+        assert [ch.next_answer(p.request_id, timeout=10).token for p in (first, *later)] == [0, 1, 2]
+        assert not service.closed_sessions
+    finally:
+        ch.close()
+        server.close()
+
+
 def _until(predicate, timeout: float = 10.0) -> bool:
     done = threading.Event()
     for _ in range(int(timeout / 0.01)):

@@ -11,6 +11,7 @@ of half-open connections without a thread each.
 from __future__ import annotations
 
 import os
+import socket
 from typing import TYPE_CHECKING, TypeVar
 
 from tiersync.errors import TierSyncError
@@ -19,14 +20,14 @@ from tiersync.net import events as ev
 from tiersync.net.errors import AuthError, PeerClosedError, ProtocolError
 from tiersync.net.frames import negotiate
 from tiersync.net.local import host_identity, same_host
-from tiersync.net.protocol import Connection
+from tiersync.net.protocol import Connection, Role
 from tiersync.net.service import PeerInfo
 from tiersync.net.socket_io import peer_ip
 
 if TYPE_CHECKING:
     from tiersync.net.socket_io import Deadline, FramedSocket
 
-__all__ = ["ServerHandshake", "client_handshake"]
+__all__ = ["ServerHandshake", "client_handshake", "refuse_over_cap"]
 
 _E = TypeVar("_E")
 
@@ -109,3 +110,21 @@ class ServerHandshake:
     def _refuse(self, why: str) -> list[bytes | memoryview]:
         self.failed = why
         return self.conn.send(ev.Error(0, ev.ErrorCode.AUTH_FAILED, "authentication failed"))
+
+
+def refuse_over_cap(sock: socket.socket, cap: int, tls: bool) -> None:
+    """Tell a connection over the cap why, then close it (best effort, never blocks). A TLS
+    client is only closed on: plaintext in its handshake reads as a TLS failure."""
+    try:
+        if tls:
+            return
+        sock.setblocking(False)
+        conn = Connection(Role.SERVER)
+        frame = b"".join(
+            bytes(b) for b in conn.send(ev.Error(0, ev.ErrorCode.CAPACITY, f"too many connections (the cap is {cap})"))
+        )
+        sock.send(frame)
+    except OSError:
+        pass
+    finally:
+        sock.close()

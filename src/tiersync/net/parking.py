@@ -13,7 +13,10 @@ same request once, whichever comes first:
 - the park's deadline passes (:meth:`ParkedSessions.expire`, from the server's loop, which
   runs at least once a second: the handler then answers that it timed out),
 - the session ends (:meth:`ParkedSessions.resume` without a token: the worker finds it closed
-  and hands it back, so the server closes its socket).
+  and hands it back, so the server closes its socket). Meanwhile the server's loop watches a
+  parked plain-TCP socket until it is readable: a peer that hung up (a decode rank that died
+  while its KV_NEXT waited) ends the session then, not at the park's deadline; bytes of later
+  requests stay in the socket for the resumed worker, and the watch ends.
 
 The handler is asked again from the start: it answers, or parks again.
 """
@@ -51,6 +54,10 @@ class ParkedSessions(Generic[S]):
     def __len__(self) -> int:
         with self._lock:
             return len(self._parked)
+
+    def __contains__(self, session: object) -> bool:
+        with self._lock:
+            return session in self._parked
 
     def park(self, session: S, request: object, park: Park) -> None:
         """Keep ``session`` until ``park`` wakes it, its deadline passes or the session ends.

@@ -34,7 +34,8 @@ from tiersync.errors import ClosedError, TierSyncError
 from tiersync.net import events as ev
 from tiersync.net.config import TcpConfig, parse_address
 from tiersync.net.errors import ProtocolError
-from tiersync.net.protocol import NEED_DATA, Connection, Role
+from tiersync.net.handshake import refuse_over_cap
+from tiersync.net.protocol import NEED_DATA
 from tiersync.net.responder import Responder, ServerSession
 from tiersync.net.service import Service
 from tiersync.net.socket_io import Deadline, tune, write_nonblocking
@@ -80,8 +81,10 @@ class TcpServer(Server):
         self._ids = itertools.count(1)
         self._rbuf = memoryview(bytearray(max(self.config.recv_chunk, 64 << 10)))
         self._workers = ThreadPoolExecutor(self.config.workers, thread_name_prefix=f"tiersync-serve-{port}")
-        rearm, submit = (lambda s: self._wake("rearm", s)), self._workers.submit
-        self._responder = Responder(self.service, self.config, end=self._end, rearm=rearm, submit=submit)
+        rearm, parked = (lambda s: self._wake("rearm", s)), (lambda s: self._wake("watch", s))
+        self._responder = Responder(
+            self.service, self.config, end=self._end, rearm=rearm, submit=self._workers.submit, parked=parked
+        )
         self._paused_until = 0.0
         self._fd_logged = False
         self._stop = threading.Event()
@@ -156,7 +159,7 @@ class TcpServer(Server):
     def _admit(self, sock: socket.socket, peer: str) -> None:
         if len(self._sessions) >= self.config.max_connections and not self._evict_pending():
             self.refused += 1
-            return _refuse_over_cap(sock, self.config.max_connections, tls=self._tls is not None)
+            return refuse_over_cap(sock, self.config.max_connections, tls=self._tls is not None)
         self._fd_logged = False
         try:
             sock.setblocking(False)
@@ -184,6 +187,8 @@ class TcpServer(Server):
     def _readable(self, s: ServerSession) -> None:
         if s.closed:  # ended earlier in this round (made room at the cap): not a failed handshake
             return
+        if s.busy:  # parked and watched: its peer hung up, or sent bytes the resumed worker reads
+            return self._parked_readable(s)
         if s.tls_pending and not self._tls_handshake(s):
             return
         while True:
@@ -198,6 +203,17 @@ class TcpServer(Server):
                 s.conn.receive_data(self._rbuf[:n] if n else b"")
             if not n or not (isinstance(s.sock, ssl.SSLSocket) and s.sock.pending()):
                 return self._advance(s)  # TLS may hold decrypted bytes the selector cannot see
+
+    def _parked_readable(self, s: ServerSession) -> None:
+        try:
+            gone = not s.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            gone = False
+        except OSError:
+            gone = True
+        self._unregister(s)
+        if gone:
+            self._end(s)  # resumed: its worker finds it ended and hands it back
 
     def _guarded(self, step: Callable[[ServerSession], None], s: ServerSession) -> None:
         """``step(s)`` on the loop thread; an unexpected error ends that session, never the loop."""
@@ -313,6 +329,9 @@ class TcpServer(Server):
             if action == "close":
                 if not s.busy:  # else the worker's hand-back releases it
                     self._release_socket(s)
+            elif action == "watch":  # parked (still, unless a worker already has it again)
+                if s.busy and s in self._responder.parked and not isinstance(s.sock, ssl.SSLSocket):
+                    self._register(s)
             elif s.closed:  # a worker handed back a session that ended
                 s.busy = False
                 self._release_socket(s)
@@ -379,21 +398,3 @@ class TcpServer(Server):
         self._wake("stop", None)
         self._thread.join(timeout=10)
         self._workers.shutdown(wait=False, cancel_futures=True)
-
-
-def _refuse_over_cap(sock: socket.socket, cap: int, tls: bool) -> None:
-    """Tell a connection over the cap why, then close it (best effort, never blocks). A TLS
-    client is only closed on: plaintext in its handshake reads as a TLS failure."""
-    try:
-        if tls:
-            return
-        sock.setblocking(False)
-        conn = Connection(Role.SERVER)
-        frame = b"".join(
-            bytes(b) for b in conn.send(ev.Error(0, ev.ErrorCode.CAPACITY, f"too many connections (the cap is {cap})"))
-        )
-        sock.send(frame)
-    except OSError:
-        pass
-    finally:
-        sock.close()
