@@ -253,6 +253,11 @@ class FrameReader:
         self._apply_recv(Op.DATA, request_id, event)
         return event
 
+    @property
+    def mid_frame(self) -> bool:
+        """Whether bytes of a frame not yet complete are buffered or being received."""
+        return bool(self._buf) or self._header is not None
+
     # ------------------------------------------------------------ the parser
     def next_event(self) -> object:
         """Return the next event, :data:`NEED_DATA`, or :class:`~tiersync.net.events.ConnectionClosed`.

@@ -176,6 +176,11 @@ class Connection:
         return min(self.config.max_frame_size, peer) if peer else self.config.max_frame_size
 
     @property
+    def mid_frame(self) -> bool:
+        """Whether part of a frame has arrived and the rest has not (:attr:`FrameReader.mid_frame`)."""
+        return self._reader.mid_frame
+
+    @property
     def outstanding(self) -> int:
         """Requests I sent that are not yet finished."""
         return len(self._ledger.mine)

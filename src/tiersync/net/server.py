@@ -8,15 +8,16 @@ service's handler and writes the answers; requests already buffered behind it (a
 peer) are answered in the same turn and sent together, then the session goes back to the
 selector. Hostile peers: at ``max_connections`` a new connection ends the oldest one still in
 its handshake (silent peers cannot keep a client out), else it is answered ERROR(CAPACITY)
-and closed; a handshake not finished within ``connect_timeout_s`` is closed; a peer that
-breaks the protocol is closed; ``accept`` failing for lack of descriptors (EMFILE, ENFILE,
-ENOBUFS, ENOMEM) pauses accepting for a moment, logs once, and resumes; it never ends the
-server. :meth:`Service.closed` runs exactly once per opened session, however it ended.
+and closed; a handshake not finished within ``connect_timeout_s`` is closed, and so is a
+session with a frame begun and not finished within ``op_timeout_s``
+(:mod:`~tiersync.net.stalls`); a peer that breaks the protocol is closed; ``accept`` failing
+for lack of descriptors pauses accepting for a moment, logs once, and resumes
+(:mod:`~tiersync.net.acceptor`); it never ends the server. :meth:`Service.closed` runs
+exactly once per opened session, however it ended.
 """
 
 from __future__ import annotations
 
-import errno
 import heapq
 import itertools
 import logging
@@ -32,6 +33,7 @@ from typing import cast
 
 from tiersync.errors import ClosedError, TierSyncError
 from tiersync.net import events as ev
+from tiersync.net.acceptor import Acceptor
 from tiersync.net.config import TcpConfig, parse_address
 from tiersync.net.errors import ProtocolError
 from tiersync.net.handshake import refuse_over_cap
@@ -39,23 +41,13 @@ from tiersync.net.protocol import NEED_DATA
 from tiersync.net.responder import Responder, ServerSession
 from tiersync.net.service import Service
 from tiersync.net.socket_io import Deadline, tune, write_nonblocking
+from tiersync.net.stalls import Stalls
 from tiersync.net.tls import server_context
 from tiersync.net.transport import Server
 
 __all__ = ["TcpServer"]
 
 log = logging.getLogger(__name__)
-_FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-# accept(2): a connection that failed before it was taken, or the network errors Linux passes on
-_RETRY_ERRNOS = tuple(
-    getattr(errno, name)
-    for name in ("ECONNABORTED", "EPROTO", "EPERM", "ENETDOWN", "ENOPROTOOPT", "EHOSTDOWN", "ENONET",
-                 "EHOSTUNREACH", "EOPNOTSUPP", "ENETUNREACH")
-    if hasattr(errno, name)
-)  # fmt: skip
-_ACCEPT_PAUSE_S = 0.1
-_ACCEPT_BURST = 256
-_GRACE_S = 0.25  # out of descriptors, a connection in its handshake is not ended for the next before this age
 _WRITE_ENDS_S = 1.0  # most the loop waits for a write under way on a socket it closes (shut down: it fails)
 
 
@@ -85,8 +77,8 @@ class TcpServer(Server):
         self._responder = Responder(
             self.service, self.config, end=self._end, rearm=rearm, submit=self._workers.submit, parked=parked
         )
-        self._paused_until = 0.0
-        self._fd_logged = False
+        self._acceptor = Acceptor(self._listener, self._sel, self.address, self._admit, self._evict_pending)
+        self._stalls: Stalls[ServerSession] = Stalls(self.config.op_timeout_s)  # frames begun, not finished
         self._stop = threading.Event()
         self.refused = 0
         self._thread = threading.Thread(target=self._loop, name=f"tiersync-server-{self.address}", daemon=True)
@@ -103,7 +95,7 @@ class TcpServer(Server):
             while not self._stop.is_set():
                 for key, _ in self._sel.select(self._timeout()):
                     if key.fileobj is self._listener:
-                        self._accept()
+                        self._acceptor.accept()
                     elif key.fileobj is self._wake_r:
                         self._drain_wake()
                     else:
@@ -117,50 +109,16 @@ class TcpServer(Server):
 
     def _timeout(self) -> float:
         now = time.monotonic()
-        if self._paused_until and now >= self._paused_until:
-            self._paused_until = 0.0
-            self._sel.register(self._listener, selectors.EVENT_READ, None)
-        ends = [self._paused_until] if self._paused_until else []
+        self._acceptor.resume_due(now)
+        ends = [self._acceptor.paused_until] if self._acceptor.paused_until else []
         if self._deadlines:
             ends.append(self._deadlines[0][0])
         return max(0.0, min([1.0, *(e - now for e in ends)]))
-
-    def _accept(self) -> None:
-        for _ in range(_ACCEPT_BURST):
-            try:
-                sock, addr = self._listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                # out of descriptors below the cap (a table smaller than max_connections): a
-                # connection still in its handshake makes room, as at the cap, else wait a moment
-                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._evict_pending(_GRACE_S):
-                    continue
-                if exc.errno in _FD_ERRNOS:
-                    return self._pause_accepting(exc)
-                if exc.errno in _RETRY_ERRNOS:
-                    continue
-                raise
-            self._admit(sock, f"{addr[0]}:{addr[1]}")
-
-    def _pause_accepting(self, exc: OSError) -> None:
-        """Out of descriptors: stop accepting for a moment (the backlog keeps the peers)."""
-        if not self._fd_logged:
-            log.warning(
-                "tiersync server %s cannot accept (%s); retrying every %.1f s while it lasts",
-                self.address,
-                errno.errorcode.get(exc.errno or 0, exc.errno),
-                _ACCEPT_PAUSE_S,
-            )
-            self._fd_logged = True
-        self._sel.unregister(self._listener)
-        self._paused_until = time.monotonic() + _ACCEPT_PAUSE_S
 
     def _admit(self, sock: socket.socket, peer: str) -> None:
         if len(self._sessions) >= self.config.max_connections and not self._evict_pending():
             self.refused += 1
             return refuse_over_cap(sock, self.config.max_connections, tls=self._tls is not None)
-        self._fd_logged = False
         try:
             sock.setblocking(False)
             tune(sock, self.config)
@@ -244,6 +202,8 @@ class TcpServer(Server):
                 log.debug("connection from %s: %s", s.peer, exc)
                 return self._end(s)
             if event is NEED_DATA:
+                if s.hs.done:
+                    self._stalls.note(s, s.conn.mid_frame, time.monotonic())
                 return
             if isinstance(event, ev.ConnectionClosed) or (
                 isinstance(event, ev.Error) and (event.request_id == 0 or not s.hs.done)
@@ -256,6 +216,7 @@ class TcpServer(Server):
                 continue
             self._unregister(s)
             s.busy = True  # the worker reads and writes the socket until it hands it back
+            self._stalls.clear(s)
             self._workers.submit(self._responder.work, s, event)
             return
 
@@ -305,6 +266,9 @@ class TcpServer(Server):
     def _expire(self) -> None:
         now = time.monotonic()
         self._responder.parked.expire(now)
+        for s in self._stalls.expired(now):
+            log.debug("connection from %s: a frame unfinished after op_timeout_s", s.peer)
+            self._end(s)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, s = heapq.heappop(self._deadlines)
             if not s.closed and not s.hs.done:
@@ -372,6 +336,7 @@ class TcpServer(Server):
         """Close the socket once no worker uses it and no write is under way (its number must not
         go to a new connection while another thread may still read or write by it)."""
         self._unregister(s)
+        self._stalls.clear(s)
         self._sessions.discard(s)
         held = s.wlock.acquire(timeout=_WRITE_ENDS_S)  # shut down: a write under way fails at once
         try:
