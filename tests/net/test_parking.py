@@ -270,6 +270,23 @@ def test_requests_sent_to_a_parked_session_wait_for_it_and_are_answered_in_order
         server.close()
 
 
+def test_a_parked_session_whose_peer_hangs_up_behind_requests_it_sent_later_ends_before_its_deadline():
+    """A reader keeps a window of requests in flight: some arrive after its request parked,
+    and it dies behind them. Its hang-up is seen under the unread bytes."""
+    service = _Gated(park_s=600)
+    server = TcpTransport(TcpConfig(workers=2), service.vocabulary).serve("127.0.0.1:0", service)
+    try:
+        ch = TcpTransport(TcpConfig(), service.vocabulary).connect(server.address)
+        ch.send(ev.Ping(ch.new_request_id(), 0))
+        assert _until(lambda: len(server._responder.parked) == 1)
+        ch.send_many([ev.Ping(ch.new_request_id(), token) for token in (1, 2)])
+        threading.Event().wait(0.3)  # they are in the server's socket, unread
+        ch.close()
+        assert _until(lambda: len(service.closed_sessions) == 1 and server.connections == 0)
+    finally:
+        server.close()
+
+
 def _until(predicate, timeout: float = 10.0) -> bool:
     done = threading.Event()
     for _ in range(int(timeout / 0.01)):

@@ -9,6 +9,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -348,3 +349,31 @@ def test_the_native_calls_read_the_sockets_number_themselves():
     finally:
         a.close()
         b.close()
+
+
+def test_peer_gone_sees_a_hang_up_behind_unread_bytes_and_a_reset():
+    from tiersync.net.socket_io import peer_gone
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        for how in ("close", "reset"):
+            peer = socket.create_connection(listener.getsockname())
+            ours, _ = listener.accept()
+            with ours:
+                assert not peer_gone(ours)
+                peer.sendall(b"unread request bytes")
+                if how == "reset":
+                    peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                peer.close()
+                assert _eventually(lambda s=ours: peer_gone(s)), how
+                if how == "close":
+                    assert ours.recv(64) == b"unread request bytes"  # the bytes were left where they were
+            assert peer_gone(ours)  # closed under us
+
+
+def _eventually(predicate, timeout: float = 5.0) -> bool:
+    done = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return True
+        done.wait(0.01)
+    return predicate()

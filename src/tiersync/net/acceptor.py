@@ -37,15 +37,16 @@ _GRACE_S = 0.25  # out of descriptors, a connection in its handshake is not ende
 
 class Acceptor:
     """Accepts on ``listener`` (non-blocking, registered in ``sel``) for the server at
-    ``address``; ``admit(sock, "ip:port")`` takes each connection, ``make_room(grace_s)`` ends
-    a connection in its handshake at least ``grace_s`` old (False when there is none)."""
+    ``address``; ``admit(sock, "ip:port")`` takes each connection (False: refused over the
+    cap), ``make_room(grace_s)`` ends a connection in its handshake at least ``grace_s`` old
+    (False when there is none)."""
 
     def __init__(
         self,
         listener: socket.socket,
         sel: selectors.BaseSelector,
         address: str,
-        admit: Callable[[socket.socket, str], None],
+        admit: Callable[[socket.socket, str], bool],
         make_room: Callable[[float], bool],
     ) -> None:
         self._listener, self._sel, self._address = listener, sel, address
@@ -69,8 +70,8 @@ class Acceptor:
                 if exc.errno in _RETRY_ERRNOS:
                     continue
                 raise
-            self._fd_logged = False
-            self._admit(sock, f"{addr[0]}:{addr[1]}")
+            if self._admit(sock, f"{addr[0]}:{addr[1]}"):
+                self._fd_logged = False  # admitted below the cap: descriptors were there
 
     def resume_due(self, now: float) -> None:
         """Accept again once the pause is over (the loop calls this every turn)."""

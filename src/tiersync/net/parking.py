@@ -13,10 +13,10 @@ same request once, whichever comes first:
 - the park's deadline passes (:meth:`ParkedSessions.expire`, from the server's loop, which
   runs at least once a second: the handler then answers that it timed out),
 - the session ends (:meth:`ParkedSessions.resume` without a token: the worker finds it closed
-  and hands it back, so the server closes its socket). Meanwhile the server's loop watches a
-  parked plain-TCP socket until it is readable: a peer that hung up (a decode rank that died
-  while its KV_NEXT waited) ends the session then, not at the park's deadline; bytes of later
-  requests stay in the socket for the resumed worker, and the watch ends.
+  and hands it back, so the server closes its socket). The server's loop ends a parked
+  session whose peer hung up (a decode rank that died while its KV_NEXT waited), FIN or RST,
+  within about a second, whatever bytes of later requests wait unread before it
+  (:func:`~tiersync.net.socket_io.peer_gone`); a peer that only half-closed is taken as gone.
 
 The handler is asked again from the start: it answers, or parks again.
 """
@@ -55,9 +55,10 @@ class ParkedSessions(Generic[S]):
         with self._lock:
             return len(self._parked)
 
-    def __contains__(self, session: object) -> bool:
+    def sessions(self) -> list[S]:
+        """The sessions parked now."""
         with self._lock:
-            return session in self._parked
+            return list(self._parked)
 
     def park(self, session: S, request: object, park: Park) -> None:
         """Keep ``session`` until ``park`` wakes it, its deadline passes or the session ends.

@@ -129,13 +129,9 @@ class Responder:
         end: Callable[[ServerSession], None],
         rearm: Callable[[ServerSession], None],
         submit: Callable[..., object],
-        parked: Callable[[ServerSession], None],
     ) -> None:
-        """``submit(fn, *args)`` runs ``fn(*args)`` on a pool worker (a parked session's
-        resumption); ``parked(s)`` tells the server ``s`` was parked (it watches for its peer
-        hanging up meanwhile)."""
+        """``submit(fn, *args)`` runs ``fn(*args)`` on a pool worker (a parked session's resumption)."""
         self.service, self.config, self._end, self._rearm, self._submit = service, config, end, rearm, submit
-        self._parked = parked
         self.parked: ParkedSessions[ServerSession] = ParkedSessions(self._resumed)
 
     def _resumed(self, s: ServerSession, event: object) -> None:
@@ -175,7 +171,6 @@ class Responder:
                 self.parked.park(s, event, answered)
                 if s.closed:  # ended before it was parked: _end found nothing to resume
                     self.parked.resume(s)
-                self._parked(s)
                 return _PARKED
             bufs = answered
             try:

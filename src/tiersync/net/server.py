@@ -40,7 +40,7 @@ from tiersync.net.handshake import refuse_over_cap
 from tiersync.net.protocol import NEED_DATA
 from tiersync.net.responder import Responder, ServerSession
 from tiersync.net.service import Service
-from tiersync.net.socket_io import Deadline, tune, write_nonblocking
+from tiersync.net.socket_io import Deadline, peer_gone, tune, write_nonblocking
 from tiersync.net.stalls import Stalls
 from tiersync.net.tls import server_context
 from tiersync.net.transport import Server
@@ -48,6 +48,7 @@ from tiersync.net.transport import Server
 __all__ = ["TcpServer"]
 
 log = logging.getLogger(__name__)
+_SCAN_S = 0.5  # how often the peers of parked sessions are looked at (one getsockopt each)
 _WRITE_ENDS_S = 1.0  # most the loop waits for a write under way on a socket it closes (shut down: it fails)
 
 
@@ -73,10 +74,9 @@ class TcpServer(Server):
         self._ids = itertools.count(1)
         self._rbuf = memoryview(bytearray(max(self.config.recv_chunk, 64 << 10)))
         self._workers = ThreadPoolExecutor(self.config.workers, thread_name_prefix=f"tiersync-serve-{port}")
-        rearm, parked = (lambda s: self._wake("rearm", s)), (lambda s: self._wake("watch", s))
-        self._responder = Responder(
-            self.service, self.config, end=self._end, rearm=rearm, submit=self._workers.submit, parked=parked
-        )
+        rearm = lambda s: self._wake("rearm", s)  # noqa: E731 - a callback
+        self._responder = Responder(self.service, self.config, end=self._end, rearm=rearm, submit=self._workers.submit)
+        self._scanned_at = 0.0  # when the parked sessions' peers were last looked at
         self._acceptor = Acceptor(self._listener, self._sel, self.address, self._admit, self._evict_pending)
         self._stalls: Stalls[ServerSession] = Stalls(self.config.op_timeout_s)  # frames begun, not finished
         self._stop = threading.Event()
@@ -115,10 +115,12 @@ class TcpServer(Server):
             ends.append(self._deadlines[0][0])
         return max(0.0, min([1.0, *(e - now for e in ends)]))
 
-    def _admit(self, sock: socket.socket, peer: str) -> None:
+    def _admit(self, sock: socket.socket, peer: str) -> bool:
+        """Take an accepted connection; False when it was refused over the cap."""
         if len(self._sessions) >= self.config.max_connections and not self._evict_pending():
             self.refused += 1
-            return refuse_over_cap(sock, self.config.max_connections, tls=self._tls is not None)
+            refuse_over_cap(sock, self.config.max_connections, tls=self._tls is not None)
+            return False
         try:
             sock.setblocking(False)
             tune(sock, self.config)
@@ -126,11 +128,12 @@ class TcpServer(Server):
                 sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         except OSError:
             sock.close()
-            return
+            return True
         s = ServerSession(self._end, self.config, self.service.vocabulary, sock, peer, next(self._ids))
         self._sessions.add(s)
         heapq.heappush(self._deadlines, (time.monotonic() + self.config.connect_timeout_s, s.session_id, s))
         self._register(s)
+        return True
 
     def _register(self, s: ServerSession) -> None:
         if not s.registered and not s.closed:
@@ -145,8 +148,6 @@ class TcpServer(Server):
     def _readable(self, s: ServerSession) -> None:
         if s.closed:  # ended earlier in this round (made room at the cap): not a failed handshake
             return
-        if s.busy:  # parked and watched: its peer hung up, or sent bytes the resumed worker reads
-            return self._parked_readable(s)
         if s.tls_pending and not self._tls_handshake(s):
             return
         while True:
@@ -161,17 +162,6 @@ class TcpServer(Server):
                 s.conn.receive_data(self._rbuf[:n] if n else b"")
             if not n or not (isinstance(s.sock, ssl.SSLSocket) and s.sock.pending()):
                 return self._advance(s)  # TLS may hold decrypted bytes the selector cannot see
-
-    def _parked_readable(self, s: ServerSession) -> None:
-        try:
-            gone = not s.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            gone = False
-        except OSError:
-            gone = True
-        self._unregister(s)
-        if gone:
-            self._end(s)  # resumed: its worker finds it ended and hands it back
 
     def _guarded(self, step: Callable[[ServerSession], None], s: ServerSession) -> None:
         """``step(s)`` on the loop thread; an unexpected error ends that session, never the loop."""
@@ -266,6 +256,11 @@ class TcpServer(Server):
     def _expire(self) -> None:
         now = time.monotonic()
         self._responder.parked.expire(now)
+        if now - self._scanned_at >= _SCAN_S:  # a parked session's peer that hung up ends it now
+            self._scanned_at = now
+            for s in self._responder.parked.sessions():
+                if peer_gone(s.sock):
+                    self._end(s)
         for s in self._stalls.expired(now):
             log.debug("connection from %s: a frame unfinished after op_timeout_s", s.peer)
             self._end(s)
@@ -293,9 +288,6 @@ class TcpServer(Server):
             if action == "close":
                 if not s.busy:  # else the worker's hand-back releases it
                     self._release_socket(s)
-            elif action == "watch":  # parked (still, unless a worker already has it again)
-                if s.busy and s in self._responder.parked and not isinstance(s.sock, ssl.SSLSocket):
-                    self._register(s)
             elif s.closed:  # a worker handed back a session that ended
                 s.busy = False
                 self._release_socket(s)

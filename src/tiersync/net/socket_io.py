@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from tiersync.net.config import TcpConfig
     from tiersync.net.events import Event
 
-__all__ = ["Deadline", "FramedSocket", "io_errors", "peer_ip", "tune", "write_nonblocking"]
+__all__ = ["Deadline", "FramedSocket", "io_errors", "peer_gone", "peer_ip", "tune", "write_nonblocking"]
 
 try:  # the receive fast path (GIL released); without it every frame takes the reference path
     from tiersync.net import _wire
@@ -47,6 +47,7 @@ _IOV_MAX = 1024
 _DEADLINE = -1  # _wire.send_all's err when the time ran out
 _NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)  # the native calls could not hold the socket's descriptor
 _PINNED = 64 << 10  # pinned buffers of at least this many bytes go by reference (smaller: copied)
+_ESTABLISHED = 1  # tcpi_state of a connection neither end has closed (linux/tcp_states.h)
 _PIECE = 4 << 20  # most bytes one recv lands in a payload before the checksum reads them
 _SLACK = 0.05  # re-arm a kernel timeout once it is off by more than this share of what is left
 _TIMEVAL = struct.Struct("@ll")
@@ -137,6 +138,15 @@ def _note_copies() -> None:
             "pinned sends are being copied: no pipe of 64 KiB could be had (fs.pipe-user-pages-soft "
             "spent by this user, or no file descriptor left); they still go out, with one more copy"
         )
+
+
+def peer_gone(sock: socket.socket) -> bool:
+    """Whether the peer of TCP socket ``sock`` (plain or TLS) hung up, FIN or RST, even with
+    bytes of it still unread: the connection is no longer ESTABLISHED (``TCP_INFO``)."""
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != _ESTABLISHED
+    except OSError:  # closed under us
+        return True
 
 
 def peer_ip(sock: socket.socket) -> str:
