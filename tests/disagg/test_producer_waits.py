@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
+from _wait import until
 from tiersync.disagg import DisaggConfig, KVOrder, KVProducer, PagedKVLayout, RequestState
 from tiersync.disagg.messages import ReadRequest
 from tiersync.disagg.ops import KV, KvLayer, KvNext, KvOpen, KvOpened
@@ -50,7 +49,7 @@ def test_readers_waiting_for_layers_leave_the_workers_to_a_reader_whose_layers_a
         for ch in waiting:
             asked.append(KvNext(ch.new_request_id(), 0))
             ch.send(asked[-1])
-        assert _until(lambda: len(producer._server._responder.parked) == 4)  # none of them on a worker
+        assert until(lambda: len(producer._server._responder.parked) == 4)  # none of them on a worker
         ready = _reader(producer, "ready")
         assert [ready.request(KvNext(ready.new_request_id(), n), timeout=5).layer for n in range(2)] == [0, 1]
         ready.close()
@@ -67,7 +66,7 @@ def test_a_reader_waiting_for_a_layer_of_an_aborted_request_is_told_at_once():
         ch = _reader(producer, "gone")
         ask = KvNext(ch.new_request_id(), 0)
         ch.send(ask)
-        assert _until(lambda: len(producer._server._responder.parked) == 1)
+        assert until(lambda: len(producer._server._responder.parked) == 1)
         assert producer.abort("gone")
         try:  # the abort closes the reader's session; an answer may or may not make it out first
             answer = ch.next_answer(ask.request_id, timeout=5)
@@ -78,7 +77,7 @@ def test_a_reader_waiting_for_a_layer_of_an_aborted_request_is_told_at_once():
             assert "closed" in str(exc) or "reset" in str(exc), exc
         finally:
             ch.close()
-        assert _until(lambda: len(producer._server._responder.parked) == 0)
+        assert until(lambda: len(producer._server._responder.parked) == 0)
 
 
 def test_a_reader_that_hangs_up_while_waiting_for_a_layer_fails_the_request_at_once():
@@ -88,16 +87,7 @@ def test_a_reader_that_hangs_up_while_waiting_for_a_layer_fails_the_request_at_o
         producer.register("left", [0], 4, [src, src])
         ch = _reader(producer, "left")
         ch.send(KvNext(ch.new_request_id(), 0))
-        assert _until(lambda: len(producer._server._responder.parked) == 1)
+        assert until(lambda: len(producer._server._responder.parked) == 1)
         ch.close()
-        assert _until(lambda: producer.state("left") is RequestState.FAILED)
+        assert until(lambda: producer.state("left") is RequestState.FAILED)
         assert producer.poll().failed_sending == {"left"}
-
-
-def _until(predicate, timeout: float = 10.0) -> bool:
-    done = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return True
-        done.wait(0.01)
-    return predicate()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from _wait import until
 from tiersync.net import events as ev
 from tiersync.net.config import TcpConfig
 from tiersync.net.errors import RequestError
@@ -140,6 +144,19 @@ class _Gated(Service):
         self.closed_sessions.append(session.session_id)
 
 
+@contextlib.contextmanager
+def _served(park_s: float = 60.0) -> Iterator[tuple[_Gated, Any, Any]]:
+    """A :class:`_Gated` service on a server with two workers, and one channel to it."""
+    service = _Gated(park_s)
+    server = TcpTransport(TcpConfig(workers=2), service.vocabulary).serve("127.0.0.1:0", service)
+    ch = TcpTransport(TcpConfig(), service.vocabulary).connect(server.address)
+    try:
+        yield service, server, ch
+    finally:
+        ch.close()
+        server.close()
+
+
 def test_parked_requests_hold_no_worker_and_are_answered_in_order_once_woken():
     """Two workers, four sessions each with a PING parked and another pipelined behind it: a
     fifth session is answered at once (the workers are free); opening the gate answers each
@@ -155,7 +172,7 @@ def test_parked_requests_hold_no_worker_and_are_answered_in_order_once_woken():
             pings = [ev.Ping(ch.new_request_id(), 0), ev.Ping(ch.new_request_id(), 1)]
             ch.send_many(pings)
             asked.append(pings)
-        assert _until(lambda: len(server._responder.parked) == 4)
+        assert until(lambda: len(server._responder.parked) == 4)
         fifth = transport.connect(server.address)
         assert fifth.request(ev.Ping(fifth.new_request_id(), 5), timeout=5).token == 5
         fifth.close()
@@ -169,10 +186,7 @@ def test_parked_requests_hold_no_worker_and_are_answered_in_order_once_woken():
 
 
 def test_a_parked_request_is_asked_again_at_its_deadline():
-    service = _Gated(park_s=0.3)
-    server = TcpTransport(TcpConfig(workers=2), service.vocabulary).serve("127.0.0.1:0", service)
-    ch = TcpTransport(TcpConfig(), service.vocabulary).connect(server.address)
-    try:
+    with _served(park_s=0.3) as (_service, _server, ch):
         t0 = time.monotonic()
         ping = ev.Ping(ch.new_request_id(), 0)
         ch.send(ping)
@@ -181,9 +195,6 @@ def test_a_parked_request_is_asked_again_at_its_deadline():
         assert info.value.code is ev.ErrorCode.LEASE_EXPIRED
         assert time.monotonic() - t0 < 5  # the loop looks at deadlines at least once a second
         assert ch.request(ev.Ping(ch.new_request_id(), 3), timeout=5).token == 3  # the session goes on
-    finally:
-        ch.close()
-        server.close()
 
 
 def test_a_session_ended_while_parked_is_released_once():
@@ -194,12 +205,12 @@ def test_a_session_ended_while_parked_is_released_once():
     channels = [TcpTransport(TcpConfig(), service.vocabulary).connect(server.address) for _ in range(3)]
     for ch in channels:
         ch.send(ev.Ping(ch.new_request_id(), 0))
-    assert _until(lambda: len(server._responder.parked) == 3)
+    assert until(lambda: len(server._responder.parked) == 3)
     sessions = list(server._sessions)
     server.close()
     try:
         assert sorted(service.closed_sessions) == sorted(s.session_id for s in sessions)
-        assert _until(lambda: all(s.sock.fileno() == -1 for s in sessions))
+        assert until(lambda: all(s.sock.fileno() == -1 for s in sessions))
         assert len(server._responder.parked) == 0
     finally:
         for ch in channels:
@@ -207,90 +218,53 @@ def test_a_session_ended_while_parked_is_released_once():
 
 
 def test_a_session_ended_before_its_request_parked_is_released():
-    service = _Gated()
-    server = TcpTransport(TcpConfig(workers=2), service.vocabulary).serve("127.0.0.1:0", service)
-    ch = TcpTransport(TcpConfig(), service.vocabulary).connect(server.address)
-    try:
+    with _served() as (service, server, ch):
         ch.send(ev.Ping(ch.new_request_id(), 7))
-        assert _until(lambda: len(service.closed_sessions) == 1)
-        assert _until(lambda: server.connections == 0)  # else parked with a closed socket until its deadline
+        assert until(lambda: len(service.closed_sessions) == 1)
+        assert until(lambda: server.connections == 0)  # else parked with a closed socket until its deadline
         assert len(server._responder.parked) == 0
-    finally:
-        ch.close()
-        server.close()
 
 
 def test_a_parked_session_no_worker_can_take_is_ended_and_released():
     """Woken when its pool can take no more work (here shut down; a thread that cannot start
     alike): the session ends and its socket is released, not left on no worker and in no selector."""
-    service = _Gated()
-    server = TcpTransport(TcpConfig(workers=2), service.vocabulary).serve("127.0.0.1:0", service)
-    ch = TcpTransport(TcpConfig(), service.vocabulary).connect(server.address)
-    try:
+    with _served() as (service, server, ch):
         ch.send(ev.Ping(ch.new_request_id(), 0))
-        assert _until(lambda: len(server._responder.parked) == 1)
+        assert until(lambda: len(server._responder.parked) == 1)
         server._workers.shutdown(wait=True)
         service.open_gate()
-        assert _until(lambda: server.connections == 0) and len(service.closed_sessions) == 1
-    finally:
-        ch.close()
-        server.close()
+        assert until(lambda: server.connections == 0) and len(service.closed_sessions) == 1
 
 
 def test_a_parked_session_whose_peer_hangs_up_ends_before_its_deadline():
-    service = _Gated(park_s=600)
-    server = TcpTransport(TcpConfig(workers=2), service.vocabulary).serve("127.0.0.1:0", service)
-    try:
-        ch = TcpTransport(TcpConfig(), service.vocabulary).connect(server.address)
+    with _served(park_s=600) as (service, server, ch):
         ch.send(ev.Ping(ch.new_request_id(), 0))
-        assert _until(lambda: len(server._responder.parked) == 1)
+        assert until(lambda: len(server._responder.parked) == 1)
         ch.close()
-        assert _until(lambda: len(service.closed_sessions) == 1 and server.connections == 0)
+        assert until(lambda: len(service.closed_sessions) == 1 and server.connections == 0)
         assert len(server._responder.parked) == 0
-    finally:
-        server.close()
 
 
 def test_requests_sent_to_a_parked_session_wait_for_it_and_are_answered_in_order():
-    service = _Gated()
-    server = TcpTransport(TcpConfig(workers=2), service.vocabulary).serve("127.0.0.1:0", service)
-    ch = TcpTransport(TcpConfig(), service.vocabulary).connect(server.address)
-    try:
+    with _served() as (service, server, ch):
         first = ev.Ping(ch.new_request_id(), 0)
         ch.send(first)
-        assert _until(lambda: len(server._responder.parked) == 1)
+        assert until(lambda: len(server._responder.parked) == 1)
         later = [ev.Ping(ch.new_request_id(), token) for token in (1, 2)]
-        ch.send_many(later)  # arrive while it is parked: the watch sees them and leaves them be
-        assert not _until(lambda: len(server._responder.parked) == 0, timeout=0.5)
+        ch.send_many(later)  # arrive while it is parked: they wait in its socket
+        assert not until(lambda: len(server._responder.parked) == 0, timeout=0.5)
         service.open_gate()
         assert [ch.next_answer(p.request_id, timeout=10).token for p in (first, *later)] == [0, 1, 2]
         assert not service.closed_sessions
-    finally:
-        ch.close()
-        server.close()
 
 
 def test_a_parked_session_whose_peer_hangs_up_behind_requests_it_sent_later_ends_before_its_deadline():
     """A reader keeps a window of requests in flight: some arrive after its request parked,
     and it dies behind them. Its hang-up is seen under the unread bytes."""
-    service = _Gated(park_s=600)
-    server = TcpTransport(TcpConfig(workers=2), service.vocabulary).serve("127.0.0.1:0", service)
-    try:
-        ch = TcpTransport(TcpConfig(), service.vocabulary).connect(server.address)
+    with _served(park_s=600) as (service, server, ch):
         ch.send(ev.Ping(ch.new_request_id(), 0))
-        assert _until(lambda: len(server._responder.parked) == 1)
+        assert until(lambda: len(server._responder.parked) == 1)
         ch.send_many([ev.Ping(ch.new_request_id(), token) for token in (1, 2)])
         threading.Event().wait(0.3)  # they are in the server's socket, unread
         ch.close()
-        assert _until(lambda: len(service.closed_sessions) == 1 and server.connections == 0)
-    finally:
-        server.close()
-
-
-def _until(predicate, timeout: float = 10.0) -> bool:
-    done = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return True
-        done.wait(0.01)
-    return predicate()
+        assert until(lambda: len(service.closed_sessions) == 1 and server.connections == 0)

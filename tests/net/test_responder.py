@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from _wait import until
 from tiersync.errors import TierSyncError
 from tiersync.net import events as ev
 from tiersync.net.config import TcpConfig
@@ -32,7 +33,7 @@ def test_a_writer_behind_one_stuck_on_a_peer_that_does_not_read_gives_up_at_its_
         target=_quiet, args=(session.write, [bytes(64 << 20)], Deadline(60.0, "peer")), daemon=True
     )
     stuck.start()
-    assert _until(session.wlock.locked)
+    assert until(session.wlock.locked)
     outcome: list[BaseException] = []
 
     def second() -> None:
@@ -55,15 +56,6 @@ def test_a_writer_behind_one_stuck_on_a_peer_that_does_not_read_gives_up_at_its_
 def _quiet(fn, *args) -> None:
     with contextlib.suppress(TierSyncError, OSError):
         fn(*args)
-
-
-def _until(predicate, timeout: float = 10.0) -> bool:
-    done = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return True
-        done.wait(0.01)
-    return predicate()
 
 
 @pytest.mark.parametrize("streamed", [False, True])
@@ -133,7 +125,7 @@ def test_a_session_ended_by_another_thread_keeps_its_socket_until_the_worker_han
             TcpTransport(TcpConfig(), Blocks.vocabulary).connect(server.address).close()
         assert session.closed and session.sock.fileno() != -1  # still the worker's
         leave.set()
-        assert _until(lambda: session.sock.fileno() == -1)  # handed back: closed
+        assert until(lambda: session.sock.fileno() == -1)  # handed back: closed
         ch.close()
     finally:
         leave.set()

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from _wait import until
 from tiersync.net import socket_io
 from tiersync.net.errors import NetTimeoutError, PeerClosedError
 from tiersync.net.socket_io import Deadline, write_nonblocking
@@ -364,16 +365,7 @@ def test_peer_gone_sees_a_hang_up_behind_unread_bytes_and_a_reset():
                 if how == "reset":
                     peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 peer.close()
-                assert _eventually(lambda s=ours: peer_gone(s)), how
+                assert until(lambda s=ours: peer_gone(s)), how
                 if how == "close":
                     assert ours.recv(64) == b"unread request bytes"  # the bytes were left where they were
             assert peer_gone(ours)  # closed under us
-
-
-def _eventually(predicate, timeout: float = 5.0) -> bool:
-    done = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return True
-        done.wait(0.01)
-    return predicate()
