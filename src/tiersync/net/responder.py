@@ -210,7 +210,8 @@ class Responder:
     ) -> list[bytes | memoryview] | Park:
         answers = self._answers(s, event)
         if isinstance(answers, Park):
-            s.write(bufs, deadline)
+            if bufs:
+                s.write(bufs, deadline)
             return answers
         streamed = inspect.isgenerator(answers)
         if streamed and bufs:  # its body has not run yet and may wait: earlier answers go out first
