@@ -460,3 +460,30 @@ def test_a_map_of_a_memfd_its_living_process_closed_goes_when_it_maps_another():
         owner2.close()
         os.close(fd2)
         os.close(keep)
+
+
+def test_allow_readers_asks_the_kernel_once_per_process_and_again_in_a_forked_child(monkeypatch):
+    """A server calls it at every same-host read: one prctl per process, not one per read."""
+    calls: list[int] = []
+
+    class Spy:
+        def prctl(self, *args):
+            calls.append(os.getpid())
+            return 0
+
+    monkeypatch.setattr(local, "_libc", Spy())
+    monkeypatch.setattr(local, "_allowed_in", [0])
+    for _ in range(3):
+        local.allow_readers()
+    assert calls == [os.getpid()]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own process, so its own prctl
+        local.allow_readers()
+        os.write(w, str(len(calls)).encode())
+        os._exit(0)
+    os.close(w)
+    got = os.read(r, 16)
+    os.waitpid(pid, 0)
+    os.close(r)
+    assert got == b"2"

@@ -147,13 +147,21 @@ def address_of(view: memoryview) -> int:
     return buffer_address(view)[0]
 
 
+_allowed_in = [0]  # the pid whose readers are allowed (a forked child is another tracee: it asks again)
+
+
 def allow_readers() -> None:
     """Let same-uid processes read this one where Yama's ptrace_scope is 1 (elsewhere they
-    already may): ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``. Idempotent, never raises."""
+    already may): ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``, once per process (a server
+    calls this at every same-host read). Idempotent, never raises."""
+    pid = os.getpid()
+    if _allowed_in[0] == pid:
+        return
     try:
         _libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0)
     except (AttributeError, OSError):  # pragma: no cover - no prctl
         pass
+    _allowed_in[0] = pid
 
 
 def can_read(pid: int) -> bool:
