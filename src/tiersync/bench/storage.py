@@ -15,9 +15,8 @@ baseline does not verify. Both sides use buffers made like the host tier's memor
 the raw file written / read with O_DIRECT from / into the same buffer
 (``raw_direct_gbps``: a stricter baseline than the buffered one the ratio uses). Iterations
 interleave the timings (order rotating); rows report medians, plus the median and 10th/90th
-percentiles of the per-iteration
-ratio (``paired_ratio*``). A byte-exact round trip of both paths runs first and the
-bench refuses to report on a mismatch.
+percentiles of the per-iteration ratio (``paired_ratio*``). A byte-exact round trip of both
+paths runs first and the bench refuses to report on a mismatch.
 """
 
 from __future__ import annotations

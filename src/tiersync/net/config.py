@@ -111,9 +111,8 @@ class TcpConfig:
     latter). ``source_ip``: a client connects from this local IP (None: the kernel picks).
     ``by_reference``: see :class:`ByReference`. ``keepalive_s``: a connection whose peer stopped
     answering at all (its host lost power, a partition) is closed after about this long without
-    traffic, by TCP keepalive probes (0:
-    none); without them an idle session of a dead peer held its slot and buffers for good.
-    Raises UsageError naming the field.
+    traffic, by TCP keepalive probes (0: none); without them an idle session of a dead peer held
+    its slot and buffers for good. Raises UsageError naming the field.
     """
 
     sndbuf: int = 16 << 20

@@ -54,8 +54,7 @@ class StoreNodeClient:
     from, a wildcard or a host name leaves the choice to the kernel (the node dials the IP
     it sees). Over TLS the node checks our certificate against the IP it dials. ``tls``: talk to the
     node over TLS; a writer also serves its blocks over TLS with the same files
-    (``certfile``/``keyfile`` needed to push). ``on_pull``
-    (tests): called with each PULL (or
+    (``certfile``/``keyfile`` needed to push). ``on_pull`` (tests): called with each PULL (or
     PULL_MANY, PULL_LOCAL) the node sends us, before it is answered.
     """
 

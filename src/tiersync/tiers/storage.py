@@ -9,8 +9,7 @@ with one ``pwritev``, fsynced, atomically renamed and the directory fsynced
 so an acknowledged block survives a SIGKILL or power loss and a reader (this or
 another process or machine) never sees a half-written segment. Write batches queued together (while
 the workers are busy) are packed into one segment of up to ``segment_bytes`` — one file and one
-fsync for the
-burst, long files for sequential reads.
+fsync for the burst, long files for sequential reads.
 
 Reads queued together are served by one pass (:mod:`tiersync.tiers.storage_read`):
 per segment, sorted, contiguous records merged into long ``preadv`` calls straight

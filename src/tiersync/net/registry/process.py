@@ -50,8 +50,7 @@ def main(
     """Serve until interrupted (or ``stop`` is set); prints "tiersync registry listening on ADDR".
     ``tls``: serve only over TLS (:func:`serve_registry`). With ``token`` every call must prove it
     (``token_source``, e.g. "$TIERSYNC_TOKEN", is named in that line); without one any peer that
-    reaches the port may register stores and publish
-    blocks (logged as a warning)."""
+    reaches the port may register stores and publish blocks (logged as a warning)."""
     from tiersync.net.registry.agent import REPUBLISH_S
     from tiersync.net.registry.grpc_service import serve_registry
 
