@@ -93,15 +93,6 @@ def test_a_watch_that_raises_after_it_woke_the_session_leaves_it_to_the_resumed_
     assert resumed == ["s"] and len(parked) == 0
 
 
-def test_deadline_entries_of_parks_woken_early_are_swept():
-    parked = ParkedSessions(lambda s, request: None)
-    for i in range(1000):
-        watch = _Watch()
-        parked.park(i % 3, None, Park(watch, time.monotonic() + 600))
-        watch.fire()
-    assert len(parked) == 0 and len(parked._deadlines) <= 64 + 1
-
-
 class _Gated(Service):
     """PING token 0 parks until ``open_gate`` (or until ``park_s`` passed: then ERROR); any
     other PING is answered at once."""

@@ -35,14 +35,6 @@ def test_a_session_between_frames_or_handed_to_a_worker_is_no_stall():
     assert stalls.expired(115.0) == ["again"]
 
 
-def test_deadline_entries_of_finished_frames_are_swept():
-    stalls: Stalls[int] = Stalls(600.0)
-    for i in range(1000):
-        stalls.note(i % 3, True, float(i))
-        stalls.note(i % 3, False, float(i))
-    assert len(stalls) == 0 and len(stalls._heap) <= 64 + 1
-
-
 def test_a_server_ends_a_peer_that_stops_mid_frame_and_keeps_one_idle_between_frames():
     """op_timeout_s 0.5: an authenticated peer that sent ten bytes of a frame header and nothing
     more is closed (it held its bytes and its connection slot for good); one that waits

@@ -23,21 +23,20 @@ The handler is asked again from the start: it answers, or parks again.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
+from tiersync.net.deadlines import Deadlines
 from tiersync.net.service import Park
 
 __all__ = ["ParkedSessions"]
 
 log = logging.getLogger(__name__)
-_SLACK = 64  # deadline entries of parks already woken kept before the heap is swept
 
-S = TypeVar("S")
+S = TypeVar("S", bound=Hashable)
 
 
 class ParkedSessions(Generic[S]):
@@ -47,8 +46,7 @@ class ParkedSessions(Generic[S]):
     def __init__(self, resume: Callable[[S, object], object]) -> None:
         self._resume = resume
         self._lock = threading.Lock()
-        self._parked: dict[S, tuple[int, object]] = {}  # session -> (token, request)
-        self._deadlines: list[tuple[float, int, S]] = []  # (deadline, token, session); stale ones skipped
+        self._parked: Deadlines[S, tuple[int, object]] = Deadlines()  # session -> (token, request)
         self._tokens = itertools.count(1)
 
     def __len__(self) -> int:
@@ -58,7 +56,7 @@ class ParkedSessions(Generic[S]):
     def sessions(self) -> list[S]:
         """The sessions parked now."""
         with self._lock:
-            return list(self._parked)
+            return self._parked.keys()
 
     def park(self, session: S, request: object, park: Park) -> None:
         """Keep ``session`` until ``park`` wakes it, its deadline passes or the session ends.
@@ -67,18 +65,15 @@ class ParkedSessions(Generic[S]):
         worker's by then)."""
         token = next(self._tokens)
         with self._lock:
-            self._parked[session] = (token, request)
-            heapq.heappush(self._deadlines, (park.deadline, token, session))
-            if len(self._deadlines) > 2 * len(self._parked) + _SLACK:  # parks woken long before their deadline
-                self._deadlines = [e for e in self._deadlines if self._parked.get(e[2], (0,))[0] == e[1]]
-                heapq.heapify(self._deadlines)
+            self._parked.set(session, park.deadline, (token, request))
         try:
             park.watch(lambda: self.resume(session, token))
         except Exception:
             with self._lock:
-                mine = self._parked.get(session, (0,))[0] == token
+                held = self._parked.get(session)
+                mine = held is not None and held[0] == token
                 if mine:
-                    del self._parked[session]
+                    self._parked.pop(session)
             if mine:
                 raise
             log.exception("a service's watch failed after it woke its session")
@@ -90,16 +85,13 @@ class ParkedSessions(Generic[S]):
             held = self._parked.get(session)
             if held is None or token not in (None, held[0]):
                 return False
-            del self._parked[session]
+            self._parked.pop(session)
         self._resume(session, held[1])
         return True
 
     def expire(self, now: float) -> None:
         """Resume every session whose park's deadline is ``now`` or earlier."""
-        due = []
         with self._lock:
-            while self._deadlines and self._deadlines[0][0] <= now:
-                _, token, session = heapq.heappop(self._deadlines)
-                due.append((session, token))
-        for session, token in due:
-            self.resume(session, token)
+            due = self._parked.due(now)  # taken out here: no wake can resume them too
+        for session, (_, request) in due:
+            self._resume(session, request)

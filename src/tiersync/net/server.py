@@ -18,7 +18,6 @@ exactly once per opened session, however it ended.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import queue
@@ -35,6 +34,7 @@ from tiersync.errors import ClosedError, TierSyncError
 from tiersync.net import events as ev
 from tiersync.net.acceptor import Acceptor
 from tiersync.net.config import TcpConfig, parse_address
+from tiersync.net.deadlines import Deadlines
 from tiersync.net.errors import ProtocolError
 from tiersync.net.handshake import refuse_over_cap
 from tiersync.net.protocol import NEED_DATA
@@ -70,7 +70,7 @@ class TcpServer(Server):
         # (action, session) for the loop thread
         self._todo: queue.SimpleQueue[tuple[str, ServerSession | None]] = queue.SimpleQueue()
         self._sessions: set[ServerSession] = set()
-        self._deadlines: list[tuple[float, int, ServerSession]] = []  # (handshake deadline, session id, session)
+        self._handshakes: Deadlines[ServerSession, None] = Deadlines()  # sessions in their handshake
         self._ids = itertools.count(1)
         self._rbuf = memoryview(bytearray(max(self.config.recv_chunk, 64 << 10)))
         self._workers = ThreadPoolExecutor(self.config.workers, thread_name_prefix=f"tiersync-serve-{port}")
@@ -111,8 +111,8 @@ class TcpServer(Server):
         now = time.monotonic()
         self._acceptor.resume_due(now)
         ends = [self._acceptor.paused_until] if self._acceptor.paused_until else []
-        if self._deadlines:
-            ends.append(self._deadlines[0][0])
+        if (first := self._handshakes.first()) is not None:
+            ends.append(first[1])
         return max(0.0, min([1.0, *(e - now for e in ends)]))
 
     def _admit(self, sock: socket.socket, peer: str) -> bool:
@@ -131,7 +131,7 @@ class TcpServer(Server):
             return True
         s = ServerSession(self._end, self.config, self.service.vocabulary, sock, peer, next(self._ids))
         self._sessions.add(s)
-        heapq.heappush(self._deadlines, (time.monotonic() + self.config.connect_timeout_s, s.session_id, s))
+        self._handshakes.set(s, time.monotonic() + self.config.connect_timeout_s, None)
         self._register(s)
         return True
 
@@ -221,6 +221,7 @@ class TcpServer(Server):
             return self._auth_failed(s, s.hs.failed)
         if s.hs.done:
             assert s.hs.info is not None  # set with done
+            self._handshakes.pop(s)
             s.info, s.opened = s.hs.info, True
             try:
                 self.service.opened(s)
@@ -242,12 +243,10 @@ class TcpServer(Server):
         descriptors, where the next peer waits in the backlog meanwhile, not refused: else a
         burst of accepts could end a client accepted in that burst). False when none is left."""
         young = time.monotonic() + self.config.connect_timeout_s - min(grace_s, self.config.connect_timeout_s / 2)
-        while self._deadlines:
-            deadline, _, s = self._deadlines[0]
-            if not (s.closed or s.hs.done) and deadline > young:
-                return False
-            heapq.heappop(self._deadlines)
-            if not (s.closed or s.hs.done):
+        while (first := self._handshakes.first()) is not None and first[1] <= young:
+            s = first[0]
+            self._handshakes.pop(s)
+            if not s.closed:
                 log.debug("handshake from %s ended for a newer connection (no room)", s.peer)
                 self._end(s)
                 return True
@@ -264,9 +263,8 @@ class TcpServer(Server):
         for s in self._stalls.expired(now):
             log.debug("connection from %s: a frame unfinished after op_timeout_s", s.peer)
             self._end(s)
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, s = heapq.heappop(self._deadlines)
-            if not s.closed and not s.hs.done:
+        for s, _ in self._handshakes.due(now):
+            if not s.closed:
                 log.debug("handshake from %s timed out", s.peer)
                 self._end(s)
 
@@ -329,6 +327,7 @@ class TcpServer(Server):
         go to a new connection while another thread may still read or write by it)."""
         self._unregister(s)
         self._stalls.clear(s)
+        self._handshakes.pop(s)
         self._sessions.discard(s)
         held = s.wlock.acquire(timeout=_WRITE_ENDS_S)  # shut down: a write under way fails at once
         try:

@@ -12,14 +12,14 @@ the server ends those. A session idle between frames is no stall.
 
 from __future__ import annotations
 
-import heapq
-import itertools
+from collections.abc import Hashable
 from typing import Generic, TypeVar
+
+from tiersync.net.deadlines import Deadlines
 
 __all__ = ["Stalls"]
 
-S = TypeVar("S")
-_SLACK = 64  # deadline entries of frames already finished kept before the heap is swept
+S = TypeVar("S", bound=Hashable)
 
 
 class Stalls(Generic[S]):
@@ -27,9 +27,7 @@ class Stalls(Generic[S]):
 
     def __init__(self, limit_s: float) -> None:
         self._limit = limit_s
-        self._due: dict[S, float] = {}  # session -> when its unfinished frame is due
-        self._heap: list[tuple[float, int, S]] = []  # (deadline, order, session); stale ones skipped
-        self._order = itertools.count()
+        self._due: Deadlines[S, None] = Deadlines()  # session -> when its unfinished frame is due
 
     def __len__(self) -> int:
         return len(self._due)
@@ -37,26 +35,14 @@ class Stalls(Generic[S]):
     def note(self, session: S, mid_frame: bool, now: float) -> None:
         """After a read of ``session``: ``mid_frame`` whether part of a frame waits for the rest."""
         if not mid_frame:
-            self._due.pop(session, None)
-            return
-        if session in self._due:
-            return
-        self._due[session] = due = now + self._limit
-        heapq.heappush(self._heap, (due, next(self._order), session))
-        if len(self._heap) > 2 * len(self._due) + _SLACK:
-            self._heap = [e for e in self._heap if self._due.get(e[2]) == e[0]]
-            heapq.heapify(self._heap)
+            self._due.pop(session)
+        elif session not in self._due:
+            self._due.set(session, now + self._limit, None)
 
     def clear(self, session: S) -> None:
         """``session`` went to a worker, or ended."""
-        self._due.pop(session, None)
+        self._due.pop(session)
 
     def expired(self, now: float) -> list[S]:
         """The sessions whose unfinished frame began ``limit_s`` or more before ``now`` (forgotten)."""
-        out = []
-        while self._heap and self._heap[0][0] <= now:
-            due, _, session = heapq.heappop(self._heap)
-            if self._due.get(session) == due:  # still that frame
-                del self._due[session]
-                out.append(session)
-        return out
+        return [session for session, _ in self._due.due(now)]
