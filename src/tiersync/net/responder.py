@@ -219,6 +219,10 @@ class Responder:
             bufs = []
         try:
             for answer in answers:
+                if isinstance(answer, Park):  # its last answer: the session parks after the ones before
+                    if bufs:
+                        s.write(bufs, deadline)
+                    return answer
                 pinned = isinstance(answer, ev.Data) and answer.pinned
                 if pinned and bufs:  # what came before it goes by copy
                     s.write(bufs, deadline)

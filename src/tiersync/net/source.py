@@ -25,7 +25,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -33,9 +33,10 @@ import numpy as np
 from tiersync.net import events as ev
 from tiersync.net import local
 from tiersync.net import store_ops as so
+from tiersync.net.deadlines import Deadlines
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 from tiersync.net.partials import ChangedBlock, PartialSums
-from tiersync.net.service import Service, Session
+from tiersync.net.service import Park, Service, Session
 from tiersync.tiers.shareable import SharedRegion, check_shared, covering
 
 if TYPE_CHECKING:
@@ -154,12 +155,12 @@ class BlockService(Service):
         ]
         return np.array(rows, np.uint64).reshape(-1, 3)
 
-    def offer(self, req: so.Offer, session: Session) -> Iterator[object]:
+    def offer(self, req: so.Offer, session: Session) -> Iterable[object] | Park:
         """Answers to an OFFER; a read-only server refuses every offer."""
-        yield so.OfferReply(req.request_id, so.OfferStatus.REFUSED)
+        return [so.OfferReply(req.request_id, so.OfferStatus.REFUSED)]
 
     # -- the wire -------------------------------------------------------------------------------
-    def handle(self, session: Session, event: object) -> Iterable[object]:
+    def handle(self, session: Session, event: object) -> Iterable[object] | Park:
         if isinstance(event, so.Offer):
             return self.offer(event, session)
         if isinstance(event, ev.Ping):
@@ -270,36 +271,36 @@ class MemoryBlockSource(BlockService):
         self._clock = clock
         self._sums: dict[bytes, tuple[PayloadChecksum, int]] = {}
         self._rows: dict[bytes, tuple[int, int, int]] = {}  # key -> a whole block's regions() row
-        self._leases: dict[int, tuple[float, frozenset[bytes]]] = {}
+        self._leases: Deadlines[int, frozenset[bytes]] = Deadlines()  # lease id -> keys, at its end
         self._leased = 0  # keys of self._leases
         self._lock = threading.Lock()
 
     def lease(self, req: so.ReadLease) -> so.LeaseReply:
         """Hold the keys (all or nothing); BlockError(CAPACITY) past MAX_LEASED_KEYS under lease
-        (leases past their TTL are forgotten first)."""
+        (leases past their TTL forgotten first)."""
         missing = tuple(k for k in req.keys if k not in self._blocks)
         if missing:
             return so.LeaseReply(req.request_id, so.LeaseStatus.MISSING, missing=missing)
         ttl, keys = clamp_ttl(req.ttl_s), frozenset(req.keys)
         with self._lock:
-            if self._leased + len(keys) > MAX_LEASED_KEYS:
-                now = self._clock()
-                for ended in [i for i, (end, _) in self._leases.items() if end <= now]:
-                    self._leased -= len(self._leases.pop(ended)[1])
+            self._forget_ended()
             if self._leased + len(keys) > MAX_LEASED_KEYS:
                 raise BlockError(ev.ErrorCode.CAPACITY, f"{self._leased} keys are under lease here")
             lease_id = new_lease_id(self._leases)
-            self._leases[lease_id] = (self._clock() + ttl, keys)
+            self._leases.set(lease_id, self._clock() + ttl, keys)
             self._leased += len(keys)
         sizes = tuple(len(self._blocks[k]) for k in req.keys)
         return so.LeaseReply(req.request_id, so.LeaseStatus.GRANTED, lease_id, ttl, sizes)
 
+    def _forget_ended(self) -> None:
+        """Drop the leases past their end (under the lock)."""
+        for _, ended in self._leases.due(self._clock()):
+            self._leased -= len(ended)
+
     def _held_keys(self, lease_id: int) -> frozenset[bytes] | None:
         with self._lock:
-            lease = self._leases.get(lease_id)
-            if lease is None or lease[0] <= self._clock():
-                return None
-            return lease[1]
+            self._forget_ended()
+            return self._leases.get(lease_id)
 
     def view(
         self, lease_id: int, key: bytes, offset: int, length: int
@@ -352,7 +353,7 @@ class MemoryBlockSource(BlockService):
     def release(self, lease_id: int) -> bool:
         held = self._held_keys(lease_id) is not None
         with self._lock:
-            self._leased -= len(self._leases.pop(lease_id, (0.0, frozenset()))[1])
+            self._leased -= len(self._leases.pop(lease_id) or ())
         return held
 
     @property

@@ -18,7 +18,7 @@ from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.config import coerce_token
 from tiersync.net.errors import ProtocolError, ProtocolFault
-from tiersync.net.service import Session
+from tiersync.net.service import Park, Session
 from tiersync.net.source import MemoryBlockSource
 from tiersync.net.tcp import Deadline, TcpChannel, TcpConfig, TcpTransport
 from tiersync.net.tls import TlsConfig
@@ -186,7 +186,7 @@ class _ObservedSource(MemoryBlockSource):
         super().__init__(blocks)
         self._on_pull = on_pull
 
-    def handle(self, session: Session, event: object) -> Iterable[object]:
+    def handle(self, session: Session, event: object) -> Iterable[object] | Park:
         if self._on_pull is not None and isinstance(event, (so.Pull, so.PullMany, so.PullLocal)):
             self._on_pull(event)
         return super().handle(session, event)

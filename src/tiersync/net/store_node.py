@@ -15,36 +15,36 @@ COMMITTED. :class:`StoreNodeClient` is the other side.
 
 from __future__ import annotations
 
-import heapq
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tiersync.errors import CapacityError, UsageError
+from tiersync.errors import CapacityError, UsageError, check_positive_int
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
+from tiersync.net.background import Background
+from tiersync.net.deadlines import Deadlines
+from tiersync.net.errors import NetTimeoutError
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
 from tiersync.net.offer_source import pull_offer, writer_address
 from tiersync.net.server import TcpServer
-from tiersync.net.service import Session
+from tiersync.net.service import Park, Session
 from tiersync.net.source import MAX_LEASED_KEYS, BlockError, BlockService, clamp_ttl, new_lease_id
 from tiersync.net.spare_fd import SpareDescriptor
-from tiersync.net.tcp import TcpConfig, parse_address
+from tiersync.net.tcp import TcpConfig
 from tiersync.tiers.host import HostArena, HostArenaConfig
 
 if TYPE_CHECKING:
-    from tiersync.net.kv_events import KVEventPublisher, KVEventsConfig
-    from tiersync.net.registry.agent import AgentConfig, StoreAgent
-    from tiersync.net.registry.base import Registry
     from tiersync.net.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 PULL_CHUNK = 16 << 20
+_LAND_S = 10.0  # past its pull's deadline, what checksumming and inserting a pull's blocks may take
 MIN_BLOCK_NBYTES = 1 << 10  # a smaller block costs more in bookkeeping than it holds (KV blocks are >= 16 KiB)
 
 
@@ -69,8 +69,10 @@ class StoreNode(BlockService):
         config: TcpConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         pull_timeout_s: float = 60.0,
+        pullers: int = 8,
         on_stored: Callable[[list[bytes]], None] | None = None,
     ) -> None:
+        check_positive_int(pullers, "pullers")
         if isinstance(block_nbytes, bool) or not isinstance(block_nbytes, int) or block_nbytes < MIN_BLOCK_NBYTES:
             raise UsageError(f"must be at least {MIN_BLOCK_NBYTES} bytes", argument="block_size", value=block_nbytes)
         if capacity < block_nbytes:
@@ -82,11 +84,11 @@ class StoreNode(BlockService):
         self._listeners: list[Callable[[list[bytes]], None]] = [on_stored] if on_stored is not None else []
         self._index: dict[bytes, tuple[int, int, int]] = {}  # key -> (block, size, checksum of the bytes)
         self._landing: set[bytes] = set()
-        self._leases: dict[int, tuple[float, list[int], frozenset[bytes]]] = {}
-        self._ends: list[tuple[float, int]] = []  # (end, lease id) of every lease granted, soonest first
+        self._leases: Deadlines[int, tuple[list[int], frozenset[bytes]]] = Deadlines()  # id -> (blocks, keys)
         self._leased_keys = 0
         self._lock = threading.Lock()
         self._spare = SpareDescriptor()  # to dial writers while connections fill the descriptor table
+        self._pulls = Background(pullers, "tiersync-store-pull")
 
     @property
     def private_memory(self) -> bool:
@@ -94,27 +96,19 @@ class StoreNode(BlockService):
         return not self.shared
 
     # -- reads ---------------------------------------------------------------
-    def handle(self, session: Session, event: object) -> Iterable[object]:
+    def handle(self, session: Session, event: object) -> Iterable[object] | Park:
         with self._lock:
             self._expire()
         return super().handle(session, event)
 
     def _expire(self) -> None:
         """Unpin the leases past their end (the soonest first: no scan of those still held)."""
-        now = self._clock()
-        while self._ends and self._ends[0][0] <= now:
-            _, lease_id = heapq.heappop(self._ends)
-            lease = self._leases.get(lease_id)
-            if lease is not None and lease[0] <= now:
-                self._unpin(lease_id)
+        for _, (blocks, _) in self._leases.due(self._clock()):
+            self._unpin(blocks)
 
-    def _unpin(self, lease_id: int) -> None:
-        _, blocks, _ = self._leases.pop(lease_id)
+    def _unpin(self, blocks: list[int]) -> None:
         self._leased_keys -= len(blocks)  # one per key asked, repeats included: what lease() added
         self.arena.allocator.unlock(blocks)
-        if len(self._ends) > 2 * len(self._leases) + 1024:  # ends of leases released early
-            self._ends = [(end, i) for i, (end, _, _) in self._leases.items()]
-            heapq.heapify(self._ends)
 
     def lease(self, req: so.ReadLease) -> so.LeaseReply:
         """Pin every key (all or nothing); BlockError(CAPACITY) past MAX_LEASED_KEYS under lease."""
@@ -128,8 +122,7 @@ class StoreNode(BlockService):
             blocks = [self._index[k][0] for k in req.keys]
             self.arena.allocator.lock(blocks)
             lease_id, end = new_lease_id(self._leases), self._clock() + ttl
-            self._leases[lease_id] = (end, blocks, frozenset(req.keys))
-            heapq.heappush(self._ends, (end, lease_id))
+            self._leases.set(lease_id, end, (blocks, frozenset(req.keys)))
             self._leased_keys += len(req.keys)
             sizes = tuple(self._index[k][1] for k in req.keys)
         return so.LeaseReply(req.request_id, so.LeaseStatus.GRANTED, lease_id, ttl, sizes)
@@ -171,7 +164,7 @@ class StoreNode(BlockService):
                 raise BlockError(ev.ErrorCode.LEASE_EXPIRED, "lease not held")
             found = []
             for key, offset, length in items:
-                if key not in lease[2]:
+                if key not in lease[1]:
                     raise BlockError(ev.ErrorCode.NOT_FOUND, "key not under this lease")
                 block, size, checksum = self._index[key]
                 if offset + length > size:
@@ -186,59 +179,83 @@ class StoreNode(BlockService):
 
     def release(self, lease_id: int) -> bool:
         with self._lock:
-            held = lease_id in self._leases
-            if held:
-                self._unpin(lease_id)
-        return held
+            lease = self._leases.pop(lease_id)
+            if lease is not None:
+                self._unpin(lease[0])
+        return lease is not None
 
     # -- writes --------------------------------------------------------------
-    def offer(self, req: so.Offer, session: Session | None = None) -> Iterator[object]:
-        """Answers to OFFER ``req``: the OFFER_REPLY, then (when accepted) the COMMIT_REPLY.
-        An unexpected error becomes ERROR (before the reply) or FAILED (after).
+    def offer(self, req: so.Offer, session: Session | None = None) -> Iterable[object] | Park:
+        """Answers to OFFER ``req``: the OFFER_REPLY, then (when accepted) the COMMIT_REPLY once
+        the pull ended. An unexpected error becomes ERROR (before the reply) or FAILED (after).
+        The pull runs on the node's own ``pullers`` threads while the writer's session is parked
+        (:mod:`~tiersync.net.background`): slow writers hold none of the server's workers.
 
         ``session``: the writer's; the node dials only its IP (:func:`writer_address`), and an
         OFFER naming another host is answered ERROR(BAD_REQUEST) saying why.
         """
-        return _guarded(self._offer(req, session.peer if session is not None else None), req.request_id)
+        if session is not None:  # asked again once its pull ended (or its park's deadline passed)
+            done = self._pulls.take(session, req.request_id, time.monotonic() + self._pull_timeout)
+            if done is not None:
+                return done
+        return _guarded(self._offer(req, session), req.request_id)
 
-    def _offer(self, req: so.Offer, peer: str | None) -> Generator[object, None, None]:
+    def _offer(self, req: so.Offer, session: Session | None) -> Generator[object, None, None]:
         try:
-            writer = writer_address(req.source, peer)
+            writer = writer_address(req.source, session.peer if session is not None else None)
         except BlockError as exc:
-            log.info("offer %d from %s refused: %s", req.request_id, peer, exc)
+            log.info("offer %d from %s refused: %s", req.request_id, session and session.peer, exc)
             yield ev.Error(req.request_id, exc.code, str(exc))
             return
         reply, new, blocks = self._admit(req, writer)
-        landing = bool(new)  # blocks taken and keys landing, until published or freed
         try:
-            yield reply  # GeneratorExit here (the reply could not be written): freed below
-            if not new:
-                return
-            try:
-                self._pull_from(writer, req.lease_id, new, blocks)
-                sums = [self._sum_stored(key, self.arena.block(b)[:size]) for (key, size), b in zip(new, blocks)]
-            except Exception as exc:  # noqa: BLE001 - any failure: free the landing blocks, answer FAILED
-                log.info("offer %d from %s failed: %s", req.request_id, writer, exc)
-                landing = self._unland(new, blocks)
-                yield ev.CommitReply(req.request_id, ev.CommitStatus.FAILED, str(exc)[:512])
-                return
+            yield reply
+        except BaseException:  # GeneratorExit: the reply could not be written
+            if new:
+                self._unland(new, blocks)
+            raise
+        if not new:
+            return
+        deadline = time.monotonic() + self._pull_timeout  # from now, the wait for a puller included
+        land = partial(self._land, req, writer, new, blocks, deadline)  # owns the blocks from here
+        if session is None:
+            yield from land()
+        else:
+            yield self._pulls.start(session, req.request_id, land, deadline + _LAND_S)
+
+    def _land(
+        self, req: so.Offer, writer: str, new: list[tuple[bytes, int]], blocks: list[int], deadline: float
+    ) -> list[object]:
+        """Pull the blocks, then insert them all, or free them all: the COMMIT_REPLY (never raises)."""
+        try:
+            self._pull_from(writer, req.lease_id, new, blocks, deadline)
+            sums = [self._sum_stored(key, self.arena.block(b)[:size]) for (key, size), b in zip(new, blocks)]
             with self._lock:
                 self.arena.publish(blocks, [k for k, _ in new])
                 self._index.update({k: (b, s, c) for (k, s), b, c in zip(new, blocks, sums)})
                 self._landing.difference_update(k for k, _ in new)
-                landing = False
-        finally:
-            if landing:
+        except Exception as exc:  # noqa: BLE001 - any failure: free the landing blocks, answer FAILED
+            log.info("offer %d from %s failed: %s", req.request_id, writer, exc)
+            try:
                 self._unland(new, blocks)
+            except Exception:
+                log.exception("freeing the landing blocks of offer %d failed", req.request_id)
+            return [ev.CommitReply(req.request_id, ev.CommitStatus.FAILED, str(exc)[:512])]
         for listener in self._listeners:
-            listener([k for k, _ in new])
-        yield ev.CommitReply(req.request_id, ev.CommitStatus.COMMITTED)
+            try:
+                listener([k for k, _ in new])
+            except Exception:  # stored all the same: a listener's failure is its own
+                log.exception("a listener of stored keys failed")
+        return [ev.CommitReply(req.request_id, ev.CommitStatus.COMMITTED)]
 
-    def _unland(self, new: list[tuple[bytes, int]], blocks: list[int]) -> bool:
+    def closed(self, session: Session) -> None:
+        self._pulls.drop(session)  # a pull under way lands all the same
+        super().closed(session)
+
+    def _unland(self, new: list[tuple[bytes, int]], blocks: list[int]) -> None:
         with self._lock:  # an OFFER's landing blocks and keys freed (the keys first: even if freeing fails)
             self._landing.difference_update(k for k, _ in new)
             self.arena.free(blocks)
-        return False  # nothing is landing any more
 
     def _sum_stored(self, key: bytes, view: memoryview) -> int:
         """A landed block's checksum; with TSUM64 its partial state is kept from the same pass,
@@ -262,17 +279,22 @@ class StoreNode(BlockService):
         status = so.OfferStatus.PARTIAL_EXIST if existing else so.OfferStatus.ACCEPT
         return so.OfferReply(req.request_id, status, existing), new, blocks
 
-    def _pull_from(self, writer: str, lease_id: int, new: list[tuple[bytes, int]], blocks: list[int]) -> None:
+    def _pull_from(
+        self, writer: str, lease_id: int, new: list[tuple[bytes, int]], blocks: list[int], deadline: float
+    ) -> None:
         items = [
             (key, off, self.arena.block(b)[off : off + min(PULL_CHUNK, size - off)])
             for (key, size), b in zip(new, blocks)
             for off in range(0, size, PULL_CHUNK)
         ]
-        pull_offer(self.config, self._spare, writer, lease_id, items, self._pull_timeout)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise NetTimeoutError("the pull waited for a free puller past pull_timeout_s", peer=writer)
+        pull_offer(self.config, self._spare, writer, lease_id, items, left)
 
     def add_listener(self, fn: Callable[[list[bytes]], None]) -> None:
         """Call ``fn(keys)`` with the keys of every committed write, before COMMITTED is sent
-        (keep it short and non-raising: it runs on the connection's worker)."""
+        (keep it short: it runs on the thread that pulled them)."""
         self._listeners.append(fn)
 
     # -- introspection --------------------------------------------------------
@@ -296,6 +318,7 @@ class StoreNode(BlockService):
         return self.arena.allocator.num_free
 
     def close(self) -> None:
+        self._pulls.close()  # none may land in the arena once it is gone
         self._spare.close()
         self.arena.close()
 
@@ -339,43 +362,6 @@ def serve(
     return StoreNodeServer(address, StoreNode(capacity, block_nbytes, config=TcpConfig(token=token, tls=tls)))
 
 
-def attach_registry(server: StoreNodeServer, registry: Registry, config: AgentConfig) -> StoreAgent:
-    """Register ``server``'s node in ``registry``, heartbeat, advertise what it stores; returns the started agent."""
-    from tiersync.net.registry.agent import StoreAgent
-
-    node = server.node
-    agent = StoreAgent(
-        registry,
-        config,
-        free_blocks=lambda: node.free_blocks,
-        held_keys=node.held_keys,
-        capacity_blocks=node.arena.num_blocks,
-    )
-    node.add_listener(agent.announce)
-    agent.start()
-    return agent
-
-
-def attach_events(server: StoreNodeServer, config: KVEventsConfig) -> KVEventPublisher:
-    """Publish ``server``'s node as a vLLM KV event stream: ``AllBlocksCleared`` first (a
-    started node holds nothing, whatever a router remembers of an earlier one), then one
-    ``BlockStored`` (medium ``CPU``, the registry's 16-byte keys as hashes) per committed
-    write. The node never evicts, so there is no ``BlockRemoved``. Token ids are not known to
-    a node (writers offer keys): routers that index tiersync keys (the registry's) use them."""
-    from tiersync.net.kv_events import KVEventPublisher, all_cleared, block_stored
-
-    publisher = KVEventPublisher(config)
-    publisher.publish([all_cleared()])
-    server.node.add_listener(lambda keys: publisher.publish([block_stored(keys, "CPU")]))
-    return publisher
-
-
-def default_advertise(address: str) -> str:
-    """``address`` itself, or this host's name with its port when it is a wildcard bind."""
-    host, port = parse_address(address)
-    return f"{socket.gethostname()}:{port}" if host in ("0.0.0.0", "::", "") else address
-
-
 from tiersync.net.store_client import PushResult, StoreNodeClient  # noqa: E402  (re-export)
 
 __all__ = [
@@ -383,9 +369,6 @@ __all__ = [
     "StoreNode",
     "StoreNodeClient",
     "StoreNodeServer",
-    "attach_events",
-    "attach_registry",
-    "default_advertise",
     "serve",
     "writer_address",
 ]
