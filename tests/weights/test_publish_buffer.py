@@ -1,12 +1,11 @@
-"""PublishBuffer: a GET waits for its tensor and is woken by that tensor's write alone,
-begin() waits for running GETs and ends the waits of the old version's, and a GET's release
-wakes the condition's waiters only when it was the last one running (begin is the only one
-waiting on that count)."""
+"""PublishBuffer: a GET of bytes not written yet gets a watch woken by the write of the part it
+waits for alone (its session parks meanwhile), begin() waits for running GETs and wakes the
+old version's waiting ones (then refused), and a GET's release wakes the condition's waiters
+only when it was the last one running (begin is the only one waiting on that count)."""
 
 from __future__ import annotations
 
 import threading
-import types
 
 import numpy as np
 import pytest
@@ -34,9 +33,16 @@ def _buffer() -> tuple[PublishBuffer, _CountingCondition]:
 
 
 def _get(buf: PublishBuffer, version: int, name: str, got: dict[str, object], timeout: float = 30) -> None:
-    """A GET of tensor ``name``: its bytes (its release kept under ``release:name``) or its error."""
+    """A GET of tensor ``name`` as the server answers it (asked again each time its watch wakes
+    it): its bytes (its release kept under ``release:name``) or its error."""
     try:
-        view, release = buf.provide(version, name, (), None, timeout)
+        while not isinstance(answer := buf.provide(version, name, (), None), tuple):
+            woken = threading.Event()
+            answer(woken.set)
+            if not woken.wait(timeout):
+                got[name] = TimeoutError(name)
+                return
+        view, release = answer
         got[name], got[f"release:{name}"] = bytes(view), release
     except RemoteError as exc:
         got[name] = exc
@@ -58,48 +64,38 @@ def test_a_get_is_woken_by_its_own_tensor_and_reads_what_was_written() -> None:
     assert got["b"] == bytes(range(100, 132))
     assert cond.wakes == wakes  # writes wake no one waiting on the shared condition
     for name in ("a", "b"):
-        got[f"release:{name}"]()  # type: ignore[operator]
+        got[f"release:{name}"]()
 
 
-class _NotedEvent(threading.Event):
-    """An Event that says when someone starts waiting on it (``waiting``)."""
-
-    waiting = threading.Event()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        _NotedEvent.waiting.set()
-        return super().wait(timeout)
-
-
-def test_begin_ends_the_waits_of_the_old_versions_gets(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(threading, "Event", _NotedEvent)  # the buffer's per-tensor events
-    _NotedEvent.waiting.clear()
+def test_begin_wakes_the_old_versions_waiting_gets_which_are_then_refused() -> None:
     buf, _ = _buffer()
     buf.begin(1, set(), 5)
-    got: dict[str, object] = {}
-    t = threading.Thread(target=_get, args=(buf, 1, "a", got, 60))
-    t.start()
-    assert _NotedEvent.waiting.wait(10)  # the GET sleeps on tensor a's event
+    watch, woken = buf.provide(1, "a", (), None), threading.Event()
+    assert callable(watch)  # not written yet: a watch, not an answer
+    watch(woken.set)
+    assert not woken.is_set()
     buf.begin(2, set(), 5)
-    t.join(10)
-    assert not t.is_alive() and isinstance(got["a"], RemoteError)
+    assert woken.is_set()
+    with pytest.raises(RemoteError, match="not being served"):
+        buf.provide(1, "a", (), None)
+    late = threading.Event()
+    watch(late.set)  # a watch set after its version ended wakes at once
+    assert late.is_set()
 
 
-def test_a_get_of_an_unwritten_tensor_gives_up_at_its_timeout() -> None:
+def test_a_get_of_another_version_is_refused_at_once() -> None:
     buf, _ = _buffer()
     buf.begin(1, set(), 5)
     with pytest.raises(RemoteError, match="not being served"):
-        buf.provide(1, "a", (), None, 0.05)
-    with pytest.raises(RemoteError, match="not being served"):
-        buf.provide(2, "a", (), None, 0.05)  # another version
+        buf.provide(2, "a", (), None)
 
 
 def test_only_the_last_release_wakes_waiters_and_begin_waits_for_it() -> None:
     buf, cond = _buffer()
     buf.begin(1, set(), 5)
     buf.write(0, np.zeros(16, np.uint8))
-    _, first = buf.provide(1, "a", (), None, 5)
-    _, second = buf.provide(1, "a", (), None, 5)
+    _, first = buf.provide(1, "a", (), None)
+    _, second = buf.provide(1, "a", (), None)
     before = cond.wakes
     first()
     assert cond.wakes == before  # one GET still runs: nobody waits for a count above zero
@@ -113,54 +109,28 @@ def test_only_the_last_release_wakes_waiters_and_begin_waits_for_it() -> None:
     t.join(10)
     assert cond.wakes == waiting + 1  # the last release woke begin
     with pytest.raises(RemoteError):
-        buf.provide(1, "a", (), None, 0.05)  # the old version is no longer served
+        buf.provide(1, "a", (), None)  # the old version is no longer served
 
 
-class _CountedEvent(threading.Event):
-    made = 0
-    sets = 0
+def test_a_get_is_woken_by_the_write_of_the_last_part_it_needs_not_an_earlier_one() -> None:
+    """A GET of all of a 2-part tensor is woken once, when its second part is written (a
+    100 GB shard has 25k parts of 4 MiB: each write wakes only the GETs waiting for it)."""
+    from tiersync.weights.publish_buffer import PART
 
-    def __init__(self) -> None:
-        _CountedEvent.made += 1
-        super().__init__()
-
-    def set(self) -> None:
-        _CountedEvent.sets += 1
-        super().set()
-
-
-def test_events_are_made_only_for_parts_a_get_waits_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A version whose parts nobody waits for makes no events (a 100 GB shard has 25k parts of
-    4 MiB); a GET waiting for part 1 of a tensor makes one, set once when that part is written
-    (each set takes the event's lock and wakes its waiters)."""
-    from tiersync.weights import publish_buffer
-
-    PART = publish_buffer.PART
-    monkeypatch.setattr(publish_buffer, "threading", types.SimpleNamespace(Event=_CountedEvent))  # its events only
-    monkeypatch.setattr(_CountedEvent, "made", 0)
-    monkeypatch.setattr(_CountedEvent, "sets", 0)
-    sizes = [16] * 10 + [2 * PART]
-    buf = PublishBuffer(
-        threading.Condition(), None, {f"t{i}": i for i in range(11)}, [16 * i for i in range(11)], sizes, sum(sizes)
-    )
+    sizes = [16, 2 * PART]
+    buf = PublishBuffer(threading.Condition(), None, {"small": 0, "big": 1}, [0, 16], sizes, sum(sizes))
     buf.begin(1, set(), 5)
-    for i in range(10):
-        buf.write(i, np.full(16, i, np.uint8))
-    assert (_CountedEvent.made, _CountedEvent.sets) == (0, 0)
-    view, release = buf.provide(1, "t9", (), None, 5)
-    assert bytes(view) == bytes([9]) * 16
+    watch = buf.provide(1, "big", (), None)
+    assert callable(watch)
+    answers: list[object] = []
+    watch(lambda: answers.append(buf.provide(1, "big", (), None)))  # what the parked GET is asked again
+    buf.write(0, np.full(16, 1, np.uint8))
+    assert answers == []  # another tensor's write wakes no one
+    buf.write(1, np.full(2 * PART, 7, np.uint8))
+    assert len(answers) == 1 and isinstance(answers[0], tuple)  # woken once, with every byte there
+    view, release = answers[0]
+    assert bytes(view) == bytes([7]) * (2 * PART)
     release()
-    got: dict[str, object] = {}
-    t = threading.Thread(target=_get, args=(buf, 1, "t10", got))
-    t.start()
-    while _CountedEvent.made == 0 and t.is_alive():  # the GET of all of t10 waits for its part 1
-        t.join(0.01)
-    buf.write(10, np.full(2 * PART, 7, np.uint8))
-    t.join(10)
-    assert got["t10"] == bytes([7]) * (2 * PART) and (_CountedEvent.made, _CountedEvent.sets) == (1, 1)
-    got["release:t10"]()  # type: ignore[operator]
-    buf.begin(2, set(), 5)
-    assert (_CountedEvent.made, _CountedEvent.sets) == (1, 1)  # begin sets only events still waited on
 
 
 def test_a_version_refused_for_no_room_leaves_no_segment_held(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -210,7 +180,7 @@ def test_a_holder_dropped_while_begin_waits_holds_no_segment(tmp_path) -> None:
     try:
         buf.begin(1, {gone, stays}, 5.0)
         buf.write(0, np.ones(4096, np.uint8))
-        _, release = buf.provide(1, "w", (), None, 0.0)  # a GET of version 1 still running
+        _, release = buf.provide(1, "w", (), None)  # a GET of version 1 still running
         began = threading.Thread(target=buf.begin, args=(2, {gone, stays}, 30.0))
         began.start()  # waits for the running GET
         with cond:

@@ -28,7 +28,7 @@ SHARD = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8)  # wh
 RESUME = threading.Event()  # a GET of tensor "stall" is answered once this is set
 
 
-def _provider(version: int, tensor: str, key: tuple, span: object, timeout_s: float):
+def _provider(version: int, tensor: str, key: tuple, span: object):
     if tensor == "stall":  # a trainer that stops answering, its socket open
         RESUME.wait(30)
     if tensor == "missing":

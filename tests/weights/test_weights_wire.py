@@ -298,7 +298,7 @@ def test_a_w_sums_may_not_ask_the_trainer_to_read_more_than_the_tensor():
     from tiersync.weights.serving import SpanService
 
     shard = np.random.default_rng(5).integers(0, 255, 1 << 20, dtype=np.uint8)
-    service = SpanService(lambda v, t, k, s, timeout: (shard, lambda: None), 5.0, control=lambda s, e: [])
+    service = SpanService(lambda v, t, k, s: (shard, lambda: None), 5.0, control=lambda s, e: [])
     transport = TcpTransport(TcpConfig(token=b"w" * 32), WEIGHTS)
     server = transport.serve("127.0.0.1:0", service)
     try:

@@ -24,7 +24,11 @@ from dataclasses import dataclass
 
 from tiersync.net.vocab import Vocabulary
 
-__all__ = ["Park", "PeerInfo", "Service", "Session"]
+__all__ = ["Park", "PeerInfo", "Service", "Session", "Watch"]
+
+Watch = Callable[[Callable[[], object]], None]
+"""``watch(wake)`` arranges for ``wake()`` to be called (from any thread; at once if what it
+waits for is already there) when what it waits for may be there; later calls are ignored."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +54,7 @@ class Park:
     ``watch(wake)`` must arrange for ``wake()`` to be called (from any thread; at once if the
     answer may already be there) when the answer may be ready; later calls are ignored."""
 
-    watch: Callable[[Callable[[], object]], None]
+    watch: Watch
     deadline: float
 
 

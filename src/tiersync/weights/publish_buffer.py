@@ -7,10 +7,10 @@ anonymous memory. A version begins once the GETs of the old one finished, in a s
 zero-copy sampler still reads. Tensors are written in order, each in parts of :data:`PART`
 bytes; a span of tensor ``i`` is served (:meth:`provide`, the
 :class:`~tiersync.weights.serving.SpanService` provider) once the parts it reaches into were
-written (a GET waiting for them sleeps on an event of the last one, made when the first GET
-waits for that part: writing a part wakes only the GETs that waited for it, and a version
-makes no events when nothing waits; the first GETs of a large embedding go out after its first
-part, not after all of it), and the checksums of its spans are composed from sums taken while
+written (until then the provider answers a :data:`~tiersync.net.service.Watch` of the last
+one, and the GET's session is parked without a server worker: writing a part wakes only the
+GETs that waited for it, and a version keeps no wake lists when nothing waits; the first GETs
+of a large embedding go out after its first part, not after all of it), and the checksums of its spans are composed from sums taken while
 it was copied in (:meth:`span_sum`, :class:`~tiersync.weights.piece_sums.PieceSums`). It works
 under the publisher's condition, the lock the pool is called under.
 """
@@ -20,10 +20,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 
 import numpy as np
 
 from tiersync.errors import ClosedError, RemoteError, UsageError
+from tiersync.net.service import Watch
 from tiersync.weights.piece_sums import PieceSums, span_sum
 from tiersync.weights.segment import SegmentPool, SegmentWriter
 from tiersync.weights.spans import StridedSpan
@@ -53,7 +55,9 @@ class PublishBuffer:
         self._current: int | None = None  # version GETs may read
         self._filled = [0] * len(sizes)  # bytes of tensor i of this version written
         self._inflight = 0
-        self._waits: dict[tuple[int, int], threading.Event] = {}  # (i, k): GETs waiting for part k of tensor i
+        self._waits: dict[
+            tuple[int, int], list[Callable[[], object]]
+        ] = {}  # (i, k): wakes of GETs awaiting part k of i
         self._sums = PieceSums(len(sizes))
         if pool is not None:
             self._store = self._segment_store(pool, -1, set())
@@ -86,9 +90,11 @@ class PublishBuffer:
         with self._cond:
             self._current, self._filled = None, [0] * len(self._sizes)
             self._sums.reset()
-            for event in self._waits.values():  # GETs waiting for the old version give up now
-                event.set()
-            self._waits = {}
+            waits, self._waits = self._waits, {}
+        for wakes in waits.values():  # GETs waiting for the old version are refused now
+            for wake in wakes:
+                wake()
+        with self._cond:
             while self._inflight and time.monotonic() < end:
                 self._cond.wait(end - time.monotonic())
             if self._pool is not None:
@@ -119,9 +125,9 @@ class PublishBuffer:
             self._sums.copy_in(i, dst[lo:hi], src[lo:hi], lo)
             with self._cond:
                 self._filled[i] = hi
-                event = self._waits.pop((i, k), None)
-            if event is not None:
-                event.set()  # wakes only the GETs waiting for this part
+                wakes = self._waits.pop((i, k), ())
+            for wake in wakes:  # only the GETs waiting for this part
+                wake()
 
     def complete(self, version: int) -> None:
         """Every tensor of ``version`` is written (the segment's header says so)."""
@@ -129,29 +135,31 @@ class PublishBuffer:
             _current(self._pool).complete(version)
 
     def provide(
-        self, version: int, name: str, key: tuple[int, ...], span: StridedSpan | None, timeout: float
-    ) -> tuple[np.ndarray, Callable[[], None]]:
+        self, version: int, name: str, key: tuple[int, ...], span: StridedSpan | None
+    ) -> tuple[np.ndarray, Callable[[], None]] | Watch:
         """GETs: tensor ``name`` of ``version`` once the bytes ``span`` reaches into were written
-        (all of them for None; waiting at most ``timeout`` s); any ``key``."""
+        (all of them for None), any ``key``; until then a Watch of the part they end in.
+        RemoteError once ``version`` is not the one served."""
         i = self._index.get(name)
         if i is None:
             raise UsageError(f"unknown tensor {name!r}", argument="tensor")
         need = self._sizes[i] if span is None else min(span.extent, self._sizes[i])  # past the end: refused later
-        end = time.monotonic() + timeout
-        while True:
-            with self._cond:
-                if self._current == version and self._filled[i] >= need:
-                    self._inflight += 1
-                    break
-                if self._current != version or time.monotonic() >= end:
-                    raise RemoteError(
-                        "version not being served (or not written in time)", version=version, current=self._current
-                    )
-                part = (i, max(0, need - 1) // PART)
-                written = self._waits.get(part) or self._waits.setdefault(part, threading.Event())
-            written.wait(end - time.monotonic())  # set when that part is written or the version ends
-        lo = self._offsets[i] - self._offsets[0]
-        return self._store[lo : lo + self._sizes[i]], self._release
+        with self._cond:
+            if self._current != version:
+                raise RemoteError("version not being served", version=version, current=self._current)
+            if self._filled[i] < need:
+                return partial(self._watch, version, i, need)
+            self._inflight += 1
+            lo = self._offsets[i] - self._offsets[0]
+            return self._store[lo : lo + self._sizes[i]], self._release
+
+    def _watch(self, version: int, i: int, need: int, wake: Callable[[], object]) -> None:
+        """Call ``wake`` once ``need`` bytes of tensor ``i`` are written or ``version`` ended."""
+        with self._cond:
+            if self._current == version and self._filled[i] < need:
+                self._waits.setdefault((i, max(0, need - 1) // PART), []).append(wake)
+                return
+        wake()
 
     def serving(self, version: int) -> bool:
         """Whether GETs of ``version`` are answered (no later version has begun)."""
@@ -173,7 +181,7 @@ class PublishBuffer:
     def _release(self) -> None:
         with self._cond:
             self._inflight -= 1
-            if not self._inflight:  # only begin() waits on this count: GETs waiting in provide stay asleep
+            if not self._inflight:  # only begin() waits on this count
                 self._cond.notify_all()
 
     def close(self) -> None:

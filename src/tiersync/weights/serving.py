@@ -14,17 +14,18 @@ Anything else goes to ``control`` (a trainer shard's registrations and acks).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from tiersync.errors import TierSyncError, UsageError
+from tiersync.errors import RemoteError, TierSyncError, UsageError
 from tiersync.net import events as ev
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.frames import SUPPORTED, PayloadChecksum
 from tiersync.net.pieces import sum_of
-from tiersync.net.service import Service, Session
+from tiersync.net.service import Park, Service, Session, Watch
 from tiersync.weights.executor import span_view
 from tiersync.weights.ops import WEIGHTS, Get, Sums, SumsReply
 from tiersync.weights.spans import StridedSpan
@@ -34,12 +35,13 @@ if TYPE_CHECKING:
 
 __all__ = ["Provider", "SpanService", "Summer", "span_payload"]
 
-Provider = Callable[[int, str, tuple[int, ...], StridedSpan | None, float], tuple[np.ndarray, Callable[[], None]]]
-"""``(version, tensor, key, span, timeout_s) -> (flat uint8 local shard, release)`` once that
-tensor (chunk ``key`` of it, for a relay, which serves only the ``span`` it landed that chunk
-in; None for a W_SUMS) of that version is there; ``release()`` runs once the answer was
-written (the bytes must not change before; a pinned answer's bytes are read later still: see
-:class:`SpanService`). Raises a TierSyncError to refuse."""
+Provider = Callable[[int, str, tuple[int, ...], StridedSpan | None], "tuple[np.ndarray, Callable[[], None]] | Watch"]
+"""``(version, tensor, key, span) -> (flat uint8 local shard, release)`` once that tensor
+(chunk ``key`` of it, for a relay, which serves only the ``span`` it landed that chunk in; None
+for a W_SUMS) of that version is there, else a :data:`~tiersync.net.service.Watch` of it (the
+GET's session is parked meanwhile, with no server worker); ``release()`` runs once the answer
+was written (the bytes must not change before; a pinned answer's bytes are read later still:
+see :class:`SpanService`). Raises a TierSyncError to refuse."""
 
 Summer = Callable[[int, str, StridedSpan], "int | None"]
 """``(version, tensor, span) -> tsum64 of the span's bytes``, or None when not known (the span
@@ -165,33 +167,70 @@ class SpanService(Service):
         self._control, self._ended, self._summer = control, ended, summer
         self._pinned, self._serving = pinned, serving
         self._sums = _Sums()
+        self._lock = threading.Lock()
+        self._parked: dict[Session, tuple[int, float]] = {}  # session -> (request id, deadline) of its parked GET
 
-    def handle(self, session: Session, event: object) -> Iterable[object]:
+    def handle(self, session: Session, event: object) -> Iterable[object] | Park:
         if isinstance(event, (Get, Sums)) and self._incarnation not in (None, event.incarnation):
             text = f"this trainer shard restarted: incarnation {self._incarnation:x}, not {event.incarnation:x}"
             return [ev.Error(event.request_id, ev.ErrorCode.NOT_FOUND, text)]
         if isinstance(event, Get):
-            return self._get(event)
+            return self._get(session, event)
         if isinstance(event, Sums) and self._control is not None:  # trainer shards only
-            return self._checksums(event)
+            return self._checksums(session, event)
         if self._control is None:
             session.close()  # a data-only server: a control message is out of place
             return []
         return self._control(session, event)
 
     def closed(self, session: Session) -> None:
+        with self._lock:
+            self._parked.pop(session, None)
         if self._ended is not None:
             self._ended(session)
 
-    def _get(self, get: Get) -> Iterator[ev.Error | ev.Data]:
-        """DATA (written before ``release`` runs: a generator's answer is sent before the server
-        asks it for more) or ERROR."""
+    def _provided(
+        self, session: Session, req: Get | Sums, key: tuple[int, ...], span: StridedSpan | None
+    ) -> tuple[np.ndarray, Callable[[], None]] | list[object]:
+        """The provider's bytes for ``req`` (release them); else its answers: [Park] while they
+        are not there, for at most ``timeout_s`` from the request's first park, or [ERROR] (a
+        ValueError of a GET: BAD_REQUEST; anything else NOT_FOUND)."""
+        got: tuple[np.ndarray, Callable[[], None]] | Watch | list[object]
         try:
-            shard, release = self._provider(get.version, get.tensor, get.key, get.span, self._timeout)
+            got = self._provider(req.version, req.tensor, key, span)
+            if not isinstance(got, tuple):
+                return [self._park(session, req.request_id, got)]
         except TierSyncError as exc:
-            code = ev.ErrorCode.BAD_REQUEST if isinstance(exc, ValueError) else ev.ErrorCode.NOT_FOUND
-            yield ev.Error(get.request_id, code, exc.message[:512])
+            code = (
+                ev.ErrorCode.BAD_REQUEST
+                if isinstance(req, Get) and isinstance(exc, ValueError)
+                else ev.ErrorCode.NOT_FOUND
+            )
+            got = [ev.Error(req.request_id, code, exc.message[:512])]
+        with self._lock:  # answered: a later park of this session is another request's
+            self._parked.pop(session, None)
+        return got
+
+    def _park(self, session: Session, request_id: int, watch: Watch) -> Park:
+        """Park ``session``'s request until ``watch`` wakes it, or until ``timeout_s`` after its
+        first park; RemoteError when that passed (asked again then, the bytes still not there)."""
+        now = time.monotonic()
+        with self._lock:
+            held = self._parked.get(session)
+            deadline = held[1] if held is not None and held[0] == request_id else now + self._timeout
+            if now < deadline:
+                self._parked[session] = (request_id, deadline)
+                return Park(watch, deadline)
+        raise RemoteError("not there in time", timeout_s=self._timeout)
+
+    def _get(self, session: Session, get: Get) -> Iterator[object]:
+        """DATA (written before the provider's ``release`` runs: a generator's answer is sent
+        before the server asks it for more), ERROR, or Park while the bytes are not there."""
+        got = self._provided(session, get, get.key, get.span)
+        if isinstance(got, list):
+            yield from got
             return
+        shard, release = got
         try:
             payload = span_payload(shard, get.span)
             pinned = self._pinned and _in_place(get.span)  # never a gathered copy: freed once sent
@@ -205,15 +244,15 @@ class SpanService(Service):
         finally:
             release()
 
-    def _checksums(self, req: Sums) -> Iterator[ev.Error | SumsReply]:
+    def _checksums(self, session: Session, req: Sums) -> Iterator[object]:
         """W_SUMS_REPLY with the checksum of every span (the ones DATA of a GET would carry), or
         ERROR. The spans may cover at most the tensor's bytes in all (a sampler asks for its
         chunks of it): one request never makes the trainer read more than a GET of all of it."""
-        try:
-            shard, release = self._provider(req.version, req.tensor, (), None, self._timeout)
-        except TierSyncError as exc:
-            yield ev.Error(req.request_id, ev.ErrorCode.NOT_FOUND, exc.message[:512])
+        got = self._provided(session, req, (), None)
+        if isinstance(got, list):
+            yield from got
             return
+        shard, release = got
         try:
             if sum(s.nbytes for s in req.spans) > shard.nbytes:  # a few bytes asking to read the tensor many times
                 yield ev.Error(

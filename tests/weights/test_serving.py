@@ -1,0 +1,85 @@
+"""weights/serving.py: a GET of bytes not written yet parks its session (no server worker) until
+they are, for at most the service's timeout; over real connections to a real server."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from _wait import until
+from tiersync.errors import RemoteError
+from tiersync.net.config import TcpConfig
+from tiersync.net.tcp import TcpTransport
+from tiersync.weights.config import TransportKind
+from tiersync.weights.fetch import Job, Source, TcpPool
+from tiersync.weights.ops import WEIGHTS
+from tiersync.weights.publish_buffer import PublishBuffer
+from tiersync.weights.serving import SpanService
+from tiersync.weights.spans import StridedSpan
+
+TOKEN = b"s" * 32
+SIZE = 1 << 16
+
+
+class _Counted:
+    """A trainer shard's buffer as the provider, counting the GETs it answered 'not yet'."""
+
+    def __init__(self) -> None:
+        self.buf = PublishBuffer(threading.Condition(), None, {"early": 0, "late": 1}, [0, SIZE], [SIZE] * 2, 2 * SIZE)
+        self.buf.begin(1, set(), 5)
+        self.waits = 0
+
+    def __call__(self, *args):
+        got = self.buf.provide(*args)
+        self.waits += not isinstance(got, tuple)
+        return got
+
+
+def _get(address: str, tensor: str, timeout: float) -> np.ndarray:
+    span = StridedSpan(0, SIZE)
+    job = Job(tensor, 0, (0,), 0, span, (Source(TransportKind.TCP, span, address=address),))
+    pool, dst = TcpPool(1, TcpConfig(token=TOKEN), timeout), np.zeros(SIZE, np.uint8)
+    try:
+        pool.get_many(address, 1, [job], {tensor: dst}, 1, lambda _: None, timeout)
+    finally:
+        pool.close()
+    return dst
+
+
+def test_gets_waiting_for_their_bytes_hold_no_worker_and_are_answered_once_written():
+    """Two server workers, three GETs of a tensor not written yet: a GET of a written tensor is
+    answered meanwhile (when a waiting GET held its worker, it timed out), and the three get
+    their bytes, byte-exact, once the tensor is written."""
+    provider, rng = _Counted(), np.random.default_rng(3)
+    early, late = rng.integers(0, 256, SIZE, dtype=np.uint8), rng.integers(0, 256, SIZE, dtype=np.uint8)
+    server = TcpTransport(TcpConfig(token=TOKEN, workers=2), WEIGHTS).serve("127.0.0.1:0", SpanService(provider, 60.0))
+    got: dict[int, np.ndarray] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: got.update({i: _get(server.address, "late", 60.0)})) for i in range(3)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        assert until(lambda: provider.waits >= 3)  # all three asked, none answered
+        provider.buf.write(0, early)
+        assert np.array_equal(_get(server.address, "early", 5.0), early) and not got
+        provider.buf.write(1, late)
+        for t in threads:
+            t.join(30)
+        assert sorted(got) == [0, 1, 2] and all(np.array_equal(v, late) for v in got.values())
+    finally:
+        server.close()
+
+
+def test_a_get_whose_bytes_never_come_is_refused_at_the_services_timeout_and_the_session_goes_on():
+    provider = _Counted()
+    server = TcpTransport(TcpConfig(token=TOKEN), WEIGHTS).serve("127.0.0.1:0", SpanService(provider, 0.5))
+    try:
+        with pytest.raises(RemoteError, match="not there in time"):
+            _get(server.address, "late", 10.0)
+        provider.buf.write(1, np.full(SIZE, 9, np.uint8))
+        assert np.array_equal(_get(server.address, "late", 5.0), np.full(SIZE, 9, np.uint8))
+    finally:
+        server.close()
