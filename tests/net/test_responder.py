@@ -200,3 +200,53 @@ def _drain(sock: socket.socket, stop: threading.Event) -> None:
     with contextlib.suppress(OSError):
         while not stop.is_set() and sock.recv(1 << 20):
             pass
+
+
+BIG = 48 << 20  # more than the server's send buffer and a small receive buffer hold
+
+
+def _hostile(address: str, key: bytes, token: bytes) -> tuple[object, int]:
+    """A client that asks for ``key`` (BIG bytes) and a PING behind it, and reads nothing yet."""
+    from tiersync.net import store_ops as so
+    from tiersync.net.tcp import TcpTransport
+
+    ch = TcpTransport(TcpConfig(token=token, rcvbuf=64 << 10)).connect(address)
+    lease = ch.request(so.ReadLease(ch.new_request_id(), (key,), 600))
+    pull, ping = ch.new_request_id(), ch.new_request_id()
+    ch.send_many([so.Pull(pull, lease.lease_id, key, 0, BIG), ev.Ping(ping, 7)])
+    return ch, pull
+
+
+def test_peers_that_do_not_read_their_answers_hold_no_worker_and_a_late_reader_gets_every_byte():
+    """Two server workers, three peers that asked for 48 MiB and read nothing: each worker waits
+    at most a second for its peer to take the answer, then the rest waits for room without it,
+    so another client is answered at once (the peers held both workers for op_timeout_s
+    before). A peer that reads late gets the whole answer byte-exact, then the PING it sent
+    behind it; a peer that hangs up ends its session, and so does one that reads nothing by
+    op_timeout_s (8 s here)."""
+    import os
+
+    from tiersync.net.source import MemoryBlockSource
+    from tiersync.net.tcp import TcpTransport
+
+    token, key, data = b"h" * 32, b"B" * 16, os.urandom(BIG)
+    server = TcpTransport(TcpConfig(token=token, workers=2, op_timeout_s=8.0)).serve(
+        "127.0.0.1:0", MemoryBlockSource({key: data, b"s" * 16: b"small"})
+    )
+    peers = [_hostile(server.address, key, token) for _ in range(3)]
+    try:
+        honest = TcpTransport(TcpConfig(token=token)).connect(server.address)
+        assert honest.request(ev.Ping(honest.new_request_id(), 1), timeout=5.0).token == 1
+        late, pull = peers[0]
+        answer = late.next_answer(pull, timeout=30.0)  # reads now: what was held goes out
+        parts = answer.payload if isinstance(answer.payload, list) else [answer.payload]
+        assert b"".join(map(bytes, parts)) == data
+        assert late.next_answer(pull + 1, timeout=10.0).token == 7  # the request behind it was answered
+        peers[1][0].close()  # hangs up; peers[2] reads nothing, for good
+        assert until(lambda: server.connections == 2, 15.0)  # the late reader and the honest client
+        honest.close()
+        late.close()
+    finally:
+        for ch, _ in peers:
+            ch.close()
+        server.close()

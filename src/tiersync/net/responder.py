@@ -29,7 +29,7 @@ from tiersync.net.local import local_address
 from tiersync.net.parking import ParkedSessions
 from tiersync.net.protocol import NEED_DATA, Connection, Role
 from tiersync.net.service import Park, PeerInfo, Service, Session
-from tiersync.net.socket_io import Deadline, peer_ip, write_nonblocking
+from tiersync.net.socket_io import Deadline, peer_ip, write_nonblocking, write_within
 from tiersync.net.vocab import Vocabulary
 
 __all__ = ["Responder", "ServerSession", "by_reference"]
@@ -39,6 +39,8 @@ _BATCH = 16  # most buffered requests answered in one turn (one send)
 _TURNS = 16  # turns a worker reads on for one session, then hands it back: a peer that keeps sending
 # waits behind the other sessions' turns instead of keeping the worker for as long as it sends
 _PARKED = object()  # a turn's end: the session was parked (not handed back)
+_HELD = object()  # a turn's end: the peer did not take its answers in time; the rest waits for room
+_HOLD_S = 1.0  # most a worker waits for a peer to take a turn's answers before the rest waits without it
 
 
 def by_reference(mode: ByReference, peer_ip: str) -> bool:
@@ -72,6 +74,9 @@ class ServerSession(Session):
         self._by_reference: bool | None = None  # known at the first pinned write
         self.opened = False
         self._closed = False
+        self.held: list[memoryview] = []  # answers the peer has not taken yet, written once it has room
+        self.held_until: Deadline | None = None  # ... by then, else the session ends
+        self.then: object | None = None  # the request to answer once they are written
 
     def send(self, event: object, *, timeout: float | None = None) -> None:
         if self._closed:
@@ -89,9 +94,31 @@ class ServerSession(Session):
             if not self.wlock.acquire(timeout=deadline.remaining()):
                 raise NetTimeoutError("another write to this peer did not end in time", peer=self.peer)
             try:
+                if self.held:  # behind answers waiting for room: written with them
+                    self.held += [memoryview(b).cast("B") for b in bufs]
+                    return
                 write_nonblocking(self.sock, bufs, deadline, pinned=pinned and self._pinned_by_reference())
             finally:
                 self.wlock.release()
+        except (TierSyncError, OSError):
+            self.close()
+            raise
+
+    def write_or_hold(self, bufs: list[bytes | memoryview], deadline: Deadline) -> bool:
+        """Write ``bufs`` (answers, with what is held before them), waiting at most ``_HOLD_S``
+        for room (a TLS socket: until ``deadline``); False when the peer did not take them all:
+        the rest is :attr:`held`, to be written by ``deadline`` once the socket has room (the
+        caller frees its worker meanwhile). Any failure ends the session."""
+        if isinstance(self.sock, ssl.SSLSocket):  # TLS: on the worker, as every write (records, renegotiation)
+            self.write(bufs, deadline)
+            return True
+        try:
+            with self.wlock:
+                self.held = write_within(self.sock, [*self.held, *bufs], deadline.within(_HOLD_S))
+                self.held_until = deadline if self.held else None
+                if self.held:
+                    deadline.remaining()  # the deadline itself passed: raises
+                return not self.held
         except (TierSyncError, OSError):
             self.close()
             raise
@@ -129,9 +156,13 @@ class Responder:
         end: Callable[[ServerSession], None],
         rearm: Callable[[ServerSession], None],
         submit: Callable[..., object],
+        hold: Callable[[ServerSession], None],
     ) -> None:
-        """``submit(fn, *args)`` runs ``fn(*args)`` on a pool worker (a parked session's resumption)."""
+        """``submit(fn, *args)`` runs ``fn(*args)`` on a pool worker (a parked session's
+        resumption); ``hold(s)``: ``s`` has answers :attr:`ServerSession.held`: the server calls
+        :meth:`write_held` once its socket has room, or ends it at ``held_until``."""
         self.service, self.config, self._end, self._rearm, self._submit = service, config, end, rearm, submit
+        self._hold = hold
         self.parked: ParkedSessions[ServerSession] = ParkedSessions(self._resumed)
 
     def _resumed(self, s: ServerSession, event: object) -> None:
@@ -148,7 +179,7 @@ class Responder:
             turns = 0
             while event is not None and not s.closed:
                 event, turns = self._turn(s, event), turns + 1
-                if event is _PARKED:  # another worker answers it when it is resumed
+                if event is _PARKED or event is _HELD:  # another worker goes on when it is resumed
                     return
                 if event is None and turns < _TURNS:  # a pipelining peer's next requests are often here already
                     event = self._more(s)
@@ -179,13 +210,37 @@ class Responder:
             except ProtocolError:
                 s.write(bufs, deadline)  # answer what came before the bad frame, then end
                 raise
-            if event is NEED_DATA or isinstance(event, (ev.ConnectionClosed, ev.Error)):
+            if event is not NEED_DATA and isinstance(event, (ev.ConnectionClosed, ev.Error)):
                 s.write(bufs, deadline)
-                if event is not NEED_DATA:
-                    self._end(s)
+                self._end(s)
                 return None
-        s.write(bufs, deadline)
-        return event
+            if event is NEED_DATA:
+                return self._written(s, bufs, deadline, None)
+        return self._written(s, bufs, deadline, event)
+
+    def _written(self, s: ServerSession, bufs: list[bytes | memoryview], deadline: Deadline, then: object) -> object:
+        """``then`` once a turn's answers are written; ``_HELD`` when the peer did not take them
+        within ``_HOLD_S``: the rest waits for room without this worker (a peer that stops
+        reading must not hold a worker for ``op_timeout_s``), and ``then`` waits with it."""
+        if s.write_or_hold(bufs, deadline):
+            return then
+        s.then = then
+        self._hold(s)
+        return _HELD
+
+    def write_held(self, s: ServerSession) -> None:
+        """The server saw room on ``s``'s socket: write what is held (again at most ``_HOLD_S``),
+        then answer on (a pool worker runs this)."""
+        try:
+            if not s.closed and s.write_or_hold([], cast(Deadline, s.held_until)):
+                then, s.then = s.then, None
+                return self.work(s, then)  # hands the session back
+            if not s.closed:
+                return self._hold(s)
+        except (TierSyncError, OSError) as exc:
+            log.debug("session %s ended: %s", s.peer, exc)
+            self._end(s)
+        self._rearm(s)
 
     def _more(self, s: ServerSession) -> object | None:
         """Without waiting: the next request if its bytes are already here (read on this worker,

@@ -74,8 +74,11 @@ class TcpServer(Server):
         self._ids = itertools.count(1)
         self._rbuf = memoryview(bytearray(max(self.config.recv_chunk, 64 << 10)))
         self._workers = ThreadPoolExecutor(self.config.workers, thread_name_prefix=f"tiersync-serve-{port}")
-        rearm = lambda s: self._wake("rearm", s)  # noqa: E731 - a callback
-        self._responder = Responder(self.service, self.config, end=self._end, rearm=rearm, submit=self._workers.submit)
+        rearm, hold = (lambda s: self._wake("rearm", s)), (lambda s: self._wake("hold", s))
+        self._responder = Responder(
+            self.service, self.config, end=self._end, rearm=rearm, submit=self._workers.submit, hold=hold
+        )
+        self._held: Deadlines[ServerSession, None] = Deadlines()  # sessions whose answers wait for room
         self._scanned_at = 0.0  # when the parked sessions' peers were last looked at
         self._acceptor = Acceptor(self._listener, self._sel, self.address, self._admit, self._evict_pending)
         self._stalls: Stalls[ServerSession] = Stalls(self.config.op_timeout_s)  # frames begun, not finished
@@ -93,13 +96,13 @@ class TcpServer(Server):
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                for key, _ in self._sel.select(self._timeout()):
+                for key, mask in self._sel.select(self._timeout()):
                     if key.fileobj is self._listener:
                         self._acceptor.accept()
                     elif key.fileobj is self._wake_r:
                         self._drain_wake()
                     else:
-                        self._guarded(self._readable, key.data)
+                        self._guarded(self._writable if mask & selectors.EVENT_WRITE else self._readable, key.data)
                 self._run_todo()
                 self._expire()
         except Exception:  # pragma: no cover - a bug here must not leave the server silently dead
@@ -144,6 +147,13 @@ class TcpServer(Server):
         if s.registered:
             self._sel.unregister(s.sock)
             s.registered = False
+
+    def _writable(self, s: ServerSession) -> None:
+        """A held session's socket has room (or failed): a worker writes what is held."""
+        self._unregister(s)
+        self._held.pop(s)
+        s.busy = True
+        self._workers.submit(self._responder.write_held, s)
 
     def _readable(self, s: ServerSession) -> None:
         if s.closed:  # ended earlier in this round (made room at the cap): not a failed handshake
@@ -260,6 +270,9 @@ class TcpServer(Server):
             for s in self._responder.parked.sessions():
                 if peer_gone(s.sock):
                     self._end(s)
+        for s, _ in self._held.due(now):
+            log.debug("connection from %s: answers not taken within op_timeout_s", s.peer)
+            self._end(s)
         for s in self._stalls.expired(now):
             log.debug("connection from %s: a frame unfinished after op_timeout_s", s.peer)
             self._end(s)
@@ -286,7 +299,12 @@ class TcpServer(Server):
             if action == "close":
                 if not s.busy:  # else the worker's hand-back releases it
                     self._release_socket(s)
-            elif s.closed:  # a worker handed back a session that ended
+            elif action == "hold" and not s.closed:  # no worker until its socket has room
+                s.busy = False
+                self._sel.register(s.sock, selectors.EVENT_WRITE, s)
+                s.registered = True
+                self._held.set(s, time.monotonic() + cast(Deadline, s.held_until).left(), None)
+            elif s.closed:  # a worker handed back (or held) a session that ended
                 s.busy = False
                 self._release_socket(s)
             else:
@@ -328,6 +346,7 @@ class TcpServer(Server):
         self._unregister(s)
         self._stalls.clear(s)
         self._handshakes.pop(s)
+        self._held.pop(s)
         self._sessions.discard(s)
         held = s.wlock.acquire(timeout=_WRITE_ENDS_S)  # shut down: a write under way fails at once
         try:

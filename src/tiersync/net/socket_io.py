@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from tiersync.net.config import TcpConfig
     from tiersync.net.events import Event
 
-__all__ = ["Deadline", "FramedSocket", "io_errors", "peer_gone", "peer_ip", "tune", "write_nonblocking"]
+__all__ = ["Deadline", "FramedSocket", "io_errors", "peer_gone", "peer_ip", "tune", "write_nonblocking", "write_within"]
 
 try:  # the receive fast path (GIL released); without it every frame takes the reference path
     from tiersync.net import _wire
@@ -62,6 +62,10 @@ class Deadline:
         self._timeout, self.peer = timeout, peer
         self._end = time.monotonic() + timeout
 
+    def left(self) -> float:
+        """Seconds left (<= 0 once it passed)."""
+        return self._end - time.monotonic()
+
     def remaining(self) -> float:
         """Seconds left; raises NetTimeoutError when none are."""
         left = self._end - time.monotonic()
@@ -79,38 +83,51 @@ class Deadline:
 def write_nonblocking(
     sock: socket.socket, bufs: Sequence[bytes | memoryview], deadline: Deadline, *, pinned: bool = False
 ) -> None:
-    """Write every buffer to a non-blocking socket (plain or TLS), waiting for room with poll
-    until ``deadline``. ``pinned``: the large buffers' bytes stay unchanged until the peer read
-    them (:attr:`~tiersync.net.events.Data.pinned`), so on a plain socket they go by reference
-    (vmsplice and splice: no copy into the kernel). Raises NetTimeoutError, PeerClosedError,
-    AuthError (TLS)."""
+    """:func:`write_within`, all of it: NetTimeoutError when ``deadline`` passed first."""
+    if write_within(sock, bufs, deadline, pinned=pinned):
+        deadline.remaining()  # passed: raises
+
+
+def write_within(
+    sock: socket.socket, bufs: Sequence[bytes | memoryview], deadline: Deadline, *, pinned: bool = False
+) -> list[memoryview]:
+    """Write ``bufs`` to a non-blocking socket (plain or TLS), waiting for room with poll until
+    ``deadline``: what is left then (empty: all written). ``pinned``: the large buffers' bytes
+    stay unchanged until the peer read them (:attr:`~tiersync.net.events.Data.pinned`), so on a
+    plain socket they go by reference (vmsplice and splice: no copy into the kernel). Raises
+    PeerClosedError, AuthError (TLS)."""
     tls = isinstance(sock, ssl.SSLSocket)
     if _wire is not None and not tls:
-        left = _send_native(sock, list(bufs), deadline, _PINNED if pinned else 0)
+        left = _send_native(sock, list(bufs), deadline, _PINNED if pinned else 0, keep=True)
         if pinned:
             _note_copies()
         if left is None:
-            return
-        bufs = left  # no descriptor to hold: the rest goes by the socket's own number
+            return []
+        bufs = left  # no descriptor to hold (or the deadline passed): the rest goes by the socket's own number
     views = [memoryview(b).cast("B") for b in bufs if len(b)]
     with io_errors(deadline.peer):
         while views:
             try:
                 consume(views, sock.send(views[0]) if tls else sock.sendmsg(views[:_IOV_MAX]))
             except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                if deadline.left() <= 0:
+                    return views
                 poller = select.poll()
                 poller.register(sock, select.POLLOUT)
-                if not poller.poll(max(1, int(deadline.remaining() * 1000))):
-                    deadline.remaining()  # raises once the deadline passed
+                poller.poll(max(1, int(deadline.left() * 1000)))
+    return []
 
 
 def _send_native(
-    sock: socket.socket, bufs: list[bytes | memoryview], deadline: Deadline, pinned: int = 0
+    sock: socket.socket, bufs: list[bytes | memoryview], deadline: Deadline, pinned: int = 0, *, keep: bool = False
 ) -> list[bytes | memoryview] | None:
-    """:func:`write_nonblocking` in one GIL-free call per deadline check (plain sockets); None
-    once sent, or what is left when the process has no descriptor to hold the socket by (the
-    call's first step: a flood of connections must not end the sessions already open)."""
+    """:func:`write_within` in one GIL-free call per deadline check (plain sockets); None once
+    sent, or what is left when the process has no descriptor to hold the socket by (the
+    call's first step: a flood of connections must not end the sessions already open), or,
+    ``keep``, once the deadline passed (else NetTimeoutError)."""
     while True:
+        if keep and deadline.left() <= 0:
+            return bufs
         try:
             sent, err = _wire.send_all(sock, bufs, deadline.remaining(), pinned)  # its number read by the call
         except OSError as exc:  # the socket was closed (EBADF) or no descriptor is left (EMFILE)
