@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 from typing import TYPE_CHECKING
 
 from tiersync.cli_servers import stop_on_sigterm
-from tiersync.net.config import parse_address
 from tiersync.net.registry.redis_backend import shown_url
-from tiersync.net.store_node import StoreNodeServer, serve
+from tiersync.net.store_node import StoreNodeServer, attach_events, attach_registry, default_advertise, serve
 from tiersync.sizes import parse_size
 
 if TYPE_CHECKING:  # the 'net' extra's modules load only when used
     from tiersync.net.kv_events import KVEventPublisher, KVEventsConfig
-    from tiersync.net.registry.agent import AgentConfig, StoreAgent
-    from tiersync.net.registry.base import Registry
+    from tiersync.net.registry.agent import StoreAgent
     from tiersync.net.tls import TlsConfig
 
 __all__ = ["run_store_node"]
@@ -98,40 +95,3 @@ def _listening(
     if events is not None:
         line += f"; KV events on {events.endpoint} (replay {events.replay_endpoint}, topic {events.config.topic})"
     return line
-
-
-def attach_registry(server: StoreNodeServer, registry: Registry, config: AgentConfig) -> StoreAgent:
-    """Register ``server``'s node in ``registry``, heartbeat, advertise what it stores; returns the started agent."""
-    from tiersync.net.registry.agent import StoreAgent
-
-    node = server.node
-    agent = StoreAgent(
-        registry,
-        config,
-        free_blocks=lambda: node.free_blocks,
-        held_keys=node.held_keys,
-        capacity_blocks=node.arena.num_blocks,
-    )
-    node.add_listener(agent.announce)
-    agent.start()
-    return agent
-
-
-def attach_events(server: StoreNodeServer, config: KVEventsConfig) -> KVEventPublisher:
-    """Publish ``server``'s node as a vLLM KV event stream: ``AllBlocksCleared`` first (a
-    started node holds nothing, whatever a router remembers of an earlier one), then one
-    ``BlockStored`` (medium ``CPU``, the registry's 16-byte keys as hashes) per committed
-    write. The node never evicts, so there is no ``BlockRemoved``. Token ids are not known to
-    a node (writers offer keys): routers that index tiersync keys (the registry's) use them."""
-    from tiersync.net.kv_events import KVEventPublisher, all_cleared, block_stored
-
-    publisher = KVEventPublisher(config)
-    publisher.publish([all_cleared()])
-    server.node.add_listener(lambda keys: publisher.publish([block_stored(keys, "CPU")]))
-    return publisher
-
-
-def default_advertise(address: str) -> str:
-    """``address`` itself, or this host's name with its port when it is a wildcard bind."""
-    host, port = parse_address(address)
-    return f"{socket.gethostname()}:{port}" if host in ("0.0.0.0", "::", "") else address

@@ -250,3 +250,33 @@ def test_peers_that_do_not_read_their_answers_hold_no_worker_and_a_late_reader_g
         for ch, _ in peers:
             ch.close()
         server.close()
+
+
+def test_an_idle_session_whose_peer_resets_is_ended_and_its_service_told():
+    """An authenticated peer, idle between requests, resets its connection (an RST: killed, or
+    closed with unread bytes). The server ends the session and the service's ``closed`` runs
+    (a reset is an error event on the socket: it must go to the reader of a session registered
+    for reading, not to the writer of held answers)."""
+    import struct
+
+    from tiersync.net.source import MemoryBlockSource
+    from tiersync.net.tcp import TcpTransport
+
+    closed = threading.Event()
+
+    class Source(MemoryBlockSource):
+        def closed(self, session) -> None:
+            super().closed(session)
+            closed.set()
+
+    token = b"r" * 32
+    server = TcpTransport(TcpConfig(token=token)).serve("127.0.0.1:0", Source({}))
+    try:
+        ch = TcpTransport(TcpConfig(token=token)).connect(server.address)
+        assert ch.request(ev.Ping(ch.new_request_id(), 1), timeout=5.0).token == 1
+        sock: socket.socket = ch._framed.sock
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        ch.close()  # linger 0: the close sends an RST
+        assert closed.wait(10) and until(lambda: server.connections == 0, 10.0)
+    finally:
+        server.close()

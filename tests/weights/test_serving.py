@@ -73,7 +73,7 @@ def test_gets_waiting_for_their_bytes_hold_no_worker_and_are_answered_once_writt
         server.close()
 
 
-def test_a_get_whose_bytes_never_come_is_refused_at_the_services_timeout_and_the_session_goes_on():
+def test_a_get_whose_bytes_never_come_is_refused_at_the_services_timeout_and_a_later_one_served():
     provider = _Counted()
     server = TcpTransport(TcpConfig(token=TOKEN), WEIGHTS).serve("127.0.0.1:0", SpanService(provider, 0.5))
     try:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
+from tiersync.errors import ClosedError
 from tiersync.net.service import Park
 
 __all__ = ["Background"]
@@ -56,7 +57,9 @@ class Background:
             del self._jobs[(session, request_id)]
         try:
             return future.result()
-        except Exception:  # a job that broke its word: its session ends
+        except CancelledError:  # queued when the pool closed
+            raise ClosedError("closed before the answer was computed") from None
+        except Exception:  # a job that broke its word: the request is answered ERROR(INTERNAL)
             log.exception("a background answer failed")
             raise
 

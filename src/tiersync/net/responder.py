@@ -3,11 +3,14 @@
 A :class:`ServerSession` is one accepted connection; the :class:`Responder` runs the service's
 handler for a session's request on a worker, answers the requests a pipelining peer buffered
 behind it in the same turn (one send), reads on without waiting while bytes are already there,
-then ends it (``end``) when it failed and hands it back (``rearm``) in any case: the server
-closes a session's socket only once no worker uses it (its number must not go to a new
-connection while a worker may still read by it). A request the handler answers
+then ends it (``end``) when it failed and hands it back (``rearm``): the server closes a
+session's socket only once no worker uses it (its number must not go to a new connection
+while a worker may still read by it). A request the handler answers
 :class:`~tiersync.net.service.Park` parks the session (:mod:`tiersync.net.parking`), neither
-handed back nor on a worker, until it is resumed on a worker with that request.
+handed back nor on a worker, until it is resumed on a worker with that request. A turn's
+answers its peer does not take within ``_HOLD_S`` are held (``hold``): the server watches the
+socket for room and :meth:`Responder.write_held` writes on, on a worker (plain TCP; a streamed
+or pinned answer, and any TLS write, is written on the worker, as long as it takes).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class ServerSession(Session):
         self.wlock = threading.Lock()  # writes to the socket
         self.tls_pending = isinstance(sock, ssl.SSLSocket)
         self.registered = False  # in the selector (loop thread only)
-        self.busy = False  # a worker uses the socket (loop thread only: set on hand-out, cleared on hand-back)
+        self.busy = False  # a worker uses the socket (loop thread only: set on hand-out, cleared on hand-back or hold)
         self._by_reference: bool | None = None  # known at the first pinned write
         self.opened = False
         self._closed = False
@@ -88,8 +91,9 @@ class ServerSession(Session):
     def write(self, bufs: list[bytes | memoryview], deadline: Deadline, *, pinned: bool = False) -> None:
         """Write ``bufs`` whole before ``deadline``, the wait for another writer of this session
         included (one stuck on a peer that does not read must not hold every other sender past
-        its own deadline); any failure ends the session. ``pinned``: see
-        :func:`~tiersync.net.socket_io.write_nonblocking`."""
+        its own deadline); any failure ends the session. While answers are :attr:`held`, ``bufs``
+        are queued behind them instead (written with them, or the session ends at their
+        ``held_until``). ``pinned``: see :func:`~tiersync.net.socket_io.write_nonblocking`."""
         try:
             if not self.wlock.acquire(timeout=deadline.remaining()):
                 raise NetTimeoutError("another write to this peer did not end in time", peer=self.peer)
@@ -113,12 +117,16 @@ class ServerSession(Session):
             self.write(bufs, deadline)
             return True
         try:
-            with self.wlock:
+            if not self.wlock.acquire(timeout=deadline.within(_HOLD_S).remaining()):
+                raise NetTimeoutError("another write to this peer did not end in time", peer=self.peer)
+            try:
                 self.held = write_within(self.sock, [*self.held, *bufs], deadline.within(_HOLD_S))
                 self.held_until = deadline if self.held else None
                 if self.held:
                     deadline.remaining()  # the deadline itself passed: raises
                 return not self.held
+            finally:
+                self.wlock.release()
         except (TierSyncError, OSError):
             self.close()
             raise
@@ -232,13 +240,16 @@ class Responder:
         """The server saw room on ``s``'s socket: write what is held (again at most ``_HOLD_S``),
         then answer on (a pool worker runs this)."""
         try:
-            if not s.closed and s.write_or_hold([], cast(Deadline, s.held_until)):
+            if not s.closed and (s.held_until is None or s.write_or_hold([], s.held_until)):
                 then, s.then = s.then, None
                 return self.work(s, then)  # hands the session back
             if not s.closed:
                 return self._hold(s)
         except (TierSyncError, OSError) as exc:
             log.debug("session %s ended: %s", s.peer, exc)
+            self._end(s)
+        except Exception:  # a bug: this session ends, not the server
+            log.exception("session %s ended by an unexpected error", s.peer)
             self._end(s)
         self._rearm(s)
 

@@ -6,7 +6,9 @@ non-blocking: a half-open or idle connection costs a socket and a small
 request, the session leaves the selector and a pool worker (``TcpConfig.workers``) runs the
 service's handler and writes the answers; requests already buffered behind it (a pipelining
 peer) are answered in the same turn and sent together, then the session goes back to the
-selector. Hostile peers: at ``max_connections`` a new connection ends the oldest one still in
+selector. Answers its peer does not take within a second are held: the selector watches its
+socket for room and a worker writes on (:mod:`~tiersync.net.responder`), so peers that stop
+reading hold no worker; a held session ends at its turn's ``op_timeout_s``. Hostile peers: at ``max_connections`` a new connection ends the oldest one still in
 its handshake (silent peers cannot keep a client out), else it is answered ERROR(CAPACITY)
 and closed; a handshake not finished within ``connect_timeout_s`` is closed, and so is a
 session with a frame begun and not finished within ``op_timeout_s``
@@ -101,7 +103,7 @@ class TcpServer(Server):
                         self._acceptor.accept()
                     elif key.fileobj is self._wake_r:
                         self._drain_wake()
-                    else:
+                    else:  # a session is registered for reading or (held) for room: mask has one of them
                         self._guarded(self._writable if mask & selectors.EVENT_WRITE else self._readable, key.data)
                 self._run_todo()
                 self._expire()
@@ -152,6 +154,8 @@ class TcpServer(Server):
         """A held session's socket has room (or failed): a worker writes what is held."""
         self._unregister(s)
         self._held.pop(s)
+        if s.closed:
+            return self._release_socket(s)
         s.busy = True
         self._workers.submit(self._responder.write_held, s)
 

@@ -220,8 +220,15 @@ class StoreNode(BlockService):
         land = partial(self._land, req, writer, new, blocks, deadline)  # owns the blocks from here
         if session is None:
             yield from land()
-        else:
-            yield self._pulls.start(session, req.request_id, land, deadline + _LAND_S)
+            return
+        try:
+            park = self._pulls.start(session, req.request_id, land, deadline + _LAND_S)
+        except BaseException:  # no puller could take it (the node closes, no thread): nothing lands
+            self._unland(new, blocks)
+            raise
+        if session.closed:  # ended before its pull was recorded: closed() found nothing to drop
+            self._pulls.drop(session)
+        yield park
 
     def _land(
         self, req: so.Offer, writer: str, new: list[tuple[bytes, int]], blocks: list[int], deadline: float
@@ -318,6 +325,7 @@ class StoreNode(BlockService):
         return self.arena.allocator.num_free
 
     def close(self) -> None:
+        """Free the node; pulls under way end first (each within ``pull_timeout_s``)."""
         self._pulls.close()  # none may land in the arena once it is gone
         self._spare.close()
         self.arena.close()
@@ -362,6 +370,7 @@ def serve(
     return StoreNodeServer(address, StoreNode(capacity, block_nbytes, config=TcpConfig(token=token, tls=tls)))
 
 
+from tiersync.net.store_attach import attach_events, attach_registry, default_advertise  # noqa: E402
 from tiersync.net.store_client import PushResult, StoreNodeClient  # noqa: E402  (re-export)
 
 __all__ = [
@@ -369,6 +378,9 @@ __all__ = [
     "StoreNode",
     "StoreNodeClient",
     "StoreNodeServer",
+    "attach_events",
+    "attach_registry",
+    "default_advertise",
     "serve",
     "writer_address",
 ]

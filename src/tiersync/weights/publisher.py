@@ -178,7 +178,9 @@ class WeightPublisher:
             self._buffer.abandon(version, holders)
             raise UsageError(f"the manifest of version {version} exceeds max_meta_bytes", argument="max_meta_bytes")
         list(self._announcer.map(lambda s: self._registry.send(s, announce), targets))
-        shm = [s for s in targets if s.transport is TransportKind.SHM]  # TCP GETs wait in provide
+        shm = [
+            s for s in targets if s.transport is TransportKind.SHM
+        ]  # TCP GETs are parked until their part is written
         for i, name in enumerate(self._names):
             self._buffer.write(i, host_bytes(self._tensors[name], name))
             for s in shm:

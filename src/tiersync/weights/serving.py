@@ -220,6 +220,8 @@ class SpanService(Service):
             deadline = held[1] if held is not None and held[0] == request_id else now + self._timeout
             if now < deadline:
                 self._parked[session] = (request_id, deadline)
+                if session.closed:  # ended meanwhile: closed() found nothing to drop
+                    del self._parked[session]
                 return Park(watch, deadline)
         raise RemoteError("not there in time", timeout_s=self._timeout)
 
