@@ -117,10 +117,11 @@ class ServerSession(Session):
             self.write(bufs, deadline)
             return True
         try:
-            if not self.wlock.acquire(timeout=deadline.within(_HOLD_S).remaining()):
+            hold = deadline.within(_HOLD_S)
+            if not self.wlock.acquire(timeout=hold.remaining()):
                 raise NetTimeoutError("another write to this peer did not end in time", peer=self.peer)
             try:
-                self.held = write_within(self.sock, [*self.held, *bufs], deadline.within(_HOLD_S))
+                self.held = write_within(self.sock, [*self.held, *bufs], hold)
                 self.held_until = deadline if self.held else None
                 if self.held:
                     deadline.remaining()  # the deadline itself passed: raises

@@ -10,9 +10,10 @@ bytes; a span of tensor ``i`` is served (:meth:`provide`, the
 written (until then the provider answers a :data:`~tiersync.net.service.Watch` of the last
 one, and the GET's session is parked without a server worker: writing a part wakes only the
 GETs that waited for it, and a version keeps no wake lists when nothing waits; the first GETs
-of a large embedding go out after its first part, not after all of it), and the checksums of its spans are composed from sums taken while
-it was copied in (:meth:`span_sum`, :class:`~tiersync.weights.piece_sums.PieceSums`). It works
-under the publisher's condition, the lock the pool is called under.
+of a large embedding go out after its first part, not after all of it), and the checksums of
+its spans are composed from sums taken while it was copied in (:meth:`span_sum`,
+:class:`~tiersync.weights.piece_sums.PieceSums`). It works under the publisher's condition,
+the lock the pool is called under.
 """
 
 from __future__ import annotations
@@ -55,9 +56,7 @@ class PublishBuffer:
         self._current: int | None = None  # version GETs may read
         self._filled = [0] * len(sizes)  # bytes of tensor i of this version written
         self._inflight = 0
-        self._waits: dict[
-            tuple[int, int], list[Callable[[], object]]
-        ] = {}  # (i, k): wakes of GETs awaiting part k of i
+        self._waits: dict[tuple[int, int], list[Callable[[], object]]] = {}  # (i, k): wakes of part k's GETs
         self._sums = PieceSums(len(sizes))
         if pool is not None:
             self._store = self._segment_store(pool, -1, set())

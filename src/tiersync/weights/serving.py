@@ -207,8 +207,9 @@ class SpanService(Service):
                 else ev.ErrorCode.NOT_FOUND
             )
             got = [ev.Error(req.request_id, code, exc.message[:512])]
-        with self._lock:  # answered: a later park of this session is another request's
-            self._parked.pop(session, None)
+        if session in self._parked:  # answered: a later park of this session is another request's
+            with self._lock:
+                self._parked.pop(session, None)
         return got
 
     def _park(self, session: Session, request_id: int, watch: Watch) -> Park:
