@@ -139,3 +139,35 @@ def test_a_writer_that_hangs_up_while_its_pull_waits_leaves_no_block_taken():
 def test_pullers_is_checked_before_anything_is_made():
     with pytest.raises(UsageError, match="pullers"):
         StoreNode(4 * BLOCK, BLOCK, pullers=0)
+
+
+def test_closing_a_store_node_ends_a_slow_writers_pull_at_once_and_answers_it_failed():
+    """A pull waits on a writer that serves nothing (its pull_timeout_s a minute): close() ends
+    it at once, its writer is answered FAILED, and the close takes seconds, not the minute.
+    Before, close() waited for the pull to end."""
+    node = StoreNode(4 * BLOCK, BLOCK, config=TcpConfig(token=TOKEN.encode()), pull_timeout_s=60.0)
+    server = StoreNodeServer("127.0.0.1:0", node)
+    gate, pulled, outcome = threading.Event(), threading.Event(), []
+    try:
+        c = StoreNodeClient(
+            server.address, token=TOKEN.encode(), timeout=60.0, on_pull=lambda _: [pulled.set(), gate.wait(50)]
+        )
+
+        def push() -> None:
+            try:
+                outcome.append(c.offer_and_push([b"C" * 16], [os.urandom(BLOCK)]))
+            except TierSyncError as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=push)
+        t.start()
+        assert pulled.wait(10) and node.free_blocks == 3
+        began = time.monotonic()
+        node.close()
+        assert time.monotonic() - began < 10
+        t.join(20)
+        assert "store node failed the write" in str(outcome[0]) and "clos" in str(outcome[0])
+    finally:
+        gate.set()
+        server.close()
+        node.close()

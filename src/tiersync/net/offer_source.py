@@ -3,16 +3,18 @@
 A writer serves its blocks on a listener of its own and names it in the OFFER ("host:port").
 The node dials only the IP it sees the writer's connection come from, so an authenticated
 writer cannot make the node connect anywhere else (its scanner, its relay); it dials with a
-descriptor it keeps in reserve when connections fill its table (:mod:`~tiersync.net.spare_fd`).
+descriptor it keeps in reserve when connections fill its table (:mod:`~tiersync.net.spare_fd`),
+and ends the pulls under way when it closes (:class:`WriterPulls`).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import threading
 from typing import cast
 
-from tiersync.errors import RemoteError
+from tiersync.errors import ClosedError, RemoteError, TierSyncError
 from tiersync.net import events as ev
 from tiersync.net import store_ops as so
 from tiersync.net.config import TcpConfig, parse_address
@@ -20,30 +22,59 @@ from tiersync.net.pull_plan import Item
 from tiersync.net.socket_io import Deadline
 from tiersync.net.source import BlockError
 from tiersync.net.spare_fd import SpareDescriptor
-from tiersync.net.tcp import TcpTransport
+from tiersync.net.tcp import TcpChannel, TcpTransport
 
-__all__ = ["pull_offer", "writer_address"]
+__all__ = ["WriterPulls", "writer_address"]
 
 log = logging.getLogger(__name__)
 
 PULL_WINDOW = 8  # pulls in flight from a writer
 
 
-def pull_offer(
-    config: TcpConfig, spare: SpareDescriptor, writer: str, lease_id: int, items: list[Item], timeout_s: float
-) -> None:
-    """Pull ``items`` ((key, offset, destination)) from the writer at ``writer`` under its lease
-    ``lease_id`` within ``timeout_s``, then release the lease: RemoteError when it ended first.
-    The dial gives up ``spare`` when no descriptor is free."""
-    deadline = Deadline(timeout_s, writer)
-    channel = spare.call(lambda: TcpTransport(config).connect(writer, timeout=deadline.remaining()))
-    try:
-        channel.pull_many(lease_id, items, window=PULL_WINDOW, timeout=deadline.remaining())
-        done = channel.request(so.Release(channel.new_request_id(), lease_id), timeout=deadline.remaining())
-        if cast(ev.CommitReply, done).status is not ev.CommitStatus.COMMITTED:
-            raise RemoteError("writer's lease was lost before the pull finished", peer=writer)
-    finally:
-        channel.close()
+class WriterPulls:
+    """How a store node pulls OFFERs' blocks from their writers. :meth:`close` ends every pull
+    under way at once (each fails with ClosedError, so a node that closes does not wait out a
+    slow writer's ``pull_timeout_s``) and refuses later ones."""
+
+    def __init__(self, config: TcpConfig) -> None:
+        self._config, self._spare = config, SpareDescriptor()  # to dial while connections fill the table
+        self._lock = threading.Lock()
+        self._open: set[TcpChannel] = set()
+        self._closed = False
+
+    def pull(self, writer: str, lease_id: int, items: list[Item], timeout_s: float) -> None:
+        """Pull ``items`` ((key, offset, destination)) from the writer at ``writer`` under its
+        lease ``lease_id`` within ``timeout_s``, then release the lease: RemoteError when it
+        ended first, ClosedError once :meth:`close` ran."""
+        deadline = Deadline(timeout_s, writer)
+        channel = self._spare.call(lambda: TcpTransport(self._config).connect(writer, timeout=deadline.remaining()))
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._open.add(channel)
+        try:
+            if closed:
+                raise ClosedError("the store node is closing", peer=writer)
+            channel.pull_many(lease_id, items, window=PULL_WINDOW, timeout=deadline.remaining())
+            done = channel.request(so.Release(channel.new_request_id(), lease_id), timeout=deadline.remaining())
+            if cast(ev.CommitReply, done).status is not ev.CommitStatus.COMMITTED:
+                raise RemoteError("writer's lease was lost before the pull finished", peer=writer)
+        except TierSyncError:
+            if self._closed:
+                raise ClosedError("the store node closed during the pull", peer=writer) from None
+            raise
+        finally:
+            with self._lock:
+                self._open.discard(channel)
+            channel.close()
+
+    def close(self) -> None:
+        """End the pulls under way (idempotent)."""
+        with self._lock:
+            self._closed, channels = True, list(self._open)
+        for channel in channels:
+            channel.close()  # thread-safe: the pull's receive fails at once
+        self._spare.close()
 
 
 def writer_address(source: str, peer: str | None) -> str:

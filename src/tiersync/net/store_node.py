@@ -31,11 +31,10 @@ from tiersync.net.background import Background
 from tiersync.net.deadlines import Deadlines
 from tiersync.net.errors import NetTimeoutError
 from tiersync.net.frames import SUPPORTED, PayloadChecksum, payload_checksum
-from tiersync.net.offer_source import pull_offer, writer_address
+from tiersync.net.offer_source import WriterPulls, writer_address
 from tiersync.net.server import TcpServer
 from tiersync.net.service import Park, Session
 from tiersync.net.source import MAX_LEASED_KEYS, BlockError, BlockService, clamp_ttl, new_lease_id
-from tiersync.net.spare_fd import SpareDescriptor
 from tiersync.net.tcp import TcpConfig
 from tiersync.tiers.host import HostArena, HostArenaConfig
 
@@ -87,7 +86,7 @@ class StoreNode(BlockService):
         self._leases: Deadlines[int, tuple[list[int], frozenset[bytes]]] = Deadlines()  # id -> (blocks, keys)
         self._leased_keys = 0
         self._lock = threading.Lock()
-        self._spare = SpareDescriptor()  # to dial writers while connections fill the descriptor table
+        self._writers = WriterPulls(self.config)
         self._pulls = Background(pullers, "tiersync-store-pull")
 
     @property
@@ -297,7 +296,7 @@ class StoreNode(BlockService):
         left = deadline - time.monotonic()
         if left <= 0:
             raise NetTimeoutError("the pull waited for a free puller past pull_timeout_s", peer=writer)
-        pull_offer(self.config, self._spare, writer, lease_id, items, left)
+        self._writers.pull(writer, lease_id, items, left)
 
     def add_listener(self, fn: Callable[[list[bytes]], None]) -> None:
         """Call ``fn(keys)`` with the keys of every committed write, before COMMITTED is sent
@@ -325,9 +324,9 @@ class StoreNode(BlockService):
         return self.arena.allocator.num_free
 
     def close(self) -> None:
-        """Free the node; pulls under way end first (each within ``pull_timeout_s``)."""
+        """Free the node; pulls under way end first (at once: they fail, and free their blocks)."""
+        self._writers.close()
         self._pulls.close()  # none may land in the arena once it is gone
-        self._spare.close()
         self.arena.close()
 
 
