@@ -53,6 +53,66 @@ def test_a_writer_behind_one_stuck_on_a_peer_that_does_not_read_gives_up_at_its_
         ours.close()
 
 
+def _pair() -> tuple[socket.socket, socket.socket]:
+    """(ours, non-blocking; the peer's, with a small receive buffer) over loopback."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        peer = socket.create_connection(listener.getsockname())
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        ours, _ = listener.accept()
+    ours.setblocking(False)
+    return ours, peer
+
+
+def test_writes_queue_behind_held_answers_up_to_a_cap_then_wait_for_them_or_end_the_session():
+    """A peer that reads nothing has 64 MiB of answers held. Other writes (a publisher's
+    ANNOUNCE) queue behind them up to 1 MiB and return; the next one waits for room. Once the
+    peer reads and what is held is written, it goes out after them, every byte in order. A
+    write past the cap on a peer that never reads raises NetTimeoutError at its deadline and
+    ends the session (the queue grew without bound before)."""
+    vocab = Vocabulary("t", {}, include=(ev.CORE,))
+    ours, peer = _pair()
+    ended: list[ServerSession] = []
+    session = ServerSession(ended.append, TcpConfig(), vocab, ours, "peer", 1)
+    big, small = bytes(range(256)) * (1 << 18), [bytes([i]) * (64 << 10) for i in range(16)]
+    try:
+        assert not session.write_or_hold([big], Deadline(60.0, "peer"))  # the peer reads nothing: held
+        for chunk in small:  # 1 MiB queued: each returns at once
+            session.write([chunk], Deadline(5.0, "peer"))
+        waiter = threading.Thread(target=session.write, args=([b"last"], Deadline(30.0, "peer")))
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive() and not ended  # past the cap: it waits
+        got = bytearray()
+        reader = threading.Thread(target=_collect, args=(peer, got, len(big) + (1 << 20) + 4))
+        reader.start()
+        assert until(lambda: session.write_or_hold([], Deadline(60.0, "peer")), 30.0)  # as the server does
+        waiter.join(10)
+        reader.join(30)
+        assert got == big + b"".join(small) + b"last" and not ended
+    finally:
+        peer.close()
+        ours.close()
+    ours, peer = _pair()
+    session = ServerSession(ended.append, TcpConfig(), vocab, ours, "peer", 2)
+    try:
+        assert not session.write_or_hold([big], Deadline(60.0, "peer"))
+        session.write([bytes(1 << 20)], Deadline(5.0, "peer"))
+        with pytest.raises(NetTimeoutError):
+            session.write([b"x"], Deadline(0.5, "peer"))
+        assert ended == [session]
+    finally:
+        peer.close()
+        ours.close()
+
+
+def _collect(sock: socket.socket, got: bytearray, nbytes: int) -> None:
+    while len(got) < nbytes:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            return
+        got += chunk
+
+
 def _quiet(fn, *args) -> None:
     with contextlib.suppress(TierSyncError, OSError):
         fn(*args)

@@ -10,7 +10,8 @@ while a worker may still read by it). A request the handler answers
 handed back nor on a worker, until it is resumed on a worker with that request. A turn's
 answers its peer does not take within ``_HOLD_S`` are held (``hold``): the server watches the
 socket for room and :meth:`Responder.write_held` writes on, on a worker (plain TCP; a streamed
-or pinned answer, and any TLS write, is written on the worker, as long as it takes).
+or pinned answer, and any TLS write, is written on the worker, as long as it takes). Other
+writes to a session with held answers queue behind them up to ``_QUEUED`` bytes, then wait.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ _TURNS = 16  # turns a worker reads on for one session, then hands it back: a pe
 _PARKED = object()  # a turn's end: the session was parked (not handed back)
 _HELD = object()  # a turn's end: the peer did not take its answers in time; the rest waits for room
 _HOLD_S = 1.0  # most a worker waits for a peer to take a turn's answers before the rest waits without it
+_QUEUED = 1 << 20  # most bytes of other writes queued behind held answers; a write past it waits for room
 
 
 def by_reference(mode: ByReference, peer_ip: str) -> bool:
@@ -71,6 +73,7 @@ class ServerSession(Session):
         self.info = PeerInfo("", "", 0, False)
         self.lock = threading.Lock()  # the Connection's state
         self.wlock = threading.Lock()  # writes to the socket
+        self._drained = threading.Condition(self.wlock)  # what was held is written
         self.tls_pending = isinstance(sock, ssl.SSLSocket)
         self.registered = False  # in the selector (loop thread only)
         self.busy = False  # a worker uses the socket (loop thread only: set on hand-out, cleared on hand-back or hold)
@@ -79,6 +82,7 @@ class ServerSession(Session):
         self._closed = False
         self.held: list[memoryview] = []  # answers the peer has not taken yet, written once it has room
         self.held_until: Deadline | None = None  # ... by then, else the session ends
+        self._queued = 0  # bytes of writes queued behind held answers
         self.then: object | None = None  # the request to answer once they are written
 
     def send(self, event: object, *, timeout: float | None = None) -> None:
@@ -93,13 +97,21 @@ class ServerSession(Session):
         included (one stuck on a peer that does not read must not hold every other sender past
         its own deadline); any failure ends the session. While answers are :attr:`held`, ``bufs``
         are queued behind them instead (written with them, or the session ends at their
-        ``held_until``). ``pinned``: see :func:`~tiersync.net.socket_io.write_nonblocking`."""
+        ``held_until``), up to ``_QUEUED`` bytes; past that the write waits (by ``deadline``)
+        until the held answers are written. ``pinned``: see
+        :func:`~tiersync.net.socket_io.write_nonblocking`."""
         try:
             if not self.wlock.acquire(timeout=deadline.remaining()):
                 raise NetTimeoutError("another write to this peer did not end in time", peer=self.peer)
             try:
+                nbytes = sum(memoryview(b).nbytes for b in bufs)
+                while self.held and self._queued + nbytes > _QUEUED:
+                    if self._closed:
+                        raise ClosedError("session closed", peer=self.peer)
+                    self._drained.wait(min(deadline.remaining(), _HOLD_S))  # raises once it passed
                 if self.held:  # behind answers waiting for room: written with them
                     self.held += [memoryview(b).cast("B") for b in bufs]
+                    self._queued += nbytes
                     return
                 write_nonblocking(self.sock, bufs, deadline, pinned=pinned and self._pinned_by_reference())
             finally:
@@ -125,7 +137,10 @@ class ServerSession(Session):
                 self.held_until = deadline if self.held else None
                 if self.held:
                     deadline.remaining()  # the deadline itself passed: raises
-                return not self.held
+                    return False
+                self._queued = 0
+                self._drained.notify_all()
+                return True
             finally:
                 self.wlock.release()
         except (TierSyncError, OSError):

@@ -69,7 +69,9 @@ class Session(ABC):
     @abstractmethod
     def send(self, event: object, *, timeout: float | None = None) -> None:
         """Send a one-way message now (thread-safe). Raises ClosedError once the session ended,
-        RemoteError when the peer is gone or the deadline passed (the session is then closed)."""
+        RemoteError when the peer is gone or the deadline passed (the session is then closed).
+        Behind answers the peer has not taken yet it is queued, up to a cap (1 MiB), past which
+        it waits for them to be written."""
 
     @abstractmethod
     def close(self) -> None:
