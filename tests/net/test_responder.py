@@ -265,37 +265,51 @@ def _drain(sock: socket.socket, stop: threading.Event) -> None:
 BIG = 48 << 20  # more than the server's send buffer and a small receive buffer hold
 
 
-def _hostile(address: str, key: bytes, token: bytes) -> tuple[object, int]:
+@pytest.fixture(scope="module")
+def tls_pair(tmp_path_factory):
+    """(server TlsConfig, client TlsConfig) of a throwaway CA."""
+    pytest.importorskip("cryptography")
+    from _certs import make_ca, make_leaf
+    from tiersync.net.tls import TlsConfig
+
+    d = tmp_path_factory.mktemp("pki")
+    ca = make_ca(d)
+    return TlsConfig(ca[2], *make_leaf(d, ca, "server")), TlsConfig(ca[2])
+
+
+def _hostile(address: str, key: bytes, token: bytes, tls: object = None) -> tuple[object, int]:
     """A client that asks for ``key`` (BIG bytes) and a PING behind it, and reads nothing yet."""
     from tiersync.net import store_ops as so
     from tiersync.net.tcp import TcpTransport
 
-    ch = TcpTransport(TcpConfig(token=token, rcvbuf=64 << 10)).connect(address)
+    ch = TcpTransport(TcpConfig(token=token, rcvbuf=64 << 10, tls=tls)).connect(address)
     lease = ch.request(so.ReadLease(ch.new_request_id(), (key,), 600))
     pull, ping = ch.new_request_id(), ch.new_request_id()
     ch.send_many([so.Pull(pull, lease.lease_id, key, 0, BIG), ev.Ping(ping, 7)])
     return ch, pull
 
 
-def test_peers_that_do_not_read_their_answers_hold_no_worker_and_a_late_reader_gets_every_byte():
+@pytest.mark.parametrize("secure", [False, True], ids=["tcp", "tls"])
+def test_peers_that_do_not_read_their_answers_hold_no_worker_and_a_late_reader_gets_every_byte(secure, request):
     """Two server workers, three peers that asked for 48 MiB and read nothing: each worker waits
     at most a second for its peer to take the answer, then the rest waits for room without it,
     so another client is answered at once (the peers held both workers for op_timeout_s
-    before). A peer that reads late gets the whole answer byte-exact, then the PING it sent
-    behind it; a peer that hangs up ends its session, and so does one that reads nothing by
-    op_timeout_s (8 s here)."""
+    before; over TLS until this change). A peer that reads late gets the whole answer
+    byte-exact, then the PING it sent behind it; a peer that hangs up ends its session, and so
+    does one that reads nothing by op_timeout_s (8 s here)."""
     import os
 
     from tiersync.net.source import MemoryBlockSource
     from tiersync.net.tcp import TcpTransport
 
+    served, tls = request.getfixturevalue("tls_pair") if secure else (None, None)
     token, key, data = b"h" * 32, b"B" * 16, os.urandom(BIG)
-    server = TcpTransport(TcpConfig(token=token, workers=2, op_timeout_s=8.0)).serve(
+    server = TcpTransport(TcpConfig(token=token, workers=2, op_timeout_s=8.0, tls=served)).serve(
         "127.0.0.1:0", MemoryBlockSource({key: data, b"s" * 16: b"small"})
     )
-    peers = [_hostile(server.address, key, token) for _ in range(3)]
+    peers = [_hostile(server.address, key, token, tls) for _ in range(3)]
     try:
-        honest = TcpTransport(TcpConfig(token=token)).connect(server.address)
+        honest = TcpTransport(TcpConfig(token=token, tls=tls)).connect(server.address)
         assert honest.request(ev.Ping(honest.new_request_id(), 1), timeout=5.0).token == 1
         late, pull = peers[0]
         answer = late.next_answer(pull, timeout=30.0)  # reads now: what was held goes out

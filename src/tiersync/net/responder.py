@@ -9,8 +9,8 @@ while a worker may still read by it). A request the handler answers
 :class:`~tiersync.net.service.Park` parks the session (:mod:`tiersync.net.parking`), neither
 handed back nor on a worker, until it is resumed on a worker with that request. A turn's
 answers its peer does not take within ``_HOLD_S`` are held (``hold``): the server watches the
-socket for room and :meth:`Responder.write_held` writes on, on a worker (plain TCP; a streamed
-or pinned answer, and any TLS write, is written on the worker, as long as it takes). Other
+socket for room and :meth:`Responder.write_held` writes on, on a worker (plain TCP and TLS; a
+streamed or pinned answer is written on the worker, as long as it takes). Other
 writes to a session with held answers queue behind them up to ``_QUEUED`` bytes, then wait.
 """
 
@@ -122,12 +122,10 @@ class ServerSession(Session):
 
     def write_or_hold(self, bufs: list[bytes | memoryview], deadline: Deadline) -> bool:
         """Write ``bufs`` (answers, with what is held before them), waiting at most ``_HOLD_S``
-        for room (a TLS socket: until ``deadline``); False when the peer did not take them all:
-        the rest is :attr:`held`, to be written by ``deadline`` once the socket has room (the
-        caller frees its worker meanwhile). Any failure ends the session."""
-        if isinstance(self.sock, ssl.SSLSocket):  # TLS: on the worker, as every write (records, renegotiation)
-            self.write(bufs, deadline)
-            return True
+        for room; False when the peer did not take them all: the rest is :attr:`held`, to be
+        written by ``deadline`` once the socket has room (the caller frees its worker
+        meanwhile). A TLS write cut short is retried with the same buffer, as OpenSSL requires.
+        Any failure ends the session."""
         try:
             hold = deadline.within(_HOLD_S)
             if not self.wlock.acquire(timeout=hold.remaining()):

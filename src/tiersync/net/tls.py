@@ -39,6 +39,7 @@ def server_context(cfg: TlsConfig) -> ssl.SSLContext:
         raise UsageError("a TLS server needs certfile and keyfile", argument="certfile")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= ssl.OP_NO_RENEGOTIATION  # a write never waits for a read: held answers are retried as they are
     ctx.load_cert_chain(cfg.certfile, cfg.keyfile)
     ctx.load_verify_locations(cfg.cafile)
     ctx.verify_mode = ssl.CERT_REQUIRED if cfg.require_peer_cert else ssl.CERT_OPTIONAL
@@ -49,6 +50,7 @@ def client_context(cfg: TlsConfig) -> ssl.SSLContext:
     """A client context that verifies the server against ``cafile``."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= ssl.OP_NO_RENEGOTIATION  # a write never waits for a read: held answers are retried as they are
     ctx.load_verify_locations(cfg.cafile)
     if cfg.certfile is not None:
         ctx.load_cert_chain(cfg.certfile, cfg.keyfile)
