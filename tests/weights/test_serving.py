@@ -10,7 +10,7 @@ import pytest
 
 from _wait import until
 from tiersync.errors import RemoteError
-from tiersync.net.config import TcpConfig
+from tiersync.net.config import ByReference, TcpConfig
 from tiersync.net.tcp import TcpTransport
 from tiersync.weights.config import TransportKind
 from tiersync.weights.fetch import Job, Source, TcpPool
@@ -82,4 +82,67 @@ def test_a_get_whose_bytes_never_come_is_refused_at_the_services_timeout_and_a_l
         provider.buf.write(1, np.full(SIZE, 9, np.uint8))
         assert np.array_equal(_get(server.address, "late", 5.0), np.full(SIZE, 9, np.uint8))
     finally:
+        server.close()
+
+
+BIG = 48 << 20  # more than the server's send buffer and a small receive buffer hold
+
+
+class _Lent:
+    """A provider of two written tensors that counts the GETs it lent bytes to and their releases."""
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(5)
+        self.arrays = {"big": rng.integers(0, 256, BIG, dtype=np.uint8), "small": np.arange(SIZE, dtype=np.uint8)}
+        self.lent = self.released = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, version, tensor, key, span):
+        with self.lock:
+            self.lent += 1
+        return self.arrays[tensor], self._release
+
+    def _release(self) -> None:
+        with self.lock:
+            self.released += 1
+
+
+def _stalled(address: str) -> tuple[object, int]:
+    """A sampler that GETs "big" and "small" behind it, and reads nothing yet."""
+    from tiersync.weights.ops import Get
+
+    ch = TcpTransport(TcpConfig(token=TOKEN, rcvbuf=64 << 10), WEIGHTS).connect(address)
+    big, small = ch.new_request_id(), ch.new_request_id()
+    ch.send_many([Get(big, 1, "big", (0,), StridedSpan(0, BIG)), Get(small, 1, "small", (0,), StridedSpan(0, SIZE))])
+    return ch, big
+
+
+def _bytes(answer) -> bytes:
+    parts = answer.payload if isinstance(answer.payload, list) else [answer.payload]
+    return b"".join(map(bytes, parts))
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["copied", "pinned-by-reference"])
+def test_samplers_that_do_not_read_their_data_hold_no_worker_and_every_lent_buffer_is_released(pinned):
+    """Two server workers, three samplers that GET 48 MiB and read nothing: a streamed DATA the
+    peer does not take within a second waits for room without its worker (it held the worker
+    for op_timeout_s before, and another sampler's GET timed out). A sampler that reads late
+    gets every byte, then the GET it sent behind; one that hangs up, and one that never reads
+    (ended at op_timeout_s, 8 s here), have their GETs' buffers released all the same."""
+    provider = _Lent()
+    mode = ByReference.ALWAYS if pinned else ByReference.AUTO  # loopback: by reference only when forced
+    config = TcpConfig(token=TOKEN, workers=2, op_timeout_s=8.0, by_reference=mode)
+    server = TcpTransport(config, WEIGHTS).serve("127.0.0.1:0", SpanService(provider, 60.0, pinned=pinned))
+    samplers = [_stalled(server.address) for _ in range(3)]
+    try:
+        assert np.array_equal(_get(server.address, "small", 5.0), provider.arrays["small"])
+        late, big = samplers[0]
+        assert _bytes(late.next_answer(big, timeout=30.0)) == provider.arrays["big"].tobytes()
+        assert _bytes(late.next_answer(big + 1, timeout=10.0)) == provider.arrays["small"].tobytes()
+        samplers[1][0].close()  # hangs up; samplers[2] reads nothing, for good
+        assert until(lambda: server.connections == 1, 15.0)  # the late reader's only
+        assert until(lambda: provider.released == provider.lent, 10.0) and provider.lent == 5
+    finally:
+        for ch, _ in samplers:
+            ch.close()
         server.close()

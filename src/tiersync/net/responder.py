@@ -9,9 +9,10 @@ while a worker may still read by it). A request the handler answers
 :class:`~tiersync.net.service.Park` parks the session (:mod:`tiersync.net.parking`), neither
 handed back nor on a worker, until it is resumed on a worker with that request. A turn's
 answers its peer does not take within ``_HOLD_S`` are held (``hold``): the server watches the
-socket for room and :meth:`Responder.write_held` writes on, on a worker (plain TCP and TLS; a
-streamed or pinned answer is written on the worker, as long as it takes). Other
-writes to a session with held answers queue behind them up to ``_QUEUED`` bytes, then wait.
+socket for room and :meth:`Responder.write_held` writes on, on a worker (plain TCP and TLS). A
+streamed answer's handler is asked for more once what it yielded was written (:class:`_Rest`),
+or closed if the session ends first. Other writes to a session with held answers queue behind
+them up to ``_QUEUED`` bytes, then wait.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
 from typing import cast
 
 from tiersync.errors import ClosedError, TierSyncError, UsageError
@@ -46,6 +48,16 @@ _PARKED = object()  # a turn's end: the session was parked (not handed back)
 _HELD = object()  # a turn's end: the peer did not take its answers in time; the rest waits for room
 _HOLD_S = 1.0  # most a worker waits for a peer to take a turn's answers before the rest waits without it
 _QUEUED = 1 << 20  # most bytes of other writes queued behind held answers; a write past it waits for room
+_Stream = Generator[object, None, None]  # a handler's answers, yielded one by one
+
+
+@dataclass(frozen=True, slots=True)
+class _Rest:
+    """A streamed answer's rest: ``answers`` (the handler's generator) of ``request``, held
+    after an answer its peer did not take, and asked for more once that was written."""
+
+    request: object
+    answers: _Stream
 
 
 def by_reference(mode: ByReference, peer_ip: str) -> bool:
@@ -83,7 +95,7 @@ class ServerSession(Session):
         self.held: list[memoryview] = []  # answers the peer has not taken yet, written once it has room
         self.held_until: Deadline | None = None  # ... by then, else the session ends
         self._queued = 0  # bytes of writes queued behind held answers
-        self.then: object | None = None  # the request to answer once they are written
+        self.then: object | None = None  # the request (or a _Rest) to answer once they are written
 
     def send(self, event: object, *, timeout: float | None = None) -> None:
         if self._closed:
@@ -120,18 +132,20 @@ class ServerSession(Session):
             self.close()
             raise
 
-    def write_or_hold(self, bufs: list[bytes | memoryview], deadline: Deadline) -> bool:
+    def write_or_hold(self, bufs: list[bytes | memoryview], deadline: Deadline, *, pinned: bool = False) -> bool:
         """Write ``bufs`` (answers, with what is held before them), waiting at most ``_HOLD_S``
         for room; False when the peer did not take them all: the rest is :attr:`held`, to be
         written by ``deadline`` once the socket has room (the caller frees its worker
         meanwhile). A TLS write cut short is retried with the same buffer, as OpenSSL requires.
-        Any failure ends the session."""
+        ``pinned``: as for :meth:`write` (what is held later goes by copy). Any failure ends the
+        session."""
         try:
             hold = deadline.within(_HOLD_S)
             if not self.wlock.acquire(timeout=hold.remaining()):
                 raise NetTimeoutError("another write to this peer did not end in time", peer=self.peer)
             try:
-                self.held = write_within(self.sock, [*self.held, *bufs], hold)
+                by_ref = pinned and self._pinned_by_reference()
+                self.held = write_within(self.sock, [*self.held, *bufs], hold, pinned=by_ref)
                 self.held_until = deadline if self.held else None
                 if self.held:
                     deadline.remaining()  # the deadline itself passed: raises
@@ -153,6 +167,20 @@ class ServerSession(Session):
 
     def close(self) -> None:
         self._end(self)
+
+    def take_then(self) -> object | None:
+        """What waits for the held answers, taken once (by their writer, or by :meth:`drop_then`)."""
+        with self.lock:
+            then, self.then = self.then, None
+        return then
+
+    def drop_then(self) -> None:
+        """The session ended: a streamed answer's handler that waited is closed (its cleanup runs)."""
+        if isinstance(then := self.take_then(), _Rest):
+            try:
+                then.answers.close()
+            except Exception:  # a handler's cleanup that failed: logged, the server goes on
+                log.exception("closing a held answer's handler failed")
 
     @property
     def closed(self) -> bool:
@@ -221,11 +249,14 @@ class Responder:
             deadline = Deadline(self.config.op_timeout_s, s.peer)  # a handler may wait (a GET for its tensor)
             answered = self._answer(s, event, bufs, deadline)
             if isinstance(answered, Park):  # the answers before it were written
-                self.parked.park(s, event, answered)
+                self.parked.park(s, event.request if isinstance(event, _Rest) else event, answered)
                 if s.closed:  # ended before it was parked: _end found nothing to resume
                     self.parked.resume(s)
                 return _PARKED
-            bufs = answered
+            if answered is _HELD:  # a streamed answer the peer did not take: the rest is s.then
+                self._hold(s)
+                return _HELD
+            bufs = cast("list[bytes | memoryview]", answered)
             try:
                 with s.lock:
                     event = s.conn.next_event()
@@ -255,8 +286,7 @@ class Responder:
         then answer on (a pool worker runs this)."""
         try:
             if not s.closed and (s.held_until is None or s.write_or_hold([], s.held_until)):
-                then, s.then = s.then, None
-                return self.work(s, then)  # hands the session back
+                return self.work(s, s.take_then())  # hands the session back
             if not s.closed:
                 return self._hold(s)
         except (TierSyncError, OSError) as exc:
@@ -287,8 +317,10 @@ class Responder:
 
     def _answer(
         self, s: ServerSession, event: object, bufs: list[bytes | memoryview], deadline: Deadline
-    ) -> list[bytes | memoryview] | Park:
-        answers = self._answers(s, event)
+    ) -> list[bytes | memoryview] | Park | object:
+        """``bufs`` with ``event``'s answers (or those of a held stream's rest) added; Park; or
+        ``_HELD`` when a streamed answer waits for room (its rest is ``s.then``)."""
+        answers = event.answers if isinstance(event, _Rest) else self._answers(s, event)
         if isinstance(answers, Park):
             if bufs:
                 s.write(bufs, deadline)
@@ -297,6 +329,7 @@ class Responder:
         if streamed and bufs:  # its body has not run yet and may wait: earlier answers go out first
             s.write(bufs, deadline)
             bufs = []
+        held = False
         try:
             for answer in answers:
                 if isinstance(answer, Park):  # its last answer: the session parks after the ones before
@@ -309,12 +342,18 @@ class Responder:
                     bufs = []
                 with s.lock:
                     bufs += _encode(s.conn, cast(ev.Event, answer))  # the service answers with events
-                if streamed or pinned:  # a handler that yields may block before its next answer: send this one now
-                    s.write(bufs, Deadline(self.config.op_timeout_s, s.peer) if streamed else deadline, pinned=pinned)
+                if streamed:  # a handler that yields may block before its next answer: send this one now
+                    if not s.write_or_hold(bufs, Deadline(self.config.op_timeout_s, s.peer), pinned=pinned):
+                        rest = _Rest(event.request if isinstance(event, _Rest) else event, cast(_Stream, answers))
+                        s.then, held = rest, True
+                        return _HELD  # asked for more once the peer took this one
+                    bufs = []
+                elif pinned:  # a handler that does not stream (none in tiersync): on the worker
+                    s.write(bufs, deadline, pinned=True)
                     bufs = []
         finally:
-            if streamed:  # a write failed: the handler's cleanup runs now, not when the traceback goes
-                cast(Generator[object, None, None], answers).close()
+            if streamed and not held:  # a write failed: the handler's cleanup runs now, not when the traceback goes
+                cast(_Stream, answers).close()
         return bufs
 
     def _answers(self, s: ServerSession, event: object) -> Iterable[object] | Park:

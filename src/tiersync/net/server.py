@@ -347,6 +347,7 @@ class TcpServer(Server):
     def _release_socket(self, s: ServerSession) -> None:
         """Close the socket once no worker uses it and no write is under way (its number must not
         go to a new connection while another thread may still read or write by it)."""
+        s.drop_then()
         self._unregister(s)
         self._stalls.clear(s)
         self._handshakes.pop(s)
