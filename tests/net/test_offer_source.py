@@ -113,3 +113,38 @@ def test_a_loopback_writer_pushes_to_a_node_on_another_address_of_this_host():
     finally:
         server.close()
         node.close()
+
+
+def test_closing_the_pulls_ends_one_still_dialing_a_writer_that_never_answers_within_connect_timeout_s():
+    """A writer whose kernel accepts the node's dial but whose process never speaks (stopped):
+    the pull gives the dial at most ``connect_timeout_s``, not its whole ``pull_timeout_s``, so
+    a node that closes meanwhile does not wait a minute for it; a pull taken after the close
+    does not dial at all."""
+    import threading
+    import time
+
+    from tiersync.errors import ClosedError, TierSyncError
+    from tiersync.net.offer_source import WriterPulls
+
+    pulls = WriterPulls(TcpConfig(token=TOKEN.encode(), connect_timeout_s=1.0))
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nobody answers
+        writer = f"127.0.0.1:{silent.getsockname()[1]}"
+        failed: list[BaseException] = []
+
+        def pull() -> None:
+            try:
+                pulls.pull(writer, 1, [(b"k" * 16, 0, memoryview(bytearray(8)))], 60.0)
+            except TierSyncError as exc:
+                failed.append(exc)
+
+        began = time.monotonic()
+        t = threading.Thread(target=pull)
+        t.start()
+        silent.settimeout(10)
+        dialed, _ = silent.accept()  # the dial is under way: connected, its handshake unanswered
+        pulls.close()
+        t.join(30)
+        dialed.close()
+        assert not t.is_alive() and len(failed) == 1 and time.monotonic() - began < 20
+        with pytest.raises(ClosedError):
+            pulls.pull(writer, 2, [(b"k" * 16, 0, memoryview(bytearray(8)))], 60.0)

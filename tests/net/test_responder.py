@@ -1,4 +1,4 @@
-"""tiersync.net.responder: one session's writers over a real socket pair, and a turn's deadlines over a real server."""
+"""tiersync.net.responder: a turn's deadlines, held answers and hand-backs over a real server."""
 
 from __future__ import annotations
 
@@ -13,109 +13,8 @@ from _wait import until
 from tiersync.errors import TierSyncError
 from tiersync.net import events as ev
 from tiersync.net.config import TcpConfig
-from tiersync.net.errors import NetTimeoutError
-from tiersync.net.responder import ServerSession
-from tiersync.net.socket_io import Deadline
+from tiersync.net.server_session import ServerSession
 from tiersync.net.vocab import Vocabulary
-
-
-def test_a_writer_behind_one_stuck_on_a_peer_that_does_not_read_gives_up_at_its_own_deadline():
-    """One writer blocks on a peer that reads nothing (until its 60 s deadline); another with a
-    0.3 s deadline raises NetTimeoutError then, instead of queueing behind it for a minute, and
-    the session ends (it could not be written to anyway)."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        peer = socket.create_connection(listener.getsockname())
-        ours, _ = listener.accept()
-    ours.setblocking(False)
-    ended: list[ServerSession] = []
-    session = ServerSession(ended.append, TcpConfig(), Vocabulary("t", {}, include=(ev.CORE,)), ours, "peer", 1)
-    stuck = threading.Thread(
-        target=_quiet, args=(session.write, [bytes(64 << 20)], Deadline(60.0, "peer")), daemon=True
-    )
-    stuck.start()
-    assert until(session.wlock.locked)
-    outcome: list[BaseException] = []
-
-    def second() -> None:
-        try:
-            session.write([b"x" * 64], Deadline(0.3, "peer"))
-        except BaseException as exc:  # noqa: BLE001 - recorded and asserted below
-            outcome.append(exc)
-
-    waiter = threading.Thread(target=second, daemon=True)
-    waiter.start()
-    waiter.join(10)  # 60 s before: it waited for the stuck writer's deadline
-    try:
-        assert not waiter.is_alive() and isinstance(outcome[0], NetTimeoutError)
-        assert ended == [session]
-    finally:
-        peer.close()
-        ours.close()
-
-
-def _pair() -> tuple[socket.socket, socket.socket]:
-    """(ours, non-blocking; the peer's, with a small receive buffer) over loopback."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        peer = socket.create_connection(listener.getsockname())
-        peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-        ours, _ = listener.accept()
-    ours.setblocking(False)
-    return ours, peer
-
-
-def test_writes_queue_behind_held_answers_up_to_a_cap_then_wait_for_them_or_end_the_session():
-    """A peer that reads nothing has 64 MiB of answers held. Other writes (a publisher's
-    ANNOUNCE) queue behind them up to 1 MiB and return; the next one waits for room. Once the
-    peer reads and what is held is written, it goes out after them, every byte in order. A
-    write past the cap on a peer that never reads raises NetTimeoutError at its deadline and
-    ends the session (the queue grew without bound before)."""
-    vocab = Vocabulary("t", {}, include=(ev.CORE,))
-    ours, peer = _pair()
-    ended: list[ServerSession] = []
-    session = ServerSession(ended.append, TcpConfig(), vocab, ours, "peer", 1)
-    big, small = bytes(range(256)) * (1 << 18), [bytes([i]) * (64 << 10) for i in range(16)]
-    try:
-        assert not session.write_or_hold([big], Deadline(60.0, "peer"))  # the peer reads nothing: held
-        for chunk in small:  # 1 MiB queued: each returns at once
-            session.write([chunk], Deadline(5.0, "peer"))
-        waiter = threading.Thread(target=session.write, args=([b"last"], Deadline(30.0, "peer")))
-        waiter.start()
-        waiter.join(1.0)
-        assert waiter.is_alive() and not ended  # past the cap: it waits
-        got = bytearray()
-        reader = threading.Thread(target=_collect, args=(peer, got, len(big) + (1 << 20) + 4))
-        reader.start()
-        assert until(lambda: session.write_or_hold([], Deadline(60.0, "peer")), 30.0)  # as the server does
-        waiter.join(10)
-        reader.join(30)
-        assert got == big + b"".join(small) + b"last" and not ended
-    finally:
-        peer.close()
-        ours.close()
-    ours, peer = _pair()
-    session = ServerSession(ended.append, TcpConfig(), vocab, ours, "peer", 2)
-    try:
-        assert not session.write_or_hold([big], Deadline(60.0, "peer"))
-        session.write([bytes(1 << 20)], Deadline(5.0, "peer"))
-        with pytest.raises(NetTimeoutError):
-            session.write([b"x"], Deadline(0.5, "peer"))
-        assert ended == [session]
-    finally:
-        peer.close()
-        ours.close()
-
-
-def _collect(sock: socket.socket, got: bytearray, nbytes: int) -> None:
-    while len(got) < nbytes:
-        chunk = sock.recv(1 << 20)
-        if not chunk:
-            return
-        got += chunk
-
-
-def _quiet(fn, *args) -> None:
-    with contextlib.suppress(TierSyncError, OSError):
-        fn(*args)
 
 
 @pytest.mark.parametrize("streamed", [False, True])
@@ -190,29 +89,6 @@ def test_a_session_ended_by_another_thread_keeps_its_socket_until_the_worker_han
     finally:
         leave.set()
         server.close()
-
-
-@pytest.mark.parametrize(
-    ("mode", "ip", "expected"),
-    [
-        ("AUTO", "127.0.0.1", False),  # this kernel's loopback: copied (the reader's copy costs the host more)
-        ("AUTO", "::1", False),
-        ("AUTO", "192.0.2.7", True),  # TEST-NET-1: another host's address, by reference
-        ("ALWAYS", "127.0.0.1", True),
-        ("NEVER", "192.0.2.7", False),
-    ],
-)
-def test_pinned_data_goes_by_reference_only_to_peers_off_this_hosts_loopback_unless_forced(mode, ip, expected):
-    from tiersync.net.config import ByReference
-    from tiersync.net.responder import by_reference
-
-    assert by_reference(ByReference[mode], ip) is expected
-
-
-def test_the_by_reference_setting_is_validated_naming_it():
-    with pytest.raises(TierSyncError) as info:
-        TcpConfig(by_reference="always")
-    assert "by_reference" in str(info.value)
 
 
 def test_peers_that_keep_sending_do_not_keep_the_workers_from_another_session():
@@ -353,4 +229,51 @@ def test_an_idle_session_whose_peer_resets_is_ended_and_its_service_told():
         ch.close()  # linger 0: the close sends an RST
         assert closed.wait(10) and until(lambda: server.connections == 0, 10.0)
     finally:
+        server.close()
+
+
+def test_answers_written_before_a_park_are_held_too_and_the_parked_request_is_asked_again_after():
+    """Two peers, as many as workers, pipeline a PULL of 48 MiB and a PING the service parks,
+    and read nothing. The PULL's answer, written before the park, is held like any other (it
+    was written on the worker until op_timeout_s, and another client timed out), and the PING
+    is asked again once it went out: the late reader gets every byte, then its PONG."""
+    import os
+    import time
+
+    from tiersync.net.service import Park
+    from tiersync.net.source import MemoryBlockSource
+    from tiersync.net.tcp import TcpTransport
+
+    released, wakes = threading.Event(), []
+
+    class ParksPings(MemoryBlockSource):
+        def handle(self, session, event):
+            if isinstance(event, ev.Ping) and not released.is_set():
+                return Park(wakes.append, time.monotonic() + 60)
+            return super().handle(session, event)
+
+    token, key, data = b"p" * 32, b"B" * 16, os.urandom(BIG)
+    server = TcpTransport(TcpConfig(token=token, workers=2, op_timeout_s=8.0)).serve(
+        "127.0.0.1:0", ParksPings({key: data, b"s" * 16: b"small"})
+    )
+    peers = [_hostile(server.address, key, token) for _ in range(2)]  # as many as workers
+    try:
+        from tiersync.net import store_ops as so
+
+        honest = TcpTransport(TcpConfig(token=token)).connect(server.address)
+        lease = honest.request(so.ReadLease(honest.new_request_id(), (b"s" * 16,), 60), timeout=5.0)
+        got = bytearray(5)
+        honest.request(so.Pull(honest.new_request_id(), lease.lease_id, b"s" * 16, 0, 5), timeout=5.0, into=got)
+        assert got == b"small"
+        peers.append(_hostile(server.address, key, token))  # a third: it too gets a worker at once
+        released.set()
+        late, pull = peers[0]
+        answer = late.next_answer(pull, timeout=30.0)
+        parts = answer.payload if isinstance(answer.payload, list) else [answer.payload]
+        assert b"".join(map(bytes, parts)) == data
+        assert late.next_answer(pull + 1, timeout=10.0).token == 7  # asked again once the PULL went out
+        honest.close()
+    finally:
+        for ch, _ in peers:
+            ch.close()
         server.close()

@@ -34,7 +34,8 @@ PULL_WINDOW = 8  # pulls in flight from a writer
 class WriterPulls:
     """How a store node pulls OFFERs' blocks from their writers. :meth:`close` ends every pull
     under way at once (each fails with ClosedError, so a node that closes does not wait out a
-    slow writer's ``pull_timeout_s``) and refuses later ones."""
+    slow writer's ``pull_timeout_s``; one still dialing ends within ``connect_timeout_s``, the
+    most a dial takes) and refuses later ones."""
 
     def __init__(self, config: TcpConfig) -> None:
         self._config, self._spare = config, SpareDescriptor()  # to dial while connections fill the table
@@ -47,7 +48,10 @@ class WriterPulls:
         lease ``lease_id`` within ``timeout_s``, then release the lease: RemoteError when it
         ended first, ClosedError once :meth:`close` ran."""
         deadline = Deadline(timeout_s, writer)
-        channel = self._spare.call(lambda: TcpTransport(self._config).connect(writer, timeout=deadline.remaining()))
+        if self._closed:  # a pull queued behind the others, taken as the node closes
+            raise ClosedError("the store node is closing", peer=writer)
+        dial = min(deadline.remaining(), self._config.connect_timeout_s)  # what close() may wait for
+        channel = self._spare.call(lambda: TcpTransport(self._config).connect(writer, timeout=dial))
         with self._lock:
             closed = self._closed
             if not closed:

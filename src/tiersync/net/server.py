@@ -40,7 +40,8 @@ from tiersync.net.deadlines import Deadlines
 from tiersync.net.errors import ProtocolError
 from tiersync.net.handshake import refuse_over_cap
 from tiersync.net.protocol import NEED_DATA
-from tiersync.net.responder import Responder, ServerSession
+from tiersync.net.responder import Responder
+from tiersync.net.server_session import ServerSession
 from tiersync.net.service import Service
 from tiersync.net.socket_io import Deadline, peer_gone, tune, write_nonblocking
 from tiersync.net.stalls import Stalls
