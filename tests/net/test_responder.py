@@ -277,3 +277,36 @@ def test_answers_written_before_a_park_are_held_too_and_the_parked_request_is_as
         for ch, _ in peers:
             ch.close()
         server.close()
+
+
+def test_a_request_woken_again_and_again_is_answered_late_at_its_first_parks_deadline():
+    """A service parks each PING with late answers and a watch that wakes it 50 ms later, the
+    answer still not there (a tensor's part written, not the one this GET waits for): the
+    server keeps the first park's 1 s deadline across the re-parks and answers ``late`` then;
+    the next PING gets a deadline of its own. The handler keeps no state for it."""
+    import time
+
+    from tiersync.net.service import Park, Service
+    from tiersync.net.tcp import TcpTransport
+
+    asked: list[int] = []
+
+    class NeverReady(Service):
+        vocabulary = Vocabulary("late", {}, include=(ev.CORE,))
+
+        def handle(self, session, event):
+            asked.append(event.request_id)
+            late = (ev.Pong(event.request_id, 99),)
+            return Park(lambda wake: threading.Timer(0.05, wake).start(), time.monotonic() + 1.0, late)
+
+    server = TcpTransport(TcpConfig(), NeverReady.vocabulary).serve("127.0.0.1:0", NeverReady())
+    try:
+        ch = TcpTransport(TcpConfig(), NeverReady.vocabulary).connect(server.address)
+        for _ in range(2):
+            rid = ch.new_request_id()
+            began = time.monotonic()
+            assert ch.request(ev.Ping(rid, 1), timeout=10.0).token == 99
+            assert time.monotonic() - began >= 0.9 and asked.count(rid) >= 5  # woken, re-parked, then late
+        ch.close()
+    finally:
+        server.close()

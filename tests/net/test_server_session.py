@@ -173,3 +173,31 @@ def test_a_streams_rest_kept_for_held_answers_is_closed_when_the_session_ends_or
     finally:
         peer.close()
         ours.close()
+
+
+def test_a_request_parked_again_keeps_its_first_parks_deadline_when_it_has_late_answers():
+    """Park.late: the deadline is the request's first park's, however often it parks again; a
+    new request starts its own; past it, None (the server answers ``late``). Without late, each
+    park keeps its own deadline."""
+    import time
+
+    from tiersync.net.service import Park
+
+    ours, peer = _pair()
+    try:
+        session = ServerSession(lambda s: None, TcpConfig(), Vocabulary("t", {}, include=(ev.CORE,)), ours, "p", 1)
+        first, other, late, now = object(), object(), ("late",), time.monotonic()
+        plain = Park(lambda wake: None, now + 5)
+        assert session.first_park(first, plain) is plain  # no late answers: as it is
+        assert session.first_park(first, Park(plain.watch, now + 5, late)).deadline == now + 5
+        again = session.first_park(first, Park(plain.watch, now + 50, late))
+        assert again is not None and again.deadline == now + 5 and again.late == late
+        assert session.first_park(other, Park(plain.watch, now + 50, late)).deadline == now + 50  # its own
+        assert session.first_park(first, Park(plain.watch, now + 60, late)).deadline == now + 60  # asked anew
+        soon = time.monotonic() + 0.2
+        assert session.first_park(other, Park(plain.watch, soon, late)).deadline == soon
+        assert until(lambda: time.monotonic() >= soon)
+        assert session.first_park(other, Park(plain.watch, soon + 60, late)) is None  # past its first park's
+    finally:
+        peer.close()
+        ours.close()

@@ -11,7 +11,9 @@ same request once, whichever comes first:
 - the service's wake callback runs (``Park.watch`` gave it one; a late call from an older park
   of the same session is ignored: each park has its own token),
 - the park's deadline passes (:meth:`ParkedSessions.expire`, from the server's loop, which
-  runs at least once a second: the handler then answers that it timed out),
+  runs at least once a second: the handler then answers that it timed out; a Park with
+  ``late`` answers keeps its request's first deadline, and the server answers them once a
+  request asked past it parks again),
 - the session ends (:meth:`ParkedSessions.resume` without a token: the worker finds it closed
   and hands it back, so the server closes its socket). The server's loop ends a parked
   session whose peer hung up (a decode rank that died while its KV_NEXT waited), FIN or RST,

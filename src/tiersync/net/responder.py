@@ -98,10 +98,15 @@ class Responder:
             deadline = Deadline(self.config.op_timeout_s, s.peer)  # a handler may wait (a GET for its tensor)
             answered = self._answer(s, event, bufs, deadline)
             if isinstance(answered, Park):  # the answers before it were written
-                self.parked.park(s, event.request if isinstance(event, Rest) else event, answered)
-                if s.closed:  # ended before it was parked: _end found nothing to resume
-                    self.parked.resume(s)
-                return _PARKED
+                request = event.request if isinstance(event, Rest) else event
+                park = s.first_park(request, answered)
+                if park is None:  # waited past its first park's deadline: its late answers
+                    answered = self._listed(s, cast(tuple[object, ...], answered.late), [], deadline)
+                else:
+                    self.parked.park(s, request, park)
+                    if s.closed:  # ended before it was parked: _end found nothing to resume
+                        self.parked.resume(s)
+                    return _PARKED
             if answered is _HELD:  # the peer did not take what was written: what waits for it is s.then
                 self._hold(s)
                 return _HELD

@@ -16,6 +16,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import cast
@@ -27,22 +28,23 @@ from tiersync.net.errors import NetTimeoutError
 from tiersync.net.handshake import ServerHandshake
 from tiersync.net.local import local_address
 from tiersync.net.protocol import Connection, Role
-from tiersync.net.service import PeerInfo, Session
+from tiersync.net.service import Park, PeerInfo, Session
 from tiersync.net.socket_io import Deadline, peer_ip, write_nonblocking, write_within
 from tiersync.net.vocab import Vocabulary
 
 __all__ = ["HOLD_S", "QUEUED", "Rest", "ServerSession", "by_reference", "close_rest"]
 
 log = logging.getLogger(__name__)
-HOLD_S = 1.0  # most a worker waits for a peer to take a turn's answers before the rest waits without it
+HOLD_S = 1.0  # most a worker waits for a peer to take answers before the rest waits without it
 QUEUED = 1 << 20  # most bytes of other writes queued behind held answers; a write past it waits for room
 Stream = Generator[object, None, None]  # a handler's answers, yielded one by one
 
 
 @dataclass(frozen=True, slots=True)
 class Rest:
-    """A streamed answer's rest: ``answers`` (the handler's generator) of ``request``, held
-    after an answer its peer did not take, and asked for more once that was written."""
+    """A streamed answer's rest: ``answers`` (the handler's generator) of ``request``, kept
+    while what was written before it (its last answer, or the answers before the stream began)
+    waits for room, and asked for more once that was written."""
 
     request: object
     answers: Stream
@@ -92,6 +94,7 @@ class ServerSession(Session):
         self.held: list[memoryview] = []  # answers the peer has not taken yet, written once it has room
         self.held_until: Deadline | None = None  # ... by then, else the session ends
         self._queued = 0  # bytes of writes queued behind held answers
+        self._first_park: tuple[object, float] | None = None  # (request, deadline) of its first park
         self.then: object | None = None  # the request (or a Rest) to answer once they are written
 
     def send(self, event: object, *, timeout: float | None = None) -> None:
@@ -164,6 +167,19 @@ class ServerSession(Session):
 
     def close(self) -> None:
         self._end(self)
+
+    def first_park(self, request: object, park: Park) -> Park | None:
+        """``park`` of ``request`` (a worker's only), with the deadline of the request's first
+        park when it has :attr:`Park.late` answers; None once that passed."""
+        if park.late is None:
+            return park
+        first = self._first_park
+        if first is None or first[0] is not request:
+            first = self._first_park = (request, park.deadline)
+        if time.monotonic() >= first[1]:
+            self._first_park = None
+            return None
+        return park if park.deadline == first[1] else Park(park.watch, first[1], park.late)
 
     def keep_then(self, then: object) -> None:
         """Keep what waits for the held answers (a request, or a :class:`Rest`); a stream's

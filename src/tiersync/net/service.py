@@ -52,10 +52,17 @@ class Park:
     session, without a worker, and asks the handler again with the same request once ``watch``'s
     callback runs, ``deadline`` (``time.monotonic()``) passes, or the session ends.
     ``watch(wake)`` must arrange for ``wake()`` to be called (from any thread; at once if the
-    answer may already be there) when the answer may be ready; later calls are ignored."""
+    answer may already be there) when the answer may be ready; later calls are ignored.
+
+    ``late``: the request's answers once it waited too long. With them, the deadline is the
+    one of the request's first park, however often it parks again, and a request asked again
+    past it that parks once more is answered ``late`` instead (the handler keeps no state to
+    know how long a request waited). Without them, each park has its own deadline, and the
+    handler answers when it has waited enough."""
 
     watch: Watch
     deadline: float
+    late: tuple[object, ...] | None = None
 
 
 class Session(ABC):

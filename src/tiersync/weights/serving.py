@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from tiersync.errors import RemoteError, TierSyncError, UsageError
+from tiersync.errors import TierSyncError, UsageError
 from tiersync.net import events as ev
 from tiersync.net.errors import ProtocolError, ProtocolFault
 from tiersync.net.frames import SUPPORTED, PayloadChecksum
@@ -167,39 +167,36 @@ class SpanService(Service):
         self._control, self._ended, self._summer = control, ended, summer
         self._pinned, self._serving = pinned, serving
         self._sums = _Sums()
-        self._lock = threading.Lock()
-        self._parked: dict[Session, tuple[int, float]] = {}  # session -> (request id, deadline) of its parked GET
 
     def handle(self, session: Session, event: object) -> Iterable[object] | Park:
         if isinstance(event, (Get, Sums)) and self._incarnation not in (None, event.incarnation):
             text = f"this trainer shard restarted: incarnation {self._incarnation:x}, not {event.incarnation:x}"
             return [ev.Error(event.request_id, ev.ErrorCode.NOT_FOUND, text)]
         if isinstance(event, Get):
-            return self._get(session, event)
+            return self._get(event)
         if isinstance(event, Sums) and self._control is not None:  # trainer shards only
-            return self._checksums(session, event)
+            return self._checksums(event)
         if self._control is None:
             session.close()  # a data-only server: a control message is out of place
             return []
         return self._control(session, event)
 
     def closed(self, session: Session) -> None:
-        with self._lock:
-            self._parked.pop(session, None)
         if self._ended is not None:
             self._ended(session)
 
     def _provided(
-        self, session: Session, req: Get | Sums, key: tuple[int, ...], span: StridedSpan | None
+        self, req: Get | Sums, key: tuple[int, ...], span: StridedSpan | None
     ) -> tuple[np.ndarray, Callable[[], None]] | list[object]:
         """The provider's bytes for ``req`` (release them); else its answers: [Park] while they
-        are not there, for at most ``timeout_s`` from the request's first park, or [ERROR] (a
-        ValueError of a GET: BAD_REQUEST; anything else NOT_FOUND)."""
+        are not there, for at most ``timeout_s`` from the request's first park (:attr:`Park.late`),
+        or [ERROR] (a ValueError of a GET: BAD_REQUEST; anything else NOT_FOUND)."""
         got: tuple[np.ndarray, Callable[[], None]] | Watch | list[object]
         try:
             got = self._provider(req.version, req.tensor, key, span)
-            if not isinstance(got, tuple):
-                return [self._park(session, req.request_id, got)]
+            if not isinstance(got, tuple):  # the server keeps the first park's deadline
+                late = (ev.Error(req.request_id, ev.ErrorCode.NOT_FOUND, f"not there in time ({self._timeout} s)"),)
+                return [Park(got, time.monotonic() + self._timeout, late)]
         except TierSyncError as exc:
             code = (
                 ev.ErrorCode.BAD_REQUEST
@@ -207,29 +204,12 @@ class SpanService(Service):
                 else ev.ErrorCode.NOT_FOUND
             )
             got = [ev.Error(req.request_id, code, exc.message[:512])]
-        if session in self._parked:  # answered: a later park of this session is another request's
-            with self._lock:
-                self._parked.pop(session, None)
         return got
 
-    def _park(self, session: Session, request_id: int, watch: Watch) -> Park:
-        """Park ``session``'s request until ``watch`` wakes it, or until ``timeout_s`` after its
-        first park; RemoteError when that passed (asked again then, the bytes still not there)."""
-        now = time.monotonic()
-        with self._lock:
-            held = self._parked.get(session)
-            deadline = held[1] if held is not None and held[0] == request_id else now + self._timeout
-            if now < deadline:
-                self._parked[session] = (request_id, deadline)
-                if session.closed:  # ended meanwhile: closed() found nothing to drop
-                    del self._parked[session]
-                return Park(watch, deadline)
-        raise RemoteError("not there in time", timeout_s=self._timeout)
-
-    def _get(self, session: Session, get: Get) -> Iterator[object]:
+    def _get(self, get: Get) -> Iterator[object]:
         """DATA (written before the provider's ``release`` runs: a generator's answer is sent
         before the server asks it for more), ERROR, or Park while the bytes are not there."""
-        got = self._provided(session, get, get.key, get.span)
+        got = self._provided(get, get.key, get.span)
         if isinstance(got, list):
             yield from got
             return
@@ -247,11 +227,11 @@ class SpanService(Service):
         finally:
             release()
 
-    def _checksums(self, session: Session, req: Sums) -> Iterator[object]:
+    def _checksums(self, req: Sums) -> Iterator[object]:
         """W_SUMS_REPLY with the checksum of every span (the ones DATA of a GET would carry), or
         ERROR. The spans may cover at most the tensor's bytes in all (a sampler asks for its
         chunks of it): one request never makes the trainer read more than a GET of all of it."""
-        got = self._provided(session, req, (), None)
+        got = self._provided(req, (), None)
         if isinstance(got, list):
             yield from got
             return
