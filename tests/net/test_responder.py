@@ -253,7 +253,7 @@ def test_answers_written_before_a_park_are_held_too_and_the_parked_request_is_as
             return super().handle(session, event)
 
     token, key, data = b"p" * 32, b"B" * 16, os.urandom(BIG)
-    server = TcpTransport(TcpConfig(token=token, workers=2, op_timeout_s=8.0)).serve(
+    server = TcpTransport(TcpConfig(token=token, workers=2, op_timeout_s=30.0)).serve(
         "127.0.0.1:0", ParksPings({key: data, b"s" * 16: b"small"})
     )
     peers = [_hostile(server.address, key, token) for _ in range(2)]  # as many as workers

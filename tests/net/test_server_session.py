@@ -194,10 +194,20 @@ def test_a_request_parked_again_keeps_its_first_parks_deadline_when_it_has_late_
         assert again is not None and again.deadline == now + 5 and again.late == late
         assert session.first_park(other, Park(plain.watch, now + 50, late)).deadline == now + 50  # its own
         assert session.first_park(first, Park(plain.watch, now + 60, late)).deadline == now + 60  # asked anew
-        soon = time.monotonic() + 0.2
+        soon = time.monotonic() + 1.0
         assert session.first_park(other, Park(plain.watch, soon, late)).deadline == soon
         assert until(lambda: time.monotonic() >= soon)
         assert session.first_park(other, Park(plain.watch, soon + 60, late)) is None  # past its first park's
     finally:
         peer.close()
         ours.close()
+
+
+def test_a_park_with_no_late_answers_or_a_park_among_them_is_refused_naming_late():
+    from tiersync.errors import UsageError
+    from tiersync.net.service import Park
+
+    plain = Park(lambda wake: None, 0.0)
+    for late in [(), (ev.Pong(1, 1), plain)]:
+        with pytest.raises(UsageError, match="late"):
+            Park(plain.watch, 0.0, late)

@@ -146,3 +146,26 @@ def test_samplers_that_do_not_read_their_data_hold_no_worker_and_every_lent_buff
         for ch, _ in samplers:
             ch.close()
         server.close()
+
+
+def test_a_get_woken_again_and_again_without_its_bytes_is_refused_at_its_first_parks_deadline():
+    """The provider's watch wakes the GET every 50 ms and the bytes are never there (parts of
+    other tensors written): each wake asks the service again, which parks again, and the GET is
+    refused "not there in time" at the service's timeout from its first park, not pushed back
+    by every wake."""
+    import time
+
+    asked: list[int] = []
+
+    def provider(version, tensor, key, span):
+        asked.append(1)
+        return lambda wake: threading.Timer(0.05, wake).start()
+
+    server = TcpTransport(TcpConfig(token=TOKEN), WEIGHTS).serve("127.0.0.1:0", SpanService(provider, 1.0))
+    try:
+        began = time.monotonic()
+        with pytest.raises(RemoteError, match="not there in time"):
+            _get(server.address, "any", 20.0)
+        assert time.monotonic() - began >= 0.9 and len(asked) >= 5
+    finally:
+        server.close()

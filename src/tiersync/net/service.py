@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from tiersync.errors import UsageError
 from tiersync.net.vocab import Vocabulary
 
 __all__ = ["Park", "PeerInfo", "Service", "Session", "Watch"]
@@ -57,12 +58,17 @@ class Park:
     ``late``: the request's answers once it waited too long. With them, the deadline is the
     one of the request's first park, however often it parks again, and a request asked again
     past it that parks once more is answered ``late`` instead (the handler keeps no state to
-    know how long a request waited). Without them, each park has its own deadline, and the
-    handler answers when it has waited enough."""
+    know how long a request waited); such a Park must be its request's first answer (asked
+    again from the start, a handler would repeat what it answered before it). Without them,
+    each park has its own deadline, and the handler answers when it has waited enough."""
 
     watch: Watch
     deadline: float
     late: tuple[object, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.late is not None and (not self.late or any(isinstance(a, Park) for a in self.late)):
+            raise UsageError("must be None or one answer at least, none of them a Park", argument="late")
 
 
 class Session(ABC):
