@@ -310,3 +310,43 @@ def test_a_request_woken_again_and_again_is_answered_late_at_its_first_parks_dea
         ch.close()
     finally:
         server.close()
+
+
+def test_a_pinned_data_in_a_handlers_list_is_held_like_a_streams_and_holds_no_worker():
+    """A service answers PULLs with a plain list whose DATA is pinned (its bytes stay until
+    read). Two peers, as many as workers, pull 48 MiB and read nothing: the list is answered
+    like a stream, its DATA held once the peer does not take it, so another client is answered
+    at once (the pinned DATA was written on the worker until op_timeout_s, and the other client
+    timed out). The late reader gets every byte, then the PONG it asked for behind it."""
+    import dataclasses
+    import os
+
+    from tiersync.net import store_ops as so
+    from tiersync.net.source import MemoryBlockSource
+    from tiersync.net.tcp import TcpTransport
+
+    class PinsPulls(MemoryBlockSource):
+        def handle(self, session, event):
+            answers = super().handle(session, event)
+            if not isinstance(event, so.Pull):
+                return answers
+            return [dataclasses.replace(a, pinned=True) if isinstance(a, ev.Data) else a for a in answers]
+
+    token, key, data = b"q" * 32, b"B" * 16, os.urandom(BIG)
+    server = TcpTransport(TcpConfig(token=token, workers=2, op_timeout_s=30.0)).serve(
+        "127.0.0.1:0", PinsPulls({key: data})
+    )
+    peers = [_hostile(server.address, key, token) for _ in range(2)]  # as many as workers
+    try:
+        honest = TcpTransport(TcpConfig(token=token)).connect(server.address)
+        assert honest.request(ev.Ping(honest.new_request_id(), 1), timeout=5.0).token == 1
+        late, pull = peers[0]
+        answer = late.next_answer(pull, timeout=30.0)
+        parts = answer.payload if isinstance(answer.payload, list) else [answer.payload]
+        assert b"".join(map(bytes, parts)) == data
+        assert late.next_answer(pull + 1, timeout=10.0).token == 7
+        honest.close()
+    finally:
+        for ch, _ in peers:
+            ch.close()
+        server.close()

@@ -9,9 +9,10 @@ new connection while a worker may still read by it). A request the handler answe
 :class:`~tiersync.net.service.Park` parks the session (:mod:`tiersync.net.parking`), neither
 handed back nor on a worker, until it is resumed on a worker with that request. Answers its
 peer does not take within ``HOLD_S`` (those of a turn, those written before a park or before a
-stream begins, and each answer a stream yields) are held (``hold``): the server watches the
-socket for room and :meth:`Responder.write_held` writes on, on a worker, then answers what
-waited (a stream's handler is asked for more only once what it yielded was written).
+stream begins, and each answer a stream yields: a handler's list holding a pinned DATA or a
+Park is answered like one) are held (``hold``): the server watches the socket for room and
+:meth:`Responder.write_held` writes on, on a worker, then answers what waited (a stream's
+handler is asked for more only once what it yielded was written).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class Responder:
                 request = event.request if isinstance(event, Rest) else event
                 park = s.first_park(request, answered)
                 if park is None:  # waited past its first park's deadline: its late answers
-                    answered = self._listed(s, cast(tuple[object, ...], answered.late), [], deadline)
+                    answered = self._listed(s, cast(tuple[object, ...], answered.late), [])  # a pinned one copied
                 else:
                     self.parked.park(s, request, park)
                     if s.closed:  # ended before it was parked: _end found nothing to resume
@@ -174,13 +175,16 @@ class Responder:
     ) -> list[bytes | memoryview] | Park | object:
         """``bufs`` with ``event``'s answers (or a held stream's rest's) added; Park (what came
         before it written); or ``_HELD`` when the peer did not take what was written: what waits
-        for it is ``s.then`` (the request, asked again from the start, or the stream's rest)."""
+        for it is ``s.then`` (the request, asked again from the start, or the stream's rest). A
+        handler's list holding a pinned DATA or a Park is answered like a stream."""
         request = event.request if isinstance(event, Rest) else event
         answers = event.answers if isinstance(event, Rest) else self._answers(s, event)
         if isinstance(answers, Park):
             return answers if self._flushed(s, bufs, deadline, request) else _HELD
         if not inspect.isgenerator(answers):
-            return self._listed(s, answers, bufs, deadline)
+            if not any(map(_one_by_one, answers)):
+                return self._listed(s, answers, bufs)
+            answers = (a for a in answers)  # answered like a stream's: held, never written on this worker
         stream = cast(Stream, answers)  # its body has not run yet and may wait: what came before goes out first
         return self._streamed(s, request, stream) if self._flushed(s, bufs, deadline, Rest(request, stream)) else _HELD
 
@@ -192,20 +196,12 @@ class Responder:
         return False
 
     def _listed(
-        self, s: ServerSession, answers: Iterable[object], bufs: list[bytes | memoryview], deadline: Deadline
-    ) -> list[bytes | memoryview] | Park:
-        for answer in answers:
-            pinned = isinstance(answer, ev.Data) and answer.pinned
-            if (pinned or isinstance(answer, Park)) and bufs:  # on the worker (no service of tiersync does this)
-                s.write(bufs, deadline)
-                bufs = []
-            if isinstance(answer, Park):  # its last answer: the session parks after the ones before
-                return answer
-            with s.lock:
+        self, s: ServerSession, answers: Iterable[object], bufs: list[bytes | memoryview]
+    ) -> list[bytes | memoryview]:
+        """``bufs`` with the frames of ``answers`` (none pinned or a Park) added, to go out in one send."""
+        with s.lock:
+            for answer in answers:
                 bufs += _encode(s.conn, cast(ev.Event, answer))  # the service answers with events
-            if pinned:
-                s.write(bufs, deadline, pinned=True)
-                bufs = []
         return bufs
 
     def _streamed(self, s: ServerSession, request: object, stream: Stream) -> list[bytes | memoryview] | Park | object:
@@ -266,6 +262,12 @@ def _worker_buffer() -> memoryview:
     if buf is None:
         buf = _local.buf = memoryview(bytearray(256 << 10))
     return buf
+
+
+def _one_by_one(answer: object) -> bool:
+    """Whether an answer in a handler's list is written alone: a Park (the session parks after
+    what came before) or a pinned DATA (by reference, after what came before)."""
+    return isinstance(answer, Park) or (isinstance(answer, ev.Data) and answer.pinned)
 
 
 def _answerable(event: object) -> bool:
