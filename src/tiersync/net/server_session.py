@@ -12,12 +12,13 @@ session (``then``); a stream's handler is closed, so its cleanup runs, if the se
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -112,25 +113,17 @@ class ServerSession(Session):
         ``held_until``), up to ``QUEUED`` bytes; past that the write waits (by ``deadline``)
         until the held answers are written. ``pinned``: see
         :func:`~tiersync.net.socket_io.write_nonblocking`."""
-        try:
-            if not self.wlock.acquire(timeout=deadline.remaining()):
-                raise NetTimeoutError("another write to this peer did not end in time", peer=self.peer)
-            try:
-                nbytes = sum(memoryview(b).nbytes for b in bufs)
-                while self.held and self._queued + nbytes > QUEUED:
-                    if self._closed:
-                        raise ClosedError("session closed", peer=self.peer)
-                    self._drained.wait(min(deadline.remaining(), HOLD_S))  # raises once it passed
-                if self.held:  # behind answers waiting for room: written with them
-                    self.held += [memoryview(b).cast("B") for b in bufs]
-                    self._queued += nbytes
-                    return
-                write_nonblocking(self.sock, bufs, deadline, pinned=pinned and self._pinned_by_reference())
-            finally:
-                self.wlock.release()
-        except (TierSyncError, OSError):
-            self.close()
-            raise
+        with self._writing(deadline):
+            nbytes = sum(memoryview(b).nbytes for b in bufs)
+            while self.held and self._queued + nbytes > QUEUED:
+                if self._closed:
+                    raise ClosedError("session closed", peer=self.peer)
+                self._drained.wait(min(deadline.remaining(), HOLD_S))  # raises once it passed
+            if self.held:  # behind answers waiting for room: written with them
+                self.held += [memoryview(b).cast("B") for b in bufs]
+                self._queued += nbytes
+                return
+            write_nonblocking(self.sock, bufs, deadline, pinned=pinned and self._pinned_by_reference())
 
     def write_or_hold(self, bufs: list[bytes | memoryview], deadline: Deadline, *, pinned: bool = False) -> bool:
         """Write ``bufs`` (answers, with what is held before them), waiting at most ``HOLD_S``
@@ -139,20 +132,27 @@ class ServerSession(Session):
         meanwhile). A TLS write cut short is retried with the same buffer, as OpenSSL requires.
         ``pinned``: as for :meth:`write` (what is held later goes by copy). Any failure ends the
         session."""
+        hold = deadline.within(HOLD_S)
+        with self._writing(hold):
+            by_ref = pinned and self._pinned_by_reference()
+            self.held = write_within(self.sock, [*self.held, *bufs], hold, pinned=by_ref)
+            self.held_until = deadline if self.held else None
+            if self.held:
+                deadline.remaining()  # the deadline itself passed: raises
+                return False
+            self._queued = 0
+            self._drained.notify_all()
+            return True
+
+    @contextlib.contextmanager
+    def _writing(self, deadline: Deadline) -> Iterator[None]:
+        """The write lock, waited for until ``deadline`` (a writer stuck on a peer that does not
+        read must not hold every other one past its own); any failure ends the session."""
         try:
-            hold = deadline.within(HOLD_S)
-            if not self.wlock.acquire(timeout=hold.remaining()):
+            if not self.wlock.acquire(timeout=deadline.remaining()):
                 raise NetTimeoutError("another write to this peer did not end in time", peer=self.peer)
             try:
-                by_ref = pinned and self._pinned_by_reference()
-                self.held = write_within(self.sock, [*self.held, *bufs], hold, pinned=by_ref)
-                self.held_until = deadline if self.held else None
-                if self.held:
-                    deadline.remaining()  # the deadline itself passed: raises
-                    return False
-                self._queued = 0
-                self._drained.notify_all()
-                return True
+                yield
             finally:
                 self.wlock.release()
         except (TierSyncError, OSError):
