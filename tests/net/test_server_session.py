@@ -211,3 +211,20 @@ def test_a_park_with_no_late_answers_or_a_park_among_them_is_refused_naming_late
     for late in [(), (ev.Pong(1, 1), plain)]:
         with pytest.raises(UsageError, match="late"):
             Park(plain.watch, 0.0, late)
+
+
+def test_a_held_write_whose_deadline_already_passed_raises_and_ends_the_session():
+    """The loop hands a held session to a worker as its ``held_until`` runs out: the write
+    raises NetTimeoutError and the session ends there, as for any other failure of a write
+    (the caller need not end it)."""
+    ours, peer = _pair()
+    ended: list[ServerSession] = []
+    session = ServerSession(ended.append, TcpConfig(), Vocabulary("t", {}, include=(ev.CORE,)), ours, "peer", 1)
+    passed = Deadline(-1.0, "peer")  # ran out a second ago
+    try:
+        with pytest.raises(NetTimeoutError):
+            session.write_or_hold([b"x" * 64], passed)
+        assert ended == [session]
+    finally:
+        peer.close()
+        ours.close()

@@ -132,8 +132,7 @@ class ServerSession(Session):
         meanwhile). A TLS write cut short is retried with the same buffer, as OpenSSL requires.
         ``pinned``: as for :meth:`write` (what is held later goes by copy). Any failure ends the
         session."""
-        hold = deadline.within(HOLD_S)
-        with self._writing(hold):
+        with self._writing(deadline, HOLD_S) as hold:
             by_ref = pinned and self._pinned_by_reference()
             self.held = write_within(self.sock, [*self.held, *bufs], hold, pinned=by_ref)
             self.held_until = deadline if self.held else None
@@ -145,14 +144,16 @@ class ServerSession(Session):
             return True
 
     @contextlib.contextmanager
-    def _writing(self, deadline: Deadline) -> Iterator[None]:
-        """The write lock, waited for until ``deadline`` (a writer stuck on a peer that does not
-        read must not hold every other one past its own); any failure ends the session."""
+    def _writing(self, deadline: Deadline, within_s: float | None = None) -> Iterator[Deadline]:
+        """The write lock, waited for until ``deadline`` (or at most ``within_s`` of it: the
+        deadline given; a writer stuck on a peer that does not read must not hold every other
+        one past its own); any failure, a deadline that passed too, ends the session."""
         try:
-            if not self.wlock.acquire(timeout=deadline.remaining()):
+            limit = deadline if within_s is None else deadline.within(within_s)
+            if not self.wlock.acquire(timeout=limit.remaining()):
                 raise NetTimeoutError("another write to this peer did not end in time", peer=self.peer)
             try:
-                yield
+                yield limit
             finally:
                 self.wlock.release()
         except (TierSyncError, OSError):
