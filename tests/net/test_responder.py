@@ -350,3 +350,42 @@ def test_a_pinned_data_in_a_handlers_list_is_held_like_a_streams_and_holds_no_wo
         for ch, _ in peers:
             ch.close()
         server.close()
+
+
+def test_a_handlers_list_of_one_park_behind_held_answers_is_asked_again_once_they_are_written():
+    """A PING answered ``[Park]`` (a list, not a bare Park) behind a PULL whose 48 MiB the peer
+    does not read yet: once the PULL went out the PING is asked again, like a bare Park's, and
+    answered with what is there by then (the list's Park, made before the hold, was kept and
+    its deadline had passed: the PING got its late answer without being asked)."""
+    import os
+    import time
+
+    from tiersync.net.service import Park
+    from tiersync.net.source import MemoryBlockSource
+    from tiersync.net.tcp import TcpTransport
+
+    asked: list[float] = []
+
+    class ParksPingsOnce(MemoryBlockSource):
+        def handle(self, session, event):
+            if not isinstance(event, ev.Ping):
+                return super().handle(session, event)
+            asked.append(time.monotonic())
+            if len(asked) > 1:
+                return [ev.Pong(event.request_id, event.token)]
+            return [Park(lambda wake: None, time.monotonic() + 0.5, (ev.Pong(event.request_id, 99),))]
+
+    token, key, data = b"o" * 32, b"B" * 16, os.urandom(BIG)
+    server = TcpTransport(TcpConfig(token=token, workers=2, op_timeout_s=30.0)).serve(
+        "127.0.0.1:0", ParksPingsOnce({key: data})
+    )
+    late, pull = _hostile(server.address, key, token)
+    try:
+        assert until(lambda: asked and time.monotonic() > asked[0] + 1.0, 10.0)  # its park's deadline passed
+        answer = late.next_answer(pull, timeout=30.0)
+        parts = answer.payload if isinstance(answer.payload, list) else [answer.payload]
+        assert b"".join(map(bytes, parts)) == data
+        assert late.next_answer(pull + 1, timeout=10.0).token == 7 and len(asked) == 2
+    finally:
+        late.close()
+        server.close()

@@ -198,7 +198,8 @@ class Responder:
     def _listed(
         self, s: ServerSession, answers: Iterable[object], bufs: list[bytes | memoryview]
     ) -> list[bytes | memoryview]:
-        """``bufs`` with the frames of ``answers`` (none pinned or a Park) added, to go out in one send."""
+        """``bufs`` with the frames of ``answers`` added, to go out in one send (no Park among
+        them; a pinned DATA goes by copy: a Park's late answers)."""
         with s.lock:
             for answer in answers:
                 bufs += _encode(s.conn, cast(ev.Event, answer))  # the service answers with events
@@ -228,7 +229,10 @@ class Responder:
     def _answers(self, s: ServerSession, event: object) -> Iterable[object] | Park:
         try:
             answers = self.service.handle(s, event)
-            return answers if isinstance(answers, Park) or inspect.isgenerator(answers) else list(answers or ())
+            if isinstance(answers, Park) or inspect.isgenerator(answers):
+                return answers
+            listed = list(answers or ())
+            return listed[0] if len(listed) == 1 and isinstance(listed[0], Park) else listed  # [Park] is a Park
         except TierSyncError as exc:
             code = ev.ErrorCode.BAD_REQUEST if isinstance(exc, ValueError) else ev.ErrorCode.INTERNAL
             return [ev.Error(getattr(event, "request_id", 0), code, exc.message[:512])] if _answerable(event) else []
