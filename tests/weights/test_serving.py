@@ -169,3 +169,25 @@ def test_a_get_woken_again_and_again_without_its_bytes_is_refused_at_its_first_p
         assert time.monotonic() - began >= 0.9 and len(asked) >= 5
     finally:
         server.close()
+
+
+def test_a_relay_whose_chunk_lands_again_serves_the_new_bytes_with_their_own_checksum():
+    """A relaying sampler served a chunk, then found it differed from the trainer's (a hostile
+    relay upstream) and landed it again from the trainer, in the same span: the next GET gets
+    the new bytes, checked by the wire. With the checksum of the first bytes kept per (version,
+    span), every later GET of that chunk failed BAD_CHECKSUM and its readers dropped the relay."""
+    from tiersync.weights.relay_chunks import RelayChunks
+
+    rng, span = np.random.default_rng(5), StridedSpan(0, SIZE)
+    buf, relay = rng.integers(0, 256, SIZE, dtype=np.uint8), RelayChunks()
+    relay.begin(1, {"w": buf})
+    job = Job("w", 0, (0,), 0, span, (Source(TransportKind.TCP, span, address="127.0.0.1:1"),))
+    relay.landed([job])
+    server = TcpTransport(TcpConfig(token=TOKEN), WEIGHTS).serve("127.0.0.1:0", SpanService(relay.provide, 5.0))
+    try:
+        assert np.array_equal(_get(server.address, "w", 10.0), buf)
+        buf[:] = rng.integers(0, 256, SIZE, dtype=np.uint8)  # landed again from the trainer
+        relay.landed([job])
+        assert np.array_equal(_get(server.address, "w", 10.0), buf)
+    finally:
+        server.close()

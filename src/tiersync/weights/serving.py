@@ -78,10 +78,10 @@ def _in_place(span: StridedSpan) -> bool:
 class _Sums:
     """Payload checksums of the newest version's spans, computed once for every receiver that
     GETs the span (replicated samplers ask for the same ones, usually at the same moment: a
-    GET for a span being summed waits for that sum instead of summing it again). Sound because
-    a version's bytes never change while it is served and each trainer process's versions only
-    grow: sums are kept per trainer incarnation (a relay serves the versions of every shard of
-    a trainer, and a restarted trainer numbers its versions again, with other bytes), for its
+    GET for a span being summed waits for that sum instead of summing it again). Sound for
+    pinned bytes only (a trainer shard's: a version's bytes never change while it is served)
+    and because each trainer process's versions only grow: sums are kept per trainer
+    incarnation (a restarted trainer numbers its versions again, with other bytes), for its
     newest version. The stack sends a known sum only when it is of the connection's algorithm
     (this build's first choice: almost always)."""
 
@@ -145,7 +145,8 @@ class SpanService(Service):
     only answered (a trainer shard's buffer: the next version begins once every sampler
     acknowledged this one, timed out or left; one still reading then refuses what changed,
     BAD_CHECKSUM), so DATA of views of them is :attr:`~tiersync.net.events.Data.pinned` (no
-    copy into the kernel on plain TCP). ``serving(version)``: whether the provider still serves
+    copy into the kernel on plain TCP) and their checksums are kept per version and span (a
+    relay's, not pinned, are summed per GET). ``serving(version)``: whether the provider still serves
     ``version``; a GET is refused when it no longer does once its checksum was taken (from
     bytes the next version may have begun to overwrite). ``incarnation``: a trainer shard's;
     a GET or W_SUMS naming another is refused (None: a relay, which serves any)."""
@@ -254,8 +255,12 @@ class SpanService(Service):
 
     def _sum(self, req: Get | Sums, payload: list[memoryview], span: StridedSpan) -> tuple[PayloadChecksum, int]:
         """The checksum of ``span``'s ``payload``: the summer's when it knows it, else summed once
-        per span and version (:class:`_Sums`)."""
+        per span and version (:class:`_Sums`) when the bytes are pinned, else summed each time
+        (a relay's chunk lands again when it differed from the trainer's: a sum kept from before
+        would make every later GET of it fail BAD_CHECKSUM)."""
         known = None if self._summer is None else self._summer(req.version, req.tensor, span)
         if known is not None:
             return PayloadChecksum.TSUM64, known
+        if not self._pinned:
+            return SUPPORTED[0], sum_of(SUPPORTED[0], payload)
         return self._sums.of(req, payload, span)
