@@ -7,8 +7,9 @@ connection cap and the worker pool; a service owns only its operations:
   of a session, in arrival order per session, and yields the answers. A request it cannot
   answer yet it answers :class:`Park` rather than blocking a worker of the bounded pool
   (``TcpConfig.workers``) for as long as it waits: see :mod:`tiersync.net.parking`. An
-  exception becomes an ERROR answer (UsageError-like ``ValueError`` -> BAD_REQUEST, else
-  INTERNAL); the session stays open.
+  exception ``handle`` raises becomes an ERROR answer (UsageError-like ``ValueError`` ->
+  BAD_REQUEST, else INTERNAL) and the session stays open; one a generator it returned raises
+  while yielding ends the session (some of its answers may have gone out).
 - :meth:`Service.opened` / :meth:`Service.closed` bracket a session's life: ``closed`` runs
   exactly once for every opened session, however it ended (peer closed, protocol error,
   deadline, server close), so a service releases the leases and pins a session held there.
