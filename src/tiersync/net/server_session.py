@@ -145,9 +145,9 @@ class ServerSession(Session):
 
     @contextlib.contextmanager
     def _writing(self, deadline: Deadline, within_s: float | None = None) -> Iterator[Deadline]:
-        """The write lock, waited for until ``deadline`` (or at most ``within_s`` of it: the
-        deadline given; a writer stuck on a peer that does not read must not hold every other
-        one past its own); any failure, a deadline that passed too, ends the session."""
+        """The write lock, waited for until ``deadline`` or, given ``within_s``, at most that many
+        seconds of it (the deadline yielded), so a writer stuck on a peer that does not read
+        holds no other one past its own; any failure, a deadline that passed too, ends the session."""
         try:
             limit = deadline if within_s is None else deadline.within(within_s)
             if not self.wlock.acquire(timeout=limit.remaining()):

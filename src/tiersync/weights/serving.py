@@ -146,10 +146,10 @@ class SpanService(Service):
     acknowledged this one, timed out or left; one still reading then refuses what changed,
     BAD_CHECKSUM), so DATA of views of them is :attr:`~tiersync.net.events.Data.pinned` (no
     copy into the kernel on plain TCP) and their checksums are kept per version and span (a
-    relay's, not pinned, are summed per GET). ``serving(version)``: whether the provider still serves
-    ``version``; a GET is refused when it no longer does once its checksum was taken (from
-    bytes the next version may have begun to overwrite). ``incarnation``: a trainer shard's;
-    a GET or W_SUMS naming another is refused (None: a relay, which serves any)."""
+    relay's, not pinned, are summed per GET). ``serving(version)``: whether the provider still
+    serves ``version``; a GET is refused when it no longer does once its checksum was taken
+    (from bytes the next version may have begun to overwrite). ``incarnation``: a trainer
+    shard's; a GET or W_SUMS naming another is refused (None: a relay, which serves any)."""
 
     vocabulary = WEIGHTS
 
