@@ -38,9 +38,40 @@ def test_a_relay_serves_a_landed_chunk_in_the_span_it_landed_only():
     for span in (StridedSpan(4096, 4096), StridedSpan(0, 8192), None):  # another span of the buffer
         with pytest.raises(RemoteError, match="not the span"):
             relay.provide(3, "w", (0,), span)
-    with pytest.raises(RemoteError, match="does not hold"):  # another version
-        relay.provide(4, "w", (0,), LANDED)
+    with pytest.raises(RemoteError, match="does not hold"):  # an older version
+        relay.provide(2, "w", (0,), LANDED)
     relay.drop()  # the version failed: its waiting GETs are woken (then refused)
     assert other_woken.is_set()
     with pytest.raises(RemoteError, match="does not hold"):
         relay.provide(3, "w", (1,), LANDED)
+
+
+def test_a_get_of_a_version_its_relay_has_not_begun_waits_for_it_and_is_refused_once_given_up():
+    """A reader's sync may begin before its relay's: a GET of the next version waits for the
+    relay to begin it (it was refused, and the reader dropped the relay for that whole sync),
+    then for its chunk; a GET of a version the relay gave up (its sync failed before it began)
+    or moved past is refused, the waiting ones as soon as it did."""
+    relay, buf = RelayChunks(), np.arange(4096, dtype=np.uint8)
+    relay.begin(3, {"w": buf})
+    early, woken = relay.provide(4, "w", (0,), LANDED), threading.Event()
+    assert callable(early)
+    early(woken.set)
+    assert not woken.is_set()
+    relay.begin(4, {"w": buf})
+    assert woken.is_set()  # asked again: now a watch of its chunk, then served once it landed
+    assert callable(relay.provide(4, "w", (0,), LANDED))
+    relay.landed([_job((0,), LANDED)])
+    arr, _ = relay.provide(4, "w", (0,), LANDED)
+    assert np.shares_memory(arr, buf)
+    given_up, refused = relay.provide(5, "w", (0,), LANDED), threading.Event()
+    given_up(refused.set)
+    relay.give_up(5)
+    assert refused.is_set()
+    for version in (5, 3):  # given up; moved past
+        with pytest.raises(RemoteError, match="does not hold"):
+            relay.provide(version, "w", (0,), LANDED)
+    late = relay.provide(6, "w", (0,), LANDED)
+    late(woken.clear)  # still waiting: not called back
+    assert woken.is_set()
+    arr, _ = relay.provide(4, "w", (0,), LANDED)  # the version it landed is still served
+    assert np.shares_memory(arr, buf)

@@ -145,6 +145,7 @@ class WeightReceiver:
                 result = self._sync(got, t0)
             except BaseException as exc:  # noqa: BLE001 - reported to the trainer and the waiters
                 log.info("sync of version %s failed: %s", got.version, exc)
+                self._relay.give_up(got.version)  # readers' GETs waiting for it to begin are refused now
                 self._finish(got, None, exc, time.perf_counter() - t0)
             else:
                 self._finish(got, result, None, result.seconds)
