@@ -122,6 +122,37 @@ def test_large_fanout_relays_through_samplers_over_tcp():
         _close(recs, pubs)
 
 
+def test_relays_that_begin_a_version_after_their_readers_still_relay_every_chunk_planned():
+    """Eight single-buffered samplers whose readers hold their weights a while into the next
+    sync (leases released 0-140 ms apart): a relay begins the version only then, after samplers
+    that read from it asked for its chunks. Those GETs wait for it, so every chunk the plan
+    relays is relayed in every version (7 of 8 samplers' bytes with fanout 1); refused, the
+    readers dropped the relay for the sync and took its chunks from the trainer (0.33-0.75)."""
+    import threading
+
+    rng = np.random.default_rng(6)
+    g = {f"t{i}": rng.standard_normal((256, 1024)).astype(np.float32) for i in range(8)}
+    layout = Sharding.replicated(Mesh((8,), ("dp",)))
+    pubs = _publishers(g, 1, fanout=1, segment_bytes=256 << 10)
+    recs = _receivers(pubs, layout, 8, transport=TransportKind.TCP, buffers=1, delta=False)  # every byte moves
+    try:
+        assert all(res.ok for res in _publish(pubs, 1))
+        before = [r.stats() for r in recs]
+        for version in (2, 3, 4):
+            for i, r in enumerate(recs):
+                lease = r.acquire(TIMEOUT)
+                lease.__enter__()
+                threading.Timer(0.02 * ((i * 5) % 8), lease.__exit__, (None, None, None)).start()
+            assert all(res.ok for res in _publish(pubs, version))
+            after = [r.stats() for r in recs]
+            relayed = sum(a["relay"] - b["relay"] for a, b in zip(after, before))
+            moved = sum(a["relay"] + a["tcp"] - b["relay"] - b["tcp"] for a, b in zip(after, before))
+            assert moved == 8 * 8 * 1024 * 1024 and relayed * 8 == moved * 7, (version, relayed, moved)
+            before = after
+    finally:
+        _close(recs, pubs)
+
+
 def test_publish_rereads_tensors_updated_in_place_and_replacements():
     g = model(2)
     pubs = _publishers(g, 1)
