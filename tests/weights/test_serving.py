@@ -191,3 +191,44 @@ def test_a_relay_whose_chunk_lands_again_serves_the_new_bytes_with_their_own_che
         assert np.array_equal(_get(server.address, "w", 10.0), buf)
     finally:
         server.close()
+
+
+def test_gathered_copies_alive_at_once_are_capped_and_a_get_past_the_cap_waits_for_room():
+    """Answers of strided spans of many small rows are gathered copies, held until written: a
+    sampler that GETs one and reads nothing keeps its 16 MiB. With room for one copy, another
+    sampler's GET of another such span waits (it was copied at once: many such peers held
+    gigabytes) and gets its bytes, byte-exact, once the first hangs up and its copy is freed."""
+    from tiersync.weights.ops import Get
+
+    rows, stride = 16384, 2048  # 1 KiB rows every 2 KiB: 16 MiB gathered per span
+    shard = np.random.default_rng(9).integers(0, 256, rows * stride + 1024, dtype=np.uint8)
+    spans = [StridedSpan(o, 1024, (rows,), (stride,)) for o in (0, 1024)]
+    lent = []
+
+    def provider(version, tensor, key, span):
+        lent.append(1)
+        return shard, lent.pop
+
+    server = TcpTransport(TcpConfig(token=TOKEN), WEIGHTS).serve(
+        "127.0.0.1:0", SpanService(provider, 30.0, gather_bytes=rows * 1024)
+    )
+    hog = TcpTransport(TcpConfig(token=TOKEN, rcvbuf=64 << 10), WEIGHTS).connect(server.address)
+    try:
+        hog.send_many([Get(hog.new_request_id(), 1, "w", (0,), spans[0])])  # and reads nothing
+        got, done = np.zeros(rows * 1024, np.uint8), threading.Event()
+        job = Job("w", 0, (1,), 0, StridedSpan(0, rows * 1024), (Source(TransportKind.TCP, spans[1], address=""),))
+        pool = TcpPool(1, TcpConfig(token=TOKEN), 30.0)
+        reader = threading.Thread(
+            target=lambda: (pool.get_many(server.address, 1, [job], {"w": got}, 1, lambda _: None, 30.0), done.set())
+        )
+        reader.start()
+        assert not done.wait(2.0)  # waits for room while the hog's copy is alive
+        hog.close()
+        assert done.wait(20.0)
+        assert np.array_equal(got, shard[1024 : 1024 + rows * stride].reshape(rows, stride)[:, :1024].reshape(-1))
+        assert until(lambda: not lent, 10.0)  # every lent shard released
+        reader.join(5)
+        pool.close()
+    finally:
+        hog.close()
+        server.close()

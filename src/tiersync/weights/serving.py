@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -51,6 +52,7 @@ _ROWS_SENT_AS_IOVEC = 256  # strided spans of at most this many rows of >= 64 Ki
 _MAX_SUMS = 1 << 16  # cached span checksums (one version's chunks)
 _WAIT_S = 30.0  # most a GET waits for another's sum of its span before summing it itself
 
+_GATHER_BYTES = 1 << 30  # most bytes of gathered copies a server keeps at once (GETs past it wait)
 _MAX_INCARNATIONS = 1 << 10  # trainer processes (shards, restarts) whose newest version's sums are kept
 _Key = tuple[int, int, str, StridedSpan]  # (incarnation, version, tensor, span): one cached checksum
 
@@ -137,6 +139,37 @@ class _Sums:
         busy.set()
 
 
+class _Gathering:
+    """Bytes of gathered copies alive (answers of strided spans of many rows, held until
+    written, so a peer that does not read keeps its copy): at most ``limit``, or one copy. A
+    GET that would pass it waits (:meth:`watch`) until others are freed."""
+
+    def __init__(self, limit: int) -> None:
+        self._lock, self._limit, self._used = threading.Lock(), limit, 0
+        self._wakes: list[Callable[[], object]] = []
+
+    def take(self, nbytes: int) -> bool:
+        with self._lock:
+            if self._used and self._used + nbytes > self._limit:
+                return False
+            self._used += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self._used -= nbytes
+            wakes, self._wakes = self._wakes, []
+        for wake in wakes:
+            wake()
+
+    def watch(self, nbytes: int, wake: Callable[[], object]) -> None:
+        with self._lock:
+            if self._used and self._used + nbytes > self._limit:
+                self._wakes.append(wake)
+                return
+        wake()
+
+
 class SpanService(Service):
     """Answers GETs from ``provider`` (waiting at most ``timeout_s`` for the bytes); other
     messages go to ``control(session, event) -> answers``, session ends to ``ended(session)``;
@@ -149,7 +182,9 @@ class SpanService(Service):
     relay's, not pinned, are summed per GET). ``serving(version)``: whether the provider still
     serves ``version``; a GET is refused when it no longer does once its checksum was taken
     (from bytes the next version may have begun to overwrite). ``incarnation``: a trainer
-    shard's; a GET or W_SUMS naming another is refused (None: a relay, which serves any)."""
+    shard's; a GET or W_SUMS naming another is refused (None: a relay, which serves any).
+    ``gather_bytes``: the most bytes of gathered copies (strided spans of many rows) alive at
+    once; a GET past it waits for room, refused CAPACITY at ``timeout_s``."""
 
     vocabulary = WEIGHTS
 
@@ -163,11 +198,12 @@ class SpanService(Service):
         pinned: bool = False,
         serving: Callable[[int], bool] | None = None,
         incarnation: int | None = None,
+        gather_bytes: int = _GATHER_BYTES,
     ) -> None:
         self._provider, self._timeout, self._incarnation = provider, timeout_s, incarnation
         self._control, self._ended, self._summer = control, ended, summer
         self._pinned, self._serving = pinned, serving
-        self._sums = _Sums()
+        self._sums, self._gathering = _Sums(), _Gathering(gather_bytes)
 
     def handle(self, session: Session, event: object) -> Iterable[object] | Park:
         if isinstance(event, (Get, Sums)) and self._incarnation not in (None, event.incarnation):
@@ -215,9 +251,15 @@ class SpanService(Service):
             yield from got
             return
         shard, release = got
+        gathered = 0 if _in_place(get.span) else get.span.nbytes
+        if gathered and not self._gathering.take(gathered):  # too many copies alive: wait for room
+            release()
+            busy = ev.Error(get.request_id, ev.ErrorCode.CAPACITY, f"no room to gather in time ({self._timeout} s)")
+            yield Park(partial(self._gathering.watch, gathered), time.monotonic() + self._timeout, (busy,))
+            return
         try:
             payload = span_payload(shard, get.span)
-            pinned = self._pinned and _in_place(get.span)  # never a gathered copy: freed once sent
+            pinned = self._pinned and not gathered  # never a gathered copy: freed once sent
             checksum = self._sum(get, payload, get.span)
             if self._serving is not None and not self._serving(get.version):
                 yield ev.Error(get.request_id, ev.ErrorCode.NOT_FOUND, "the version moved on while it was summed")
@@ -227,6 +269,8 @@ class SpanService(Service):
             yield ev.Error(get.request_id, ev.ErrorCode.BAD_REQUEST, exc.message[:512])
         finally:
             release()
+            if gathered:  # its copy is written, or its session ended
+                self._gathering.give(gathered)
 
     def _checksums(self, req: Sums) -> Iterator[object]:
         """W_SUMS_REPLY with the checksum of every span (the ones DATA of a GET would carry), or
