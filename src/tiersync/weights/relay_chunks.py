@@ -9,6 +9,7 @@ relay's bytes stay until the next version begins.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 
@@ -22,6 +23,9 @@ from tiersync.weights.spans import StridedSpan
 __all__ = ["RelayChunks"]
 
 _Chunk = tuple[str, tuple[int, ...]]  # (tensor, global box start)
+_Relay = tuple[int, Mapping[str, np.ndarray], dict[_Chunk, StridedSpan]]  # version, buffers, landed spans
+_BEGIN_WAIT_S = 1.0  # how long GETs of a version this sampler has not begun wait for it, from the first
+_AHEAD = 8  # versions not begun whose GETs may wait at once (more are refused)
 
 
 class RelayChunks:
@@ -30,10 +34,11 @@ class RelayChunks:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         # version, buffers, and each landed chunk's span in them
-        self._relay: tuple[int, Mapping[str, np.ndarray], dict[_Chunk, StridedSpan]] | None = None
-        self._waits: dict[_Chunk | None, list[Callable[[], object]]] = {}  # wakes of GETs waiting for a
-        # chunk, or (None) for a newer version than the newest begun or given up (``_begun``) to begin
-        self._begun = -1
+        self._relay: _Relay | None = None
+        # wakes of GETs waiting for a chunk, or (an int) for that version to begin
+        self._waits: dict[_Chunk | int, list[Callable[[], object]]] = {}
+        self._begun = -1  # the version last begun or given up (a restarted trainer numbers them again)
+        self._ahead: dict[int, float] = {}  # a version not begun yet -> until when its GETs wait for it
 
     def begin(self, version: int, buffers: Mapping[str, np.ndarray]) -> None:
         """``version`` is being landed in ``buffers`` (none of its chunks yet)."""
@@ -41,20 +46,17 @@ class RelayChunks:
 
     def drop(self) -> None:
         """The version being landed failed: nothing to relay."""
-        self._set(None, -1)  # waiting GETs answer "not held" now, not at their timeout
+        self._set(None, None)  # waiting GETs answer "not held" now, not at their timeout
 
     def give_up(self, version: int) -> None:
-        """This sampler will not land ``version`` (its sync failed before it began): GETs waiting
-        for it to begin are refused now, not at their timeout."""
-        with self._lock:
-            self._begun = max(self._begun, version)
-            wakes = self._waits.pop(None, [])
-        for wake in wakes:
-            wake()
+        """This sampler will not land ``version`` (its sync failed): GETs waiting for it to
+        begin are refused now, not when their wait ends."""
+        self._set(self._relay, version)
 
-    def _set(self, relay: tuple[int, Mapping[str, np.ndarray], dict[_Chunk, StridedSpan]] | None, begun: int) -> None:
+    def _set(self, relay: _Relay | None, begun: int | None) -> None:
         with self._lock:
-            self._relay, self._begun = relay, max(self._begun, begun)
+            self._relay, self._ahead = relay, {}
+            self._begun = self._begun if begun is None else begun
             waits, self._waits = self._waits, {}
         for wakes in waits.values():
             for wake in wakes:
@@ -77,13 +79,14 @@ class RelayChunks:
     ) -> tuple[np.ndarray, Callable[[], None]] | Watch:
         """Relay GETs: chunk ``key`` of ``name`` once it landed in this version's buffer, for
         the span it landed in only (any other span of the buffer may hold an older version);
-        a Watch of it while this version is landed and it is not there yet, or while this
-        sampler has not begun that version (a reader's sync may begin before its relay's)."""
+        a Watch of it while this version is landed and it is not there yet, and of a newer
+        version for ``_BEGIN_WAIT_S`` from its first GET (a reader's sync may begin a moment
+        before its relay's; a relay that lags more is refused, and its readers go elsewhere)."""
         chunk = (name, tuple(key))
         with self._lock:
             if self._relay is None or self._relay[0] != version:
-                if version > self._begun:
-                    return partial(self._watch, version, None)
+                if self._may_wait(version):
+                    return partial(self._watch, version, version)
                 raise RemoteError("this sampler does not hold that chunk of that version", version=version)
             if chunk not in self._relay[2]:
                 return partial(self._watch, version, chunk)
@@ -92,17 +95,37 @@ class RelayChunks:
             arr = self._relay[1][name]
         return arr.reshape(-1).view(np.uint8), lambda: None  # a relay's bytes stay until the next version
 
-    def _watch(self, version: int, chunk: _Chunk | None, wake: Callable[[], object]) -> None:
+    def _may_wait(self, version: int) -> bool:
+        """Whether a GET of ``version``, not begun here, waits for it (the lock held); the first
+        starts its wait, ended by a timer."""
+        if version <= self._begun:
+            return False
+        until, now = self._ahead.get(version), time.monotonic()
+        if until is None and len(self._ahead) >= _AHEAD:  # room again once some waits ended
+            self._ahead = {v: u for v, u in self._ahead.items() if u > now}
+        if until is None and len(self._ahead) < _AHEAD:
+            until = self._ahead[version] = now + _BEGIN_WAIT_S
+            timer = threading.Timer(_BEGIN_WAIT_S, self._wake, (version,))
+            timer.daemon = True
+            timer.start()
+        return until is not None and now < until
+
+    def _watch(self, version: int, key: _Chunk | int, wake: Callable[[], object]) -> None:
         with self._lock:
-            if self._waiting(version, chunk):
-                self._waits.setdefault(chunk, []).append(wake)
+            waiting = self._may_wait(version) if isinstance(key, int) else self._waiting(version, key)
+            if waiting:
+                self._waits.setdefault(key, []).append(wake)
                 return
         wake()
 
-    def _waiting(self, version: int, chunk: _Chunk | None) -> bool:
-        """Whether a GET of ``chunk`` of ``version`` (None: for that version to begin) still
-        waits (the lock held)."""
-        if chunk is None:
-            return version > self._begun
+    def _waiting(self, version: int, chunk: _Chunk) -> bool:
+        """Whether a GET of ``chunk`` of ``version`` still waits for it to land (the lock held)."""
         relay = self._relay
         return relay is not None and relay[0] == version and chunk not in relay[2]
+
+    def _wake(self, version: int) -> None:
+        """The wait of GETs for ``version`` to begin ended: they are asked again (and refused)."""
+        with self._lock:
+            wakes = self._waits.pop(version, [])
+        for wake in wakes:
+            wake()
