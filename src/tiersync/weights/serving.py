@@ -142,15 +142,16 @@ class _Sums:
 class _Gathering:
     """Bytes of gathered copies alive (answers of strided spans of many rows, held until
     written, so a peer that does not read keeps its copy): at most ``limit``, or one copy. A
-    GET that would pass it waits (:meth:`watch`) until others are freed."""
+    GET that would pass it waits (:meth:`watch`), in order: a copy freed wakes the first
+    waiting GETs that fit, not every one."""
 
     def __init__(self, limit: int) -> None:
         self._lock, self._limit, self._used = threading.Lock(), limit, 0
-        self._wakes: list[Callable[[], object]] = []
+        self._waiting: list[tuple[int, Callable[[], object]]] = []  # (bytes, wake), first come first
 
     def take(self, nbytes: int) -> bool:
         with self._lock:
-            if self._used and self._used + nbytes > self._limit:
+            if not self._fits(nbytes):
                 return False
             self._used += nbytes
             return True
@@ -158,16 +159,24 @@ class _Gathering:
     def give(self, nbytes: int) -> None:
         with self._lock:
             self._used -= nbytes
-            wakes, self._wakes = self._wakes, []
-        for wake in wakes:
+            room, woken = self._limit - self._used, 0
+            for need, _ in self._waiting:
+                if need > room and (woken or self._used):  # the first fits an empty budget, whatever its size
+                    break
+                room, woken = room - need, woken + 1
+            wakes, self._waiting = self._waiting[:woken], self._waiting[woken:]
+        for _, wake in wakes:
             wake()
 
     def watch(self, nbytes: int, wake: Callable[[], object]) -> None:
         with self._lock:
-            if self._used and self._used + nbytes > self._limit:
-                self._wakes.append(wake)
+            if not self._fits(nbytes):
+                self._waiting.append((nbytes, wake))
                 return
         wake()
+
+    def _fits(self, nbytes: int) -> bool:
+        return not self._used or self._used + nbytes <= self._limit
 
 
 class SpanService(Service):
@@ -268,9 +277,11 @@ class SpanService(Service):
         except ProtocolError as exc:
             yield ev.Error(get.request_id, ev.ErrorCode.BAD_REQUEST, exc.message[:512])
         finally:
-            release()
-            if gathered:  # its copy is written, or its session ended
-                self._gathering.give(gathered)
+            try:
+                release()
+            finally:
+                if gathered:  # its copy is written, or its session ended
+                    self._gathering.give(gathered)
 
     def _checksums(self, req: Sums) -> Iterator[object]:
         """W_SUMS_REPLY with the checksum of every span (the ones DATA of a GET would carry), or
