@@ -67,19 +67,22 @@ def test_a_get_of_a_version_its_relay_has_not_begun_waits_a_moment_for_it_then_i
     relay.landed([_job((0,), LANDED)])
     arr, _ = relay.provide(4, "w", (0,), LANDED)
     assert np.shares_memory(arr, buf)
-    lagging, ended = relay.provide(5, "w", (0,), LANDED), threading.Event()
+    lagging, ended = relay.provide(6, "w", (0,), LANDED), threading.Event()
     lagging(ended.set)
-    assert ended.wait(10)  # the relay did not begin 5 within its wait: asked again, refused
+    relay.begin(5, {"w": buf})  # a version in between: 6's GETs wait on, in the window they had
+    assert not ended.is_set()
+    assert ended.wait(10)  # the relay did not begin 6 within its wait: asked again, refused
     with pytest.raises(RemoteError, match="does not hold"):
-        relay.provide(5, "w", (0,), LANDED)
-    given_up, refused = relay.provide(6, "w", (0,), LANDED), threading.Event()
+        relay.provide(6, "w", (0,), LANDED)
+    given_up, refused = relay.provide(7, "w", (0,), LANDED), threading.Event()
     given_up(refused.set)
-    relay.give_up(6)
+    relay.give_up(7)
     assert refused.is_set()
-    for version in (6, 3):  # given up; moved past
+    for version in (7, 4):  # given up; moved past
         with pytest.raises(RemoteError, match="does not hold"):
             relay.provide(version, "w", (0,), LANDED)
-    arr, _ = relay.provide(4, "w", (0,), LANDED)  # the version it landed is still served
+    relay.landed([_job((0,), LANDED)])
+    arr, _ = relay.provide(5, "w", (0,), LANDED)  # the version it landed is still served
     assert np.shares_memory(arr, buf)
     relay.begin(1, {"w": buf})  # a restarted trainer numbers its versions again: 2 is ahead
     assert callable(relay.provide(2, "w", (0,), LANDED))

@@ -51,16 +51,21 @@ class RelayChunks:
     def give_up(self, version: int) -> None:
         """This sampler will not land ``version`` (its sync failed): GETs waiting for it to
         begin are refused now, not when their wait ends."""
-        self._set(self._relay, version)
+        self._set(self._relay, max(self._begun, version))  # the sync thread alone sets _begun
 
     def _set(self, relay: _Relay | None, begun: int | None) -> None:
+        """The relayed version and the mark below which GETs of versions not begun are refused;
+        GETs waiting for a chunk, or for a version the mark now passes, are asked again (the
+        others wait on, in the windows they had)."""
         with self._lock:
-            self._relay, self._ahead = relay, {}
-            self._begun = self._begun if begun is None else begun
-            waits, self._waits = self._waits, {}
-        for wakes in waits.values():
-            for wake in wakes:
-                wake()
+            if begun is not None and begun < self._begun:  # numbered again (a restarted trainer)
+                self._ahead = {}
+            self._relay, self._begun = relay, self._begun if begun is None else begun
+            self._ahead = {v: u for v, u in self._ahead.items() if v > self._begun}
+            done = [k for k in self._waits if not isinstance(k, int) or k not in self._ahead]
+            wakes = [wake for k in done for wake in self._waits.pop(k)]
+        for wake in wakes:
+            wake()
 
     def landed(self, jobs: Iterable[Job]) -> None:
         """The chunks of ``jobs`` are there."""
