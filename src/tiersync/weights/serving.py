@@ -142,12 +142,12 @@ class _Sums:
 class _Gathering:
     """Bytes of gathered copies alive (answers of strided spans of many rows, held until
     written, so a peer that does not read keeps its copy): at most ``limit``, or one copy. A
-    GET that would pass it waits (:meth:`watch`), in order: a copy freed wakes the first
-    waiting GETs that fit, not every one."""
+    GET that would pass it waits (:meth:`watch`); a copy freed wakes every waiting GET (one
+    woken for the room freed may have gone meanwhile: its wake would be lost)."""
 
     def __init__(self, limit: int) -> None:
         self._lock, self._limit, self._used = threading.Lock(), limit, 0
-        self._waiting: list[tuple[int, Callable[[], object]]] = []  # (bytes, wake), first come first
+        self._wakes: list[Callable[[], object]] = []
 
     def take(self, nbytes: int) -> bool:
         with self._lock:
@@ -159,19 +159,14 @@ class _Gathering:
     def give(self, nbytes: int) -> None:
         with self._lock:
             self._used -= nbytes
-            room, woken = self._limit - self._used, 0
-            for need, _ in self._waiting:
-                if need > room and (woken or self._used):  # the first fits an empty budget, whatever its size
-                    break
-                room, woken = room - need, woken + 1
-            wakes, self._waiting = self._waiting[:woken], self._waiting[woken:]
-        for _, wake in wakes:
+            wakes, self._wakes = self._wakes, []
+        for wake in wakes:
             wake()
 
     def watch(self, nbytes: int, wake: Callable[[], object]) -> None:
         with self._lock:
             if not self._fits(nbytes):
-                self._waiting.append((nbytes, wake))
+                self._wakes.append(wake)
                 return
         wake()
 
